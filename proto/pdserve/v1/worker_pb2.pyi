@@ -1,0 +1,181 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PHASE_UNSPECIFIED: _ClassVar[Phase]
+    PHASE_PREFILL: _ClassVar[Phase]
+    PHASE_DECODE: _ClassVar[Phase]
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    ROLE_PREFILL: _ClassVar[Role]
+    ROLE_DECODE: _ClassVar[Role]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
+PHASE_UNSPECIFIED: Phase
+PHASE_PREFILL: Phase
+PHASE_DECODE: Phase
+ROLE_UNSPECIFIED: Role
+ROLE_PREFILL: Role
+ROLE_DECODE: Role
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
+FINISH_REASON_ERROR: FinishReason
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class KvHandle(_message.Message):
+    __slots__ = ("engine_id", "remote_request_id", "block_ids", "num_tokens", "transport", "host", "port", "transfer_id", "lease_deadline_unix_ns")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    remote_request_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    transport: str
+    host: str
+    port: int
+    transfer_id: str
+    lease_deadline_unix_ns: int
+    def __init__(self, engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., transport: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., transfer_id: _Optional[str] = ..., lease_deadline_unix_ns: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "phase", "prompt_token_ids", "sampling", "kv_handle")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    phase: Phase
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    kv_handle: KvHandle
+    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("token_ids", "finish_reason", "kv_handle", "num_cached_tokens", "num_prompt_tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: FinishReason
+    kv_handle: KvHandle
+    num_cached_tokens: int
+    num_prompt_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("ready", "role", "worker_id", "model", "dtype", "block_size", "max_model_len", "transport", "compatibility_hash")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    COMPATIBILITY_HASH_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    role: Role
+    worker_id: str
+    model: str
+    dtype: str
+    block_size: int
+    max_model_len: int
+    transport: str
+    compatibility_hash: str
+    def __init__(self, ready: _Optional[bool] = ..., role: _Optional[_Union[Role, str]] = ..., worker_id: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., transport: _Optional[str] = ..., compatibility_hash: _Optional[str] = ...) -> None: ...
+
+class GetLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetLoadResponse(_message.Message):
+    __slots__ = ("num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "num_pending_transfers", "prompt_tokens_computed", "prompt_tokens_local_cache_hit", "prompt_tokens_external", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_completed", "kv_transfers_failed", "kv_transfer_time_ns", "num_inflight_reqs", "kv_leases_expired")
+    NUM_RUNNING_REQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_REQS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PENDING_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_LOCAL_CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_EXTERNAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    NUM_INFLIGHT_REQS_FIELD_NUMBER: _ClassVar[int]
+    KV_LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_pending_transfers: int
+    prompt_tokens_computed: int
+    prompt_tokens_local_cache_hit: int
+    prompt_tokens_external: int
+    kv_bytes_sent: int
+    kv_bytes_received: int
+    kv_transfers_completed: int
+    kv_transfers_failed: int
+    kv_transfer_time_ns: int
+    num_inflight_reqs: int
+    kv_leases_expired: int
+    def __init__(self, num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_pending_transfers: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_local_cache_hit: _Optional[int] = ..., prompt_tokens_external: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_completed: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_time_ns: _Optional[int] = ..., num_inflight_reqs: _Optional[int] = ..., kv_leases_expired: _Optional[int] = ...) -> None: ...
