@@ -1,0 +1,35 @@
+"""The connector's settings, carried in vLLM's ``kv_connector_extra_config``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    engine_id: str
+    transport: str = "tcp"
+    # Address decode workers use to reach this worker's KV endpoint, and the
+    # base port (tensor-parallel rank r listens on kv_port + r).
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 0
+    kv_bind_host: str = "0.0.0.0"
+    lease_s: float = 30.0
+    transfer_timeout_s: float = 30.0
+    pull_threads: int = 4
+
+    def __post_init__(self) -> None:
+        if self.lease_s <= 0 or self.transfer_timeout_s <= 0:
+            raise ValueError("lease_s and transfer_timeout_s must be > 0")
+        if not 0 <= self.kv_port < 65536:
+            raise ValueError(f"kv_port {self.kv_port} out of range")
+
+    def to_extra_config(self) -> dict[str, Any]:
+        return {"pdserve": asdict(self)}
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorConfig:
+        if "pdserve" not in extra:
+            raise ValueError("kv_connector_extra_config has no 'pdserve' section")
+        return cls(**extra["pdserve"])

@@ -1,0 +1,171 @@
+"""The pdserve KV connector, loaded by vLLM through ``kv_connector_module_path``.
+
+vLLM builds one instance per process: the scheduler-side one in EngineCore and
+a worker-side one per Worker rank. This class only routes each call to the side
+that owns it (``SchedulerSide`` / ``WorkerSide``); importing it has no effects.
+
+Block ownership follows vLLM's contract: a prefill request's blocks stay
+allocated from ``request_finished`` (returning True) until its id comes back in
+``finished_sending`` (after the pull, a release, or lease expiry); a decode
+request's blocks are written only between ``update_state_after_alloc`` and its
+id coming back in ``finished_recving``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from .config import ConnectorConfig
+from .metadata import PdserveConnectorMetadata
+from .scheduler_side import SchedulerSide
+from .worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+@dataclass
+class PdserveKVStats(KVConnectorStats):
+    """Transfer counters since the last report (worker → scheduler → stat loggers)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def compat_of(vllm_config: VllmConfig) -> dict[str, Any]:
+    """What must match between peers besides the tensor layout."""
+    model = vllm_config.model_config
+    return {
+        "model": model.served_model_name,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "block_size": vllm_config.cache_config.block_size,
+        "tp_size": vllm_config.parallel_config.tensor_parallel_size,
+    }
+
+
+class PdserveConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        assert vllm_config.kv_transfer_config is not None
+        config = ConnectorConfig.from_extra_config(
+            vllm_config.kv_transfer_config.kv_connector_extra_config
+        )
+        block_size = vllm_config.cache_config.block_size
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(config, block_size)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._worker = WorkerSide(
+                config, compat_of(vllm_config), get_tensor_model_parallel_rank(), block_size,
+                kv_cache_config.num_blocks,
+            )
+
+    # ---- scheduler side --------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta()
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    # ---- worker side -----------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PdserveConnectorMetadata)
+        self._worker.start_step(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # pull mode: loads complete before the request is scheduled
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # pull mode: decode reads the blocks after prefill finished
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        sending, recving, failed = self._worker.poll()
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is None:  # the scheduler side asks too; it has none of its own
+            return None
+        delta = self._worker.stats_delta()
+        return PdserveKVStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return PdserveKVStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -1,0 +1,105 @@
+"""The connector's scheduler side (runs in vLLM's EngineCore process).
+
+Prefill: when a ``do_remote_decode`` request finishes length-capped (its one
+token sampled), keep its blocks under a lease and return a KV handle.
+Decode: for a ``do_remote_prefill`` request, report the handle's tokens as
+loadable asynchronously, then tell the worker side which remote blocks go into
+which of the blocks vLLM allocated. Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.request import RequestStatus
+
+from .config import ConnectorConfig
+from .metadata import KVHandle, LeaseSpec, LoadSpec, PdserveConnectorMetadata
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("pdserve.kv_transfer.scheduler")
+
+
+class SchedulerSide:
+    def __init__(self, config: ConnectorConfig, block_size: int) -> None:
+        self._config = config
+        self._block_size = block_size
+        self._meta = PdserveConnectorMetadata()
+
+    # ---- decode ----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        # Never the whole request: the last token (prefill's sampled one) is computed here.
+        num_remote = min(int(params["num_tokens"]), request.num_tokens - 1)
+        count = num_remote - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # one transfer per request, even if preempted
+        handle = KVHandle.from_params(params)
+        if num_external_tokens == 0:  # the local prefix cache covered it
+            self._meta.releases.append(handle)
+            return
+        group = blocks.blocks[0]
+        num_local = sum(1 for b in group if b.block_hash is not None and not b.is_null)
+        end_token = num_local * self._block_size + num_external_tokens
+        num_pull = -(-end_token // self._block_size) - num_local
+        dst = blocks.get_unhashed_block_ids()[:num_pull]
+        src = handle.block_ids[num_local : num_local + num_pull]
+        if len(src) != num_pull or len(dst) != num_pull:
+            raise RuntimeError(
+                f"request {request.request_id}: cannot map {num_pull} remote blocks "
+                f"(remote has {len(handle.block_ids)}, local allocated {len(dst)})"
+            )
+        self._meta.loads[request.request_id] = LoadSpec(handle, tuple(src), tuple(dst))
+
+    # ---- prefill ---------------------------------------------------------------
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):  # decode request aborted before allocation
+            params["do_remote_prefill"] = False
+            self._meta.releases.append(KVHandle.from_params(params))
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
+            return False, None  # stopped at its first token, or aborted: nothing to hand over
+        deadline = time.time() + self._config.lease_s
+        self._meta.leases[request.request_id] = LeaseSpec(tuple(block_ids), deadline)
+        handle = KVHandle(
+            engine_id=self._config.engine_id,
+            remote_request_id=request.request_id,
+            block_ids=tuple(block_ids),
+            num_tokens=request.num_computed_tokens,
+            transport=self._config.transport,
+            host=self._config.kv_host,
+            port=self._config.kv_port,
+            transfer_id=uuid.uuid4().hex,
+            lease_deadline_unix_ns=int(deadline * 1e9),
+        )
+        return True, handle.to_params()
+
+    def build_connector_meta(self) -> PdserveConnectorMetadata:
+        meta, self._meta = self._meta, PdserveConnectorMetadata()
+        return meta

@@ -1,0 +1,111 @@
+"""Control messages on a KV connection: a 4-byte big-endian length, then JSON.
+
+Only control travels as JSON (hello, pull, release, status and their replies);
+tensor bytes never do: they go raw, straight from and into the KV tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+from typing import Any
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 16 << 20
+_LEN = struct.Struct("!I")
+
+
+class TransferError(RuntimeError):
+    """A transfer or control exchange failed (peer gone, refused, deadline)."""
+
+
+class IncompatiblePeerError(TransferError):
+    """The handshake found that the peers' KV caches are not interchangeable."""
+
+
+def set_deadline(sock: socket.socket, deadline: float) -> None:
+    """Bound the next socket operation by an absolute ``time.monotonic`` deadline."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TransferError("deadline exceeded")
+    sock.settimeout(remaining)
+
+
+def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:
+    body = json.dumps(msg, separators=(",", ":")).encode()
+    sock.sendall(_LEN.pack(len(body)) + body)
+
+
+def recv_msg(sock: socket.socket) -> dict[str, Any] | None:
+    """Read one message; None on a clean EOF before its first byte."""
+    head = recv_exact(sock, _LEN.size, eof_ok=True)
+    if head is None:
+        return None
+    (size,) = _LEN.unpack(head)
+    if size > MAX_MESSAGE_BYTES:
+        raise TransferError(f"control message of {size} bytes exceeds {MAX_MESSAGE_BYTES}")
+    body = recv_exact(sock, size)
+    assert body is not None
+    msg = json.loads(body)
+    if not isinstance(msg, dict):
+        raise TransferError("control message is not a JSON object")
+    return msg
+
+
+def recv_exact(sock: socket.socket, size: int, eof_ok: bool = False) -> bytes | None:
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        n = sock.recv_into(view[got:], size - got)
+        if n == 0:
+            if eof_ok and got == 0:
+                return None
+            raise TransferError(f"peer closed the connection after {got} of {size} bytes")
+        got += n
+    return bytes(buf)
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    size = len(view)
+    while got < size:
+        n = sock.recv_into(view[got:], size - got)
+        if n == 0:
+            raise TransferError(f"peer closed the connection after {got} of {size} bytes")
+        got += n
+
+
+def check_reply(reply: dict[str, Any] | None, what: str) -> dict[str, Any]:
+    if reply is None:
+        raise TransferError(f"peer closed the connection during {what}")
+    if not reply.get("ok"):
+        err = str(reply.get("error", "unknown error"))
+        if reply.get("incompatible"):
+            raise IncompatiblePeerError(err)
+        raise TransferError(f"{what} refused: {err}")
+    return reply
+
+
+def compare_compat(local: dict[str, Any], remote: dict[str, Any]) -> str | None:
+    """A message naming every differing key with both sides' values, or None."""
+    diffs = [
+        f"{key}: local={local.get(key)!r} remote={remote.get(key)!r}"
+        for key in sorted(set(local) | set(remote))
+        if local.get(key) != remote.get(key)
+    ]
+    return "incompatible KV peers (" + "; ".join(diffs) + ")" if diffs else None
+
+
+def request_once(host: str, port: int, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """One control exchange on a fresh connection (release, status)."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            set_deadline(sock, deadline)
+            send_msg(sock, msg)
+            return check_reply(recv_msg(sock), str(msg.get("op")))
+    except OSError as exc:
+        raise TransferError(f"KV endpoint {host}:{port} unreachable: {exc}") from exc

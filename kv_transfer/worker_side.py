@@ -1,0 +1,116 @@
+"""The connector's worker side (runs in vLLM's Worker process, beside the KV).
+
+Network work runs on the transport's threads and a small pull pool; the
+engine's main thread only submits jobs and polls futures (no busy-spinning, no
+waiting inside a step, thread affinity untouched).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from .base import KVTransport, PeerAddress, create_transport
+from .config import ConnectorConfig
+from .layout import KVLayout
+from .leases import LeaseTable
+from .metadata import KVHandle, LoadSpec, PdserveConnectorMetadata
+from .wire import TransferError
+
+logger = logging.getLogger("pdserve.kv_transfer.worker")
+
+
+class WorkerSide:
+    def __init__(
+        self, config: ConnectorConfig, compat: dict[str, Any], tp_rank: int, block_size: int,
+        num_blocks: int,
+    ) -> None:
+        self._config = config
+        self._compat = compat
+        self._tp_rank = tp_rank
+        self._block_size = block_size
+        self._num_blocks = num_blocks
+        self._transport: KVTransport = create_transport(config.transport)
+        self._leases = LeaseTable()
+        self._pool = ThreadPoolExecutor(
+            max_workers=config.pull_threads, thread_name_prefix="pdserve-kv-pull"
+        )
+        self._pulls: dict[str, Future[int]] = {}
+        self._last_stats: dict[str, int] = {}
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layout = KVLayout.from_kv_caches(kv_caches, self._num_blocks, self._block_size)
+        compat = dict(self._compat, layout=layout.describe())
+        port = self._config.kv_port + self._tp_rank if self._config.kv_port else 0
+        bound = self._transport.start(
+            kv_caches=list(kv_caches.values()),
+            layout=layout,
+            leases=self._leases,
+            compat=compat,
+            host=self._config.kv_bind_host,
+            port=port,
+        )
+        logger.info(
+            "pdserve KV endpoint %s on %s:%d (%d layers, layout %s)",
+            self._config.transport, self._config.kv_bind_host, bound, len(layout.layers),
+            layout.describe(),
+        )
+
+    def start_step(self, meta: PdserveConnectorMetadata) -> None:
+        for req_id, lease in meta.leases.items():
+            self._leases.add(req_id, lease.block_ids, lease.deadline)
+        for req_id, load in meta.loads.items():
+            self._pulls[req_id] = self._pool.submit(self._pull, req_id, load)
+        for handle in meta.releases:
+            self._pool.submit(self._release, handle)
+
+    def poll(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last poll."""
+        self._leases.expire()
+        sending = self._leases.take_done()
+        recving: set[str] = set()
+        failed: set[str] = set()
+        for req_id in [r for r, f in self._pulls.items() if f.done()]:
+            future = self._pulls.pop(req_id)
+            recving.add(req_id)
+            if future.exception() is not None:
+                failed.add(req_id)
+        return sending, recving, failed
+
+    def stats_delta(self) -> dict[str, int] | None:
+        now = dict(self._transport.stats(), leases_expired=self._leases.num_expired)
+        delta = {k: v - self._last_stats.get(k, 0) for k, v in now.items()}
+        self._last_stats = now
+        return delta if any(delta.values()) else None
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._transport.close()
+
+    def _peer(self, handle: KVHandle) -> PeerAddress:
+        return PeerAddress(handle.host, handle.port + self._tp_rank)
+
+    def _pull(self, req_id: str, load: LoadSpec) -> int:
+        deadline = time.monotonic() + self._config.transfer_timeout_s
+        handle = load.handle
+        try:
+            nbytes = self._transport.pull(
+                self._peer(handle), handle.remote_request_id, load.src_block_ids,
+                load.dst_block_ids, deadline,
+            )
+        except TransferError as exc:
+            logger.warning("KV pull for %s from %s failed: %s", req_id, self._peer(handle), exc)
+            raise
+        logger.debug("pulled %d bytes for %s (transfer %s)", nbytes, req_id, handle.transfer_id)
+        return nbytes
+
+    def _release(self, handle: KVHandle) -> None:
+        deadline = time.monotonic() + self._config.transfer_timeout_s
+        try:
+            self._transport.release(self._peer(handle), handle.remote_request_id, deadline)
+        except TransferError as exc:  # the lease expires on its own
+            logger.warning("KV release of %s failed: %s", handle.remote_request_id, exc)

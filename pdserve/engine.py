@@ -1,0 +1,126 @@
+"""Hosts one vLLM ``AsyncLLM`` in-process with the pdserve KV connector, and
+keeps the engine's own counters (prompt tokens by source, load, KV usage,
+connector transfer stats) for the worker's GetLoad and metrics."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from pdserve.kv_transfer.config import ConnectorConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.metrics.stats import IterationStats, SchedulerStats
+
+Role = Literal["prefill", "decode"]
+CONNECTOR_MODULE = "pdserve.kv_transfer.connector"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    served_model_name: str
+    role: Role
+    connector: ConnectorConfig
+    dtype: str = "auto"
+    max_model_len: int = 4096
+    kv_cache_gib: float = 2.0
+    # Cores for the engine's compute threads (VLLM_CPU_OMP_THREADS_BIND), e.g. "0" or "0-1".
+    cpu_threads_bind: str | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64
+    # torch.compile on 2 CPU cores costs ~90 s per engine start; eager starts in seconds.
+    enforce_eager: bool = True
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', not {self.role!r}")
+        if self.max_model_len < 16:
+            raise ValueError("max_model_len must be >= 16")
+        if self.kv_cache_gib <= 0:
+            raise ValueError("kv_cache_gib must be > 0")
+
+
+@dataclass
+class EngineCounters:
+    """Cumulative engine counters, updated from vLLM's stat-logger callbacks."""
+
+    prompt_tokens_computed: int = 0
+    prompt_tokens_local_cache_hit: int = 0
+    prompt_tokens_external: int = 0
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    kv: dict[str, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, sched: SchedulerStats | None, it: IterationStats | None) -> None:
+        with self.lock:
+            if it is not None:
+                pts = it.prompt_token_stats
+                self.prompt_tokens_computed += pts.computed
+                self.prompt_tokens_local_cache_hit += pts.local_cache_hit
+                self.prompt_tokens_external += pts.external_kv_transfer
+            if sched is not None:
+                self.num_running_reqs = sched.num_running_reqs
+                self.num_waiting_reqs = sched.num_waiting_reqs + sched.num_skipped_waiting_reqs
+                self.kv_cache_usage = sched.kv_cache_usage
+                for key, value in (sched.kv_connector_stats or {}).items():
+                    self.kv[key] = self.kv.get(key, 0) + int(value)
+
+
+def _stat_logger_factory(counters: EngineCounters) -> Any:
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class CountersLogger(StatLoggerBase):
+        def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
+            self._counters = counters
+
+        def record(
+            self,
+            scheduler_stats: SchedulerStats | None,
+            iteration_stats: IterationStats | None,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            self._counters.record(scheduler_stats, iteration_stats)
+
+        def log_engine_initialized(self) -> None:
+            return
+
+    return CountersLogger
+
+
+def build_engine(config: EngineConfig, counters: EngineCounters) -> AsyncLLM:
+    """Start the engine (blocks ~20-40 s on CPU). Call from a ``__main__``-guarded process."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+    if config.cpu_threads_bind:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    kv_config = KVTransferConfig(
+        kv_connector="PdserveConnector",
+        kv_connector_module_path=CONNECTOR_MODULE,
+        kv_role="kv_producer" if config.role == "prefill" else "kv_consumer",
+        engine_id=config.connector.engine_id,
+        kv_connector_extra_config=config.connector.to_extra_config(),
+        kv_load_failure_policy="recompute",
+    )
+    args = AsyncEngineArgs(
+        model=config.model_path,
+        served_model_name=[config.served_model_name],
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        enable_prefix_caching=config.enable_prefix_caching,
+        kv_transfer_config=kv_config,
+        max_num_seqs=config.max_num_seqs,
+        enforce_eager=config.enforce_eager,
+    )
+    return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(counters)])

@@ -1,0 +1,138 @@
+"""Token ids to text, incrementally, with OpenAI stop-string semantics.
+
+``IncrementalDetokenizer`` turns the ids of one request's output into text deltas as
+they arrive. Deltas never end inside a multi-byte character and never contain text that
+could still turn out to be the start of a stop string. When a stop string appears, the
+text before it is the last delta and no further ids are consumed. Without a stop match,
+the deltas concatenated (including ``finish()``) equal
+``tokenizer.decode(all_ids, skip_special_tokens=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+_INCOMPLETE = "\ufffd"  # what a decoder returns for a truncated UTF-8 sequence
+
+
+class TokenDecoder(Protocol):
+    """The part of a Hugging Face tokenizer the detokenizer needs."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class StopStringMatcher:
+    """Holds back text that may be the start of a stop string; finds the first to complete.
+
+    Text passes through ``feed``; what it returns is safe to send. After a match,
+    ``matched`` is the stop string and everything from it on is dropped.
+    """
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self._stop = tuple(stop)
+        self._held = ""
+        self.matched: str | None = None
+
+    def feed(self, text: str) -> str:
+        if self.matched is not None:
+            return ""
+        if not self._stop:
+            return text
+        buffer = self._held + text
+        # The held part never contains a whole stop string, so any match is new. The stop
+        # string that completes first wins (generation would have stopped there); on a tie,
+        # the one starting first, so that no part of any matched stop string is sent.
+        hits = [(i + len(s), i, s) for s in self._stop if (i := buffer.find(s)) >= 0]
+        if hits:
+            _, index, self.matched = min(hits)
+            self._held = ""
+            return buffer[:index]
+        keep = self._partial_match_len(buffer)
+        self._held = buffer[len(buffer) - keep :]
+        return buffer[: len(buffer) - keep]
+
+    def flush(self) -> str:
+        """Release held-back text at the end of the stream (no stop string completed)."""
+        held, self._held = self._held, ""
+        return held
+
+    def _partial_match_len(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop."""
+        longest = 0
+        for stop in self._stop:
+            for size in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest
+
+
+class IncrementalDetokenizer:
+    """Decodes one request's output ids into text deltas (the TGI/vLLM offsets algorithm).
+
+    Each step decodes a short window: ids from ``prefix_offset`` (context for tokenizers
+    whose decoding depends on the previous token) to the end, and emits what goes past
+    the text of ``[prefix_offset, read_offset)``, unless the window ends in an incomplete
+    character, in which case it waits for more ids.
+    """
+
+    def __init__(
+        self,
+        tokenizer: TokenDecoder,
+        *,
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._matcher = StopStringMatcher(stop)
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._decoded: list[str] = []  # what the decoder emitted, before stop handling
+        self.token_ids: list[int] = []  # ids consumed, up to the one completing a stop
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string matched; further ids are ignored."""
+        return self._matcher.matched is not None
+
+    @property
+    def matched_stop(self) -> str | None:
+        return self._matcher.matched
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Consume ids (stopping early at a stop string) and return the safe text delta."""
+        pieces: list[str] = []
+        for token_id in token_ids:
+            if self.stopped:
+                break
+            self.token_ids.append(token_id)
+            pieces.append(self._matcher.feed(self._decode_next()))
+        return "".join(pieces)
+
+    def finish(self) -> str:
+        """End of output: return what was held back (an incomplete character at the very
+        end, a would-be stop prefix). May still complete a stop string; check ``stopped``."""
+        if self.stopped:
+            return ""
+        full = self._decode(self.token_ids)
+        done = "".join(self._decoded)
+        tail = full[len(done) :] if full.startswith(done) else ""
+        text = self._matcher.feed(tail)
+        return text if self.stopped else text + self._matcher.flush()
+
+    def _decode_next(self) -> str:
+        prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        window = self._decode(self.token_ids[self._prefix_offset :])
+        if len(window) <= len(prefix) or window.endswith(_INCOMPLETE):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+        delta = window[len(prefix) :]
+        self._decoded.append(delta)
+        return delta
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if not token_ids:
+            return ""
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)

@@ -1,0 +1,73 @@
+"""Domain types shared by the router's HTTP layer and its dispatcher.
+
+The HTTP layer (``app.py``) validates OpenAI requests, tokenizes once and turns
+token chunks into OpenAI responses. The dispatcher (``dispatch.py``) owns the
+workers: it picks a prefill and a decode worker, runs the two phases and yields
+token chunks. Neither knows the other's internals; this module is the contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Validated sampling parameters for one request (token-level only).
+
+    Stop *strings* are not here: the router detokenizes and matches them itself,
+    then closes the chunk iterator, which aborts the request on every worker.
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """Tokens produced since the previous chunk.
+
+    ``finish_reason`` is set on the last chunk only. ``num_cached_tokens`` (prompt
+    tokens served from a prefix cache) is set on the first chunk, when known.
+    """
+
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    num_cached_tokens: int | None = None
+
+
+class NoWorkerAvailableError(RuntimeError):
+    """No healthy worker can take the request (HTTP 503)."""
+
+
+class WorkerFailedError(RuntimeError):
+    """A worker failed the request and no fallback could finish it (HTTP 500,
+    or an error event when the stream has already started)."""
+
+
+class Dispatcher(Protocol):
+    """Runs requests on the workers.
+
+    ``generate`` returns an async iterator of chunks. Closing it early
+    (``aclose()``, or cancellation of the task iterating it) aborts the request
+    on every worker involved and frees their KV blocks; the dispatcher owns
+    that cleanup. It raises ``NoWorkerAvailableError`` before the first chunk
+    when no worker can serve, and ``WorkerFailedError`` when a worker fails.
+    """
+
+    def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec
+    ) -> AsyncIterator[TokenChunk]: ...
+
+    def is_ready(self) -> bool:
+        """True when at least one route (prefill+decode, or decode alone) is healthy."""
+        ...

@@ -1,0 +1,44 @@
+"""Helpers shared by the test suites (importable from spawned processes too)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import torch
+from pdserve.kv_transfer.base import create_transport
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.leases import LeaseTable
+
+NUM_BLOCKS = 16
+LAYER_SHAPE = (NUM_BLOCKS, 3, 16, 128)  # the CPU backend's (blocks, heads, block, 2*head_dim)
+
+
+def make_caches(seed: int, dtype: torch.dtype, num_layers: int = 4) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    buf = torch.randn((num_layers, *LAYER_SHAPE), generator=gen).to(dtype)
+    return {f"layer.{i}": buf[i] for i in range(num_layers)}  # views of one buffer, like vLLM
+
+
+def compat(dtype: torch.dtype) -> dict[str, object]:
+    return {"model": "m", "dtype": str(dtype), "block_size": 16, "tp_size": 1}
+
+
+def serve_kv(seed: int, dtype_name: str, leases: dict[str, list[int]], ready: mp.Queue,
+          stop: mp.Event) -> None:  # type: ignore[valid-type]
+    dtype = getattr(torch, dtype_name)
+    caches = make_caches(seed, dtype)
+    table = LeaseTable()
+    for req, blocks in leases.items():
+        table.add(req, blocks, time.time() + 30)
+    transport = create_transport("tcp")
+    port = transport.start(
+        kv_caches=list(caches.values()),
+        layout=KVLayout.from_kv_caches(caches, NUM_BLOCKS, 16),
+        leases=table, compat=compat(dtype), host="127.0.0.1", port=0,
+    )
+    ready.put(port)
+    stop.wait(60)
+    transport.close()
+
+

@@ -1,0 +1,195 @@
+"""Shared fakes and helpers for unit tests (no vLLM, no network beyond 127.0.0.1)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import openai
+import uvicorn
+from fastapi import FastAPI
+from pdserve.router.app import create_app
+from pdserve.router.types import (
+    FinishReason,
+    NoWorkerAvailableError,
+    SamplingSpec,
+    TokenChunk,
+    WorkerFailedError,
+)
+
+from pdserve.model import DEFAULT_MODEL_NAME
+
+
+@functools.lru_cache(maxsize=1)
+def default_tokenizer() -> Any:
+    """The default model's real tokenizer, loaded once per process."""
+    from transformers import AutoTokenizer
+
+    from pdserve.model import prepare_default_model
+
+    return AutoTokenizer.from_pretrained(prepare_default_model())
+
+
+@dataclass(frozen=True)
+class DispatchCall:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingSpec
+
+
+@dataclass
+class FakeDispatcher:
+    """A scripted ``Dispatcher``: yields ``output_ids`` (cut at ``max_tokens``, then finish
+    reason "length"), ``tokens_per_chunk`` at a time, ``delay_s`` before each chunk.
+
+    ``error_on_call`` is raised by ``generate`` itself (a dispatcher refusing at once),
+    ``error_before_first`` before any chunk; ``fail_after_chunks`` raises
+    ``WorkerFailedError`` after that many chunks. A request whose iterator is closed before
+    its end (including right after the last chunk) is recorded in ``aborted``; the lists
+    are appended from whichever thread runs the app and are safe to poll from another.
+    """
+
+    output_ids: Sequence[int] = ()
+    finish_reason: FinishReason = "stop"
+    tokens_per_chunk: int = 1
+    delay_s: float = 0.0
+    num_cached_tokens: int | None = None
+    error_on_call: Exception | None = None
+    error_before_first: Exception | None = None
+    fail_after_chunks: int | None = None
+    ready: bool = True
+    calls: list[DispatchCall] = field(default_factory=list)
+    completed: list[str] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec
+    ) -> AsyncIterator[TokenChunk]:
+        self.calls.append(DispatchCall(request_id, tuple(prompt_token_ids), sampling))
+        if self.error_on_call is not None:
+            raise self.error_on_call
+        return self._run(request_id, sampling)
+
+    async def _run(self, request_id: str, sampling: SamplingSpec) -> AsyncIterator[TokenChunk]:
+        outcome = self.aborted
+        try:
+            async for chunk in self._chunks(sampling):
+                yield chunk
+            outcome = self.completed
+        except (NoWorkerAvailableError, WorkerFailedError):
+            outcome = self.failed
+            raise
+        finally:
+            outcome.append(request_id)
+
+    async def _chunks(self, sampling: SamplingSpec) -> AsyncIterator[TokenChunk]:
+        if self.error_before_first is not None:
+            raise self.error_before_first
+        ids = list(self.output_ids)[: sampling.max_tokens]
+        finish = "length" if len(self.output_ids) > sampling.max_tokens else self.finish_reason
+        step = self.tokens_per_chunk
+        pieces = [tuple(ids[i : i + step]) for i in range(0, len(ids), step)] or [()]
+        for index, piece in enumerate(pieces):
+            if self.fail_after_chunks is not None and index == self.fail_after_chunks:
+                raise WorkerFailedError("decode worker crashed")
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            last = index == len(pieces) - 1
+            yield TokenChunk(
+                token_ids=piece,
+                finish_reason=finish if last else None,
+                num_cached_tokens=self.num_cached_tokens if index == 0 else None,
+            )
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    """Poll ``condition`` until it holds or the deadline passes; return its last value."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any) -> Iterator[str]:
+    """Run ``app`` in a real uvicorn server on 127.0.0.1 (a free port); yield its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        if not wait_until(lambda: server.started, timeout_s=10.0):
+            raise RuntimeError("uvicorn did not start")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10.0)
+        sock.close()
+
+
+# --- router test helpers ---------------------------------------------------------------
+
+ROUTER_MODEL = DEFAULT_MODEL_NAME
+ROUTER_MAX_MODEL_LEN = 256
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+USER_MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def make_router_app(tokenizer: Any, dispatcher: FakeDispatcher) -> FastAPI:
+    return create_app(
+        served_model_name=ROUTER_MODEL,
+        max_model_len=ROUTER_MAX_MODEL_LEN,
+        tokenizer=tokenizer,
+        dispatcher=dispatcher,
+    )
+
+
+def cmpl_body(**fields: Any) -> dict[str, Any]:
+    """A valid /v1/completions body, with ``fields`` added or replaced."""
+    return {"model": ROUTER_MODEL, "prompt": "hi", **fields}
+
+
+def chat_body(**fields: Any) -> dict[str, Any]:
+    """A valid /v1/chat/completions body, with ``fields`` added or replaced."""
+    return {"model": ROUTER_MODEL, "messages": USER_MESSAGES, **fields}
+
+
+def asgi_http_client(app: FastAPI) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def asgi_openai_client(app: FastAPI) -> openai.AsyncOpenAI:
+    """The official client, talking to ``app`` in process (no retries: errors surface)."""
+    return openai.AsyncOpenAI(
+        api_key="unused",
+        base_url="http://test/v1",
+        http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app=app)),
+        max_retries=0,
+    )
+
+
+def sse_payloads(body: str) -> list[Any]:
+    """The ``data:`` payloads of an SSE body, JSON-decoded, then the final ``"[DONE]"``."""
+    events = [e.removeprefix("data: ") for e in body.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]] + ["[DONE]"]
