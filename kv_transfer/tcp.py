@@ -53,7 +53,7 @@ class TcpTransport:
         self._stats_lock = threading.Lock()
         self._stats = dict.fromkeys(
             ("bytes_sent", "bytes_received", "transfers_completed", "transfers_failed",
-             "transfer_time_ns"), 0)
+             "transfer_time_ns", "inflight_pulls"), 0)
 
     # ---- lifecycle -------------------------------------------------------------
 
@@ -193,6 +193,17 @@ class TcpTransport:
     ) -> int:
         assert self._layout is not None
         runs = paired_runs(src_block_ids, dst_block_ids)
+        self._count(inflight_pulls=1)
+        try:
+            return self._pull(peer, remote_request_id, runs, deadline)
+        finally:
+            self._count(inflight_pulls=-1)
+
+    def _pull(
+        self, peer: PeerAddress, remote_request_id: str, runs: list[tuple[int, int, int]],
+        deadline: float,
+    ) -> int:
+        assert self._layout is not None
         start = time.perf_counter_ns()
         received = 0
         conn = self._checkout_conn(peer, deadline)

@@ -83,6 +83,7 @@ class WorkerSide:
 
     def stats_delta(self) -> dict[str, int] | None:
         now = dict(self._transport.stats(), leases_expired=self._leases.num_expired)
+        now.pop("inflight_pulls", None)  # a gauge, not a counter
         delta = {k: v - self._last_stats.get(k, 0) for k, v in now.items()}
         self._last_stats = now
         return delta if any(delta.values()) else None

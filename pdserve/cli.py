@@ -1,0 +1,157 @@
+"""The ``pdserve`` command: ``up``, ``router``, ``prefill``, ``decode``, ``prepare-model``.
+
+Every flag also reads a ``PDSERVE_<FLAG>`` environment variable (e.g.
+``PDSERVE_PORT``); flags win. This is the one place configs are built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import uuid
+from collections.abc import Sequence
+
+from pdserve.model import DEFAULT_MODEL_NAME
+
+TRANSPORTS = ("tcp",)
+
+
+def _env(flag: str, default: object) -> object:
+    return os.environ.get("PDSERVE_" + flag.upper().replace("-", "_"), default)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=_env("model", None),
+                   help=f"local HF model folder (default: {DEFAULT_MODEL_NAME}, converted once)")
+    p.add_argument("--max-model-len", type=int, default=int(_env("max-model-len", 4096)))
+    p.add_argument("--log-level", default=_env("log-level", "INFO"))
+
+
+def _add_worker(p: argparse.ArgumentParser, default_port: int) -> None:
+    _add_common(p)
+    p.add_argument("--dtype", default=_env("dtype", "auto"),
+                   help="auto, float32, bfloat16, float16 (float32 for exact P/D equality)")
+    p.add_argument("--host", default=_env("host", "127.0.0.1"), help="gRPC bind address")
+    p.add_argument("--port", type=int, default=int(_env("port", default_port)), help="gRPC port")
+    p.add_argument("--kv-port", type=int, default=int(_env("kv-port", 0)),
+                   help="KV transfer port (default: gRPC port + 1000)")
+    p.add_argument("--kv-host", default=_env("kv-host", None),
+                   help="address peers use to reach the KV port (default: --host)")
+    p.add_argument("--transport", default=_env("transport", "tcp"), choices=TRANSPORTS)
+    p.add_argument("--kv-cache-gib", type=float, default=float(_env("kv-cache-gib", 2.0)))
+    p.add_argument("--cpu-cores", default=_env("cpu-cores", None),
+                   help="cores for the engine's compute threads, e.g. 0 or 0-3 (CPU only)")
+    p.add_argument("--lease-s", type=float, default=float(_env("lease-s", 30.0)),
+                   help="how long prefill keeps a request's KV for its decode")
+    p.add_argument("--worker-id", default=_env("worker-id", None))
+    p.add_argument("--compile", action="store_true",
+                   help="use torch.compile (slow start on CPU; default: eager)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="router + prefill + decode workers on this machine")
+    _add_common(up)
+    up.add_argument("--dtype", default=_env("dtype", "auto"))
+    up.add_argument("--host", default=_env("host", "127.0.0.1"))
+    up.add_argument("--port", type=int, default=int(_env("port", 8000)))
+    up.add_argument("--num-prefill", type=int, default=int(_env("num-prefill", 1)))
+    up.add_argument("--num-decode", type=int, default=int(_env("num-decode", 1)))
+    up.add_argument("--transport", default=_env("transport", "tcp"), choices=TRANSPORTS)
+    up.add_argument("--kv-cache-gib", type=float, default=float(_env("kv-cache-gib", 2.0)))
+    up.add_argument("--placement", default=_env("placement", "round_robin"))
+    up.add_argument("--startup-timeout-s", type=float, default=float(_env("startup-timeout-s",
+                                                                          600)))
+
+    router = sub.add_parser("router", help="the OpenAI-compatible HTTP router")
+    _add_common(router)
+    router.add_argument("--host", default=_env("host", "127.0.0.1"))
+    router.add_argument("--port", type=int, default=int(_env("port", 8000)))
+    router.add_argument("--prefill", default=_env("prefill", ""),
+                        help="comma-separated prefill worker gRPC endpoints host:port")
+    router.add_argument("--decode", default=_env("decode", ""),
+                        help="comma-separated decode worker gRPC endpoints host:port")
+    router.add_argument("--placement", default=_env("placement", "round_robin"))
+    router.add_argument("--served-model-name", default=_env("served-model-name", None))
+
+    _add_worker(sub.add_parser("prefill", help="a prefill worker (vLLM engine + gRPC)"), 50051)
+    _add_worker(sub.add_parser("decode", help="a decode worker (vLLM engine + gRPC)"), 50061)
+    sub.add_parser("prepare-model", help=f"convert the default model ({DEFAULT_MODEL_NAME}) once")
+    return parser
+
+
+def _endpoints(value: str) -> tuple[str, ...]:
+    return tuple(e.strip() for e in value.split(",") if e.strip())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(args, "log_level", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return _run(args)
+    except ValueError as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pdserve.model import prepare_default_model, resolve_model
+
+    if args.command == "prepare-model":
+        print(prepare_default_model())
+        return 0
+    model = resolve_model(args.model)
+    if args.command in ("prefill", "decode"):
+        import asyncio
+
+        from pdserve.engine import EngineConfig
+        from pdserve.kv_transfer.config import ConnectorConfig
+        from pdserve.worker_main import serve_worker
+
+        worker_id = args.worker_id or f"{args.command}-{uuid.uuid4().hex[:8]}"
+        connector = ConnectorConfig(
+            engine_id=worker_id, transport=args.transport,
+            kv_host=args.kv_host or (args.host if args.host != "0.0.0.0" else "127.0.0.1"),
+            kv_port=args.kv_port or args.port + 1000, kv_bind_host=args.host,
+            lease_s=args.lease_s,
+        )
+        config = EngineConfig(
+            model_path=str(model.path), served_model_name=model.served_name, role=args.command,
+            connector=connector, dtype=args.dtype, max_model_len=args.max_model_len,
+            kv_cache_gib=args.kv_cache_gib, cpu_threads_bind=args.cpu_cores,
+            enforce_eager=not args.compile,
+        )
+        asyncio.run(serve_worker(config, worker_id, args.host, args.port))
+        return 0
+    if args.command == "router":
+        from pdserve.router.server import RouterConfig, run_router
+
+        run_router(RouterConfig(
+            model_path=str(model.path), served_model_name=args.served_model_name or
+            model.served_name, prefill=_endpoints(args.prefill), decode=_endpoints(args.decode),
+            host=args.host, port=args.port, max_model_len=args.max_model_len,
+            placement=args.placement,
+        ))
+        return 0
+    from pdserve.up import UpConfig, run_up
+
+    return run_up(UpConfig(
+        model=str(model.path), dtype=args.dtype, host=args.host, port=args.port,
+        num_prefill=args.num_prefill, num_decode=args.num_decode, transport=args.transport,
+        max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
+        placement=args.placement, startup_timeout_s=args.startup_timeout_s,
+        log_level=args.log_level,
+    ))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""``pdserve up``: router + prefill + decode workers on one machine, static membership.
+
+Each component is a child process in its own session (so its vLLM engine
+processes go with it); Ctrl-C / SIGTERM stops every child, SIGKILL after a grace
+period. Logs go to one file per component; startup shows progress and the
+endpoint is printed only once every worker and the router are healthy.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from pdserve.model import cache_dir
+from pdserve.proto.pdserve.v1 import worker_pb2 as pb
+from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
+
+_STOP_GRACE_S = 15.0
+console = Console(stderr=True)
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    model: str
+    dtype: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    num_prefill: int = 1
+    num_decode: int = 1
+    transport: str = "tcp"
+    max_model_len: int = 4096
+    kv_cache_gib: float = 2.0
+    placement: str = "round_robin"
+    startup_timeout_s: float = 600.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.num_decode < 1 or self.num_prefill < 0:
+            raise ValueError("need --num-decode >= 1 and --num-prefill >= 0")
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log: Path
+    probe: str  # "grpc:host:port" or "http://.../health"
+    proc: subprocess.Popen[bytes] | None = None
+    state: str = "starting"
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _core_sets(num_prefill: int, num_decode: int) -> tuple[list[str], list[str]]:
+    """Disjoint cores for prefill and decode where there are enough (2 cores: 0 and 1)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return [None] * num_prefill, [None] * num_decode  # type: ignore[list-item]
+    half = len(cores) // 2
+    groups = [cores[:half], cores[half:]]
+
+    def split(group: list[int], n: int) -> list[str]:
+        if n == 0:
+            return []
+        size = max(1, len(group) // n)
+        out = []
+        for i in range(n):
+            part = group[(i * size) % len(group):][:size] or group[:size]
+            out.append(",".join(map(str, part)))
+        return out
+
+    return split(groups[0], num_prefill), split(groups[1], num_decode)
+
+
+def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
+    py = [sys.executable, "-m", "pdserve.cli"]
+    common = ["--model", cfg.model, "--max-model-len", str(cfg.max_model_len),
+              "--log-level", cfg.log_level]
+    p_cores, d_cores = _core_sets(cfg.num_prefill, cfg.num_decode)
+    children: list[Child] = []
+    endpoints: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for role, n, cores in (("prefill", cfg.num_prefill, p_cores),
+                           ("decode", cfg.num_decode, d_cores)):
+        for i in range(n):
+            port, kv_port = free_port(), free_port()
+            argv = py + [role, *common, "--dtype", cfg.dtype, "--port", str(port),
+                         "--kv-port", str(kv_port), "--transport", cfg.transport,
+                         "--kv-cache-gib", str(cfg.kv_cache_gib), "--worker-id", f"{role}-{i}"]
+            if cores[i]:
+                argv += ["--cpu-cores", cores[i]]
+            endpoints[role].append(f"127.0.0.1:{port}")
+            children.append(Child(f"{role}-{i}", argv, log_dir / f"{role}-{i}.log",
+                                  f"grpc:127.0.0.1:{port}"))
+    router_argv = py + ["router", *common, "--host", cfg.host, "--port", str(cfg.port),
+                        "--prefill", ",".join(endpoints["prefill"]),
+                        "--decode", ",".join(endpoints["decode"]), "--placement", cfg.placement]
+    probe_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+    children.append(Child("router", router_argv, log_dir / "router.log",
+                          f"http://{probe_host}:{cfg.port}/health"))
+    return children
+
+
+def _healthy(child: Child) -> bool:
+    if child.probe.startswith("grpc:"):
+        target = child.probe.removeprefix("grpc:")
+        try:
+            with grpc.insecure_channel(target) as channel:
+                health = pb_grpc.WorkerServiceStub(channel).Health(pb.HealthRequest(), timeout=1)
+        except grpc.RpcError:
+            return False
+        child.state = "ready" if health.ready else "loading engine"
+        return bool(health.ready)
+    try:
+        ok = httpx.get(child.probe, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+    child.state = "ready" if ok else "waiting for workers"
+    return ok
+
+
+def _table(children: list[Child], started: float) -> Table:
+    table = Table(title=f"pdserve starting ({time.monotonic() - started:.0f}s)")
+    table.add_column("component")
+    table.add_column("state")
+    table.add_column("log")
+    for c in children:
+        table.add_row(c.name, c.state, str(c.log))
+    return table
+
+
+def start_children(children: list[Child]) -> None:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    for child in children:
+        child.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(child.log, "wb") as log:
+            child.proc = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env=env,
+                                          start_new_session=True)
+
+
+def stop_children(children: list[Child], grace_s: float = _STOP_GRACE_S) -> None:
+    """SIGTERM every child's process group, then SIGKILL what is left after ``grace_s``."""
+    live = [c for c in children if c.proc is not None]
+    for c in reversed(live):  # router first: no new requests while workers drain
+        _signal_group(c, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for c in live:
+        assert c.proc is not None
+        try:
+            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for c in live:
+        _signal_group(c, signal.SIGKILL)  # the group: engine processes included
+        assert c.proc is not None
+        c.proc.wait()
+
+
+def _signal_group(child: Child, sig: int) -> None:
+    assert child.proc is not None
+    try:
+        os.killpg(child.proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def wait_ready(children: list[Child], timeout_s: float) -> None:
+    started = time.monotonic()
+    with Live(_table(children, started), console=console, refresh_per_second=2) as live:
+        while True:
+            for child in children:
+                assert child.proc is not None
+                if child.proc.poll() is not None:
+                    child.state = f"exited ({child.proc.returncode})"
+                    live.update(_table(children, started))
+                    raise RuntimeError(f"{child.name} exited during startup; see {child.log}:\n"
+                                       + _tail(child.log))
+                if child.state != "ready":
+                    _healthy(child)
+            live.update(_table(children, started))
+            if all(c.state == "ready" for c in children):
+                return
+            if time.monotonic() - started > timeout_s:
+                raise RuntimeError(f"not ready after {timeout_s:.0f}s")
+            time.sleep(0.5)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def run_up(cfg: UpConfig) -> int:
+    log_dir = cache_dir() / "logs" / time.strftime("%Y%m%d-%H%M%S")
+    children = plan(cfg, log_dir)
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        start_children(children)
+        wait_ready(children, cfg.startup_timeout_s)
+        console.print(f"[bold green]pdserve ready[/]: http://{cfg.host}:{cfg.port}/v1  "
+                      f"(model {Path(cfg.model).name}, logs {log_dir})")
+        print(f"http://{cfg.host}:{cfg.port}/v1", flush=True)
+        while True:
+            for child in children:
+                assert child.proc is not None
+                if child.proc.poll() is not None:
+                    console.print(f"[red]{child.name} exited ({child.proc.returncode})[/]; "
+                                  f"stopping. Log: {child.log}\n{_tail(child.log)}")
+                    return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        console.print("stopping pdserve...")
+        return 0
+    except RuntimeError as exc:
+        console.print(f"[red]pdserve failed to start[/]: {exc}")
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop_children(children)

@@ -1,0 +1,47 @@
+"""Runs one worker process: the gRPC WorkerService in front of an in-process
+vLLM engine. Health answers "not ready" while the engine loads."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+
+from pdserve.engine import EngineConfig
+from pdserve.engine_host import EngineHost
+from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
+from pdserve.worker_service import WorkerServicer
+
+logger = logging.getLogger("pdserve.worker")
+_GRACE_S = 5.0
+
+
+async def serve_worker(config: EngineConfig, worker_id: str, host: str, port: int) -> None:
+    engine_host = EngineHost(config, worker_id)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(engine_host), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind gRPC port {host}:{port}")
+    await server.start()
+    logger.info("%s worker %s: gRPC on %s:%d, loading engine", config.role, worker_id, host, bound)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        load = asyncio.ensure_future(asyncio.to_thread(engine_host.start))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([load, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if load.done():
+            load.result()  # raises if the engine failed to start
+            logger.info("%s worker %s ready (KV %s on port %d)", config.role, worker_id,
+                        config.connector.transport, config.connector.kv_port)
+            await stopped
+    finally:
+        logger.info("%s worker %s stopping", config.role, worker_id)
+        await server.stop(_GRACE_S)
+        engine_host.shutdown()

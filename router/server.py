@@ -1,0 +1,64 @@
+"""Runs the router process: tokenizer, worker pool, placement, dispatcher and
+the OpenAI HTTP app under uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from .app import create_app
+from .dispatch import PDDispatcher
+from .placement import create_placement
+from .workers import WorkerPool
+
+logger = logging.getLogger("pdserve.router")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_path: str
+    served_model_name: str
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_model_len: int = 4096
+    placement: str = "round_robin"
+    health_interval_s: float = 2.0
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.decode:
+            raise ValueError("the router needs at least one decode worker (--decode HOST:PORT)")
+        create_placement(self.placement)  # validates the name
+
+
+async def serve_router(config: RouterConfig) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+    registry = CollectorRegistry()
+    pool = WorkerPool(list(config.prefill), list(config.decode), config.health_interval_s)
+    dispatcher = PDDispatcher(pool, create_placement(config.placement), registry,
+                              config.request_timeout_s)
+    app = create_app(served_model_name=config.served_model_name,
+                     max_model_len=config.max_model_len, tokenizer=tokenizer,
+                     dispatcher=dispatcher, registry=registry)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                           log_level="warning", timeout_graceful_shutdown=5))
+    await pool.start()
+    logger.info("router on http://%s:%d/v1: %d prefill, %d decode workers, placement %s",
+                config.host, config.port, len(config.prefill), len(config.decode),
+                config.placement)
+    try:
+        await server.serve()
+    finally:
+        await pool.close()
+
+
+def run_router(config: RouterConfig) -> None:
+    asyncio.run(serve_router(config))
