@@ -40,7 +40,7 @@ def _add_worker(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--kv-host", default=_env("kv-host", None),
                    help="address peers use to reach the KV port (default: --host)")
     p.add_argument("--transport", default=_env("transport", "tcp"), choices=TRANSPORTS)
-    p.add_argument("--kv-cache-gib", type=float, default=float(_env("kv-cache-gib", 2.0)))
+    p.add_argument("--kv-cache-gib", type=int, default=int(_env("kv-cache-gib", 2)))
     p.add_argument("--cpu-cores", default=_env("cpu-cores", None),
                    help="cores for the engine's compute threads, e.g. 0 or 0-3 (CPU only)")
     p.add_argument("--lease-s", type=float, default=float(_env("lease-s", 30.0)),
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--num-prefill", type=int, default=int(_env("num-prefill", 1)))
     up.add_argument("--num-decode", type=int, default=int(_env("num-decode", 1)))
     up.add_argument("--transport", default=_env("transport", "tcp"), choices=TRANSPORTS)
-    up.add_argument("--kv-cache-gib", type=float, default=float(_env("kv-cache-gib", 2.0)))
+    up.add_argument("--kv-cache-gib", type=int, default=int(_env("kv-cache-gib", 2)))
     up.add_argument("--placement", default=_env("placement", "round_robin"))
     up.add_argument("--startup-timeout-s", type=float, default=float(_env("startup-timeout-s",
                                                                           600)))

@@ -28,7 +28,7 @@ class EngineConfig:
     connector: ConnectorConfig
     dtype: str = "auto"
     max_model_len: int = 4096
-    kv_cache_gib: float = 2.0
+    kv_cache_gib: int = 2
     # Cores for the engine's compute threads (VLLM_CPU_OMP_THREADS_BIND), e.g. "0" or "0-1".
     cpu_threads_bind: str | None = None
     enable_prefix_caching: bool = True

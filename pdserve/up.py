@@ -41,7 +41,7 @@ class UpConfig:
     num_decode: int = 1
     transport: str = "tcp"
     max_model_len: int = 4096
-    kv_cache_gib: float = 2.0
+    kv_cache_gib: int = 2
     placement: str = "round_robin"
     startup_timeout_s: float = 600.0
     log_level: str = "INFO"

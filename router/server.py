@@ -48,6 +48,7 @@ async def serve_router(config: RouterConfig) -> None:
     app = create_app(served_model_name=config.served_model_name,
                      max_model_len=config.max_model_len, tokenizer=tokenizer,
                      dispatcher=dispatcher, registry=registry)
+    app.add_api_route("/workers", lambda: {"workers": pool.describe()}, methods=["GET"])
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                            log_level="warning", timeout_graceful_shutdown=5))
     await pool.start()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import grpc
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
@@ -91,6 +91,15 @@ class WorkerPool:
     @property
     def all(self) -> list[WorkerClient]:
         return self.prefill + self.decode
+
+    def describe(self) -> list[dict[str, object]]:
+        """The current view, for ``GET /workers``."""
+        return [
+            {"id": w.state.worker_id, "role": w.state.role, "endpoint": w.state.endpoint,
+             "healthy": w.state.healthy, "compatibility_hash": w.state.compatibility_hash,
+             "load": asdict(w.state.load), "num_assigned": w.state.num_assigned}
+            for w in self.all
+        ]
 
     async def refresh_all(self) -> None:
         timeout = max(self._interval_s, 1.0)

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import subprocess
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
+import grpc
+import httpx
 import torch
 from pdserve.kv_transfer.base import create_transport
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
+from pdserve.proto.pdserve.v1 import worker_pb2 as pb
+from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
 
 NUM_BLOCKS = 16
 LAYER_SHAPE = (NUM_BLOCKS, 3, 16, 128)  # the CPU backend's (blocks, heads, block, 2*head_dim)
@@ -42,3 +52,26 @@ def serve_kv(seed: int, dtype_name: str, leases: dict[str, list[int]], ready: mp
     transport.close()
 
 
+@dataclass
+class Server:
+    base_url: str
+    proc: subprocess.Popen[str]
+
+    def workers(self, role: str) -> list[dict[str, Any]]:
+        view = httpx.get(self.base_url.removesuffix("/v1") + "/workers", timeout=5).json()
+        return [w for w in view["workers"] if w["role"] == role]
+
+    def load(self, role: str) -> pb.GetLoadResponse:
+        (worker,) = self.workers(role)
+        with grpc.insecure_channel(worker["endpoint"]) as channel:
+            return pb_grpc.WorkerServiceStub(channel).GetLoad(pb.GetLoadRequest(), timeout=5)
+
+
+def wait_until(predicate: Callable[[], T], timeout_s: float, interval_s: float = 0.25) -> T:
+    """Poll ``predicate`` until it returns a truthy value; return the last value."""
+    deadline = time.monotonic() + timeout_s
+    value = predicate()
+    while not value and time.monotonic() < deadline:
+        time.sleep(interval_s)
+        value = predicate()
+    return value

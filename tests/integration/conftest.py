@@ -1,0 +1,89 @@
+"""Session fixtures for integration tests: one real ``pdserve up`` (router +
+prefill + decode vLLM engines) shared by every test in the session."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pdserve_testing import Server
+
+from pdserve.model import prepare_default_model
+from pdserve.up import free_port
+
+STARTUP_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    return prepare_default_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture(scope="session")
+def pd_server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1",
+               PDSERVE_CACHE=os.environ.get("PDSERVE_CACHE", str(model_path.parents[1])))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--dtype", "float32", "--port", str(port),
+         "--kv-cache-gib", "1", "--max-model-len", "4096"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        start_new_session=True,
+    )
+    try:
+        url = _wait_for_url(proc)
+        yield Server(url, proc)
+    finally:
+        _stop(proc)
+
+
+def _wait_for_url(proc: subprocess.Popen[str]) -> str:
+    """The endpoint line ``pdserve up`` prints once everything is healthy."""
+    lines: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"pdserve up exited with {proc.returncode} during startup") from None
+            continue
+        if line.startswith("http://"):
+            return line.strip()
+    raise TimeoutError(f"pdserve up not ready after {STARTUP_TIMEOUT_S}s")
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,34 @@
+"""One aggregated vLLM engine, greedy, for the P/D equality oracle.
+
+Run as ``python reference_engine.py MODEL IN.json OUT.json``: IN holds
+``[{"prompt_token_ids": [...], "max_tokens": N}, ...]``; OUT gets the output token
+ids of each. A separate process, since vLLM spawns engine processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main(model: str, in_path: str, out_path: str) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with open(in_path) as f:
+        requests = json.load(f)
+    llm = LLM(model=model, dtype="float32", max_model_len=4096, enforce_eager=True,
+              enable_prefix_caching=False)
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests],
+        [SamplingParams(temperature=0, max_tokens=r["max_tokens"]) for r in requests],
+    )
+    with open(out_path, "w") as f:
+        json.dump([list(o.outputs[0].token_ids) for o in outputs], f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
