@@ -32,6 +32,8 @@ logger = logging.getLogger("pdserve.kv_transfer.tcp")
 
 # How long a pull or release waits for the scheduler to announce a lease.
 LEASE_WAIT_S = 5.0
+# A connection idle this long is closed by the server; clients reuse theirs for half of it.
+IDLE_TIMEOUT_S = 300.0
 # A decode worker that stops reading for this long loses the transfer.
 SEND_TIMEOUT_S = 30.0
 _ACCEPT_POLL_S = 1.0
@@ -48,7 +50,8 @@ class TcpTransport:
         self._compat: dict[str, Any] = {}
         self._listener: socket.socket | None = None
         self._stop = threading.Event()
-        self._pool: dict[PeerAddress, list[socket.socket]] = {}
+        # Idle client connections per peer, with when each was last used.
+        self._pool: dict[PeerAddress, list[tuple[socket.socket, float]]] = {}
         self._pool_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._stats = dict.fromkeys(
@@ -81,7 +84,7 @@ class TcpTransport:
             self._listener.close()
         with self._pool_lock:
             for conns in self._pool.values():
-                for conn in conns:
+                for conn, _ in conns:
                     conn.close()
             self._pool.clear()
 
@@ -115,7 +118,7 @@ class TcpTransport:
         with conn:
             try:
                 while not self._stop.is_set():
-                    conn.settimeout(None)
+                    conn.settimeout(IDLE_TIMEOUT_S)
                     msg = recv_msg(conn)
                     if msg is None:
                         return
@@ -132,7 +135,7 @@ class TcpTransport:
                         send_msg(conn, {"ok": False, "error": "handshake required before pull"})
                     else:
                         send_msg(conn, {"ok": False, "error": f"unknown op {op!r}"})
-            except (OSError, TransferError, ValueError) as exc:
+            except (OSError, TransferError, ValueError) as exc:  # incl. idle timeout
                 logger.debug("KV connection closed: %s", exc)
 
     def _status(self) -> dict[str, Any]:
@@ -242,9 +245,12 @@ class TcpTransport:
 
     def _checkout_conn(self, peer: PeerAddress, deadline: float) -> socket.socket:
         with self._pool_lock:
-            idle = self._pool.get(peer)
-            if idle:
-                return idle.pop()
+            idle = self._pool.get(peer, [])
+            while idle:
+                conn, last_used = idle.pop()
+                if time.monotonic() - last_used < IDLE_TIMEOUT_S / 2:
+                    return conn
+                conn.close()  # the peer may have dropped it already
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TransferError(f"deadline exceeded before connecting to {peer}")
@@ -260,7 +266,7 @@ class TcpTransport:
 
     def _checkin_conn(self, peer: PeerAddress, conn: socket.socket) -> None:
         with self._pool_lock:
-            self._pool.setdefault(peer, []).append(conn)
+            self._pool.setdefault(peer, []).append((conn, time.monotonic()))
 
 
 def _tune(conn: socket.socket) -> None:
