@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -80,12 +81,15 @@ def default_gguf_path() -> Path:
 
 
 def _marker_payload(source: Path) -> dict[str, Any]:
-    """What the finished folder was built from; size+mtime is cheap and catches upgrades."""
-    st = source.stat()
+    """What the finished folder was built from: the package version and the file's size.
+
+    Cheap, catches upgrades, and is the same for every venv that installed the same
+    release, so several checkouts share one converted model.
+    """
     return {
         "source": source.name,
-        "size": st.st_size,
-        "mtime_ns": st.st_mtime_ns,
+        "package_version": importlib.metadata.version(GGUF_PACKAGE),
+        "size": source.stat().st_size,
         "conversion_version": CONVERSION_VERSION,
     }
 

@@ -170,7 +170,7 @@ def stop_children(children: list[Child], grace_s: float = _STOP_GRACE_S) -> None
     for c in live:
         _signal_group(c, signal.SIGKILL)  # the group: engine processes included
         assert c.proc is not None
-        c.proc.wait()
+        c.proc.wait(timeout=10)
 
 
 def _signal_group(child: Child, sig: int) -> None:

@@ -5,7 +5,7 @@ plays a ``WorkerScript``:
 - prefill: one token, finish LENGTH with a ``KvHandle`` (a lease, kept until Abort) when
   ``sampling.max_tokens > 1``, or finish STOP without a handle when ``prefill_stop``;
 - decode: ``sampling.max_tokens`` tokens, one per message, ``token_delay_s`` apart, the last
-  one with finish LENGTH;
+  one with finish LENGTH (after ``decode_gate``, if any, is set);
 - ``fail_code`` fails Generate with that status, after ``fail_after_tokens`` messages.
 """
 
@@ -34,6 +34,8 @@ class WorkerScript:
     decode_token_ids: Sequence[int] = (100, 101, 102, 103, 104, 105, 106, 107)
     prefill_delay_s: float = 0.0
     token_delay_s: float = 0.0
+    # Decode waits for this event (when set) before its first token.
+    decode_gate: asyncio.Event | None = None
     num_cached_tokens: int = 0
     fail_code: grpc.StatusCode | None = None
     fail_after_tokens: int = 0
@@ -113,6 +115,8 @@ class FakeWorkerServicer(pb_grpc.WorkerServiceServicer):
     async def _decode(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         ids = self.script.decode_token_ids
         n = request.sampling.max_tokens
+        if self.script.decode_gate is not None:
+            await self.script.decode_gate.wait()
         for i in range(n):
             await asyncio.sleep(self.script.token_delay_s)
             last = i == n - 1
