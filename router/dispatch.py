@@ -9,6 +9,7 @@ told to abort, which also releases the KV blocks prefill holds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 
@@ -29,7 +30,8 @@ _FINISH = {
     pb.FINISH_REASON_ERROR: "error",
 }
 _ABORT_TIMEOUT_S = 5.0
-_UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# Only "cannot reach" takes a worker out of placement; a slow request's deadline does not.
+_UNREACHABLE = {grpc.StatusCode.UNAVAILABLE}
 
 
 class DispatchMetrics:
@@ -108,11 +110,13 @@ class PDDispatcher:
                 if handle is not None:
                     self._metrics.handoffs.inc()
             involved.append(decode)
-            async for chunk in self._decode(decode, request_id, decode_prompt, handle,
-                                            sampling, max_tokens, first is None):
-                if chunk.finish_reason is not None:
-                    finished = True
-                yield chunk
+            stream = self._decode(decode, request_id, decode_prompt, handle, sampling,
+                                  max_tokens, first is None)
+            async with contextlib.aclosing(stream):  # closing us closes the decode call now
+                async for chunk in stream:
+                    if chunk.finish_reason is not None:
+                        finished = True
+                    yield chunk
         finally:
             if not finished:
                 self._abort_later(request_id, involved)
@@ -175,10 +179,12 @@ class PDDispatcher:
         task.add_done_callback(self._cleanups.discard)
 
     async def _abort(self, request_id: str, workers: list[WorkerClient]) -> None:
-        for worker in workers:
-            try:
-                await worker.stub.Abort(pb.AbortRequest(request_id=request_id),
-                                        timeout=_ABORT_TIMEOUT_S)
-            except grpc.aio.AioRpcError as exc:
-                logger.warning("abort of %s on %s failed: %s", request_id,
-                               worker.state.endpoint, exc.code().name)
+        await asyncio.gather(*(self._abort_one(request_id, w) for w in workers))
+
+    async def _abort_one(self, request_id: str, worker: WorkerClient) -> None:
+        try:
+            await worker.stub.Abort(pb.AbortRequest(request_id=request_id),
+                                    timeout=_ABORT_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("abort of %s on %s failed: %s", request_id,
+                           worker.state.endpoint, exc.code().name)
