@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--transport", default=_env("transport", "tcp"), choices=TRANSPORTS)
     up.add_argument("--kv-cache-gib", type=int, default=int(_env("kv-cache-gib", 2)))
     up.add_argument("--placement", default=_env("placement", "round_robin"))
+    up.add_argument("--cpu-layout", default=_env("cpu-layout", "shared"),
+                    choices=("shared", "split"),
+                    help="CPU only: engines share all cores (default) or split them")
     up.add_argument("--startup-timeout-s", type=float, default=float(_env("startup-timeout-s",
                                                                           600)))
 
@@ -149,7 +152,7 @@ def _run(args: argparse.Namespace) -> int:
         num_prefill=args.num_prefill, num_decode=args.num_decode, transport=args.transport,
         max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
         placement=args.placement, startup_timeout_s=args.startup_timeout_s,
-        log_level=args.log_level,
+        log_level=args.log_level, cpu_layout=args.cpu_layout,
     ))
 
 

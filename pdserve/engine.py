@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pdserve.kv_transfer.config import ConnectorConfig
@@ -95,6 +96,25 @@ def _stat_logger_factory(counters: EngineCounters) -> Any:
     return CountersLogger
 
 
+def resolve_dtype(dtype: str) -> str:
+    """``auto`` on a CPU without native bf16 (no AVX512-BF16/AMX) means float32.
+
+    vLLM's CPU backend picks bfloat16 for ``auto``; on AVX2-only machines bf16 is
+    emulated and prefill runs about twice as slow as float32.
+    """
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    if torch.cuda.is_available():
+        return dtype
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return dtype
+    return dtype if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
+
+
 def build_engine(config: EngineConfig, counters: EngineCounters) -> AsyncLLM:
     """Start the engine (blocks ~20-40 s on CPU). Call from a ``__main__``-guarded process."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -116,7 +136,7 @@ def build_engine(config: EngineConfig, counters: EngineCounters) -> AsyncLLM:
     args = AsyncEngineArgs(
         model=config.model_path,
         served_model_name=[config.served_model_name],
-        dtype=config.dtype,
+        dtype=resolve_dtype(config.dtype),
         max_model_len=config.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
         kv_transfer_config=kv_config,

