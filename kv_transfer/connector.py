@@ -108,7 +108,7 @@ class PdserveConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta()
+        return self._scheduler.build_connector_meta(scheduler_output.total_num_scheduled_tokens)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

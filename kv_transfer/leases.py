@@ -29,8 +29,11 @@ class _Lease:
 
 
 class LeaseTable:
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.time, on_end: Callable[[], None] | None = None
+    ) -> None:
         self._clock = clock
+        self._on_end = on_end  # called (under the lock) whenever a lease ends
         self._cond = threading.Condition()
         self._held: dict[str, _Lease] = {}
         self._ended: dict[str, tuple[float, str]] = {}  # id -> (when, why)
@@ -41,6 +44,8 @@ class LeaseTable:
         with self._cond:
             if request_id in self._ended:  # released before its lease arrived
                 self._done.add(request_id)
+                if self._on_end is not None:
+                    self._on_end()
                 return
             self._held[request_id] = _Lease(tuple(block_ids), deadline)
             self._cond.notify_all()
@@ -112,6 +117,11 @@ class LeaseTable:
         return done
 
     @property
+    def has_done(self) -> bool:
+        with self._cond:
+            return bool(self._done)
+
+    @property
     def num_held(self) -> int:
         with self._cond:
             return len(self._held)
@@ -121,6 +131,8 @@ class LeaseTable:
         self._ended[request_id] = (self._clock(), why)
         self._done.add(request_id)
         self._cond.notify_all()
+        if self._on_end is not None:
+            self._on_end()
 
     def _raise_if_ended(self, request_id: str) -> None:
         if request_id in self._ended:

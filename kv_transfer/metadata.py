@@ -78,3 +78,5 @@ class PdserveConnectorMetadata(KVConnectorMetadata):
     leases: dict[str, LeaseSpec] = field(default_factory=dict)
     loads: dict[str, LoadSpec] = field(default_factory=dict)
     releases: list[KVHandle] = field(default_factory=list)
+    # Nothing is scheduled this step: the engine only steps to learn about transfers.
+    idle: bool = False

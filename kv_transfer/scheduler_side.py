@@ -100,6 +100,7 @@ class SchedulerSide:
         )
         return True, handle.to_params()
 
-    def build_connector_meta(self) -> PdserveConnectorMetadata:
+    def build_connector_meta(self, num_scheduled_tokens: int) -> PdserveConnectorMetadata:
         meta, self._meta = self._meta, PdserveConnectorMetadata()
+        meta.idle = num_scheduled_tokens == 0
         return meta

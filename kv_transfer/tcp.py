@@ -17,6 +17,7 @@ import torch
 from .base import PeerAddress
 from .layout import KVLayout, as_bytes, chunk_views, paired_runs
 from .leases import LeaseError, LeaseTable
+from .threads import unpin_current_thread
 from .wire import (
     PROTOCOL_VERSION,
     TransferError,
@@ -101,6 +102,7 @@ class TcpTransport:
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
+        unpin_current_thread()
         while not self._stop.is_set():
             try:
                 conn, _ = self._listener.accept()
@@ -114,6 +116,7 @@ class TcpTransport:
             ).start()
 
     def _serve_conn(self, conn: socket.socket) -> None:
+        unpin_current_thread()
         verified = False
         with conn:
             try:
