@@ -150,10 +150,6 @@ class PdserveConnector(KVConnectorBase_V1):
             finished_sending=sending, finished_recving=recving, failed_recving=failed
         )
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        results = self.get_transfer_results(finished_req_ids)
-        return results.finished_sending, results.finished_recving
-
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None:  # the scheduler side asks too; it has none of its own
             return None

@@ -9,8 +9,6 @@ or more outer dims"; each (outer index, block) slice is one contiguous chunk.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -74,10 +72,6 @@ class KVLayout:
             "num_outer": self.layers[0].num_outer,
             "dtype": self.layers[0].dtype,
         }
-
-    def fingerprint(self) -> str:
-        blob = json.dumps(self.describe(), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def _block_dim(name: str, tensor: torch.Tensor, num_blocks: int) -> int:

@@ -56,7 +56,6 @@ class EngineCounters:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
-    kv: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record(self, sched: SchedulerStats | None, it: IterationStats | None) -> None:
@@ -70,8 +69,6 @@ class EngineCounters:
                 self.num_running_reqs = sched.num_running_reqs
                 self.num_waiting_reqs = sched.num_waiting_reqs + sched.num_skipped_waiting_reqs
                 self.kv_cache_usage = sched.kv_cache_usage
-                for key, value in (sched.kv_connector_stats or {}).items():
-                    self.kv[key] = self.kv.get(key, 0) + int(value)
 
 
 def _stat_logger_factory(counters: EngineCounters) -> Any:

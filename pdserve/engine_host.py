@@ -140,10 +140,6 @@ class EngineHost:
             await asyncio.to_thread(self._release, handle)
         return found
 
-    def forget_lease(self, request_id: str) -> None:
-        """The decode pulled (or the lease expired): nothing left to release."""
-        self._leases.pop(request_id, None)
-
     def kv_status(self) -> dict[str, Any]:
         """The connector's own counters, from its KV endpoint in the Worker process."""
         cfg = self.config.connector

@@ -18,16 +18,9 @@ from unit.fakes import (
     asgi_openai_client,
     chat_body,
     cmpl_body,
-    default_tokenizer,
     make_router_app,
     sse_payloads,
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return default_tokenizer()
-
 
 ANSWER = " Paris is the capital of France. It is known for the Eiffel Tower."
 MULTIBYTE = " 你好，世界！🙂 Emoji 👍🏽 and 日本語のテキスト."

@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pdserve.router.detokenize import IncrementalDetokenizer, StopStringMatcher
-from unit.fakes import default_tokenizer
 
 TEXTS = [
     "Plain ASCII, with punctuation: done.",
@@ -16,11 +15,6 @@ TEXTS = [
     "naïve café — Ω≈ç√ 𝄞 👨‍👩‍👧‍👦 family",
     "code:\n\tdef f(x):\n\t\treturn x  # ok\n",
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return default_tokenizer()
 
 
 def stream(detokenizer: IncrementalDetokenizer, ids: list[int], step: int) -> list[str]:

@@ -17,16 +17,10 @@ from unit.fakes import (
     FakeDispatcher,
     chat_body,
     cmpl_body,
-    default_tokenizer,
     make_router_app,
     serve_in_thread,
     wait_until,
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return default_tokenizer()
 
 
 @pytest.fixture()

@@ -15,16 +15,10 @@ from unit.fakes import (
     asgi_http_client,
     chat_body,
     cmpl_body,
-    default_tokenizer,
     make_router_app,
 )
 
 C, CHAT = COMPLETIONS, CHAT_COMPLETIONS  # short names keep the table readable
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return default_tokenizer()
 
 
 BAD_INPUTS = [
