@@ -18,10 +18,20 @@ class ConnectorConfig:
     lease_s: float = 30.0
     transfer_timeout_s: float = 30.0
     pull_threads: int = 4
+    # Layer-wise push: a prefill sends each layer's blocks to the decode the router
+    # named while its forward pass runs; decodes keep pushed KV in a bounded inbox.
+    push: bool = True
+    push_inbox_mib: int = 1024
+    # How long a decode waits for pushed KV to be complete before pulling instead.
+    push_wait_s: float = 5.0
+    # CRC32 over every transfer's bytes, checked by the receiver.
+    checksum: bool = False
 
     def __post_init__(self) -> None:
-        if self.lease_s <= 0 or self.transfer_timeout_s <= 0:
-            raise ValueError("lease_s and transfer_timeout_s must be > 0")
+        if self.lease_s <= 0 or self.transfer_timeout_s <= 0 or self.push_wait_s <= 0:
+            raise ValueError("lease_s, transfer_timeout_s and push_wait_s must be > 0")
+        if self.push_inbox_mib < 0:
+            raise ValueError("push_inbox_mib must be >= 0")
         if not 0 <= self.kv_port < 65536:
             raise ValueError(f"kv_port {self.kv_port} out of range")
 

@@ -108,7 +108,7 @@ class PdserveConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output.total_num_scheduled_tokens)
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -129,7 +129,9 @@ class PdserveConnector(KVConnectorBase_V1):
         self._worker.start_step(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # pull mode: loads complete before the request is scheduled
+        # Loads (pulled, or pushed layer by layer into the inbox) complete before
+        # the request is scheduled: a step never waits on the network.
+        return
 
     def save_kv_layer(
         self,
@@ -138,7 +140,10 @@ class PdserveConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        return  # pull mode: decode reads the blocks after prefill finished
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PdserveConnectorMetadata)
+        self._worker.save_layer(layer_name, meta)
 
     def wait_for_save(self) -> None:
         return

@@ -18,9 +18,11 @@ from vllm.v1.request import RequestStatus
 
 from .config import ConnectorConfig
 from .metadata import KVHandle, LeaseSpec, LoadSpec, PdserveConnectorMetadata
+from .push_plan import PushPlanner
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger("pdserve.kv_transfer.scheduler")
@@ -31,6 +33,7 @@ class SchedulerSide:
         self._config = config
         self._block_size = block_size
         self._meta = PdserveConnectorMetadata()
+        self._push = PushPlanner(block_size)
 
     # ---- decode ----------------------------------------------------------------
 
@@ -67,7 +70,9 @@ class SchedulerSide:
                 f"request {request.request_id}: cannot map {num_pull} remote blocks "
                 f"(remote has {len(handle.block_ids)}, local allocated {len(dst)})"
             )
-        self._meta.loads[request.request_id] = LoadSpec(handle, tuple(src), tuple(dst))
+        self._meta.loads[request.request_id] = LoadSpec(
+            handle, tuple(src), tuple(dst), first_position=num_local
+        )
 
     # ---- prefill ---------------------------------------------------------------
 
@@ -75,6 +80,7 @@ class SchedulerSide:
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
+        pushed_to = self._push.forget(request.request_id)
         if not params:
             return False, None
         if params.get("do_remote_prefill"):  # decode request aborted before allocation
@@ -84,6 +90,8 @@ class SchedulerSide:
         if not params.get("do_remote_decode"):
             return False, None
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
+            if pushed_to is not None:  # free the decode's inbox now, not at expiry
+                self._meta.push_cancels.append(pushed_to)
             return False, None  # stopped at its first token, or aborted: nothing to hand over
         deadline = time.time() + self._config.lease_s
         self._meta.leases[request.request_id] = LeaseSpec(tuple(block_ids), deadline)
@@ -95,12 +103,15 @@ class SchedulerSide:
             transport=self._config.transport,
             host=self._config.kv_host,
             port=self._config.kv_port,
-            transfer_id=uuid.uuid4().hex,
+            transfer_id=pushed_to.transfer_id if pushed_to else uuid.uuid4().hex,
             lease_deadline_unix_ns=int(deadline * 1e9),
+            pushed=pushed_to is not None,
         )
         return True, handle.to_params()
 
-    def build_connector_meta(self, num_scheduled_tokens: int) -> PdserveConnectorMetadata:
+    def build_connector_meta(self, so: SchedulerOutput) -> PdserveConnectorMetadata:
         meta, self._meta = self._meta, PdserveConnectorMetadata()
-        meta.idle = num_scheduled_tokens == 0
+        meta.idle = so.total_num_scheduled_tokens == 0
+        if self._push.num_tracked or so.scheduled_new_reqs:
+            meta.pushes = self._push.plan(so)
         return meta

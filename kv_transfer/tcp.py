@@ -9,7 +9,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -17,6 +17,8 @@ import torch
 from .base import PeerAddress
 from .layout import KVLayout, as_bytes, chunk_views, paired_runs
 from .leases import LeaseError, LeaseTable
+from .push_inbox import PushInbox
+from .push_wire import layer_chunks, send_push, serve_push, serve_push_abort
 from .threads import unpin_current_thread
 from .wire import (
     PROTOCOL_VERSION,
@@ -43,8 +45,13 @@ _SOCK_BUF = 4 << 20
 
 class TcpTransport:
     name: ClassVar[str] = "tcp"
+    supports_push: ClassVar[bool] = True
 
     def __init__(self) -> None:
+        # Where pushed KV lands on a decode worker (set before ``start``).
+        self.inbox: PushInbox | None = None
+        # More counters for the ``status`` op (the connector's load statistics).
+        self.extra_status: Callable[[], dict[str, int]] | None = None
         self._kv: list[torch.Tensor] = []
         self._layout: KVLayout | None = None
         self._leases: LeaseTable | None = None
@@ -134,8 +141,12 @@ class TcpTransport:
                         self._on_release(conn, msg)
                     elif op == "pull" and verified:
                         self._on_pull(conn, msg)
-                    elif op == "pull":
-                        send_msg(conn, {"ok": False, "error": "handshake required before pull"})
+                    elif op == "push" and verified:
+                        self._count(bytes_received=serve_push(conn, msg, self.inbox))
+                    elif op == "push_abort":
+                        serve_push_abort(conn, msg, self.inbox)
+                    elif op in ("pull", "push"):
+                        send_msg(conn, {"ok": False, "error": f"handshake required before {op}"})
                     else:
                         send_msg(conn, {"ok": False, "error": f"unknown op {op!r}"})
             except (OSError, TransferError, ValueError) as exc:  # incl. idle timeout
@@ -144,7 +155,9 @@ class TcpTransport:
     def _status(self) -> dict[str, Any]:
         held = self._leases.num_held if self._leases is not None else 0
         expired = self._leases.num_expired if self._leases is not None else 0
-        return {"ok": True, **self.stats(), "num_leases": held, "leases_expired": expired}
+        extra = self.extra_status() if self.extra_status is not None else {}
+        return {"ok": True, **self.stats(), **extra, "num_leases": held,
+                "leases_expired": expired}
 
     def _on_hello(self, conn: socket.socket, msg: dict[str, Any]) -> bool:
         problem = compare_compat(self._compat, msg.get("compat", {}))
@@ -231,6 +244,48 @@ class TcpTransport:
         self._count(bytes_received=received, transfers_completed=1,
                     transfer_time_ns=time.perf_counter_ns() - start)
         return received
+
+    def push(
+        self,
+        peer: PeerAddress,
+        transfer_id: str,
+        layer: int,
+        first_position: int,
+        block_ids: Sequence[int],
+        num_blocks: int,
+        final: bool,
+        deadline: float,
+        checksum: bool = False,
+    ) -> int:
+        """Send our ``block_ids`` of one layer into the peer's push inbox at
+        positions ``first_position …`` of transfer ``transfer_id``."""
+        assert self._layout is not None
+        chunks = layer_chunks(self._kv[layer], self._layout.layers[layer], block_ids)
+        header = {"xfer": transfer_id, "layer": layer, "first": first_position,
+                  "count": len(block_ids), "num_blocks": num_blocks, "final": final}
+        conn = self._checkout_conn(peer, deadline)
+        try:
+            set_deadline(conn, deadline)
+            sent = send_push(conn, header, chunks, checksum)
+        except (OSError, TransferError) as exc:
+            conn.close()
+            if isinstance(exc, TransferError):
+                raise
+            raise TransferError(f"push of {transfer_id} to {peer} failed: {exc}") from exc
+        self._checkin_conn(peer, conn)
+        self._count(bytes_sent=sent)
+        return sent
+
+    def push_abort(self, peer: PeerAddress, transfer_id: str, why: str, deadline: float) -> None:
+        conn = self._checkout_conn(peer, deadline)
+        try:
+            set_deadline(conn, deadline)
+            send_msg(conn, {"op": "push_abort", "xfer": transfer_id, "why": why})
+            check_reply(recv_msg(conn), f"push abort of {transfer_id}")
+        except (OSError, TransferError) as exc:
+            conn.close()
+            raise TransferError(f"push abort on {peer} failed: {exc}") from exc
+        self._checkin_conn(peer, conn)
 
     def release(self, peer: PeerAddress, remote_request_id: str, deadline: float) -> None:
         conn = self._checkout_conn(peer, deadline)

@@ -20,6 +20,8 @@ from .config import ConnectorConfig
 from .layout import KVLayout
 from .leases import LeaseTable
 from .metadata import KVHandle, LoadSpec, PdserveConnectorMetadata
+from .push_inbox import PushInbox
+from .push_sender import PushSender
 from .threads import unpin_current_thread
 from .wire import TransferError
 
@@ -51,11 +53,30 @@ class WorkerSide:
         )
         self._pulls: dict[str, Future[int]] = {}
         self._last_stats: dict[str, int] = {}
+        self._kv: list[torch.Tensor] = []
+        self._layer_index: dict[str, int] = {}
+        self._inbox: PushInbox | None = None
+        self._sender: PushSender | None = None
+        # Decode-side load counters: the load is what a decode request waits for.
+        self._load_stats = dict.fromkeys(
+            ("loads", "load_time_ns", "push_loads", "push_fallbacks"), 0)
+        self._load_lock = threading.Lock()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = KVLayout.from_kv_caches(kv_caches, self._num_blocks, self._block_size)
         compat = dict(self._compat, layout=layout.describe())
         port = self._config.kv_port + self._tp_rank if self._config.kv_port else 0
+        self._kv = list(kv_caches.values())
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        if self._config.push and getattr(self._transport, "supports_push", False):
+            self._inbox = PushInbox(layout, self._config.push_inbox_mib << 20, self._config.lease_s)
+            self._transport.inbox = self._inbox  # type: ignore[attr-defined]
+        if hasattr(self._transport, "extra_status"):
+            self._transport.extra_status = self._status_extra
+            self._sender = PushSender(
+                self._transport,  # type: ignore[arg-type]
+                self._tp_rank, self._config.transfer_timeout_s, self._config.checksum,
+            )
         bound = self._transport.start(
             kv_caches=list(kv_caches.values()),
             layout=layout,
@@ -75,11 +96,19 @@ class WorkerSide:
         for req_id, lease in meta.leases.items():
             self._leases.add(req_id, lease.block_ids, lease.deadline)
         for req_id, load in meta.loads.items():
-            future = self._pool.submit(self._pull, req_id, load)
+            future = self._pool.submit(self._load, req_id, load)
             future.add_done_callback(lambda _: self._progress.set())
             self._pulls[req_id] = future
         for handle in meta.releases:
             self._pool.submit(self._release, handle)
+        if meta.push_cancels and self._sender is not None:
+            self._sender.cancel(meta.push_cancels)
+
+    def save_layer(self, layer_name: str, meta: PdserveConnectorMetadata) -> None:
+        """Push this layer of every request this step computes for a remote decode."""
+        if meta.pushes and self._sender is not None:
+            layer = self._layer_index[layer_name]
+            self._sender.submit(meta.pushes, layer, self._kv[layer].device)
 
     def poll(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last poll.
@@ -90,6 +119,8 @@ class WorkerSide:
         """
         self._progress.clear()
         self._leases.expire()
+        if self._inbox is not None:
+            self._inbox.expire()
         busy = self._leases.num_held or self._pulls
         ready = self._leases.has_done or any(f.done() for f in self._pulls.values())
         if self._idle and busy and not ready:
@@ -105,22 +136,49 @@ class WorkerSide:
         return sending, recving, failed
 
     def stats_delta(self) -> dict[str, int] | None:
-        now = dict(self._transport.stats(), leases_expired=self._leases.num_expired)
+        now = dict(self._transport.stats(), leases_expired=self._leases.num_expired,
+                   **self._status_extra())
         now.pop("inflight_pulls", None)  # a gauge, not a counter
         delta = {k: v - self._last_stats.get(k, 0) for k, v in now.items()}
         self._last_stats = now
         return delta if any(delta.values()) else None
 
+    def _status_extra(self) -> dict[str, int]:
+        with self._load_lock:
+            out = dict(self._load_stats)
+        if self._sender is not None:
+            out.update(layers_pushed=self._sender.num_layers_pushed,
+                       pushes_failed=self._sender.num_pushes_failed)
+        return out
+
+    def _count_load(self, **deltas: int) -> None:
+        with self._load_lock:
+            for key, value in deltas.items():
+                self._load_stats[key] += value
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._sender is not None:
+            self._sender.close()
         self._transport.close()
 
     def _peer(self, handle: KVHandle) -> PeerAddress:
         return PeerAddress(handle.host, handle.port + self._tp_rank)
 
+    def _load(self, req_id: str, load: LoadSpec) -> int:
+        start = time.perf_counter_ns()
+        try:
+            return self._pull(req_id, load)
+        finally:
+            self._count_load(loads=1, load_time_ns=time.perf_counter_ns() - start)
+
     def _pull(self, req_id: str, load: LoadSpec) -> int:
         deadline = time.monotonic() + self._config.transfer_timeout_s
         handle = load.handle
+        if handle.pushed and self._inbox is not None:
+            nbytes = self._take_pushed(req_id, load, deadline)
+            if nbytes is not None:
+                return nbytes
         try:
             nbytes = self._transport.pull(
                 self._peer(handle), handle.remote_request_id, load.src_block_ids,
@@ -130,6 +188,21 @@ class WorkerSide:
             logger.warning("KV pull for %s from %s failed: %s", req_id, self._peer(handle), exc)
             raise
         logger.debug("pulled %d bytes for %s (transfer %s)", nbytes, req_id, handle.transfer_id)
+        return nbytes
+
+    def _take_pushed(self, req_id: str, load: LoadSpec, deadline: float) -> int | None:
+        """Copy pushed KV into our blocks; None if it is not usable (then pull)."""
+        assert self._inbox is not None
+        wait_until = min(deadline, time.monotonic() + self._config.push_wait_s)
+        try:
+            nbytes = self._inbox.load(load.handle.transfer_id, self._kv, load.first_position,
+                                      load.dst_block_ids, wait_until)
+        except TransferError as exc:
+            self._count_load(push_fallbacks=1)
+            logger.warning("pushed KV for %s unusable, pulling: %s", req_id, exc)
+            return None
+        self._count_load(push_loads=1)
+        self._pool.submit(self._release, load.handle)  # the prefill's lease ends
         return nbytes
 
     def _release(self, handle: KVHandle) -> None:

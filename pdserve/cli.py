@@ -48,6 +48,14 @@ def _add_worker(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--worker-id", default=_env("worker-id", None))
     p.add_argument("--compile", action="store_true",
                    help="use torch.compile (slow start on CPU; default: eager)")
+    _add_kv_push(p)
+
+
+def _add_kv_push(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-push", action=argparse.BooleanOptionalAction,
+                   default=str(_env("kv-push", "1")).lower() not in ("0", "false", "no"),
+                   help="prefill pushes KV layer by layer to the decode while computing "
+                        "(default on; --no-kv-push: decode pulls after prefill)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--cpu-layout", default=_env("cpu-layout", "shared"),
                     choices=("shared", "split"),
                     help="CPU only: engines share all cores (default) or split them")
+    _add_kv_push(up)
     up.add_argument("--startup-timeout-s", type=float, default=float(_env("startup-timeout-s",
                                                                           600)))
 
@@ -125,7 +134,7 @@ def _run(args: argparse.Namespace) -> int:
             engine_id=worker_id, transport=args.transport,
             kv_host=args.kv_host or (args.host if args.host != "0.0.0.0" else "127.0.0.1"),
             kv_port=args.kv_port or args.port + 1000, kv_bind_host=args.host,
-            lease_s=args.lease_s,
+            lease_s=args.lease_s, push=args.kv_push,
         )
         config = EngineConfig(
             model_path=str(model.path), served_model_name=model.served_name, role=args.command,
@@ -152,7 +161,7 @@ def _run(args: argparse.Namespace) -> int:
         num_prefill=args.num_prefill, num_decode=args.num_decode, transport=args.transport,
         max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
         placement=args.placement, startup_timeout_s=args.startup_timeout_s,
-        log_level=args.log_level, cpu_layout=args.cpu_layout,
+        log_level=args.log_level, cpu_layout=args.cpu_layout, kv_push=args.kv_push,
     ))
 
 

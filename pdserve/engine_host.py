@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdserve.engine import EngineConfig, EngineCounters, build_engine
-from pdserve.kv_transfer.metadata import KVHandle
+from pdserve.kv_transfer.metadata import KVHandle, PushTarget
+from pdserve.kv_transfer.push_plan import PUSH_TRANSPORTS
 from pdserve.kv_transfer.wire import TransferError, request_once
 from pdserve.router.types import SamplingSpec
 
@@ -51,6 +52,12 @@ class EngineHost:
         return self.engine is not None
 
     @property
+    def kv_push(self) -> bool:
+        """Whether this worker sends (prefill) or accepts (decode) layer-wise push."""
+        cfg = self.config.connector
+        return cfg.push and cfg.transport in PUSH_TRANSPORTS
+
+    @property
     def num_inflight(self) -> int:
         return len(self._inflight)
 
@@ -83,6 +90,7 @@ class EngineHost:
         prompt_token_ids: list[int],
         sampling: SamplingSpec,
         kv_handle: KVHandle | None,
+        push_target: PushTarget | None = None,
     ) -> AsyncIterator[PhaseOutput]:
         if self.engine is None:
             raise RuntimeError("engine is not ready")
@@ -94,6 +102,9 @@ class EngineHost:
         params: dict[str, Any] | None = None
         if hold_kv:
             params = {"do_remote_decode": True}
+            if push_target is not None and self.kv_push:
+                params["push"] = {"host": push_target.host, "port": push_target.port,
+                                  "transfer_id": push_target.transfer_id}
         elif phase == "decode" and kv_handle is not None:
             params = dict(kv_handle.to_params(), do_remote_prefill=True)
         sp = SamplingParams(

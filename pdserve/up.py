@@ -47,6 +47,7 @@ class UpConfig:
     startup_timeout_s: float = 600.0
     log_level: str = "INFO"
     cpu_layout: str = "shared"
+    kv_push: bool = True
 
     def __post_init__(self) -> None:
         if self.num_decode < 1 or self.num_prefill < 0:
@@ -111,6 +112,8 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
                          "--kv-cache-gib", str(cfg.kv_cache_gib), "--worker-id", f"{role}-{i}"]
             if cores[i]:
                 argv += ["--cpu-cores", cores[i]]
+            if not cfg.kv_push:
+                argv += ["--no-kv-push"]
             endpoints[role].append(f"127.0.0.1:{port}")
             children.append(Child(f"{role}-{i}", argv, log_dir / f"{role}-{i}.log",
                                   f"grpc:127.0.0.1:{port}"))

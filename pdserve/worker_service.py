@@ -11,7 +11,7 @@ import logging
 import grpc
 
 from pdserve.engine_host import EngineHost, PhaseOutput
-from pdserve.kv_transfer.metadata import KVHandle
+from pdserve.kv_transfer.metadata import KVHandle, PushTarget
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.router.types import SamplingSpec
@@ -34,6 +34,7 @@ def handle_to_pb(h: KVHandle) -> pb.KvHandle:
         engine_id=h.engine_id, remote_request_id=h.remote_request_id, block_ids=h.block_ids,
         num_tokens=h.num_tokens, transport=h.transport, host=h.host, port=h.port,
         transfer_id=h.transfer_id, lease_deadline_unix_ns=h.lease_deadline_unix_ns,
+        pushed=h.pushed,
     )
 
 
@@ -42,7 +43,7 @@ def handle_from_pb(h: pb.KvHandle) -> KVHandle:
         engine_id=h.engine_id, remote_request_id=h.remote_request_id,
         block_ids=tuple(h.block_ids), num_tokens=h.num_tokens, transport=h.transport,
         host=h.host, port=h.port, transfer_id=h.transfer_id,
-        lease_deadline_unix_ns=h.lease_deadline_unix_ns,
+        lease_deadline_unix_ns=h.lease_deadline_unix_ns, pushed=h.pushed,
     )
 
 
@@ -75,10 +76,14 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             await context.abort(*problem)
         assert phase is not None
         handle = handle_from_pb(request.kv_handle) if request.HasField("kv_handle") else None
+        push = None
+        if request.HasField("kv_push_target"):
+            t = request.kv_push_target
+            push = PushTarget(t.host, t.port, t.transfer_id)
         try:
             async for out in self._host.generate(
                 request.request_id, phase, list(request.prompt_token_ids),
-                sampling_from_pb(request.sampling), handle,
+                sampling_from_pb(request.sampling), handle, push,
             ):
                 yield _to_pb(out)
         except asyncio.CancelledError:
@@ -99,6 +104,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             model=cfg.served_model_name, dtype=ident["dtype"], block_size=ident["block_size"],
             max_model_len=cfg.max_model_len, transport=cfg.connector.transport,
             compatibility_hash=ident["compatibility_hash"],
+            kv_host=cfg.connector.kv_host, kv_port=cfg.connector.kv_port,
+            kv_push=self._host.kv_push,
         )
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext):  # noqa: N802
@@ -121,6 +128,12 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 kv_transfer_time_ns=int(status.get("transfer_time_ns", 0)),
                 num_inflight_reqs=self._host.num_inflight,
                 kv_leases_expired=int(status.get("leases_expired", 0)),
+                kv_loads=int(status.get("loads", 0)),
+                kv_load_time_ns=int(status.get("load_time_ns", 0)),
+                kv_push_loads=int(status.get("push_loads", 0)),
+                kv_push_fallbacks=int(status.get("push_fallbacks", 0)),
+                kv_layers_pushed=int(status.get("layers_pushed", 0)),
+                kv_pushes_failed=int(status.get("pushes_failed", 0)),
             )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -56,6 +57,14 @@ def _sampling_pb(spec: SamplingSpec, max_tokens: int) -> pb.SamplingParams:
     return msg
 
 
+def _push_target(prefill: WorkerClient, decode: WorkerClient) -> pb.KvPushTarget | None:
+    """Have prefill push the KV layer by layer to decode, when both support it."""
+    p, d = prefill.state, decode.state
+    if not (p.kv_push and d.kv_push and d.kv_port):
+        return None
+    return pb.KvPushTarget(host=d.kv_host, port=d.kv_port, transfer_id=uuid.uuid4().hex)
+
+
 class PDDispatcher:
     def __init__(
         self, pool: WorkerPool, placement: Placement, registry: CollectorRegistry,
@@ -91,7 +100,8 @@ class PDDispatcher:
             first: pb.GenerateResponse | None = None
             if prefill is not None:
                 involved.append(prefill)
-                first = await self._prefill(prefill, request_id, prompt_token_ids, sampling)
+                first = await self._prefill(prefill, request_id, prompt_token_ids, sampling,
+                                            _push_target(prefill, decode))
             if first is None:
                 self._metrics.fallbacks.inc()
                 decode_prompt, handle = list(prompt_token_ids), None
@@ -122,12 +132,15 @@ class PDDispatcher:
                 self._abort_later(request_id, involved)
 
     async def _prefill(
-        self, worker: WorkerClient, request_id: str, prompt: Sequence[int], spec: SamplingSpec
+        self, worker: WorkerClient, request_id: str, prompt: Sequence[int], spec: SamplingSpec,
+        push_to: pb.KvPushTarget | None,
     ) -> pb.GenerateResponse | None:
         """The prefill's one response, or None if prefill failed (decode falls back)."""
         req = pb.GenerateRequest(request_id=request_id, phase=pb.PHASE_PREFILL,
                                  prompt_token_ids=prompt,
                                  sampling=_sampling_pb(spec, spec.max_tokens))
+        if push_to is not None:
+            req.kv_push_target.CopyFrom(push_to)
         worker.state.num_assigned += 1
         try:
             last: pb.GenerateResponse | None = None

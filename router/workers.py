@@ -34,6 +34,10 @@ class WorkerState:
     worker_id: str = ""
     compatibility_hash: str = ""
     max_model_len: int = 0
+    # KV endpoint, and whether the worker sends/accepts layer-wise push.
+    kv_host: str = ""
+    kv_port: int = 0
+    kv_push: bool = False
     load: WorkerLoad = field(default_factory=WorkerLoad)
     # Requests this router has sent and not seen finish (fresher than GetLoad).
     num_assigned: int = 0
@@ -66,6 +70,8 @@ class WorkerClient:
         self.state.worker_id = health.worker_id
         self.state.compatibility_hash = health.compatibility_hash
         self.state.max_model_len = health.max_model_len
+        self.state.kv_host, self.state.kv_port = health.kv_host, health.kv_port
+        self.state.kv_push = health.kv_push
         self.state.load = WorkerLoad(load.num_running_reqs, load.num_waiting_reqs,
                                      load.kv_cache_usage, load.num_inflight_reqs)
 

@@ -52,6 +52,34 @@ def serve_kv(seed: int, dtype_name: str, leases: dict[str, list[int]], ready: mp
     transport.close()
 
 
+def push_kv(seed: int, dtype_name: str, port: int, transfer_id: str,
+            pushes: list[tuple[int, int, list[int], bool]], num_blocks: int, checksum: bool,
+            done: mp.Queue) -> None:  # type: ignore[valid-type]
+    """A prefill's side of layer-wise push: send (layer, first position, our block
+    ids, final) to the push inbox at ``port``; puts None or the error text."""
+    from pdserve.kv_transfer.base import PeerAddress
+    from pdserve.kv_transfer.wire import TransferError
+
+    dtype = getattr(torch, dtype_name)
+    caches = make_caches(seed, dtype)
+    transport = create_transport("tcp")
+    transport.start(
+        kv_caches=list(caches.values()),
+        layout=KVLayout.from_kv_caches(caches, NUM_BLOCKS, 16),
+        leases=LeaseTable(), compat=compat(dtype), host="127.0.0.1", port=0,
+    )
+    peer = PeerAddress("127.0.0.1", port)
+    try:
+        for layer, first, block_ids, final in pushes:
+            transport.push(peer, transfer_id, layer, first, block_ids, num_blocks, final,
+                           time.monotonic() + 10, checksum)
+        done.put(None)
+    except TransferError as exc:
+        done.put(str(exc))
+    finally:
+        transport.close()
+
+
 @dataclass
 class Server:
     base_url: str

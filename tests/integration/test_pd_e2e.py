@@ -14,12 +14,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve_testing import Server, wait_until
 
 pytestmark = pytest.mark.integration
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 128
+NUM_LAYERS = 30  # SmolLM2-135M
 LONG = " ".join(f"Fact {i}: the river by the old mill runs north in spring." for i in range(45))
 
 
@@ -140,8 +142,31 @@ def test_prefill_holds_no_blocks_and_no_transfer_is_pending_after_requests(
                 and p.num_inflight_reqs == 0 and d.num_inflight_reqs == 0)
 
     assert wait_until(settled, timeout_s=15)
-    prefill = pd_server.load("prefill")
-    assert prefill.kv_transfers_completed >= 3 and prefill.kv_leases_expired == 0
+    prefill, decode = pd_server.load("prefill"), pd_server.load("decode")
+    assert decode.kv_loads >= 3 and prefill.kv_leases_expired == 0
+    # Every load ended the prefill's lease: pulled, or taken from the push inbox.
+    assert prefill.kv_transfers_completed + decode.kv_push_loads >= 3
+
+
+def test_prefill_pushes_layer_by_layer_and_decode_takes_the_push(pd_server: Server) -> None:
+    """The default (tcp, --kv-push): KV moves while prefill computes; nothing is pulled."""
+    client = openai.OpenAI(base_url=pd_server.base_url, api_key="none", timeout=120)
+    p0, d0 = pd_server.load("prefill"), pd_server.load("decode")
+    client.completions.create(model=MODEL, prompt="push: " + LONG, max_tokens=3, temperature=0)
+
+    def loaded() -> tuple[pb.GetLoadResponse, pb.GetLoadResponse] | None:
+        p, d = pd_server.load("prefill"), pd_server.load("decode")
+        return (p, d) if d.kv_loads > d0.kv_loads and p.num_pending_transfers == 0 else None
+
+    settled = wait_until(loaded, timeout_s=15)
+    assert settled is not None
+    p, d = settled
+    assert p.kv_layers_pushed - p0.kv_layers_pushed >= NUM_LAYERS  # every layer, at least once
+    assert p.kv_pushes_failed == p0.kv_pushes_failed
+    assert d.kv_push_loads - d0.kv_push_loads == 1
+    assert d.kv_push_fallbacks == d0.kv_push_fallbacks
+    assert p.kv_transfers_completed == p0.kv_transfers_completed, "decode pulled instead"
+    assert d.kv_bytes_received - d0.kv_bytes_received > 0
 
 
 BAD_INPUTS = [

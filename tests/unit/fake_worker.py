@@ -40,6 +40,9 @@ class WorkerScript:
     fail_code: grpc.StatusCode | None = None
     fail_after_tokens: int = 0
     compatibility_hash: str = "compat-a"
+    # Advertise layer-wise KV push, with this KV port.
+    kv_push: bool = False
+    kv_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class GenerateRecord:
     prompt_token_ids: tuple[int, ...]
     kv_handle: pb.KvHandle | None
     max_tokens: int
+    kv_push_target: pb.KvPushTarget | None = None
 
 
 @dataclass
@@ -70,9 +74,10 @@ class FakeWorkerServicer(pb_grpc.WorkerServiceServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         phase = _PHASES.get(request.phase, "")
         handle = request.kv_handle if request.HasField("kv_handle") else None
+        push = request.kv_push_target if request.HasField("kv_push_target") else None
         self.generates.append(GenerateRecord(
             request.request_id, phase, tuple(request.prompt_token_ids), handle,
-            request.sampling.max_tokens))
+            request.sampling.max_tokens, push))
         if phase != self.role:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"a {self.role} worker")
         self.inflight.add(request.request_id)
@@ -140,7 +145,8 @@ class FakeWorkerServicer(pb_grpc.WorkerServiceServicer):
         return pb.HealthResponse(
             ready=True, role=_ROLES[self.role], worker_id=f"fake-{self.role}-{id(self):x}",
             model="fake", dtype="float32", block_size=128, max_model_len=4096,
-            transport="tcp", compatibility_hash=self.script.compatibility_hash)
+            transport="tcp", compatibility_hash=self.script.compatibility_hash,
+            kv_host="127.0.0.1", kv_port=self.script.kv_port, kv_push=self.script.kv_push)
 
     async def GetLoad(  # noqa: N802 - gRPC method name
         self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext

@@ -131,6 +131,25 @@ async def test_prefill_then_decode_with_kv_handle(cluster: Cluster) -> None:
     assert cluster.fallbacks() == 0
 
 
+@pytest.mark.parametrize(("p_push", "d_push"), [(True, True), (True, False), (False, True)])
+async def test_prefill_pushes_to_the_chosen_decode_only_when_both_can(
+    cluster: Cluster, p_push: bool, d_push: bool
+) -> None:
+    cluster.p.script.kv_push = p_push
+    cluster.d.script.kv_push, cluster.d.script.kv_port = d_push, 6123
+    await cluster.pool.refresh_all()
+    await collect(cluster.dispatcher.generate("r1", PROMPT, spec(3)))
+    (p,) = cluster.p.generates
+    if p_push and d_push:
+        assert p.kv_push_target is not None
+        assert (p.kv_push_target.host, p.kv_push_target.port) == ("127.0.0.1", 6123)
+        assert len(p.kv_push_target.transfer_id) == 32
+    else:
+        assert p.kv_push_target is None
+    (d,) = cluster.d.generates
+    assert d.kv_handle is not None  # decode always gets the prefill's handle
+
+
 async def test_first_chunk_arrives_before_decode_produces(cluster: Cluster) -> None:
     """TTFT is the prefill time: t1 is yielded while decode has produced nothing yet."""
     gate = asyncio.Event()

@@ -57,7 +57,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("engine_id", "remote_request_id", "block_ids", "num_tokens", "transport", "host", "port", "transfer_id", "lease_deadline_unix_ns")
+    __slots__ = ("engine_id", "remote_request_id", "block_ids", "num_tokens", "transport", "host", "port", "transfer_id", "lease_deadline_unix_ns", "pushed")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class KvHandle(_message.Message):
     PORT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     remote_request_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -76,21 +77,34 @@ class KvHandle(_message.Message):
     port: int
     transfer_id: str
     lease_deadline_unix_ns: int
-    def __init__(self, engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., transport: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., transfer_id: _Optional[str] = ..., lease_deadline_unix_ns: _Optional[int] = ...) -> None: ...
+    pushed: bool
+    def __init__(self, engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., transport: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., transfer_id: _Optional[str] = ..., lease_deadline_unix_ns: _Optional[int] = ..., pushed: _Optional[bool] = ...) -> None: ...
+
+class KvPushTarget(_message.Message):
+    __slots__ = ("host", "port", "transfer_id")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    transfer_id: str
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "phase", "prompt_token_ids", "sampling", "kv_handle")
+    __slots__ = ("request_id", "phase", "prompt_token_ids", "sampling", "kv_handle", "kv_push_target")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    KV_PUSH_TARGET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     phase: Phase
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     kv_handle: KvHandle
-    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
+    kv_push_target: KvPushTarget
+    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., kv_push_target: _Optional[_Union[KvPushTarget, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "kv_handle", "num_cached_tokens", "num_prompt_tokens")
@@ -123,7 +137,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ready", "role", "worker_id", "model", "dtype", "block_size", "max_model_len", "transport", "compatibility_hash")
+    __slots__ = ("ready", "role", "worker_id", "model", "dtype", "block_size", "max_model_len", "transport", "compatibility_hash", "kv_host", "kv_port", "kv_push")
     READY_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +147,9 @@ class HealthResponse(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     COMPATIBILITY_HASH_FIELD_NUMBER: _ClassVar[int]
+    KV_HOST_FIELD_NUMBER: _ClassVar[int]
+    KV_PORT_FIELD_NUMBER: _ClassVar[int]
+    KV_PUSH_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     role: Role
     worker_id: str
@@ -142,14 +159,17 @@ class HealthResponse(_message.Message):
     max_model_len: int
     transport: str
     compatibility_hash: str
-    def __init__(self, ready: _Optional[bool] = ..., role: _Optional[_Union[Role, str]] = ..., worker_id: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., transport: _Optional[str] = ..., compatibility_hash: _Optional[str] = ...) -> None: ...
+    kv_host: str
+    kv_port: int
+    kv_push: bool
+    def __init__(self, ready: _Optional[bool] = ..., role: _Optional[_Union[Role, str]] = ..., worker_id: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., transport: _Optional[str] = ..., compatibility_hash: _Optional[str] = ..., kv_host: _Optional[str] = ..., kv_port: _Optional[int] = ..., kv_push: _Optional[bool] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "num_pending_transfers", "prompt_tokens_computed", "prompt_tokens_local_cache_hit", "prompt_tokens_external", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_completed", "kv_transfers_failed", "kv_transfer_time_ns", "num_inflight_reqs", "kv_leases_expired")
+    __slots__ = ("num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "num_pending_transfers", "prompt_tokens_computed", "prompt_tokens_local_cache_hit", "prompt_tokens_external", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_completed", "kv_transfers_failed", "kv_transfer_time_ns", "num_inflight_reqs", "kv_leases_expired", "kv_loads", "kv_load_time_ns", "kv_push_loads", "kv_push_fallbacks", "kv_layers_pushed", "kv_pushes_failed")
     NUM_RUNNING_REQS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +184,12 @@ class GetLoadResponse(_message.Message):
     KV_TRANSFER_TIME_NS_FIELD_NUMBER: _ClassVar[int]
     NUM_INFLIGHT_REQS_FIELD_NUMBER: _ClassVar[int]
     KV_LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    KV_LOADS_FIELD_NUMBER: _ClassVar[int]
+    KV_LOAD_TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    KV_PUSH_LOADS_FIELD_NUMBER: _ClassVar[int]
+    KV_PUSH_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYERS_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    KV_PUSHES_FAILED_FIELD_NUMBER: _ClassVar[int]
     num_running_reqs: int
     num_waiting_reqs: int
     kv_cache_usage: float
@@ -178,4 +204,10 @@ class GetLoadResponse(_message.Message):
     kv_transfer_time_ns: int
     num_inflight_reqs: int
     kv_leases_expired: int
-    def __init__(self, num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_pending_transfers: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_local_cache_hit: _Optional[int] = ..., prompt_tokens_external: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_completed: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_time_ns: _Optional[int] = ..., num_inflight_reqs: _Optional[int] = ..., kv_leases_expired: _Optional[int] = ...) -> None: ...
+    kv_loads: int
+    kv_load_time_ns: int
+    kv_push_loads: int
+    kv_push_fallbacks: int
+    kv_layers_pushed: int
+    kv_pushes_failed: int
+    def __init__(self, num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_pending_transfers: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_local_cache_hit: _Optional[int] = ..., prompt_tokens_external: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_completed: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_time_ns: _Optional[int] = ..., num_inflight_reqs: _Optional[int] = ..., kv_leases_expired: _Optional[int] = ..., kv_loads: _Optional[int] = ..., kv_load_time_ns: _Optional[int] = ..., kv_push_loads: _Optional[int] = ..., kv_push_fallbacks: _Optional[int] = ..., kv_layers_pushed: _Optional[int] = ..., kv_pushes_failed: _Optional[int] = ...) -> None: ...
