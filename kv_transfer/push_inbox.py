@@ -183,6 +183,10 @@ class PushInbox:
         self._used += nbytes
         return entry
 
+    def drop(self, transfer_id: str) -> None:
+        """Free a transfer no load will take (the decode needed none of it)."""
+        self._remove(transfer_id)
+
     def _remove(self, transfer_id: str) -> None:
         with self._cond:
             entry = self._entries.pop(transfer_id, None)

@@ -100,6 +100,8 @@ class WorkerSide:
             future.add_done_callback(lambda _: self._progress.set())
             self._pulls[req_id] = future
         for handle in meta.releases:
+            if handle.pushed and self._inbox is not None:
+                self._inbox.drop(handle.transfer_id)
             self._pool.submit(self._release, handle)
         if meta.push_cancels and self._sender is not None:
             self._sender.cancel(meta.push_cancels)
