@@ -184,8 +184,11 @@ class PushInbox:
         return entry
 
     def drop(self, transfer_id: str) -> None:
-        """Free a transfer no load will take (the decode needed none of it)."""
+        """Free a transfer no load will take (the decode needed none of it); later
+        pushes of it are refused."""
         self._remove(transfer_id)
+        with self._cond:
+            self._failed[transfer_id] = ("dropped by the decode", time.monotonic() + self._ttl_s)
 
     def _remove(self, transfer_id: str) -> None:
         with self._cond:
