@@ -93,7 +93,7 @@ def run_mode(mode: str, args: argparse.Namespace, prompts: list[str], log_dir: P
     children = plan(mode, args.dtype, port_base, log_dir)
     start_children(children)
     try:
-        wait_ready(children, 300)
+        wait_ready(children, 900)
         client = OpenAI(base_url=f"http://127.0.0.1:{port_base}/v1", api_key="x", timeout=300)
         model = client.models.list().data[0].id
         decode, prefill = f"127.0.0.1:{port_base + 3}", f"127.0.0.1:{port_base + 1}"
