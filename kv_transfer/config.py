@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .base import TransportOptions, transport_names
+
 
 @dataclass(frozen=True)
 class ConnectorConfig:
@@ -18,12 +20,26 @@ class ConnectorConfig:
     lease_s: float = 30.0
     transfer_timeout_s: float = 30.0
     pull_threads: int = 4
+    # Checksum every transfer (a mismatch fails the load; vLLM recomputes).
+    kv_checksum: bool = False
+    # Pace the sending side to this many MiB/s (0: off); emulates a slow link.
+    kv_throttle_mib_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.lease_s <= 0 or self.transfer_timeout_s <= 0:
             raise ValueError("lease_s and transfer_timeout_s must be > 0")
         if not 0 <= self.kv_port < 65536:
             raise ValueError(f"kv_port {self.kv_port} out of range")
+        if self.kv_throttle_mib_s < 0:
+            raise ValueError(f"kv_throttle_mib_s must be >= 0, got {self.kv_throttle_mib_s}")
+        names = transport_names()
+        if self.transport not in names:
+            raise ValueError(
+                f"unknown KV transport {self.transport!r}; valid transports: {', '.join(names)}")
+
+    def transport_options(self) -> TransportOptions:
+        return TransportOptions(checksum=self.kv_checksum,
+                                throttle_bytes_per_s=self.kv_throttle_mib_s * (1 << 20))
 
     def to_extra_config(self) -> dict[str, Any]:
         return {"pdserve": asdict(self)}

@@ -40,7 +40,8 @@ class WorkerSide:
         self._tp_rank = tp_rank
         self._block_size = block_size
         self._num_blocks = num_blocks
-        self._transport: KVTransport = create_transport(config.transport)
+        self._transport: KVTransport = create_transport(
+            config.transport, config.transport_options())
         # Set whenever a transfer ends (a lease ends, a pull finishes).
         self._progress = threading.Event()
         self._idle = False
