@@ -89,8 +89,11 @@ class TorchTransport(ControlledTransport):
         if group is None or group.gen != msg.get("gen"):
             raise TransferError(f"no torch group generation {msg.get('gen')} for this client")
         tag = int(msg["tag"])
-        works = [group.pg.send([chunk], _RECEIVER, tag + first_index + i)
-                 for i, chunk in enumerate(chunks)]
+        try:
+            works = [group.pg.send([chunk], _RECEIVER, tag + first_index + i)
+                     for i, chunk in enumerate(chunks)]
+        except RuntimeError as exc:  # the pair is broken (peer gone)
+            raise TransferError(f"torch send failed: {exc}") from exc
         _wait_all(works, deadline, "send")
         return sum(c.numel() * c.element_size() for c in chunks)
 
