@@ -8,14 +8,16 @@ the network inside an engine step.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-import torch
+if TYPE_CHECKING:  # kept out of import time: the CLI lists transports without torch
+    import torch
 
-from .layout import KVLayout
-from .leases import LeaseTable
+    from .layout import KVLayout
+    from .leases import LeaseTable
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,25 @@ class PeerAddress:
 
     def __str__(self) -> str:
         return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class TransportOptions:
+    """Settings every transport honours.
+
+    ``checksum``: the sender checksums each transfer's bytes and the receiver
+    verifies them; a mismatch fails the pull with ``wire.TransferError`` (the
+    connector then reports a failed load and vLLM recomputes), never wrong KV.
+    ``throttle_bytes_per_s``: pace the sending side to at most this rate (0: off);
+    emulates a slower link for benchmarks and makes mid-transfer faults testable.
+    """
+
+    checksum: bool = False
+    throttle_bytes_per_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.throttle_bytes_per_s < 0:
+            raise ValueError(f"throttle_bytes_per_s must be >= 0, got {self.throttle_bytes_per_s}")
 
 
 class KVTransport(Protocol):
@@ -86,32 +107,30 @@ class KVTransport(Protocol):
         ...
 
 
-_REGISTRY: dict[str, Callable[[], KVTransport]] = {}
+_REGISTRY: dict[str, Callable[[TransportOptions], KVTransport]] = {}
+# Built-in transports, imported only when one is created (ucxx, torch.distributed).
+_BUILTIN = {"tcp": ".tcp:TcpTransport", "ucx": ".ucx:UcxTransport",
+            "torch": ".torch_dist:TorchTransport"}
 
 
-def register_transport(name: str, factory: Callable[[], KVTransport]) -> None:
+def register_transport(name: str, factory: Callable[[TransportOptions], KVTransport]) -> None:
     _REGISTRY[name] = factory
 
 
 def transport_names() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
+    """Every registered name; imports no transport module."""
+    return sorted(set(_BUILTIN) | set(_REGISTRY))
 
 
-def create_transport(name: str) -> KVTransport:
+def create_transport(name: str, options: TransportOptions | None = None) -> KVTransport:
     """Build a transport by name; an unknown name lists the valid ones."""
-    _load_builtin()
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
+    factory = _REGISTRY.get(name)
+    if factory is None and name in _BUILTIN:
+        module, _, cls = _BUILTIN[name].partition(":")
+        factory = getattr(importlib.import_module(module, __package__), cls)
+        _REGISTRY[name] = factory
+    if factory is None:
         raise ValueError(
-            f"unknown KV transport {name!r}; valid transports: {', '.join(sorted(_REGISTRY))}"
-        ) from None
-    return factory()
-
-
-def _load_builtin() -> None:
-    if "tcp" not in _REGISTRY:
-        from .tcp import TcpTransport
-
-        register_transport("tcp", TcpTransport)
+            f"unknown KV transport {name!r}; valid transports: {', '.join(transport_names())}"
+        )
+    return factory(options or TransportOptions())

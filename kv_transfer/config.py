@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .base import TransportOptions, transport_names
+
 
 @dataclass(frozen=True)
 class ConnectorConfig:
@@ -24,8 +26,10 @@ class ConnectorConfig:
     push_inbox_mib: int = 1024
     # How long a decode waits for pushed KV to be complete before pulling instead.
     push_wait_s: float = 5.0
-    # CRC32 over every transfer's bytes, checked by the receiver.
-    checksum: bool = False
+    # Checksum every transfer (a mismatch fails the load; vLLM recomputes).
+    kv_checksum: bool = False
+    # Pace the sending side to this many MiB/s (0: off); emulates a slow link.
+    kv_throttle_mib_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.lease_s <= 0 or self.transfer_timeout_s <= 0 or self.push_wait_s <= 0:
@@ -34,6 +38,16 @@ class ConnectorConfig:
             raise ValueError("push_inbox_mib must be >= 0")
         if not 0 <= self.kv_port < 65536:
             raise ValueError(f"kv_port {self.kv_port} out of range")
+        if self.kv_throttle_mib_s < 0:
+            raise ValueError(f"kv_throttle_mib_s must be >= 0, got {self.kv_throttle_mib_s}")
+        names = transport_names()
+        if self.transport not in names:
+            raise ValueError(
+                f"unknown KV transport {self.transport!r}; valid transports: {', '.join(names)}")
+
+    def transport_options(self) -> TransportOptions:
+        return TransportOptions(checksum=self.kv_checksum,
+                                throttle_bytes_per_s=self.kv_throttle_mib_s * (1 << 20))
 
     def to_extra_config(self) -> dict[str, Any]:
         return {"pdserve": asdict(self)}

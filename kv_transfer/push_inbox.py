@@ -76,22 +76,22 @@ class PushInbox:
         return [as_bytes(staging[o, first:first + count]) for o in range(staging.shape[0])]
 
     def commit(
-        self, transfer_id: str, layer: int, first: int, count: int, crc: int | None,
-        final: bool,
+        self, transfer_id: str, layer: int, first: int, count: int, final: bool,
+        crc32: int | None = None,
     ) -> None:
         """Mark blocks received; a checksum mismatch fails the whole transfer."""
         with self._cond:
             entry = self._entries.get(transfer_id)
             if entry is None:
                 raise TransferError(f"transfer {transfer_id} is gone (expired or consumed)")
-            if crc is not None:
+            if crc32 is not None:
                 staging = entry.staging[layer]
                 got = 0
                 for o in range(staging.shape[0]):
                     got = zlib.crc32(as_bytes(staging[o, first:first + count]), got)
-                if got != crc:
+                if got != crc32:
                     entry.error = (f"checksum mismatch in pushed layer {layer}: "
-                                   f"sent {crc:#010x}, received {got:#010x}")
+                                   f"sent {crc32:#010x}, received {got:#010x}")
                     self._cond.notify_all()
                     raise TransferError(entry.error)
             entry.arrived[layer][first:first + count] = b"\x01" * count

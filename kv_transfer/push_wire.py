@@ -34,18 +34,19 @@ def layer_chunks(
 
 
 def send_push(
-    conn: socket.socket, header: dict[str, Any], chunks: Sequence[torch.Tensor], checksum: bool
+    conn: socket.socket, header: dict[str, Any], chunks: Sequence[torch.Tensor], verify: bool
 ) -> int:
-    """Send one push and wait for its reply; returns payload bytes."""
+    """Send one push and wait for its reply; returns payload bytes. The payload
+    always travels through host memory, so ``verify`` is a CRC-32 of those bytes."""
     host = [c if c.device.type == "cpu" else c.to("cpu") for c in chunks]
     views = [as_bytes(c) for c in host]
     crc = None
-    if checksum:
+    if verify:
         crc = 0
         for view in views:
             crc = zlib.crc32(view, crc)
     nbytes = sum(len(v) for v in views)
-    send_msg(conn, dict(header, op="push", nbytes=nbytes, crc=crc))
+    send_msg(conn, dict(header, op="push", nbytes=nbytes, crc32=crc))
     for view in views:
         conn.sendall(view)
     check_reply(recv_msg(conn), f"push of {header.get('xfer')}")
@@ -69,10 +70,10 @@ def serve_push(conn: socket.socket, msg: dict[str, Any], inbox: PushInbox | None
         return 0
     for view in views:
         recv_into_exact(conn, view)
-    crc = msg.get("crc")
+    crc = msg.get("crc32")
     try:
-        inbox.commit(xfer, layer, first, count, None if crc is None else int(crc),
-                     bool(msg.get("final", True)))
+        inbox.commit(xfer, layer, first, count, bool(msg.get("final", True)),
+                     None if crc is None else int(crc))
     except TransferError as exc:
         send_msg(conn, {"ok": False, "error": str(exc)})
         return 0

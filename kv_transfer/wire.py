@@ -7,13 +7,17 @@ tensor bytes never do: they go raw, straight from and into the KV tensors.
 from __future__ import annotations
 
 import json
+import select
 import socket
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
-PROTOCOL_VERSION = 1
+# 2: every pull ends with a trailer message (bytes, optional checksum).
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 16 << 20
+SOCK_BUF = 4 << 20
 _LEN = struct.Struct("!I")
 
 
@@ -89,10 +93,11 @@ def check_reply(reply: dict[str, Any] | None, what: str) -> dict[str, Any]:
     return reply
 
 
-def compare_compat(local: dict[str, Any], remote: dict[str, Any]) -> str | None:
+def compare_compat(local: dict[str, Any], remote: dict[str, Any], local_name: str = "local",
+                   remote_name: str = "remote") -> str | None:
     """A message naming every differing key with both sides' values, or None."""
     diffs = [
-        f"{key}: local={local.get(key)!r} remote={remote.get(key)!r}"
+        f"{key}: {local_name}={local.get(key)!r} {remote_name}={remote.get(key)!r}"
         for key in sorted(set(local) | set(remote))
         if local.get(key) != remote.get(key)
     ]
@@ -109,3 +114,35 @@ def request_once(host: str, port: int, msg: dict[str, Any], timeout_s: float) ->
             return check_reply(recv_msg(sock), str(msg.get("op")))
     except OSError as exc:
         raise TransferError(f"KV endpoint {host}:{port} unreachable: {exc}") from exc
+
+
+def wait_done(done: Callable[[], bool], deadline: float, what: str,
+              conn: socket.socket | None = None) -> None:
+    """Poll ``done`` with a backoff capped at 1 ms until it holds or ``deadline``.
+
+    With ``conn`` (a control connection the peer sends nothing on meanwhile),
+    its EOF ends the wait at once: a killed peer is noticed without a timeout.
+    """
+    delay = 1e-4
+    while not done():
+        if time.monotonic() >= deadline:
+            raise TransferError(f"{what} exceeded its deadline")
+        if conn is not None and peer_closed(conn):
+            raise TransferError(f"{what}: the peer closed its control connection")
+        time.sleep(delay)
+        delay = min(delay * 2, 1e-3)
+
+
+def peer_closed(conn: socket.socket) -> bool:
+    """True once the peer has closed (or reset) ``conn``; never blocks."""
+    try:
+        readable, _, _ = select.select([conn], [], [], 0)
+        return bool(readable) and conn.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
+
+
+def tune(conn: socket.socket) -> None:
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)

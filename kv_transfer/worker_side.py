@@ -42,7 +42,8 @@ class WorkerSide:
         self._tp_rank = tp_rank
         self._block_size = block_size
         self._num_blocks = num_blocks
-        self._transport: KVTransport = create_transport(config.transport)
+        self._transport: KVTransport = create_transport(
+            config.transport, config.transport_options())
         # Set whenever a transfer ends (a lease ends, a pull finishes).
         self._progress = threading.Event()
         self._idle = False
@@ -75,7 +76,7 @@ class WorkerSide:
             self._transport.extra_status = self._status_extra
             self._sender = PushSender(
                 self._transport,  # type: ignore[arg-type]
-                self._tp_rank, self._config.transfer_timeout_s, self._config.checksum,
+                self._tp_rank, self._config.transfer_timeout_s, self._config.kv_checksum,
             )
         bound = self._transport.start(
             kv_caches=list(kv_caches.values()),

@@ -13,9 +13,8 @@ import sys
 import uuid
 from collections.abc import Sequence
 
+from pdserve.kv_transfer.base import transport_names
 from pdserve.model import DEFAULT_MODEL_NAME
-
-TRANSPORTS = ("tcp",)
 
 
 def _env(flag: str, default: object) -> object:
@@ -29,6 +28,24 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=_env("log-level", "INFO"))
 
 
+def _flag(value: object) -> bool:
+    return str(value).lower() in ("1", "true", "yes", "on")
+
+
+def _add_transport(p: argparse.ArgumentParser) -> None:
+    """KV transfer flags shared by workers and ``up``."""
+    p.add_argument("--transport", default=_env("transport", "tcp"), choices=transport_names(),
+                   help="KV transport: tcp, ucx (UCX via ucxx; UCX_* env vars apply), "
+                        "torch (torch.distributed p2p: NCCL/RCCL on GPU, gloo on CPU)")
+    p.add_argument("--kv-checksum", action=argparse.BooleanOptionalAction,
+                   default=_flag(_env("kv-checksum", False)),
+                   help="checksum every KV transfer; a mismatch fails the load and decode "
+                        "recomputes the prompt")
+    p.add_argument("--kv-throttle-mib-s", type=float,
+                   default=float(_env("kv-throttle-mib-s", 0.0)),
+                   help="pace KV sends to this many MiB/s (0: off); emulates a slow link")
+
+
 def _add_worker(p: argparse.ArgumentParser, default_port: int) -> None:
     _add_common(p)
     p.add_argument("--dtype", default=_env("dtype", "auto"),
@@ -39,7 +56,7 @@ def _add_worker(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="KV transfer port (default: gRPC port + 1000)")
     p.add_argument("--kv-host", default=_env("kv-host", None),
                    help="address peers use to reach the KV port (default: --host)")
-    p.add_argument("--transport", default=_env("transport", "tcp"), choices=TRANSPORTS)
+    _add_transport(p)
     p.add_argument("--kv-cache-gib", type=int, default=int(_env("kv-cache-gib", 2)))
     p.add_argument("--cpu-cores", default=_env("cpu-cores", None),
                    help="cores for the engine's compute threads, e.g. 0 or 0-3 (CPU only)")
@@ -69,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=int(_env("port", 8000)))
     up.add_argument("--num-prefill", type=int, default=int(_env("num-prefill", 1)))
     up.add_argument("--num-decode", type=int, default=int(_env("num-decode", 1)))
-    up.add_argument("--transport", default=_env("transport", "tcp"), choices=TRANSPORTS)
+    _add_transport(up)
     up.add_argument("--kv-cache-gib", type=int, default=int(_env("kv-cache-gib", 2)))
     up.add_argument("--placement", default=_env("placement", "round_robin"))
     up.add_argument("--cpu-layout", default=_env("cpu-layout", "shared"),
@@ -134,7 +151,8 @@ def _run(args: argparse.Namespace) -> int:
             engine_id=worker_id, transport=args.transport,
             kv_host=args.kv_host or (args.host if args.host != "0.0.0.0" else "127.0.0.1"),
             kv_port=args.kv_port or args.port + 1000, kv_bind_host=args.host,
-            lease_s=args.lease_s, push=args.kv_push,
+            lease_s=args.lease_s, kv_checksum=args.kv_checksum,
+            kv_throttle_mib_s=args.kv_throttle_mib_s, push=args.kv_push,
         )
         config = EngineConfig(
             model_path=str(model.path), served_model_name=model.served_name, role=args.command,
@@ -161,7 +179,8 @@ def _run(args: argparse.Namespace) -> int:
         num_prefill=args.num_prefill, num_decode=args.num_decode, transport=args.transport,
         max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
         placement=args.placement, startup_timeout_s=args.startup_timeout_s,
-        log_level=args.log_level, cpu_layout=args.cpu_layout, kv_push=args.kv_push,
+        log_level=args.log_level, cpu_layout=args.cpu_layout, kv_checksum=args.kv_checksum,
+        kv_throttle_mib_s=args.kv_throttle_mib_s, kv_push=args.kv_push,
     ))
 
 

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from pdserve.kv_transfer.base import transport_names
 from pdserve.model import cache_dir
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
@@ -48,12 +49,17 @@ class UpConfig:
     log_level: str = "INFO"
     cpu_layout: str = "shared"
     kv_push: bool = True
+    kv_checksum: bool = False
+    kv_throttle_mib_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_decode < 1 or self.num_prefill < 0:
             raise ValueError("need --num-decode >= 1 and --num-prefill >= 0")
         if self.cpu_layout not in CPU_LAYOUTS:
             raise ValueError(f"cpu_layout must be one of {', '.join(CPU_LAYOUTS)}")
+        if self.transport not in transport_names():
+            raise ValueError(f"unknown KV transport {self.transport!r}; valid transports: "
+                             f"{', '.join(transport_names())}")
 
 
 @dataclass
@@ -114,6 +120,8 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
                 argv += ["--cpu-cores", cores[i]]
             if not cfg.kv_push:
                 argv += ["--no-kv-push"]
+            argv += ["--kv-checksum" if cfg.kv_checksum else "--no-kv-checksum",
+                     "--kv-throttle-mib-s", str(cfg.kv_throttle_mib_s)]
             endpoints[role].append(f"127.0.0.1:{port}")
             children.append(Child(f"{role}-{i}", argv, log_dir / f"{role}-{i}.log",
                                   f"grpc:127.0.0.1:{port}"))

@@ -35,13 +35,18 @@ def tokenizer(model_path: Path):
 
 
 @pytest.fixture(scope="session")
-def pd_server(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def pd_server(model_path: Path, request: pytest.FixtureRequest) -> Iterator[Server]:
+    """The P/D cluster, over ``--transport tcp`` unless a test parametrizes it
+    indirectly with another transport name (one cluster at a time: pytest tears
+    the previous one down first). Transfers are checksummed."""
+    transport = getattr(request, "param", "tcp")
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1",
                PDSERVE_CACHE=os.environ.get("PDSERVE_CACHE", str(model_path.parents[1])))
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "up", "--dtype", "float32", "--port", str(port),
-         "--kv-cache-gib", "1", "--max-model-len", "4096"],
+         "--kv-cache-gib", "1", "--max-model-len", "4096", "--transport", transport,
+         "--kv-checksum"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
         start_new_session=True,
     )

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
+from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
 from pdserve_testing import Server, wait_until
 
 pytestmark = pytest.mark.integration
@@ -53,7 +55,7 @@ def prompt_ids(tokenizer: Any, case: Case) -> list[int]:
     return tokenizer.encode(case.prompt, add_special_tokens=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(model_path: Path, tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
               ) -> list[list[int]]:
     tmp = tmp_path_factory.mktemp("reference")
@@ -229,3 +231,18 @@ def test_client_disconnect_mid_stream_aborts_on_both_workers(pd_server: Server) 
     assert wait_until(idle, timeout_s=10), "request still running after the client left"
     # 1000 tokens at ~25 tok/s would take 40 s: it was aborted, not finished.
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("pd_server", ["ucx", "torch"], indirect=True)
+def test_greedy_pd_equals_aggregated_vllm_over_each_transport(
+    pd_server: Server, tokenizer: Any, reference: list[list[int]], request: pytest.FixtureRequest
+) -> None:
+    """The same equality and counters with the KV over ucx and torch (gloo on CPU);
+    tcp is the default cluster above."""
+    for role in ("prefill", "decode"):
+        (worker,) = pd_server.workers(role)
+        with grpc.insecure_channel(worker["endpoint"]) as channel:
+            health = pb_grpc.WorkerServiceStub(channel).Health(pb.HealthRequest(), timeout=5)
+        assert health.transport == request.node.callspec.params["pd_server"]
+    test_greedy_pd_equals_aggregated_vllm_and_kv_came_over_the_transport(
+        pd_server, tokenizer, reference)

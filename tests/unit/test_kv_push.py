@@ -161,7 +161,7 @@ def test_a_checksum_mismatch_fails_the_transfer() -> None:
     views = inbox.receive_views("t", 0, 0, 1, 1)
     views[0][:4] = b"abcd"  # what arrived is not what was sent
     with pytest.raises(TransferError, match="checksum mismatch"):
-        inbox.commit("t", 0, 0, 1, crc=0x1234, final=True)
+        inbox.commit("t", 0, 0, 1, final=True, crc32=0x1234)
     with pytest.raises(TransferError, match="checksum mismatch"):
         inbox.load("t", list(caches.values()), 0, [2], time.monotonic() + 5)
     assert not any(t.any() for t in caches.values())
@@ -189,7 +189,7 @@ def test_pushed_layers_land_in_device_kv() -> None:
     for layer, name in enumerate(caches):
         (view,) = inbox.receive_views("g", layer, 0, 2, 2)
         view[:] = want[name][[4, 5]].contiguous().view(torch.uint8).numpy().tobytes()
-        inbox.commit("g", layer, 0, 2, crc=None, final=True)
+        inbox.commit("g", layer, 0, 2, final=True)
     inbox.load("g", list(caches.values()), 0, [8, 9], time.monotonic() + 5)
     for name, tensor in caches.items():
         assert torch.equal(tensor[[8, 9]].cpu(), want[name][[4, 5]])

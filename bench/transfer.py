@@ -1,0 +1,253 @@
+"""KV transfer throughput of each transport against this machine's ceilings, same run.
+
+For 1k, 4k and 16k tokens in the default model's KV layout (SmolLM2-135M on vLLM's
+CPU backend: 30 layers, each ``(num_blocks, 3, 128, 128)``, block size 128) and for
+float32 (what ``--dtype auto`` picks here) and bfloat16, one process serves the
+blocks (the prefill side) and this process pulls them (the decode side), per
+transport (tcp, ucx, torch). Ceilings measured in the same run over the same bytes:
+``memcpy`` (torch ``copy_`` of the same per-layer chunks, one process) and ``socket``
+(a raw TCP stream over loopback between two processes, ``sendall``/``recv_into`` on
+preallocated buffers, the same socket buffer sizes). Each figure is the median of
+``--reps`` pulls after one warm-up; the ratios are transport ÷ socket and ÷ memcpy.
+
+    .venv/bin/python bench/transfer.py                       # --reps 5
+    .venv/bin/python bench/transfer.py --transports tcp,ucx --tokens 4096 --checksum
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pdserve.kv_transfer.base import PeerAddress, TransportOptions, create_transport
+from pdserve.kv_transfer.layout import KVLayout, as_bytes
+from pdserve.kv_transfer.leases import LeaseTable
+from pdserve.kv_transfer.wire import SOCK_BUF, recv_into_exact
+
+NUM_LAYERS, KV_HEADS, BLOCK_SIZE, HEAD_DIM2 = 30, 3, 128, 128
+TOKENS = (1024, 4096, 16384)
+TARGET_VS_SOCKET = 0.7  # ucx and tcp, for transfers of 4 MiB and more
+RESULTS = Path(__file__).with_name("results")
+
+
+@dataclass
+class Row:
+    dtype: str
+    tokens: int
+    mib: float
+    gbps: dict[str, float]  # name -> GB/s (median)
+
+
+def make_caches(num_blocks: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (NUM_LAYERS, num_blocks, KV_HEADS, BLOCK_SIZE, HEAD_DIM2)
+    return list(torch.randn(shape, generator=gen).to(dtype).unbind(0))  # views, like vLLM
+
+
+def start(name: str, kv: list[torch.Tensor], leases: LeaseTable,
+          options: TransportOptions) -> tuple[Any, int]:
+    caches = {f"layer.{i}": t for i, t in enumerate(kv)}
+    layout = KVLayout.from_kv_caches(caches, kv[0].shape[0], BLOCK_SIZE)
+    compat = {"model": "bench", "dtype": str(kv[0].dtype), "block_size": BLOCK_SIZE,
+              "tp_size": 1, "layout": layout.describe()}
+    transport = create_transport(name, options)
+    port = transport.start(kv_caches=kv, layout=layout, leases=leases, compat=compat,
+                           host="127.0.0.1", port=0)
+    return transport, port
+
+
+# ---- the serving process ----------------------------------------------------------
+
+def serve(names: list[str], dtype_name: str, num_blocks: int, checksum: bool,
+          cmds: mp.Queue, replies: mp.Queue) -> None:  # type: ignore[type-arg]
+    """Prefill side: every transport over one set of KV tensors, plus a raw socket."""
+    torch.set_num_threads(1)
+    kv = make_caches(num_blocks, getattr(torch, dtype_name), seed=1)
+    served = {}
+    for name in names:
+        table = LeaseTable()
+        transport, port = start(name, kv, table, TransportOptions(checksum=checksum))
+        served[name] = (transport, table, port)
+    raw = socket.create_server(("127.0.0.1", 0))
+    replies.put({**{n: p for n, (_, _, p) in served.items()}, "socket": raw.getsockname()[1]})
+    while True:
+        cmd = cmds.get(timeout=3600)
+        if cmd[0] == "stop":
+            break
+        if cmd[0] == "lease":
+            served[cmd[1]][1].add(cmd[2], cmd[3], time.time() + 600)
+            replies.put(True)
+        elif cmd[0] == "socket":
+            replies.put(True)
+            _stream(raw, kv, int(cmd[1]), int(cmd[2]))
+    for transport, _, _ in served.values():
+        transport.close()
+
+
+def _stream(raw: socket.socket, kv: list[torch.Tensor], num_blocks: int, reps: int) -> None:
+    conn, _ = raw.accept()
+    _tune(conn)
+    with conn:
+        for _ in range(reps):
+            conn.recv(1)  # go
+            for layer in kv:
+                conn.sendall(as_bytes(layer[:num_blocks]))
+
+
+def _tune(conn: socket.socket) -> None:
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
+
+
+# ---- measurements (the pulling process) --------------------------------------------
+
+def gbps(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / statistics.median(seconds) / 1e9
+
+
+def time_memcpy(src: list[torch.Tensor], dst: list[torch.Tensor], n: int, reps: int
+                ) -> list[float]:
+    out = []
+    for _ in range(reps + 1):
+        started = time.perf_counter()
+        for s, d in zip(src, dst, strict=True):
+            d[:n].copy_(s[:n])
+        out.append(time.perf_counter() - started)
+    return out[1:]
+
+
+def time_socket(port: int, dst: list[torch.Tensor], n: int, reps: int) -> list[float]:
+    out = []
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        _tune(conn)
+        for _ in range(reps + 1):
+            started = time.perf_counter()
+            conn.sendall(b"g")
+            for layer in dst:
+                recv_into_exact(conn, as_bytes(layer[:n]))
+            out.append(time.perf_counter() - started)
+    return out[1:]
+
+
+def time_transport(name: str, transport: Any, port: int, n: int, reps: int,
+                   lease: Any) -> list[float]:
+    out = []
+    blocks = list(range(n))
+    for i in range(reps + 1):
+        req = f"{name}-{n}-{i}"
+        lease(name, req, blocks)
+        started = time.perf_counter()
+        transport.pull(PeerAddress("127.0.0.1", port), req, blocks, blocks,
+                       time.monotonic() + 120)
+        out.append(time.perf_counter() - started)
+    return out[1:]
+
+
+def run_dtype(dtype_name: str, names: list[str], tokens: list[int], reps: int,
+              checksum: bool) -> list[Row]:
+    num_blocks = max(tokens) // BLOCK_SIZE
+    ctx = mp.get_context("spawn")
+    cmds, replies = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=serve, daemon=True,
+                       args=(names, dtype_name, num_blocks, checksum, cmds, replies))
+    proc.start()
+    transports: dict[str, tuple[Any, int]] = {}
+    try:
+        ports = replies.get(timeout=300)
+        dtype = getattr(torch, dtype_name)
+        src = make_caches(num_blocks, dtype, seed=1)
+        dst = make_caches(num_blocks, dtype, seed=2)
+        for name in names:
+            transports[name] = (start(name, dst, LeaseTable(), TransportOptions(
+                checksum=checksum))[0], ports[name])
+
+        def lease(name: str, req: str, blocks: list[int]) -> None:
+            cmds.put(("lease", name, req, blocks))
+            replies.get(timeout=60)
+
+        rows = []
+        for num_tokens in tokens:
+            n = num_tokens // BLOCK_SIZE
+            nbytes = sum(layer[:n].numel() * layer.element_size() for layer in src)
+            cmds.put(("socket", n, reps + 1))
+            replies.get(timeout=60)
+            timings = {"memcpy": time_memcpy(src, dst, n, reps),
+                       "socket": time_socket(ports["socket"], dst, n, reps)}
+            for name, (transport, port) in transports.items():
+                timings[name] = time_transport(name, transport, port, n, reps, lease)
+            rows.append(Row(dtype_name, num_tokens, nbytes / 2**20,
+                            {k: gbps(nbytes, v) for k, v in timings.items()}))
+            print_row(rows[-1], names)
+        return rows
+    finally:
+        for transport, _ in transports.values():
+            transport.close()
+        cmds.put(("stop",))
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def print_row(row: Row, names: list[str]) -> None:
+    g = row.gbps
+    cells = [f"{row.dtype:>8} {row.tokens:>6} tok {row.mib:8.1f} MiB",
+             f"memcpy {g['memcpy']:6.2f}", f"socket {g['socket']:6.2f}"]
+    for name in names:
+        cells.append(f"{name} {g[name]:6.2f} ({g[name] / g['socket']:.2f}x sock, "
+                     f"{g[name] / g['memcpy']:.2f}x memcpy)")
+    print(" | ".join(cells), flush=True)
+
+
+def verdict(rows: list[Row], names: list[str]) -> None:
+    for name in [n for n in names if n in ("tcp", "ucx")]:
+        ratios = [r.gbps[name] / r.gbps["socket"] for r in rows if r.mib >= 4]
+        worst = min(ratios) if ratios else float("nan")
+        ok = "meets" if worst >= TARGET_VS_SOCKET else "MISSES"
+        print(f"{name}: worst {worst:.2f}x socket for >= 4 MiB; {ok} the "
+              f"{TARGET_VS_SOCKET}x target")
+
+
+# ---- P/D: share of TTFT spent on the transfer ---------------------------------------
+
+def ttft_share(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Hook for the P/D part (pull vs layer-wise push share of TTFT), added with the
+    push mode; this file measures transports in isolation only."""
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--transports", default="tcp,ucx,torch")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--checksum", action="store_true", help="checksum every transfer")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # memcpy is one thread, like every transfer thread
+    names = [n for n in args.transports.split(",") if n]
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if any(t % BLOCK_SIZE for t in tokens):
+        parser.error(f"token counts must be multiples of the block size {BLOCK_SIZE}")
+    rows: list[Row] = []
+    for dtype_name in args.dtypes.split(","):
+        rows += run_dtype(dtype_name, names, tokens, args.reps, args.checksum)
+    verdict(rows, names)
+    share = ttft_share(args)
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"transfer-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({"args": vars(args), "rows": [asdict(r) for r in rows],
+                               "ttft_share": share}, indent=2))
+    print(f"results: {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Client-side control connections to KV peers, handshaken once and reused."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+from .base import PeerAddress
+from .wire import (
+    IncompatiblePeerError,
+    TransferError,
+    check_reply,
+    recv_msg,
+    send_msg,
+    set_deadline,
+    tune,
+)
+
+
+class ConnectionPool:
+    """Idle connections per peer; one is reused for at most ``max_idle_s`` of idleness
+    (the server drops idle ones later than that). A connection that failed is
+    closed by its user, never checked back in."""
+
+    def __init__(self, max_idle_s: float) -> None:
+        self._max_idle_s = max_idle_s
+        self._idle: dict[PeerAddress, list[tuple[socket.socket, float]]] = {}
+        self._lock = threading.Lock()
+
+    def checkout(self, peer: PeerAddress, deadline: float,
+                 compat: dict[str, Any]) -> socket.socket:
+        """A handshaken connection to ``peer``; ``IncompatiblePeerError`` names both sides."""
+        with self._lock:
+            idle = self._idle.get(peer, [])
+            while idle:
+                conn, last_used = idle.pop()
+                if time.monotonic() - last_used < self._max_idle_s:
+                    return conn
+                conn.close()  # the peer may have dropped it already
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TransferError(f"deadline exceeded before connecting to {peer}")
+        try:
+            conn = socket.create_connection((peer.host, peer.port), timeout=remaining)
+        except OSError as exc:
+            raise TransferError(f"cannot reach KV peer {peer}: {exc}") from exc
+        try:
+            tune(conn)
+            set_deadline(conn, deadline)
+            send_msg(conn, {"op": "hello", "compat": compat})
+            check_reply(recv_msg(conn), f"handshake with {peer}")
+        except IncompatiblePeerError as exc:
+            conn.close()
+            raise IncompatiblePeerError(f"KV peer {peer} refused the handshake: {exc}") from None
+        except (OSError, TransferError) as exc:
+            conn.close()
+            raise TransferError(f"handshake with KV peer {peer} failed: {exc}") from exc
+        return conn
+
+    def checkin(self, peer: PeerAddress, conn: socket.socket) -> None:
+        with self._lock:
+            self._idle.setdefault(peer, []).append((conn, time.monotonic()))
+
+    def close(self) -> None:
+        with self._lock:
+            for conns in self._idle.values():
+                for conn, _ in conns:
+                    conn.close()
+            self._idle.clear()
