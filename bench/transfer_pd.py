@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import sys
@@ -58,12 +59,14 @@ class ModeResult:
 
 def plan(mode: str, dtype: str, port_base: int, log_dir: Path) -> list[Child]:
     py = [sys.executable, "-m", "pdserve.cli"]
+    cores = f"0-{(os.cpu_count() or 1) - 1}"  # pdserve up's default layout: shared cores
     push = ["--kv-push"] if mode == "push" else ["--no-kv-push"]
     children = []
     for role, offset in (("prefill", 1), ("decode", 3)):
         port = port_base + offset
         argv = py + [role, "--dtype", dtype, "--port", str(port), "--kv-port", str(port + 1),
-                     "--worker-id", f"{role}-0", *push]
+                     "--worker-id", f"{role}-0", "--kv-cache-gib", "1", "--cpu-cores", cores,
+                     *push]
         children.append(Child(role, argv, log_dir / f"{mode}-{role}.log",
                               f"grpc:127.0.0.1:{port}"))
     router = py + ["router", "--port", str(port_base), "--prefill", f"127.0.0.1:{port_base + 1}",
