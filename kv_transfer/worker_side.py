@@ -62,6 +62,7 @@ class WorkerSide:
         self._load_stats = dict.fromkeys(
             ("loads", "load_time_ns", "push_loads", "push_fallbacks"), 0)
         self._load_lock = threading.Lock()
+        self.port = 0  # the KV endpoint's port, once registered
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = KVLayout.from_kv_caches(kv_caches, self._num_blocks, self._block_size)
@@ -78,7 +79,7 @@ class WorkerSide:
                 self._transport,  # type: ignore[arg-type]
                 self._tp_rank, self._config.transfer_timeout_s, self._config.kv_checksum,
             )
-        bound = self._transport.start(
+        self.port = bound = self._transport.start(
             kv_caches=list(kv_caches.values()),
             layout=layout,
             leases=self._leases,
