@@ -12,14 +12,15 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from .base import Membership, MembershipSink, Registrar, WorkerInfo, check_name, worker_key
-from .etcd import EtcdMembership
+from .etcd import EtcdMembership, parse_etcd_url
 from .etcd_registrar import DEFAULT_TTL_S, EtcdRegistrar
 from .static import NullRegistrar, StaticMembership, load_workers_file
 
 MEMBERSHIPS = ("static", "etcd")
 
 __all__ = ["DEFAULT_TTL_S", "MEMBERSHIPS", "Membership", "MembershipConfig", "MembershipSink",
-           "Registrar", "WorkerInfo", "create_membership", "create_registrar", "worker_key"]
+           "Registrar", "WorkerInfo", "check_name", "create_membership", "create_registrar",
+           "worker_key"]
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,8 @@ class MembershipConfig:
         if self.kind not in MEMBERSHIPS:
             raise ValueError(f"unknown membership {self.kind!r}; valid: {', '.join(MEMBERSHIPS)}")
         check_name("cluster", self.cluster)
-        if self.kind == "etcd" and not self.etcd_url:
-            raise ValueError("etcd membership needs --etcd http://HOST:PORT")
+        if self.kind == "etcd":
+            parse_etcd_url(self.etcd_url)
         if self.ttl_s < 2:
             raise ValueError("--etcd-ttl-s must be >= 2 (etcd's minimum lease TTL)")
 

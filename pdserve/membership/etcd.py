@@ -30,6 +30,8 @@ ETCD_ERRORS = (aetcd.ClientError, grpc.aio.AioRpcError, asyncio.TimeoutError, OS
 
 def parse_etcd_url(url: str) -> tuple[str, int]:
     """``http://host:port`` or ``host:port`` (one endpoint) -> (host, port)."""
+    if not url:
+        raise ValueError("etcd membership needs --etcd http://HOST:PORT")
     if "," in url:
         raise ValueError(f"--etcd takes one endpoint, not a list: {url!r}")
     parts = urlsplit(url if "://" in url else "http://" + url)
