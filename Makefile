@@ -8,16 +8,23 @@ PORT ?= 8000
 ARGS ?=
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: serve test venv install proto lint clean
+.PHONY: serve test venv install proto lint clean etcd
 
 serve: install
 	@HF_HUB_OFFLINE=1 $(BIN)/pdserve prepare-model
 	HF_HUB_OFFLINE=1 $(BIN)/pdserve up --host $(HOST) --port $(PORT) $(ARGS)
 
-test: install
+test: install etcd
 	$(BIN)/ruff check .
 	HF_HUB_OFFLINE=1 $(BIN)/pdserve prepare-model
 	HF_HUB_OFFLINE=1 $(BIN)/pytest $(PYTEST_ARGS)
+
+# Membership tests start a real etcd: Debian's etcd-server (sudo when not root).
+etcd:
+	@command -v etcd >/dev/null || { \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq etcd-server; }
+	@command -v etcd >/dev/null || { echo "etcd is not installed (apt-get install etcd-server)"; exit 1; }
 
 venv: $(BIN)/python
 

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Sequence
 
 from pdserve.kv_transfer.base import transport_names
+from pdserve.membership import DEFAULT_TTL_S, MembershipConfig, check_name
 from pdserve.model import DEFAULT_MODEL_NAME
 
 
@@ -44,10 +45,21 @@ def _add_transport(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-throttle-mib-s", type=float,
                    default=float(_env("kv-throttle-mib-s", 0.0)),
                    help="pace KV sends to this many MiB/s (0: off); emulates a slow link")
+def _add_membership(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--etcd", default=_env("etcd", None), metavar="URL",
+                   help="etcd endpoint http://HOST:PORT for membership (default: static)")
+    p.add_argument("--cluster", default=_env("cluster", "default"),
+                   help="cluster name: etcd keys live under /pdserve/<cluster>/workers/")
+    p.add_argument("--etcd-ttl-s", type=int, default=int(_env("etcd-ttl-s", DEFAULT_TTL_S)),
+                   help="lease TTL of a worker's registration (keepalive every TTL/3)")
 
 
 def _add_worker(p: argparse.ArgumentParser, default_port: int) -> None:
     _add_common(p)
+    _add_membership(p)
+    p.add_argument("--advertise-host", default=_env("advertise-host", None),
+                   help="address the router and peers use to reach this worker "
+                        "(default: --host; 127.0.0.1 when --host is 0.0.0.0)")
     p.add_argument("--dtype", default=_env("dtype", "auto"),
                    help="auto, float32, bfloat16, float16 (float32 for exact P/D equality)")
     p.add_argument("--host", default=_env("host", "127.0.0.1"), help="gRPC bind address")
@@ -55,7 +67,7 @@ def _add_worker(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--kv-port", type=int, default=int(_env("kv-port", 0)),
                    help="KV transfer port (default: gRPC port + 1000)")
     p.add_argument("--kv-host", default=_env("kv-host", None),
-                   help="address peers use to reach the KV port (default: --host)")
+                   help="address peers use to reach the KV port (default: --advertise-host)")
     _add_transport(p)
     p.add_argument("--kv-cache-gib", type=int, default=int(_env("kv-cache-gib", 2)))
     p.add_argument("--cpu-cores", default=_env("cpu-cores", None),
@@ -93,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                     choices=("shared", "split"),
                     help="CPU only: engines share all cores (default) or split them")
     _add_kv_push(up)
+    _add_membership(up)
+    up.add_argument("--with-etcd", action="store_true",
+                    default=str(_env("with-etcd", "")).lower() in ("1", "true", "yes"),
+                    help="start a local etcd (the `etcd` binary) for membership")
     up.add_argument("--startup-timeout-s", type=float, default=float(_env("startup-timeout-s",
                                                                           600)))
 
@@ -104,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated prefill worker gRPC endpoints host:port")
     router.add_argument("--decode", default=_env("decode", ""),
                         help="comma-separated decode worker gRPC endpoints host:port")
+    router.add_argument("--workers-file", default=_env("workers-file", None),
+                        help='static workers from JSON {"prefill": [...], "decode": [...]}')
+    _add_membership(router)
     router.add_argument("--placement", default=_env("placement", "round_robin"))
     router.add_argument("--served-model-name", default=_env("served-model-name", None))
 
@@ -144,12 +163,17 @@ def _run(args: argparse.Namespace) -> int:
 
         from pdserve.engine import EngineConfig
         from pdserve.kv_transfer.config import ConnectorConfig
+        from pdserve.membership import create_registrar
         from pdserve.worker_main import serve_worker
 
-        worker_id = args.worker_id or f"{args.command}-{uuid.uuid4().hex[:8]}"
+        worker_id = check_name("worker id", args.worker_id or
+                               f"{args.command}-{uuid.uuid4().hex[:8]}")
+        membership = MembershipConfig.from_flags(args.etcd, args.cluster, args.etcd_ttl_s)
+        advertise = args.advertise_host or (
+            args.host if args.host not in ("0.0.0.0", "::") else "127.0.0.1")
         connector = ConnectorConfig(
             engine_id=worker_id, transport=args.transport,
-            kv_host=args.kv_host or (args.host if args.host != "0.0.0.0" else "127.0.0.1"),
+            kv_host=args.kv_host or advertise,
             kv_port=args.kv_port or args.port + 1000, kv_bind_host=args.host,
             lease_s=args.lease_s, kv_checksum=args.kv_checksum,
             kv_throttle_mib_s=args.kv_throttle_mib_s, push=args.kv_push,
@@ -160,7 +184,8 @@ def _run(args: argparse.Namespace) -> int:
             kv_cache_gib=args.kv_cache_gib, cpu_threads_bind=args.cpu_cores,
             enforce_eager=not args.compile,
         )
-        asyncio.run(serve_worker(config, worker_id, args.host, args.port))
+        asyncio.run(serve_worker(config, worker_id, args.host, args.port,
+                                 create_registrar(membership), advertise))
         return 0
     if args.command == "router":
         from pdserve.router.server import RouterConfig, run_router
@@ -170,6 +195,9 @@ def _run(args: argparse.Namespace) -> int:
             model.served_name, prefill=_endpoints(args.prefill), decode=_endpoints(args.decode),
             host=args.host, port=args.port, max_model_len=args.max_model_len,
             placement=args.placement,
+            membership=MembershipConfig.from_flags(
+                args.etcd, args.cluster, args.etcd_ttl_s, _endpoints(args.prefill),
+                _endpoints(args.decode), args.workers_file),
         ))
         return 0
     from pdserve.up import UpConfig, run_up
@@ -180,7 +208,8 @@ def _run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
         placement=args.placement, startup_timeout_s=args.startup_timeout_s,
         log_level=args.log_level, cpu_layout=args.cpu_layout, kv_checksum=args.kv_checksum,
-        kv_throttle_mib_s=args.kv_throttle_mib_s, kv_push=args.kv_push,
+        kv_throttle_mib_s=args.kv_throttle_mib_s, kv_push=args.kv_push, etcd=args.etcd or "",
+        with_etcd=args.with_etcd, cluster=args.cluster, etcd_ttl_s=args.etcd_ttl_s,
     ))
 
 

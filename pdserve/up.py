@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -24,6 +24,7 @@ from rich.live import Live
 from rich.table import Table
 
 from pdserve.kv_transfer.base import transport_names
+from pdserve.membership.local_etcd import LocalEtcd
 from pdserve.model import cache_dir
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
@@ -51,8 +52,15 @@ class UpConfig:
     kv_push: bool = True
     kv_checksum: bool = False
     kv_throttle_mib_s: float = 0.0
+    # Membership: static (default), an etcd at ``etcd``, or a local one (``with_etcd``).
+    etcd: str = ""
+    with_etcd: bool = False
+    cluster: str = "default"
+    etcd_ttl_s: int = 10
 
     def __post_init__(self) -> None:
+        if self.etcd and self.with_etcd:
+            raise ValueError("give --etcd URL or --with-etcd, not both")
         if self.num_decode < 1 or self.num_prefill < 0:
             raise ValueError("need --num-decode >= 1 and --num-prefill >= 0")
         if self.cpu_layout not in CPU_LAYOUTS:
@@ -106,6 +114,8 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     py = [sys.executable, "-m", "pdserve.cli"]
     common = ["--model", cfg.model, "--max-model-len", str(cfg.max_model_len),
               "--log-level", cfg.log_level]
+    membership = (["--etcd", cfg.etcd, "--cluster", cfg.cluster, "--etcd-ttl-s",
+                   str(cfg.etcd_ttl_s)] if cfg.etcd else [])
     p_cores, d_cores = _core_sets(cfg.num_prefill, cfg.num_decode, cfg.cpu_layout)
     children: list[Child] = []
     endpoints: dict[str, list[str]] = {"prefill": [], "decode": []}
@@ -115,7 +125,8 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
             port, kv_port = free_port(), free_port()
             argv = py + [role, *common, "--dtype", cfg.dtype, "--port", str(port),
                          "--kv-port", str(kv_port), "--transport", cfg.transport,
-                         "--kv-cache-gib", str(cfg.kv_cache_gib), "--worker-id", f"{role}-{i}"]
+                         "--kv-cache-gib", str(cfg.kv_cache_gib), "--worker-id", f"{role}-{i}",
+                         *membership]
             if cores[i]:
                 argv += ["--cpu-cores", cores[i]]
             if not cfg.kv_push:
@@ -125,9 +136,10 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
             endpoints[role].append(f"127.0.0.1:{port}")
             children.append(Child(f"{role}-{i}", argv, log_dir / f"{role}-{i}.log",
                                   f"grpc:127.0.0.1:{port}"))
+    workers = membership or ["--prefill", ",".join(endpoints["prefill"]),
+                             "--decode", ",".join(endpoints["decode"])]
     router_argv = py + ["router", *common, "--host", cfg.host, "--port", str(cfg.port),
-                        "--prefill", ",".join(endpoints["prefill"]),
-                        "--decode", ",".join(endpoints["decode"]), "--placement", cfg.placement]
+                        *workers, "--placement", cfg.placement]
     probe_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     children.append(Child("router", router_argv, log_dir / "router.log",
                           f"http://{probe_host}:{cfg.port}/health"))
@@ -228,6 +240,20 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 def run_up(cfg: UpConfig) -> int:
     log_dir = cache_dir() / "logs" / time.strftime("%Y%m%d-%H%M%S")
+    etcd: LocalEtcd | None = None
+    if cfg.with_etcd:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        etcd = LocalEtcd(log_path=log_dir / "etcd.log").start()  # fails clearly without one
+        console.print(f"local etcd at {etcd.url} (data {etcd.data_dir})")
+        cfg = replace(cfg, etcd=etcd.url, with_etcd=False)
+    try:
+        return _run_children(cfg, log_dir)
+    finally:
+        if etcd is not None:
+            etcd.stop()
+
+
+def _run_children(cfg: UpConfig, log_dir: Path) -> int:
     children = plan(cfg, log_dir)
     stopping = False
 

@@ -11,6 +11,8 @@ import grpc
 
 from pdserve.engine import EngineConfig
 from pdserve.engine_host import EngineHost
+from pdserve.membership import Registrar, WorkerInfo
+from pdserve.membership.static import NullRegistrar
 from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.worker_service import WorkerServicer
 
@@ -18,7 +20,31 @@ logger = logging.getLogger("pdserve.worker")
 _GRACE_S = 5.0
 
 
-async def serve_worker(config: EngineConfig, worker_id: str, host: str, port: int) -> None:
+def worker_info(host: EngineHost, advertise_host: str, grpc_port: int) -> WorkerInfo:
+    """What this worker registers (DESIGN.md "Membership"), once its engine is ready."""
+    ident = host.identity()
+    cfg = host.config
+    capacity: dict[str, float] = {"kv_cache_gib": cfg.kv_cache_gib,
+                                  "max_num_seqs": cfg.max_num_seqs}
+    if host.engine is not None:
+        capacity["num_kv_blocks"] = host.engine.vllm_config.cache_config.num_gpu_blocks or 0
+    conn = cfg.connector
+    return WorkerInfo(
+        worker_id=host.worker_id, role=cfg.role, grpc_endpoint=f"{advertise_host}:{grpc_port}",
+        kv_endpoints={conn.transport: f"{conn.kv_host}:{conn.kv_port}"},
+        model=cfg.served_model_name, dtype=ident["dtype"], block_size=ident["block_size"],
+        compatibility_hash=ident["compatibility_hash"], max_model_len=cfg.max_model_len,
+        capacity=capacity,
+    )
+
+
+async def serve_worker(config: EngineConfig, worker_id: str, host: str, port: int,
+                       registrar: Registrar | None = None,
+                       advertise_host: str | None = None) -> None:
+    """Serve until SIGTERM/SIGINT. Registers with ``registrar`` once the engine is
+    ready; on the way out withdraws the registration first (no new requests), then
+    lets in-flight calls finish."""
+    registrar = registrar or NullRegistrar()
     engine_host = EngineHost(config, worker_id)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(engine_host), server)
@@ -40,8 +66,10 @@ async def serve_worker(config: EngineConfig, worker_id: str, host: str, port: in
             load.result()  # raises if the engine failed to start
             logger.info("%s worker %s ready (KV %s on port %d)", config.role, worker_id,
                         config.connector.transport, config.connector.kv_port)
+            await registrar.start(worker_info(engine_host, advertise_host or host, bound))
             await stopped
     finally:
         logger.info("%s worker %s stopping", config.role, worker_id)
+        await registrar.close()
         await server.stop(_GRACE_S)
         engine_host.shutdown()

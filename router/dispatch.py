@@ -121,7 +121,7 @@ class PDDispatcher:
                     self._metrics.handoffs.inc()
             involved.append(decode)
             stream = self._decode(decode, request_id, decode_prompt, handle, sampling,
-                                  max_tokens, first is None)
+                                  max_tokens, first is None, involved)
             async with contextlib.aclosing(stream):  # closing us closes the decode call now
                 async for chunk in stream:
                     if chunk.finish_reason is not None:
@@ -158,24 +158,46 @@ class PDDispatcher:
     async def _decode(
         self, worker: WorkerClient, request_id: str, prompt: list[int],
         handle: pb.KvHandle | None, spec: SamplingSpec, max_tokens: int, first_chunk: bool,
+        involved: list[WorkerClient],
     ) -> AsyncIterator[TokenChunk]:
+        """Decode on ``worker``; if it is unreachable before its first token (it died
+        and membership has not caught up yet), once more on another compatible one."""
         req = pb.GenerateRequest(request_id=request_id, phase=pb.PHASE_DECODE,
                                  prompt_token_ids=prompt, sampling=_sampling_pb(spec, max_tokens))
         if handle is not None:
             req.kv_handle.CopyFrom(handle)
-        worker.state.num_assigned += 1
-        call = worker.stub.Generate(req, timeout=self._timeout)
-        try:
-            async for resp in call:
-                cached = resp.num_cached_tokens if first_chunk else None
-                first_chunk = False
-                yield TokenChunk(tuple(resp.token_ids), _FINISH.get(resp.finish_reason), cached)
-        except grpc.aio.AioRpcError as exc:
-            self._on_error(worker, exc)
-            raise WorkerFailedError(f"decode worker failed: {exc.details()}") from exc
-        finally:
-            worker.state.num_assigned -= 1
-            call.cancel()
+        current: WorkerClient | None = worker
+        retries = 1
+        while current is not None:
+            worker, current, started = current, None, False
+            worker.state.num_assigned += 1
+            call = worker.stub.Generate(req, timeout=self._timeout)
+            try:
+                async for resp in call:
+                    started = True
+                    cached = resp.num_cached_tokens if first_chunk else None
+                    first_chunk = False
+                    yield TokenChunk(tuple(resp.token_ids), _FINISH.get(resp.finish_reason),
+                                     cached)
+            except grpc.aio.AioRpcError as exc:
+                self._on_error(worker, exc)
+                if started or exc.code() not in _UNREACHABLE or not retries:
+                    raise WorkerFailedError(f"decode worker failed: {exc.details()}") from exc
+                retries, current = retries - 1, self._other_decode(worker)
+                if current is None:
+                    raise WorkerFailedError(f"decode worker failed: {exc.details()}") from exc
+                involved.append(current)
+            finally:
+                worker.state.num_assigned -= 1
+                call.cancel()
+
+    def _other_decode(self, failed: WorkerClient) -> WorkerClient | None:
+        """A healthy decode worker that can load the same KV as ``failed``."""
+        for w in self._pool.decode:
+            if w is not failed and w.state.healthy and (
+                    w.state.compatibility_hash == failed.state.compatibility_hash):
+                return w
+        return None
 
     def _on_error(self, worker: WorkerClient, exc: grpc.aio.AioRpcError) -> None:
         self._metrics.worker_errors.labels(worker.state.role, exc.code().name).inc()

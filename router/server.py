@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import uvicorn
 from prometheus_client import CollectorRegistry
+
+from pdserve.membership import MembershipConfig, create_membership
 
 from .app import create_app
 from .dispatch import PDDispatcher
@@ -30,10 +32,14 @@ class RouterConfig:
     placement: str = "round_robin"
     health_interval_s: float = 2.0
     request_timeout_s: float = 600.0
+    # etcd, or static (then ``prefill``/``decode`` or its workers file name the workers)
+    membership: MembershipConfig = MembershipConfig()
 
     def __post_init__(self) -> None:
-        if not self.decode:
-            raise ValueError("the router needs at least one decode worker (--decode HOST:PORT)")
+        static = self.membership.kind == "static"
+        if static and not self.decode and not self.membership.workers_file:
+            raise ValueError("the router needs at least one decode worker (--decode HOST:PORT, "
+                             "--workers-file, or --etcd URL)")
         create_placement(self.placement)  # validates the name
 
 
@@ -42,19 +48,22 @@ async def serve_router(config: RouterConfig) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
     registry = CollectorRegistry()
-    pool = WorkerPool(list(config.prefill), list(config.decode), config.health_interval_s)
+    membership = create_membership(replace(config.membership, prefill=config.prefill,
+                                           decode=config.decode), registry)
+    pool = WorkerPool(interval_s=config.health_interval_s)
     dispatcher = PDDispatcher(pool, create_placement(config.placement), registry,
                               config.request_timeout_s)
     app = create_app(served_model_name=config.served_model_name,
                      max_model_len=config.max_model_len, tokenizer=tokenizer,
                      dispatcher=dispatcher, registry=registry)
-    app.add_api_route("/workers", lambda: {"workers": pool.describe()}, methods=["GET"])
+    app.add_api_route("/workers", lambda: {"workers": pool.describe(),
+                                           "membership": membership.describe()},
+                      methods=["GET"])
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                            log_level="warning", timeout_graceful_shutdown=5))
-    await pool.start()
-    logger.info("router on http://%s:%d/v1: %d prefill, %d decode workers, placement %s",
-                config.host, config.port, len(config.prefill), len(config.decode),
-                config.placement)
+    await pool.start(membership)
+    logger.info("router on http://%s:%d/v1: %s membership, placement %s", config.host,
+                config.port, membership.name, config.placement)
     try:
         await server.serve()
     finally:

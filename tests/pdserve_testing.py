@@ -197,3 +197,21 @@ def wait_until(predicate: Callable[[], T], timeout_s: float, interval_s: float =
         time.sleep(interval_s)
         value = predicate()
     return value
+
+
+def etcd_keys(url: str, prefix: str) -> dict[str, bytes]:
+    """The keys under ``prefix`` (etcd's JSON gateway, no client library), or {} when
+    etcd is unreachable."""
+    import base64
+
+    def b64(raw: bytes) -> str:
+        return base64.b64encode(raw).decode()
+
+    end = prefix.encode()[:-1] + bytes([prefix.encode()[-1] + 1])
+    try:
+        reply = httpx.post(f"{url}/v3/kv/range", json={"key": b64(prefix.encode()),
+                                                       "range_end": b64(end)}, timeout=2)
+    except httpx.HTTPError:
+        return {}
+    return {base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", ""))
+            for kv in reply.json().get("kvs", [])}

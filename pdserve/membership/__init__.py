@@ -1,0 +1,74 @@
+"""Cluster membership: static (flags or a file) or etcd (leases + watch).
+
+``create_membership`` (router side) and ``create_registrar`` (worker side) pick an
+implementation by name from ``MembershipConfig.kind``; an unknown name fails
+listing the valid ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from .base import Membership, MembershipSink, Registrar, WorkerInfo, check_name, worker_key
+from .etcd import EtcdMembership, parse_etcd_url
+from .etcd_registrar import DEFAULT_TTL_S, EtcdRegistrar
+from .static import NullRegistrar, StaticMembership, load_workers_file
+
+MEMBERSHIPS = ("static", "etcd")
+
+__all__ = ["DEFAULT_TTL_S", "MEMBERSHIPS", "Membership", "MembershipConfig", "MembershipSink",
+           "Registrar", "WorkerInfo", "check_name", "create_membership", "create_registrar",
+           "worker_key"]
+
+
+@dataclass(frozen=True)
+class MembershipConfig:
+    kind: str = "static"
+    etcd_url: str = ""
+    cluster: str = "default"
+    ttl_s: int = DEFAULT_TTL_S
+    # static only: gRPC endpoints, or a JSON file {"prefill": [...], "decode": [...]}
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    workers_file: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in MEMBERSHIPS:
+            raise ValueError(f"unknown membership {self.kind!r}; valid: {', '.join(MEMBERSHIPS)}")
+        check_name("cluster", self.cluster)
+        if self.kind == "etcd":
+            parse_etcd_url(self.etcd_url)
+        if self.ttl_s < 2:
+            raise ValueError("--etcd-ttl-s must be >= 2 (etcd's minimum lease TTL)")
+
+    @classmethod
+    def from_flags(cls, etcd_url: str | None, cluster: str, ttl_s: int,
+                   prefill: tuple[str, ...] = (), decode: tuple[str, ...] = (),
+                   workers_file: str | None = None) -> MembershipConfig:
+        """etcd when ``--etcd`` is given, else static."""
+        if etcd_url and (prefill or decode or workers_file):
+            raise ValueError("give either --etcd or static workers (--prefill/--decode/"
+                             "--workers-file), not both")
+        if etcd_url:
+            return cls("etcd", etcd_url=etcd_url, cluster=cluster, ttl_s=ttl_s)
+        return cls("static", cluster=cluster, ttl_s=ttl_s, prefill=prefill, decode=decode,
+                   workers_file=workers_file or "")
+
+
+def create_membership(config: MembershipConfig,
+                      registry: CollectorRegistry | None = None) -> Membership:
+    if config.kind == "etcd":
+        return EtcdMembership(config.etcd_url, config.cluster, registry=registry)
+    prefill, decode = config.prefill, config.decode
+    if config.workers_file:
+        file_prefill, file_decode = load_workers_file(config.workers_file)
+        prefill, decode = prefill + tuple(file_prefill), decode + tuple(file_decode)
+    return StaticMembership(prefill, decode)
+
+
+def create_registrar(config: MembershipConfig) -> Registrar:
+    if config.kind == "etcd":
+        return EtcdRegistrar(config.etcd_url, config.cluster, config.ttl_s)
+    return NullRegistrar()

@@ -1,0 +1,169 @@
+"""etcd membership, router side: list, then watch from the listed revision.
+
+While etcd is unreachable the sink keeps its last-known set; the outage is
+logged once, ``pdserve_router_membership_etcd_up`` drops to 0, and on reconnect
+the whole prefix is listed again (``..._etcd_reconnects_total``). A liveness probe
+(``Status`` with a deadline) runs beside the watch, because a watch stream to a
+hung (not dead) etcd may never fail by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from urllib.parse import urlsplit
+
+import aetcd
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from .base import MembershipSink, WorkerInfo, workers_prefix
+
+logger = logging.getLogger("pdserve.membership.etcd")
+
+DEFAULT_CALL_TIMEOUT_S = 2.0
+# What a failed etcd call raises through aetcd (it maps gRPC errors to ClientError).
+ETCD_ERRORS = (aetcd.ClientError, grpc.aio.AioRpcError, asyncio.TimeoutError, OSError,
+               ConnectionError)
+
+
+def parse_etcd_url(url: str) -> tuple[str, int]:
+    """``http://host:port`` or ``host:port`` (one endpoint) -> (host, port)."""
+    if not url:
+        raise ValueError("etcd membership needs --etcd http://HOST:PORT")
+    if "," in url:
+        raise ValueError(f"--etcd takes one endpoint, not a list: {url!r}")
+    parts = urlsplit(url if "://" in url else "http://" + url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"--etcd must be http://HOST:PORT (TLS is not supported), not {url!r}")
+    try:
+        port = parts.port or 2379
+    except ValueError:
+        raise ValueError(f"bad port in --etcd {url!r}") from None
+    return parts.hostname, port
+
+
+def etcd_client(url: str, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> aetcd.Client:
+    """A client whose every call carries a ``call_timeout_s`` deadline."""
+    host, port = parse_etcd_url(url)
+    return aetcd.Client(host, port, timeout=call_timeout_s)  # type: ignore[arg-type]
+
+
+async def close_client(client: aetcd.Client, timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> None:
+    with contextlib.suppress(*ETCD_ERRORS):
+        await asyncio.wait_for(client.close(), timeout_s)
+
+
+class EtcdMembershipMetrics:
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self.up = Gauge("pdserve_router_membership_etcd_up",
+                        "1 while the router's etcd watch is live, 0 while it serves its "
+                        "last-known worker set.", registry=registry)
+        self.reconnects = Counter("pdserve_router_membership_etcd_reconnects",
+                                  "Re-listings of the worker set after etcd was unreachable.",
+                                  registry=registry)
+        self.events = Counter("pdserve_router_membership_events",
+                              "Membership changes seen in etcd, by kind (put, delete).",
+                              ["kind"], registry=registry)
+
+
+class EtcdMembership:
+    name = "etcd"
+
+    def __init__(self, url: str, cluster: str = "default", *,
+                 registry: CollectorRegistry | None = None,
+                 call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+                 probe_interval_s: float = 1.0, retry_s: float = 0.5) -> None:
+        parse_etcd_url(url)
+        self._url = url
+        self._cluster = cluster
+        self._prefix = workers_prefix(cluster)
+        self._call_timeout_s = call_timeout_s
+        self._probe_interval_s = probe_interval_s
+        self._retry_s = retry_s
+        self._metrics = EtcdMembershipMetrics(registry)
+        self.connected = False
+        self._outage_logged = False
+        self.num_listings = 0
+        self.revision = 0
+
+    def describe(self) -> dict[str, object]:
+        return {"kind": self.name, "url": self._url, "cluster": self._cluster,
+                "connected": self.connected, "revision": self.revision,
+                "num_listings": self.num_listings}
+
+    async def run(self, sink: MembershipSink) -> None:
+        while True:
+            client = etcd_client(self._url, self._call_timeout_s)
+            try:
+                await self._list_and_watch(client, sink)
+            except ETCD_ERRORS as exc:
+                self._set_connected(False, f"{type(exc).__name__}: {exc}")
+            finally:
+                await close_client(client, self._call_timeout_s)
+            await asyncio.sleep(self._retry_s)
+
+    async def _list_and_watch(self, client: aetcd.Client, sink: MembershipSink) -> None:
+        prefix = self._prefix.encode()
+        listing = await client.get_prefix(prefix)
+        infos = [info for kv in listing if (info := self._parse(kv.key, kv.value))]
+        self.revision = listing.header.revision
+        watch = await client.watch_prefix(prefix, start_revision=self.revision + 1)
+        await sink.replace_all(infos)
+        if self.num_listings:
+            self._metrics.reconnects.inc()
+        self.num_listings += 1
+        self._set_connected(True, f"{len(infos)} workers at revision {self.revision}")
+        consume = asyncio.ensure_future(self._consume(watch, sink))
+        probe = asyncio.ensure_future(self._probe(client))
+        try:
+            done, _ = await asyncio.wait({consume, probe}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+            raise ConnectionError("etcd watch stream ended")
+        finally:
+            for task in (consume, probe):
+                task.cancel()
+            await asyncio.gather(consume, probe, return_exceptions=True)
+
+    async def _consume(self, watch: aetcd.rtypes.Watch, sink: MembershipSink) -> None:
+        async for event in watch:
+            self.revision = max(self.revision, event.kv.mod_revision)
+            if event.kind == aetcd.EventKind.PUT:
+                self._metrics.events.labels("put").inc()
+                info = self._parse(event.kv.key, event.kv.value)
+                if info is not None:
+                    await sink.put(info)
+            else:
+                self._metrics.events.labels("delete").inc()
+                await sink.delete(event.kv.key.decode().removeprefix(self._prefix))
+
+    async def _probe(self, client: aetcd.Client) -> None:
+        while True:
+            await asyncio.sleep(self._probe_interval_s)
+            await asyncio.wait_for(client.status(), self._call_timeout_s + 1)
+
+    def _parse(self, key: bytes, value: bytes) -> WorkerInfo | None:
+        try:
+            info = WorkerInfo.from_json(value)
+        except (ValueError, TypeError) as exc:
+            logger.warning("ignoring bad registration at %s: %s", key.decode(errors="replace"),
+                           exc)
+            return None
+        if key.decode(errors="replace") != self._prefix + info.member_id:
+            logger.warning("ignoring registration %s: its key does not match %s",
+                           key.decode(errors="replace"), info.member_id)
+            return None
+        return info
+
+    def _set_connected(self, connected: bool, detail: str) -> None:
+        """Log each transition once: one warning per outage, one line on recovery."""
+        if connected and not self.connected:
+            logger.info("etcd %s: watching %s (%s)", self._url, self._prefix, detail)
+        elif not connected and not self._outage_logged:
+            logger.warning("etcd %s unreachable (%s); keeping the last-known worker set, "
+                           "retrying every %.1fs", self._url, detail, self._retry_s)
+        self._outage_logged = not connected
+        self.connected = connected
+        self._metrics.up.set(1 if connected else 0)

@@ -1,0 +1,273 @@
+"""Membership on a real etcd with real vLLM workers (``pdserve prefill|decode --etcd``)
+and a real router (``pdserve router --etcd``), one cluster shared by the module.
+
+The tests run in file order on that cluster: discovery within 2 s, spread over
+2 prefill + 2 decode, SIGKILL of a decode worker, an etcd outage and restart (a
+worker started during it is discovered: a bfloat16 decode worker, incompatible with
+the float32 prefill workers), SIGSTOP past the TTL then SIGCONT, and the
+incompatible worker never paired (it serves alone, computing prompts itself). At
+most four engines run at once. Workers use a 3 s lease TTL (``--etcd-ttl-s 3``;
+the default is 10 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from pdserve.proto.pdserve.v1 import worker_pb2 as pb
+from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
+from pdserve_testing import etcd_keys, wait_until
+
+from pdserve.membership.local_etcd import LocalEtcd
+from pdserve.up import free_port
+
+pytestmark = pytest.mark.integration
+TTL_S = 3
+CLUSTER = "itest"
+PREFIX = f"/pdserve/{CLUSTER}/workers/"
+ENGINE_START_S = 600
+WORKERS = {"prefill-0": ("prefill", "float32"), "prefill-1": ("prefill", "float32"),
+           "decode-0": ("decode", "float32"), "decode-1": ("decode", "float32")}
+LATE = "decode-bf16"  # started during the etcd outage; its hash differs (dtype)
+
+
+@dataclass
+class Timeline:
+    """When each worker id was first/last seen registered in etcd and healthy in the
+    router's view, polled every 50 ms from a thread."""
+
+    etcd_url: str
+    router_url: str
+    registered: dict[str, list[float]] = field(default_factory=dict)  # id -> times seen
+    routable: dict[str, list[float]] = field(default_factory=dict)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        while not self.stop.wait(0.05):
+            now = time.monotonic()
+            for key in etcd_keys(self.etcd_url, PREFIX):
+                self.registered.setdefault(key.rsplit("/", 1)[-1], []).append(now)
+            for w in router_view(self.router_url):
+                if w["healthy"]:
+                    self.routable.setdefault(str(w["id"]), []).append(now)
+
+    def first(self, table: dict[str, list[float]], worker_id: str, after: float = 0.0) -> float:
+        return min(t for t in table.get(worker_id, []) if t >= after)
+
+
+def router_view(router_url: str) -> list[dict[str, object]]:
+    try:
+        return list(httpx.get(router_url + "/workers", timeout=2).json()["workers"])
+    except (httpx.HTTPError, ValueError, KeyError):
+        return []
+
+
+@dataclass
+class Cluster:
+    etcd: LocalEtcd
+    router_url: str
+    log_dir: Path
+    procs: dict[str, subprocess.Popen[bytes]]
+    endpoints: dict[str, str]
+    timeline: Timeline
+
+    def start_worker(self, worker_id: str, role: str, dtype: str) -> None:
+        port = free_port()
+        self.endpoints[worker_id] = f"127.0.0.1:{port}"
+        self.procs[worker_id] = _spawn(
+            [role, "--etcd", self.etcd.url, "--cluster", CLUSTER, "--etcd-ttl-s", str(TTL_S),
+             "--dtype", dtype, "--kv-cache-gib", "1", "--port", str(port),
+             "--kv-port", str(free_port()), "--worker-id", worker_id],
+            self.log_dir / f"{worker_id}.log")
+
+    def view(self) -> dict[str, dict[str, object]]:
+        return {str(w["id"]): w for w in router_view(self.router_url)}
+
+    def healthy(self) -> set[str]:
+        return {i for i, w in self.view().items() if w["healthy"]}
+
+    def load(self, worker_id: str) -> pb.GetLoadResponse:
+        with grpc.insecure_channel(self.endpoints[worker_id]) as channel:
+            return pb_grpc.WorkerServiceStub(channel).GetLoad(pb.GetLoadRequest(), timeout=10)
+
+    def complete(self, i: int) -> str:
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": f"Request {i}: count to five.",
+                "max_tokens": 4, "temperature": 0}
+        r = httpx.post(self.router_url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return str(r.json()["choices"][0]["text"])
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(self.router_url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
+    def signal(self, worker_id: str, sig: int) -> None:
+        os.killpg(self.procs[worker_id].pid, sig)
+
+
+def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.setdefault("PDSERVE_CACHE", str(_MODEL_CACHE))
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+
+
+_MODEL_CACHE = Path()
+
+
+@pytest.fixture(scope="module")
+def cluster(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    global _MODEL_CACHE
+    _MODEL_CACHE = model_path.parents[1]
+    log_dir = tmp_path_factory.mktemp("etcd-cluster")
+    etcd = LocalEtcd(log_path=log_dir / "etcd.log").start()
+    port = free_port()
+    router_url = f"http://127.0.0.1:{port}"
+    procs: dict[str, subprocess.Popen[bytes]] = {
+        "router": _spawn(["router", "--etcd", etcd.url, "--cluster", CLUSTER, "--port",
+                          str(port)], log_dir / "router.log")}
+    timeline = Timeline(etcd.url, router_url)
+    observer = threading.Thread(target=timeline.run, daemon=True)
+    observer.start()
+    c = Cluster(etcd, router_url, log_dir, procs, {}, timeline)
+    try:
+        for worker_id, (role, dtype) in WORKERS.items():  # engines load in parallel
+            c.start_worker(worker_id, role, dtype)
+        ready = wait_until(lambda: c.healthy() >= set(WORKERS) or _dead(procs), ENGINE_START_S,
+                           interval_s=1.0)
+        assert ready is True, f"cluster not ready: {_dead(procs) or c.view()} (logs {log_dir})"
+        yield c
+    finally:
+        timeline.stop.set()
+        for proc in procs.values():
+            _kill(proc)
+        etcd.stop()
+        observer.join(timeout=5)
+
+
+def _dead(procs: dict[str, subprocess.Popen[bytes]]) -> str:
+    return ", ".join(f"{n} exited {p.returncode}" for n, p in procs.items() if p.poll() is not None)
+
+
+def test_registered_workers_are_routable_within_2s(cluster: Cluster) -> None:
+    t = cluster.timeline
+    for worker_id in WORKERS:
+        registered = t.first(t.registered, worker_id)
+        assert t.first(t.routable, worker_id, registered) - registered <= 2.0, worker_id
+    keys = etcd_keys(cluster.etcd.url, PREFIX)
+    info = json.loads(keys[PREFIX + "decode/decode-0"])
+    assert info["grpc_endpoint"] == cluster.endpoints["decode-0"]
+    assert info["dtype"] == "float32" and info["block_size"] > 0 and info["compatibility_hash"]
+    assert set(info["kv_endpoints"]) == {"tcp"} and info["capacity"]["num_kv_blocks"] > 0
+
+
+def test_requests_spread_over_two_prefill_and_two_decode(cluster: Cluster) -> None:
+    for i in range(6):
+        cluster.complete(i)
+    for worker_id in ("prefill-0", "prefill-1"):
+        assert cluster.load(worker_id).prompt_tokens_computed > 0, worker_id
+    for worker_id in ("decode-0", "decode-1"):
+        assert cluster.load(worker_id).prompt_tokens_external > 0, worker_id  # KV from P
+
+
+def test_sigkilled_worker_leaves_the_view_and_requests_keep_succeeding(
+        cluster: Cluster) -> None:
+    killed = time.monotonic()
+    cluster.signal("decode-1", signal.SIGKILL)
+    cluster.procs["decode-1"].wait(timeout=30)
+    i = 100
+    while "decode-1" in cluster.view() and time.monotonic() - killed < TTL_S + 5:
+        cluster.complete(i)  # asserts success: served by the others meanwhile
+        i += 1
+    gone = wait_until(lambda: "decode-1" not in cluster.view(), 1.0, interval_s=0.05)
+    assert gone and time.monotonic() - killed <= TTL_S + 2.0
+    assert "decode-1" not in etcd_keys(cluster.etcd.url, PREFIX + "decode/")
+    for j in range(3):
+        cluster.complete(200 + j)
+
+
+def test_etcd_outage_keeps_serving_then_discovers_a_new_worker(cluster: Cluster) -> None:
+    before = cluster.healthy()
+    cluster.etcd.stop(keep_data=True)  # SIGKILL
+    assert wait_until(lambda: cluster.metric("pdserve_router_membership_etcd_up") == 0, 5.0)
+    cluster.start_worker(LATE, "decode", "bfloat16")  # registers once etcd is back
+    outage_end = time.monotonic() + TTL_S + 1  # past the TTL: nothing may expire
+    i = 300
+    while time.monotonic() < outage_end:
+        cluster.complete(i)
+        i += 1
+    assert cluster.healthy() == before
+    restarted = time.monotonic()
+    cluster.etcd.start()
+    assert wait_until(lambda: LATE in cluster.healthy(), ENGINE_START_S, 0.5), (
+        f"{LATE} not discovered; see {cluster.log_dir}")
+    t = cluster.timeline
+    assert t.first(t.registered, LATE) >= restarted
+    assert t.first(t.routable, LATE) - t.first(t.registered, LATE) <= 2.0
+    assert cluster.metric("pdserve_router_membership_etcd_up") == 1
+    assert cluster.metric("pdserve_router_membership_etcd_reconnects_total") >= 1
+    assert before <= cluster.healthy()
+    for j in range(4):
+        cluster.complete(400 + j)
+    assert cluster.load(LATE).prompt_tokens_computed > 0  # it serves
+
+
+def test_paused_worker_reregisters_and_serves_again(cluster: Cluster) -> None:
+    cluster.signal("prefill-1", signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        assert wait_until(lambda: "prefill-1" not in cluster.view(), TTL_S + 5, 0.1)
+        assert time.monotonic() - stopped <= TTL_S + 2.0
+        time.sleep(1.0)
+    finally:
+        cluster.signal("prefill-1", signal.SIGCONT)
+    resumed = time.monotonic()
+    assert wait_until(lambda: "prefill-1" in cluster.healthy(), TTL_S + 5, 0.1)
+    t = cluster.timeline
+    assert t.first(t.registered, "prefill-1", resumed) - resumed <= TTL_S / 3 + 2.0
+    computed = cluster.load("prefill-1").prompt_tokens_computed
+    for j in range(4):
+        cluster.complete(500 + j)
+    assert cluster.load("prefill-1").prompt_tokens_computed > computed
+
+
+def test_incompatible_worker_is_never_paired(cluster: Cluster) -> None:
+    view = cluster.view()
+    hashes = {i: w["compatibility_hash"] for i, w in view.items()}
+    assert view[LATE]["healthy"] and hashes[LATE] != hashes["prefill-0"] == hashes["decode-0"]
+    fallbacks = cluster.metric("pdserve_dispatch_prefill_fallbacks_total")
+    computed = cluster.load(LATE).prompt_tokens_computed
+    for j in range(6):
+        cluster.complete(600 + j)
+    # Round robin gave the bf16 decode worker half of these; no prefill worker may be
+    # paired with it, so it computed those prompts itself and received no KV.
+    late = cluster.load(LATE)
+    assert late.prompt_tokens_computed > computed
+    assert (late.prompt_tokens_external, late.kv_bytes_received) == (0, 0)
+    assert cluster.metric("pdserve_dispatch_prefill_fallbacks_total") >= fallbacks + 3
+    assert cluster.load("decode-0").prompt_tokens_external > 0
