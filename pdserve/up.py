@@ -43,10 +43,11 @@ class UpConfig:
     transport: str = "tcp"
     max_model_len: int = 4096
     kv_cache_gib: int = 2
-    placement: str = "round_robin"
+    placement: str = "cache_aware"
     startup_timeout_s: float = 600.0
     log_level: str = "INFO"
     cpu_layout: str = "shared"
+    num_kv_blocks: int | None = None  # prefill workers' KV blocks (overrides kv_cache_gib)
 
     def __post_init__(self) -> None:
         if self.num_decode < 1 or self.num_prefill < 0:
@@ -111,6 +112,8 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
                          "--kv-cache-gib", str(cfg.kv_cache_gib), "--worker-id", f"{role}-{i}"]
             if cores[i]:
                 argv += ["--cpu-cores", cores[i]]
+            if role == "prefill" and cfg.num_kv_blocks:
+                argv += ["--num-kv-blocks", str(cfg.num_kv_blocks)]
             endpoints[role].append(f"127.0.0.1:{port}")
             children.append(Child(f"{role}-{i}", argv, log_dir / f"{role}-{i}.log",
                                   f"grpc:127.0.0.1:{port}"))

@@ -11,6 +11,7 @@ import logging
 import grpc
 
 from pdserve.engine_host import EngineHost, PhaseOutput
+from pdserve.kv_relay import kv_snapshot, stream_kv_events
 from pdserve.kv_transfer.metadata import KVHandle
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
@@ -121,7 +122,17 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 kv_transfer_time_ns=int(status.get("transfer_time_ns", 0)),
                 num_inflight_reqs=self._host.num_inflight,
                 kv_leases_expired=int(status.get("leases_expired", 0)),
+                num_cached_blocks=len(self._host.kv_mirror or ()),
             )
+
+    async def StreamKvEvents(self, request: pb.KvEventsRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext):
+        async for batch in stream_kv_events(self._host.kv_mirror, context):
+            yield batch
+
+    async def GetKvSnapshot(self, request: pb.KvSnapshotRequest,  # noqa: N802
+                            context: grpc.aio.ServicerContext):
+        return await kv_snapshot(self._host.kv_mirror, self._host.worker_id, context)
 
 
 def _validate(

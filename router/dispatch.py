@@ -17,7 +17,8 @@ import grpc
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from prometheus_client import CollectorRegistry, Counter
 
-from .placement import Choice, Placement
+from .placement import Choice, Placement, PlacementRequest
+from .prefix_routing import PrefixRouting
 from .types import NoWorkerAvailableError, SamplingSpec, TokenChunk, WorkerFailedError
 from .workers import WorkerClient, WorkerPool
 
@@ -59,10 +60,11 @@ def _sampling_pb(spec: SamplingSpec, max_tokens: int) -> pb.SamplingParams:
 class PDDispatcher:
     def __init__(
         self, pool: WorkerPool, placement: Placement, registry: CollectorRegistry,
-        request_timeout_s: float = 600.0,
+        request_timeout_s: float = 600.0, prefix: PrefixRouting | None = None,
     ) -> None:
         self._pool = pool
         self._placement = placement
+        self._prefix = prefix
         self._metrics = DispatchMetrics(registry)
         self._timeout = request_timeout_s
         self._cursor = 0
@@ -71,27 +73,33 @@ class PDDispatcher:
     def is_ready(self) -> bool:
         return any(w.state.healthy for w in self._pool.decode)
 
-    def _choose(self) -> tuple[WorkerClient | None, WorkerClient]:
+    def _choose(self, prompt: Sequence[int]) -> tuple[
+            WorkerClient | None, WorkerClient, PlacementRequest]:
+        request = (self._prefix.request(prompt) if self._prefix is not None
+                   else PlacementRequest(len(prompt)))
         choice: Choice | None = self._placement.choose(
             [w.state for w in self._pool.prefill], [w.state for w in self._pool.decode],
-            self._cursor)
+            self._cursor, request)
         self._cursor += 1
         if choice is None:
             raise NoWorkerAvailableError("no healthy decode worker is available")
         prefill = self._pool.prefill[choice.prefill] if choice.prefill is not None else None
-        return prefill, self._pool.decode[choice.decode]
+        if prefill is not None and self._prefix is not None:
+            self._prefix.on_placed(request, prefill.state)
+        return prefill, self._pool.decode[choice.decode], request
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec
     ) -> AsyncIterator[TokenChunk]:
-        prefill, decode = self._choose()
+        prefill, decode, placed = self._choose(prompt_token_ids)
         involved: list[WorkerClient] = []
         finished = False
         try:
             first: pb.GenerateResponse | None = None
             if prefill is not None:
                 involved.append(prefill)
-                first = await self._prefill(prefill, request_id, prompt_token_ids, sampling)
+                first = await self._prefill(prefill, request_id, prompt_token_ids, sampling,
+                                            placed.uncached_tokens(prefill.state))
             if first is None:
                 self._metrics.fallbacks.inc()
                 decode_prompt, handle = list(prompt_token_ids), None
@@ -122,17 +130,21 @@ class PDDispatcher:
                 self._abort_later(request_id, involved)
 
     async def _prefill(
-        self, worker: WorkerClient, request_id: str, prompt: Sequence[int], spec: SamplingSpec
+        self, worker: WorkerClient, request_id: str, prompt: Sequence[int], spec: SamplingSpec,
+        uncached_tokens: int,
     ) -> pb.GenerateResponse | None:
         """The prefill's one response, or None if prefill failed (decode falls back)."""
         req = pb.GenerateRequest(request_id=request_id, phase=pb.PHASE_PREFILL,
                                  prompt_token_ids=prompt,
                                  sampling=_sampling_pb(spec, spec.max_tokens))
         worker.state.num_assigned += 1
+        worker.state.num_assigned_tokens += uncached_tokens
         try:
             last: pb.GenerateResponse | None = None
             async for resp in worker.stub.Generate(req, timeout=self._timeout):
                 last = resp
+            if last is not None and self._prefix is not None:
+                self._prefix.on_prefilled(last.num_cached_tokens)
             return last
         except grpc.aio.AioRpcError as exc:
             self._on_error(worker, exc)
@@ -141,6 +153,7 @@ class PDDispatcher:
             return None
         finally:
             worker.state.num_assigned -= 1
+            worker.state.num_assigned_tokens -= uncached_tokens
 
     async def _decode(
         self, worker: WorkerClient, request_id: str, prompt: list[int],

@@ -12,7 +12,10 @@ from prometheus_client import CollectorRegistry
 
 from .app import create_app
 from .dispatch import PDDispatcher
-from .placement import create_placement
+from .kv_feed import KvIndexFeeder
+from .placement import DEFAULT_PLACEMENT, create_placement
+from .prefix_index import PrefixIndex
+from .prefix_routing import PrefixRouting
 from .workers import WorkerPool
 
 logger = logging.getLogger("pdserve.router")
@@ -27,7 +30,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_model_len: int = 4096
-    placement: str = "round_robin"
+    placement: str = DEFAULT_PLACEMENT
     health_interval_s: float = 2.0
     request_timeout_s: float = 600.0
 
@@ -43,8 +46,10 @@ async def serve_router(config: RouterConfig) -> None:
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
     registry = CollectorRegistry()
     pool = WorkerPool(list(config.prefill), list(config.decode), config.health_interval_s)
+    index = PrefixIndex()
+    feeder = KvIndexFeeder(lambda: pool.prefill, index, registry)
     dispatcher = PDDispatcher(pool, create_placement(config.placement), registry,
-                              config.request_timeout_s)
+                              config.request_timeout_s, PrefixRouting(index, registry))
     app = create_app(served_model_name=config.served_model_name,
                      max_model_len=config.max_model_len, tokenizer=tokenizer,
                      dispatcher=dispatcher, registry=registry)
@@ -52,12 +57,14 @@ async def serve_router(config: RouterConfig) -> None:
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                            log_level="warning", timeout_graceful_shutdown=5))
     await pool.start()
+    await feeder.start()
     logger.info("router on http://%s:%d/v1: %d prefill, %d decode workers, placement %s",
                 config.host, config.port, len(config.prefill), len(config.decode),
                 config.placement)
     try:
         await server.serve()
     finally:
+        await feeder.close()
         await pool.close()
 
 

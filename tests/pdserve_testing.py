@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import subprocess
 import time
@@ -73,5 +74,16 @@ def wait_until(predicate: Callable[[], T], timeout_s: float, interval_s: float =
     value = predicate()
     while not value and time.monotonic() < deadline:
         time.sleep(interval_s)
+        value = predicate()
+    return value
+
+
+async def wait_until_async(predicate: Callable[[], T], timeout_s: float,
+                           interval_s: float = 0.02) -> T:
+    """``wait_until`` for coroutines: polls without blocking the event loop."""
+    deadline = time.monotonic() + timeout_s
+    value = predicate()
+    while not value and time.monotonic() < deadline:
+        await asyncio.sleep(interval_s)
         value = predicate()
     return value
