@@ -127,11 +127,15 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
 
     async def StreamKvEvents(self, request: pb.KvEventsRequest,  # noqa: N802
                              context: grpc.aio.ServicerContext):
+        if self._host.config.kv_events is not None and self._host.kv_mirror is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
         async for batch in stream_kv_events(self._host.kv_mirror, context):
             yield batch
 
     async def GetKvSnapshot(self, request: pb.KvSnapshotRequest,  # noqa: N802
                             context: grpc.aio.ServicerContext):
+        if self._host.config.kv_events is not None and self._host.kv_mirror is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
         return await kv_snapshot(self._host.kv_mirror, self._host.worker_id, context)
 
 

@@ -23,6 +23,7 @@ from .workers import WorkerClient
 
 logger = logging.getLogger("pdserve.router.kv_feed")
 _RPC_TIMEOUT_S = 10.0
+_UNSUPPORTED_RETRY_S = 15.0
 
 
 class KvFeedMetrics:
@@ -46,18 +47,21 @@ class KvEventFollower:
         self.unsupported = False
 
     async def run(self) -> None:
-        """Follow until cancelled; reconnect after failures."""
+        """Follow until cancelled; reconnect after failures (slowly where the worker
+        publishes no KV events: it may be restarted with them)."""
         while True:
+            retry_s = self._retry_s
             try:
                 await self._follow_once()
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    if not self.unsupported:
+                        logger.info("%s publishes no KV events", self.client.state.endpoint)
                     self.unsupported = True
-                    logger.info("%s publishes no KV events", self.client.state.endpoint)
-                    return
+                    retry_s = _UNSUPPORTED_RETRY_S
                 logger.debug("KV events from %s: %s", self.client.state.endpoint, exc.code())
             self.forget()
-            await asyncio.sleep(self._retry_s)
+            await asyncio.sleep(retry_s)
 
     def forget(self) -> None:
         if self.worker_id is not None:

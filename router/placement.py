@@ -137,11 +137,26 @@ class CacheAwarePlacement:
         p = [i for i in p if prefill[i].compatibility_hash in hashes]
         if not p:
             return Choice(None, _least_loaded(decode, d, cursor))
-        n = len(prefill)
-        pi = min(p, key=lambda i: (self.cost(prefill[i], request), _queued(prefill[i]),
-                                   (i - cursor) % n))
+        pi = self._cheapest(prefill, p, cursor, request)
         d = [i for i in d if _compatible(prefill[pi], decode[i])]
         return Choice(pi, _least_loaded(decode, d, cursor))
+
+
+    def _cheapest(self, prefill: Sequence[WorkerState], candidates: list[int], cursor: int,
+                  request: PlacementRequest) -> int:
+        """``cost`` inlined: this loop is the decision's hot path (64 workers < 50 us)."""
+        matched, total = request.matched_tokens, request.num_prompt_tokens
+        per_request, n = self.config.request_cost_tokens, len(prefill)
+        best, best_key = candidates[0], None
+        for i in candidates:
+            w = prefill[i]
+            queued = max(w.num_assigned, w.load.num_running_reqs + w.load.num_waiting_reqs)
+            cost = (total - matched.get(w.worker_id, 0) + w.num_assigned_tokens
+                    + per_request * queued)
+            key = (cost, queued, (i - cursor) % n)
+            if best_key is None or key < best_key:
+                best, best_key = i, key
+        return best
 
 
 def _queued(w: WorkerState) -> int:

@@ -54,6 +54,10 @@ async def serve_router(config: RouterConfig) -> None:
                      max_model_len=config.max_model_len, tokenizer=tokenizer,
                      dispatcher=dispatcher, registry=registry)
     app.add_api_route("/workers", lambda: {"workers": pool.describe()}, methods=["GET"])
+    app.add_api_route("/prefix_index", lambda: {
+        "blocks": {w: len(index.blocks_of(w)) for w in index.workers()},
+        "resyncs": {f.worker_id or f.client.state.endpoint: f.num_resyncs
+                    for f in feeder.followers}}, methods=["GET"])
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                            log_level="warning", timeout_graceful_shutdown=5))
     await pool.start()

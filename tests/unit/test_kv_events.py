@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytest
 import pytest_asyncio
 from pdserve.router.kv_feed import KvIndexFeeder
 from pdserve.router.prefix_index import PrefixIndex
