@@ -67,8 +67,9 @@ def _prefix(seed: int, words: int = 1100) -> str:
 
 
 def _complete(server: Server, prompt: str) -> dict:
+    """max_tokens=1: the prefill worker answers alone (placement is what is tested)."""
     resp = httpx.post(server.base_url + "/completions", timeout=120, json={
-        "model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+        "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0})
     resp.raise_for_status()
     return resp.json()
 
@@ -86,7 +87,7 @@ def test_repeated_long_prefix_goes_to_the_worker_that_computed_it(cluster: Serve
     holder = max(computed, key=computed.__getitem__)
     other = next(w for w in computed if w != holder)
     num_prompt = first["usage"]["prompt_tokens"]
-    assert num_prompt > 10 * BLOCK_SIZE and computed[holder] >= num_prompt - BLOCK_SIZE
+    assert num_prompt > 8 * BLOCK_SIZE and computed[holder] >= num_prompt - BLOCK_SIZE
     # The router's index learns the holder's blocks from its KV events.
     full_blocks = num_prompt // BLOCK_SIZE
     assert wait_until(lambda: _index(cluster)["blocks"].get(holder, 0) >= full_blocks, 10)
@@ -106,7 +107,7 @@ def test_repeated_long_prefix_goes_to_the_worker_that_computed_it(cluster: Serve
 async def _flood(server: Server, prompts: list[str]) -> None:
     async with httpx.AsyncClient(timeout=300) as client:
         resps = await asyncio.gather(*(client.post(server.base_url + "/completions", json={
-            "model": MODEL, "prompt": p, "max_tokens": 2, "temperature": 0}) for p in prompts))
+            "model": MODEL, "prompt": p, "max_tokens": 1, "temperature": 0}) for p in prompts))
     assert all(r.status_code == 200 for r in resps), [r.text for r in resps if r.status_code]
 
 
@@ -120,7 +121,7 @@ def test_flood_of_one_prefix_spills_to_the_other_worker(cluster: Server) -> None
     assert wait_until(lambda: _index(cluster)["blocks"].get(holder, 0)
                       >= num_prompt // BLOCK_SIZE, 10)
     before = _prefill_loads(cluster)
-    asyncio.run(_flood(cluster, [prefix + f"\nRequest {i}: go." for i in range(24)]))
+    asyncio.run(_flood(cluster, [prefix + f"\nRequest {i}: go." for i in range(16)]))
     after = _prefill_loads(cluster)
     hits = _delta(after, before, "prompt_tokens_local_cache_hit")
     computed = _delta(after, before, "prompt_tokens_computed")
