@@ -37,13 +37,14 @@ class PrefixMetrics:
         self.indexed_blocks = Gauge(
             "pdserve_placement_indexed_blocks", "(worker, block) entries in the prefix index.",
             registry=registry)
-        self._prompt = self._matched = self._cached = 0
 
 
 class PrefixRouting:
     def __init__(self, index: PrefixIndex, registry: CollectorRegistry) -> None:
         self.index = index
         self.metrics = PrefixMetrics(registry)
+        # Totals since start, for the ratio gauges.
+        self.num_prompt_tokens = self.num_matched_tokens = self.num_cached_tokens = 0
 
     def request(self, prompt_token_ids: Sequence[int]) -> PlacementRequest:
         """The prompt matched against every indexed worker, in tokens."""
@@ -56,18 +57,19 @@ class PrefixRouting:
         return PlacementRequest(len(prompt_token_ids), matched)
 
     def on_placed(self, request: PlacementRequest, worker: WorkerState) -> None:
+        """A prefill was placed on ``worker``."""
         m = self.metrics
         matched = request.matched_tokens.get(worker.worker_id, 0)
-        m._prompt += request.num_prompt_tokens
-        m._matched += matched
+        self.num_prompt_tokens += request.num_prompt_tokens
+        self.num_matched_tokens += matched
         m.prompt_tokens.inc(request.num_prompt_tokens)
         m.matched_tokens.inc(matched)
         m.placed.labels(worker.worker_id or worker.endpoint).inc()
-        m.predicted_ratio.set(m._matched / max(m._prompt, 1))
+        m.predicted_ratio.set(self.num_matched_tokens / max(self.num_prompt_tokens, 1))
         m.indexed_blocks.set(self.index.num_blocks)
 
     def on_prefilled(self, num_cached_tokens: int) -> None:
-        m = self.metrics
-        m._cached += num_cached_tokens
-        m.cached_tokens.inc(num_cached_tokens)
-        m.hit_ratio.set(m._cached / max(m._prompt, 1))
+        """The placed prefill finished; its engine served ``num_cached_tokens`` from cache."""
+        self.num_cached_tokens += num_cached_tokens
+        self.metrics.cached_tokens.inc(num_cached_tokens)
+        self.metrics.hit_ratio.set(self.num_cached_tokens / max(self.num_prompt_tokens, 1))
