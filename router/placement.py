@@ -130,32 +130,34 @@ class CacheAwarePlacement:
         self, prefill: Sequence[WorkerState], decode: Sequence[WorkerState], cursor: int,
         request: PlacementRequest = _NO_REQUEST,
     ) -> Choice | None:
-        p, d = _pairs(prefill, decode)
+        d = [i for i, w in enumerate(decode) if w.healthy]
         if not d:
             return None
-        hashes = {decode[i].compatibility_hash for i in d}
-        p = [i for i in p if prefill[i].compatibility_hash in hashes]
-        if not p:
+        pi = self._cheapest(prefill, {decode[i].compatibility_hash for i in d}, cursor, request)
+        if pi is None:
             return Choice(None, _least_loaded(decode, d, cursor))
-        pi = self._cheapest(prefill, p, cursor, request)
         d = [i for i in d if _compatible(prefill[pi], decode[i])]
         return Choice(pi, _least_loaded(decode, d, cursor))
 
-
-    def _cheapest(self, prefill: Sequence[WorkerState], candidates: list[int], cursor: int,
-                  request: PlacementRequest) -> int:
-        """``cost`` inlined: this loop is the decision's hot path (64 workers < 50 us)."""
+    def _cheapest(self, prefill: Sequence[WorkerState], compat: set[str], cursor: int,
+                  request: PlacementRequest) -> int | None:
+        """The healthy, pairable prefill worker of lowest ``cost`` (inlined: this loop is
+        the decision's hot path), ties by fewer queued requests, then rotation."""
         matched, total = request.matched_tokens, request.num_prompt_tokens
         per_request, n = self.config.request_cost_tokens, len(prefill)
-        best, best_key = candidates[0], None
-        for i in candidates:
-            w = prefill[i]
-            queued = max(w.num_assigned, w.load.num_running_reqs + w.load.num_waiting_reqs)
+        best: int | None = None
+        best_cost = best_queued = 0
+        for i, w in enumerate(prefill):
+            if not w.healthy or w.compatibility_hash not in compat:
+                continue
+            load = w.load
+            queued = max(w.num_assigned, load.num_running_reqs + load.num_waiting_reqs)
             cost = (total - matched.get(w.worker_id, 0) + w.num_assigned_tokens
                     + per_request * queued)
-            key = (cost, queued, (i - cursor) % n)
-            if best_key is None or key < best_key:
-                best, best_key = i, key
+            if (best is None or cost < best_cost or (cost == best_cost and (
+                    queued < best_queued or (queued == best_queued
+                                             and (i - cursor) % n < (best - cursor) % n)))):
+                best, best_cost, best_queued = i, cost, queued
         return best
 
 
