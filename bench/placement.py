@@ -51,8 +51,9 @@ def worker_children(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child
         port = free_port()
         argv = py + [role, *common, "--port", str(port), "--kv-port", str(free_port()),
                      "--worker-id", f"bench-{role}-{i}"]
-        argv += (["--num-kv-blocks", str(args.num_kv_blocks)] if role == "prefill"
-                 else ["--kv-cache-gib", "2"])
+        argv += ["--kv-cache-gib", "1"]  # vLLM checks this much memory is free
+        if role == "prefill":
+            argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
         children.append(Child(f"{role}-{i}", argv, log_dir / f"{role}-{i}.log",
                               f"grpc:127.0.0.1:{port}"))
         if role == "prefill":
