@@ -75,6 +75,8 @@ def _add_worker(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--lease-s", type=float, default=float(_env("lease-s", 30.0)),
                    help="how long prefill keeps a request's KV for its decode")
     p.add_argument("--worker-id", default=_env("worker-id", None))
+    p.add_argument("--num-kv-blocks", type=int, default=_env("num-kv-blocks", None),
+                   help="KV cache size in blocks (overrides --kv-cache-gib)")
     p.add_argument("--compile", action="store_true",
                    help="use torch.compile (slow start on CPU; default: eager)")
     _add_kv_push(p)
@@ -100,7 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--num-decode", type=int, default=int(_env("num-decode", 1)))
     _add_transport(up)
     up.add_argument("--kv-cache-gib", type=int, default=int(_env("kv-cache-gib", 2)))
-    up.add_argument("--placement", default=_env("placement", "round_robin"))
+    up.add_argument("--placement", default=_env("placement", "cache_aware"),
+                    help="prefill/decode placement policy: cache_aware, least_loaded, "
+                    "round_robin")
+    up.add_argument("--num-kv-blocks", type=int, default=_env("num-kv-blocks", None),
+                    help="KV blocks per prefill worker (overrides --kv-cache-gib; for tests "
+                    "and benchmarks)")
     up.add_argument("--cpu-layout", default=_env("cpu-layout", "shared"),
                     choices=("shared", "split"),
                     help="CPU only: engines share all cores (default) or split them")
@@ -123,13 +130,31 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--workers-file", default=_env("workers-file", None),
                         help='static workers from JSON {"prefill": [...], "decode": [...]}')
     _add_membership(router)
-    router.add_argument("--placement", default=_env("placement", "round_robin"))
+    router.add_argument("--placement", default=_env("placement", "cache_aware"),
+                        help="cache_aware, least_loaded or round_robin")
     router.add_argument("--served-model-name", default=_env("served-model-name", None))
 
     _add_worker(sub.add_parser("prefill", help="a prefill worker (vLLM engine + gRPC)"), 50051)
     _add_worker(sub.add_parser("decode", help="a decode worker (vLLM engine + gRPC)"), 50061)
     sub.add_parser("prepare-model", help=f"convert the default model ({DEFAULT_MODEL_NAME}) once")
+    _add_sim_worker(sub.add_parser("sim-worker", help="a simulated worker (same gRPC service; "
+                                   "modelled times and prefix cache) for router-scale tests"))
     return parser
+
+
+def _add_sim_worker(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", default=_env("role", "prefill"), choices=("prefill", "decode"))
+    p.add_argument("--host", default=_env("host", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(_env("port", 50051)))
+    p.add_argument("--worker-id", default=_env("worker-id", None))
+    p.add_argument("--block-size", type=int, default=int(_env("block-size", 16)))
+    p.add_argument("--num-blocks", type=int, default=int(_env("num-blocks", 1024)),
+                   help="simulated prefix-cache capacity in blocks")
+    p.add_argument("--prefill-us-per-token", type=float,
+                   default=float(_env("prefill-us-per-token", 20.0)))
+    p.add_argument("--decode-ms-per-token", type=float,
+                   default=float(_env("decode-ms-per-token", 2.0)))
+    p.add_argument("--log-level", default=_env("log-level", "INFO"))
 
 
 def _endpoints(value: str) -> tuple[str, ...]:
@@ -157,6 +182,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "prepare-model":
         print(prepare_default_model())
         return 0
+    if args.command == "sim-worker":
+        return _run_sim_worker(args)
     model = resolve_model(args.model)
     if args.command in ("prefill", "decode"):
         import asyncio
@@ -178,11 +205,16 @@ def _run(args: argparse.Namespace) -> int:
             lease_s=args.lease_s, kv_checksum=args.kv_checksum,
             kv_throttle_mib_s=args.kv_throttle_mib_s, push=args.kv_push,
         )
+        from pdserve.vllm_kv_events import KvEventEndpoints
+
+        events = KvEventEndpoints.for_worker(f"{worker_id}-{os.getpid()}")
         config = EngineConfig(
             model_path=str(model.path), served_model_name=model.served_name, role=args.command,
+            kv_events=(events.pub, events.replay) if args.command == "prefill" else None,
             connector=connector, dtype=args.dtype, max_model_len=args.max_model_len,
             kv_cache_gib=args.kv_cache_gib, cpu_threads_bind=args.cpu_cores,
             enforce_eager=not args.compile,
+            num_kv_blocks=int(args.num_kv_blocks) if args.num_kv_blocks else None,
         )
         asyncio.run(serve_worker(config, worker_id, args.host, args.port,
                                  create_registrar(membership), advertise))
@@ -210,7 +242,23 @@ def _run(args: argparse.Namespace) -> int:
         log_level=args.log_level, cpu_layout=args.cpu_layout, kv_checksum=args.kv_checksum,
         kv_throttle_mib_s=args.kv_throttle_mib_s, kv_push=args.kv_push, etcd=args.etcd or "",
         with_etcd=args.with_etcd, cluster=args.cluster, etcd_ttl_s=args.etcd_ttl_s,
+        num_kv_blocks=int(args.num_kv_blocks) if args.num_kv_blocks else None,
     ))
+
+
+def _run_sim_worker(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pdserve.sim_engine import SimConfig
+    from pdserve.sim_worker import serve_sim_worker
+
+    config = SimConfig(
+        role=args.role, worker_id=args.worker_id or f"sim-{args.role}-{uuid.uuid4().hex[:8]}",
+        block_size=args.block_size, num_blocks=args.num_blocks,
+        prefill_s_per_token=args.prefill_us_per_token * 1e-6,
+        decode_s_per_token=args.decode_ms_per_token * 1e-3)
+    asyncio.run(serve_sim_worker(config, args.host, args.port))
+    return 0
 
 
 if __name__ == "__main__":

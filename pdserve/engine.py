@@ -36,6 +36,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     # torch.compile on 2 CPU cores costs ~90 s per engine start; eager starts in seconds.
     enforce_eager: bool = True
+    # KV cache size in blocks; overrides kv_cache_gib (vLLM's num_gpu_blocks_override).
+    num_kv_blocks: int | None = None
+    # Prefill: publish vLLM's KV cache events on these ZMQ endpoints (pub, replay).
+    kv_events: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -44,6 +48,8 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 16")
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be > 0")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError("num_kv_blocks must be >= 2")
 
 
 @dataclass
@@ -118,7 +124,7 @@ def build_engine(config: EngineConfig, counters: EngineCounters) -> AsyncLLM:
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
     if config.cpu_threads_bind:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -139,5 +145,9 @@ def build_engine(config: EngineConfig, counters: EngineCounters) -> AsyncLLM:
         kv_transfer_config=kv_config,
         max_num_seqs=config.max_num_seqs,
         enforce_eager=config.enforce_eager,
+        num_gpu_blocks_override=config.num_kv_blocks,
+        kv_events_config=None if config.kv_events is None else KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=config.kv_events[0],
+            replay_endpoint=config.kv_events[1]),
     )
     return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(counters)])

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdserve.engine import EngineConfig, EngineCounters, build_engine
+from pdserve.kv_mirror import KvCacheMirror
 from pdserve.kv_transfer.metadata import KVHandle, PushTarget
 from pdserve.kv_transfer.push_plan import PUSH_TRANSPORTS
 from pdserve.kv_transfer.wire import TransferError, request_once
@@ -46,6 +47,9 @@ class EngineHost:
         self._inflight: set[str] = set()
         # request id -> KV handle it holds on this (prefill) worker, until released.
         self._leases: dict[str, KVHandle] = {}
+        # Prefill with KV events on: the engine's prefix-cached blocks, mirrored.
+        self.kv_mirror: KvCacheMirror | None = None
+        self._kv_source: Any = None
 
     @property
     def ready(self) -> bool:
@@ -65,7 +69,22 @@ class EngineHost:
         """Load the engine (blocking; tens of seconds)."""
         self.engine = build_engine(self.config, self.counters)
 
+    def start_kv_events(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Mirror the engine's KV events (call on the event loop once the engine runs)."""
+        if self.config.kv_events is None or self.engine is None:
+            return
+        from pdserve.vllm_kv_events import KvEventEndpoints, ZmqKvEventSource
+
+        block_size = self.engine.vllm_config.cache_config.block_size
+        self.kv_mirror = KvCacheMirror(block_size)
+        self._kv_source = ZmqKvEventSource(KvEventEndpoints(*self.config.kv_events),
+                                           block_size, self.kv_mirror.apply, loop)
+        self._kv_source.start()
+
     def shutdown(self) -> None:
+        if self._kv_source is not None:
+            self._kv_source.close()
+            self._kv_source = None
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

@@ -45,7 +45,7 @@ class UpConfig:
     transport: str = "tcp"
     max_model_len: int = 4096
     kv_cache_gib: int = 2
-    placement: str = "round_robin"
+    placement: str = "cache_aware"
     startup_timeout_s: float = 600.0
     log_level: str = "INFO"
     cpu_layout: str = "shared"
@@ -57,6 +57,7 @@ class UpConfig:
     with_etcd: bool = False
     cluster: str = "default"
     etcd_ttl_s: int = 10
+    num_kv_blocks: int | None = None  # prefill workers' KV blocks (overrides kv_cache_gib)
 
     def __post_init__(self) -> None:
         if self.etcd and self.with_etcd:
@@ -133,6 +134,8 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
                 argv += ["--no-kv-push"]
             argv += ["--kv-checksum" if cfg.kv_checksum else "--no-kv-checksum",
                      "--kv-throttle-mib-s", str(cfg.kv_throttle_mib_s)]
+            if role == "prefill" and cfg.num_kv_blocks:
+                argv += ["--num-kv-blocks", str(cfg.num_kv_blocks)]
             endpoints[role].append(f"127.0.0.1:{port}")
             children.append(Child(f"{role}-{i}", argv, log_dir / f"{role}-{i}.log",
                                   f"grpc:127.0.0.1:{port}"))

@@ -64,6 +64,7 @@ async def serve_worker(config: EngineConfig, worker_id: str, host: str, port: in
         await asyncio.wait([load, stopped], return_when=asyncio.FIRST_COMPLETED)
         if load.done():
             load.result()  # raises if the engine failed to start
+            engine_host.start_kv_events(loop)
             logger.info("%s worker %s ready (KV %s on port %d)", config.role, worker_id,
                         config.connector.transport, config.connector.kv_port)
             await registrar.start(worker_info(engine_host, advertise_host or host, bound))

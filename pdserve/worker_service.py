@@ -11,6 +11,7 @@ import logging
 import grpc
 
 from pdserve.engine_host import EngineHost, PhaseOutput
+from pdserve.kv_relay import kv_snapshot, stream_kv_events
 from pdserve.kv_transfer.metadata import KVHandle, PushTarget
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
@@ -134,7 +135,21 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 kv_push_fallbacks=int(status.get("push_fallbacks", 0)),
                 kv_layers_pushed=int(status.get("layers_pushed", 0)),
                 kv_pushes_failed=int(status.get("pushes_failed", 0)),
+                num_cached_blocks=len(self._host.kv_mirror or ()),
             )
+
+    async def StreamKvEvents(self, request: pb.KvEventsRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext):
+        if self._host.config.kv_events is not None and self._host.kv_mirror is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
+        async for batch in stream_kv_events(self._host.kv_mirror, context):
+            yield batch
+
+    async def GetKvSnapshot(self, request: pb.KvSnapshotRequest,  # noqa: N802
+                            context: grpc.aio.ServicerContext):
+        if self._host.config.kv_events is not None and self._host.kv_mirror is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
+        return await kv_snapshot(self._host.kv_mirror, self._host.worker_id, context)
 
 
 def _validate(

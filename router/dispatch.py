@@ -18,7 +18,8 @@ import grpc
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from prometheus_client import CollectorRegistry, Counter
 
-from .placement import Choice, Placement
+from .placement import Choice, Placement, PlacementRequest
+from .prefix_routing import PrefixRouting
 from .types import NoWorkerAvailableError, SamplingSpec, TokenChunk, WorkerFailedError
 from .workers import WorkerClient, WorkerPool
 
@@ -68,10 +69,11 @@ def _push_target(prefill: WorkerClient, decode: WorkerClient) -> pb.KvPushTarget
 class PDDispatcher:
     def __init__(
         self, pool: WorkerPool, placement: Placement, registry: CollectorRegistry,
-        request_timeout_s: float = 600.0,
+        request_timeout_s: float = 600.0, prefix: PrefixRouting | None = None,
     ) -> None:
         self._pool = pool
         self._placement = placement
+        self._prefix = prefix
         self._metrics = DispatchMetrics(registry)
         self._timeout = request_timeout_s
         self._cursor = 0
@@ -80,20 +82,25 @@ class PDDispatcher:
     def is_ready(self) -> bool:
         return any(w.state.healthy for w in self._pool.decode)
 
-    def _choose(self) -> tuple[WorkerClient | None, WorkerClient]:
+    def _choose(self, prompt: Sequence[int]) -> tuple[
+            WorkerClient | None, WorkerClient, PlacementRequest]:
+        request = (self._prefix.request(prompt) if self._prefix is not None
+                   else PlacementRequest(len(prompt)))
         choice: Choice | None = self._placement.choose(
             [w.state for w in self._pool.prefill], [w.state for w in self._pool.decode],
-            self._cursor)
+            self._cursor, request)
         self._cursor += 1
         if choice is None:
             raise NoWorkerAvailableError("no healthy decode worker is available")
         prefill = self._pool.prefill[choice.prefill] if choice.prefill is not None else None
-        return prefill, self._pool.decode[choice.decode]
+        if prefill is not None and self._prefix is not None:
+            self._prefix.on_placed(request, prefill.state)
+        return prefill, self._pool.decode[choice.decode], request
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec
     ) -> AsyncIterator[TokenChunk]:
-        prefill, decode = self._choose()
+        prefill, decode, placed = self._choose(prompt_token_ids)
         involved: list[WorkerClient] = []
         finished = False
         try:
@@ -101,7 +108,8 @@ class PDDispatcher:
             if prefill is not None:
                 involved.append(prefill)
                 first = await self._prefill(prefill, request_id, prompt_token_ids, sampling,
-                                            _push_target(prefill, decode))
+                                            _push_target(prefill, decode),
+                                            placed.uncached_tokens(prefill.state))
             if first is None:
                 self._metrics.fallbacks.inc()
                 decode_prompt, handle = list(prompt_token_ids), None
@@ -134,6 +142,7 @@ class PDDispatcher:
     async def _prefill(
         self, worker: WorkerClient, request_id: str, prompt: Sequence[int], spec: SamplingSpec,
         push_to: pb.KvPushTarget | None,
+        uncached_tokens: int,
     ) -> pb.GenerateResponse | None:
         """The prefill's one response, or None if prefill failed (decode falls back)."""
         req = pb.GenerateRequest(request_id=request_id, phase=pb.PHASE_PREFILL,
@@ -142,10 +151,13 @@ class PDDispatcher:
         if push_to is not None:
             req.kv_push_target.CopyFrom(push_to)
         worker.state.num_assigned += 1
+        worker.state.num_assigned_tokens += uncached_tokens
         try:
             last: pb.GenerateResponse | None = None
             async for resp in worker.stub.Generate(req, timeout=self._timeout):
                 last = resp
+            if last is not None and self._prefix is not None:
+                self._prefix.on_prefilled(last.num_cached_tokens)
             return last
         except grpc.aio.AioRpcError as exc:
             self._on_error(worker, exc)
@@ -154,6 +166,7 @@ class PDDispatcher:
             return None
         finally:
             worker.state.num_assigned -= 1
+            worker.state.num_assigned_tokens -= uncached_tokens
 
     async def _decode(
         self, worker: WorkerClient, request_id: str, prompt: list[int],
@@ -187,6 +200,8 @@ class PDDispatcher:
                 if current is None:
                     raise WorkerFailedError(f"decode worker failed: {exc.details()}") from exc
                 involved.append(current)
+                if req.HasField("kv_handle"):  # the KV was pushed to the dead one: pull it
+                    req.kv_handle.pushed = False
             finally:
                 worker.state.num_assigned -= 1
                 call.cancel()

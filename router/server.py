@@ -14,7 +14,10 @@ from pdserve.membership import MembershipConfig, create_membership
 
 from .app import create_app
 from .dispatch import PDDispatcher
-from .placement import create_placement
+from .kv_feed import KvIndexFeeder
+from .placement import DEFAULT_PLACEMENT, create_placement
+from .prefix_index import PrefixIndex
+from .prefix_routing import PrefixRouting
 from .workers import WorkerPool
 
 logger = logging.getLogger("pdserve.router")
@@ -29,7 +32,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_model_len: int = 4096
-    placement: str = "round_robin"
+    placement: str = DEFAULT_PLACEMENT
     health_interval_s: float = 2.0
     request_timeout_s: float = 600.0
     # etcd, or static (then ``prefill``/``decode`` or its workers file name the workers)
@@ -51,22 +54,32 @@ async def serve_router(config: RouterConfig) -> None:
     membership = create_membership(replace(config.membership, prefill=config.prefill,
                                            decode=config.decode), registry)
     pool = WorkerPool(interval_s=config.health_interval_s)
+    index = PrefixIndex()
+    feeder = KvIndexFeeder(lambda: pool.prefill, index, registry)
+    pool.on_worker_added(lambda _: feeder.sync())
+    pool.on_worker_removed(lambda _: feeder.sync())  # its index entries go at once
     dispatcher = PDDispatcher(pool, create_placement(config.placement), registry,
-                              config.request_timeout_s)
+                              config.request_timeout_s, PrefixRouting(index, registry))
     app = create_app(served_model_name=config.served_model_name,
                      max_model_len=config.max_model_len, tokenizer=tokenizer,
                      dispatcher=dispatcher, registry=registry)
     app.add_api_route("/workers", lambda: {"workers": pool.describe(),
                                            "membership": membership.describe()},
                       methods=["GET"])
+    app.add_api_route("/prefix_index", lambda: {
+        "blocks": {w: len(index.blocks_of(w)) for w in index.workers()},
+        "resyncs": {f.worker_id or f.client.state.endpoint: f.num_resyncs
+                    for f in feeder.followers}}, methods=["GET"])
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                            log_level="warning", timeout_graceful_shutdown=5))
     await pool.start(membership)
+    await feeder.start()
     logger.info("router on http://%s:%d/v1: %s membership, placement %s", config.host,
                 config.port, membership.name, config.placement)
     try:
         await server.serve()
     finally:
+        await feeder.close()
         await pool.close()
 
 

@@ -54,6 +54,9 @@ class WorkerState:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     # Requests this router has sent and not seen finish (fresher than GetLoad).
     num_assigned: int = 0
+    # Prompt tokens not in the worker's prefix cache, summed over the prefills
+    # this router has sent it and not seen finish (queued prefill work).
+    num_assigned_tokens: int = 0
 
 
 class WorkerClient:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import subprocess
 import time
@@ -215,3 +216,66 @@ def etcd_keys(url: str, prefix: str) -> dict[str, bytes]:
         return {}
     return {base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", ""))
             for kv in reply.json().get("kvs", [])}
+
+
+async def wait_until_async(predicate: Callable[[], T], timeout_s: float,
+                           interval_s: float = 0.02) -> T:
+    """``wait_until`` for coroutines: polls without blocking the event loop."""
+    deadline = time.monotonic() + timeout_s
+    value = predicate()
+    while not value and time.monotonic() < deadline:
+        await asyncio.sleep(interval_s)
+        value = predicate()
+    return value
+
+
+def launch_up(args: list[str], env: dict[str, str], timeout_s: float = 600) -> Server:
+    """Start ``pdserve up`` with ``args`` in its own session and wait for its endpoint
+    line; stop it with ``stop_up``."""
+    import queue
+    import sys
+    import threading
+
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=env, start_new_session=True)
+    lines: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"pdserve up exited with {proc.returncode}") from None
+                continue
+            if line.startswith("http://"):
+                return Server(line.strip(), proc)
+        raise TimeoutError(f"pdserve up not ready after {timeout_s}s")
+    except BaseException:
+        stop_up(proc)
+        raise
+
+
+def stop_up(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM, then SIGKILL the whole process group (engines included)."""
+    import os
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

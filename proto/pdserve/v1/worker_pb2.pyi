@@ -169,7 +169,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "num_pending_transfers", "prompt_tokens_computed", "prompt_tokens_local_cache_hit", "prompt_tokens_external", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_completed", "kv_transfers_failed", "kv_transfer_time_ns", "num_inflight_reqs", "kv_leases_expired", "kv_loads", "kv_load_time_ns", "kv_push_loads", "kv_push_fallbacks", "kv_layers_pushed", "kv_pushes_failed")
+    __slots__ = ("num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "num_pending_transfers", "prompt_tokens_computed", "prompt_tokens_local_cache_hit", "prompt_tokens_external", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_completed", "kv_transfers_failed", "kv_transfer_time_ns", "num_inflight_reqs", "kv_leases_expired", "kv_loads", "kv_load_time_ns", "kv_push_loads", "kv_push_fallbacks", "kv_layers_pushed", "kv_pushes_failed", "num_cached_blocks")
     NUM_RUNNING_REQS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +190,7 @@ class GetLoadResponse(_message.Message):
     KV_PUSH_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     KV_LAYERS_PUSHED_FIELD_NUMBER: _ClassVar[int]
     KV_PUSHES_FAILED_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_running_reqs: int
     num_waiting_reqs: int
     kv_cache_usage: float
@@ -210,4 +211,37 @@ class GetLoadResponse(_message.Message):
     kv_push_fallbacks: int
     kv_layers_pushed: int
     kv_pushes_failed: int
-    def __init__(self, num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_pending_transfers: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_local_cache_hit: _Optional[int] = ..., prompt_tokens_external: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_completed: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_time_ns: _Optional[int] = ..., num_inflight_reqs: _Optional[int] = ..., kv_leases_expired: _Optional[int] = ..., kv_loads: _Optional[int] = ..., kv_load_time_ns: _Optional[int] = ..., kv_push_loads: _Optional[int] = ..., kv_push_fallbacks: _Optional[int] = ..., kv_layers_pushed: _Optional[int] = ..., kv_pushes_failed: _Optional[int] = ...) -> None: ...
+    num_cached_blocks: int
+    def __init__(self, num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_pending_transfers: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_local_cache_hit: _Optional[int] = ..., prompt_tokens_external: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_completed: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_time_ns: _Optional[int] = ..., num_inflight_reqs: _Optional[int] = ..., kv_leases_expired: _Optional[int] = ..., kv_loads: _Optional[int] = ..., kv_load_time_ns: _Optional[int] = ..., kv_push_loads: _Optional[int] = ..., kv_push_fallbacks: _Optional[int] = ..., kv_layers_pushed: _Optional[int] = ..., kv_pushes_failed: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+
+class KvEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("seq", "cleared", "stored", "removed")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    cleared: bool
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq: _Optional[int] = ..., cleared: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KvSnapshotRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvSnapshot(_message.Message):
+    __slots__ = ("seq", "block_hashes", "block_size", "worker_id")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    worker_id: str
+    def __init__(self, seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...

@@ -54,6 +54,16 @@ class WorkerServiceStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.GetLoadResponse.FromString,
                 _registered_method=True)
+        self.StreamKvEvents = channel.unary_stream(
+                '/pdserve.v1.WorkerService/StreamKvEvents',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.KvEventBatch.FromString,
+                _registered_method=True)
+        self.GetKvSnapshot = channel.unary_unary(
+                '/pdserve.v1.WorkerService/GetKvSnapshot',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.KvSnapshotRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.KvSnapshot.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -88,6 +98,21 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamKvEvents(self, request, context):
+        """Prefill workers: the prefix cache's changes, as they happen (heartbeats
+        every few seconds). UNIMPLEMENTED where KV events are off.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetKvSnapshot(self, request, context):
+        """Prefill workers: the whole prefix-cache set, for (re)synchronisation.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +135,16 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.GetLoadResponse.SerializeToString,
+            ),
+            'StreamKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamKvEvents,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.KvEventsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.KvEventBatch.SerializeToString,
+            ),
+            'GetKvSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetKvSnapshot,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.KvSnapshotRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.KvSnapshot.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +255,60 @@ class WorkerService:
             '/pdserve.v1.WorkerService/GetLoad',
             pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.GetLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.WorkerService/StreamKvEvents',
+            pdserve_dot_v1_dot_worker__pb2.KvEventsRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.KvEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetKvSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.WorkerService/GetKvSnapshot',
+            pdserve_dot_v1_dot_worker__pb2.KvSnapshotRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.KvSnapshot.FromString,
             options,
             channel_credentials,
             insecure,

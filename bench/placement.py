@@ -1,0 +1,168 @@
+"""Cache-aware vs round-robin placement on real vLLM, in the same run.
+
+2 prefill workers (small KV caches: ``--num-kv-blocks``) + 1 decode worker start
+once; for each phase a fresh router with the phase's policy. Phases:
+
+  shared-prefix   S system prompts x U users x T turns; the distinct prefixes exceed
+                  one prefill worker's KV cache but fit in both
+  control         few system prompts: everything fits in one worker
+
+each run with ``round_robin`` then ``cache_aware``. Every phase uses its own text
+(seeded), so what an earlier phase cached cannot help. Reports the prefix hit rate
+(engine counters: prompt tokens served from the prefill engines' prefix caches /
+prompt tokens, from GetLoad before and after), TTFT p50/p99 and throughput, and
+cache_aware / round_robin ratios against the targets (TTFT p50 <= 0.6x, hit rate
+>= 1.5x; control ~ 1.0x).
+
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/placement.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+from pdserve.proto.pdserve.v1 import worker_pb2 as pb
+from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from placement_workload import Workload, run_workload  # noqa: E402
+
+from pdserve.model import cache_dir, prepare_default_model  # noqa: E402
+from pdserve.up import Child, free_port, start_children, stop_children, wait_ready  # noqa: E402
+
+MODEL = "SmolLM2-135M-Instruct"
+POLICIES = ("round_robin", "cache_aware")
+
+
+def worker_children(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], list[str],
+                                                                      str]:
+    py = [sys.executable, "-m", "pdserve.cli"]
+    common = ["--max-model-len", str(args.max_model_len), "--dtype", args.dtype]
+    children, prefill = [], []
+    for i, role in enumerate(["prefill", "prefill", "decode"]):
+        port = free_port()
+        argv = py + [role, *common, "--port", str(port), "--kv-port", str(free_port()),
+                     "--worker-id", f"bench-{role}-{i}"]
+        argv += ["--kv-cache-gib", "1"]  # vLLM checks this much memory is free
+        if role == "prefill":
+            argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+        children.append(Child(f"{role}-{i}", argv, log_dir / f"{role}-{i}.log",
+                              f"grpc:127.0.0.1:{port}"))
+        if role == "prefill":
+            prefill.append(f"127.0.0.1:{port}")
+    return children, prefill, children[-1].probe.removeprefix("grpc:")
+
+
+def engine_hits(endpoints: list[str]) -> tuple[int, int]:
+    """(prompt tokens computed, prompt tokens from the prefix cache), both prefill workers."""
+    computed = hit = 0
+    for e in endpoints:
+        with grpc.insecure_channel(e) as channel:
+            load = pb_grpc.WorkerServiceStub(channel).GetLoad(pb.GetLoadRequest(), timeout=10)
+        computed += load.prompt_tokens_computed
+        hit += load.prompt_tokens_local_cache_hit
+    return computed, hit
+
+
+def run_phase(args: argparse.Namespace, name: str, policy: str, workload: Workload,
+              prefill: list[str], decode: str, log_dir: Path) -> dict[str, float]:
+    port = free_port()
+    router = Child(f"router-{name}-{policy}", [
+        sys.executable, "-m", "pdserve.cli", "router", "--port", str(port), "--placement",
+        policy, "--prefill", ",".join(prefill), "--decode", decode, "--max-model-len",
+        str(args.max_model_len)], log_dir / f"router-{name}-{policy}.log",
+        f"http://127.0.0.1:{port}/health")
+    start_children([router])
+    try:
+        wait_ready([router], 120)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30  # the router's KV-event followers have synced
+        while len(httpx.get(base + "/prefix_index").json()["resyncs"]) < 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError("router did not subscribe to both prefill workers")
+            time.sleep(0.5)
+        before = engine_hits(prefill)
+        stats = asyncio.run(run_workload(base + "/v1", MODEL, workload))
+        after = engine_hits(prefill)
+    finally:
+        stop_children([router])
+    computed, hit = after[0] - before[0], after[1] - before[1]
+    out = dict(stats.summary(), engine_hit_rate=hit / max(hit + computed, 1),
+               engine_tokens_computed=computed, engine_tokens_hit=hit)
+    print(f"{name:13s} {policy:12s} hit {out['engine_hit_rate']:6.1%}  TTFT p50 "
+          f"{out['ttft_p50_s']:6.2f}s p99 {out['ttft_p99_s']:6.2f}s  "
+          f"{out['requests_per_s']:5.2f} req/s  {out['prompt_tokens_per_s']:6.0f} prompt tok/s"
+          f"  ({out['requests']} req, {out['errors']} errors, load {os.getloadavg()[0]:.1f})",
+          flush=True)
+    return out
+
+
+def ratios(res: dict[str, dict[str, float]]) -> dict[str, float]:
+    rr, ca = res["round_robin"], res["cache_aware"]
+    return {"ttft_p50": ca["ttft_p50_s"] / rr["ttft_p50_s"],
+            "ttft_p99": ca["ttft_p99_s"] / rr["ttft_p99_s"],
+            "hit_rate": ca["engine_hit_rate"] / max(rr["engine_hit_rate"], 1e-9),
+            "throughput": ca["requests_per_s"] / rr["requests_per_s"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-model-len", type=int, default=1536)
+    ap.add_argument("--num-kv-blocks", type=int, default=26,
+                    help="KV blocks (128 tokens) per prefill worker")
+    ap.add_argument("--systems", type=int, default=6)
+    ap.add_argument("--users", type=int, default=2)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--system-words", type=int, default=620)
+    ap.add_argument("--control-systems", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=4)
+    args = ap.parse_args()
+    prepare_default_model()
+    log_dir = cache_dir() / "logs" / time.strftime("bench-placement-%Y%m%d-%H%M%S")
+    children, prefill, decode = worker_children(args, log_dir)
+    phases = {
+        "shared-prefix": [Workload(args.systems, args.users, args.turns, args.system_words,
+                                   args.concurrency, seed=s) for s in (1, 2)],
+        "control": [Workload(args.control_systems, args.users + 1, args.turns,
+                             args.system_words, args.concurrency, seed=s) for s in (3, 4)],
+    }
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    print(f"2 prefill workers x {args.num_kv_blocks} KV blocks of 128 tokens, 1 decode; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; logs {log_dir}")
+    try:
+        start_children(children)
+        wait_ready(children, 900)
+        for name, workloads in phases.items():
+            results[name] = {p: run_phase(args, name, p, w, prefill, decode, log_dir)
+                             for p, w in zip(POLICIES, workloads, strict=True)}
+    finally:
+        stop_children(children)
+    summary = {name: ratios(res) for name, res in results.items()}
+    for name, r in summary.items():
+        print(f"{name:13s} cache_aware / round_robin: TTFT p50 {r['ttft_p50']:.2f}x, "
+              f"p99 {r['ttft_p99']:.2f}x, hit rate {r['hit_rate']:.2f}x, "
+              f"throughput {r['throughput']:.2f}x")
+    sp, ctl = summary["shared-prefix"], summary["control"]
+    print(f"targets: TTFT p50 <= 0.6x: {sp['ttft_p50']:.2f}x "
+          f"{'OK' if sp['ttft_p50'] <= 0.6 else 'MISSED'}; hit rate >= 1.5x: "
+          f"{sp['hit_rate']:.2f}x {'OK' if sp['hit_rate'] >= 1.5 else 'MISSED'}; control "
+          f"TTFT p50 {ctl['ttft_p50']:.2f}x, hit rate {ctl['hit_rate']:.2f}x (~1.0x)")
+    out = Path(__file__).with_name("results") / time.strftime("placement-%Y%m%d-%H%M%S.json")
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "results": results, "ratios": summary},
+                              indent=2))
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

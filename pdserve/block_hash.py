@@ -1,0 +1,44 @@
+"""pdserve's chained block hash: the name of a KV block in the router's prefix index.
+
+Block ``i`` of a token sequence hashes its ``block_size`` token ids together with
+the hash of block ``i - 1`` (0 before the first), so one hash names a whole
+prefix. Workers translate vLLM's KV events into these hashes (from the token ids
+the events carry) and the router hashes prompts the same way; neither depends on
+vLLM's internal hash function. Only full blocks are hashed, as vLLM caches only
+full blocks.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from hashlib import blake2b
+
+ROOT_HASH = 0
+_U32 = next(code for code in "IL" if array(code).itemsize == 4)  # token ids as uint32
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    return array(_U32, token_ids).tobytes()  # ~3x faster than numpy for a list
+
+
+def block_hash(parent: int, token_ids: Sequence[int]) -> int:
+    """The hash of one block of ``token_ids`` whose preceding block hashed to ``parent``."""
+    h = blake2b(parent.to_bytes(8, "little"), digest_size=8)
+    h.update(_token_bytes(token_ids))
+    return int.from_bytes(h.digest(), "little")
+
+
+def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH
+                 ) -> list[int]:
+    """Hashes of every full block of ``token_ids``, chained from ``parent``."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, not {block_size}")
+    data, step = _token_bytes(token_ids), 4 * block_size
+    hashes: list[int] = []
+    for start in range(0, len(token_ids) // block_size * step, step):
+        h = blake2b(parent.to_bytes(8, "little"), digest_size=8)
+        h.update(data[start:start + step])
+        parent = int.from_bytes(h.digest(), "little")
+        hashes.append(parent)
+    return hashes

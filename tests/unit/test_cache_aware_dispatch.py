@@ -1,0 +1,111 @@
+"""The router's dispatcher with ``cache_aware`` placement against simulated workers
+over real gRPC (their prefix caches emit KV events through the same relay as
+vLLM workers): repeated prefixes stick to their holder, the hit metrics and
+``cached_tokens`` follow, and a flood spills."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest_asyncio
+from pdserve.router.dispatch import PDDispatcher
+from pdserve.router.kv_feed import KvIndexFeeder
+from pdserve.router.placement import create_placement
+from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.prefix_routing import PrefixRouting
+from pdserve.router.types import SamplingSpec
+from pdserve.router.workers import WorkerPool
+from pdserve_testing import wait_until_async
+from prometheus_client import CollectorRegistry
+
+from pdserve.sim_engine import SimConfig
+from pdserve.sim_worker import start_sim_worker
+
+BS = 16
+
+
+@dataclass
+class SimRouter:
+    dispatcher: PDDispatcher
+    engines: dict[str, Any]
+    index: PrefixIndex
+    registry: CollectorRegistry
+
+    async def run(self, request_id: str, prompt: list[int]) -> int:
+        """Runs a request; returns the cached tokens its first chunk reported."""
+        chunks = [c async for c in self.dispatcher.generate(
+            request_id, prompt, SamplingSpec(max_tokens=3))]
+        assert sum(len(c.token_ids) for c in chunks) == 3
+        return chunks[0].num_cached_tokens or 0
+
+    def computed(self) -> dict[str, int]:
+        return {w: e.counters.prompt_tokens_computed for w, e in self.engines.items()
+                if e.config.role == "prefill"}
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def sim_router() -> AsyncIterator[SimRouter]:
+    servers, engines, endpoints = [], {}, {"prefill": [], "decode": []}
+    for wid, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
+        server, port, engine = await start_sim_worker(SimConfig(
+            role, wid, block_size=BS, num_blocks=64, prefill_s_per_token=2e-4,
+            step_overhead_s=1e-3, decode_s_per_token=1e-4))
+        servers.append(server)
+        engines[wid] = engine
+        endpoints[role].append(f"127.0.0.1:{port}")
+    pool = WorkerPool(endpoints["prefill"], endpoints["decode"], interval_s=0.2)
+    index, registry = PrefixIndex(), CollectorRegistry()
+    feeder = KvIndexFeeder(lambda: pool.prefill, index, registry)
+    dispatcher = PDDispatcher(pool, create_placement("cache_aware"), registry, 10.0,
+                              PrefixRouting(index, registry))
+    await pool.start()
+    await feeder.start()
+    try:
+        assert await wait_until_async(lambda: sum(f.num_resyncs for f in feeder.followers)
+                                      == 2, 5)
+        yield SimRouter(dispatcher, engines, index, registry)
+    finally:
+        await feeder.close()
+        await pool.close()
+        for s in servers:
+            await s.stop(0)
+
+
+def prompt(prefix: int, suffix: int, blocks: int = 20) -> list[int]:
+    return [1000 * prefix + i for i in range(blocks * BS)] + [7, suffix, suffix + 1]
+
+
+async def test_repeated_prefix_sticks_to_its_holder(sim_router: SimRouter) -> None:
+    r = sim_router
+    assert await r.run("a0", prompt(1, 0)) == 0
+    (holder,) = [w for w, n in r.computed().items() if n > 0]
+    assert await wait_until_async(lambda: len(r.index.blocks_of(holder)) == 20, 5)
+    for i in range(1, 5):
+        before = r.computed()
+        assert await r.run(f"a{i}", prompt(1, i)) == 20 * BS
+        after = r.computed()
+        assert after[holder] - before[holder] == 3 and all(
+            after[w] == before[w] for w in after if w != holder)
+    # The engines' reported hits and the index's predictions agree, request by request.
+    ratio = r.registry.get_sample_value("pdserve_placement_prefix_hit_ratio")
+    predicted = r.registry.get_sample_value("pdserve_placement_index_hit_ratio")
+    assert ratio == predicted == (4 * 20 * BS) / (5 * len(prompt(1, 0)))
+
+
+async def test_flood_spills_from_the_holder(sim_router: SimRouter) -> None:
+    r = sim_router
+    await r.run("w", prompt(2, 0))
+    (holder,) = [w for w, n in r.computed().items() if n > 0]
+    (other,) = [w for w in r.computed() if w != holder]
+    assert await wait_until_async(lambda: len(r.index.blocks_of(holder)) == 20, 5)
+    before = r.computed()
+    await asyncio.gather(*(r.run(f"f{i}", prompt(2, i)) for i in range(1, 25)))
+    after = r.computed()
+    placed = {w: r.registry.get_sample_value("pdserve_placement_prefill_requests_total",
+                                             {"worker": w}) or 0 for w in (holder, other)}
+    assert placed[holder] + placed[other] == 25
+    assert placed[other] >= 1 and placed[holder] > placed[other], placed
+    assert after[other] - before[other] >= 20 * BS  # the other computed the prefix itself
