@@ -81,7 +81,6 @@ class ControlledTransport:
         self._layout: KVLayout | None = None
         self._leases: LeaseTable | None = None
         self._compat: dict[str, Any] = {}
-        self._host = "127.0.0.1"
         self._listener: socket.socket | None = None
         self._stop = threading.Event()
         self._pool = ConnectionPool(IDLE_TIMEOUT_S / 2)
@@ -127,7 +126,6 @@ class ControlledTransport:
         port: int,
     ) -> int:
         self._kv, self._layout, self._leases = list(kv_caches), layout, leases
-        self._host = host if host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         extra = self._start_data(host)
         self._compat = dict(compat, **extra, protocol_version=PROTOCOL_VERSION,
                             transport=self.name)
