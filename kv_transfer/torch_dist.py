@@ -251,6 +251,10 @@ def _wait_all(works: Sequence[Any], deadline: float, what: str) -> None:
                 raise TransferError(f"torch {what} exceeded its deadline")
         except RuntimeError as exc:  # peer gone, timeout, aborted
             raise TransferError(f"torch {what} failed: {exc}") from exc
+    if works and torch.cuda.is_available() and torch.cuda.is_initialized():
+        # NCCL's wait orders this thread's stream after the transfer; make the host wait
+        # too, so the trailer (sender) and the loaded blocks (receiver) follow the bytes.
+        torch.cuda.current_stream().synchronize()
 
 
 def _shutdown(group: _PairGroup) -> None:
