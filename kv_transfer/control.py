@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from .base import PeerAddress, TransportOptions
-from .integrity import checksum
+from .integrity import checksum, natural_kind
 from .layout import KVLayout, chunk_views, paired_runs
 from .leases import LeaseError, LeaseTable
 from .pool import ConnectionPool
@@ -81,7 +81,6 @@ class ControlledTransport:
         self._layout: KVLayout | None = None
         self._leases: LeaseTable | None = None
         self._compat: dict[str, Any] = {}
-        self._host = "127.0.0.1"
         self._listener: socket.socket | None = None
         self._stop = threading.Event()
         self._pool = ConnectionPool(IDLE_TIMEOUT_S / 2)
@@ -129,7 +128,6 @@ class ControlledTransport:
         port: int,
     ) -> int:
         self._kv, self._layout, self._leases = list(kv_caches), layout, leases
-        self._host = host if host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         extra = self._start_data(host)
         self._compat = dict(compat, **extra, protocol_version=PROTOCOL_VERSION,
                             transport=self.name)
@@ -243,14 +241,16 @@ class ControlledTransport:
                 send_msg(conn, {"ok": False, "error": f"blocks {sorted(wanted - held)} not leased"})
                 return
             chunks = list(chunk_views(self._kv, self._layout, src_runs))
-            digest = checksum(chunks) if msg.get("checksum") else None
+            kind = natural_kind(chunks)
+            digest = checksum(chunks, kind) if msg.get("checksum") else None
             send_msg(conn, {"ok": True})
             self._count_sending(1)
             try:
                 sent = self._send_paced(conn, msg, chunks)
             finally:
                 self._count_sending(-1)
-            send_msg(conn, {"ok": True, "bytes": sent, "checksum": digest})
+            send_msg(conn, {"ok": True, "bytes": sent, "checksum": digest,
+                            "checksum_kind": kind})
             self._count(bytes_sent=sent, transfers_completed=1,
                         transfer_time_ns=time.perf_counter_ns() - start)
         except (OSError, TransferError) as exc:
@@ -336,7 +336,10 @@ class ControlledTransport:
     def _verify(self, trailer: dict[str, Any], chunks: Sequence[torch.Tensor], what: str) -> None:
         if not self.options.checksum:
             return
-        want, got = trailer.get("checksum"), checksum(chunks)
+        try:
+            want, got = trailer.get("checksum"), checksum(chunks, str(trailer["checksum_kind"]))
+        except (KeyError, ValueError) as exc:
+            raise TransferError(f"{what}: no usable checksum in the trailer ({exc})") from exc
         if want != got:
             self._count(checksum_failures=1)
             raise TransferError(f"{what}: checksum mismatch (sender {want}, received {got})")

@@ -151,7 +151,7 @@ class TorchTransport(ControlledTransport):
             store = dist.TCPStore(str(reply["host"]), int(reply["port"]), world_size=2,
                                   is_master=False, timeout=timedelta(seconds=timeout))
             pg = _new_group(self._backend, store, f"pdserve/{self._client_id}/{gen}",
-                            _RECEIVER, self._host, timeout)
+                            _RECEIVER, conn.getsockname()[0], timeout)
         except (RuntimeError, ValueError) as exc:  # DistStoreError/DistNetworkError included
             raise TransferError(f"cannot join torch group with {peer}: {exc}") from exc
         group = _PairGroup(pg, store, gen, threading.Lock())
@@ -167,12 +167,14 @@ class TorchTransport(ControlledTransport):
             old = self._served.pop(client, None)
         if old is not None:
             _shutdown(old)
-        store = dist.TCPStore(self._host, 0, world_size=2, is_master=True,
+        # The address the decode reached us on: it can reach the store and gloo there too.
+        host = conn.getsockname()[0]
+        store = dist.TCPStore(host, 0, world_size=2, is_master=True,
                               timeout=timedelta(seconds=GROUP_SETUP_S), wait_for_workers=False)
-        send_msg(conn, {"ok": True, "host": self._host, "port": int(store.port)})
+        send_msg(conn, {"ok": True, "host": host, "port": int(store.port)})
         try:
             pg = _new_group(self._backend, store, f"pdserve/{client}/{gen}", _SENDER,
-                            self._host, GROUP_SETUP_S)
+                            host, GROUP_SETUP_S)
         except (RuntimeError, ValueError) as exc:
             logger.warning("torch group gen %d with client %s failed: %s", gen, client, exc)
             raise TransferError(str(exc)) from exc
@@ -249,6 +251,10 @@ def _wait_all(works: Sequence[Any], deadline: float, what: str) -> None:
                 raise TransferError(f"torch {what} exceeded its deadline")
         except RuntimeError as exc:  # peer gone, timeout, aborted
             raise TransferError(f"torch {what} failed: {exc}") from exc
+    if works and torch.cuda.is_available() and torch.cuda.is_initialized():
+        # NCCL's wait orders this thread's stream after the transfer; make the host wait
+        # too, so the trailer (sender) and the loaded blocks (receiver) follow the bytes.
+        torch.cuda.current_stream().synchronize()
 
 
 def _shutdown(group: _PairGroup) -> None:

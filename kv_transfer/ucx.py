@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -60,6 +61,7 @@ class UcxTransport(ControlledTransport):
         self._eps: dict[PeerAddress, Any] = {}  # as receiver, per prefill peer
         self._served: dict[str, Any] = {}  # as sender, per decode client id
         self._lock = threading.Lock()
+        self._connect_lock = threading.Lock()
         self._next_tag = 0
 
     # ---- hooks -----------------------------------------------------------------
@@ -152,16 +154,24 @@ class UcxTransport(ControlledTransport):
             ep = self._eps.get(peer)
         if ep is not None:
             return ep
+        # One connect at a time: a second one would replace (and cancel) the first's endpoint.
+        if not self._connect_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TransferError(f"UCX connect to {peer} busy until the deadline")
+        try:
+            with self._lock:
+                ep = self._eps.get(peer)
+            return ep if ep is not None else self._connect(peer, conn, deadline)
+        finally:
+            self._connect_lock.release()
+
+    def _connect(self, peer: PeerAddress, conn: socket.socket, deadline: float) -> Any:
         set_deadline(conn, deadline)
         send_msg(conn, {"op": "ucx_connect", "client": self._client_id,
                         "address": self._worker.address.tobytes().hex()})
         reply = check_reply(recv_msg(conn), f"UCX connect to {peer}")
         ep = self._endpoint_to(bytes.fromhex(str(reply["address"])))
         with self._lock:
-            old = self._eps.pop(peer, None)
             self._eps[peer] = ep
-        if old is not None:
-            _close_ep(old)
         return ep
 
     def _endpoint_to(self, address: bytes) -> Any:

@@ -32,11 +32,11 @@ KV_KEYS = [(block_dim, dtype) for block_dim in (0, 1)
 CORRUPT_KEY = (0, "float32", "corrupt")
 
 
-def make_caches(seed: int, dtype: torch.dtype, num_layers: int = 4,
-                block_dim: int = 0) -> dict[str, torch.Tensor]:
+def make_caches(seed: int, dtype: torch.dtype, num_layers: int = 4, block_dim: int = 0,
+                device: str = "cpu") -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     shape = LAYER_SHAPE if block_dim == 0 else SPLIT_LAYER_SHAPE
-    buf = torch.randn((num_layers, *shape), generator=gen).to(dtype)
+    buf = torch.randn((num_layers, *shape), generator=gen).to(dtype).to(device)
     return {f"layer.{i}": buf[i] for i in range(num_layers)}  # views of one buffer, like vLLM
 
 
@@ -72,18 +72,20 @@ def corrupt_sends(transport: Any) -> None:
     transport._send_blocks = send
 
 
-def kv_peer_main(name: str, options: dict[str, Any], cmds: mp.Queue,
+def kv_peer_main(name: str, options: dict[str, Any], device: str, cmds: mp.Queue,
                  replies: mp.Queue) -> None:  # type: ignore[type-arg]
     """A process serving every KV set in ``KV_KEYS`` over transport ``name``, plus
     ``CORRUPT_KEY``: the (0, float32) set from a sender that corrupts its sends.
 
     Commands: ("lease", key, req, blocks) | ("status", key) | ("stop",).
     """
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
     served: dict[Any, tuple[KVTransport, LeaseTable, int]] = {}
     for key in [*KV_KEYS, CORRUPT_KEY]:
         block_dim, dtype_name = key[:2]
         caches = make_caches(kv_seed(block_dim, dtype_name), getattr(torch, dtype_name),
-                             block_dim=block_dim)
+                             block_dim=block_dim, device=device)
         table = LeaseTable()
         transport, port = start_transport(name, caches, table, TransportOptions(**options))
         if key == CORRUPT_KEY:
@@ -107,11 +109,12 @@ def kv_peer_main(name: str, options: dict[str, Any], cmds: mp.Queue,
 class KVPeer:
     """A KV peer in another process (spawned), driven through queues."""
 
-    def __init__(self, name: str, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, name: str, options: dict[str, Any] | None = None,
+                 device: str = "cpu") -> None:
         ctx = mp.get_context("spawn")
         self._cmds, self._replies = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=kv_peer_main, daemon=True,
-                                args=(name, options or {}, self._cmds, self._replies))
+                                args=(name, options or {}, device, self._cmds, self._replies))
         self.proc.start()
         self.ports: dict[Any, int] = self._replies.get(timeout=300)
 

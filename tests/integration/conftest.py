@@ -37,16 +37,17 @@ def tokenizer(model_path: Path):
 @pytest.fixture(scope="session")
 def pd_server(model_path: Path, request: pytest.FixtureRequest) -> Iterator[Server]:
     """The P/D cluster, over ``--transport tcp`` unless a test parametrizes it
-    indirectly with another transport name (one cluster at a time: pytest tears
-    the previous one down first). Transfers are checksummed."""
-    transport = getattr(request, "param", "tcp")
+    indirectly with ``"<transport>"`` or ``"<transport>:<MiB/s>"`` (KV sends paced
+    by ``--kv-throttle-mib-s``). One cluster at a time: pytest tears the previous
+    one down first. Transfers are checksummed."""
+    transport, _, throttle = str(getattr(request, "param", "tcp")).partition(":")
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1",
                PDSERVE_CACHE=os.environ.get("PDSERVE_CACHE", str(model_path.parents[1])))
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "up", "--dtype", "float32", "--port", str(port),
          "--kv-cache-gib", "1", "--max-model-len", "4096", "--transport", transport,
-         "--kv-checksum"],
+         "--kv-checksum", "--kv-throttle-mib-s", throttle or "0"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
         start_new_session=True,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,9 @@ from typing import Any
 import grpc
 import httpx
 import openai
+import psutil
 import pytest
+from pdserve.kv_transfer.wire import request_once
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
 from pdserve_testing import Server, wait_until
@@ -55,18 +58,28 @@ def prompt_ids(tokenizer: Any, case: Case) -> list[int]:
     return tokenizer.encode(case.prompt, add_special_tokens=True)
 
 
+# Sent only to the cluster whose prefill engine is killed mid-transfer.
+KILL_CASE = Case("completion", "Recount every fact. " + LONG * 3 + "\nSummary:", False, 16)
+
+
 @pytest.fixture(scope="session")
-def reference(model_path: Path, tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
-              ) -> list[list[int]]:
+def references(model_path: Path, tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
+               ) -> list[list[int]]:
+    """Aggregated vLLM's greedy output for each of CASES, then KILL_CASE (one engine run)."""
     tmp = tmp_path_factory.mktemp("reference")
     requests = [{"prompt_token_ids": prompt_ids(tokenizer, c), "max_tokens": c.max_tokens}
-                for c in CASES]
+                for c in [*CASES, KILL_CASE]]
     (tmp / "in.json").write_text(json.dumps(requests))
     script = Path(__file__).with_name("reference_engine.py")
     subprocess.run([sys.executable, str(script), str(model_path), str(tmp / "in.json"),
                     str(tmp / "out.json")], check=True, timeout=600,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return json.loads((tmp / "out.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def reference(references: list[list[int]]) -> list[list[int]]:
+    return references[: len(CASES)]
 
 
 def run_case(client: openai.OpenAI, case: Case) -> tuple[str, list[int]]:
@@ -233,7 +246,11 @@ def test_client_disconnect_mid_stream_aborts_on_both_workers(pd_server: Server) 
     assert time.monotonic() - started < 10
 
 
-@pytest.mark.parametrize("pd_server", ["ucx", "torch"], indirect=True)
+# The torch cluster paces KV sends (48 MiB/s) so the last test can kill a transfer.
+TORCH_THROTTLED = "torch:48"
+
+
+@pytest.mark.parametrize("pd_server", ["ucx", TORCH_THROTTLED], indirect=True)
 def test_greedy_pd_equals_aggregated_vllm_over_each_transport(
     pd_server: Server, tokenizer: Any, reference: list[list[int]], request: pytest.FixtureRequest
 ) -> None:
@@ -243,6 +260,49 @@ def test_greedy_pd_equals_aggregated_vllm_over_each_transport(
         (worker,) = pd_server.workers(role)
         with grpc.insecure_channel(worker["endpoint"]) as channel:
             health = pb_grpc.WorkerServiceStub(channel).Health(pb.HealthRequest(), timeout=5)
-        assert health.transport == request.node.callspec.params["pd_server"]
+        assert health.transport == request.node.callspec.params["pd_server"].split(":")[0]
     test_greedy_pd_equals_aggregated_vllm_and_kv_came_over_the_transport(
         pd_server, tokenizer, reference)
+
+
+def _prefill_engine_and_kv_port(server: Server) -> tuple[psutil.Process, int]:
+    """The prefill worker's engine process (where its KV transport runs) and KV port."""
+    (worker,) = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+                 if "prefill" in p.cmdline()[3:5]]
+    argv = worker.cmdline()
+    kv_port = int(argv[argv.index("--kv-port") + 1])
+    (engine,) = [c for c in worker.children(recursive=True)
+                 if any(conn.laddr.port == kv_port and conn.status == psutil.CONN_LISTEN
+                        for conn in c.net_connections(kind="tcp"))]
+    return engine, kv_port
+
+
+@pytest.mark.parametrize("pd_server", [TORCH_THROTTLED], indirect=True)
+def test_prefill_engine_killed_mid_transfer_decode_recomputes_the_same_answer(
+    pd_server: Server, tokenizer: Any, references: list[list[int]]
+) -> None:
+    """SIGKILL the prefill's engine while it sends a ~1800-token prompt's KV: decode's
+    pull fails at once, vLLM recomputes the prompt, the answer is still vLLM's."""
+    engine, kv_port = _prefill_engine_and_kv_port(pd_server)
+    client = openai.OpenAI(base_url=pd_server.base_url, api_key="none", timeout=300)
+    before = pd_server.load("decode")
+    answer: dict[str, Any] = {}
+    asker = threading.Thread(target=lambda: answer.update(ids=run_case(client, KILL_CASE)[1]))
+    asker.start()
+    sending = wait_until(lambda: request_once("127.0.0.1", kv_port, {"op": "status"}, 5)
+                         ["num_sending"], timeout_s=240, interval_s=0.05)
+    assert sending, "the prefill never started sending"
+    engine.kill()
+    asker.join(240)
+    assert not asker.is_alive(), "the request hung after the prefill died"
+    assert answer["ids"] == references[len(CASES)], "recomputed answer differs from vLLM"
+    after = pd_server.load("decode")
+    assert after.kv_transfers_failed > before.kv_transfers_failed
+    num_prompt = len(prompt_ids(tokenizer, KILL_CASE))
+    assert after.prompt_tokens_computed - before.prompt_tokens_computed >= num_prompt - BLOCK_SIZE
+
+    def decode_idle() -> bool:
+        d = pd_server.load("decode")
+        return d.kv_cache_usage == 0.0 and d.num_inflight_reqs == 0 and d.num_running_reqs == 0
+
+    assert wait_until(decode_idle, timeout_s=15), "decode still holds blocks"

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.block_hash import chain_hashes
 from pdserve.kv_mirror import KvCacheMirror
+from pdserve.membership.static import static_infos
 from pdserve.sim_engine import SimConfig
 from pdserve.sim_worker import start_sim_worker
 from pdserve.vllm_kv_events import VllmEventTranslator
@@ -103,7 +104,8 @@ class SimCluster:
                       prefill_s_per_token=0))
         self.engines[worker_id] = engine
         self.servers.append(server)
-        self.clients.append(WorkerClient(f"127.0.0.1:{port}", "prefill"))
+        (info,) = static_infos([f"127.0.0.1:{port}"], [])
+        self.clients.append(WorkerClient(info))
 
     async def close(self) -> None:
         for c in self.clients:

@@ -15,6 +15,7 @@ from pdserve.kv_transfer.base import (
     transport_names,
 )
 from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.kv_transfer.integrity import checksum
 from pdserve.kv_transfer.leases import LeaseError, LeaseTable
 from pdserve.kv_transfer.wire import TransferError, request_once
 from pdserve_testing import make_caches, start_transport
@@ -89,3 +90,16 @@ def test_release_before_lease_arrives_frees_it_on_arrival() -> None:
     table.add("x", [5], deadline=time.time() + 30)
     assert table.take_done() == {"x"}
     assert table.num_held == 0
+
+
+@pytest.mark.parametrize("kind", ["crc32", "wsum64"])
+def test_checksum_sees_any_flipped_bit_and_is_deterministic(kind: str) -> None:
+    chunks = [t for t in make_caches(3, torch.bfloat16).values()]
+    value = checksum(chunks, kind)
+    assert value == checksum([c.clone() for c in chunks], kind)
+    for layer, byte, bit in ((0, 0, 0), (3, 12345, 7), (2, -1, 3)):
+        bad = [c.clone() for c in chunks]
+        bad[layer].view(torch.uint8).view(-1)[byte] ^= 1 << bit
+        assert checksum(bad, kind) != value
+    with pytest.raises(ValueError, match="valid kinds: crc32, wsum64"):
+        checksum(chunks, "md5")

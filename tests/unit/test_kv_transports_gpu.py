@@ -1,0 +1,65 @@
+"""The GPU paths: KV tensors in device memory over tcp (staged through host memory),
+ucx (UCX moves device memory itself) and torch (NCCL, or RCCL on ROCm).
+
+NCCL refuses two ranks on one GPU, so the torch case needs two devices.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from pdserve.kv_transfer.base import PeerAddress, TransportOptions
+from pdserve.kv_transfer.leases import LeaseTable
+from pdserve.kv_transfer.wire import TransferError
+from pdserve_testing import CORRUPT_KEY, KVPeer, kv_seed, make_caches, start_transport
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device"),
+]
+
+
+def _devices(name: str) -> tuple[str, str]:
+    if name != "torch":
+        return "cuda:0", "cuda:0"
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs a second GPU for a second rank")
+    return "cuda:0", "cuda:1"
+
+
+@pytest.mark.parametrize("name", ["tcp", "ucx", "torch"])
+@pytest.mark.parametrize(("block_dim", "dtype_name"), [(1, "bfloat16"), (0, "float32")])
+def test_device_kv_moves_bit_exact_and_checksummed(name: str, block_dim: int,
+                                                   dtype_name: str) -> None:
+    if name == "ucx":
+        pytest.importorskip("ucxx")
+    server_dev, client_dev = _devices(name)
+    torch.cuda.set_device(client_dev)
+    peer = KVPeer(name, device=server_dev)
+    dtype = getattr(torch, dtype_name)
+    caches = {k: torch.zeros_like(v) for k, v in
+              make_caches(0, dtype, block_dim=block_dim, device=client_dev).items()}
+    transport, _ = start_transport(name, caches, LeaseTable(), TransportOptions(checksum=True))
+    try:
+        key = (block_dim, dtype_name)
+        src, dst = [3, 4, 9, 1], [10, 11, 2, 7]
+        peer.lease(key, "g1", src)
+        transport.pull(PeerAddress("127.0.0.1", peer.ports[key]), "g1", src, dst,
+                       time.monotonic() + 60)
+        want = make_caches(kv_seed(block_dim, dtype_name), dtype, block_dim=block_dim)
+        for name_, tensor in caches.items():
+            got = tensor.cpu()
+            for s, d in zip(src, dst, strict=True):
+                pick = (lambda t, b: t[b]) if block_dim == 0 else (lambda t, b: t[:, b])
+                assert torch.equal(pick(got, d).view(torch.uint8),
+                                   pick(want[name_], s).view(torch.uint8))
+        if key == CORRUPT_KEY[:2]:
+            peer.lease(CORRUPT_KEY, "g2", [1])
+            with pytest.raises(TransferError, match="checksum mismatch"):
+                transport.pull(PeerAddress("127.0.0.1", peer.ports[CORRUPT_KEY]), "g2", [1],
+                               [2], time.monotonic() + 60)
+    finally:
+        transport.close()
+        peer.stop()
