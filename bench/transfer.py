@@ -219,9 +219,13 @@ def verdict(rows: list[Row], names: list[str]) -> None:
 # ---- P/D: share of TTFT spent on the transfer ---------------------------------------
 
 def ttft_share(args: argparse.Namespace) -> dict[str, Any] | None:
-    """Hook for the P/D part (pull vs layer-wise push share of TTFT), added with the
-    push mode; this file measures transports in isolation only."""
-    return None
+    """With ``--pd``: the transfer's share of TTFT in a real P/D run, pull vs
+    layer-wise push (bench/transfer_pd.py, which also runs on its own)."""
+    if not args.pd:
+        return None
+    from transfer_pd import run_pd
+
+    return run_pd(tokens=args.pd_tokens, reps=args.reps)
 
 
 def main() -> None:
@@ -231,6 +235,9 @@ def main() -> None:
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--checksum", action="store_true", help="checksum every transfer")
+    parser.add_argument("--pd", action="store_true",
+                        help="also the P/D part: share of TTFT, pull vs push (real vLLM)")
+    parser.add_argument("--pd-tokens", type=int, default=1024)
     args = parser.parse_args()
     torch.set_num_threads(1)  # memcpy is one thread, like every transfer thread
     names = [n for n in args.transports.split(",") if n]

@@ -143,6 +143,23 @@ def report(results: dict[str, ModeResult], tokens: int) -> dict[str, float]:
     return ratios
 
 
+def run_pd(tokens: int, reps: int, max_tokens: int = 8, dtype: str = "auto",
+           port_base: int = 19300) -> dict[str, object]:
+    """Both modes, one after the other; the report's ratios and the raw results."""
+    args = argparse.Namespace(tokens=tokens, reps=reps, max_tokens=max_tokens, dtype=dtype,
+                              port_base=port_base)
+    prepare_default_model()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    log_dir = cache_dir() / "logs" / f"bench-transfer-pd-{stamp}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    prompts = build_prompts(reps + 1, tokens)
+    results = {mode: run_mode(mode, args, prompts, log_dir) for mode in ("pull", "push")}
+    ratios = report(results, tokens)
+    console.print(f"logs in {log_dir}")
+    return {"args": vars(args), "ratios": ratios,
+            "results": {k: asdict(v) for k, v in results.items()}}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024)
@@ -152,18 +169,11 @@ def main() -> int:
     parser.add_argument("--port-base", type=int, default=19300)
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    prepare_default_model()
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    log_dir = cache_dir() / "logs" / f"bench-transfer-pd-{stamp}"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    prompts = build_prompts(args.reps + 1, args.tokens)
-    results = {mode: run_mode(mode, args, prompts, log_dir) for mode in ("pull", "push")}
-    ratios = report(results, args.tokens)
-    out = Path(__file__).parent / "results" / f"transfer-pd-{stamp}.json"
+    out = Path(__file__).parent / "results" / f"transfer-pd-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    result = run_pd(args.tokens, args.reps, args.max_tokens, args.dtype, args.port_base)
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "ratios": ratios,
-                               "results": {k: asdict(v) for k, v in results.items()}}, indent=1))
-    console.print(f"wrote {out}; logs in {log_dir}")
+    out.write_text(json.dumps(result, indent=1))
+    console.print(f"wrote {out}")
     return 0
 
 
