@@ -64,7 +64,11 @@ class Timeline:
                     self.routable.setdefault(str(w["id"]), []).append(now)
 
     def first(self, table: dict[str, list[float]], worker_id: str, after: float = 0.0) -> float:
-        return min(t for t in table.get(worker_id, []) if t >= after)
+        """The first sighting at or after ``after`` (waits up to 5 s for the poller)."""
+        seen = wait_until(lambda: [t for t in table.get(worker_id, []) if t >= after], 5.0,
+                          interval_s=0.05)
+        assert seen, f"{worker_id} never seen after {after}"
+        return min(seen)
 
 
 def router_view(router_url: str) -> list[dict[str, object]]:
