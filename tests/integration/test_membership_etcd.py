@@ -2,9 +2,9 @@
 and a real router (``pdserve router --etcd``), one cluster shared by the module.
 
 The tests run in file order on that cluster: discovery within 2 s, spread over
-2 prefill + 2 decode, SIGKILL of a decode worker, an etcd outage and restart (a
-worker started during it is discovered: a bfloat16 decode worker, incompatible with
-the float32 prefill workers), SIGSTOP past the TTL then SIGCONT, and the
+2 prefill + 2 decode, SIGKILL of a decode worker, SIGSTOP past the TTL then
+SIGCONT, an etcd outage and restart (a worker started during it is discovered: a
+bfloat16 decode worker, incompatible with the float32 prefill workers), and the
 incompatible worker never paired (it serves alone, computing prompts itself). At
 most four engines run at once. Workers use a 3 s lease TTL (``--etcd-ttl-s 3``;
 the default is 10 s).
@@ -215,6 +215,25 @@ def test_sigkilled_worker_leaves_the_view_and_requests_keep_succeeding(
         cluster.complete(200 + j)
 
 
+def test_paused_worker_reregisters_and_serves_again(cluster: Cluster) -> None:
+    cluster.signal("prefill-1", signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        assert wait_until(lambda: "prefill-1" not in cluster.view(), TTL_S + 5, 0.1)
+        assert time.monotonic() - stopped <= TTL_S + 2.0
+        time.sleep(1.0)
+    finally:
+        cluster.signal("prefill-1", signal.SIGCONT)
+    resumed = time.monotonic()
+    assert wait_until(lambda: "prefill-1" in cluster.healthy(), TTL_S + 5, 0.1)
+    t = cluster.timeline
+    assert t.first(t.registered, "prefill-1", resumed) - resumed <= TTL_S / 3 + 2.0
+    computed = cluster.load("prefill-1").prompt_tokens_computed
+    for j in range(4):
+        cluster.complete(500 + j)
+    assert cluster.load("prefill-1").prompt_tokens_computed > computed
+
+
 def test_etcd_outage_keeps_serving_then_discovers_a_new_worker(cluster: Cluster) -> None:
     before = cluster.healthy()
     cluster.etcd.stop(keep_data=True)  # SIGKILL
@@ -239,25 +258,6 @@ def test_etcd_outage_keeps_serving_then_discovers_a_new_worker(cluster: Cluster)
     for j in range(4):
         cluster.complete(400 + j)
     assert cluster.load(LATE).prompt_tokens_computed > 0  # it serves
-
-
-def test_paused_worker_reregisters_and_serves_again(cluster: Cluster) -> None:
-    cluster.signal("prefill-1", signal.SIGSTOP)
-    stopped = time.monotonic()
-    try:
-        assert wait_until(lambda: "prefill-1" not in cluster.view(), TTL_S + 5, 0.1)
-        assert time.monotonic() - stopped <= TTL_S + 2.0
-        time.sleep(1.0)
-    finally:
-        cluster.signal("prefill-1", signal.SIGCONT)
-    resumed = time.monotonic()
-    assert wait_until(lambda: "prefill-1" in cluster.healthy(), TTL_S + 5, 0.1)
-    t = cluster.timeline
-    assert t.first(t.registered, "prefill-1", resumed) - resumed <= TTL_S / 3 + 2.0
-    computed = cluster.load("prefill-1").prompt_tokens_computed
-    for j in range(4):
-        cluster.complete(500 + j)
-    assert cluster.load("prefill-1").prompt_tokens_computed > computed
 
 
 def test_incompatible_worker_is_never_paired(cluster: Cluster) -> None:
