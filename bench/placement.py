@@ -146,6 +146,9 @@ def main() -> int:
                              for p, w in zip(POLICIES, workloads, strict=True)}
     finally:
         stop_children(children)
+    errors = sum(r["errors"] for res in results.values() for r in res.values())
+    if errors:
+        print(f"WARNING: {errors} requests failed; the numbers below are not comparable")
     summary = {name: ratios(res) for name, res in results.items()}
     for name, r in summary.items():
         print(f"{name:13s} cache_aware / round_robin: TTFT p50 {r['ttft_p50']:.2f}x, "
