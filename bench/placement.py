@@ -125,15 +125,18 @@ def main() -> int:
     ap.add_argument("--system-words", type=int, default=620)
     ap.add_argument("--control-systems", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=4,
+                    help="reply length per turn (1: prefill answers alone, no decode)")
     args = ap.parse_args()
     prepare_default_model()
     log_dir = cache_dir() / "logs" / time.strftime("bench-placement-%Y%m%d-%H%M%S")
     children, prefill, decode = worker_children(args, log_dir)
     phases = {
         "shared-prefix": [Workload(args.systems, args.users, args.turns, args.system_words,
-                                   args.concurrency, seed=s) for s in (1, 2)],
+                                   args.concurrency, args.max_tokens, seed=s) for s in (1, 2)],
         "control": [Workload(args.control_systems, args.users + 1, args.turns,
-                             args.system_words, args.concurrency, seed=s) for s in (3, 4)],
+                             args.system_words, args.concurrency, args.max_tokens, seed=s)
+                    for s in (3, 4)],
     }
     results: dict[str, dict[str, dict[str, float]]] = {}
     print(f"2 prefill workers x {args.num_kv_blocks} KV blocks of 128 tokens, 1 decode; "
@@ -146,6 +149,9 @@ def main() -> int:
                              for p, w in zip(POLICIES, workloads, strict=True)}
     finally:
         stop_children(children)
+    errors = sum(r["errors"] for res in results.values() for r in res.values())
+    if errors:
+        print(f"WARNING: {errors} requests failed; the numbers below are not comparable")
     summary = {name: ratios(res) for name, res in results.items()}
     for name, r in summary.items():
         print(f"{name:13s} cache_aware / round_robin: TTFT p50 {r['ttft_p50']:.2f}x, "

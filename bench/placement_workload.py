@@ -70,6 +70,9 @@ async def _turn(client: httpx.AsyncClient, url: str, model: str, messages: list[
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:  # failed mid-stream: counted, not timed
+                stats.errors += 1
+                return ""
             if first is None and chunk.get("choices"):
                 first = time.perf_counter()
             for choice in chunk.get("choices") or []:

@@ -21,6 +21,7 @@ import json
 import multiprocessing as mp
 import socket
 import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -85,9 +86,10 @@ def serve(names: list[str], dtype_name: str, num_blocks: int, checksum: bool,
         if cmd[0] == "lease":
             served[cmd[1]][1].add(cmd[2], cmd[3], time.time() + 600)
             replies.put(True)
-        elif cmd[0] == "socket":
+        elif cmd[0] == "socket":  # served beside the lease commands of the same rounds
+            threading.Thread(target=_stream, args=(raw, kv, int(cmd[1]), int(cmd[2])),
+                             daemon=True).start()
             replies.put(True)
-            _stream(raw, kv, int(cmd[1]), int(cmd[2]))
     for transport, _, _ in served.values():
         transport.close()
 
@@ -114,42 +116,26 @@ def gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
 
-def time_memcpy(src: list[torch.Tensor], dst: list[torch.Tensor], n: int, reps: int
-                ) -> list[float]:
-    out = []
-    for _ in range(reps + 1):
-        started = time.perf_counter()
-        for s, d in zip(src, dst, strict=True):
-            d[:n].copy_(s[:n])
-        out.append(time.perf_counter() - started)
-    return out[1:]
+def time_memcpy(src: list[torch.Tensor], dst: list[torch.Tensor], n: int) -> float:
+    started = time.perf_counter()
+    for s, d in zip(src, dst, strict=True):
+        d[:n].copy_(s[:n])
+    return time.perf_counter() - started
 
 
-def time_socket(port: int, dst: list[torch.Tensor], n: int, reps: int) -> list[float]:
-    out = []
-    with socket.create_connection(("127.0.0.1", port)) as conn:
-        _tune(conn)
-        for _ in range(reps + 1):
-            started = time.perf_counter()
-            conn.sendall(b"g")
-            for layer in dst:
-                recv_into_exact(conn, as_bytes(layer[:n]))
-            out.append(time.perf_counter() - started)
-    return out[1:]
+def time_socket(conn: socket.socket, dst: list[torch.Tensor], n: int) -> float:
+    started = time.perf_counter()
+    conn.sendall(b"g")
+    for layer in dst:
+        recv_into_exact(conn, as_bytes(layer[:n]))
+    return time.perf_counter() - started
 
 
-def time_transport(name: str, transport: Any, port: int, n: int, reps: int,
-                   lease: Any) -> list[float]:
-    out = []
+def time_transport(transport: Any, port: int, n: int, req: str) -> float:
     blocks = list(range(n))
-    for i in range(reps + 1):
-        req = f"{name}-{n}-{i}"
-        lease(name, req, blocks)
-        started = time.perf_counter()
-        transport.pull(PeerAddress("127.0.0.1", port), req, blocks, blocks,
-                       time.monotonic() + 120)
-        out.append(time.perf_counter() - started)
-    return out[1:]
+    started = time.perf_counter()
+    transport.pull(PeerAddress("127.0.0.1", port), req, blocks, blocks, time.monotonic() + 120)
+    return time.perf_counter() - started
 
 
 def run_dtype(dtype_name: str, names: list[str], tokens: list[int], reps: int,
@@ -180,10 +166,19 @@ def run_dtype(dtype_name: str, names: list[str], tokens: list[int], reps: int,
             nbytes = sum(layer[:n].numel() * layer.element_size() for layer in src)
             cmds.put(("socket", n, reps + 1))
             replies.get(timeout=60)
-            timings = {"memcpy": time_memcpy(src, dst, n, reps),
-                       "socket": time_socket(ports["socket"], dst, n, reps)}
-            for name, (transport, port) in transports.items():
-                timings[name] = time_transport(name, transport, port, n, reps, lease)
+            timings: dict[str, list[float]] = {k: [] for k in ["memcpy", "socket", *names]}
+            with socket.create_connection(("127.0.0.1", ports["socket"])) as conn:
+                _tune(conn)
+                # Round-robin, so a change in the machine's load hits every method alike;
+                # round 0 is the warm-up (connections, groups, endpoints, page faults).
+                for rep in range(reps + 1):
+                    timings["memcpy"].append(time_memcpy(src, dst, n))
+                    timings["socket"].append(time_socket(conn, dst, n))
+                    for name, (transport, port) in transports.items():
+                        req = f"{name}-{num_tokens}-{rep}"
+                        lease(name, req, list(range(n)))
+                        timings[name].append(time_transport(transport, port, n, req))
+            timings = {k: v[1:] for k, v in timings.items()}
             rows.append(Row(dtype_name, num_tokens, nbytes / 2**20,
                             {k: gbps(nbytes, v) for k, v in timings.items()}))
             print_row(rows[-1], names)

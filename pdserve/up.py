@@ -76,7 +76,7 @@ class Child:
     name: str
     argv: list[str]
     log: Path
-    probe: str  # "grpc:host:port" or "http://.../health"
+    probe: str  # "grpc:host:port", "http://.../health" or "http://.../workers" (all routable)
     proc: subprocess.Popen[bytes] | None = None
     state: str = "starting"
     extra: dict[str, str] = field(default_factory=dict)
@@ -145,7 +145,9 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
                         *workers, "--placement", cfg.placement]
     probe_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     children.append(Child("router", router_argv, log_dir / "router.log",
-                          f"http://{probe_host}:{cfg.port}/health"))
+                          f"http://{probe_host}:{cfg.port}/health" if not membership else
+                          f"http://{probe_host}:{cfg.port}/workers",
+                          extra={"num_workers": str(cfg.num_prefill + cfg.num_decode)}))
     return children
 
 
@@ -160,8 +162,12 @@ def _healthy(child: Child) -> bool:
         child.state = "ready" if health.ready else "loading engine"
         return bool(health.ready)
     try:
-        ok = httpx.get(child.probe, timeout=1).status_code == 200
-    except httpx.HTTPError:
+        reply = httpx.get(child.probe, timeout=1)
+        ok = reply.status_code == 200
+        if ok and child.probe.endswith("/workers"):  # etcd: every worker found and healthy
+            healthy = sum(1 for w in reply.json()["workers"] if w["healthy"])
+            ok = healthy >= int(child.extra["num_workers"])
+    except (httpx.HTTPError, ValueError, KeyError):
         return False
     child.state = "ready" if ok else "waiting for workers"
     return ok

@@ -2,9 +2,9 @@
 and a real router (``pdserve router --etcd``), one cluster shared by the module.
 
 The tests run in file order on that cluster: discovery within 2 s, spread over
-2 prefill + 2 decode, SIGKILL of a decode worker, an etcd outage and restart (a
-worker started during it is discovered: a bfloat16 decode worker, incompatible with
-the float32 prefill workers), SIGSTOP past the TTL then SIGCONT, and the
+2 prefill + 2 decode, SIGKILL of a decode worker, SIGSTOP past the TTL then
+SIGCONT, an etcd outage and restart (a worker started during it is discovered: a
+bfloat16 decode worker, incompatible with the float32 prefill workers), and the
 incompatible worker never paired (it serves alone, computing prompts itself). At
 most four engines run at once. Workers use a 3 s lease TTL (``--etcd-ttl-s 3``;
 the default is 10 s).
@@ -52,6 +52,7 @@ class Timeline:
     router_url: str
     registered: dict[str, list[float]] = field(default_factory=dict)  # id -> times seen
     routable: dict[str, list[float]] = field(default_factory=dict)
+    listed: dict[str, list[float]] = field(default_factory=dict)  # in the view, any health
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
@@ -60,11 +61,16 @@ class Timeline:
             for key in etcd_keys(self.etcd_url, PREFIX):
                 self.registered.setdefault(key.rsplit("/", 1)[-1], []).append(now)
             for w in router_view(self.router_url):
+                self.listed.setdefault(str(w["id"]), []).append(now)
                 if w["healthy"]:
                     self.routable.setdefault(str(w["id"]), []).append(now)
 
     def first(self, table: dict[str, list[float]], worker_id: str, after: float = 0.0) -> float:
-        return min(t for t in table.get(worker_id, []) if t >= after)
+        """The first sighting at or after ``after`` (waits up to 5 s for the poller)."""
+        seen = wait_until(lambda: [t for t in table.get(worker_id, []) if t >= after], 5.0,
+                          interval_s=0.05)
+        assert seen, f"{worker_id} never seen after {after}"
+        return min(seen)
 
 
 def router_view(router_url: str) -> list[dict[str, object]]:
@@ -204,11 +210,31 @@ def test_sigkilled_worker_leaves_the_view_and_requests_keep_succeeding(
     while "decode-1" in cluster.view() and time.monotonic() - killed < TTL_S + 5:
         cluster.complete(i)  # asserts success: served by the others meanwhile
         i += 1
-    gone = wait_until(lambda: "decode-1" not in cluster.view(), 1.0, interval_s=0.05)
-    assert gone and time.monotonic() - killed <= TTL_S + 2.0
+    assert wait_until(lambda: "decode-1" not in cluster.view(), 1.0, interval_s=0.05)
+    t = cluster.timeline
+    assert max(t.listed["decode-1"]) - killed <= TTL_S + 2.0  # last seen in the view
     assert "decode-1" not in etcd_keys(cluster.etcd.url, PREFIX + "decode/")
     for j in range(3):
         cluster.complete(200 + j)
+
+
+def test_paused_worker_reregisters_and_serves_again(cluster: Cluster) -> None:
+    cluster.signal("prefill-1", signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        assert wait_until(lambda: "prefill-1" not in cluster.view(), TTL_S + 5, 0.1)
+        assert time.monotonic() - stopped <= TTL_S + 2.0
+        time.sleep(1.0)
+    finally:
+        cluster.signal("prefill-1", signal.SIGCONT)
+    resumed = time.monotonic()
+    assert wait_until(lambda: "prefill-1" in cluster.healthy(), TTL_S + 5, 0.1)
+    t = cluster.timeline
+    assert t.first(t.registered, "prefill-1", resumed) - resumed <= TTL_S / 3 + 2.0
+    computed = cluster.load("prefill-1").prompt_tokens_computed
+    for j in range(4):
+        cluster.complete(500 + j)
+    assert cluster.load("prefill-1").prompt_tokens_computed > computed
 
 
 def test_etcd_outage_keeps_serving_then_discovers_a_new_worker(cluster: Cluster) -> None:
@@ -235,25 +261,6 @@ def test_etcd_outage_keeps_serving_then_discovers_a_new_worker(cluster: Cluster)
     for j in range(4):
         cluster.complete(400 + j)
     assert cluster.load(LATE).prompt_tokens_computed > 0  # it serves
-
-
-def test_paused_worker_reregisters_and_serves_again(cluster: Cluster) -> None:
-    cluster.signal("prefill-1", signal.SIGSTOP)
-    stopped = time.monotonic()
-    try:
-        assert wait_until(lambda: "prefill-1" not in cluster.view(), TTL_S + 5, 0.1)
-        assert time.monotonic() - stopped <= TTL_S + 2.0
-        time.sleep(1.0)
-    finally:
-        cluster.signal("prefill-1", signal.SIGCONT)
-    resumed = time.monotonic()
-    assert wait_until(lambda: "prefill-1" in cluster.healthy(), TTL_S + 5, 0.1)
-    t = cluster.timeline
-    assert t.first(t.registered, "prefill-1", resumed) - resumed <= TTL_S / 3 + 2.0
-    computed = cluster.load("prefill-1").prompt_tokens_computed
-    for j in range(4):
-        cluster.complete(500 + j)
-    assert cluster.load("prefill-1").prompt_tokens_computed > computed
 
 
 def test_incompatible_worker_is_never_paired(cluster: Cluster) -> None:
