@@ -88,6 +88,10 @@ class EngineHost:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self.config.kv_events is not None:
+            from pdserve.vllm_kv_events import KvEventEndpoints
+
+            KvEventEndpoints(*self.config.kv_events).remove_files()
 
     def identity(self) -> dict[str, Any]:
         cfg = self.config

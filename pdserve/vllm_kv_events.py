@@ -41,6 +41,12 @@ class KvEventEndpoints:
         base = Path(tempfile.gettempdir()) / f"pdserve-kvev-{worker_id}"
         return cls(pub=f"ipc://{base}.pub", replay=f"ipc://{base}.replay")
 
+    def remove_files(self) -> None:
+        """Delete the ipc socket files (after the engine, which bound them, is gone)."""
+        for endpoint in (self.pub, self.replay):
+            if endpoint.startswith("ipc://"):
+                Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
+
 
 class VllmEventTranslator:
     """Keeps vLLM hash -> pdserve hash for the blocks vLLM holds."""

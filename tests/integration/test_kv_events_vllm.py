@@ -61,3 +61,4 @@ async def test_missed_vllm_events_are_replayed_in_order() -> None:
     finally:
         source.close()
         pub.shutdown()
+        endpoints.remove_files()
