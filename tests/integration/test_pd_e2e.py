@@ -134,7 +134,7 @@ def test_greedy_pd_equals_aggregated_vllm_and_kv_came_over_the_transport(
             a = prompt_counters(pd_server)
             return a if sum(a) - sum(b) >= n + 1 else None
 
-        after = wait_until(counted, timeout_s=10)
+        after = wait_until(counted, timeout_s=30)
         assert after is not None, "decode's engine counters never saw the request"
         computed, local_hit, external = (a - b for a, b in zip(after, before, strict=True))
         assert computed + local_hit + external == num_prompt + 1
