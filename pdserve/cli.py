@@ -83,10 +83,12 @@ def _add_worker(p: argparse.ArgumentParser, default_port: int) -> None:
 
 
 def _add_kv_push(p: argparse.ArgumentParser) -> None:
+    env = _env("kv-push", None)
     p.add_argument("--kv-push", action=argparse.BooleanOptionalAction,
-                   default=str(_env("kv-push", "1")).lower() not in ("0", "false", "no"),
-                   help="prefill pushes KV layer by layer to the decode while computing "
-                        "(default on; --no-kv-push: decode pulls after prefill)")
+                   default=None if env is None else _flag(env),
+                   help="prefill pushes KV layer by layer (tcp transport) to the decode while "
+                        "computing; --no-kv-push: decode pulls after prefill (default: push on "
+                        "CUDA, pull on CPU, where the sender competes with prefill for cores)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,6 +159,16 @@ def _add_sim_worker(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=_env("log-level", "INFO"))
 
 
+def _kv_push_default(flag: bool | None) -> bool:
+    """Measured (bench/transfer_pd.py, 2 CPU cores): push hides the transfer but its
+    sender thread slows the prefill it overlaps, so it is on only with a GPU."""
+    if flag is not None:
+        return flag
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def _endpoints(value: str) -> tuple[str, ...]:
     return tuple(e.strip() for e in value.split(",") if e.strip())
 
@@ -203,7 +215,7 @@ def _run(args: argparse.Namespace) -> int:
             kv_host=args.kv_host or advertise,
             kv_port=args.kv_port or args.port + 1000, kv_bind_host=args.host,
             lease_s=args.lease_s, kv_checksum=args.kv_checksum,
-            kv_throttle_mib_s=args.kv_throttle_mib_s, push=args.kv_push,
+            kv_throttle_mib_s=args.kv_throttle_mib_s, push=_kv_push_default(args.kv_push),
         )
         from pdserve.vllm_kv_events import KvEventEndpoints
 

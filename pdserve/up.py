@@ -49,7 +49,7 @@ class UpConfig:
     startup_timeout_s: float = 600.0
     log_level: str = "INFO"
     cpu_layout: str = "shared"
-    kv_push: bool = True
+    kv_push: bool | None = None  # None: each worker's default (push on CUDA only)
     kv_checksum: bool = False
     kv_throttle_mib_s: float = 0.0
     # Membership: static (default), an etcd at ``etcd``, or a local one (``with_etcd``).
@@ -130,8 +130,8 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
                          *membership]
             if cores[i]:
                 argv += ["--cpu-cores", cores[i]]
-            if not cfg.kv_push:
-                argv += ["--no-kv-push"]
+            if cfg.kv_push is not None:
+                argv += ["--kv-push" if cfg.kv_push else "--no-kv-push"]
             argv += ["--kv-checksum" if cfg.kv_checksum else "--no-kv-checksum",
                      "--kv-throttle-mib-s", str(cfg.kv_throttle_mib_s)]
             if role == "prefill" and cfg.num_kv_blocks:

@@ -47,7 +47,7 @@ def pd_server(model_path: Path, request: pytest.FixtureRequest) -> Iterator[Serv
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "up", "--dtype", "float32", "--port", str(port),
          "--kv-cache-gib", "1", "--max-model-len", "4096", "--transport", transport,
-         "--kv-checksum", "--kv-throttle-mib-s", throttle or "0"],
+         "--kv-checksum", "--kv-push", "--kv-throttle-mib-s", throttle or "0"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
         start_new_session=True,
     )
