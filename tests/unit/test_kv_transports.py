@@ -25,6 +25,7 @@ from pdserve_testing import (
     kv_seed,
     make_caches,
     start_transport,
+    wait_until,
 )
 
 TRANSPORTS = ["tcp", "ucx", "torch"]
@@ -99,7 +100,8 @@ def test_pull_moves_random_blocks_bit_exact(peer: KVPeer, clients: dict, case: t
             assert torch.equal(_block(tensor, block_dim, d), _block(want[name], block_dim, s))
         for b in set(range(NUM_BLOCKS)) - set(dst):
             assert not _block(tensor, block_dim, b).any(), "a block outside dst was written"
-    assert peer.status(key)["num_held"] == 0  # the pull ended the lease
+    # the pull ended the lease (the server ends it just after sending the trailer)
+    assert wait_until(lambda: peer.status(key)["num_held"] == 0, 5, 0.02)
 
 
 def test_second_pull_and_unknown_lease_are_refused(peer: KVPeer, clients: dict) -> None:
@@ -169,4 +171,4 @@ def test_checksum_catches_corruption_in_flight(peer: KVPeer, transport_name: str
                 assert torch.equal(caches["layer.1"][3], want["layer.1"][1])
         finally:
             transport.close()
-        assert peer.status(CORRUPT_KEY)["num_held"] == 0
+        assert wait_until(lambda: peer.status(CORRUPT_KEY)["num_held"] == 0, 5, 0.02)
