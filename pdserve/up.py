@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from rich.table import Table
 from pdserve.kv_transfer.base import transport_names
 from pdserve.membership.local_etcd import LocalEtcd
 from pdserve.model import cache_dir
+from pdserve.ports import free_port
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
 
@@ -80,12 +80,6 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     state: str = "starting"
     extra: dict[str, str] = field(default_factory=dict)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _core_sets(num_prefill: int, num_decode: int, layout: str) -> tuple[

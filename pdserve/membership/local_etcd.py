@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -17,13 +16,9 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.ports import free_port
+
 START_TIMEOUT_S = 30.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def etcd_binary() -> str:
@@ -37,8 +32,8 @@ def etcd_binary() -> str:
 class LocalEtcd:
     def __init__(self, log_path: Path | None = None) -> None:
         self._binary = etcd_binary()
-        self.client_port = _free_port()
-        self.peer_port = _free_port()
+        self.client_port = free_port()
+        self.peer_port = free_port()
         self.data_dir = Path(tempfile.mkdtemp(prefix="pdserve-etcd-"))
         self._log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
