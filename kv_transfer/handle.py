@@ -1,0 +1,77 @@
+"""The KV handle a prefill hands to a decode (through the router), and the push
+target the router names for a prefill. Plain values, importable without vLLM
+(the router reads them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """Where a prefill holds a request's KV; travels as ``kv_transfer_params``."""
+
+    engine_id: str
+    remote_request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    transport: str
+    host: str
+    port: int
+    transfer_id: str
+    lease_deadline_unix_ns: int
+    # The prefill also pushed the blocks, layer by layer, into the decode's inbox
+    # under ``transfer_id``; the decode takes them from there (or pulls as before).
+    pushed: bool = False
+
+    def to_params(self) -> dict[str, Any]:
+        return {
+            "engine_id": self.engine_id,
+            "remote_request_id": self.remote_request_id,
+            "block_ids": list(self.block_ids),
+            "num_tokens": self.num_tokens,
+            "transport": self.transport,
+            "host": self.host,
+            "port": self.port,
+            "transfer_id": self.transfer_id,
+            "lease_deadline_unix_ns": self.lease_deadline_unix_ns,
+            "pushed": self.pushed,
+        }
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> KVHandle:
+        try:
+            return cls(
+                engine_id=str(params["engine_id"]),
+                remote_request_id=str(params["remote_request_id"]),
+                block_ids=tuple(int(b) for b in params["block_ids"]),
+                num_tokens=int(params["num_tokens"]),
+                transport=str(params["transport"]),
+                host=str(params["host"]),
+                port=int(params["port"]),
+                transfer_id=str(params.get("transfer_id", "")),
+                lease_deadline_unix_ns=int(params.get("lease_deadline_unix_ns", 0)),
+                pushed=bool(params.get("pushed", False)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"invalid KV handle {params!r}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class PushTarget:
+    """Prefill: push this request's KV layer by layer to a decode's KV endpoint."""
+
+    host: str
+    port: int
+    transfer_id: str
+
+    def to_params(self) -> dict[str, Any]:
+        return {"host": self.host, "port": self.port, "transfer_id": self.transfer_id}
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> PushTarget:
+        try:
+            return cls(str(params["host"]), int(params["port"]), str(params["transfer_id"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"invalid KV push target {params!r}: {exc}") from exc

@@ -1,0 +1,134 @@
+"""The request and worker types every part of pdserve speaks: the router, the
+workers and the simulator. Plain frozen values; protobuf is converted to and
+from them in one place (``pdserve.proto.convert``), at the gRPC edge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pdserve.kv_transfer.handle import KVHandle, PushTarget
+
+Phase = Literal["prefill", "decode"]
+Role = Literal["prefill", "decode"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+PHASES: tuple[Phase, ...] = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Validated sampling parameters for one request (token-level only).
+
+    Stop *strings* are not here: the router detokenizes and matches them itself,
+    then closes the chunk iterator, which aborts the request on every worker.
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class PhaseRequest:
+    """One phase of a request, as the router sends it to a worker.
+
+    Prefill: ``prompt_token_ids`` is the prompt; the worker returns the first
+    token and, when ``sampling.max_tokens > 1``, a KV handle. ``push_target``
+    asks it to push the KV layer by layer to a decode worker.
+    Decode: ``prompt_token_ids`` is prompt + first token; ``kv_handle`` (if any)
+    says where the prompt's KV is held.
+    """
+
+    request_id: str
+    phase: Phase
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingSpec
+    kv_handle: KVHandle | None = None
+    push_target: PushTarget | None = None
+
+
+@dataclass(frozen=True)
+class PhaseOutput:
+    """Tokens since the previous output; the last one has ``finish_reason``."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    kv_handle: KVHandle | None = None
+    num_cached_tokens: int = 0
+    num_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerHealth:
+    """What a worker says about itself (``Health``)."""
+
+    ready: bool
+    role: Role
+    worker_id: str
+    model: str = ""
+    dtype: str = ""
+    block_size: int = 0
+    max_model_len: int = 0
+    transport: str = ""
+    compatibility_hash: str = ""
+    kv_host: str = ""
+    kv_port: int = 0
+    kv_push: bool = False
+
+
+@dataclass(frozen=True)
+class WorkerLoadReport:
+    """A worker's load and cumulative engine and KV-transfer counters (``GetLoad``)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_pending_transfers: int = 0
+    prompt_tokens_computed: int = 0
+    prompt_tokens_local_cache_hit: int = 0
+    prompt_tokens_external: int = 0
+    kv_bytes_sent: int = 0
+    kv_bytes_received: int = 0
+    kv_transfers_completed: int = 0
+    kv_transfers_failed: int = 0
+    kv_transfer_time_ns: int = 0
+    num_inflight_reqs: int = 0
+    kv_leases_expired: int = 0
+    kv_loads: int = 0
+    kv_load_time_ns: int = 0
+    kv_push_loads: int = 0
+    kv_push_fallbacks: int = 0
+    kv_layers_pushed: int = 0
+    kv_pushes_failed: int = 0
+    num_cached_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class KvChange:
+    """One batch of a prefill worker's prefix-cache set changes, numbered by
+    ``seq``; ``cleared`` applies before ``stored``/``removed``. A batch with no
+    change is a heartbeat carrying the current seq."""
+
+    seq: int
+    cleared: bool = False
+    stored: tuple[int, ...] = ()
+    removed: tuple[int, ...] = ()
+
+    @property
+    def is_heartbeat(self) -> bool:
+        return not (self.cleared or self.stored or self.removed)
+
+
+@dataclass(frozen=True)
+class KvSnapshot:
+    """Every block hash a prefill worker holds, as of batch ``seq``."""
+
+    seq: int
+    block_hashes: tuple[int, ...]
+    block_size: int
+    worker_id: str

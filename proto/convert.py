@@ -1,0 +1,179 @@
+"""The one conversion layer between the generated protobuf messages and
+pdserve's own types (``pdserve.types``). Only the two gRPC adapters (the
+router's worker client and the workers' servicer) call it; everything else
+works on the plain types. Every enum map is written here, once.
+
+``*_from_pb`` raises ``ValueError`` on a message the types cannot hold (an
+unspecified phase or role); the servicer maps that to ``INVALID_ARGUMENT``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+
+from pdserve.kv_transfer.handle import KVHandle, PushTarget
+from pdserve.proto.pdserve.v1 import worker_pb2 as pb
+
+from pdserve.types import (
+    FinishReason,
+    KvChange,
+    KvSnapshot,
+    Phase,
+    PhaseOutput,
+    PhaseRequest,
+    Role,
+    SamplingSpec,
+    WorkerHealth,
+    WorkerLoadReport,
+)
+
+PHASE_TO_PB: dict[Phase, pb.Phase] = {"prefill": pb.PHASE_PREFILL, "decode": pb.PHASE_DECODE}
+PHASE_FROM_PB: dict[pb.Phase, Phase] = {v: k for k, v in PHASE_TO_PB.items()}
+ROLE_TO_PB: dict[Role, pb.Role] = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE}
+ROLE_FROM_PB: dict[pb.Role, Role] = {v: k for k, v in ROLE_TO_PB.items()}
+FINISH_TO_PB: dict[FinishReason | None, pb.FinishReason] = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+    "error": pb.FINISH_REASON_ERROR,
+}
+FINISH_FROM_PB: dict[pb.FinishReason, FinishReason | None] = {
+    v: k for k, v in FINISH_TO_PB.items()}
+_LOAD_FIELDS = tuple(f.name for f in fields(WorkerLoadReport))
+
+
+def phase_from_pb(value: pb.Phase) -> Phase:
+    try:
+        return PHASE_FROM_PB[value]
+    except KeyError:
+        raise ValueError("phase must be PHASE_PREFILL or PHASE_DECODE") from None
+
+
+# ---- sampling, handle, push target ---------------------------------------------------
+
+
+def sampling_to_pb(spec: SamplingSpec) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
+        top_k=spec.top_k, stop_token_ids=spec.stop_token_ids, ignore_eos=spec.ignore_eos)
+    if spec.seed is not None:
+        msg.seed = spec.seed
+    return msg
+
+
+def sampling_from_pb(msg: pb.SamplingParams) -> SamplingSpec:
+    return SamplingSpec(
+        max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p or 1.0,
+        top_k=max(msg.top_k, 0), seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos)
+
+
+def handle_to_pb(h: KVHandle) -> pb.KvHandle:
+    return pb.KvHandle(
+        engine_id=h.engine_id, remote_request_id=h.remote_request_id, block_ids=h.block_ids,
+        num_tokens=h.num_tokens, transport=h.transport, host=h.host, port=h.port,
+        transfer_id=h.transfer_id, lease_deadline_unix_ns=h.lease_deadline_unix_ns,
+        pushed=h.pushed)
+
+
+def handle_from_pb(h: pb.KvHandle) -> KVHandle:
+    return KVHandle(
+        engine_id=h.engine_id, remote_request_id=h.remote_request_id,
+        block_ids=tuple(h.block_ids), num_tokens=h.num_tokens, transport=h.transport,
+        host=h.host, port=h.port, transfer_id=h.transfer_id,
+        lease_deadline_unix_ns=h.lease_deadline_unix_ns, pushed=h.pushed)
+
+
+# ---- Generate ------------------------------------------------------------------------
+
+
+def phase_request_to_pb(req: PhaseRequest) -> pb.GenerateRequest:
+    msg = pb.GenerateRequest(
+        request_id=req.request_id, phase=PHASE_TO_PB[req.phase],
+        prompt_token_ids=req.prompt_token_ids, sampling=sampling_to_pb(req.sampling))
+    if req.kv_handle is not None:
+        msg.kv_handle.CopyFrom(handle_to_pb(req.kv_handle))
+    if req.push_target is not None:
+        t = req.push_target
+        msg.kv_push_target.CopyFrom(
+            pb.KvPushTarget(host=t.host, port=t.port, transfer_id=t.transfer_id))
+    return msg
+
+
+def phase_request_from_pb(msg: pb.GenerateRequest) -> PhaseRequest:
+    push = None
+    if msg.HasField("kv_push_target"):
+        t = msg.kv_push_target
+        push = PushTarget(t.host, t.port, t.transfer_id)
+    return PhaseRequest(
+        request_id=msg.request_id, phase=phase_from_pb(msg.phase),
+        prompt_token_ids=tuple(msg.prompt_token_ids), sampling=sampling_from_pb(msg.sampling),
+        kv_handle=handle_from_pb(msg.kv_handle) if msg.HasField("kv_handle") else None,
+        push_target=push)
+
+
+def phase_output_to_pb(out: PhaseOutput) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(
+        token_ids=out.token_ids, finish_reason=FINISH_TO_PB[out.finish_reason],
+        num_cached_tokens=out.num_cached_tokens, num_prompt_tokens=out.num_prompt_tokens)
+    if out.kv_handle is not None:
+        msg.kv_handle.CopyFrom(handle_to_pb(out.kv_handle))
+    return msg
+
+
+def phase_output_from_pb(msg: pb.GenerateResponse) -> PhaseOutput:
+    return PhaseOutput(
+        token_ids=tuple(msg.token_ids), finish_reason=FINISH_FROM_PB.get(msg.finish_reason),
+        kv_handle=handle_from_pb(msg.kv_handle) if msg.HasField("kv_handle") else None,
+        num_cached_tokens=msg.num_cached_tokens, num_prompt_tokens=msg.num_prompt_tokens)
+
+
+# ---- Health, GetLoad -----------------------------------------------------------------
+
+
+def health_to_pb(h: WorkerHealth) -> pb.HealthResponse:
+    return pb.HealthResponse(**dict(asdict(h), role=ROLE_TO_PB[h.role]))
+
+
+def health_from_pb(msg: pb.HealthResponse) -> WorkerHealth:
+    """A worker that names no known role is an error (the router then refuses it)."""
+    role = ROLE_FROM_PB.get(msg.role)
+    if role is None:
+        raise ValueError(f"worker {msg.worker_id!r} reports no known role")
+    return WorkerHealth(
+        ready=msg.ready, role=role, worker_id=msg.worker_id, model=msg.model, dtype=msg.dtype,
+        block_size=msg.block_size, max_model_len=msg.max_model_len, transport=msg.transport,
+        compatibility_hash=msg.compatibility_hash, kv_host=msg.kv_host, kv_port=msg.kv_port,
+        kv_push=msg.kv_push)
+
+
+def load_to_pb(load: WorkerLoadReport) -> pb.GetLoadResponse:
+    return pb.GetLoadResponse(**asdict(load))
+
+
+def load_from_pb(msg: pb.GetLoadResponse) -> WorkerLoadReport:
+    return WorkerLoadReport(**{name: getattr(msg, name) for name in _LOAD_FIELDS})
+
+
+# ---- KV events -----------------------------------------------------------------------
+
+
+def kv_change_to_pb(change: KvChange) -> pb.KvEventBatch:
+    return pb.KvEventBatch(seq=change.seq, cleared=change.cleared, stored=change.stored,
+                           removed=change.removed)
+
+
+def kv_change_from_pb(msg: pb.KvEventBatch) -> KvChange:
+    return KvChange(seq=msg.seq, cleared=msg.cleared, stored=tuple(msg.stored),
+                    removed=tuple(msg.removed))
+
+
+def kv_snapshot_to_pb(snap: KvSnapshot) -> pb.KvSnapshot:
+    return pb.KvSnapshot(seq=snap.seq, block_hashes=snap.block_hashes,
+                         block_size=snap.block_size, worker_id=snap.worker_id)
+
+
+def kv_snapshot_from_pb(msg: pb.KvSnapshot) -> KvSnapshot:
+    return KvSnapshot(seq=msg.seq, block_hashes=tuple(msg.block_hashes),
+                      block_size=msg.block_size, worker_id=msg.worker_id)
