@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # kept out of import time: the CLI lists transports without t
 
     from .layout import KVLayout
     from .leases import LeaseTable
+    from .push_inbox import PushInbox
 
 
 @dataclass(frozen=True)
@@ -102,19 +103,78 @@ class KVTransport(Protocol):
         transfers_failed, transfer_time_ns."""
         ...
 
+    def add_status(self, source: Callable[[], dict[str, int]]) -> None:
+        """More counters for peers that ask this endpoint its status (the
+        connector's load and push counters); ``source`` runs on a serving thread."""
+        ...
+
+    def push_channel(self) -> PushChannel | None:
+        """This transport's layer-wise push, or None if it cannot push (then
+        the decode always pulls). Registered with ``can_push`` to match."""
+        ...
+
     def close(self) -> None:
         """Stop serving and close every connection. Idempotent."""
         ...
 
 
+class PushChannel(Protocol):
+    """Layer-wise push: a prefill sends each layer's blocks into a decode's
+    inbox as soon as its forward pass wrote them, before the decode asks.
+
+    Ownership: the decode's connector owns its ``PushInbox`` (creates it, sizes
+    it, drops entries no load will take) and hands it over with
+    ``accept_pushes`` before ``start``; the transport only writes pushed bytes
+    into it. On the prefill, a push reads blocks still held under the request's
+    lease and never ends that lease: the decode's load or release does.
+
+    Errors: ``push`` and ``push_abort`` raise ``wire.TransferError`` when the
+    peer is gone, too slow for ``deadline``, or refuses (no inbox, inbox full,
+    a shape that does not fit). None is fatal to the request: the prefill stops
+    pushing that transfer, tells the decode with ``push_abort``, and the decode
+    pulls the blocks instead.
+    """
+
+    def accept_pushes(self, inbox: PushInbox) -> None:
+        """Decode: store pushed KV in ``inbox`` (without one, pushes are refused)."""
+        ...
+
+    def push(
+        self, peer: PeerAddress, transfer_id: str, layer: int, first_position: int,
+        block_ids: Sequence[int], num_blocks: int, final: bool, deadline: float,
+        checksum: bool = False,
+    ) -> int:
+        """Send our ``block_ids`` of ``layer`` into the peer's inbox at positions
+        ``first_position …`` of ``transfer_id``; returns payload bytes."""
+        ...
+
+    def push_abort(self, peer: PeerAddress, transfer_id: str, why: str, deadline: float) -> None:
+        """Tell the peer that ``transfer_id`` will not be pushed further."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Builtin:
+    target: str  # "module:Class", imported only when one is created (ucxx, torch)
+    can_push: bool
+
+
+_BUILTIN = {"tcp": _Builtin(".tcp:TcpTransport", can_push=True),
+            "ucx": _Builtin(".ucx:UcxTransport", can_push=False),
+            "torch": _Builtin(".torch_dist:TorchTransport", can_push=False)}
 _REGISTRY: dict[str, Callable[[TransportOptions], KVTransport]] = {}
-# Built-in transports, imported only when one is created (ucxx, torch.distributed).
-_BUILTIN = {"tcp": ".tcp:TcpTransport", "ucx": ".ucx:UcxTransport",
-            "torch": ".torch_dist:TorchTransport"}
+_CAN_PUSH = {name for name, builtin in _BUILTIN.items() if builtin.can_push}
 
 
-def register_transport(name: str, factory: Callable[[TransportOptions], KVTransport]) -> None:
+def register_transport(
+    name: str, factory: Callable[[TransportOptions], KVTransport], *, can_push: bool = False
+) -> None:
+    """Add a transport; ``can_push`` says its ``push_channel()`` is not None."""
     _REGISTRY[name] = factory
+    if can_push:
+        _CAN_PUSH.add(name)
+    else:
+        _CAN_PUSH.discard(name)
 
 
 def transport_names() -> list[str]:
@@ -122,11 +182,17 @@ def transport_names() -> list[str]:
     return sorted(set(_BUILTIN) | set(_REGISTRY))
 
 
+def push_transport_names() -> list[str]:
+    """Names of transports that can push, without importing any (the engine host
+    decides ``kv_push`` in a process that must not load torch for it)."""
+    return sorted(_CAN_PUSH)
+
+
 def create_transport(name: str, options: TransportOptions | None = None) -> KVTransport:
     """Build a transport by name; an unknown name lists the valid ones."""
     factory = _REGISTRY.get(name)
     if factory is None and name in _BUILTIN:
-        module, _, cls = _BUILTIN[name].partition(":")
+        module, _, cls = _BUILTIN[name].target.partition(":")
         factory = getattr(importlib.import_module(module, __package__), cls)
         _REGISTRY[name] = factory
     if factory is None:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from .integrity import checksum
 from .layout import KVLayout, as_bytes, paired_runs
 from .wire import TransferError
 
@@ -86,9 +86,9 @@ class PushInbox:
                 raise TransferError(f"transfer {transfer_id} is gone (expired or consumed)")
             if crc32 is not None:
                 staging = entry.staging[layer]
-                got = 0
-                for o in range(staging.shape[0]):
-                    got = zlib.crc32(as_bytes(staging[o, first:first + count]), got)
+                # The sender's CRC covers exactly these views, in this order.
+                got = checksum([staging[o, first:first + count] for o in range(staging.shape[0])],
+                               "crc32")
                 if got != crc32:
                     entry.error = (f"checksum mismatch in pushed layer {layer}: "
                                    f"sent {crc32:#010x}, received {got:#010x}")

@@ -17,13 +17,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .base import push_transport_names
 from .metadata import PushSpec, PushTarget
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
-# Transports whose KV endpoint accepts pushes (the ``push`` op).
-PUSH_TRANSPORTS = frozenset({"tcp"})
+# Transports whose KV endpoint accepts pushes: the registry's ``can_push``, which
+# test_kv_push checks against each transport's ``push_channel()`` (the engine
+# host reads this without importing any transport).
+PUSH_TRANSPORTS = frozenset(push_transport_names())
 
 
 @dataclass

@@ -13,11 +13,10 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from .base import PeerAddress
+from .base import PeerAddress, PushChannel
 from .metadata import PushSpec, PushTarget
 from .threads import unpin_current_thread
 from .wire import TransferError
@@ -25,15 +24,6 @@ from .wire import TransferError
 logger = logging.getLogger("pdserve.kv_transfer.push")
 # A failed transfer id is remembered this long so its later layers are skipped.
 _FAILED_TTL_S = 120.0
-
-
-class PushCapable(Protocol):
-    def push(self, peer: PeerAddress, transfer_id: str, layer: int, first_position: int,
-             block_ids: tuple[int, ...], num_blocks: int, final: bool, deadline: float,
-             checksum: bool = False) -> int: ...
-
-    def push_abort(self, peer: PeerAddress, transfer_id: str, why: str,
-                   deadline: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -50,7 +40,7 @@ class _Cancel:
 
 class PushSender:
     def __init__(
-        self, transport: PushCapable, tp_rank: int, timeout_s: float, checksum: bool
+        self, transport: PushChannel, tp_rank: int, timeout_s: float, checksum: bool
     ) -> None:
         self._transport = transport
         self._tp_rank = tp_rank

@@ -11,12 +11,12 @@ and the decode pulls instead.
 from __future__ import annotations
 
 import socket
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from .integrity import checksum
 from .layout import LayerLayout, as_bytes, paired_runs
 from .push_inbox import PushInbox
 from .wire import TransferError, check_reply, recv_into_exact, recv_msg, send_msg
@@ -40,11 +40,7 @@ def send_push(
     always travels through host memory, so ``verify`` is a CRC-32 of those bytes."""
     host = [c if c.device.type == "cpu" else c.to("cpu") for c in chunks]
     views = [as_bytes(c) for c in host]
-    crc = None
-    if verify:
-        crc = 0
-        for view in views:
-            crc = zlib.crc32(view, crc)
+    crc = checksum(host, "crc32") if verify else None
     nbytes = sum(len(v) for v in views)
     send_msg(conn, dict(header, op="push", nbytes=nbytes, crc32=crc))
     for view in views:

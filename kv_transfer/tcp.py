@@ -6,72 +6,70 @@ no staging copy for host memory; device memory is staged through host memory).
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 
-from .base import PeerAddress
-from .control import ControlledTransport, Handler
+from .base import PeerAddress, PushChannel, TransportOptions
+from .control import Handler
 from .layout import as_bytes
+from .pull import PullTransport
 from .push_inbox import PushInbox
 from .push_wire import layer_chunks, send_push, serve_push, serve_push_abort
 from .wire import TransferError, check_reply, recv_into_exact, recv_msg, send_msg, set_deadline
 
 
-class TcpTransport(ControlledTransport):
+class TcpTransport(PullTransport):
+    """KV pulled and pushed as raw bytes over the control connection."""
+
     name: ClassVar[str] = "tcp"
     inline_data: ClassVar[bool] = True
-    supports_push: ClassVar[bool] = True
-    # Where pushed KV lands on a decode worker (set before ``start``).
-    inbox: PushInbox | None = None
+
+    def __init__(self, options: TransportOptions | None = None) -> None:
+        super().__init__(options)
+        # Where pushed KV lands on a decode worker (None: pushes are refused).
+        self._inbox: PushInbox | None = None
 
     # ---- layer-wise push (see push_wire.py) ----------------------------------------
 
+    def push_channel(self) -> PushChannel:
+        return self
+
+    def accept_pushes(self, inbox: PushInbox) -> None:
+        self._inbox = inbox
+
     def _extra_ops(self) -> dict[str, Handler]:
         return {"push": self._on_push,
-                "push_abort": lambda conn, msg: serve_push_abort(conn, msg, self.inbox)}
+                "push_abort": lambda conn, msg: serve_push_abort(conn, msg, self._inbox)}
 
     def _on_push(self, conn: socket.socket, msg: dict[str, Any]) -> None:
-        self._count(bytes_received=serve_push(conn, msg, self.inbox))
+        self._count(bytes_received=serve_push(conn, msg, self._inbox))
 
     def push(
         self, peer: PeerAddress, transfer_id: str, layer: int, first_position: int,
         block_ids: Sequence[int], num_blocks: int, final: bool, deadline: float,
         checksum: bool = False,
     ) -> int:
-        """Send our ``block_ids`` of one layer into the peer's push inbox at
-        positions ``first_position …`` of transfer ``transfer_id``."""
-        assert self._layout is not None
+        if self._layout is None:
+            raise TransferError("push before the transport was started")
         chunks = layer_chunks(self._kv[layer], self._layout.layers[layer], block_ids)
         header = {"xfer": transfer_id, "layer": layer, "first": first_position,
                   "count": len(block_ids), "num_blocks": num_blocks, "final": final}
-        sent = self._control(peer, deadline, f"push of {transfer_id}",
+        sent = self._control(peer, deadline, f"push of {transfer_id} to {peer}",
                              lambda conn: send_push(conn, header, chunks, checksum))
         self._count(bytes_sent=sent)
         return sent
 
     def push_abort(self, peer: PeerAddress, transfer_id: str, why: str, deadline: float) -> None:
+        what = f"push abort of {transfer_id} to {peer}"
+
         def abort(conn: socket.socket) -> int:
             send_msg(conn, {"op": "push_abort", "xfer": transfer_id, "why": why})
-            check_reply(recv_msg(conn), f"push abort of {transfer_id}")
+            check_reply(recv_msg(conn), what)
             return 0
 
-        self._control(peer, deadline, f"push abort of {transfer_id}", abort)
-
-    def _control(self, peer: PeerAddress, deadline: float, what: str,
-                 exchange: Callable[[socket.socket], int]) -> int:
-        conn = self._pool.checkout(peer, deadline, self._compat)
-        try:
-            set_deadline(conn, deadline)
-            result = exchange(conn)
-        except (OSError, TransferError) as exc:
-            conn.close()
-            if isinstance(exc, TransferError):
-                raise
-            raise TransferError(f"{what} to {peer} failed: {exc}") from exc
-        self._pool.checkin(peer, conn)
-        return result
+        self._control(peer, deadline, what, abort)
 
     # ---- pull data path ------------------------------------------------------------
 

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from .base import PeerAddress
-from .control import ControlledTransport, Handler
+from .control import Handler
+from .pull import PullTransport
 from .wire import TransferError, check_reply, recv_msg, send_msg, set_deadline
 
 logger = logging.getLogger("pdserve.kv_transfer.torch")
@@ -50,7 +51,7 @@ def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
-class TorchTransport(ControlledTransport):
+class TorchTransport(PullTransport):
     name: ClassVar[str] = "torch"
 
     def __init__(self, options: Any = None) -> None:

@@ -33,8 +33,9 @@ from typing import Any, ClassVar
 import torch
 
 from .base import PeerAddress, TransportOptions
-from .control import ControlledTransport, Handler
+from .control import Handler
 from .layout import as_bytes
+from .pull import PullTransport
 from .wire import TransferError, check_reply, recv_msg, send_msg, set_deadline, wait_done
 
 logger = logging.getLogger("pdserve.kv_transfer.ucx")
@@ -49,7 +50,7 @@ def _ucx() -> Any:
     return libucxx
 
 
-class UcxTransport(ControlledTransport):
+class UcxTransport(PullTransport):
     name: ClassVar[str] = "ucx"
 
     def __init__(self, options: TransportOptions | None = None) -> None:

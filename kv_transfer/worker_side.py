@@ -70,15 +70,17 @@ class WorkerSide:
         port = self._config.kv_port + self._tp_rank if self._config.kv_port else 0
         self._kv = list(kv_caches.values())
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
-        if self._config.push and getattr(self._transport, "supports_push", False):
-            self._inbox = PushInbox(layout, self._config.push_inbox_mib << 20, self._config.lease_s)
-            self._transport.inbox = self._inbox  # type: ignore[attr-defined]
-        if hasattr(self._transport, "extra_status"):
-            self._transport.extra_status = self._status_extra
-            self._sender = PushSender(
-                self._transport,  # type: ignore[arg-type]
-                self._tp_rank, self._config.transfer_timeout_s, self._config.kv_checksum,
-            )
+        self._transport.add_status(self._status_extra)
+        channel = self._transport.push_channel()
+        if channel is not None:
+            # The sender idles until a request's params ask for a push; the inbox
+            # holds memory, so it exists only where push is on.
+            self._sender = PushSender(channel, self._tp_rank, self._config.transfer_timeout_s,
+                                      self._config.kv_checksum)
+            if self._config.push:
+                self._inbox = PushInbox(layout, self._config.push_inbox_mib << 20,
+                                        self._config.lease_s)
+                channel.accept_pushes(self._inbox)
         self.port = bound = self._transport.start(
             kv_caches=list(kv_caches.values()),
             layout=layout,
@@ -180,7 +182,7 @@ class WorkerSide:
         deadline = time.monotonic() + self._config.transfer_timeout_s
         handle = load.handle
         if handle.pushed and self._inbox is not None:
-            nbytes = self._take_pushed(req_id, load, deadline)
+            nbytes = self._take_pushed(self._inbox, req_id, load, deadline)
             if nbytes is not None:
                 return nbytes
         try:
@@ -194,12 +196,12 @@ class WorkerSide:
         logger.debug("pulled %d bytes for %s (transfer %s)", nbytes, req_id, handle.transfer_id)
         return nbytes
 
-    def _take_pushed(self, req_id: str, load: LoadSpec, deadline: float) -> int | None:
+    def _take_pushed(self, inbox: PushInbox, req_id: str, load: LoadSpec,
+                     deadline: float) -> int | None:
         """Copy pushed KV into our blocks; None if it is not usable (then pull)."""
-        assert self._inbox is not None
         wait_until = min(deadline, time.monotonic() + self._config.push_wait_s)
         try:
-            nbytes = self._inbox.load(load.handle.transfer_id, self._kv, load.first_position,
+            nbytes = inbox.load(load.handle.transfer_id, self._kv, load.first_position,
                                       load.dst_block_ids, wait_until)
         except TransferError as exc:
             self._count_load(push_fallbacks=1)

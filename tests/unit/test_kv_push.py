@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from pdserve.kv_transfer.base import create_transport
+from pdserve.kv_transfer.base import create_transport, transport_names
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.push_inbox import PushInbox
-from pdserve.kv_transfer.push_plan import PushPlanner
+from pdserve.kv_transfer.push_plan import PUSH_TRANSPORTS, PushPlanner
 from pdserve.kv_transfer.wire import TransferError
 from pdserve_testing import NUM_BLOCKS, compat, make_caches, push_kv
 
@@ -89,7 +89,9 @@ def decode_side():
         layout = KVLayout.from_kv_caches(caches, NUM_BLOCKS, BS)
         inbox = PushInbox(layout, capacity, ttl_s=30)
         transport = create_transport("tcp")
-        transport.inbox = inbox
+        channel = transport.push_channel()
+        assert channel is not None
+        channel.accept_pushes(inbox)
         port = transport.start(kv_caches=list(caches.values()), layout=layout,
                                leases=LeaseTable(), compat=compat(dtype), host="127.0.0.1",
                                port=0)
@@ -193,3 +195,14 @@ def test_pushed_layers_land_in_device_kv() -> None:
     inbox.load("g", list(caches.values()), 0, [8, 9], time.monotonic() + 5)
     for name, tensor in caches.items():
         assert torch.equal(tensor[[8, 9]].cpu(), want[name][[4, 5]])
+
+
+@pytest.mark.parametrize("name", transport_names())
+def test_the_registry_says_can_push_exactly_where_push_channel_is_given(name: str) -> None:
+    # The engine host decides kv_push from the registry's names (no torch import);
+    # they must agree with the typed capability the connector uses.
+    transport = create_transport(name)
+    try:
+        assert (transport.push_channel() is not None) == (name in PUSH_TRANSPORTS)
+    finally:
+        transport.close()

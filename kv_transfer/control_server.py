@@ -1,0 +1,89 @@
+"""The serving end of a transport's control channel: one TCP listener, a thread
+per connection, messages dispatched by ``op``.
+
+``hello`` (the handshake) gates the ops that touch KV: a connection may ask
+``status`` or ``release`` at any time, but a ``pull`` or a transport's own op
+only after its hello was accepted. What each op does is the transport's.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .threads import unpin_current_thread
+from .wire import TransferError, recv_msg, send_msg, tune
+
+logger = logging.getLogger("pdserve.kv_transfer.control")
+
+# A connection idle this long is closed by the server; clients reuse theirs for half of it.
+IDLE_TIMEOUT_S = 300.0
+_ACCEPT_POLL_S = 1.0
+
+Handler = Callable[[socket.socket, dict[str, Any]], None]
+# Returns whether the peer's handshake was accepted.
+HelloHandler = Callable[[socket.socket, dict[str, Any]], bool]
+
+
+class ControlServer:
+    def __init__(self, hello: HelloHandler, open_ops: dict[str, Handler],
+                 gated_ops: dict[str, Handler], stop: threading.Event) -> None:
+        self._hello = hello
+        self._open_ops = open_ops
+        self._gated_ops = gated_ops
+        self._stop = stop
+        self._listener: socket.socket | None = None
+
+    def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0: any free port); returns the bound port."""
+        listener = socket.create_server((host, port), reuse_port=False, backlog=64)
+        listener.settimeout(_ACCEPT_POLL_S)
+        self._listener = listener
+        threading.Thread(target=self._accept_loop, args=(listener,), name="pdserve-kv-accept",
+                         daemon=True).start()
+        return int(listener.getsockname()[1])
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+
+    def _accept_loop(self, listener: socket.socket) -> None:
+        unpin_current_thread()
+        while not self._stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            tune(conn)
+            threading.Thread(
+                target=self._serve_conn, args=(conn,), name="pdserve-kv-conn", daemon=True
+            ).start()
+
+    def _serve_conn(self, conn: socket.socket) -> None:
+        unpin_current_thread()
+        verified = False
+        with conn:
+            try:
+                while not self._stop.is_set():
+                    conn.settimeout(IDLE_TIMEOUT_S)
+                    msg = recv_msg(conn)
+                    if msg is None:
+                        return
+                    op = msg.get("op")
+                    if op == "hello":
+                        verified = self._hello(conn, msg)
+                    elif op in self._open_ops:
+                        self._open_ops[op](conn, msg)
+                    elif op in self._gated_ops and not verified:
+                        send_msg(conn, {"ok": False, "error": f"handshake before {op}"})
+                    elif op in self._gated_ops:
+                        self._gated_ops[op](conn, msg)
+                    else:
+                        send_msg(conn, {"ok": False, "error": f"unknown op {op!r}"})
+            except (OSError, TransferError, ValueError) as exc:  # incl. idle timeout
+                logger.debug("KV connection closed: %s", exc)

@@ -1,0 +1,196 @@
+"""Pull: the decode asks the prefill for leased blocks over the control channel.
+
+A pull is::
+
+    client -> {"op": "pull", "req", "runs", "checksum", **receive.fields}
+    server -> {"ok": true} | {"ok": false, "error"}      (lease checked)
+    server -> KV bytes over the data path
+    server -> {"ok": true, "bytes", "checksum"} | {"ok": false, "error"}   (trailer)
+
+Only the KV bytes take the transport's own data path: a subclass provides
+``_send_blocks`` (server) and ``_open_receive`` (client).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from .base import PeerAddress
+from .control import LEASE_WAIT_S, ControlledTransport, Handler
+from .integrity import checksum, natural_kind
+from .layout import chunk_views, paired_runs
+from .leases import LeaseError
+from .wire import TransferError, check_reply, recv_msg, send_msg, set_deadline
+
+logger = logging.getLogger("pdserve.kv_transfer.control")
+
+# A decode worker that stops reading for this long loses the transfer.
+SEND_TIMEOUT_S = 30.0
+
+
+class DataReceive(Protocol):
+    """The receiving end of one pull on the data path.
+
+    Created before the pull message is sent (so buffers are posted before data
+    can arrive); ``fields`` travel in the pull message. ``receive`` returns the
+    bytes written into the destination chunks or raises ``TransferError`` by
+    ``deadline``; ``abort`` cancels whatever is outstanding so nothing writes
+    into the caller's blocks afterwards. Idempotent.
+    """
+
+    fields: dict[str, Any]
+
+    def receive(self, conn: socket.socket, deadline: float) -> int: ...
+
+    def abort(self) -> None: ...
+
+
+class PullTransport(ControlledTransport):
+    """A controlled transport whose KV moves by pull; the base of every backend."""
+
+    # True: KV bytes travel on the control connection itself, before the trailer.
+    inline_data: ClassVar[bool] = False
+
+    # ---- hooks -----------------------------------------------------------------
+
+    def _send_blocks(self, conn: socket.socket, msg: dict[str, Any],
+                     chunks: Sequence[torch.Tensor], first_index: int, deadline: float) -> int:
+        raise NotImplementedError
+
+    def _open_receive(self, peer: PeerAddress, conn: socket.socket,
+                      chunks: Sequence[torch.Tensor], deadline: float) -> DataReceive:
+        raise NotImplementedError
+
+    def _on_pull_failed(self, msg: dict[str, Any]) -> None:
+        """Server: a send failed; drop per-peer data state so the next pull rebuilds it."""
+
+    def _kv_ops(self) -> dict[str, Handler]:
+        return dict(super()._kv_ops(), pull=self._on_pull)
+
+    # ---- serving side ----------------------------------------------------------
+
+    def _on_pull(self, conn: socket.socket, msg: dict[str, Any]) -> None:
+        assert self._leases is not None and self._layout is not None
+        req = str(msg["req"])
+        src_runs = [(int(s), int(n)) for s, n in msg["runs"]]
+        try:
+            held = set(self._leases.checkout(req, LEASE_WAIT_S))
+        except LeaseError as exc:
+            send_msg(conn, {"ok": False, "error": str(exc)})
+            return
+        start = time.perf_counter_ns()
+        sent = 0
+        try:
+            wanted = {s + i for s, n in src_runs for i in range(n)}
+            if not wanted <= held:
+                send_msg(conn, {"ok": False, "error": f"blocks {sorted(wanted - held)} not leased"})
+                return
+            chunks = list(chunk_views(self._kv, self._layout, src_runs))
+            kind = natural_kind(chunks)
+            digest = checksum(chunks, kind) if msg.get("checksum") else None
+            send_msg(conn, {"ok": True})
+            self._count_sending(1)
+            try:
+                sent = self._send_paced(conn, msg, chunks)
+            finally:
+                self._count_sending(-1)
+            send_msg(conn, {"ok": True, "bytes": sent, "checksum": digest,
+                            "checksum_kind": kind})
+            self._count(bytes_sent=sent, transfers_completed=1,
+                        transfer_time_ns=time.perf_counter_ns() - start)
+        except (OSError, TransferError) as exc:
+            self._count(bytes_sent=sent, transfers_failed=1)
+            self._on_pull_failed(msg)
+            logger.warning("KV send of %s failed: %s", req, exc)
+            if not self.inline_data and not isinstance(exc, OSError):
+                send_msg(conn, {"ok": False, "error": f"send failed: {exc}"})
+            raise
+        finally:
+            self._leases.finish(req)
+
+    def _send_paced(self, conn: socket.socket, msg: dict[str, Any],
+                    chunks: Sequence[torch.Tensor]) -> int:
+        """All chunks at once, or one at a time at ``throttle_bytes_per_s``."""
+        rate = self.options.throttle_bytes_per_s
+        total = sum(c.numel() * c.element_size() for c in chunks)
+        deadline = time.monotonic() + SEND_TIMEOUT_S + (total / rate if rate else 0.0)
+        if not rate:
+            return self._send_blocks(conn, msg, chunks, 0, deadline)
+        started = time.monotonic()
+        sent = 0
+        for i, chunk in enumerate(chunks):
+            sent += self._send_blocks(conn, msg, [chunk], i, deadline)
+            ahead = started + sent / rate - time.monotonic()
+            if ahead > 0:
+                self._stop.wait(ahead)
+        return sent
+
+    # ---- pulling side ----------------------------------------------------------
+
+    def pull(
+        self,
+        peer: PeerAddress,
+        remote_request_id: str,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        deadline: float,
+    ) -> int:
+        runs = paired_runs(src_block_ids, dst_block_ids)
+        self._count(inflight_pulls=1)
+        try:
+            return self._pull(peer, remote_request_id, runs, deadline)
+        finally:
+            self._count(inflight_pulls=-1)
+
+    def _pull(self, peer: PeerAddress, remote_request_id: str,
+              runs: list[tuple[int, int, int]], deadline: float) -> int:
+        assert self._layout is not None
+        start = time.perf_counter_ns()
+        what = f"pull of {remote_request_id} from {peer}"
+        chunks = list(chunk_views(self._kv, self._layout, [(d, n) for _, d, n in runs]))
+        conn = self._pool.checkout(peer, deadline, self._compat)
+        session: DataReceive | None = None
+        received = 0
+        try:
+            session = self._open_receive(peer, conn, chunks, deadline)
+            set_deadline(conn, deadline)
+            send_msg(conn, {"op": "pull", "req": remote_request_id,
+                            "runs": [(s, n) for s, _, n in runs],
+                            "checksum": self.options.checksum, **session.fields})
+            check_reply(recv_msg(conn), what)
+            if self.inline_data:
+                received = session.receive(conn, deadline)
+            set_deadline(conn, deadline)
+            trailer = check_reply(recv_msg(conn), what)
+            if not self.inline_data:
+                received = session.receive(conn, deadline)
+            self._verify(trailer, chunks, what)
+        except (OSError, TransferError) as exc:
+            if session is not None:
+                session.abort()
+            conn.close()
+            self._count(transfers_failed=1)
+            if isinstance(exc, TransferError):
+                raise
+            raise TransferError(f"{what} failed: {exc}") from exc
+        self._pool.checkin(peer, conn)
+        self._count(bytes_received=received, transfers_completed=1,
+                    transfer_time_ns=time.perf_counter_ns() - start)
+        return received
+
+    def _verify(self, trailer: dict[str, Any], chunks: Sequence[torch.Tensor], what: str) -> None:
+        if not self.options.checksum:
+            return
+        try:
+            want, got = trailer.get("checksum"), checksum(chunks, str(trailer["checksum_kind"]))
+        except (KeyError, ValueError) as exc:
+            raise TransferError(f"{what}: no usable checksum in the trailer ({exc})") from exc
+        if want != got:
+            self._count(checksum_failures=1)
+            raise TransferError(f"{what}: checksum mismatch (sender {want}, received {got})")
