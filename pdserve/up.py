@@ -8,6 +8,7 @@ endpoint is printed only once every worker and the router are healthy.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -22,15 +23,15 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from pdserve.cpu_layout import CPU_LAYOUTS, core_sets
 from pdserve.kv_transfer.base import transport_names
 from pdserve.membership.local_etcd import LocalEtcd
-from pdserve.model import cache_dir
+from pdserve.model import ResolvedModel, cache_dir
 from pdserve.ports import free_port
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
 
 _STOP_GRACE_S = 15.0
-CPU_LAYOUTS = ("shared", "split")
 console = Console(stderr=True)
 
 
@@ -70,6 +71,21 @@ class UpConfig:
             raise ValueError(f"unknown KV transport {self.transport!r}; valid transports: "
                              f"{', '.join(transport_names())}")
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
+        """From the ``up`` subcommand's flags."""
+        return cls(
+            model=str(model.path), dtype=args.dtype, host=args.host, port=args.port,
+            num_prefill=args.num_prefill, num_decode=args.num_decode,
+            transport=args.transport, max_model_len=args.max_model_len,
+            kv_cache_gib=args.kv_cache_gib, placement=args.placement,
+            startup_timeout_s=args.startup_timeout_s, log_level=args.log_level,
+            cpu_layout=args.cpu_layout, kv_checksum=args.kv_checksum,
+            kv_throttle_mib_s=args.kv_throttle_mib_s, kv_push=args.kv_push,
+            etcd=args.etcd or "", with_etcd=args.with_etcd, cluster=args.cluster,
+            etcd_ttl_s=args.etcd_ttl_s, num_kv_blocks=args.num_kv_blocks or None,
+        )
+
 
 @dataclass
 class Child:
@@ -82,36 +98,13 @@ class Child:
     extra: dict[str, str] = field(default_factory=dict)
 
 
-def _core_sets(num_prefill: int, num_decode: int, layout: str) -> tuple[
-        list[str | None], list[str | None]]:
-    """Cores for each engine's compute threads (CPU backend only).
-
-    ``shared``: every engine may use every core; prefill and decode take turns on
-    them, which measured best on 2 cores (a 500-token prompt's TTFT 1.2 s vs 2.2 s
-    split). ``split``: prefill engines on the first half, decode on the second.
-    """
-    cores = sorted(os.sched_getaffinity(0))
-    if layout == "shared" or len(cores) < 2:
-        every = ",".join(map(str, cores))
-        return [every] * num_prefill, [every] * num_decode
-    half = len(cores) // 2
-    return _split(cores[:half], num_prefill), _split(cores[half:], num_decode)
-
-
-def _split(group: list[int], n: int) -> list[str | None]:
-    """``n`` slices of ``group``, disjoint while there are enough cores."""
-    size = max(1, len(group) // max(n, 1))
-    return [",".join(map(str, (group[(i * size) % len(group):] + group)[:size]))
-            for i in range(n)]
-
-
 def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     py = [sys.executable, "-m", "pdserve.cli"]
     common = ["--model", cfg.model, "--max-model-len", str(cfg.max_model_len),
               "--log-level", cfg.log_level]
     membership = (["--etcd", cfg.etcd, "--cluster", cfg.cluster, "--etcd-ttl-s",
                    str(cfg.etcd_ttl_s)] if cfg.etcd else [])
-    p_cores, d_cores = _core_sets(cfg.num_prefill, cfg.num_decode, cfg.cpu_layout)
+    p_cores, d_cores = core_sets(cfg.num_prefill, cfg.num_decode, cfg.cpu_layout)
     children: list[Child] = []
     endpoints: dict[str, list[str]] = {"prefill": [], "decode": []}
     for role, n, cores in (("prefill", cfg.num_prefill, p_cores),

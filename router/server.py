@@ -3,6 +3,7 @@ the OpenAI HTTP app under uvicorn."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 from dataclasses import dataclass, replace
@@ -11,6 +12,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from pdserve.membership import MembershipConfig, create_membership
+from pdserve.model import ResolvedModel
 
 from .app import create_app
 from .dispatch import PDDispatcher
@@ -44,6 +46,23 @@ class RouterConfig:
             raise ValueError("the router needs at least one decode worker (--decode HOST:PORT, "
                              "--workers-file, or --etcd URL)")
         create_placement(self.placement)  # validates the name
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, model: ResolvedModel) -> RouterConfig:
+        """From the ``router`` subcommand's flags."""
+        prefill, decode = _endpoints(args.prefill), _endpoints(args.decode)
+        return cls(
+            model_path=str(model.path),
+            served_model_name=args.served_model_name or model.served_name,
+            prefill=prefill, decode=decode, host=args.host, port=args.port,
+            max_model_len=args.max_model_len, placement=args.placement,
+            membership=MembershipConfig.from_flags(
+                args.etcd, args.cluster, args.etcd_ttl_s, prefill, decode, args.workers_file),
+        )
+
+
+def _endpoints(value: str) -> tuple[str, ...]:
+    return tuple(e.strip() for e in value.split(",") if e.strip())
 
 
 async def serve_router(config: RouterConfig) -> None:

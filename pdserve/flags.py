@@ -1,0 +1,210 @@
+"""Command-line flags, each declared once, and the parser that reports bad ones.
+
+Every flag also reads ``PDSERVE_<FLAG>`` from the environment (``--kv-port`` →
+``PDSERVE_KV_PORT``); a flag on the command line wins. An environment value is
+parsed and checked exactly like the flag's own value, and only when it is used,
+so ``PDSERVE_PORT=abc`` is the same one-line error as ``--port abc``, naming
+the variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, NoReturn
+
+from pdserve.cpu_layout import CPU_LAYOUTS
+from pdserve.kv_transfer.base import transport_names
+from pdserve.membership import DEFAULT_TTL_S
+from pdserve.router.placement import DEFAULT_PLACEMENT, PLACEMENTS
+
+Parse = Callable[[str], Any]
+
+
+class FlagParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line (no usage block): scripts
+    and container logs show the cause, and ``--help`` shows the rest."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default (its environment value when that is set)."""
+
+
+class _EnvValue(str):
+    """A default taken from the environment; remembers the variable for errors."""
+
+    env: str
+
+    def __new__(cls, value: str, env: str) -> _EnvValue:
+        obj = super().__new__(cls, value)
+        obj.env = env
+        return obj
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str  # without the leading dashes: "max-model-len"
+    help: str
+    default: Any = None
+    parse: Parse = str
+    choices: Sequence[str] | None = None
+    switch: bool = False  # --name / --no-name
+    metavar: str | None = None
+
+    @property
+    def env(self) -> str:
+        return "PDSERVE_" + self.name.upper().replace("-", "_")
+
+    def add_to(self, parser: argparse.ArgumentParser, **override: Any) -> None:
+        """Add this flag to ``parser``; ``override`` changes fields for this use only
+        (a subcommand's own default port, a more specific help text)."""
+        flag = replace(self, **override) if override else self
+        raw = os.environ.get(flag.env)
+        # A string default goes through ``type`` when the flag is not given, so a
+        # bad environment value is reported by argparse like a bad flag value.
+        default = flag.default if raw is None else _EnvValue(raw, flag.env)
+        kwargs: dict[str, Any] = dict(default=default, type=flag._convert,
+                                      help=f"{flag.help} [env {flag.env}]")
+        if flag.switch:
+            parser.add_argument(f"--{flag.name}", action=argparse.BooleanOptionalAction,
+                                **kwargs)
+        else:
+            parser.add_argument(f"--{flag.name}", choices=flag.choices,
+                                metavar=flag.metavar, **kwargs)
+
+    def _convert(self, text: str) -> Any:
+        source = f" from {text.env}" if isinstance(text, _EnvValue) else ""
+        try:
+            value = self.parse(str(text))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(
+                f"invalid value {str(text)!r}{source}: {exc}") from None
+        if self.choices is not None and value not in self.choices:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice {str(text)!r}{source} (choose from "
+                f"{', '.join(self.choices)})")
+        return value
+
+
+# ---- value parsers: ValueError says what was expected --------------------------------
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true/false, yes/no, on/off or 1/0")
+
+
+def parse_int(low: int, high: int | None = None) -> Parse:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError("expected an integer") from None
+        if value < low or (high is not None and value > high):
+            raise ValueError(f"expected an integer >= {low}" if high is None
+                             else f"expected an integer from {low} to {high}")
+        return value
+    return parse
+
+
+def parse_float(low: float, *, strict: bool = False) -> Parse:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError("expected a number") from None
+        if value < low or (strict and value == low) or value != value:
+            raise ValueError(f"expected a number {'>' if strict else '>='} {low:g}")
+        return value
+    return parse
+
+
+parse_port = parse_int(0, 65535)
+
+
+# ---- the table ------------------------------------------------------------------------
+
+def _log_level(text: str) -> str:
+    return text.upper()
+
+
+def _flags(*flags: Flag) -> dict[str, Flag]:
+    return {f.name: f for f in flags}
+
+
+FLAGS = _flags(
+    # common
+    Flag("model", "local HF model folder (default: the bundled SmolLM2-135M-Instruct, "
+         "converted once)", metavar="PATH"),
+    Flag("max-model-len", "longest prompt + output in tokens", 4096, parse_int(16)),
+    Flag("log-level", "log level", "INFO", _log_level,
+         choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")),
+    Flag("host", "bind address", "127.0.0.1"),
+    Flag("port", "port", 8000, parse_port),
+    Flag("worker-id", "this worker's id (default: <role>-<random>)"),
+    # engine (workers and up)
+    Flag("dtype", "model and KV dtype (float32 for exact P/D equality)", "auto",
+         choices=("auto", "float32", "bfloat16", "float16")),
+    Flag("kv-cache-gib", "KV cache size per worker in GiB", 2, parse_int(1)),
+    Flag("num-kv-blocks", "KV cache size in blocks (overrides --kv-cache-gib; 0: unset)",
+         None, parse_int(0)),
+    # KV transport
+    Flag("transport", "KV transport: tcp, ucx (UCX via ucxx; UCX_* env vars apply), torch "
+         "(torch.distributed p2p: NCCL/RCCL on GPU, gloo on CPU)", "tcp",
+         choices=transport_names()),
+    Flag("kv-checksum", "checksum every KV transfer; a mismatch fails the load and decode "
+         "recomputes the prompt", False, parse_bool, switch=True),
+    Flag("kv-throttle-mib-s", "pace KV sends to this many MiB/s (0: off); emulates a slow "
+         "link", 0.0, parse_float(0)),
+    Flag("kv-push", "prefill pushes KV layer by layer (tcp transport) to the decode while "
+         "computing; --no-kv-push: decode pulls after prefill (default: push on CUDA, pull "
+         "on CPU, where the sender competes with prefill for cores)", None, parse_bool,
+         switch=True),
+    # membership
+    Flag("etcd", "etcd endpoint http://HOST:PORT for membership (default: static)",
+         metavar="URL"),
+    Flag("cluster", "cluster name: etcd keys live under /pdserve/<cluster>/workers/",
+         "default"),
+    Flag("etcd-ttl-s", "lease TTL of a worker's registration (keepalive every TTL/3)",
+         DEFAULT_TTL_S, parse_int(1)),
+    # worker
+    Flag("advertise-host", "address the router and peers use to reach this worker "
+         "(default: --host; 127.0.0.1 when --host is 0.0.0.0)"),
+    Flag("kv-port", "KV transfer port (0: gRPC port + 1000)", 0, parse_port),
+    Flag("kv-host", "address peers use to reach the KV port (default: --advertise-host)"),
+    Flag("cpu-cores", "cores for the engine's compute threads, e.g. 0 or 0-3 (CPU only)"),
+    Flag("lease-s", "how long prefill keeps a request's KV for its decode", 30.0,
+         parse_float(0, strict=True)),
+    Flag("compile", "use torch.compile (slow start on CPU; default: eager)", False,
+         parse_bool, switch=True),
+    # router and up
+    Flag("placement", "prefill/decode placement policy", DEFAULT_PLACEMENT,
+         choices=sorted(PLACEMENTS)),
+    Flag("prefill", "comma-separated prefill worker gRPC endpoints host:port", ""),
+    Flag("decode", "comma-separated decode worker gRPC endpoints host:port", ""),
+    Flag("workers-file", 'static workers from JSON {"prefill": [...], "decode": [...]}',
+         metavar="PATH"),
+    Flag("served-model-name", "model name in the OpenAI API (default: the model's)"),
+    Flag("num-prefill", "prefill workers to start", 1, parse_int(0)),
+    Flag("num-decode", "decode workers to start", 1, parse_int(1)),
+    Flag("cpu-layout", "CPU only: engines share all cores or split them", "shared",
+         choices=CPU_LAYOUTS),
+    Flag("with-etcd", "start a local etcd (the `etcd` binary) for membership", False,
+         parse_bool, switch=True),
+    Flag("startup-timeout-s", "give up if not ready after this many seconds", 600.0,
+         parse_float(0, strict=True)),
+    # simulated worker
+    Flag("role", "the simulated worker's role", "prefill", choices=("prefill", "decode")),
+    Flag("block-size", "tokens per KV block", 16, parse_int(1)),
+    Flag("num-blocks", "simulated prefix-cache capacity in blocks", 1024, parse_int(1)),
+    Flag("prefill-us-per-token", "modelled prefill time per token (µs)", 20.0, parse_float(0)),
+    Flag("decode-ms-per-token", "modelled decode time per token (ms)", 2.0, parse_float(0)),
+)

@@ -1,0 +1,87 @@
+"""A worker's configuration: where it serves, how it registers, and its engine.
+
+Built from the ``prefill``/``decode`` subcommands' flags by ``from_args``; the
+engine's connector settings derive from the same flags (the KV endpoint is
+advertised where the worker is).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import uuid
+from dataclasses import dataclass
+
+from pdserve.engine import EngineConfig, Role
+from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.membership import MembershipConfig, check_name
+from pdserve.model import ResolvedModel
+from pdserve.sim_engine import SimConfig
+
+_ANY_HOST = ("0.0.0.0", "::")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    worker_id: str
+    host: str  # gRPC bind address
+    port: int
+    advertise_host: str  # where the router and peers reach this worker
+    membership: MembershipConfig
+    engine: EngineConfig
+
+    @property
+    def role(self) -> Role:
+        return self.engine.role
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, model: ResolvedModel) -> WorkerConfig:
+        """From the ``prefill``/``decode`` subcommand's flags (``args.command`` is the role)."""
+        role: Role = args.command
+        worker_id = check_name("worker id", args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}")
+        advertise = args.advertise_host or (
+            args.host if args.host not in _ANY_HOST else "127.0.0.1")
+        connector = ConnectorConfig(
+            engine_id=worker_id, transport=args.transport,
+            kv_host=args.kv_host or advertise,
+            kv_port=args.kv_port or args.port + 1000, kv_bind_host=args.host,
+            lease_s=args.lease_s, kv_checksum=args.kv_checksum,
+            kv_throttle_mib_s=args.kv_throttle_mib_s, push=kv_push_default(args.kv_push),
+        )
+        engine = EngineConfig(
+            model_path=str(model.path), served_model_name=model.served_name, role=role,
+            kv_events=_kv_event_endpoints(worker_id) if role == "prefill" else None,
+            connector=connector, dtype=args.dtype, max_model_len=args.max_model_len,
+            kv_cache_gib=args.kv_cache_gib, cpu_threads_bind=args.cpu_cores,
+            enforce_eager=not args.compile, num_kv_blocks=args.num_kv_blocks or None,
+        )
+        membership = MembershipConfig.from_flags(args.etcd, args.cluster, args.etcd_ttl_s)
+        return cls(worker_id, args.host, args.port, advertise, membership, engine)
+
+
+def _kv_event_endpoints(worker_id: str) -> tuple[str, str]:
+    from pdserve.vllm_kv_events import KvEventEndpoints
+
+    # Socket files live in the shared temp dir: two workers of one id (two `pdserve up`
+    # on a machine) must not share them.
+    events = KvEventEndpoints.for_worker(f"{worker_id}-{os.getpid()}")
+    return events.pub, events.replay
+
+
+def kv_push_default(flag: bool | None) -> bool:
+    """Measured (bench/transfer_pd.py, 2 CPU cores): push hides the transfer but its
+    sender thread slows the prefill it overlaps, so it is on only with a GPU."""
+    if flag is not None:
+        return flag
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
+    """From the ``sim-worker`` subcommand's flags."""
+    return SimConfig(
+        role=args.role, worker_id=args.worker_id or f"sim-{args.role}-{uuid.uuid4().hex[:8]}",
+        block_size=args.block_size, num_blocks=args.num_blocks,
+        prefill_s_per_token=args.prefill_us_per_token * 1e-6,
+        decode_s_per_token=args.decode_ms_per_token * 1e-3)

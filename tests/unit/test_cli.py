@@ -1,0 +1,179 @@
+"""The ``pdserve`` command line: bad flags and environment values are one-line
+errors with exit code 2, and each component's config comes from its flags."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.router.server import RouterConfig
+
+from pdserve.cli import build_parser, main
+from pdserve.engine import EngineConfig
+from pdserve.membership import MembershipConfig
+from pdserve.model import ResolvedModel
+from pdserve.sim_engine import SimConfig
+from pdserve.up import UpConfig
+from pdserve.worker_config import WorkerConfig, sim_config_from_args
+
+MODEL = ResolvedModel(Path("/models/tiny"), "tiny")
+
+
+@pytest.fixture(autouse=True)
+def _no_pdserve_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n in os.environ if n.startswith("PDSERVE_") and n != "PDSERVE_CACHE"]:
+        monkeypatch.delenv(name)
+
+
+def _error_of(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(("env", "argv", "expected"), [
+    ({"PDSERVE_PORT": "abc"}, ["router"], ["--port", "PDSERVE_PORT", "'abc'"]),
+    ({}, ["up", "--dtype", "fp8x"], ["--dtype", "'fp8x'", "float32"]),
+    ({"PDSERVE_DTYPE": "fp8x"}, ["prefill"], ["--dtype", "PDSERVE_DTYPE", "'fp8x'"]),
+    ({}, ["router", "--placement", "nearest"], ["--placement", "cache_aware, least_loaded"]),
+    ({}, ["decode", "--port", "-1"], ["--port", "0 to 65535"]),
+    ({"PDSERVE_KV_CHECKSUM": "maybe"}, ["decode"], ["--kv-checksum", "PDSERVE_KV_CHECKSUM"]),
+    ({"PDSERVE_LEASE_S": "0"}, ["prefill"], ["--lease-s", "PDSERVE_LEASE_S", "> 0"]),
+    ({}, ["up", "--transport", "carrier-pigeon"], ["--transport", "tcp, torch, ucx"]),
+])
+def test_a_bad_flag_or_env_value_is_one_line_naming_it(
+    env: dict[str, str], argv: list[str], expected: list[str],
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    err = _error_of(argv, capsys)
+    assert err.startswith(f"pdserve {argv[0]}: error: argument ")
+    for part in expected:
+        assert part in err
+
+
+def test_a_flag_wins_over_a_bad_env_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_PORT", "abc")
+    assert build_parser().parse_args(["router", "--port", "9000"]).port == 9000
+
+
+def test_env_values_are_parsed_like_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_PORT", "9001")
+    monkeypatch.setenv("PDSERVE_KV_PUSH", "off")
+    monkeypatch.setenv("PDSERVE_LOG_LEVEL", "debug")
+    args = build_parser().parse_args(["decode"])
+    assert (args.port, args.kv_push, args.log_level) == (9001, False, "DEBUG")
+
+
+def test_bad_env_in_a_subprocess_has_no_traceback() -> None:
+    env = dict(os.environ, PDSERVE_PORT="abc")
+    done = subprocess.run([sys.executable, "-m", "pdserve.cli", "router"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [done.stderr.strip()]
+    assert "PDSERVE_PORT" in done.stderr and "--port" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"pdserve {version('pdserve')}"
+
+
+@pytest.mark.parametrize("command", ["up", "router", "prefill", "decode", "sim-worker"])
+def test_help_shows_defaults_choices_and_env_names(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # undo the help's line wrapping
+    assert "[env PDSERVE_PORT] (default: " in out
+    assert "[env PDSERVE_LOG_LEVEL] (default: INFO)" in out
+    if command != "sim-worker":
+        assert "--max-model-len" in out and "(default: 4096)" in out
+    if command in ("up", "prefill", "decode"):
+        assert "--dtype {auto,float32,bfloat16,float16}" in out
+        assert "--transport {tcp,torch,ucx}" in out
+
+
+# ---- each component's config from its flags --------------------------------------------
+
+def test_router_config_from_args() -> None:
+    args = build_parser().parse_args([
+        "router", "--port", "8100", "--prefill", "a:1, b:2", "--decode", "c:3",
+        "--placement", "least_loaded", "--max-model-len", "2048"])
+    assert RouterConfig.from_args(args, MODEL) == RouterConfig(
+        model_path="/models/tiny", served_model_name="tiny", prefill=("a:1", "b:2"),
+        decode=("c:3",), port=8100, max_model_len=2048, placement="least_loaded",
+        membership=MembershipConfig("static", prefill=("a:1", "b:2"), decode=("c:3",)))
+    named = build_parser().parse_args(["router", "--etcd", "http://e:2379",
+                                       "--served-model-name", "chat"])
+    config = RouterConfig.from_args(named, MODEL)
+    assert (config.served_model_name, config.membership.kind) == ("chat", "etcd")
+
+
+def test_up_config_from_args() -> None:
+    args = build_parser().parse_args([
+        "up", "--dtype", "float32", "--num-prefill", "2", "--transport", "ucx", "--no-kv-push",
+        "--with-etcd", "--num-kv-blocks", "64", "--cpu-layout", "split"])
+    assert UpConfig.from_args(args, MODEL) == UpConfig(
+        model="/models/tiny", dtype="float32", num_prefill=2, transport="ucx", kv_push=False,
+        with_etcd=True, num_kv_blocks=64, cpu_layout="split")
+    assert UpConfig.from_args(build_parser().parse_args(["up"]), MODEL) == UpConfig(
+        model="/models/tiny")
+
+
+def test_worker_config_from_args() -> None:
+    args = build_parser().parse_args([
+        "prefill", "--host", "0.0.0.0", "--port", "6000", "--worker-id", "p-1",
+        "--dtype", "float32", "--kv-push", "--kv-checksum", "--lease-s", "5",
+        "--cpu-cores", "0-1", "--num-kv-blocks", "32"])
+    config = WorkerConfig.from_args(args, MODEL)
+    assert (config.worker_id, config.host, config.port, config.advertise_host) == (
+        "p-1", "0.0.0.0", 6000, "127.0.0.1")
+    assert config.membership == MembershipConfig("static")
+    engine = config.engine
+    assert engine.connector == ConnectorConfig(
+        engine_id="p-1", kv_host="127.0.0.1", kv_port=7000, kv_bind_host="0.0.0.0",
+        lease_s=5.0, push=True, kv_checksum=True)
+    assert engine.kv_events is not None and "p-1" in engine.kv_events[0]
+    assert engine == EngineConfig(
+        model_path="/models/tiny", served_model_name="tiny", role="prefill",
+        connector=engine.connector, dtype="float32", cpu_threads_bind="0-1",
+        num_kv_blocks=32, kv_events=engine.kv_events)
+    assert config.role == "prefill"
+
+
+def test_decode_worker_config_advertises_and_registers() -> None:
+    args = build_parser().parse_args([
+        "decode", "--advertise-host", "10.0.0.5", "--kv-port", "7100", "--no-kv-push",
+        "--etcd", "http://e:2379", "--cluster", "blue", "--compile"])
+    config = WorkerConfig.from_args(args, MODEL)
+    assert config.worker_id.startswith("decode-") and config.port == 50061
+    assert config.engine.kv_events is None and not config.engine.enforce_eager
+    assert (config.engine.connector.kv_host, config.engine.connector.kv_port) == (
+        "10.0.0.5", 7100)
+    assert (config.membership.kind, config.membership.cluster) == ("etcd", "blue")
+
+
+def test_sim_config_from_args() -> None:
+    args = build_parser().parse_args([
+        "sim-worker", "--role", "decode", "--worker-id", "s-1", "--block-size", "32",
+        "--prefill-us-per-token", "10", "--decode-ms-per-token", "4"])
+    config = sim_config_from_args(args)
+    assert config == SimConfig(
+        role="decode", worker_id="s-1", block_size=32,
+        prefill_s_per_token=config.prefill_s_per_token, decode_s_per_token=4e-3)
+    assert config.prefill_s_per_token == pytest.approx(10e-6)
