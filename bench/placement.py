@@ -27,10 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
 import httpx
-from pdserve.proto.pdserve.v1 import worker_pb2 as pb
-from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
+from pdserve.router.worker_client import probe_load
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from placement_workload import Workload, run_workload  # noqa: E402
@@ -65,8 +63,7 @@ def engine_hits(endpoints: list[str]) -> tuple[int, int]:
     """(prompt tokens computed, prompt tokens from the prefix cache), both prefill workers."""
     computed = hit = 0
     for e in endpoints:
-        with grpc.insecure_channel(e) as channel:
-            load = pb_grpc.WorkerServiceStub(channel).GetLoad(pb.GetLoadRequest(), timeout=10)
+        load = probe_load(e, timeout_s=10)
         computed += load.prompt_tokens_computed
         hit += load.prompt_tokens_local_cache_hit
     return computed, hit

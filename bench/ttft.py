@@ -25,14 +25,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import grpc
 from openai import OpenAI
-from pdserve.proto.pdserve.v1 import worker_pb2 as pb
-from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
+from pdserve.router.worker_client import probe_load
 from rich.console import Console
 from rich.table import Table
 
 from pdserve.model import cache_dir, prepare_default_model
+from pdserve.types import WorkerLoadReport
 from pdserve.up import Child, start_children, stop_children, wait_ready
 
 TTFT_RATIO_TARGET = 1.1
@@ -143,9 +142,8 @@ def timed_request(client: OpenAI, model: str, prompt: str, max_tokens: int) -> T
     return Timing(ttft, total, *usage)
 
 
-def get_load(target: str) -> pb.GetLoadResponse:
-    with grpc.insecure_channel(target) as channel:
-        return pb_grpc.WorkerServiceStub(channel).GetLoad(pb.GetLoadRequest(), timeout=5)
+def get_load(target: str) -> WorkerLoadReport:
+    return probe_load(target, timeout_s=5)
 
 
 def kv_deltas(client: OpenAI, model: str, prompt: str, max_tokens: int,

@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import grpc
 import httpx
 from rich.console import Console
 from rich.live import Live
@@ -28,8 +27,7 @@ from pdserve.kv_transfer.base import transport_names
 from pdserve.membership.local_etcd import LocalEtcd
 from pdserve.model import ResolvedModel, cache_dir
 from pdserve.ports import free_port
-from pdserve.proto.pdserve.v1 import worker_pb2 as pb
-from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
+from pdserve.router.worker_client import WorkerCallError, probe_health
 
 _STOP_GRACE_S = 15.0
 console = Console(stderr=True)
@@ -142,9 +140,8 @@ def _healthy(child: Child) -> bool:
     if child.probe.startswith("grpc:"):
         target = child.probe.removeprefix("grpc:")
         try:
-            with grpc.insecure_channel(target) as channel:
-                health = pb_grpc.WorkerServiceStub(channel).Health(pb.HealthRequest(), timeout=1)
-        except grpc.RpcError:
+            health = probe_health(target, timeout_s=1)
+        except WorkerCallError:
             return False
         child.state = "ready" if health.ready else "loading engine"
         return bool(health.ready)

@@ -13,27 +13,25 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
 
-import grpc
-from pdserve.proto.pdserve.v1 import worker_pb2 as pb
+from pdserve.kv_transfer.handle import KVHandle, PushTarget
 from prometheus_client import CollectorRegistry, Counter
+
+from pdserve.types import PhaseOutput, PhaseRequest, SamplingSpec
 
 from .placement import Choice, Placement, PlacementRequest
 from .prefix_routing import PrefixRouting
-from .types import NoWorkerAvailableError, SamplingSpec, TokenChunk, WorkerFailedError
-from .workers import WorkerClient, WorkerPool
+from .types import NoWorkerAvailableError, TokenChunk, WorkerFailedError
+from .worker_client import INVALID_ARGUMENT, UNAVAILABLE, WorkerCallError
+from .worker_state import WorkerState
+from .workers import Worker, WorkerPool
 
 logger = logging.getLogger("pdserve.router.dispatch")
 
-_FINISH = {
-    pb.FINISH_REASON_STOP: "stop",
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_ABORT: "abort",
-    pb.FINISH_REASON_ERROR: "error",
-}
 _ABORT_TIMEOUT_S = 5.0
 # Only "cannot reach" takes a worker out of placement; a slow request's deadline does not.
-_UNREACHABLE = {grpc.StatusCode.UNAVAILABLE}
+_UNREACHABLE = {UNAVAILABLE}
 
 
 class DispatchMetrics:
@@ -49,21 +47,33 @@ class DispatchMetrics:
             registry=registry)
 
 
-def _sampling_pb(spec: SamplingSpec, max_tokens: int) -> pb.SamplingParams:
-    msg = pb.SamplingParams(
-        max_tokens=max_tokens, temperature=spec.temperature, top_p=spec.top_p,
-        top_k=spec.top_k, stop_token_ids=spec.stop_token_ids, ignore_eos=spec.ignore_eos)
-    if spec.seed is not None:
-        msg.seed = spec.seed
-    return msg
+@dataclass(frozen=True)
+class _Route:
+    """Where a request goes, decided from one set of snapshots."""
+
+    prefill: Worker | None
+    decode: Worker
+    uncached_tokens: int = 0  # the prompt tokens not in prefill's prefix cache
+    push_to: PushTarget | None = None
 
 
-def _push_target(prefill: WorkerClient, decode: WorkerClient) -> pb.KvPushTarget | None:
+def _push_target(prefill: WorkerState, decode: WorkerState) -> PushTarget | None:
     """Have prefill push the KV layer by layer to decode, when both support it."""
-    p, d = prefill.state, decode.state
-    if not (p.kv_push and d.kv_push and d.kv_port):
+    if not (prefill.kv_push and decode.kv_push and decode.kv_port):
         return None
-    return pb.KvPushTarget(host=d.kv_host, port=d.kv_port, transfer_id=uuid.uuid4().hex)
+    return PushTarget(host=decode.kv_host, port=decode.kv_port, transfer_id=uuid.uuid4().hex)
+
+
+def _decode_request(request_id: str, prompt: Sequence[int], sampling: SamplingSpec,
+                    first: PhaseOutput | None) -> PhaseRequest:
+    """Decode's request: the prompt alone (fallback), or prompt + prefill's tokens
+    with its KV handle and the tokens still to generate."""
+    if first is None:
+        return PhaseRequest(request_id, "decode", tuple(prompt), sampling)
+    return PhaseRequest(
+        request_id, "decode", (*prompt, *first.token_ids),
+        replace(sampling, max_tokens=sampling.max_tokens - len(first.token_ids)),
+        kv_handle=first.kv_handle)
 
 
 class PDDispatcher:
@@ -80,56 +90,55 @@ class PDDispatcher:
         self._cleanups: set[asyncio.Task[None]] = set()
 
     def is_ready(self) -> bool:
-        return any(w.state.healthy for w in self._pool.decode)
+        return any(w.snapshot().healthy for w in self._pool.decode)
 
-    def _choose(self, prompt: Sequence[int]) -> tuple[
-            WorkerClient | None, WorkerClient, PlacementRequest]:
+    def _choose(self, prompt: Sequence[int]) -> _Route:
+        """Placement over one snapshot of every worker, taken once per decision."""
         request = (self._prefix.request(prompt) if self._prefix is not None
                    else PlacementRequest(len(prompt)))
-        choice: Choice | None = self._placement.choose(
-            [w.state for w in self._pool.prefill], [w.state for w in self._pool.decode],
-            self._cursor, request)
+        prefill, decode = self._pool.prefill, self._pool.decode
+        p_states = [w.snapshot() for w in prefill]
+        d_states = [w.snapshot() for w in decode]
+        choice: Choice | None = self._placement.choose(p_states, d_states, self._cursor, request)
         self._cursor += 1
         if choice is None:
             raise NoWorkerAvailableError("no healthy decode worker is available")
-        prefill = self._pool.prefill[choice.prefill] if choice.prefill is not None else None
-        if prefill is not None and self._prefix is not None:
-            self._prefix.on_placed(request, prefill.state)
-        return prefill, self._pool.decode[choice.decode], request
+        if choice.prefill is None:
+            return _Route(None, decode[choice.decode])
+        p_state, d_state = p_states[choice.prefill], d_states[choice.decode]
+        if self._prefix is not None:
+            self._prefix.on_placed(request, p_state)
+        return _Route(prefill[choice.prefill], decode[choice.decode],
+                      request.uncached_tokens(p_state), _push_target(p_state, d_state))
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec
     ) -> AsyncIterator[TokenChunk]:
-        prefill, decode, placed = self._choose(prompt_token_ids)
-        involved: list[WorkerClient] = []
+        route = self._choose(prompt_token_ids)
+        involved: list[Worker] = []
         finished = False
         try:
-            first: pb.GenerateResponse | None = None
-            if prefill is not None:
-                involved.append(prefill)
-                first = await self._prefill(prefill, request_id, prompt_token_ids, sampling,
-                                            _push_target(prefill, decode),
-                                            placed.uncached_tokens(prefill.state))
+            first: PhaseOutput | None = None
+            if route.prefill is not None:
+                involved.append(route.prefill)
+                first = await self._prefill(route.prefill, PhaseRequest(
+                    request_id, "prefill", tuple(prompt_token_ids), sampling,
+                    push_target=route.push_to), route.uncached_tokens)
             if first is None:
                 self._metrics.fallbacks.inc()
-                decode_prompt, handle = list(prompt_token_ids), None
-                max_tokens = sampling.max_tokens
             else:
-                finish = _FINISH.get(first.finish_reason)
-                t1 = list(first.token_ids)
-                done = finish in ("stop", "abort", "error") or sampling.max_tokens <= 1
-                yield TokenChunk(tuple(t1), finish if done else None, first.num_cached_tokens)
+                done = first.finish_reason in ("stop", "abort", "error") or (
+                    sampling.max_tokens <= 1)
+                yield TokenChunk(first.token_ids, first.finish_reason if done else None,
+                                 first.num_cached_tokens)
                 if done:  # nothing is held: prefill keeps KV only for a decode to come
                     finished = True
                     return
-                decode_prompt = list(prompt_token_ids) + t1
-                handle = first.kv_handle if first.HasField("kv_handle") else None
-                max_tokens = sampling.max_tokens - len(t1)
-                if handle is not None:
+                if first.kv_handle is not None:
                     self._metrics.handoffs.inc()
-            involved.append(decode)
-            stream = self._decode(decode, request_id, decode_prompt, handle, sampling,
-                                  max_tokens, first is None, involved)
+            involved.append(route.decode)
+            stream = self._decode(route.decode, _decode_request(
+                request_id, prompt_token_ids, sampling, first), first is None, involved)
             async with contextlib.aclosing(stream):  # closing us closes the decode call now
                 async for chunk in stream:
                     if chunk.finish_reason is not None:
@@ -139,102 +148,93 @@ class PDDispatcher:
             if not finished:
                 self._abort_later(request_id, involved)
 
-    async def _prefill(
-        self, worker: WorkerClient, request_id: str, prompt: Sequence[int], spec: SamplingSpec,
-        push_to: pb.KvPushTarget | None,
-        uncached_tokens: int,
-    ) -> pb.GenerateResponse | None:
-        """The prefill's one response, or None if prefill failed (decode falls back)."""
-        req = pb.GenerateRequest(request_id=request_id, phase=pb.PHASE_PREFILL,
-                                 prompt_token_ids=prompt,
-                                 sampling=_sampling_pb(spec, spec.max_tokens))
-        if push_to is not None:
-            req.kv_push_target.CopyFrom(push_to)
-        worker.state.num_assigned += 1
-        worker.state.num_assigned_tokens += uncached_tokens
+    async def _prefill(self, worker: Worker, request: PhaseRequest, uncached_tokens: int
+                       ) -> PhaseOutput | None:
+        """The prefill's one output, or None if prefill failed (decode falls back)."""
+        worker.on_sent(uncached_tokens)
         try:
-            last: pb.GenerateResponse | None = None
-            async for resp in worker.stub.Generate(req, timeout=self._timeout):
-                last = resp
+            last: PhaseOutput | None = None
+            async with contextlib.aclosing(worker.client.generate(request, self._timeout)) as outs:
+                async for out in outs:
+                    last = out
             if last is not None and self._prefix is not None:
                 self._prefix.on_prefilled(last.num_cached_tokens)
             return last
-        except grpc.aio.AioRpcError as exc:
+        except WorkerCallError as exc:
             self._on_error(worker, exc)
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise WorkerFailedError(f"prefill rejected the request: {exc.details()}") from exc
+            if exc.code == INVALID_ARGUMENT:
+                raise WorkerFailedError(f"prefill rejected the request: {exc.details}") from exc
             return None
         finally:
-            worker.state.num_assigned -= 1
-            worker.state.num_assigned_tokens -= uncached_tokens
+            worker.on_finished(uncached_tokens)
 
     async def _decode(
-        self, worker: WorkerClient, request_id: str, prompt: list[int],
-        handle: pb.KvHandle | None, spec: SamplingSpec, max_tokens: int, first_chunk: bool,
-        involved: list[WorkerClient],
+        self, worker: Worker, request: PhaseRequest, first_chunk: bool, involved: list[Worker],
     ) -> AsyncIterator[TokenChunk]:
         """Decode on ``worker``; if it is unreachable before its first token (it died
         and membership has not caught up yet), once more on another compatible one."""
-        req = pb.GenerateRequest(request_id=request_id, phase=pb.PHASE_DECODE,
-                                 prompt_token_ids=prompt, sampling=_sampling_pb(spec, max_tokens))
-        if handle is not None:
-            req.kv_handle.CopyFrom(handle)
-        current: WorkerClient | None = worker
+        current: Worker | None = worker
         retries = 1
         while current is not None:
             worker, current, started = current, None, False
-            worker.state.num_assigned += 1
-            call = worker.stub.Generate(req, timeout=self._timeout)
+            worker.on_sent()
             try:
-                async for resp in call:
-                    started = True
-                    cached = resp.num_cached_tokens if first_chunk else None
-                    first_chunk = False
-                    yield TokenChunk(tuple(resp.token_ids), _FINISH.get(resp.finish_reason),
-                                     cached)
-            except grpc.aio.AioRpcError as exc:
+                async with contextlib.aclosing(
+                        worker.client.generate(request, self._timeout)) as outs:
+                    async for out in outs:
+                        started = True
+                        cached = out.num_cached_tokens if first_chunk else None
+                        first_chunk = False
+                        yield TokenChunk(out.token_ids, out.finish_reason, cached)
+            except WorkerCallError as exc:
                 self._on_error(worker, exc)
-                if started or exc.code() not in _UNREACHABLE or not retries:
-                    raise WorkerFailedError(f"decode worker failed: {exc.details()}") from exc
+                if started or exc.code not in _UNREACHABLE or not retries:
+                    raise WorkerFailedError(f"decode worker failed: {exc.details}") from exc
                 retries, current = retries - 1, self._other_decode(worker)
                 if current is None:
-                    raise WorkerFailedError(f"decode worker failed: {exc.details()}") from exc
+                    raise WorkerFailedError(f"decode worker failed: {exc.details}") from exc
                 involved.append(current)
-                if req.HasField("kv_handle"):  # the KV was pushed to the dead one: pull it
-                    req.kv_handle.pushed = False
+                request = _pull_instead(request)
             finally:
-                worker.state.num_assigned -= 1
-                call.cancel()
+                worker.on_finished()
 
-    def _other_decode(self, failed: WorkerClient) -> WorkerClient | None:
+    def _other_decode(self, failed: Worker) -> Worker | None:
         """A healthy decode worker that can load the same KV as ``failed``."""
+        compat = failed.snapshot().compatibility_hash
         for w in self._pool.decode:
-            if w is not failed and w.state.healthy and (
-                    w.state.compatibility_hash == failed.state.compatibility_hash):
+            state = w.snapshot()
+            if w is not failed and state.healthy and state.compatibility_hash == compat:
                 return w
         return None
 
-    def _on_error(self, worker: WorkerClient, exc: grpc.aio.AioRpcError) -> None:
-        self._metrics.worker_errors.labels(worker.state.role, exc.code().name).inc()
-        logger.warning("%s worker %s: %s %s", worker.state.role, worker.state.endpoint,
-                       exc.code().name, exc.details())
-        if exc.code() in _UNREACHABLE:
-            worker.mark_unhealthy(exc.code().name)
+    def _on_error(self, worker: Worker, exc: WorkerCallError) -> None:
+        state = worker.snapshot()
+        self._metrics.worker_errors.labels(state.role, exc.code).inc()
+        logger.warning("%s worker %s: %s %s", state.role, state.endpoint, exc.code, exc.details)
+        if exc.code in _UNREACHABLE:
+            worker.mark_unhealthy(exc.code)
 
-    def _abort_later(self, request_id: str, workers: list[WorkerClient]) -> None:
+    def _abort_later(self, request_id: str, workers: list[Worker]) -> None:
         """Abort on every worker involved, from a task of its own: this runs while
         the request's own task is being cancelled."""
         task = asyncio.get_running_loop().create_task(self._abort(request_id, workers))
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
 
-    async def _abort(self, request_id: str, workers: list[WorkerClient]) -> None:
+    async def _abort(self, request_id: str, workers: list[Worker]) -> None:
         await asyncio.gather(*(self._abort_one(request_id, w) for w in workers))
 
-    async def _abort_one(self, request_id: str, worker: WorkerClient) -> None:
+    async def _abort_one(self, request_id: str, worker: Worker) -> None:
         try:
-            await worker.stub.Abort(pb.AbortRequest(request_id=request_id),
-                                    timeout=_ABORT_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            logger.warning("abort of %s on %s failed: %s", request_id,
-                           worker.state.endpoint, exc.code().name)
+            await worker.client.abort(request_id, _ABORT_TIMEOUT_S)
+        except WorkerCallError as exc:
+            logger.warning("abort of %s on %s failed: %s", request_id, worker.client.endpoint,
+                           exc.code)
+
+
+def _pull_instead(request: PhaseRequest) -> PhaseRequest:
+    """The KV was pushed to a decode worker that died: the next one pulls it."""
+    handle: KVHandle | None = request.kv_handle
+    if handle is None:
+        return request
+    return replace(request, kv_handle=replace(handle, pushed=False))

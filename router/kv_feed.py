@@ -11,15 +11,15 @@ pool's prefill membership: a worker that leaves is removed from the index.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
-import grpc
-from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from prometheus_client import CollectorRegistry, Counter
 
 from .prefix_index import PrefixIndex
-from .workers import WorkerClient
+from .worker_client import UNIMPLEMENTED, WorkerCallError, WorkerClient
+from .workers import Worker
 
 logger = logging.getLogger("pdserve.router.kv_feed")
 _RPC_TIMEOUT_S = 10.0
@@ -53,13 +53,13 @@ class KvEventFollower:
             retry_s = self._retry_s
             try:
                 await self._follow_once()
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            except WorkerCallError as exc:
+                if exc.code == UNIMPLEMENTED:
                     if not self.unsupported:
-                        logger.info("%s publishes no KV events", self.client.state.endpoint)
+                        logger.info("%s publishes no KV events", self.client.endpoint)
                     self.unsupported = True
                     retry_s = _UNSUPPORTED_RETRY_S
-                logger.debug("KV events from %s: %s", self.client.state.endpoint, exc.code())
+                logger.debug("KV events from %s: %s", self.client.endpoint, exc.code)
             self.forget()
             await asyncio.sleep(retry_s)
 
@@ -68,14 +68,13 @@ class KvEventFollower:
             self._index.remove_worker(self.worker_id)
 
     async def _follow_once(self) -> None:
-        call = self.client.stub.StreamKvEvents(pb.KvEventsRequest())
-        try:
+        async with contextlib.aclosing(self.client.kv_events()) as changes:
             first = True
-            async for batch in call:
+            async for batch in changes:
                 if first:
                     await self.resync("connect")
                     first = False
-                elif not (batch.cleared or batch.stored or batch.removed):
+                elif batch.is_heartbeat:
                     if batch.seq != self.last_seq:
                         await self.resync("heartbeat")
                 elif batch.seq > self.last_seq + 1:
@@ -85,12 +84,9 @@ class KvEventFollower:
                                       batch.removed)
                     self.last_seq = batch.seq
                     self._metrics.batches.inc()
-        finally:
-            call.cancel()
 
     async def resync(self, reason: str) -> None:
-        snap = await self.client.stub.GetKvSnapshot(pb.KvSnapshotRequest(),
-                                                    timeout=_RPC_TIMEOUT_S)
+        snap = await self.client.kv_snapshot(_RPC_TIMEOUT_S)
         if self.worker_id is not None and self.worker_id != snap.worker_id:
             self._index.remove_worker(self.worker_id)  # a new process at the same endpoint
         self.worker_id = snap.worker_id
@@ -105,7 +101,7 @@ class KvEventFollower:
 class KvIndexFeeder:
     """Keeps one follower per current prefill worker (membership may change)."""
 
-    def __init__(self, prefill: Callable[[], Sequence[WorkerClient]], index: PrefixIndex,
+    def __init__(self, prefill: Callable[[], Sequence[Worker]], index: PrefixIndex,
                  registry: CollectorRegistry, interval_s: float = 1.0) -> None:
         self._prefill = prefill
         self._index = index
@@ -125,9 +121,9 @@ class KvIndexFeeder:
             follower, task = self._tasks.pop(key)
             task.cancel()
             follower.forget()
-        for key, client in current.items():
+        for key, worker in current.items():
             if key not in self._tasks:
-                follower = KvEventFollower(client, self._index, self._metrics)
+                follower = KvEventFollower(worker.client, self._index, self._metrics)
                 task = asyncio.create_task(follower.run(), name="pdserve-kv-follow")
                 self._tasks[key] = (follower, task)
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .workers import WorkerState
+from .worker_state import WorkerState
 
 
 @dataclass(frozen=True)

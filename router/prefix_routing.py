@@ -11,7 +11,7 @@ from pdserve.block_hash import chain_hashes
 
 from .placement import PlacementRequest
 from .prefix_index import PrefixIndex
-from .workers import WorkerState
+from .worker_state import WorkerState
 
 
 class PrefixMetrics:

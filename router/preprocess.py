@@ -9,10 +9,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from pdserve.types import SamplingSpec
+
 from .detokenize import TokenDecoder
 from .errors import ContextLengthExceededError, InvalidRequestError, ModelNotFoundError
 from .schemas import ChatCompletionRequest, CompletionRequest
-from .types import SamplingSpec
 
 # OpenAI's legacy completions endpoint defaults to 16 tokens.
 DEFAULT_COMPLETION_MAX_TOKENS = 16

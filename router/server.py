@@ -87,7 +87,7 @@ async def serve_router(config: RouterConfig) -> None:
                       methods=["GET"])
     app.add_api_route("/prefix_index", lambda: {
         "blocks": {w: len(index.blocks_of(w)) for w in index.workers()},
-        "resyncs": {f.worker_id or f.client.state.endpoint: f.num_resyncs
+        "resyncs": {f.worker_id or f.client.endpoint: f.num_resyncs
                     for f in feeder.followers}}, methods=["GET"])
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                            log_level="warning", timeout_graceful_shutdown=5))

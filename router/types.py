@@ -10,26 +10,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
-FinishReason = Literal["stop", "length", "abort", "error"]
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    """Validated sampling parameters for one request (token-level only).
-
-    Stop *strings* are not here: the router detokenizes and matches them itself,
-    then closes the chunk iterator, which aborts the request on every worker.
-    """
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
+from pdserve.types import FinishReason, SamplingSpec
 
 
 @dataclass(frozen=True)

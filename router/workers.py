@@ -1,5 +1,6 @@
-"""The router's view of its workers: one gRPC channel per worker, kept healthy
-by a background loop (Health + GetLoad with deadlines).
+"""The router's view of its workers: one ``WorkerClient`` (gRPC channel) per
+worker, kept healthy by a background loop (Health + GetLoad with deadlines).
+Placement reads each worker's immutable ``WorkerState`` snapshot.
 
 The set is dynamic: the pool is the ``MembershipSink`` of a ``Membership`` (static
 flags, or etcd) and adds/removes workers as it reports them. A new worker gets a
@@ -13,53 +14,27 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, replace
 from typing import Any
-
-import grpc
-from pdserve.proto.pdserve.v1 import worker_pb2 as pb
-from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
 
 from pdserve.membership import Membership, WorkerInfo
 from pdserve.membership.static import static_infos
+from pdserve.types import WorkerHealth, WorkerLoadReport
+
+from .worker_client import WorkerCallError, WorkerClient
+from .worker_state import InFlight, WorkerLoad, WorkerState
 
 logger = logging.getLogger("pdserve.router.workers")
 
 _CLOSE_GRACE_S = 10.0
-_ROLE_NAMES = {pb.ROLE_PREFILL: "prefill", pb.ROLE_DECODE: "decode"}
 
 
-@dataclass
-class WorkerLoad:
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    kv_cache_usage: float = 0.0
-    num_inflight_reqs: int = 0
+class Worker:
+    """One worker as the router sees it: its gRPC client, and the snapshot placement
+    reads. The snapshot is replaced, never changed: each health check and each
+    ``on_sent`` / ``on_finished`` publishes a new one, combining the worker's last
+    report with this router's in-flight work on it."""
 
-
-@dataclass
-class WorkerState:
-    """What placement may read about a worker (a snapshot; never mutated by policies)."""
-
-    endpoint: str
-    role: str
-    healthy: bool = False
-    worker_id: str = ""
-    compatibility_hash: str = ""
-    max_model_len: int = 0
-    # KV endpoint, and whether the worker sends/accepts layer-wise push.
-    kv_host: str = ""
-    kv_port: int = 0
-    kv_push: bool = False
-    load: WorkerLoad = field(default_factory=WorkerLoad)
-    # Requests this router has sent and not seen finish (fresher than GetLoad).
-    num_assigned: int = 0
-    # Prompt tokens not in the worker's prefix cache, summed over the prefills
-    # this router has sent it and not seen finish (queued prefill work).
-    num_assigned_tokens: int = 0
-
-
-class WorkerClient:
     def __init__(self, info: WorkerInfo) -> None:
         self.info = info
         # Registered members must answer with the id they registered (a stale record
@@ -67,54 +42,93 @@ class WorkerClient:
         # their endpoint until Health tells, learn it.
         static = info.worker_id == info.grpc_endpoint
         self._expected_id = None if static else info.worker_id
-        self.state = WorkerState(endpoint=info.grpc_endpoint, role=info.role,
-                                 worker_id=info.worker_id,
-                                 compatibility_hash=info.compatibility_hash,
-                                 max_model_len=info.max_model_len)
-        self.channel = grpc.aio.insecure_channel(
-            info.grpc_endpoint, options=[("grpc.max_receive_message_length", 64 << 20)]
-        )
-        self.stub = pb_grpc.WorkerServiceStub(self.channel)
+        self.client = WorkerClient(info.grpc_endpoint)
+        self._inflight = InFlight()
+        # The last report, as a snapshot with nothing in flight.
+        self._reported = WorkerState(endpoint=info.grpc_endpoint, role=info.role,
+                                     worker_id=info.worker_id,
+                                     compatibility_hash=info.compatibility_hash,
+                                     max_model_len=info.max_model_len)
+        self._snapshot = self._reported
 
     @property
     def member_id(self) -> str:
         return self.info.member_id
 
+    def snapshot(self) -> WorkerState:
+        """The current snapshot (immutable; a later change publishes a new one)."""
+        return self._snapshot
+
+    def on_sent(self, uncached_tokens: int = 0) -> None:
+        """This router sent the worker a request (a prefill: with that many prompt
+        tokens outside its prefix cache)."""
+        self._inflight.on_sent(uncached_tokens)
+        self._publish()
+
+    def on_finished(self, uncached_tokens: int = 0) -> None:
+        """A request sent with ``on_sent(uncached_tokens)`` ended, however it ended."""
+        self._inflight.on_finished(uncached_tokens)
+        self._publish()
+
     async def refresh(self, timeout_s: float) -> None:
         """Health, then load; any failure marks the worker unhealthy."""
         try:
-            health = await self.stub.Health(pb.HealthRequest(), timeout=timeout_s)
-            role = _ROLE_NAMES.get(health.role, "")
-            if role != self.state.role:
-                raise RuntimeError(f"{self.state.endpoint} is a {role or 'unknown'} worker")
-            if self._expected_id is not None and health.worker_id != self._expected_id:
-                raise RuntimeError(f"{self.state.endpoint} is worker {health.worker_id!r}, "
-                                   f"not the registered {self._expected_id!r}")
-            load = await self.stub.GetLoad(pb.GetLoadRequest(), timeout=timeout_s)
-        except (grpc.aio.AioRpcError, RuntimeError) as exc:
-            self.mark_unhealthy(str(exc.details() if isinstance(exc, grpc.aio.AioRpcError)
-                                    else exc))
+            health = await self.client.health(timeout_s)
+            self._check_identity(health)
+            load = await self.client.load(timeout_s)
+        except WorkerCallError as exc:
+            self.mark_unhealthy(exc.details)
             return
-        if not self.state.healthy and health.ready:
-            logger.info("%s worker %s at %s is healthy", self.state.role, health.worker_id,
-                        self.state.endpoint)
-        self.state.healthy = health.ready
-        self.state.worker_id = health.worker_id
-        self.state.compatibility_hash = health.compatibility_hash
-        self.state.max_model_len = health.max_model_len
-        self.state.kv_host, self.state.kv_port = health.kv_host, health.kv_port
-        self.state.kv_push = health.kv_push
-        self.state.load = WorkerLoad(load.num_running_reqs, load.num_waiting_reqs,
-                                     load.kv_cache_usage, load.num_inflight_reqs)
+        except (ValueError, RuntimeError) as exc:
+            self.mark_unhealthy(str(exc))
+            return
+        if not self._reported.healthy and health.ready:
+            logger.info("%s worker %s at %s is healthy", self._reported.role, health.worker_id,
+                        self._reported.endpoint)
+        self._report(healthy=health.ready, worker_id=health.worker_id,
+                     compatibility_hash=health.compatibility_hash,
+                     max_model_len=health.max_model_len, kv_host=health.kv_host,
+                     kv_port=health.kv_port, kv_push=health.kv_push, load=_placement_load(load))
+
+    def _check_identity(self, health: WorkerHealth) -> None:
+        endpoint = self._reported.endpoint
+        if health.role != self._reported.role:
+            raise RuntimeError(f"{endpoint} is a {health.role} worker")
+        if self._expected_id is not None and health.worker_id != self._expected_id:
+            raise RuntimeError(f"{endpoint} is worker {health.worker_id!r}, "
+                               f"not the registered {self._expected_id!r}")
 
     def mark_unhealthy(self, why: str) -> None:
-        if self.state.healthy:
-            logger.warning("%s worker at %s unhealthy: %s", self.state.role,
-                           self.state.endpoint, why)
-        self.state.healthy = False
+        if self._reported.healthy:
+            logger.warning("%s worker at %s unhealthy: %s", self._reported.role,
+                           self._reported.endpoint, why)
+        self._report(healthy=False)
+
+    def on_removed(self) -> None:
+        """The worker left the view: never place on it again."""
+        self._report(healthy=False)
+
+    def _report(self, **changes: Any) -> None:
+        self._reported = replace(self._reported, **changes)
+        self._publish()
+
+    def _publish(self) -> None:
+        # Built field by field: twice per request per worker, and ``replace`` costs 2x.
+        r, inflight = self._reported, self._inflight
+        self._snapshot = WorkerState(
+            endpoint=r.endpoint, role=r.role, healthy=r.healthy, worker_id=r.worker_id,
+            compatibility_hash=r.compatibility_hash, max_model_len=r.max_model_len,
+            kv_host=r.kv_host, kv_port=r.kv_port, kv_push=r.kv_push, load=r.load,
+            num_assigned=inflight.num_assigned,
+            num_assigned_tokens=inflight.num_assigned_tokens)
 
     async def close(self, grace_s: float | None = None) -> None:
-        await self.channel.close(grace_s)
+        await self.client.close(grace_s)
+
+
+def _placement_load(report: WorkerLoadReport) -> WorkerLoad:
+    return WorkerLoad(report.num_running_reqs, report.num_waiting_reqs, report.kv_cache_usage,
+                      report.num_inflight_reqs)
 
 
 Listener = Callable[[WorkerState], None]
@@ -127,36 +141,36 @@ class WorkerPool:
     def __init__(self, prefill: Sequence[str] = (), decode: Sequence[str] = (),
                  interval_s: float = 2.0) -> None:
         self._interval_s = interval_s
-        self._members: dict[str, WorkerClient] = {}
-        self.prefill: list[WorkerClient] = []
-        self.decode: list[WorkerClient] = []
+        self._members: dict[str, Worker] = {}
+        self.prefill: list[Worker] = []
+        self.decode: list[Worker] = []
         self._added: list[Listener] = []
         self._removed: list[Listener] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
         self._membership_task: asyncio.Task[None] | None = None
         for info in static_infos(prefill, decode):
-            self._add(WorkerClient(info))
+            self._add(Worker(info))
 
     @property
-    def all(self) -> list[WorkerClient]:
+    def all(self) -> list[Worker]:
         return self.prefill + self.decode
 
     def on_worker_added(self, listener: Listener) -> None:
-        """Call ``listener(state)`` when a worker joins (before its first health check)."""
+        """Call ``listener(snapshot)`` when a worker joins (before its first health check)."""
         self._added.append(listener)
 
     def on_worker_removed(self, listener: Listener) -> None:
-        """Call ``listener(state)`` when a worker leaves the view."""
+        """Call ``listener(snapshot)`` when a worker leaves the view."""
         self._removed.append(listener)
 
     def describe(self) -> list[dict[str, object]]:
         """The current view, for ``GET /workers``."""
         return [
-            {"id": w.state.worker_id, "role": w.state.role, "endpoint": w.state.endpoint,
-             "healthy": w.state.healthy, "compatibility_hash": w.state.compatibility_hash,
-             "load": asdict(w.state.load), "num_assigned": w.state.num_assigned}
-            for w in self.all
+            {"id": s.worker_id, "role": s.role, "endpoint": s.endpoint,
+             "healthy": s.healthy, "compatibility_hash": s.compatibility_hash,
+             "load": asdict(s.load), "num_assigned": s.num_assigned}
+            for s in (w.snapshot() for w in self.all)
         ]
 
     # MembershipSink
@@ -173,34 +187,34 @@ class WorkerPool:
             return
         if current is not None:
             self._remove(info.member_id)
-        client = WorkerClient(info)
-        self._add(client)
-        self._spawn(client.refresh(max(self._interval_s, 1.0)))  # routable once this passes
+        worker = Worker(info)
+        self._add(worker)
+        self._spawn(worker.refresh(max(self._interval_s, 1.0)))  # routable once this passes
 
     async def delete(self, member_id: str) -> None:
         if member_id in self._members:
             self._remove(member_id)
 
-    def _add(self, client: WorkerClient) -> None:
-        self._members[client.member_id] = client
+    def _add(self, worker: Worker) -> None:
+        self._members[worker.member_id] = worker
         self._rebuild()
-        logger.info("%s worker %s at %s joined the view", client.state.role,
-                    client.info.worker_id, client.state.endpoint)
-        self._notify(self._added, client.state)
+        logger.info("%s worker %s at %s joined the view", worker.info.role,
+                    worker.info.worker_id, worker.info.grpc_endpoint)
+        self._notify(self._added, worker.snapshot())
 
     def _remove(self, member_id: str) -> None:
-        client = self._members.pop(member_id)
+        worker = self._members.pop(member_id)
         self._rebuild()
-        client.state.healthy = False
-        logger.info("%s worker %s at %s left the view", client.state.role,
-                    client.info.worker_id, client.state.endpoint)
-        self._notify(self._removed, client.state)
-        self._spawn(client.close(_CLOSE_GRACE_S))  # its requests end or are cancelled
+        worker.on_removed()
+        logger.info("%s worker %s at %s left the view", worker.info.role,
+                    worker.info.worker_id, worker.info.grpc_endpoint)
+        self._notify(self._removed, worker.snapshot())
+        self._spawn(worker.close(_CLOSE_GRACE_S))  # its requests end or are cancelled
 
     def _rebuild(self) -> None:
         members = sorted(self._members.values(), key=lambda w: w.member_id)
-        self.prefill = [w for w in members if w.state.role == "prefill"]
-        self.decode = [w for w in members if w.state.role == "decode"]
+        self.prefill = [w for w in members if w.info.role == "prefill"]
+        self.decode = [w for w in members if w.info.role == "decode"]
 
     @staticmethod
     def _notify(listeners: list[Listener], state: WorkerState) -> None:

@@ -10,15 +10,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import grpc
 import httpx
 import torch
 from pdserve.kv_transfer.base import KVTransport, PeerAddress, TransportOptions, create_transport
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.wire import TransferError
-from pdserve.proto.pdserve.v1 import worker_pb2 as pb
-from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
+from pdserve.router.worker_client import probe_load
+
+from pdserve.types import WorkerLoadReport
 
 T = TypeVar("T")
 
@@ -187,10 +187,9 @@ class Server:
         view = httpx.get(self.base_url.removesuffix("/v1") + "/workers", timeout=5).json()
         return [w for w in view["workers"] if w["role"] == role]
 
-    def load(self, role: str) -> pb.GetLoadResponse:
+    def load(self, role: str) -> WorkerLoadReport:
         (worker,) = self.workers(role)
-        with grpc.insecure_channel(worker["endpoint"]) as channel:
-            return pb_grpc.WorkerServiceStub(channel).GetLoad(pb.GetLoadRequest(), timeout=5)
+        return probe_load(worker["endpoint"], timeout_s=5)
 
 
 def wait_until(predicate: Callable[[], T], timeout_s: float, interval_s: float = 0.25) -> T:

@@ -3,6 +3,7 @@ prefill + decode vLLM engines) shared by every test in the session."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -12,8 +13,10 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from integration.pd_cases import CASES, KILL_CASE, prompt_ids
 from pdserve_testing import Server
 
 from pdserve.model import prepare_default_model
@@ -32,6 +35,26 @@ def tokenizer(model_path: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture(scope="session")
+def references(model_path: Path, tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
+               ) -> list[list[int]]:
+    """Aggregated vLLM's greedy output for each of CASES, then KILL_CASE (one engine run)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    requests = [{"prompt_token_ids": prompt_ids(tokenizer, c), "max_tokens": c.max_tokens}
+                for c in [*CASES, KILL_CASE]]
+    (tmp / "in.json").write_text(json.dumps(requests))
+    script = Path(__file__).with_name("reference_engine.py")
+    subprocess.run([sys.executable, str(script), str(model_path), str(tmp / "in.json"),
+                    str(tmp / "out.json")], check=True, timeout=600,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return json.loads((tmp / "out.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def reference(references: list[list[int]]) -> list[list[int]]:
+    return references[: len(CASES)]
 
 
 @pytest.fixture(scope="session")

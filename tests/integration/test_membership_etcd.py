@@ -23,14 +23,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import httpx
 import pytest
-from pdserve.proto.pdserve.v1 import worker_pb2 as pb
-from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
+from pdserve.router.worker_client import probe_load
 from pdserve_testing import etcd_keys, wait_until
 
 from pdserve.membership.local_etcd import LocalEtcd
+from pdserve.types import WorkerLoadReport
 from pdserve.up import free_port
 
 pytestmark = pytest.mark.integration
@@ -104,9 +103,8 @@ class Cluster:
     def healthy(self) -> set[str]:
         return {i for i, w in self.view().items() if w["healthy"]}
 
-    def load(self, worker_id: str) -> pb.GetLoadResponse:
-        with grpc.insecure_channel(self.endpoints[worker_id]) as channel:
-            return pb_grpc.WorkerServiceStub(channel).GetLoad(pb.GetLoadRequest(), timeout=10)
+    def load(self, worker_id: str) -> WorkerLoadReport:
+        return probe_load(self.endpoints[worker_id], timeout_s=10)
 
     def complete(self, i: int) -> str:
         body = {"model": "SmolLM2-135M-Instruct", "prompt": f"Request {i}: count to five.",
@@ -195,12 +193,16 @@ def test_registered_workers_are_routable_within_2s(cluster: Cluster) -> None:
 
 
 def test_requests_spread_over_two_prefill_and_two_decode(cluster: Cluster) -> None:
+    before = {w: cluster.load(w) for w in WORKERS}
     for i in range(6):
         cluster.complete(i)
+    after = {w: cluster.load(w) for w in WORKERS}
     for worker_id in ("prefill-0", "prefill-1"):
-        assert cluster.load(worker_id).prompt_tokens_computed > 0, worker_id
-    for worker_id in ("decode-0", "decode-1"):
-        assert cluster.load(worker_id).prompt_tokens_external > 0, worker_id  # KV from P
+        assert (after[worker_id].prompt_tokens_computed
+                > before[worker_id].prompt_tokens_computed), worker_id
+    for worker_id in ("decode-0", "decode-1"):  # KV from P
+        assert (after[worker_id].prompt_tokens_external
+                > before[worker_id].prompt_tokens_external), worker_id
 
 
 def test_sigkilled_worker_leaves_the_view_and_requests_keep_succeeding(
@@ -271,6 +273,7 @@ def test_incompatible_worker_is_never_paired(cluster: Cluster) -> None:
     assert view[LATE]["healthy"] and hashes[LATE] != hashes["prefill-0"] == hashes["decode-0"]
     fallbacks = cluster.metric("pdserve_dispatch_prefill_fallbacks_total")
     computed = cluster.load(LATE).prompt_tokens_computed
+    external = cluster.load("decode-0").prompt_tokens_external
     for j in range(6):
         cluster.complete(600 + j)
     # Round robin gave the bf16 decode worker half of these; no prefill worker may be
@@ -279,4 +282,4 @@ def test_incompatible_worker_is_never_paired(cluster: Cluster) -> None:
     assert late.prompt_tokens_computed > computed
     assert (late.prompt_tokens_external, late.kv_bytes_received) == (0, 0)
     assert cluster.metric("pdserve_dispatch_prefill_fallbacks_total") >= fallbacks + 3
-    assert cluster.load("decode-0").prompt_tokens_external > 0
+    assert cluster.load("decode-0").prompt_tokens_external > external

@@ -13,12 +13,12 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import httpx
 import pytest
-from pdserve.proto.pdserve.v1 import worker_pb2 as pb
-from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
+from pdserve.router.worker_client import probe_load
 from pdserve_testing import Server, launch_up, stop_up, wait_until
+
+from pdserve.types import WorkerLoadReport
 
 pytestmark = pytest.mark.integration
 
@@ -50,13 +50,8 @@ def _index(server: Server) -> dict:
     return httpx.get(server.base_url.removesuffix("/v1") + "/prefix_index", timeout=5).json()
 
 
-def _prefill_loads(server: Server) -> dict[str, pb.GetLoadResponse]:
-    out = {}
-    for w in server.workers("prefill"):
-        with grpc.insecure_channel(w["endpoint"]) as channel:
-            out[w["id"]] = pb_grpc.WorkerServiceStub(channel).GetLoad(pb.GetLoadRequest(),
-                                                                      timeout=5)
-    return out
+def _prefill_loads(server: Server) -> dict[str, WorkerLoadReport]:
+    return {w["id"]: probe_load(w["endpoint"], timeout_s=5) for w in server.workers("prefill")}
 
 
 def _prefix(seed: int, words: int = 1100) -> str:
@@ -74,7 +69,7 @@ def _complete(server: Server, prompt: str) -> dict:
     return resp.json()
 
 
-def _delta(after: dict[str, pb.GetLoadResponse], before: dict[str, pb.GetLoadResponse],
+def _delta(after: dict[str, WorkerLoadReport], before: dict[str, WorkerLoadReport],
            field: str) -> dict[str, int]:
     return {w: getattr(after[w], field) - getattr(before[w], field) for w in after}
 

@@ -18,15 +18,10 @@ import openai
 import uvicorn
 from fastapi import FastAPI
 from pdserve.router.app import create_app
-from pdserve.router.types import (
-    FinishReason,
-    NoWorkerAvailableError,
-    SamplingSpec,
-    TokenChunk,
-    WorkerFailedError,
-)
+from pdserve.router.types import NoWorkerAvailableError, TokenChunk, WorkerFailedError
 
 from pdserve.model import DEFAULT_MODEL_NAME
+from pdserve.types import FinishReason, SamplingSpec
 
 
 @functools.lru_cache(maxsize=1)

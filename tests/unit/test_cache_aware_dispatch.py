@@ -16,13 +16,13 @@ from pdserve.router.kv_feed import KvIndexFeeder
 from pdserve.router.placement import create_placement
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.prefix_routing import PrefixRouting
-from pdserve.router.types import SamplingSpec
 from pdserve.router.workers import WorkerPool
 from pdserve_testing import wait_until_async
 from prometheus_client import CollectorRegistry
 
 from pdserve.sim_engine import SimConfig
 from pdserve.sim_worker import start_sim_worker
+from pdserve.types import SamplingSpec
 
 BS = 16
 

@@ -8,10 +8,11 @@ import asyncio
 
 from pdserve.router.dispatch import PDDispatcher
 from pdserve.router.placement import RoundRobinPlacement
-from pdserve.router.types import SamplingSpec
 from pdserve.router.workers import WorkerPool
 from prometheus_client import CollectorRegistry
 from unit.fake_worker import start_fake_worker
+
+from pdserve.types import SamplingSpec
 
 PROMPT = (11, 12, 13, 14)
 
@@ -23,14 +24,14 @@ async def test_dead_decode_worker_is_retried_on_another() -> None:
     dispatcher = PDDispatcher(pool, RoundRobinPlacement(), CollectorRegistry(), 10.0)
     try:
         await pool.refresh_all()
-        assert all(w.state.healthy for w in pool.all)
+        assert all(w.snapshot().healthy for w in pool.all)
         await d1.stop()  # dead, but the pool has not noticed yet
         for i in range(4):
             chunks = [c async for c in dispatcher.generate(f"r{i}", PROMPT,
                                                            SamplingSpec(max_tokens=3))]
             assert [t for c in chunks for t in c.token_ids] == [42, 100, 101]
-        (dead,) = [w for w in pool.decode if w.state.endpoint == d1.endpoint]
-        assert not dead.state.healthy
+        (dead,) = [w for w in pool.decode if w.snapshot().endpoint == d1.endpoint]
+        assert not dead.snapshot().healthy
         assert len(d2.servicer.generates) == 4  # every decode ended up on d2
         retried = [g for g in d2.servicer.generates if g.kv_handle is not None]
         assert len(retried) == 4  # with prefill's KV handle, not recomputed
@@ -49,7 +50,7 @@ async def test_removed_worker_leaves_placement_and_listeners_hear_it() -> None:
         await pool.refresh_all()
         await pool.delete(f"decode/{d1.endpoint}")
         assert removed == [d1.endpoint]
-        assert [w.state.endpoint for w in pool.decode] == [d2.endpoint]
+        assert [w.snapshot().endpoint for w in pool.decode] == [d2.endpoint]
         for i in range(3):
             _ = [c async for c in dispatcher.generate(f"r{i}", PROMPT,
                                                       SamplingSpec(max_tokens=2))]

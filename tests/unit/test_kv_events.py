@@ -11,7 +11,7 @@ from typing import Any
 import pytest_asyncio
 from pdserve.router.kv_feed import KvIndexFeeder
 from pdserve.router.prefix_index import PrefixIndex
-from pdserve.router.workers import WorkerClient
+from pdserve.router.workers import Worker
 from pdserve_testing import wait_until_async
 from prometheus_client import CollectorRegistry
 
@@ -96,7 +96,7 @@ def in_sync(index: PrefixIndex, engine: Any) -> bool:
 class SimCluster:
     engines: dict[str, Any] = field(default_factory=dict)
     servers: list[Any] = field(default_factory=list)
-    clients: list[WorkerClient] = field(default_factory=list)
+    workers: list[Worker] = field(default_factory=list)
 
     async def add(self, worker_id: str) -> None:
         server, port, engine = await start_sim_worker(
@@ -105,11 +105,11 @@ class SimCluster:
         self.engines[worker_id] = engine
         self.servers.append(server)
         (info,) = static_infos([f"127.0.0.1:{port}"], [])
-        self.clients.append(WorkerClient(info))
+        self.workers.append(Worker(info))
 
     async def close(self) -> None:
-        for c in self.clients:
-            await c.close()
+        for w in self.workers:
+            await w.close()
         for s in self.servers:
             await s.stop(0)
 
@@ -126,7 +126,7 @@ async def test_gap_in_kv_events_leads_to_a_resync(sims: SimCluster) -> None:
     engine = sims.engines["p0"]
     engine.mirror._max_queue = 2  # this subscriber's queue overflows after 2 batches
     index, registry = PrefixIndex(), CollectorRegistry()
-    feeder = KvIndexFeeder(lambda: sims.clients, index, registry)
+    feeder = KvIndexFeeder(lambda: sims.workers, index, registry)
     await feeder.start()
     try:
         (follower,) = feeder.followers
@@ -156,12 +156,12 @@ async def test_departed_worker_leaves_the_index(sims: SimCluster) -> None:
     for wid in ("p0", "p1"):
         await sims.engines[wid].prefill(TOKENS)
     index = PrefixIndex()
-    feeder = KvIndexFeeder(lambda: sims.clients, index, CollectorRegistry(), interval_s=0.05)
+    feeder = KvIndexFeeder(lambda: sims.workers, index, CollectorRegistry(), interval_s=0.05)
     await feeder.start()
     try:
         hashes = chain_hashes(TOKENS, BS)
         assert await wait_until_async(lambda: index.match(hashes) == {"p0": 6, "p1": 6}, 5)
-        sims.clients.pop(0)  # p0 leaves the pool
+        sims.workers.pop(0)  # p0 leaves the pool
         assert await wait_until_async(lambda: index.match(hashes) == {"p1": 6}, 5)
         # p1's process dies: its stream breaks and its entries go.
         await sims.servers[1].stop(0)

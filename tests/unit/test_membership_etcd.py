@@ -12,8 +12,9 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import pytest_asyncio
-from pdserve.router.placement import LeastLoadedPlacement, RoundRobinPlacement
-from pdserve.router.workers import WorkerPool, WorkerState
+from pdserve.router.placement import LeastLoadedPlacement, Placement, RoundRobinPlacement
+from pdserve.router.worker_state import WorkerState
+from pdserve.router.workers import WorkerPool
 from prometheus_client import CollectorRegistry
 from unit.fake_worker import FakeWorker, WorkerScript, eventually, start_fake_worker
 
@@ -55,10 +56,10 @@ class View:
         self.pool.on_worker_removed(lambda s: self.removed.append(s.worker_id))
 
     def healthy_ids(self) -> set[str]:
-        return {w.state.worker_id for w in self.pool.all if w.state.healthy}
+        return {w.snapshot().worker_id for w in self.pool.all if w.snapshot().healthy}
 
     def ids(self) -> set[str]:
-        return {w.state.worker_id for w in self.pool.all}
+        return {w.snapshot().worker_id for w in self.pool.all}
 
     def metric(self, name: str) -> float | None:
         return self.registry.get_sample_value(name)
@@ -206,9 +207,10 @@ async def test_only_compatible_pairs_are_chosen(etcd: LocalEtcd, view: View) -> 
             await w.stop()
 
 
-def choose(policy: object, pool: WorkerPool, cursor: int) -> tuple[str, str]:
-    prefill: list[WorkerState] = [w.state for w in pool.prefill]
-    decode: list[WorkerState] = [w.state for w in pool.decode]
-    choice = policy.choose(prefill, decode, cursor)  # type: ignore[attr-defined]
+def choose(policy: Placement, pool: WorkerPool, cursor: int) -> tuple[str, str]:
+    prefill: list[WorkerState] = [w.snapshot() for w in pool.prefill]
+    decode: list[WorkerState] = [w.snapshot() for w in pool.decode]
+    choice = policy.choose(prefill, decode, cursor)
+    assert choice is not None
     p = prefill[choice.prefill].compatibility_hash if choice.prefill is not None else "none"
     return p, decode[choice.decode].compatibility_hash

@@ -19,7 +19,7 @@ from pdserve.router.placement import (
 )
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.prefix_routing import PrefixRouting
-from pdserve.router.workers import WorkerLoad, WorkerState
+from pdserve.router.worker_state import WorkerLoad, WorkerState
 from prometheus_client import CollectorRegistry
 
 from pdserve.block_hash import chain_hashes

@@ -1,0 +1,140 @@
+"""The router's one gRPC adapter to a worker: a channel and its stub, speaking
+pdserve's own types (``pdserve.types``) in and out. Protobuf is converted in
+``pdserve.proto.convert``; nothing above this module sees a message or a grpc
+exception.
+
+Every failed call raises ``WorkerCallError`` carrying the gRPC status code's
+name (``"UNAVAILABLE"``, ``"INVALID_ARGUMENT"``, ``"UNIMPLEMENTED"``, ...), which
+is all the dispatcher needs to choose between fallback, retry and failure.
+Streams (``generate``, ``kv_events``) cancel their call when closed: callers
+close them (``contextlib.aclosing``) as soon as they stop reading.
+
+``probe_health`` / ``probe_load`` are blocking one-shot calls for tools (the
+launcher, tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+from pdserve.proto import convert
+from pdserve.proto.pdserve.v1 import worker_pb2 as pb
+from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
+
+from pdserve.types import (
+    KvChange,
+    KvSnapshot,
+    PhaseOutput,
+    PhaseRequest,
+    WorkerHealth,
+    WorkerLoadReport,
+)
+
+_MAX_MESSAGE_BYTES = 64 << 20
+UNAVAILABLE = "UNAVAILABLE"
+INVALID_ARGUMENT = "INVALID_ARGUMENT"
+UNIMPLEMENTED = "UNIMPLEMENTED"
+
+
+class WorkerCallError(RuntimeError):
+    """A call to a worker failed; ``code`` is the gRPC status code's name."""
+
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code = code
+        self.details = details
+
+    @classmethod
+    def from_rpc(cls, exc: grpc.RpcError) -> WorkerCallError:
+        """From an ``AioRpcError`` or a blocking call's error (both are ``grpc.Call``s)."""
+        if isinstance(exc, grpc.aio.AioRpcError | grpc.Call):
+            return cls(exc.code().name, exc.details() or "")
+        return cls("UNKNOWN", str(exc))
+
+
+class WorkerClient:
+    """One worker's gRPC endpoint. Every unary call takes its deadline in seconds."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self._channel = grpc.aio.insecure_channel(
+            endpoint, options=[("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)])
+        self._stub = pb_grpc.WorkerServiceStub(self._channel)
+
+    async def generate(self, request: PhaseRequest, timeout_s: float
+                       ) -> AsyncIterator[PhaseOutput]:
+        """The phase's outputs as the worker streams them; closing this cancels the call."""
+        call = self._stub.Generate(convert.phase_request_to_pb(request), timeout=timeout_s)
+        try:
+            async for msg in call:
+                yield convert.phase_output_from_pb(msg)
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerCallError.from_rpc(exc) from exc
+        finally:
+            call.cancel()
+
+    async def abort(self, request_id: str, timeout_s: float) -> None:
+        try:
+            await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerCallError.from_rpc(exc) from exc
+
+    async def health(self, timeout_s: float) -> WorkerHealth:
+        """Raises ``ValueError`` if the worker names no known role."""
+        try:
+            msg = await self._stub.Health(pb.HealthRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerCallError.from_rpc(exc) from exc
+        return convert.health_from_pb(msg)
+
+    async def load(self, timeout_s: float) -> WorkerLoadReport:
+        try:
+            msg = await self._stub.GetLoad(pb.GetLoadRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerCallError.from_rpc(exc) from exc
+        return convert.load_from_pb(msg)
+
+    async def kv_events(self) -> AsyncIterator[KvChange]:
+        """The worker's prefix-cache changes, until it or the caller ends the stream."""
+        call = self._stub.StreamKvEvents(pb.KvEventsRequest())
+        try:
+            async for msg in call:
+                yield convert.kv_change_from_pb(msg)
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerCallError.from_rpc(exc) from exc
+        finally:
+            call.cancel()
+
+    async def kv_snapshot(self, timeout_s: float) -> KvSnapshot:
+        try:
+            msg = await self._stub.GetKvSnapshot(pb.KvSnapshotRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerCallError.from_rpc(exc) from exc
+        return convert.kv_snapshot_from_pb(msg)
+
+    async def close(self, grace_s: float | None = None) -> None:
+        await self._channel.close(grace_s)
+
+
+def probe_health(endpoint: str, timeout_s: float) -> WorkerHealth:
+    """One blocking ``Health`` call; raises ``WorkerCallError`` (or ``ValueError``
+    for a worker that names no known role)."""
+    with grpc.insecure_channel(endpoint) as channel:
+        try:
+            msg = pb_grpc.WorkerServiceStub(channel).Health(pb.HealthRequest(),
+                                                            timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise WorkerCallError.from_rpc(exc) from exc
+    return convert.health_from_pb(msg)
+
+
+def probe_load(endpoint: str, timeout_s: float) -> WorkerLoadReport:
+    """One blocking ``GetLoad`` call; raises ``WorkerCallError``."""
+    with grpc.insecure_channel(endpoint) as channel:
+        try:
+            msg = pb_grpc.WorkerServiceStub(channel).GetLoad(pb.GetLoadRequest(),
+                                                             timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise WorkerCallError.from_rpc(exc) from exc
+    return convert.load_from_pb(msg)

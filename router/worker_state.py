@@ -1,0 +1,62 @@
+"""What placement reads about a worker, and the bookkeeping it is built from.
+
+``WorkerState`` is an immutable snapshot: the pool publishes a new one whenever
+the worker reports (Health + GetLoad) or this router's in-flight work on it
+changes, so a policy reading a list of snapshots sees one consistent moment.
+``InFlight`` is that in-flight work; the dispatcher changes it only through the
+``on_sent`` / ``on_finished`` hooks of the pool's ``Worker``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """The part of a worker's ``GetLoad`` report that placement uses."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_inflight_reqs: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerState:
+    """One worker at one moment, as placement may read it (never mutated)."""
+
+    endpoint: str
+    role: str
+    healthy: bool = False
+    worker_id: str = ""
+    compatibility_hash: str = ""
+    max_model_len: int = 0
+    # KV endpoint, and whether the worker sends/accepts layer-wise push.
+    kv_host: str = ""
+    kv_port: int = 0
+    kv_push: bool = False
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    # Requests this router has sent and not seen finish (fresher than GetLoad).
+    num_assigned: int = 0
+    # Prompt tokens not in the worker's prefix cache, summed over the prefills
+    # this router has sent it and not seen finish (queued prefill work).
+    num_assigned_tokens: int = 0
+
+
+class InFlight:
+    """This router's requests on one worker: sent, not yet seen finish."""
+
+    __slots__ = ("num_assigned", "num_assigned_tokens")
+
+    def __init__(self) -> None:
+        self.num_assigned = 0
+        self.num_assigned_tokens = 0
+
+    def on_sent(self, uncached_tokens: int) -> None:
+        self.num_assigned += 1
+        self.num_assigned_tokens += uncached_tokens
+
+    def on_finished(self, uncached_tokens: int) -> None:
+        self.num_assigned -= 1
+        self.num_assigned_tokens -= uncached_tokens

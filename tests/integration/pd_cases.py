@@ -1,0 +1,71 @@
+"""The requests the P/D end-to-end tests send (``test_pd_e2e*.py``), and how they
+send them: the official openai client, greedy, returning text and token ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import openai
+
+MODEL = "SmolLM2-135M-Instruct"
+BLOCK_SIZE = 128
+NUM_LAYERS = 30  # SmolLM2-135M
+LONG = " ".join(f"Fact {i}: the river by the old mill runs north in spring." for i in range(45))
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str  # "completion" | "chat"
+    prompt: Any
+    stream: bool
+    max_tokens: int
+
+
+CASES = [
+    Case("completion", "The capital of France is", False, 24),
+    Case("completion", "Once upon a time, in a small village by the sea,", True, 32),
+    Case("completion", LONG + "\nQuestion: which way does the river run?\nAnswer:", True, 24),
+    Case("chat", [{"role": "user", "content": "What is 2+2? Answer briefly."}], False, 24),
+    Case("chat", [{"role": "system", "content": "You are terse."},
+                  {"role": "user", "content": "Name three colors."}], True, 32),
+    Case("chat", [{"role": "user", "content": LONG + " Which way does the river run?"}], False, 24),
+    Case("completion", "def fibonacci(n):", False, 40),
+]
+
+
+def prompt_ids(tokenizer: Any, case: Case) -> list[int]:
+    if case.kind == "chat":
+        text = tokenizer.apply_chat_template(case.prompt, add_generation_prompt=True,
+                                             tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(case.prompt, add_special_tokens=True)
+
+
+# Sent only to the cluster whose prefill engine is killed mid-transfer.
+KILL_CASE = Case("completion", "Recount every fact. " + LONG * 3 + "\nSummary:", False, 16)
+
+
+def run_case(client: openai.OpenAI, case: Case) -> tuple[str, list[int]]:
+    common: dict[str, Any] = dict(model=MODEL, max_tokens=case.max_tokens, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    if case.kind == "chat":
+        if not case.stream:
+            resp = client.chat.completions.create(messages=case.prompt, **common)
+            return resp.choices[0].message.content or "", resp.model_dump()["choices"][0][
+                "token_ids"]
+        text, ids = "", []
+        for chunk in client.chat.completions.create(messages=case.prompt, stream=True, **common):
+            for choice in chunk.model_dump()["choices"]:
+                text += choice["delta"].get("content") or ""
+                ids += choice.get("token_ids") or []
+        return text, ids
+    if not case.stream:
+        resp = client.completions.create(prompt=case.prompt, **common)
+        return resp.choices[0].text, resp.model_dump()["choices"][0]["token_ids"]
+    text, ids = "", []
+    for chunk in client.completions.create(prompt=case.prompt, stream=True, **common):
+        for choice in chunk.model_dump()["choices"]:
+            text += choice.get("text") or ""
+            ids += choice.get("token_ids") or []
+    return text, ids

@@ -1,0 +1,100 @@
+"""The dispatcher test bench shared by ``test_dispatch*.py``: one fake prefill and
+one fake decode worker (``fake_worker.py``) in a pool, a ``PDDispatcher`` with
+round-robin placement, and the helpers that read its chunks. The ``cluster``
+fixture (``conftest.py``) checks for leaks when a test ends."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import types
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pdserve.router.dispatch import PDDispatcher
+from pdserve.router.placement import RoundRobinPlacement
+from pdserve.router.types import TokenChunk
+from pdserve.router.workers import WorkerPool
+from prometheus_client import CollectorRegistry
+from unit.fake_worker import FakeWorker, FakeWorkerServicer, eventually, start_fake_worker
+
+from pdserve.types import SamplingSpec
+
+PROMPT = (11, 12, 13, 14)
+FALLBACKS = "pdserve_dispatch_prefill_fallbacks_total"
+WAIT_S = 2.0
+
+
+@dataclass
+class Cluster:
+    prefill: FakeWorker
+    decode: FakeWorker
+    pool: WorkerPool
+    dispatcher: PDDispatcher
+    registry: CollectorRegistry
+    baseline: set[asyncio.Task[object]]
+
+    @property
+    def p(self) -> FakeWorkerServicer:
+        return self.prefill.servicer
+
+    @property
+    def d(self) -> FakeWorkerServicer:
+        return self.decode.servicer
+
+    def fallbacks(self) -> float | None:
+        return self.registry.get_sample_value(FALLBACKS)
+
+    def new_tasks(self) -> set[asyncio.Task[object]]:
+        """Tasks started since the fixture's setup (an abort in flight, a gRPC call), but
+        the grpc server's own, whose coroutines are Cython's, not Python's."""
+        return {t for t in asyncio.all_tasks() - self.baseline - {asyncio.current_task()}
+                if isinstance(t.get_coro(), types.CoroutineType)}
+
+    def assert_no_abort(self) -> None:
+        """Checked right after the iterator ended: an abort would be a task by now."""
+        assert not self.new_tasks()
+        assert self.p.aborts == [] and self.d.aborts == []
+
+
+@contextlib.asynccontextmanager
+async def running_cluster() -> AsyncIterator[Cluster]:
+    """One fake prefill and one fake decode worker, both healthy in the pool."""
+    prefill = await start_fake_worker("prefill")
+    decode = await start_fake_worker("decode")
+    pool = WorkerPool([prefill.endpoint], [decode.endpoint])
+    registry = CollectorRegistry()
+    dispatcher = PDDispatcher(pool, RoundRobinPlacement(), registry, request_timeout_s=10.0)
+    await pool.refresh_all()
+    assert all(w.snapshot().healthy for w in pool.all)
+    c = Cluster(prefill, decode, pool, dispatcher, registry, asyncio.all_tasks())
+    try:
+        yield c
+        # Leak check: nothing running on a worker, no request counted as assigned, no task
+        # (an abort, a gRPC call) left pending by the test.
+        await eventually(lambda: not c.p.inflight and not c.d.inflight, WAIT_S, "workers idle")
+        await eventually(lambda: all(w.snapshot().num_assigned == 0 for w in pool.all), WAIT_S,
+                         "num_assigned back to 0")
+        await eventually(lambda: not c.new_tasks(), WAIT_S, "no task left pending")
+    finally:
+        await pool.close()
+        await asyncio.gather(prefill.stop(), decode.stop())
+
+
+def spec(max_tokens: int) -> SamplingSpec:
+    return SamplingSpec(max_tokens=max_tokens, temperature=0.0)
+
+
+async def collect(chunks: AsyncIterator[TokenChunk], timeout_s: float = WAIT_S) -> list[TokenChunk]:
+    async def run() -> list[TokenChunk]:
+        return [c async for c in chunks]
+
+    return await asyncio.wait_for(run(), timeout_s)
+
+
+async def take(chunks: AsyncIterator[TokenChunk], n: int) -> list[TokenChunk]:
+    return [await asyncio.wait_for(anext(chunks), WAIT_S) for _ in range(n)]
+
+
+def tokens(chunks: list[TokenChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
