@@ -200,10 +200,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.command in ("prefill", "decode"):
         import asyncio
 
-        from pdserve.engine import EngineConfig
         from pdserve.kv_transfer.config import ConnectorConfig
         from pdserve.membership import create_registrar
-        from pdserve.worker_main import serve_worker
+        from pdserve.worker.engine import EngineConfig
+        from pdserve.worker.serve import serve_worker
 
         worker_id = check_name("worker id", args.worker_id or
                                f"{args.command}-{uuid.uuid4().hex[:8]}")
@@ -217,7 +217,7 @@ def _run(args: argparse.Namespace) -> int:
             lease_s=args.lease_s, kv_checksum=args.kv_checksum,
             kv_throttle_mib_s=args.kv_throttle_mib_s, push=_kv_push_default(args.kv_push),
         )
-        from pdserve.vllm_kv_events import KvEventEndpoints
+        from pdserve.prefill_worker.vllm_kv_events import KvEventEndpoints
 
         events = KvEventEndpoints.for_worker(f"{worker_id}-{os.getpid()}")
         config = EngineConfig(
