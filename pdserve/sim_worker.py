@@ -12,7 +12,7 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 
@@ -32,7 +32,7 @@ class SimHost:
         self.engine = engine
         self._inflight: set[str] = set()
 
-    async def generate(self, request: PhaseRequest) -> AsyncIterator[PhaseOutput]:
+    async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         self._inflight.add(request.request_id)
         try:
             if self.engine.config.role == "prefill":

@@ -59,7 +59,9 @@ class VllmEventTranslator:
         self.num_unchained = 0  # stored events whose parent block was unknown
 
     def translate(self, events: Iterable[Any]) -> Change:
-        cleared, stored, removed = False, [], []
+        cleared = False
+        stored: list[int] = []
+        removed: list[int] = []
         for ev in events:
             kind = type(ev).__name__
             if kind == "AllBlocksCleared":

@@ -5,7 +5,7 @@ so all three speak through the same servicer (``pdserve.worker.servicer``).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from pdserve.types import PhaseOutput, PhaseRequest, WorkerHealth, WorkerLoadReport
@@ -36,7 +36,7 @@ class WorkerBackend(Protocol):
     Everything runs on the server's event loop.
     """
 
-    def generate(self, request: PhaseRequest) -> AsyncIterator[PhaseOutput]:
+    def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         """The phase's outputs in order; the last one has a ``finish_reason``.
         The servicer closes the iterator when the caller cancels the call."""
         ...

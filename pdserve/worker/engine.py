@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -89,7 +89,8 @@ class Engine(Protocol):
     def num_kv_blocks(self) -> int: ...
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                 sampling: SamplingSpec, params: EngineParams) -> AsyncIterator[EngineStep]: ...
+                 sampling: SamplingSpec, params: EngineParams
+                 ) -> AsyncGenerator[EngineStep, None]: ...
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -10,7 +10,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
 
 from pdserve.kv_transfer.wire import TransferError, request_once
@@ -90,7 +90,7 @@ class EngineHost:
             compatibility_hash=digest, kv_host=conn.kv_host, kv_port=conn.kv_port,
             kv_push=self.kv_push)
 
-    async def generate(self, request: PhaseRequest) -> AsyncIterator[PhaseOutput]:
+    async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         engine = self.engine
         if engine is None:
             raise WorkerError("unavailable", "engine is loading")

@@ -5,7 +5,7 @@ connector module is loaded in every engine process)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING
 
 from pdserve.types import SamplingSpec
@@ -63,7 +63,7 @@ class VllmEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                        sampling: SamplingSpec, params: EngineParams
-                       ) -> AsyncIterator[EngineStep]:
+                       ) -> AsyncGenerator[EngineStep, None]:
         from vllm.inputs import TokensPrompt
 
         stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)),

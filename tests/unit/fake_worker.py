@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -76,7 +76,7 @@ class FakeWorkerServicer:
     def phases(self) -> list[str]:
         return [g.phase for g in self.generates]
 
-    async def generate(self, request: PhaseRequest) -> AsyncIterator[PhaseOutput]:
+    async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         rid, phase = request.request_id, request.phase
         self.generates.append(GenerateRecord(
             rid, phase, request.prompt_token_ids, request.kv_handle,
@@ -101,7 +101,7 @@ class FakeWorkerServicer:
         finally:
             self.inflight.discard(rid)
 
-    async def _prefill(self, request: PhaseRequest) -> AsyncIterator[PhaseOutput]:
+    async def _prefill(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         await asyncio.sleep(self.script.prefill_delay_s)
         handle = None
         if not self.script.prefill_stop and request.sampling.max_tokens > 1:
@@ -118,7 +118,7 @@ class FakeWorkerServicer:
             num_cached_tokens=self.script.num_cached_tokens,
             num_prompt_tokens=len(request.prompt_token_ids))
 
-    async def _decode(self, request: PhaseRequest) -> AsyncIterator[PhaseOutput]:
+    async def _decode(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         ids = self.script.decode_token_ids
         n = request.sampling.max_tokens
         if self.script.decode_gate is not None:

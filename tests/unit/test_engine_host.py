@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -53,7 +53,7 @@ class FakeEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                        sampling: SamplingSpec, params: EngineParams
-                       ) -> AsyncIterator[EngineStep]:
+                       ) -> AsyncGenerator[EngineStep, None]:
         self.calls.append((request_id, tuple(prompt_token_ids), sampling, params))
         done = False
         try:

@@ -6,7 +6,7 @@ KV-event relay. (This test is at the protobuf edge, so it builds messages.)"""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -50,7 +50,7 @@ class Backend:
     closed: list[str] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
 
-    async def generate(self, request: PhaseRequest) -> AsyncIterator[PhaseOutput]:
+    async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         self.requests.append(request)
         try:
             for out in self.outputs:
