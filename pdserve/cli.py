@@ -107,8 +107,8 @@ def _run_worker(args: argparse.Namespace, model: ResolvedModel) -> int:
     import asyncio
 
     from pdserve.membership import create_registrar
-    from pdserve.worker_config import WorkerConfig
-    from pdserve.worker_main import serve_worker
+    from pdserve.worker.config import WorkerConfig
+    from pdserve.worker.serve import serve_worker
 
     config = WorkerConfig.from_args(args, model)
     asyncio.run(serve_worker(config.engine, config.worker_id, config.host, config.port,
@@ -132,8 +132,7 @@ def _run_up(args: argparse.Namespace, model: ResolvedModel) -> int:
 def _run_sim_worker(args: argparse.Namespace) -> int:
     import asyncio
 
-    from pdserve.sim_worker import serve_sim_worker
-    from pdserve.worker_config import sim_config_from_args
+    from pdserve.sim_worker import serve_sim_worker, sim_config_from_args
 
     asyncio.run(serve_sim_worker(sim_config_from_args(args), args.host, args.port))
     return 0

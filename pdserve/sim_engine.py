@@ -16,12 +16,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from pdserve.block_hash import chain_hashes
-from pdserve.kv_mirror import KvCacheMirror
+from pdserve.prefill_worker.kv_mirror import KvCacheMirror
+from pdserve.types import Role
 
 
 @dataclass(frozen=True)
 class SimConfig:
-    role: str
+    role: Role
     worker_id: str
     block_size: int = 16
     num_blocks: int = 1024

@@ -1,4 +1,5 @@
-"""The simulated worker: the same gRPC ``WorkerService`` over a ``SimEngine``.
+"""The simulated worker: a ``SimEngine`` behind the same gRPC ``WorkerService``
+(``pdserve.worker.servicer``) a vLLM worker runs.
 
 ``pdserve sim-worker --role prefill --port 50051`` (or ``python -m
 pdserve.sim_worker``). Tokens are made up; timing, prefix caching and KV events
@@ -7,102 +8,88 @@ are modelled. For router-scale tests and benchmarks only.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
 import sys
+import uuid
+from collections.abc import AsyncGenerator
 
 import grpc
 
-from pdserve.kv_relay import kv_snapshot, stream_kv_events
-from pdserve.proto.pdserve.v1 import worker_pb2 as pb
-from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
+from pdserve.kv_transfer.handle import KVHandle
+from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 from pdserve.sim_engine import SimConfig, SimEngine
+from pdserve.types import PhaseOutput, PhaseRequest, WorkerHealth, WorkerLoadReport
+from pdserve.worker.servicer import start_server
 
 logger = logging.getLogger("pdserve.sim_worker")
-_ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE}
-_PHASES = {pb.PHASE_PREFILL: "prefill", pb.PHASE_DECODE: "decode"}
 
 
-class SimWorkerServicer(pb_grpc.WorkerServiceServicer):
+class SimHost:
+    """The ``WorkerBackend`` of a simulated worker."""
+
     def __init__(self, engine: SimEngine) -> None:
         self.engine = engine
         self._inflight: set[str] = set()
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        cfg = self.engine.config
-        if _PHASES.get(request.phase) != cfg.role:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this is a {cfg.role} worker")
-        if not request.prompt_token_ids or request.sampling.max_tokens < 1:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "prompt_token_ids and max_tokens >= 1 are required")
-        prompt = list(request.prompt_token_ids)
+    async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         self._inflight.add(request.request_id)
         try:
-            if cfg.role == "prefill":
-                yield await self._prefill(request, prompt)
+            if self.engine.config.role == "prefill":
+                yield await self._prefill(request)
                 return
+            prompt = request.prompt_token_ids
             tokens = [t async for t in self.engine.decode(prompt, request.sampling.max_tokens)]
             for t in tokens[:-1]:
-                yield pb.GenerateResponse(token_ids=[t])
-            yield pb.GenerateResponse(token_ids=tokens[-1:], finish_reason=pb.FINISH_REASON_LENGTH,
-                                      num_prompt_tokens=len(prompt))
+                yield PhaseOutput(token_ids=(t,))
+            yield PhaseOutput(token_ids=tuple(tokens[-1:]), finish_reason="length",
+                              num_prompt_tokens=len(prompt))
         finally:
             self._inflight.discard(request.request_id)
 
-    async def _prefill(self, request: pb.GenerateRequest, prompt: list[int]
-                       ) -> pb.GenerateResponse:
+    async def _prefill(self, request: PhaseRequest) -> PhaseOutput:
+        prompt = request.prompt_token_ids
         cached = await self.engine.prefill(prompt)
-        resp = pb.GenerateResponse(token_ids=[10 + sum(prompt) % 1000],
-                                   finish_reason=pb.FINISH_REASON_LENGTH,
-                                   num_cached_tokens=cached, num_prompt_tokens=len(prompt))
+        handle = None
         if request.sampling.max_tokens > 1:
-            resp.kv_handle.CopyFrom(pb.KvHandle(
+            handle = KVHandle(
                 engine_id=self.engine.config.worker_id, remote_request_id=request.request_id,
-                num_tokens=len(prompt), transport="sim", transfer_id=request.request_id))
-        return resp
+                block_ids=(), num_tokens=len(prompt), transport="sim", host="", port=0,
+                transfer_id=request.request_id, lease_deadline_unix_ns=0)
+        return PhaseOutput(token_ids=(10 + sum(prompt) % 1000,), finish_reason="length",
+                           kv_handle=handle, num_cached_tokens=cached,
+                           num_prompt_tokens=len(prompt))
 
-    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        return pb.AbortResponse(found=request.request_id in self._inflight)
+    async def abort(self, request_id: str) -> bool:
+        return request_id in self._inflight
 
-    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+    def health(self) -> WorkerHealth:
         cfg = self.engine.config
-        return pb.HealthResponse(
-            ready=True, role=_ROLES[cfg.role], worker_id=cfg.worker_id, model="sim",
-            dtype="sim", block_size=cfg.block_size, max_model_len=cfg.max_model_len,
-            transport="sim", compatibility_hash=f"sim-{cfg.block_size}")
+        return WorkerHealth(
+            ready=True, role=cfg.role, worker_id=cfg.worker_id, model="sim", dtype="sim",
+            block_size=cfg.block_size, max_model_len=cfg.max_model_len, transport="sim",
+            compatibility_hash=f"sim-{cfg.block_size}")
 
-    async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+    async def load(self) -> WorkerLoadReport:
         c = self.engine.counters
-        return pb.GetLoadResponse(
+        return WorkerLoadReport(
             num_running_reqs=c.num_running_reqs, num_waiting_reqs=c.num_waiting_reqs,
             kv_cache_usage=self.engine.kv_cache_usage,
             prompt_tokens_computed=c.prompt_tokens_computed,
             prompt_tokens_local_cache_hit=c.prompt_tokens_local_cache_hit,
             num_inflight_reqs=len(self._inflight), num_cached_blocks=len(self.engine.mirror))
 
-    async def StreamKvEvents(self, request: pb.KvEventsRequest,  # noqa: N802
-                             context: grpc.aio.ServicerContext):
-        mirror = self.engine.mirror if self.engine.config.role == "prefill" else None
-        async for batch in stream_kv_events(mirror, context):
-            yield batch
-
-    async def GetKvSnapshot(self, request: pb.KvSnapshotRequest,  # noqa: N802
-                            context: grpc.aio.ServicerContext):
-        mirror = self.engine.mirror if self.engine.config.role == "prefill" else None
-        return await kv_snapshot(mirror, self.engine.config.worker_id, context)
+    def kv_mirror(self) -> KvCacheMirror | None:
+        return self.engine.mirror if self.engine.config.role == "prefill" else None
 
 
 async def start_sim_worker(config: SimConfig, host: str = "127.0.0.1", port: int = 0
                            ) -> tuple[grpc.aio.Server, int, SimEngine]:
     """Start a simulated worker on this event loop; returns (server, bound port, engine)."""
     engine = SimEngine(config)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_WorkerServiceServicer_to_server(SimWorkerServicer(engine), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"cannot bind gRPC port {host}:{port}")
-    await server.start()
+    server, bound = await start_server(SimHost(engine), host, port)
     return server, bound, engine
 
 
@@ -115,6 +102,15 @@ async def serve_sim_worker(config: SimConfig, host: str, port: int) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(1.0)
+
+
+def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
+    """From the ``sim-worker`` subcommand's flags."""
+    return SimConfig(
+        role=args.role, worker_id=args.worker_id or f"sim-{args.role}-{uuid.uuid4().hex[:8]}",
+        block_size=args.block_size, num_blocks=args.num_blocks,
+        prefill_s_per_token=args.prefill_us_per_token * 1e-6,
+        decode_s_per_token=args.decode_ms_per_token * 1e-3)
 
 
 if __name__ == "__main__":

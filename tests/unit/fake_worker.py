@@ -1,6 +1,7 @@
-"""A scripted gRPC ``WorkerService`` for router tests: real ``grpc.aio`` server on 127.0.0.1,
-no engine. It records what the router sent (Generate, Abort, client cancellations) and
-plays a ``WorkerScript``:
+"""A scripted worker for router tests: the real gRPC ``WorkerService``
+(``pdserve.worker.servicer``) on 127.0.0.1 in front of a scripted ``WorkerBackend``,
+no engine. The backend records what the router sent (Generate, Abort, client
+cancellations) and plays a ``WorkerScript``:
 
 - prefill: one token, finish LENGTH with a ``KvHandle`` (a lease, kept until Abort) when
   ``sampling.max_tokens > 1``, or finish STOP without a handle when ``prefill_stop``;
@@ -14,16 +15,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from pdserve.proto.pdserve.v1 import worker_pb2 as pb
-from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
+from pdserve.kv_transfer.handle import KVHandle, PushTarget
+from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 
-_PHASES = {pb.PHASE_PREFILL: "prefill", pb.PHASE_DECODE: "decode"}
-_ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE}
+from pdserve.types import PhaseOutput, PhaseRequest, Role, WorkerHealth, WorkerLoadReport
+from pdserve.worker.backend import WorkerError
+from pdserve.worker.servicer import STATUS_OF_KIND, start_server
 
+_KIND_OF_STATUS = {code: kind for kind, code in STATUS_OF_KIND.items()}
 
 @dataclass
 class WorkerScript:
@@ -50,14 +53,18 @@ class GenerateRecord:
     request_id: str
     phase: str
     prompt_token_ids: tuple[int, ...]
-    kv_handle: pb.KvHandle | None
+    kv_handle: KVHandle | None
     max_tokens: int
-    kv_push_target: pb.KvPushTarget | None = None
+    kv_push_target: PushTarget | None = None
 
 
 @dataclass
-class FakeWorkerServicer(pb_grpc.WorkerServiceServicer):
-    role: str
+class FakeWorkerServicer:
+    """The scripted ``WorkerBackend`` (named for what router tests reach it as:
+    ``FakeWorker.servicer``). The servicer refuses a phase not of ``role`` before
+    the backend sees it, as it does for every worker."""
+
+    role: Role
     script: WorkerScript = field(default_factory=WorkerScript)
     generates: list[GenerateRecord] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
@@ -69,55 +76,49 @@ class FakeWorkerServicer(pb_grpc.WorkerServiceServicer):
     def phases(self) -> list[str]:
         return [g.phase for g in self.generates]
 
-    async def Generate(  # noqa: N802 - gRPC method name
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
-        phase = _PHASES.get(request.phase, "")
-        handle = request.kv_handle if request.HasField("kv_handle") else None
-        push = request.kv_push_target if request.HasField("kv_push_target") else None
+    async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
+        rid, phase = request.request_id, request.phase
         self.generates.append(GenerateRecord(
-            request.request_id, phase, tuple(request.prompt_token_ids), handle,
-            request.sampling.max_tokens, push))
-        if phase != self.role:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"a {self.role} worker")
-        self.inflight.add(request.request_id)
+            rid, phase, request.prompt_token_ids, request.kv_handle,
+            request.sampling.max_tokens, request.push_target))
+        self.inflight.add(rid)
         try:
             steps = self._prefill(request) if phase == "prefill" else self._decode(request)
             fail = self.script.fail_code
             num_sent = 0
             async with contextlib.aclosing(steps):
-                async for resp in steps:
+                async for out in steps:
                     if fail is not None and num_sent >= self.script.fail_after_tokens:
                         break
-                    yield resp
+                    yield out
                     num_sent += 1
             if fail is not None:
-                await context.abort(fail, f"scripted {phase} failure")
-        except asyncio.CancelledError:
-            self.cancelled.append(request.request_id)
+                raise WorkerError(_KIND_OF_STATUS[fail], f"scripted {phase} failure")
+        except (asyncio.CancelledError, GeneratorExit):
+            # Cancelled inside the backend, or closed by the servicer at a yield.
+            self.cancelled.append(rid)
             raise
         finally:
-            self.inflight.discard(request.request_id)
+            self.inflight.discard(rid)
 
-    async def _prefill(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def _prefill(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         await asyncio.sleep(self.script.prefill_delay_s)
-        resp = pb.GenerateResponse(
-            token_ids=[self.script.first_token_id], finish_reason=pb.FINISH_REASON_LENGTH,
+        handle = None
+        if not self.script.prefill_stop and request.sampling.max_tokens > 1:
+            transfer_id = f"xfer-{request.request_id}"
+            handle = KVHandle(
+                engine_id=f"engine-{id(self):x}", remote_request_id=f"p-{request.request_id}",
+                block_ids=(3, 4), num_tokens=len(request.prompt_token_ids), transport="tcp",
+                host="127.0.0.1", port=1, transfer_id=transfer_id,
+                lease_deadline_unix_ns=time.time_ns() + 30 * 10**9)
+            self.leases[request.request_id] = transfer_id
+        yield PhaseOutput(
+            token_ids=(self.script.first_token_id,),
+            finish_reason="stop" if self.script.prefill_stop else "length", kv_handle=handle,
             num_cached_tokens=self.script.num_cached_tokens,
             num_prompt_tokens=len(request.prompt_token_ids))
-        if self.script.prefill_stop:
-            resp.finish_reason = pb.FINISH_REASON_STOP
-        elif request.sampling.max_tokens > 1:
-            transfer_id = f"xfer-{request.request_id}"
-            resp.kv_handle.CopyFrom(pb.KvHandle(
-                engine_id=f"engine-{id(self):x}", remote_request_id=f"p-{request.request_id}",
-                block_ids=[3, 4], num_tokens=len(request.prompt_token_ids), transport="tcp",
-                host="127.0.0.1", port=1, transfer_id=transfer_id,
-                lease_deadline_unix_ns=time.time_ns() + 30 * 10**9))
-            self.leases[request.request_id] = transfer_id
-        yield resp
 
-    async def _decode(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def _decode(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         ids = self.script.decode_token_ids
         n = request.sampling.max_tokens
         if self.script.decode_gate is not None:
@@ -125,33 +126,30 @@ class FakeWorkerServicer(pb_grpc.WorkerServiceServicer):
         for i in range(n):
             await asyncio.sleep(self.script.token_delay_s)
             last = i == n - 1
-            yield pb.GenerateResponse(
-                token_ids=[ids[i % len(ids)]],
-                finish_reason=pb.FINISH_REASON_LENGTH if last else pb.FINISH_REASON_UNSPECIFIED,
+            yield PhaseOutput(
+                token_ids=(ids[i % len(ids)],), finish_reason="length" if last else None,
                 num_cached_tokens=self.script.num_cached_tokens if i == 0 else 0,
                 num_prompt_tokens=len(request.prompt_token_ids) if last else 0)
 
-    async def Abort(  # noqa: N802 - gRPC method name
-        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AbortResponse:
-        self.aborts.append(request.request_id)
-        found = request.request_id in self.inflight or request.request_id in self.leases
-        self.leases.pop(request.request_id, None)
-        return pb.AbortResponse(found=found)
+    async def abort(self, request_id: str) -> bool:
+        self.aborts.append(request_id)
+        found = request_id in self.inflight or request_id in self.leases
+        self.leases.pop(request_id, None)
+        return found
 
-    async def Health(  # noqa: N802 - gRPC method name
-        self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
-    ) -> pb.HealthResponse:
-        return pb.HealthResponse(
-            ready=True, role=_ROLES[self.role], worker_id=f"fake-{self.role}-{id(self):x}",
-            model="fake", dtype="float32", block_size=128, max_model_len=4096,
-            transport="tcp", compatibility_hash=self.script.compatibility_hash,
-            kv_host="127.0.0.1", kv_port=self.script.kv_port, kv_push=self.script.kv_push)
+    def health(self) -> WorkerHealth:
+        return WorkerHealth(
+            ready=True, role=self.role,
+            worker_id=f"fake-{self.role}-{id(self):x}", model="fake", dtype="float32",
+            block_size=128, max_model_len=4096, transport="tcp",
+            compatibility_hash=self.script.compatibility_hash, kv_host="127.0.0.1",
+            kv_port=self.script.kv_port, kv_push=self.script.kv_push)
 
-    async def GetLoad(  # noqa: N802 - gRPC method name
-        self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
-    ) -> pb.GetLoadResponse:
-        return pb.GetLoadResponse()
+    async def load(self) -> WorkerLoadReport:
+        return WorkerLoadReport()
+
+    def kv_mirror(self) -> KvCacheMirror | None:
+        return None
 
 
 @dataclass
@@ -169,13 +167,10 @@ class FakeWorker:
         await self.server.stop(grace=None)
 
 
-async def start_fake_worker(role: str, script: WorkerScript | None = None) -> FakeWorker:
-    servicer = FakeWorkerServicer(role, script or WorkerScript())
-    server = grpc.aio.server()
-    pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return FakeWorker(servicer, server, port)
+async def start_fake_worker(role: Role, script: WorkerScript | None = None) -> FakeWorker:
+    backend = FakeWorkerServicer(role, script or WorkerScript())
+    server, port = await start_server(backend)
+    return FakeWorker(backend, server, port)
 
 
 async def eventually(

@@ -13,12 +13,13 @@ from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.router.server import RouterConfig
 
 from pdserve.cli import build_parser, main
-from pdserve.engine import EngineConfig
 from pdserve.membership import MembershipConfig
 from pdserve.model import ResolvedModel
 from pdserve.sim_engine import SimConfig
+from pdserve.sim_worker import sim_config_from_args
 from pdserve.up import UpConfig
-from pdserve.worker_config import WorkerConfig, sim_config_from_args
+from pdserve.worker.config import WorkerConfig
+from pdserve.worker.engine import EngineConfig
 
 MODEL = ResolvedModel(Path("/models/tiny"), "tiny")
 

@@ -1,5 +1,6 @@
-"""Runs one worker process: the gRPC WorkerService in front of an in-process
-vLLM engine. Health answers "not ready" while the engine loads."""
+"""Runs one worker process: the gRPC ``WorkerService`` in front of an in-process
+vLLM engine, with the role's policy. Health answers "not ready" while the engine
+loads; the worker registers once it is ready and withdraws first on the way out."""
 
 from __future__ import annotations
 
@@ -7,33 +8,54 @@ import asyncio
 import logging
 import signal
 
-import grpc
-
-from pdserve.engine import EngineConfig
-from pdserve.engine_host import EngineHost
+from pdserve.decode_worker.policy import DecodePolicy
+from pdserve.kv_transfer.base import push_transport_names
+from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.membership import Registrar, WorkerInfo
 from pdserve.membership.static import NullRegistrar
-from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
-from pdserve.worker_service import WorkerServicer
+from pdserve.prefill_worker.policy import PrefillPolicy
+from pdserve.worker.engine import EngineConfig
+from pdserve.worker.host import EngineHost
+from pdserve.worker.policy import RolePolicy
+from pdserve.worker.servicer import start_server
+from pdserve.worker.vllm_engine import VllmEngine
 
 logger = logging.getLogger("pdserve.worker")
 _GRACE_S = 5.0
 
 
+def kv_push_enabled(connector: ConnectorConfig) -> bool:
+    """Whether this worker sends (prefill) or accepts (decode) layer-wise push."""
+    return connector.push and connector.transport in push_transport_names()
+
+
+def role_policy(config: EngineConfig, kv_push: bool) -> RolePolicy:
+    if config.role == "prefill":
+        return PrefillPolicy(kv_push=kv_push, kv_events=config.kv_events)
+    return DecodePolicy()
+
+
+def engine_host(config: EngineConfig, worker_id: str) -> EngineHost:
+    """The vLLM engine host for ``config``'s role (the engine starts on ``start``)."""
+    kv_push = kv_push_enabled(config.connector)
+    return EngineHost(config, worker_id, role_policy(config, kv_push), VllmEngine.start,
+                      kv_push=kv_push)
+
+
 def worker_info(host: EngineHost, advertise_host: str, grpc_port: int) -> WorkerInfo:
     """What this worker registers (DESIGN.md "Membership"), once its engine is ready."""
-    ident = host.identity()
+    health = host.health()
     cfg = host.config
     capacity: dict[str, float] = {"kv_cache_gib": cfg.kv_cache_gib,
                                   "max_num_seqs": cfg.max_num_seqs}
     if host.engine is not None:
-        capacity["num_kv_blocks"] = host.engine.vllm_config.cache_config.num_gpu_blocks or 0
+        capacity["num_kv_blocks"] = host.engine.num_kv_blocks
     conn = cfg.connector
     return WorkerInfo(
         worker_id=host.worker_id, role=cfg.role, grpc_endpoint=f"{advertise_host}:{grpc_port}",
         kv_endpoints={conn.transport: f"{conn.kv_host}:{conn.kv_port}"},
-        model=cfg.served_model_name, dtype=ident["dtype"], block_size=ident["block_size"],
-        compatibility_hash=ident["compatibility_hash"], max_model_len=cfg.max_model_len,
+        model=cfg.served_model_name, dtype=health.dtype, block_size=health.block_size,
+        compatibility_hash=health.compatibility_hash, max_model_len=cfg.max_model_len,
         capacity=capacity,
     )
 
@@ -45,13 +67,8 @@ async def serve_worker(config: EngineConfig, worker_id: str, host: str, port: in
     ready; on the way out withdraws the registration first (no new requests), then
     lets in-flight calls finish."""
     registrar = registrar or NullRegistrar()
-    engine_host = EngineHost(config, worker_id)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(engine_host), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"cannot bind gRPC port {host}:{port}")
-    await server.start()
+    backend = engine_host(config, worker_id)
+    server, bound = await start_server(backend, host, port)
     logger.info("%s worker %s: gRPC on %s:%d, loading engine", config.role, worker_id, host, bound)
 
     stop = asyncio.Event()
@@ -59,18 +76,18 @@ async def serve_worker(config: EngineConfig, worker_id: str, host: str, port: in
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        load = asyncio.ensure_future(asyncio.to_thread(engine_host.start))
+        load = asyncio.ensure_future(asyncio.to_thread(backend.start))
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait([load, stopped], return_when=asyncio.FIRST_COMPLETED)
         if load.done():
             load.result()  # raises if the engine failed to start
-            engine_host.start_kv_events(loop)
+            backend.start_role(loop)
             logger.info("%s worker %s ready (KV %s on port %d)", config.role, worker_id,
                         config.connector.transport, config.connector.kv_port)
-            await registrar.start(worker_info(engine_host, advertise_host or host, bound))
+            await registrar.start(worker_info(backend, advertise_host or host, bound))
             await stopped
     finally:
         logger.info("%s worker %s stopping", config.role, worker_id)
         await registrar.close()
         await server.stop(_GRACE_S)
-        engine_host.shutdown()
+        backend.shutdown()

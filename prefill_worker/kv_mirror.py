@@ -13,21 +13,8 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class KvChange:
-    """One batch of set changes; ``cleared`` applies before ``stored``/``removed``."""
-
-    seq: int
-    cleared: bool = False
-    stored: tuple[int, ...] = ()
-    removed: tuple[int, ...] = ()
-
-    @property
-    def is_heartbeat(self) -> bool:
-        return not (self.cleared or self.stored or self.removed)
+from pdserve.types import KvChange
 
 
 class KvSubscription:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.prefill_worker.kv_mirror import KvCacheMirror
+
 from pdserve.block_hash import ROOT_HASH, chain_hashes
 
 logger = logging.getLogger("pdserve.worker.kv_events")
@@ -57,7 +59,9 @@ class VllmEventTranslator:
         self.num_unchained = 0  # stored events whose parent block was unknown
 
     def translate(self, events: Iterable[Any]) -> Change:
-        cleared, stored, removed = False, [], []
+        cleared = False
+        stored: list[int] = []
+        removed: list[int] = []
         for ev in events:
             kind = type(ev).__name__
             if kind == "AllBlocksCleared":
@@ -170,3 +174,23 @@ class ZmqKvEventSource:
         cleared, stored, removed = self._translator.translate(batch.events)
         if cleared or stored or removed:
             self._loop.call_soon_threadsafe(self._sink, cleared, stored, removed)
+
+
+@dataclass
+class KvEventMirroring:
+    """A running engine's KV events, kept in ``mirror`` (the prefill worker's)."""
+
+    mirror: KvCacheMirror
+    source: ZmqKvEventSource
+
+    @classmethod
+    def start(cls, endpoints: KvEventEndpoints, block_size: int,
+              loop: asyncio.AbstractEventLoop) -> KvEventMirroring:
+        """Subscribe (call on the event loop ``loop`` once the engine runs)."""
+        mirror = KvCacheMirror(block_size)
+        source = ZmqKvEventSource(endpoints, block_size, mirror.apply, loop)
+        source.start()
+        return cls(mirror, source)
+
+    def close(self) -> None:
+        self.source.close()

@@ -12,11 +12,10 @@ import os
 import uuid
 from dataclasses import dataclass
 
-from pdserve.engine import EngineConfig, Role
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.membership import MembershipConfig, check_name
 from pdserve.model import ResolvedModel
-from pdserve.sim_engine import SimConfig
+from pdserve.worker.engine import EngineConfig, Role
 
 _ANY_HOST = ("0.0.0.0", "::")
 
@@ -60,7 +59,7 @@ class WorkerConfig:
 
 
 def _kv_event_endpoints(worker_id: str) -> tuple[str, str]:
-    from pdserve.vllm_kv_events import KvEventEndpoints
+    from pdserve.prefill_worker.vllm_kv_events import KvEventEndpoints
 
     # Socket files live in the shared temp dir: two workers of one id (two `pdserve up`
     # on a machine) must not share them.
@@ -76,12 +75,3 @@ def kv_push_default(flag: bool | None) -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
-
-
-def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
-    """From the ``sim-worker`` subcommand's flags."""
-    return SimConfig(
-        role=args.role, worker_id=args.worker_id or f"sim-{args.role}-{uuid.uuid4().hex[:8]}",
-        block_size=args.block_size, num_blocks=args.num_blocks,
-        prefill_s_per_token=args.prefill_us_per_token * 1e-6,
-        decode_s_per_token=args.decode_ms_per_token * 1e-3)

@@ -1,23 +1,25 @@
-"""Hosts one vLLM ``AsyncLLM`` in-process with the pdserve KV connector, and
-keeps the engine's own counters (prompt tokens by source, load, KV usage,
-connector transfer stats) for the worker's GetLoad and metrics."""
+"""The engine a worker hosts: its config, the ``Engine`` contract the host drives
+(``VllmEngine`` wraps vLLM's ``AsyncLLM`` behind it; tests use a fake), the
+engine's own counters (prompt tokens by source, load, KV usage) for GetLoad, and
+``build_engine``, which starts vLLM in-process with the pdserve KV connector."""
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.types import Role, SamplingSpec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 
-Role = Literal["prefill", "decode"]
 CONNECTOR_MODULE = "pdserve.kv_transfer.connector"
 
 
@@ -50,6 +52,49 @@ class EngineConfig:
             raise ValueError("kv_cache_gib must be > 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be >= 2")
+
+
+@dataclass(frozen=True)
+class EngineParams:
+    """What a role policy decides for one request beyond its sampling spec."""
+
+    max_tokens: int
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class EngineStep:
+    """One engine output: the tokens since the previous one (vLLM's DELTA kind).
+    ``finish_reason`` is the engine's own word; the host maps it."""
+
+    token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    num_cached_tokens: int = 0
+
+
+class Engine(Protocol):
+    """A running engine as ``EngineHost`` drives it. ``generate`` streams one
+    request and aborts it in the engine when closed early; ``abort`` stops one
+    by id (a no-op for an unknown id)."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def num_kv_blocks(self) -> int: ...
+
+    def generate(self, request_id: str, prompt_token_ids: Sequence[int],
+                 sampling: SamplingSpec, params: EngineParams
+                 ) -> AsyncGenerator[EngineStep, None]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 @dataclass

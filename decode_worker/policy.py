@@ -1,0 +1,52 @@
+"""The decode role on the shared engine host: continue a request from prompt +
+first token, loading the prompt's KV from where the prefill's handle says
+(``do_remote_prefill``), or computing it here when no handle came (the
+aggregated fallback). Pushed KV is taken from the connector's inbox by the
+connector itself; nothing here holds KV past the request."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from pdserve.kv_transfer.handle import KVHandle
+
+from pdserve.types import PhaseRequest, Role
+from pdserve.worker.engine import EngineParams
+
+if TYPE_CHECKING:
+    from pdserve.prefill_worker.kv_mirror import KvCacheMirror
+
+
+class DecodePolicy:
+    @property
+    def role(self) -> Role:
+        return "decode"
+
+    def engine_params(self, request: PhaseRequest) -> EngineParams:
+        handle = request.kv_handle
+        params = None if handle is None else dict(handle.to_params(), do_remote_prefill=True)
+        return EngineParams(max_tokens=request.sampling.max_tokens, kv_transfer_params=params)
+
+    def on_finished(self, request: PhaseRequest,
+                    kv_transfer_params: dict[str, Any] | None) -> KVHandle | None:
+        return None
+
+    async def release(self, request_id: str) -> bool:
+        return False
+
+    def prune(self, now_ns: int) -> None:
+        return
+
+    def start(self, block_size: int, loop: asyncio.AbstractEventLoop) -> None:
+        return
+
+    def close(self) -> None:
+        return
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        return False
+
+    def kv_mirror(self) -> KvCacheMirror | None:
+        return None

@@ -1,0 +1,60 @@
+"""What the gRPC servicer serves: a ``WorkerBackend``. The vLLM ``EngineHost``,
+the simulator's ``SimHost`` and the router tests' scripted worker implement it,
+so all three speak through the same servicer (``pdserve.worker.servicer``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from pdserve.types import PhaseOutput, PhaseRequest, WorkerHealth, WorkerLoadReport
+
+if TYPE_CHECKING:
+    from pdserve.prefill_worker.kv_mirror import KvCacheMirror
+
+ErrorKind = Literal[
+    "invalid_argument", "failed_precondition", "unavailable", "unimplemented", "internal"]
+
+
+class WorkerError(Exception):
+    """A request the backend refuses or cannot finish. ``kind`` says which gRPC
+    status the servicer answers with; the message goes to the caller as is."""
+
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind: ErrorKind = kind
+
+
+class WorkerBackend(Protocol):
+    """One worker's logic behind the servicer, free of protobuf and gRPC.
+
+    The servicer checks a ``Generate`` against ``health()`` (ready, role,
+    ``max_model_len``) before it calls ``generate``, so a backend sees only
+    requests for its own phase. Errors: raise ``WorkerError`` (its kind picks the
+    status) or ``ValueError`` (invalid argument); anything else is internal.
+    Everything runs on the server's event loop.
+    """
+
+    def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
+        """The phase's outputs in order; the last one has a ``finish_reason``.
+        The servicer closes the iterator when the caller cancels the call."""
+        ...
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop ``request_id`` and free what this worker holds for it (its KV
+        lease included); True if there was anything."""
+        ...
+
+    def health(self) -> WorkerHealth:
+        """Who this worker is and whether it serves yet."""
+        ...
+
+    async def load(self) -> WorkerLoadReport:
+        """Current load and cumulative counters (may prune expired leases)."""
+        ...
+
+    def kv_mirror(self) -> KvCacheMirror | None:
+        """The prefix-cache mirror its KV events come from; None when this worker
+        publishes none. Raises ``WorkerError("unavailable")`` while it cannot say yet."""
+        ...

@@ -1,0 +1,177 @@
+"""``EngineHost``: one engine in-process behind the ``WorkerBackend`` contract,
+the same for both roles. It owns the engine's lifecycle, the in-flight set and
+the output stream; every role decision goes to its ``RolePolicy``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
+from typing import TYPE_CHECKING, Any
+
+from pdserve.kv_transfer.wire import TransferError, request_once
+from pdserve.types import (
+    FinishReason,
+    PhaseOutput,
+    PhaseRequest,
+    WorkerHealth,
+    WorkerLoadReport,
+)
+from pdserve.worker.backend import WorkerError
+from pdserve.worker.engine import Engine, EngineConfig, EngineCounters, EngineStep
+from pdserve.worker.policy import RolePolicy
+
+if TYPE_CHECKING:
+    from pdserve.prefill_worker.kv_mirror import KvCacheMirror
+
+logger = logging.getLogger("pdserve.worker")
+EngineFactory = Callable[[EngineConfig, EngineCounters], Engine]
+_FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort", "error")
+
+
+class EngineHost:
+    """``engine_factory`` starts the engine (``VllmEngine.start`` in a worker, a
+    fake in tests); ``kv_push`` says whether this worker sends (prefill) or
+    accepts (decode) layer-wise push."""
+
+    def __init__(self, config: EngineConfig, worker_id: str, policy: RolePolicy,
+                 engine_factory: EngineFactory, kv_push: bool = False) -> None:
+        if policy.role != config.role:
+            raise ValueError(f"a {policy.role} policy cannot host a {config.role} engine")
+        self.config = config
+        self.worker_id = worker_id
+        self.policy = policy
+        self.kv_push = kv_push
+        self.counters = EngineCounters()
+        self.engine: Engine | None = None
+        self._engine_factory = engine_factory
+        self._inflight: set[str] = set()
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    def start(self) -> None:
+        """Load the engine (blocking; tens of seconds with vLLM)."""
+        self.engine = self._engine_factory(self.config, self.counters)
+
+    def start_role(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the role's services (call on the event loop once the engine runs)."""
+        if self.engine is not None:
+            self.policy.start(self.engine.block_size, loop)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+        # After the engine: the policy removes what the engine had bound (KV-event sockets).
+        self.policy.close()
+
+    def health(self) -> WorkerHealth:
+        cfg, conn = self.config, self.config.connector
+        dtype, block_size = cfg.dtype, 0
+        if self.engine is not None:
+            dtype, block_size = self.engine.dtype, self.engine.block_size
+        compat = {"model": cfg.served_model_name, "dtype": dtype, "block_size": block_size,
+                  "transport": conn.transport}
+        digest = hashlib.sha256(json.dumps(compat, sort_keys=True).encode()).hexdigest()[:16]
+        return WorkerHealth(
+            ready=self.ready, role=cfg.role, worker_id=self.worker_id,
+            model=cfg.served_model_name, dtype=dtype, block_size=block_size,
+            max_model_len=cfg.max_model_len, transport=conn.transport,
+            compatibility_hash=digest, kv_host=conn.kv_host, kv_port=conn.kv_port,
+            kv_push=self.kv_push)
+
+    async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
+        engine = self.engine
+        if engine is None:
+            raise WorkerError("unavailable", "engine is loading")
+        params = self.policy.engine_params(request)
+        self._inflight.add(request.request_id)
+        try:
+            steps = engine.generate(request.request_id, request.prompt_token_ids,
+                                    request.sampling, params)
+            async with contextlib.aclosing(steps):
+                async for step in steps:
+                    yield self._output(request, step)
+        finally:
+            self._inflight.discard(request.request_id)
+
+    def _output(self, request: PhaseRequest, step: EngineStep) -> PhaseOutput:
+        handle = (self.policy.on_finished(request, step.kv_transfer_params)
+                  if step.finished else None)
+        return PhaseOutput(
+            token_ids=step.token_ids,
+            finish_reason=_finish_reason(step.finish_reason) if step.finished else None,
+            kv_handle=handle, num_cached_tokens=step.num_cached_tokens,
+            num_prompt_tokens=len(request.prompt_token_ids))
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a running request and release whatever its role holds for it."""
+        found = request_id in self._inflight
+        if found and self.engine is not None:
+            await self.engine.abort(request_id)
+        released = await self.policy.release(request_id)
+        return found or released
+
+    def kv_mirror(self) -> KvCacheMirror | None:
+        mirror = self.policy.kv_mirror()
+        if mirror is None and self.policy.publishes_kv_events:
+            raise WorkerError("unavailable", "engine is loading")
+        return mirror
+
+    def kv_status(self) -> dict[str, Any]:
+        """The connector's own counters, from its KV endpoint in the Worker process."""
+        try:
+            return request_once("127.0.0.1", self.config.connector.kv_port, {"op": "status"},
+                                2.0)
+        except TransferError as exc:
+            logger.warning("KV endpoint status unavailable: %s", exc)
+            return {}
+
+    async def load(self) -> WorkerLoadReport:
+        self.policy.prune(time.time_ns())
+        status = await asyncio.to_thread(self.kv_status) if self.ready else {}
+        mirror = self.policy.kv_mirror()
+        return load_report(self.counters, status, self.num_inflight,
+                           len(mirror) if mirror is not None else 0)
+
+
+def load_report(c: EngineCounters, status: dict[str, Any], num_inflight: int,
+                num_cached_blocks: int) -> WorkerLoadReport:
+    """The engine's counters plus the connector's ``status`` reply."""
+
+    def stat(name: str) -> int:
+        return int(status.get(name, 0))
+
+    with c.lock:
+        return WorkerLoadReport(
+            num_running_reqs=c.num_running_reqs, num_waiting_reqs=c.num_waiting_reqs,
+            kv_cache_usage=c.kv_cache_usage,
+            num_pending_transfers=stat("num_leases") + stat("inflight_pulls"),
+            prompt_tokens_computed=c.prompt_tokens_computed,
+            prompt_tokens_local_cache_hit=c.prompt_tokens_local_cache_hit,
+            prompt_tokens_external=c.prompt_tokens_external,
+            kv_bytes_sent=stat("bytes_sent"), kv_bytes_received=stat("bytes_received"),
+            kv_transfers_completed=stat("transfers_completed"),
+            kv_transfers_failed=stat("transfers_failed"),
+            kv_transfer_time_ns=stat("transfer_time_ns"), num_inflight_reqs=num_inflight,
+            kv_leases_expired=stat("leases_expired"), kv_loads=stat("loads"),
+            kv_load_time_ns=stat("load_time_ns"), kv_push_loads=stat("push_loads"),
+            kv_push_fallbacks=stat("push_fallbacks"), kv_layers_pushed=stat("layers_pushed"),
+            kv_pushes_failed=stat("pushes_failed"), num_cached_blocks=num_cached_blocks)
+
+
+def _finish_reason(reason: str | None) -> FinishReason:
+    for known in _FINISH_REASONS:
+        if reason == known:
+            return known
+    return "stop" if reason is None else "error"

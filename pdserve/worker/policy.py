@@ -1,0 +1,66 @@
+"""The per-role half of a worker: ``RolePolicy``. ``EngineHost`` is the same for
+both roles; each role folder supplies a policy (``prefill_worker.policy``,
+``decode_worker.policy``) instead of phase branches in the host."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pdserve.kv_transfer.handle import KVHandle
+from pdserve.types import PhaseRequest, Role
+from pdserve.worker.engine import EngineParams
+
+if TYPE_CHECKING:
+    from pdserve.prefill_worker.kv_mirror import KvCacheMirror
+
+
+class RolePolicy(Protocol):
+    """What one role decides about a request on the shared ``EngineHost``.
+
+    The host owns the engine, the in-flight set and the output stream; the policy
+    owns what differs by role: the engine parameters of a request (its
+    ``kv_transfer_params``), what a finished request leaves behind (prefill: a KV
+    handle under a lease, held until released or expired), how an abort frees it,
+    and role services that run beside the engine (prefill: the KV-event mirror).
+    Every method runs on the worker's event loop.
+    """
+
+    @property
+    def role(self) -> Role: ...
+
+    def engine_params(self, request: PhaseRequest) -> EngineParams:
+        """The engine's ``max_tokens`` and ``kv_transfer_params`` for ``request``."""
+        ...
+
+    def on_finished(self, request: PhaseRequest,
+                    kv_transfer_params: dict[str, Any] | None) -> KVHandle | None:
+        """``request``'s last output came with these params from the connector;
+        returns the KV handle to hand back (recording its lease), if any."""
+        ...
+
+    async def release(self, request_id: str) -> bool:
+        """The router aborted ``request_id``: free what this role holds for it
+        (may block on the network, off the loop); True if it held anything."""
+        ...
+
+    def prune(self, now_ns: int) -> None:
+        """Forget what expired by ``now_ns`` (unix ns); called on every GetLoad."""
+        ...
+
+    def start(self, block_size: int, loop: asyncio.AbstractEventLoop) -> None:
+        """The engine runs: start the role's own services."""
+        ...
+
+    def close(self) -> None:
+        """Stop them (idempotent; after the engine is gone)."""
+        ...
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        """Whether this worker mirrors its engine's KV events (prefill with events on)."""
+        ...
+
+    def kv_mirror(self) -> KvCacheMirror | None:
+        """The KV-event mirror once ``start`` ran; None before, or when it publishes none."""
+        ...

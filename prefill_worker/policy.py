@@ -1,0 +1,85 @@
+"""The prefill role on the shared engine host: compute the prompt and the first
+token, keep the prompt's KV for a decode (``do_remote_decode``) under a lease,
+optionally push it layer by layer to the decode the router named, and mirror
+the engine's KV events for the routers' prefix index."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from pdserve.kv_transfer.handle import KVHandle
+from pdserve.prefill_worker.handle_leases import HandleLeases, release_over_control
+from pdserve.prefill_worker.kv_mirror import KvCacheMirror
+from pdserve.prefill_worker.vllm_kv_events import KvEventEndpoints, KvEventMirroring
+
+from pdserve.types import PhaseRequest, Role
+from pdserve.worker.engine import EngineParams
+
+
+class PrefillPolicy:
+    """``kv_push``: push when the router names a target. ``kv_events``: the
+    engine's (pub, replay) KV-event endpoints, None when it publishes none.
+    ``release`` frees a handle's blocks (blocking; tests pass a fake)."""
+
+    def __init__(self, kv_push: bool = False, kv_events: tuple[str, str] | None = None,
+                 release: Callable[[KVHandle], None] = release_over_control) -> None:
+        self.kv_push = kv_push
+        self.leases = HandleLeases()
+        self._release = release
+        self._events = None if kv_events is None else KvEventEndpoints(*kv_events)
+        self._mirroring: KvEventMirroring | None = None
+
+    @property
+    def role(self) -> Role:
+        return "prefill"
+
+    @staticmethod
+    def holds_kv(request: PhaseRequest) -> bool:
+        """A decode follows only when more than the first token is wanted."""
+        return request.sampling.max_tokens > 1
+
+    def engine_params(self, request: PhaseRequest) -> EngineParams:
+        params: dict[str, Any] | None = None
+        if self.holds_kv(request):
+            params = {"do_remote_decode": True}
+            if request.push_target is not None and self.kv_push:
+                params["push"] = request.push_target.to_params()
+        return EngineParams(max_tokens=1, kv_transfer_params=params)
+
+    def on_finished(self, request: PhaseRequest,
+                    kv_transfer_params: dict[str, Any] | None) -> KVHandle | None:
+        if not kv_transfer_params or not self.holds_kv(request):
+            return None
+        handle = KVHandle.from_params(kv_transfer_params)
+        self.leases.hold(request.request_id, handle)
+        return handle
+
+    async def release(self, request_id: str) -> bool:
+        handle = self.leases.pop(request_id)
+        if handle is None:
+            return False
+        await asyncio.to_thread(self._release, handle)
+        return True
+
+    def prune(self, now_ns: int) -> None:
+        self.leases.prune(now_ns)
+
+    def start(self, block_size: int, loop: asyncio.AbstractEventLoop) -> None:
+        if self._events is not None and self._mirroring is None:
+            self._mirroring = KvEventMirroring.start(self._events, block_size, loop)
+
+    def close(self) -> None:
+        if self._mirroring is not None:
+            self._mirroring.close()
+            self._mirroring = None
+        if self._events is not None:
+            self._events.remove_files()
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        return self._events is not None
+
+    def kv_mirror(self) -> KvCacheMirror | None:
+        return None if self._mirroring is None else self._mirroring.mirror

@@ -1,0 +1,267 @@
+"""``EngineHost`` with a fake engine (no vLLM): each role's policy (what the engine
+is asked for), KV-handle leases on prefill (held when a request finishes,
+released over the control endpoint on abort, pruned when expired), and the
+abort of in-flight requests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+from pdserve.decode_worker.policy import DecodePolicy
+from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.kv_transfer.handle import KVHandle, PushTarget
+from pdserve.prefill_worker.policy import PrefillPolicy
+
+from pdserve.types import PhaseOutput, PhaseRequest, Role, SamplingSpec
+from pdserve.worker.backend import WorkerError
+from pdserve.worker.engine import EngineConfig, EngineCounters, EngineParams, EngineStep
+from pdserve.worker.host import EngineHost
+from pdserve.worker.policy import RolePolicy
+
+PROMPT = (11, 12, 13, 14)
+TARGET = PushTarget("10.0.0.2", 6001, "t-1")
+
+
+def handle(rid: str = "r1", deadline_ns: int | None = None) -> KVHandle:
+    if deadline_ns is None:
+        deadline_ns = time.time_ns() + 30 * 10**9
+    return KVHandle(engine_id="p0", remote_request_id=f"{rid}-internal", block_ids=(3, 4),
+                    num_tokens=len(PROMPT), transport="tcp", host="127.0.0.1", port=7001,
+                    transfer_id=f"x-{rid}", lease_deadline_unix_ns=deadline_ns)
+
+
+@dataclass
+class FakeEngine:
+    """An ``Engine`` that plays ``steps`` for every request (after ``gate``, if set)
+    and records what the host asked of it. An aborted request ends as vLLM ends
+    it: one last output, finished with reason ``abort``."""
+
+    steps: Sequence[EngineStep] = ()
+    gate: asyncio.Event | None = None
+    calls: list[tuple[str, tuple[int, ...], SamplingSpec, EngineParams]] = field(
+        default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    closed_early: list[str] = field(default_factory=list)
+    is_shut_down: bool = False
+    block_size: int = 128
+    dtype: str = "float32"
+    num_kv_blocks: int = 64
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
+                       sampling: SamplingSpec, params: EngineParams
+                       ) -> AsyncGenerator[EngineStep, None]:
+        self.calls.append((request_id, tuple(prompt_token_ids), sampling, params))
+        done = False
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            if request_id in self.aborted:
+                yield EngineStep((), finished=True, finish_reason="abort")
+            else:
+                for step in self.steps:
+                    yield step
+            done = True
+        finally:
+            if not done:
+                self.closed_early.append(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        if self.gate is not None:
+            self.gate.set()
+
+    def shutdown(self) -> None:
+        self.is_shut_down = True
+
+
+@dataclass
+class Released:
+    handles: list[KVHandle] = field(default_factory=list)
+
+    def __call__(self, h: KVHandle) -> None:
+        self.handles.append(h)
+
+
+def config(role: Role, kv_events: tuple[str, str] | None = None) -> EngineConfig:
+    return EngineConfig(model_path="/m", served_model_name="m", role=role,
+                        connector=ConnectorConfig(engine_id="w0"), dtype="float32",
+                        kv_events=kv_events)
+
+
+def started(role: Role, policy: RolePolicy, engine: FakeEngine) -> EngineHost:
+    def factory(cfg: EngineConfig, counters: EngineCounters) -> FakeEngine:
+        return engine
+
+    host = EngineHost(config(role), "w0", policy, factory)
+    host.start()
+    return host
+
+
+def request(phase: Role, max_tokens: int = 8, kv_handle: KVHandle | None = None,
+            push: PushTarget | None = None, rid: str = "r1") -> PhaseRequest:
+    return PhaseRequest(rid, phase, PROMPT, SamplingSpec(max_tokens=max_tokens, temperature=0.0),
+                        kv_handle=kv_handle, push_target=push)
+
+
+async def run(host: EngineHost, req: PhaseRequest) -> list[PhaseOutput]:
+    return [out async for out in host.generate(req)]
+
+
+# ---- what each role asks of the engine --------------------------------------------------
+
+
+@pytest.mark.parametrize(("max_tokens", "push", "kv_push", "params"), [
+    (1, None, False, None),  # no decode follows: nothing held
+    (1, TARGET, True, None),
+    (8, None, True, {"do_remote_decode": True}),
+    (8, TARGET, False, {"do_remote_decode": True}),  # push off on this worker
+    (8, TARGET, True, {"do_remote_decode": True, "push": TARGET.to_params()}),
+])
+def test_prefill_computes_one_token_and_holds_kv_only_for_a_decode(
+        max_tokens: int, push: PushTarget | None, kv_push: bool,
+        params: dict[str, object] | None) -> None:
+    got = PrefillPolicy(kv_push=kv_push).engine_params(request("prefill", max_tokens, push=push))
+    assert got == EngineParams(max_tokens=1, kv_transfer_params=params)
+
+
+def test_decode_loads_from_the_handle_or_computes_alone() -> None:
+    h = handle()
+    got = DecodePolicy().engine_params(request("decode", 5, kv_handle=h))
+    assert got == EngineParams(5, dict(h.to_params(), do_remote_prefill=True))
+    assert DecodePolicy().engine_params(request("decode", 5)) == EngineParams(5, None)
+
+
+async def test_host_passes_the_policy_params_and_the_sampling_to_the_engine() -> None:
+    engine = FakeEngine([EngineStep((7,), finished=True, finish_reason="length")])
+    host = started("prefill", PrefillPolicy(kv_push=True), engine)
+    req = request("prefill", 8, push=TARGET)
+    await run(host, req)
+    assert engine.calls == [("r1", PROMPT, req.sampling, EngineParams(
+        1, {"do_remote_decode": True, "push": TARGET.to_params()}))]
+
+
+def test_a_policy_serves_only_its_own_role() -> None:
+    with pytest.raises(ValueError, match="prefill policy"):
+        EngineHost(config("decode"), "w0", PrefillPolicy(), lambda c, n: FakeEngine())
+
+
+# ---- outputs and leases -------------------------------------------------------------------
+
+
+async def test_a_finished_prefill_returns_the_handle_and_holds_its_lease() -> None:
+    h = handle()
+    engine = FakeEngine([EngineStep((7,), True, "length", h.to_params(), num_cached_tokens=2)])
+    policy = PrefillPolicy(release=Released())
+    host = started("prefill", policy, engine)
+    assert await run(host, request("prefill", 8)) == [
+        PhaseOutput((7,), "length", h, num_cached_tokens=2, num_prompt_tokens=len(PROMPT))]
+    assert "r1" in policy.leases and len(policy.leases) == 1
+
+
+async def test_no_lease_without_a_decode_to_follow() -> None:
+    engine = FakeEngine([EngineStep((7,), True, "length", handle().to_params())])
+    policy = PrefillPolicy()
+    outs = await run(started("prefill", policy, engine), request("prefill", 1))
+    assert outs[-1].kv_handle is None and len(policy.leases) == 0
+
+
+async def test_decode_streams_deltas_and_maps_the_finish_reason() -> None:
+    engine = FakeEngine([EngineStep((1,)), EngineStep((2, 3)),
+                         EngineStep((4,), True, "weird", {"x": 1})])
+    outs = await run(started("decode", DecodePolicy(), engine), request("decode", 4))
+    assert [(o.token_ids, o.finish_reason, o.kv_handle) for o in outs] == [
+        ((1,), None, None), ((2, 3), None, None), ((4,), "error", None)]
+
+
+async def test_abort_releases_the_lease_over_the_control_endpoint_once() -> None:
+    h = handle()
+    released = Released()
+    policy = PrefillPolicy(release=released)
+    engine = FakeEngine([EngineStep((7,), True, "length", h.to_params())])
+    host = started("prefill", policy, engine)
+    await run(host, request("prefill", 8))
+    assert await host.abort("r1") is True
+    assert released.handles == [h] and len(policy.leases) == 0
+    assert engine.aborted == []  # finished: nothing for the engine to stop
+    assert await host.abort("r1") is False  # nothing left to free
+    assert released.handles == [h]
+
+
+async def test_prune_forgets_expired_leases_only() -> None:
+    policy = PrefillPolicy(release=Released())
+    now = time.time_ns()
+    policy.leases.hold("old", handle("old", now - 1))
+    policy.leases.hold("new", handle("new", now + 10**9))
+    policy.prune(now)
+    assert "old" not in policy.leases and "new" in policy.leases
+
+
+async def test_load_prunes_leases_and_reports_the_counters() -> None:
+    policy = PrefillPolicy(release=Released())
+    host = EngineHost(config("prefill"), "w0", policy, lambda c, n: FakeEngine())
+    policy.leases.hold("old", handle("old", 1))
+    host.counters.prompt_tokens_computed = 5
+    load = await host.load()  # not started: no connector to ask
+    assert len(policy.leases) == 0
+    assert (load.prompt_tokens_computed, load.num_inflight_reqs) == (5, 0)
+
+
+# ---- abort of in-flight requests ----------------------------------------------------------
+
+
+async def test_abort_stops_an_inflight_request_in_the_engine() -> None:
+    engine = FakeEngine([EngineStep((1,), True, "stop")], gate=asyncio.Event())
+    host = started("decode", DecodePolicy(), engine)
+    consumer = asyncio.ensure_future(run(host, request("decode", 4)))
+    while host.num_inflight == 0:
+        await asyncio.sleep(0)
+    assert await host.abort("r1") is True
+    assert engine.aborted == ["r1"]
+    outs = await consumer
+    assert [(o.token_ids, o.finish_reason) for o in outs] == [((), "abort")]
+    assert host.num_inflight == 0 and engine.closed_early == []
+    assert await host.abort("r1") is False
+
+
+async def test_closing_the_outputs_early_closes_the_engine_stream() -> None:
+    engine = FakeEngine([EngineStep((1,)), EngineStep((2,)), EngineStep((3,), True, "length")])
+    host = started("decode", DecodePolicy(), engine)
+    outs = host.generate(request("decode", 3))
+    assert (await anext(outs)).token_ids == (1,)
+    await outs.aclose()
+    assert engine.closed_early == ["r1"] and host.num_inflight == 0
+
+
+# ---- lifecycle, health, KV-event mirror ---------------------------------------------------
+
+
+async def test_health_before_and_after_the_engine_starts() -> None:
+    engine = FakeEngine(dtype="bfloat16")
+    host = EngineHost(config("decode"), "w0", DecodePolicy(), lambda c, n: engine)
+    before = host.health()
+    assert (before.ready, before.role, before.block_size) == (False, "decode", 0)
+    with pytest.raises(WorkerError, match="loading"):
+        await run(host, request("decode"))
+    host.start()
+    after = host.health()
+    assert (after.ready, after.dtype, after.block_size) == (True, "bfloat16", 128)
+    assert after.compatibility_hash != before.compatibility_hash
+    host.shutdown()
+    assert engine.is_shut_down and not host.ready
+
+
+def test_kv_mirror_is_loading_until_the_role_starts_it() -> None:
+    events = ("ipc:///tmp/pdserve-test-kvev.pub", "ipc:///tmp/pdserve-test-kvev.replay")
+    host = EngineHost(config("prefill", events), "w0", PrefillPolicy(kv_events=events),
+                      lambda c, n: FakeEngine())
+    with pytest.raises(WorkerError) as err:
+        host.kv_mirror()
+    assert err.value.kind == "unavailable"
+    assert EngineHost(config("decode"), "w1", DecodePolicy(),
+                      lambda c, n: FakeEngine()).kv_mirror() is None
+    assert EngineHost(config("prefill"), "w2", PrefillPolicy(),
+                      lambda c, n: FakeEngine()).kv_mirror() is None

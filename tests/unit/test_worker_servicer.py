@@ -1,0 +1,189 @@
+"""The worker's gRPC servicer, round trip over a real ``grpc.aio`` server on
+127.0.0.1 with a fake backend: messages convert both ways, each refusal and
+error becomes its status, a cancelled call ends the backend's stream, and the
+KV-event relay. (This test is at the protobuf edge, so it builds messages.)"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+import pytest_asyncio
+from pdserve.kv_transfer.handle import KVHandle, PushTarget
+from pdserve.prefill_worker.kv_mirror import KvCacheMirror
+from pdserve.proto import convert
+from pdserve.proto.pdserve.v1 import worker_pb2 as pb
+from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
+
+from pdserve.types import (
+    KvChange,
+    KvSnapshot,
+    PhaseOutput,
+    PhaseRequest,
+    SamplingSpec,
+    WorkerHealth,
+    WorkerLoadReport,
+)
+from pdserve.worker.backend import WorkerError
+from pdserve.worker.servicer import start_server
+
+HANDLE = KVHandle("p0", "r1-x", (3, 4), 4, "tcp", "127.0.0.1", 7001, "x-1", 123, pushed=True)
+# Sampling floats travel as float32: these are exact there.
+REQUEST = PhaseRequest("r1", "decode", (1, 2, 3, 4, 9), SamplingSpec(4, 0.5, 0.75, 5, 7, (2,)),
+                       kv_handle=HANDLE, push_target=PushTarget("h", 1, "t"))
+
+
+@dataclass
+class Backend:
+    """A ``WorkerBackend`` that plays ``outputs`` then raises ``error`` (if any)."""
+
+    health_: WorkerHealth = field(default_factory=lambda: WorkerHealth(
+        True, "decode", "w0", model="m", max_model_len=64, kv_push=True))
+    outputs: Sequence[PhaseOutput] = ()
+    error: Exception | None = None
+    hang: bool = False
+    mirror: KvCacheMirror | WorkerError | None = None
+    requests: list[PhaseRequest] = field(default_factory=list)
+    closed: list[str] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+
+    async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
+        self.requests.append(request)
+        try:
+            for out in self.outputs:
+                yield out
+            if self.hang:
+                await asyncio.Event().wait()
+            if self.error is not None:
+                raise self.error
+        except (asyncio.CancelledError, GeneratorExit):
+            # Cancelled while waiting here, or closed by the servicer at a yield.
+            self.closed.append(request.request_id)
+            raise
+
+    async def abort(self, request_id: str) -> bool:
+        self.aborts.append(request_id)
+        return request_id == "r1"
+
+    def health(self) -> WorkerHealth:
+        return self.health_
+
+    async def load(self) -> WorkerLoadReport:
+        return WorkerLoadReport(num_running_reqs=2, kv_cache_usage=0.5, kv_loads=3)
+
+    def kv_mirror(self) -> KvCacheMirror | None:
+        if isinstance(self.mirror, WorkerError):
+            raise self.mirror
+        return self.mirror
+
+
+@dataclass
+class Served:
+    backend: Backend
+    stub: pb_grpc.WorkerServiceStub
+
+    async def generate(self, req: PhaseRequest) -> list[PhaseOutput]:
+        call = self.stub.Generate(convert.phase_request_to_pb(req))
+        return [convert.phase_output_from_pb(msg) async for msg in call]
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def served() -> AsyncIterator[Served]:
+    backend = Backend()
+    server, port = await start_server(backend)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield Served(backend, pb_grpc.WorkerServiceStub(channel))
+    await server.stop(None)
+
+
+async def test_generate_round_trip(served: Served) -> None:
+    outs = [PhaseOutput((5,)), PhaseOutput((6, 7), "length", HANDLE, 2, 5)]
+    served.backend.outputs = outs
+    assert await served.generate(REQUEST) == outs
+    assert served.backend.requests == [REQUEST]
+    assert served.backend.closed == []
+
+
+async def test_health_load_and_abort_round_trip(served: Served) -> None:
+    health = convert.health_from_pb(await served.stub.Health(pb.HealthRequest()))
+    assert health == served.backend.health_
+    load = convert.load_from_pb(await served.stub.GetLoad(pb.GetLoadRequest()))
+    assert load == await served.backend.load()
+    assert (await served.stub.Abort(pb.AbortRequest(request_id="r1"))).found
+    assert not (await served.stub.Abort(pb.AbortRequest(request_id="r2"))).found
+    assert served.backend.aborts == ["r1", "r2"]
+
+
+async def expect_status(served: Served, req: PhaseRequest | pb.GenerateRequest,
+                        code: grpc.StatusCode, text: str) -> list[PhaseOutput]:
+    msg = req if isinstance(req, pb.GenerateRequest) else convert.phase_request_to_pb(req)
+    got: list[PhaseOutput] = []
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for out in served.stub.Generate(msg):
+            got.append(convert.phase_output_from_pb(out))
+    assert err.value.code() == code
+    assert text in (err.value.details() or "")
+    return got
+
+
+async def test_refusals_before_the_backend_sees_the_request(served: Served) -> None:
+    unspecified = convert.phase_request_to_pb(REQUEST)
+    unspecified.phase = pb.PHASE_UNSPECIFIED
+    await expect_status(served, unspecified, grpc.StatusCode.INVALID_ARGUMENT, "phase")
+    prefill = PhaseRequest("r1", "prefill", (1,), SamplingSpec(2))
+    await expect_status(served, prefill, grpc.StatusCode.FAILED_PRECONDITION, "decode worker")
+    too_long = PhaseRequest("r1", "decode", (1,) * 60, SamplingSpec(5))
+    await expect_status(served, too_long, grpc.StatusCode.INVALID_ARGUMENT, "max_model_len")
+    no_id = PhaseRequest("", "decode", (1,), SamplingSpec(5))
+    await expect_status(served, no_id, grpc.StatusCode.INVALID_ARGUMENT, "request_id")
+    served.backend.health_ = WorkerHealth(False, "decode", "w0", max_model_len=64)
+    await expect_status(served, REQUEST, grpc.StatusCode.UNAVAILABLE, "loading")
+    assert served.backend.requests == []
+
+
+@pytest.mark.parametrize(("error", "code", "text"), [
+    (WorkerError("unavailable", "scripted"), grpc.StatusCode.UNAVAILABLE, "scripted"),
+    (ValueError("bad handle"), grpc.StatusCode.INVALID_ARGUMENT, "bad handle"),
+    (RuntimeError("boom"), grpc.StatusCode.INTERNAL, "RuntimeError: boom"),
+])
+async def test_backend_errors_map_to_status_after_the_outputs_so_far(
+        served: Served, error: Exception, code: grpc.StatusCode, text: str) -> None:
+    served.backend.outputs, served.backend.error = [PhaseOutput((5,))], error
+    assert await expect_status(served, REQUEST, code, text) == [PhaseOutput((5,))]
+
+
+async def test_a_cancelled_call_ends_the_backend_stream(served: Served) -> None:
+    served.backend.outputs, served.backend.hang = [PhaseOutput((5,))], True
+    call = served.stub.Generate(convert.phase_request_to_pb(REQUEST))
+    assert list((await call.read()).token_ids) == [5]
+    call.cancel()
+    for _ in range(200):
+        if served.backend.closed:
+            break
+        await asyncio.sleep(0.01)
+    assert served.backend.closed == ["r1"]
+
+
+async def test_kv_events_relay(served: Served) -> None:
+    for mirror, code in [(None, grpc.StatusCode.UNIMPLEMENTED),
+                         (WorkerError("unavailable", "loading"), grpc.StatusCode.UNAVAILABLE)]:
+        served.backend.mirror = mirror
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await served.stub.GetKvSnapshot(pb.KvSnapshotRequest())
+        assert err.value.code() == code
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await served.stub.StreamKvEvents(pb.KvEventsRequest()).read()
+        assert err.value.code() == code
+    mirror = KvCacheMirror(block_size=4)
+    mirror.apply(False, [10, 11], [])
+    served.backend.mirror = mirror
+    snap = convert.kv_snapshot_from_pb(await served.stub.GetKvSnapshot(pb.KvSnapshotRequest()))
+    assert snap == KvSnapshot(1, (10, 11), 4, "w0")
+    call = served.stub.StreamKvEvents(pb.KvEventsRequest())
+    assert convert.kv_change_from_pb(await call.read()) == KvChange(1)  # heartbeat first
+    mirror.apply(False, [12], [10])
+    assert convert.kv_change_from_pb(await call.read()) == KvChange(2, False, (12,), (10,))
+    call.cancel()
