@@ -74,11 +74,14 @@ class WorkerClient:
         finally:
             call.cancel()
 
-    async def abort(self, request_id: str, timeout_s: float) -> None:
+    async def abort(self, request_id: str, timeout_s: float) -> bool:
+        """Whether the worker had the request (running, or holding its KV)."""
         try:
-            await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout_s)
+            reply = await self._stub.Abort(pb.AbortRequest(request_id=request_id),
+                                           timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise WorkerCallError.from_rpc(exc) from exc
+        return reply.found
 
     async def health(self, timeout_s: float) -> WorkerHealth:
         """Raises ``ValueError`` if the worker names no known role."""

@@ -1,7 +1,9 @@
 """The worker's gRPC servicer, round trip over a real ``grpc.aio`` server on
 127.0.0.1 with a fake backend: messages convert both ways, each refusal and
 error becomes its status, a cancelled call ends the backend's stream, and the
-KV-event relay. (This test is at the protobuf edge, so it builds messages.)"""
+KV-event relay. The client is the router's adapter (``router.worker_client``), so
+this is also the round trip through both gRPC adapters and the conversion layer.
+What the typed client cannot send (an unspecified phase) is in ``test_convert.py``."""
 
 from __future__ import annotations
 
@@ -9,14 +11,11 @@ import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-import grpc
 import pytest
 import pytest_asyncio
 from pdserve.kv_transfer.handle import KVHandle, PushTarget
 from pdserve.prefill_worker.kv_mirror import KvCacheMirror
-from pdserve.proto import convert
-from pdserve.proto.pdserve.v1 import worker_pb2 as pb
-from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
+from pdserve.router.worker_client import WorkerCallError, WorkerClient
 
 from pdserve.types import (
     KvChange,
@@ -80,22 +79,25 @@ class Backend:
         return self.mirror
 
 
+TIMEOUT_S = 10.0
+
+
 @dataclass
 class Served:
     backend: Backend
-    stub: pb_grpc.WorkerServiceStub
+    client: WorkerClient
 
     async def generate(self, req: PhaseRequest) -> list[PhaseOutput]:
-        call = self.stub.Generate(convert.phase_request_to_pb(req))
-        return [convert.phase_output_from_pb(msg) async for msg in call]
+        return [out async for out in self.client.generate(req, TIMEOUT_S)]
 
 
 @pytest_asyncio.fixture(loop_scope="function")
 async def served() -> AsyncIterator[Served]:
     backend = Backend()
     server, port = await start_server(backend)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield Served(backend, pb_grpc.WorkerServiceStub(channel))
+    client = WorkerClient(f"127.0.0.1:{port}")
+    yield Served(backend, client)
+    await client.close()
     await server.stop(None)
 
 
@@ -108,58 +110,52 @@ async def test_generate_round_trip(served: Served) -> None:
 
 
 async def test_health_load_and_abort_round_trip(served: Served) -> None:
-    health = convert.health_from_pb(await served.stub.Health(pb.HealthRequest()))
-    assert health == served.backend.health_
-    load = convert.load_from_pb(await served.stub.GetLoad(pb.GetLoadRequest()))
-    assert load == await served.backend.load()
-    assert (await served.stub.Abort(pb.AbortRequest(request_id="r1"))).found
-    assert not (await served.stub.Abort(pb.AbortRequest(request_id="r2"))).found
+    assert await served.client.health(TIMEOUT_S) == served.backend.health_
+    assert await served.client.load(TIMEOUT_S) == await served.backend.load()
+    assert await served.client.abort("r1", TIMEOUT_S)
+    assert not await served.client.abort("r2", TIMEOUT_S)
     assert served.backend.aborts == ["r1", "r2"]
 
 
-async def expect_status(served: Served, req: PhaseRequest | pb.GenerateRequest,
-                        code: grpc.StatusCode, text: str) -> list[PhaseOutput]:
-    msg = req if isinstance(req, pb.GenerateRequest) else convert.phase_request_to_pb(req)
+async def expect_status(served: Served, req: PhaseRequest, code: str,
+                        text: str) -> list[PhaseOutput]:
     got: list[PhaseOutput] = []
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        async for out in served.stub.Generate(msg):
-            got.append(convert.phase_output_from_pb(out))
-    assert err.value.code() == code
-    assert text in (err.value.details() or "")
+    with pytest.raises(WorkerCallError) as err:
+        async for out in served.client.generate(req, TIMEOUT_S):
+            got.append(out)
+    assert err.value.code == code
+    assert text in err.value.details
     return got
 
 
 async def test_refusals_before_the_backend_sees_the_request(served: Served) -> None:
-    unspecified = convert.phase_request_to_pb(REQUEST)
-    unspecified.phase = pb.PHASE_UNSPECIFIED
-    await expect_status(served, unspecified, grpc.StatusCode.INVALID_ARGUMENT, "phase")
     prefill = PhaseRequest("r1", "prefill", (1,), SamplingSpec(2))
-    await expect_status(served, prefill, grpc.StatusCode.FAILED_PRECONDITION, "decode worker")
+    await expect_status(served, prefill, "FAILED_PRECONDITION", "decode worker")
     too_long = PhaseRequest("r1", "decode", (1,) * 60, SamplingSpec(5))
-    await expect_status(served, too_long, grpc.StatusCode.INVALID_ARGUMENT, "max_model_len")
+    await expect_status(served, too_long, "INVALID_ARGUMENT", "max_model_len")
     no_id = PhaseRequest("", "decode", (1,), SamplingSpec(5))
-    await expect_status(served, no_id, grpc.StatusCode.INVALID_ARGUMENT, "request_id")
+    await expect_status(served, no_id, "INVALID_ARGUMENT", "request_id")
     served.backend.health_ = WorkerHealth(False, "decode", "w0", max_model_len=64)
-    await expect_status(served, REQUEST, grpc.StatusCode.UNAVAILABLE, "loading")
+    await expect_status(served, REQUEST, "UNAVAILABLE", "loading")
     assert served.backend.requests == []
 
 
 @pytest.mark.parametrize(("error", "code", "text"), [
-    (WorkerError("unavailable", "scripted"), grpc.StatusCode.UNAVAILABLE, "scripted"),
-    (ValueError("bad handle"), grpc.StatusCode.INVALID_ARGUMENT, "bad handle"),
-    (RuntimeError("boom"), grpc.StatusCode.INTERNAL, "RuntimeError: boom"),
+    (WorkerError("unavailable", "scripted"), "UNAVAILABLE", "scripted"),
+    (ValueError("bad handle"), "INVALID_ARGUMENT", "bad handle"),
+    (RuntimeError("boom"), "INTERNAL", "RuntimeError: boom"),
 ])
 async def test_backend_errors_map_to_status_after_the_outputs_so_far(
-        served: Served, error: Exception, code: grpc.StatusCode, text: str) -> None:
+        served: Served, error: Exception, code: str, text: str) -> None:
     served.backend.outputs, served.backend.error = [PhaseOutput((5,))], error
     assert await expect_status(served, REQUEST, code, text) == [PhaseOutput((5,))]
 
 
 async def test_a_cancelled_call_ends_the_backend_stream(served: Served) -> None:
     served.backend.outputs, served.backend.hang = [PhaseOutput((5,))], True
-    call = served.stub.Generate(convert.phase_request_to_pb(REQUEST))
-    assert list((await call.read()).token_ids) == [5]
-    call.cancel()
+    stream = served.client.generate(REQUEST, TIMEOUT_S)
+    assert (await anext(stream)).token_ids == (5,)
+    await stream.aclose()
     for _ in range(200):
         if served.backend.closed:
             break
@@ -168,22 +164,21 @@ async def test_a_cancelled_call_ends_the_backend_stream(served: Served) -> None:
 
 
 async def test_kv_events_relay(served: Served) -> None:
-    for mirror, code in [(None, grpc.StatusCode.UNIMPLEMENTED),
-                         (WorkerError("unavailable", "loading"), grpc.StatusCode.UNAVAILABLE)]:
+    for mirror, code in [(None, "UNIMPLEMENTED"),
+                         (WorkerError("unavailable", "loading"), "UNAVAILABLE")]:
         served.backend.mirror = mirror
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await served.stub.GetKvSnapshot(pb.KvSnapshotRequest())
-        assert err.value.code() == code
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await served.stub.StreamKvEvents(pb.KvEventsRequest()).read()
-        assert err.value.code() == code
+        with pytest.raises(WorkerCallError) as err:
+            await served.client.kv_snapshot(TIMEOUT_S)
+        assert err.value.code == code
+        with pytest.raises(WorkerCallError) as err:
+            await anext(served.client.kv_events())
+        assert err.value.code == code
     mirror = KvCacheMirror(block_size=4)
     mirror.apply(False, [10, 11], [])
     served.backend.mirror = mirror
-    snap = convert.kv_snapshot_from_pb(await served.stub.GetKvSnapshot(pb.KvSnapshotRequest()))
-    assert snap == KvSnapshot(1, (10, 11), 4, "w0")
-    call = served.stub.StreamKvEvents(pb.KvEventsRequest())
-    assert convert.kv_change_from_pb(await call.read()) == KvChange(1)  # heartbeat first
+    assert await served.client.kv_snapshot(TIMEOUT_S) == KvSnapshot(1, (10, 11), 4, "w0")
+    events = served.client.kv_events()
+    assert await anext(events) == KvChange(1)  # heartbeat first
     mirror.apply(False, [12], [10])
-    assert convert.kv_change_from_pb(await call.read()) == KvChange(2, False, (12,), (10,))
-    call.cancel()
+    assert await anext(events) == KvChange(2, False, (12,), (10,))
+    await events.aclose()
