@@ -16,6 +16,7 @@ launcher, tests, benchmarks).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from pdserve.proto import convert
@@ -66,58 +67,55 @@ class WorkerClient:
                        ) -> AsyncIterator[PhaseOutput]:
         """The phase's outputs as the worker streams them; closing this cancels the call."""
         call = self._stub.Generate(convert.phase_request_to_pb(request), timeout=timeout_s)
-        try:
-            async for msg in call:
-                yield convert.phase_output_from_pb(msg)
-        except grpc.aio.AioRpcError as exc:
-            raise WorkerCallError.from_rpc(exc) from exc
-        finally:
-            call.cancel()
+        async for msg in _stream(call):
+            yield convert.phase_output_from_pb(msg)
 
     async def abort(self, request_id: str, timeout_s: float) -> bool:
         """Whether the worker had the request (running, or holding its KV)."""
-        try:
-            reply = await self._stub.Abort(pb.AbortRequest(request_id=request_id),
-                                           timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise WorkerCallError.from_rpc(exc) from exc
+        reply = await _unary(self._stub.Abort, pb.AbortRequest(request_id=request_id),
+                             timeout_s)
         return reply.found
 
     async def health(self, timeout_s: float) -> WorkerHealth:
         """Raises ``ValueError`` if the worker names no known role."""
-        try:
-            msg = await self._stub.Health(pb.HealthRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise WorkerCallError.from_rpc(exc) from exc
-        return convert.health_from_pb(msg)
+        return convert.health_from_pb(
+            await _unary(self._stub.Health, pb.HealthRequest(), timeout_s))
 
     async def load(self, timeout_s: float) -> WorkerLoadReport:
-        try:
-            msg = await self._stub.GetLoad(pb.GetLoadRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise WorkerCallError.from_rpc(exc) from exc
-        return convert.load_from_pb(msg)
+        return convert.load_from_pb(
+            await _unary(self._stub.GetLoad, pb.GetLoadRequest(), timeout_s))
 
     async def kv_events(self) -> AsyncIterator[KvChange]:
         """The worker's prefix-cache changes, until it or the caller ends the stream."""
-        call = self._stub.StreamKvEvents(pb.KvEventsRequest())
-        try:
-            async for msg in call:
-                yield convert.kv_change_from_pb(msg)
-        except grpc.aio.AioRpcError as exc:
-            raise WorkerCallError.from_rpc(exc) from exc
-        finally:
-            call.cancel()
+        async for msg in _stream(self._stub.StreamKvEvents(pb.KvEventsRequest())):
+            yield convert.kv_change_from_pb(msg)
 
     async def kv_snapshot(self, timeout_s: float) -> KvSnapshot:
-        try:
-            msg = await self._stub.GetKvSnapshot(pb.KvSnapshotRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise WorkerCallError.from_rpc(exc) from exc
-        return convert.kv_snapshot_from_pb(msg)
+        return convert.kv_snapshot_from_pb(
+            await _unary(self._stub.GetKvSnapshot, pb.KvSnapshotRequest(), timeout_s))
 
     async def close(self, grace_s: float | None = None) -> None:
         await self._channel.close(grace_s)
+
+
+async def _unary(method: Any, request: Any, timeout_s: float) -> Any:
+    """One unary call, its failure as a ``WorkerCallError``."""
+    try:
+        return await method(request, timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        raise WorkerCallError.from_rpc(exc) from exc
+
+
+async def _stream(call: Any) -> AsyncIterator[Any]:
+    """A streaming call's messages; its failure as a ``WorkerCallError``; cancelled
+    when the caller stops reading."""
+    try:
+        async for msg in call:
+            yield msg
+    except grpc.aio.AioRpcError as exc:
+        raise WorkerCallError.from_rpc(exc) from exc
+    finally:
+        call.cancel()
 
 
 def probe_health(endpoint: str, timeout_s: float) -> WorkerHealth:

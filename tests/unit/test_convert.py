@@ -9,50 +9,41 @@ from pdserve.kv_transfer.handle import KVHandle, PushTarget
 from pdserve.proto import convert
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 
-from pdserve.types import (
-    FinishReason,
-    KvChange,
-    KvSnapshot,
-    PhaseOutput,
-    PhaseRequest,
-    SamplingSpec,
-    WorkerHealth,
-    WorkerLoadReport,
-)
+from pdserve import types as t
 
 HANDLE = KVHandle("p0", "r1-x", (3, 4), 4, "tcp", "127.0.0.1", 7001, "x-1", 123, pushed=True)
 
 
 @pytest.mark.parametrize("value", [
-    PhaseRequest("r1", "decode", (1, 2, 3), SamplingSpec(4, 0.5, 0.75, 5, 7, (2,), True),
+    t.PhaseRequest("r1", "decode", (1, 2, 3), t.SamplingSpec(4, 0.5, 0.75, 5, 7, (2,), True),
                  kv_handle=HANDLE, push_target=PushTarget("h", 1, "t")),
-    PhaseRequest("r2", "prefill", (9,), SamplingSpec(1)),
+    t.PhaseRequest("r2", "prefill", (9,), t.SamplingSpec(1)),
 ])
-def test_phase_request_round_trips(value: PhaseRequest) -> None:
+def test_phase_request_round_trips(value: t.PhaseRequest) -> None:
     assert convert.phase_request_from_pb(convert.phase_request_to_pb(value)) == value
 
 
 @pytest.mark.parametrize("finish", [None, "stop", "length", "abort", "error"])
-def test_phase_output_round_trips(finish: FinishReason | None) -> None:
-    out = PhaseOutput((5, 6), finish, HANDLE if finish else None, 2, 9)
+def test_phase_output_round_trips(finish: t.FinishReason | None) -> None:
+    out = t.PhaseOutput((5, 6), finish, HANDLE if finish else None, 2, 9)
     assert convert.phase_output_from_pb(convert.phase_output_to_pb(out)) == out
 
 
 def test_worker_reports_round_trip() -> None:
-    health = WorkerHealth(True, "prefill", "w0", "m", "float32", 128, 4096, "tcp", "abc",
+    health = t.WorkerHealth(True, "prefill", "w0", "m", "float32", 128, 4096, "tcp", "abc",
                           "127.0.0.1", 51051, True)
     assert convert.health_from_pb(convert.health_to_pb(health)) == health
-    load = WorkerLoadReport(**{name: i + 1 for i, name in enumerate(
-        WorkerLoadReport.__dataclass_fields__) if name != "kv_cache_usage"}, kv_cache_usage=0.5)
+    load = t.WorkerLoadReport(**{name: i + 1 for i, name in enumerate(
+        t.WorkerLoadReport.__dataclass_fields__) if name != "kv_cache_usage"}, kv_cache_usage=0.5)
     assert convert.load_from_pb(convert.load_to_pb(load)) == load
-    change = KvChange(3, True, (1, 2**64 - 1), (7,))
+    change = t.KvChange(3, True, (1, 2**64 - 1), (7,))
     assert convert.kv_change_from_pb(convert.kv_change_to_pb(change)) == change
-    snap = KvSnapshot(4, (5, 6), 128, "w0")
+    snap = t.KvSnapshot(4, (5, 6), 128, "w0")
     assert convert.kv_snapshot_from_pb(convert.kv_snapshot_to_pb(snap)) == snap
 
 
 def test_an_unspecified_phase_or_role_is_refused() -> None:
-    msg = convert.phase_request_to_pb(PhaseRequest("r1", "decode", (1,), SamplingSpec(2)))
+    msg = convert.phase_request_to_pb(t.PhaseRequest("r1", "decode", (1,), t.SamplingSpec(2)))
     msg.phase = pb.PHASE_UNSPECIFIED
     with pytest.raises(ValueError, match="phase"):
         convert.phase_request_from_pb(msg)
