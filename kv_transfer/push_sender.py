@@ -18,7 +18,8 @@ from typing import Protocol
 import torch
 
 from .base import PeerAddress
-from .metadata import PushSpec, PushTarget
+from .handle import PushTarget
+from .push_spec import PushSpec
 from .threads import unpin_current_thread
 from .wire import TransferError
 
