@@ -89,3 +89,13 @@ def test_tcp_stages_device_kv_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None
         client.close()
         server.close()
 
+
+@pytest.mark.parametrize("kind", ["crc32", "wsum64"])
+def test_checksums_agree_between_host_and_device(kind: str) -> None:
+    """A CPU peer and a GPU peer compute the same checksum over the same bytes."""
+    from pdserve.kv_transfer.integrity import checksum
+
+    host = [t[2:9] for t in make_caches(11, torch.bfloat16, block_dim=0).values()]
+    host.append(torch.arange(7, dtype=torch.uint8))  # a size that is no multiple of 4
+    device = [t.to("cuda:0") for t in host]
+    assert checksum(device, kind) == checksum(host, kind)
