@@ -12,6 +12,12 @@ preallocated buffers, the same socket buffer sizes). Each figure is the median o
 
     .venv/bin/python bench/transfer.py                       # --reps 5
     .venv/bin/python bench/transfer.py --transports tcp,ucx --tokens 4096 --checksum
+    python3 bench/transfer.py --device cuda --transports tcp,ucx   # KV in GPU memory
+
+With ``--device cuda`` both sides keep the KV in GPU memory (``cuda:0``; the torch
+transport's NCCL needs a second GPU for the serving side and is skipped without one).
+``memcpy`` is then a device-to-device ``copy_`` (synchronised) and ``socket`` still
+streams host memory: it is the link's ceiling, which tcp reaches only through staging.
 """
 
 from __future__ import annotations
@@ -47,10 +53,14 @@ class Row:
     gbps: dict[str, float]  # name -> GB/s (median)
 
 
-def make_caches(num_blocks: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+def make_caches(num_blocks: int, dtype: torch.dtype, seed: int,
+                device: str = "cpu") -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     shape = (NUM_LAYERS, num_blocks, KV_HEADS, BLOCK_SIZE, HEAD_DIM2)
-    return list(torch.randn(shape, generator=gen).to(dtype).unbind(0))  # views, like vLLM
+    kv = torch.randn(shape, generator=gen).to(dtype).to(device)
+    if kv.is_cuda:
+        torch.cuda.synchronize()  # transports read it from other threads and streams
+    return list(kv.unbind(0))  # views, like vLLM
 
 
 def start(name: str, kv: list[torch.Tensor], leases: LeaseTable,
@@ -67,11 +77,14 @@ def start(name: str, kv: list[torch.Tensor], leases: LeaseTable,
 
 # ---- the serving process ----------------------------------------------------------
 
-def serve(names: list[str], dtype_name: str, num_blocks: int, checksum: bool,
+def serve(names: list[str], dtype_name: str, num_blocks: int, checksum: bool, device: str,
           cmds: mp.Queue, replies: mp.Queue) -> None:  # type: ignore[type-arg]
     """Prefill side: every transport over one set of KV tensors, plus a raw socket."""
     torch.set_num_threads(1)
-    kv = make_caches(num_blocks, getattr(torch, dtype_name), seed=1)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    kv = make_caches(num_blocks, getattr(torch, dtype_name), seed=1, device=device)
+    host_kv = kv if device == "cpu" else make_caches(num_blocks, getattr(torch, dtype_name), 1)
     served = {}
     for name in names:
         table = LeaseTable()
@@ -87,7 +100,7 @@ def serve(names: list[str], dtype_name: str, num_blocks: int, checksum: bool,
             served[cmd[1]][1].add(cmd[2], cmd[3], time.time() + 600)
             replies.put(True)
         elif cmd[0] == "socket":  # served beside the lease commands of the same rounds
-            threading.Thread(target=_stream, args=(raw, kv, int(cmd[1]), int(cmd[2])),
+            threading.Thread(target=_stream, args=(raw, host_kv, int(cmd[1]), int(cmd[2])),
                              daemon=True).start()
             replies.put(True)
     for transport, _, _ in served.values():
@@ -120,6 +133,8 @@ def time_memcpy(src: list[torch.Tensor], dst: list[torch.Tensor], n: int) -> flo
     started = time.perf_counter()
     for s, d in zip(src, dst, strict=True):
         d[:n].copy_(s[:n])
+    if dst[0].is_cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - started
 
 
@@ -139,19 +154,21 @@ def time_transport(transport: Any, port: int, n: int, req: str) -> float:
 
 
 def run_dtype(dtype_name: str, names: list[str], tokens: list[int], reps: int,
-              checksum: bool) -> list[Row]:
+              checksum: bool, device: str = "cpu", server_device: str = "cpu") -> list[Row]:
     num_blocks = max(tokens) // BLOCK_SIZE
     ctx = mp.get_context("spawn")
     cmds, replies = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=serve, daemon=True,
-                       args=(names, dtype_name, num_blocks, checksum, cmds, replies))
+    proc = ctx.Process(target=serve, daemon=True, args=(
+        names, dtype_name, num_blocks, checksum, server_device, cmds, replies))
     proc.start()
     transports: dict[str, tuple[Any, int]] = {}
     try:
         ports = replies.get(timeout=300)
         dtype = getattr(torch, dtype_name)
-        src = make_caches(num_blocks, dtype, seed=1)
-        dst = make_caches(num_blocks, dtype, seed=2)
+        src = make_caches(num_blocks, dtype, seed=1, device=device)
+        dst = make_caches(num_blocks, dtype, seed=2, device=device)
+        # The raw socket streams host memory whatever the device (the link's ceiling).
+        host_dst = dst if device == "cpu" else make_caches(num_blocks, dtype, seed=2)
         for name in names:
             transports[name] = (start(name, dst, LeaseTable(), TransportOptions(
                 checksum=checksum))[0], ports[name])
@@ -173,7 +190,7 @@ def run_dtype(dtype_name: str, names: list[str], tokens: list[int], reps: int,
                 # round 0 is the warm-up (connections, groups, endpoints, page faults).
                 for rep in range(reps + 1):
                     timings["memcpy"].append(time_memcpy(src, dst, n))
-                    timings["socket"].append(time_socket(conn, dst, n))
+                    timings["socket"].append(time_socket(conn, host_dst, n))
                     for name, (transport, port) in transports.items():
                         req = f"{name}-{num_tokens}-{rep}"
                         lease(name, req, list(range(n)))
@@ -230,6 +247,8 @@ def main() -> None:
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--checksum", action="store_true", help="checksum every transfer")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where both sides keep the KV (cuda: GPU memory, cuda:0)")
     parser.add_argument("--pd", action="store_true",
                         help="also the P/D part: share of TTFT, pull vs push (real vLLM)")
     parser.add_argument("--pd-tokens", type=int, default=1024)
@@ -239,9 +258,19 @@ def main() -> None:
     tokens = [int(t) for t in args.tokens.split(",")]
     if any(t % BLOCK_SIZE for t in tokens):
         parser.error(f"token counts must be multiples of the block size {BLOCK_SIZE}")
+    device = server_device = "cpu" if args.device == "cpu" else "cuda:0"
+    if args.device == "cuda":
+        torch.cuda.set_device(device)
+        if "torch" in names:
+            if torch.cuda.device_count() < 2:
+                print("torch: skipped, NCCL needs a second GPU for the serving rank")
+                names.remove("torch")
+            else:
+                server_device = "cuda:1"  # every transport's server then sits on cuda:1
     rows: list[Row] = []
     for dtype_name in args.dtypes.split(","):
-        rows += run_dtype(dtype_name, names, tokens, args.reps, args.checksum)
+        rows += run_dtype(dtype_name, names, tokens, args.reps, args.checksum, device,
+                          server_device)
     verdict(rows, names)
     share = ttft_share(args)
     RESULTS.mkdir(exist_ok=True)

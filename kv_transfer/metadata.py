@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from .handle import KVHandle, PushTarget
+from .push_spec import PushSpec
+
+__all__ = ["KVHandle", "LeaseSpec", "LoadSpec", "PdserveConnectorMetadata", "PushSpec",
+           "PushTarget"]
 
 
 @dataclass(frozen=True)
@@ -30,20 +34,6 @@ class LoadSpec:
     src_block_ids: tuple[int, ...]
     dst_block_ids: tuple[int, ...]
     first_position: int = 0
-
-
-@dataclass(frozen=True)
-class PushSpec:
-    """Prefill, one step: after each layer is computed, send the blocks at
-    positions ``first_position …`` (``block_ids``) of a request's
-    ``num_blocks``-block prompt to ``target``. ``final``: this step computes
-    the prompt's last tokens (earlier steps may leave their last block partial)."""
-
-    target: PushTarget
-    first_position: int
-    block_ids: tuple[int, ...]
-    num_blocks: int
-    final: bool
 
 
 @dataclass

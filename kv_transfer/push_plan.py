@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .base import push_transport_names
-from .metadata import PushSpec, PushTarget
+from .handle import PushTarget
+from .push_spec import PushSpec
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

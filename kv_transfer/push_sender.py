@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from .base import PeerAddress, PushChannel
-from .metadata import PushSpec, PushTarget
+from .handle import PushTarget
+from .push_spec import PushSpec
 from .threads import unpin_current_thread
 from .wire import TransferError
 

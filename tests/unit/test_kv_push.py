@@ -206,3 +206,50 @@ def test_the_registry_says_can_push_exactly_where_push_channel_is_given(name: st
         assert (transport.push_channel() is not None) == (name in PUSH_TRANSPORTS)
     finally:
         transport.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layers_pushed_from_device_kv_land_in_device_kv(dtype) -> None:
+    """GPU path end to end: a prefill's PushSender reads CUDA blocks (after the layer's
+    event) and pushes them over tcp, CRC-checked, into a decode inbox over CUDA blocks
+    (split K/V layout: two chunks per block)."""
+    from pdserve.kv_transfer.handle import PushTarget
+    from pdserve.kv_transfer.push_sender import PushSender
+    from pdserve.kv_transfer.push_spec import PushSpec
+
+    want = make_caches(5, dtype, block_dim=1)
+    src_kv = {k: v.to("cuda") for k, v in want.items()}
+    dst_kv = {k: torch.zeros_like(v) for k, v in src_kv.items()}
+    inbox = PushInbox(KVLayout.from_kv_caches(dst_kv, NUM_BLOCKS, BS), 64 << 20, ttl_s=30)
+    decode, prefill = create_transport("tcp"), create_transport("tcp")
+    try:
+        channel = decode.push_channel()
+        assert channel is not None
+        channel.accept_pushes(inbox)
+        port = decode.start(kv_caches=list(dst_kv.values()),
+                            layout=KVLayout.from_kv_caches(dst_kv, NUM_BLOCKS, BS),
+                            leases=LeaseTable(), compat=compat(dtype), host="127.0.0.1",
+                            port=0)
+        prefill.start(kv_caches=list(src_kv.values()),
+                      layout=KVLayout.from_kv_caches(src_kv, NUM_BLOCKS, BS),
+                      leases=LeaseTable(), compat=compat(dtype), host="127.0.0.1", port=0)
+        pusher = prefill.push_channel()
+        assert pusher is not None
+        sender = PushSender(pusher, tp_rank=0, timeout_s=10, checksum=True)
+        src = [4, 5, 9, 2]
+        spec = PushSpec(PushTarget("127.0.0.1", port, "g"), 0, tuple(src), len(src), True)
+        for layer in range(len(src_kv)):
+            sender.submit({"r": spec}, layer, torch.device("cuda"))
+        dst = [12, 3, 7, 8]
+        inbox.load("g", list(dst_kv.values()), 0, dst, time.monotonic() + 10)
+        sender.close()
+        assert sender.num_pushes_failed == 0
+        for name, tensor in dst_kv.items():
+            got = tensor.cpu()
+            for s, d in zip(src, dst, strict=True):
+                assert torch.equal(got[:, d].view(torch.uint8), want[name][:, s].view(torch.uint8))
+    finally:
+        prefill.close()
+        decode.close()

@@ -63,3 +63,39 @@ def test_device_kv_moves_bit_exact_and_checksummed(name: str, block_dim: int,
     finally:
         transport.close()
         peer.stop()
+
+
+def test_tcp_stages_device_kv_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tcp stages device memory through pinned buffers in pieces: chunks larger than a
+    piece, cut mid-element, arrive whole and bit-exact (both ends in this process)."""
+    from pdserve.kv_transfer import tcp
+
+    monkeypatch.setattr(tcp, "STAGE_BYTES", 4999)
+    want = make_caches(7, torch.bfloat16, block_dim=1)
+    src_kv = {k: v.to("cuda:0") for k, v in want.items()}
+    dst_kv = {k: torch.zeros_like(v) for k, v in src_kv.items()}
+    leases = LeaseTable()
+    server, port = start_transport("tcp", src_kv, leases, TransportOptions(checksum=True))
+    client, _ = start_transport("tcp", dst_kv, LeaseTable(), TransportOptions(checksum=True))
+    try:
+        src, dst = [3, 4, 5, 9], [0, 1, 2, 12]
+        leases.add("r", src, time.time() + 60)
+        client.pull(PeerAddress("127.0.0.1", port), "r", src, dst, time.monotonic() + 60)
+        for name, tensor in dst_kv.items():
+            got = tensor.cpu()
+            for s, d in zip(src, dst, strict=True):
+                assert torch.equal(got[:, d].view(torch.uint8), want[name][:, s].view(torch.uint8))
+    finally:
+        client.close()
+        server.close()
+
+
+@pytest.mark.parametrize("kind", ["crc32", "wsum64"])
+def test_checksums_agree_between_host_and_device(kind: str) -> None:
+    """A CPU peer and a GPU peer compute the same checksum over the same bytes."""
+    from pdserve.kv_transfer.integrity import checksum
+
+    host = [t[2:9] for t in make_caches(11, torch.bfloat16, block_dim=0).values()]
+    host.append(torch.arange(7, dtype=torch.uint8))  # a size that is no multiple of 4
+    device = [t.to("cuda:0") for t in host]
+    assert checksum(device, kind) == checksum(host, kind)
