@@ -15,7 +15,7 @@ launcher, tests, benchmarks).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -121,21 +121,22 @@ async def _stream(call: Any) -> AsyncIterator[Any]:
 def probe_health(endpoint: str, timeout_s: float) -> WorkerHealth:
     """One blocking ``Health`` call; raises ``WorkerCallError`` (or ``ValueError``
     for a worker that names no known role)."""
-    with grpc.insecure_channel(endpoint) as channel:
-        try:
-            msg = pb_grpc.WorkerServiceStub(channel).Health(pb.HealthRequest(),
-                                                            timeout=timeout_s)
-        except grpc.RpcError as exc:
-            raise WorkerCallError.from_rpc(exc) from exc
-    return convert.health_from_pb(msg)
+    return convert.health_from_pb(_probe(endpoint, lambda stub: stub.Health, pb.HealthRequest(),
+                                         timeout_s))
 
 
 def probe_load(endpoint: str, timeout_s: float) -> WorkerLoadReport:
     """One blocking ``GetLoad`` call; raises ``WorkerCallError``."""
+    return convert.load_from_pb(_probe(endpoint, lambda stub: stub.GetLoad, pb.GetLoadRequest(),
+                                       timeout_s))
+
+
+def _probe(endpoint: str, method: Callable[[pb_grpc.WorkerServiceStub], Any], request: Any,
+           timeout_s: float) -> Any:
+    """One blocking unary call (``method`` picks it from the stub) on a channel of its own."""
     with grpc.insecure_channel(endpoint) as channel:
+        call = method(pb_grpc.WorkerServiceStub(channel))
         try:
-            msg = pb_grpc.WorkerServiceStub(channel).GetLoad(pb.GetLoadRequest(),
-                                                             timeout=timeout_s)
+            return call(request, timeout=timeout_s)
         except grpc.RpcError as exc:
             raise WorkerCallError.from_rpc(exc) from exc
-    return convert.load_from_pb(msg)
