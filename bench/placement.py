@@ -110,7 +110,7 @@ def ratios(res: dict[str, dict[str, float]]) -> dict[str, float]:
             "throughput": ca["requests_per_s"] / rr["requests_per_s"]}
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-model-len", type=int, default=1536)
@@ -124,7 +124,11 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=4,
                     help="reply length per turn (1: prefill answers alone, no decode)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     prepare_default_model()
     log_dir = cache_dir() / "logs" / time.strftime("bench-placement-%Y%m%d-%H%M%S")
     children, prefill, decode = worker_children(args, log_dir)
@@ -154,17 +158,21 @@ def main() -> int:
         print(f"{name:13s} cache_aware / round_robin: TTFT p50 {r['ttft_p50']:.2f}x, "
               f"p99 {r['ttft_p99']:.2f}x, hit rate {r['hit_rate']:.2f}x, "
               f"throughput {r['throughput']:.2f}x")
-    sp, ctl = summary["shared-prefix"], summary["control"]
-    print(f"targets: TTFT p50 <= 0.6x: {sp['ttft_p50']:.2f}x "
-          f"{'OK' if sp['ttft_p50'] <= 0.6 else 'MISSED'}; hit rate >= 1.5x: "
-          f"{sp['hit_rate']:.2f}x {'OK' if sp['hit_rate'] >= 1.5 else 'MISSED'}; control "
-          f"TTFT p50 {ctl['ttft_p50']:.2f}x, hit rate {ctl['hit_rate']:.2f}x (~1.0x)")
+    print_targets(summary)
     out = Path(__file__).with_name("results") / time.strftime("placement-%Y%m%d-%H%M%S.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "results": results, "ratios": summary},
                               indent=2))
     print(f"results: {out}")
     return 0
+
+
+def print_targets(summary: dict[str, dict[str, float]]) -> None:
+    sp, ctl = summary["shared-prefix"], summary["control"]
+    print(f"targets: TTFT p50 <= 0.6x: {sp['ttft_p50']:.2f}x "
+          f"{'OK' if sp['ttft_p50'] <= 0.6 else 'MISSED'}; hit rate >= 1.5x: "
+          f"{sp['hit_rate']:.2f}x {'OK' if sp['hit_rate'] >= 1.5 else 'MISSED'}; control "
+          f"TTFT p50 {ctl['ttft_p50']:.2f}x, hit rate {ctl['hit_rate']:.2f}x (~1.0x)")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import socket
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -173,31 +174,14 @@ def run_dtype(dtype_name: str, names: list[str], tokens: list[int], reps: int,
             transports[name] = (start(name, dst, LeaseTable(), TransportOptions(
                 checksum=checksum))[0], ports[name])
 
-        def lease(name: str, req: str, blocks: list[int]) -> None:
-            cmds.put(("lease", name, req, blocks))
-            replies.get(timeout=60)
+        def ask(*cmd: Any) -> Any:
+            cmds.put(cmd)
+            return replies.get(timeout=60)
 
         rows = []
         for num_tokens in tokens:
-            n = num_tokens // BLOCK_SIZE
-            nbytes = sum(layer[:n].numel() * layer.element_size() for layer in src)
-            cmds.put(("socket", n, reps + 1))
-            replies.get(timeout=60)
-            timings: dict[str, list[float]] = {k: [] for k in ["memcpy", "socket", *names]}
-            with socket.create_connection(("127.0.0.1", ports["socket"])) as conn:
-                _tune(conn)
-                # Round-robin, so a change in the machine's load hits every method alike;
-                # round 0 is the warm-up (connections, groups, endpoints, page faults).
-                for rep in range(reps + 1):
-                    timings["memcpy"].append(time_memcpy(src, dst, n))
-                    timings["socket"].append(time_socket(conn, host_dst, n))
-                    for name, (transport, port) in transports.items():
-                        req = f"{name}-{num_tokens}-{rep}"
-                        lease(name, req, list(range(n)))
-                        timings[name].append(time_transport(transport, port, n, req))
-            timings = {k: v[1:] for k, v in timings.items()}
-            rows.append(Row(dtype_name, num_tokens, nbytes / 2**20,
-                            {k: gbps(nbytes, v) for k, v in timings.items()}))
+            rows.append(measure_size(dtype_name, num_tokens, reps, (src, dst, host_dst),
+                                     transports, ports["socket"], ask))
             print_row(rows[-1], names)
         return rows
     finally:
@@ -207,6 +191,33 @@ def run_dtype(dtype_name: str, names: list[str], tokens: list[int], reps: int,
         proc.join(30)
         if proc.is_alive():
             proc.kill()
+
+
+def measure_size(dtype_name: str, num_tokens: int, reps: int,
+                 caches: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]],
+                 transports: dict[str, tuple[Any, int]], socket_port: int,
+                 ask: Callable[..., Any]) -> Row:
+    """One size, every method measured round-robin; ``ask`` sends the serving process a
+    command and waits for its reply."""
+    src, dst, host_dst = caches
+    n = num_tokens // BLOCK_SIZE
+    nbytes = sum(layer[:n].numel() * layer.element_size() for layer in src)
+    ask("socket", n, reps + 1)
+    timings: dict[str, list[float]] = {k: [] for k in ["memcpy", "socket", *transports]}
+    with socket.create_connection(("127.0.0.1", socket_port)) as conn:
+        _tune(conn)
+        # Round-robin, so a change in the machine's load hits every method alike;
+        # round 0 is the warm-up (connections, groups, endpoints, page faults).
+        for rep in range(reps + 1):
+            timings["memcpy"].append(time_memcpy(src, dst, n))
+            timings["socket"].append(time_socket(conn, host_dst, n))
+            for name, (transport, port) in transports.items():
+                req = f"{name}-{num_tokens}-{rep}"
+                ask("lease", name, req, list(range(n)))
+                timings[name].append(time_transport(transport, port, n, req))
+    timings = {k: v[1:] for k, v in timings.items()}
+    return Row(dtype_name, num_tokens, nbytes / 2**20,
+               {k: gbps(nbytes, v) for k, v in timings.items()})
 
 
 def print_row(row: Row, names: list[str]) -> None:
