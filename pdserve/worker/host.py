@@ -50,6 +50,8 @@ class EngineHost:
         self.engine: Engine | None = None
         self._engine_factory = engine_factory
         self._inflight: set[str] = set()
+        # Fixed while the engine runs; the servicer checks every Generate against it.
+        self._health: WorkerHealth | None = None
 
     @property
     def ready(self) -> bool:
@@ -62,6 +64,7 @@ class EngineHost:
     def start(self) -> None:
         """Load the engine (blocking; tens of seconds with vLLM)."""
         self.engine = self._engine_factory(self.config, self.counters)
+        self._health = None
 
     def start_role(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the role's services (call on the event loop once the engine runs)."""
@@ -72,10 +75,17 @@ class EngineHost:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+            self._health = None
         # After the engine: the policy removes what the engine had bound (KV-event sockets).
         self.policy.close()
 
     def health(self) -> WorkerHealth:
+        """What this worker says about itself; built once per engine lifetime."""
+        if self._health is None:
+            self._health = self._describe()
+        return self._health
+
+    def _describe(self) -> WorkerHealth:
         cfg, conn = self.config, self.config.connector
         dtype, block_size = cfg.dtype, 0
         if self.engine is not None:

@@ -250,8 +250,10 @@ async def test_health_before_and_after_the_engine_starts() -> None:
     after = host.health()
     assert (after.ready, after.dtype, after.block_size) == (True, "bfloat16", 128)
     assert after.compatibility_hash != before.compatibility_hash
+    assert host.health() is after  # built once while the engine runs
     host.shutdown()
     assert engine.is_shut_down and not host.ready
+    assert not host.health().ready
 
 
 def test_kv_mirror_is_loading_until_the_role_starts_it() -> None:
