@@ -21,12 +21,15 @@ from pdserve.membership import Membership, WorkerInfo
 from pdserve.membership.static import static_infos
 from pdserve.types import WorkerHealth, WorkerLoadReport
 
-from .worker_client import WorkerCallError, WorkerClient
+from .worker_client import DEADLINE_EXCEEDED, WorkerCallError, WorkerClient
 from .worker_state import InFlight, WorkerLoad, WorkerState
 
 logger = logging.getLogger("pdserve.router.workers")
 
 _CLOSE_GRACE_S = 10.0
+# A worker that answers too slowly is busy, not gone: only this many probe
+# timeouts in a row take it out of placement (a refused connection does at once).
+MAX_SLOW_PROBES = 3
 
 
 class Worker:
@@ -50,6 +53,7 @@ class Worker:
                                      compatibility_hash=info.compatibility_hash,
                                      max_model_len=info.max_model_len)
         self._snapshot = self._reported
+        self._slow_probes = 0
 
     @property
     def member_id(self) -> str:
@@ -71,17 +75,28 @@ class Worker:
         self._publish()
 
     async def refresh(self, timeout_s: float) -> None:
-        """Health, then load; any failure marks the worker unhealthy."""
+        """Health, then load; a failure marks the worker unhealthy, except a probe
+        that timed out, which does only ``MAX_SLOW_PROBES`` times in a row: a worker
+        whose cores are busy computing may answer late, and taking it out of
+        placement for that sends its requests elsewhere (or to no prefill at all)."""
         try:
             health = await self.client.health(timeout_s)
             self._check_identity(health)
             load = await self.client.load(timeout_s)
         except WorkerCallError as exc:
+            if exc.code == DEADLINE_EXCEEDED and self._reported.healthy:
+                self._slow_probes += 1
+                if self._slow_probes < MAX_SLOW_PROBES:
+                    logger.info("%s worker at %s answered its probe late (%d in a row)",
+                                self._reported.role, self._reported.endpoint,
+                                self._slow_probes)
+                    return
             self.mark_unhealthy(exc.details)
             return
         except (ValueError, RuntimeError) as exc:
             self.mark_unhealthy(str(exc))
             return
+        self._slow_probes = 0
         if not self._reported.healthy and health.ready:
             logger.info("%s worker %s at %s is healthy", self._reported.role, health.worker_id,
                         self._reported.endpoint)

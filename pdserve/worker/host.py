@@ -33,6 +33,10 @@ EngineFactory = Callable[[EngineConfig, EngineCounters], Engine]
 _FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort", "error")
 
 
+# Under the router's probe deadline (2 s), with room for the engine counters.
+KV_STATUS_TIMEOUT_S = 1.0
+
+
 class EngineHost:
     """``engine_factory`` starts the engine (``VllmEngine.start`` in a worker, a
     fake in tests); ``kv_push`` says whether this worker sends (prefill) or
@@ -52,6 +56,9 @@ class EngineHost:
         self._inflight: set[str] = set()
         # Fixed while the engine runs; the servicer checks every Generate against it.
         self._health: WorkerHealth | None = None
+        # The connector's last status reply: counters never go back to zero because
+        # one reply was late (GetLoad answers within the router's probe deadline).
+        self._kv_status: dict[str, Any] = {}
 
     @property
     def ready(self) -> bool:
@@ -139,13 +146,14 @@ class EngineHost:
         return mirror
 
     def kv_status(self) -> dict[str, Any]:
-        """The connector's own counters, from its KV endpoint in the Worker process."""
+        """The connector's own counters, from its KV endpoint in the Worker process;
+        its last reply if this one is late or fails."""
         try:
-            return request_once("127.0.0.1", self.config.connector.kv_port, {"op": "status"},
-                                2.0)
+            self._kv_status = request_once("127.0.0.1", self.config.connector.kv_port,
+                                           {"op": "status"}, KV_STATUS_TIMEOUT_S)
         except TransferError as exc:
-            logger.warning("KV endpoint status unavailable: %s", exc)
-            return {}
+            logger.warning("KV endpoint status unavailable (reporting the last): %s", exc)
+        return self._kv_status
 
     async def load(self) -> WorkerLoadReport:
         self.policy.prune(time.time_ns())

@@ -1,0 +1,59 @@
+"""The router's health probe: a late answer is a busy worker, a refused one is gone."""
+
+from __future__ import annotations
+
+from pdserve.membership import WorkerInfo
+from pdserve.router.worker_client import DEADLINE_EXCEEDED, UNAVAILABLE, WorkerCallError
+from pdserve.router.workers import MAX_SLOW_PROBES, Worker
+
+from pdserve.types import WorkerHealth, WorkerLoadReport
+
+
+class ScriptedClient:
+    """Answers Health from a script of outcomes: ``None`` is a good reply, a code fails."""
+
+    def __init__(self, outcomes: list[str | None]) -> None:
+        self.outcomes = outcomes
+        self.endpoint = "127.0.0.1:1"
+
+    async def health(self, timeout_s: float) -> WorkerHealth:
+        code = self.outcomes.pop(0)
+        if code is not None:
+            raise WorkerCallError(code, "scripted")
+        return WorkerHealth(ready=True, role="prefill", worker_id="127.0.0.1:1", model="m",
+                            dtype="float32", block_size=16, max_model_len=64,
+                            transport="tcp", compatibility_hash="h")
+
+    async def load(self, timeout_s: float) -> WorkerLoadReport:
+        return WorkerLoadReport()
+
+
+def _worker(outcomes: list[str | None]) -> Worker:
+    worker = Worker(WorkerInfo(worker_id="127.0.0.1:1", role="prefill",
+                               grpc_endpoint="127.0.0.1:1"))
+    worker.client = ScriptedClient(outcomes)  # type: ignore[assignment]
+    return worker
+
+
+async def test_late_probes_keep_a_worker_until_too_many_in_a_row() -> None:
+    late = [DEADLINE_EXCEEDED] * (MAX_SLOW_PROBES - 1)
+    worker = _worker([None, *late, None, *late, DEADLINE_EXCEEDED])
+    await worker.refresh(1.0)
+    assert worker.snapshot().healthy
+    for _ in late:  # late, but not often enough in a row
+        await worker.refresh(1.0)
+        assert worker.snapshot().healthy
+    await worker.refresh(1.0)  # a good answer resets the count
+    for _ in late:
+        await worker.refresh(1.0)
+    assert worker.snapshot().healthy
+    await worker.refresh(1.0)
+    assert not worker.snapshot().healthy
+
+
+async def test_unreachable_worker_leaves_placement_at_once() -> None:
+    worker = _worker([None, UNAVAILABLE])
+    await worker.refresh(1.0)
+    assert worker.snapshot().healthy
+    await worker.refresh(1.0)
+    assert not worker.snapshot().healthy
