@@ -129,8 +129,10 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     router_argv = py + ["router", *common, "--host", cfg.host, "--port", str(cfg.port),
                         *workers, "--placement", cfg.placement]
     probe_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+    # Ready once the router itself sees every worker healthy: a worker's own Health
+    # turns ready up to one router health interval before the router places on it,
+    # and a request in between would skip a prefill worker that is up.
     children.append(Child("router", router_argv, log_dir / "router.log",
-                          f"http://{probe_host}:{cfg.port}/health" if not membership else
                           f"http://{probe_host}:{cfg.port}/workers",
                           extra={"num_workers": str(cfg.num_prefill + cfg.num_decode)}))
     return children
@@ -148,7 +150,7 @@ def _healthy(child: Child) -> bool:
     try:
         reply = httpx.get(child.probe, timeout=1)
         ok = reply.status_code == 200
-        if ok and child.probe.endswith("/workers"):  # etcd: every worker found and healthy
+        if ok and child.probe.endswith("/workers"):  # every worker found and healthy
             healthy = sum(1 for w in reply.json()["workers"] if w["healthy"])
             ok = healthy >= int(child.extra["num_workers"])
     except (httpx.HTTPError, ValueError, KeyError):

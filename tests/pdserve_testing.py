@@ -8,6 +8,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -182,6 +183,21 @@ def push_kv(seed: int, dtype_name: str, port: int, transfer_id: str,
 class Server:
     base_url: str
     proc: subprocess.Popen[str]
+    log_path: Path | None = None  # where ``pdserve up`` logs (stderr), if kept
+
+    def log_lines(self, *needles: str) -> list[str]:
+        """Lines of the cluster's log holding any of ``needles`` (for failure messages)."""
+        if self.log_path is None or not self.log_path.exists():
+            return []
+        text = self.log_path.read_text(errors="replace")
+        return [line for line in text.splitlines() if any(n in line for n in needles)]
+
+    def metric(self, name: str) -> float:
+        """The sum of the router's samples of ``name`` (every label set) on /metrics."""
+        text = httpx.get(self.base_url.removesuffix("/v1") + "/metrics", timeout=5).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name) and not line.startswith("#")
+                   and line[len(name)] in "{ ")
 
     def workers(self, role: str) -> list[dict[str, Any]]:
         view = httpx.get(self.base_url.removesuffix("/v1") + "/workers", timeout=5).json()
@@ -231,16 +247,23 @@ async def wait_until_async(predicate: Callable[[], T], timeout_s: float,
     return value
 
 
-def launch_up(args: list[str], env: dict[str, str], timeout_s: float = 600) -> Server:
+def launch_up(args: list[str], env: dict[str, str], timeout_s: float = 600,
+              log_path: Path | None = None) -> Server:
     """Start ``pdserve up`` with ``args`` in its own session and wait for its endpoint
-    line; stop it with ``stop_up``."""
+    line; stop it with ``stop_up``. Its stderr (every component's log) goes to
+    ``log_path`` when given."""
     import queue
     import sys
     import threading
 
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=env, start_new_session=True)
+    log = open(log_path, "w") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", *args],
+                                stdout=subprocess.PIPE, stderr=log, text=True,
+                                env=env, start_new_session=True)
+    finally:
+        if log_path is not None:
+            log.close()  # type: ignore[union-attr]
     lines: queue.Queue[str] = queue.Queue()
 
     def pump() -> None:
@@ -259,7 +282,7 @@ def launch_up(args: list[str], env: dict[str, str], timeout_s: float = 600) -> S
                     raise RuntimeError(f"pdserve up exited with {proc.returncode}") from None
                 continue
             if line.startswith("http://"):
-                return Server(line.strip(), proc)
+                return Server(line.strip(), proc, log_path)
         raise TimeoutError(f"pdserve up not ready after {timeout_s}s")
     except BaseException:
         stop_up(proc)

@@ -54,7 +54,8 @@ def reference(references: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def pd_server(model_path: Path, request: pytest.FixtureRequest) -> Iterator[Server]:
+def pd_server(model_path: Path, request: pytest.FixtureRequest,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The P/D cluster, over ``--transport tcp`` unless a test parametrizes it
     indirectly with ``"<transport>"`` or ``"<transport>:<MiB/s>"`` (KV sends paced
     by ``--kv-throttle-mib-s``). One cluster at a time: pytest tears the previous
@@ -65,7 +66,8 @@ def pd_server(model_path: Path, request: pytest.FixtureRequest) -> Iterator[Serv
     server = launch_up(
         ["--dtype", "float32", "--port", str(free_port()), "--kv-cache-gib", "1",
          "--max-model-len", "4096", "--transport", transport, "--kv-checksum", "--kv-push",
-         "--kv-throttle-mib-s", throttle or "0"], env, STARTUP_TIMEOUT_S)
+         "--kv-throttle-mib-s", throttle or "0"], env, STARTUP_TIMEOUT_S,
+        log_path=tmp_path_factory.mktemp(f"up-{transport}") / "up.log")
     try:
         yield server
     finally:

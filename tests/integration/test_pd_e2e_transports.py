@@ -47,15 +47,17 @@ def test_greedy_pd_equals_aggregated_vllm_over_each_transport(
         assert ids == want, f"{case.kind} stream={case.stream}: P/D diverged from vLLM"
         assert text == tokenizer.decode(want, skip_special_tokens=True)
         num_decoded += len(want) >= 2
-    # The KV came over this transport, and decode computed at most a block per prompt.
-    # (Checked over the whole run: in this second cluster of a session, the decode's
-    # per-request prompt counters lagged behind the 30 s wait; cause not found.)
+    # Every request went through prefill (none fell back to decode computing it),
+    # and the KV came over this transport: decode loaded it for each.
+    troubles = pd_server.log_lines("unhealthy", "late", "failed")
+    assert pd_server.metric("pdserve_dispatch_prefill_fallbacks_total") == 0, troubles
+
     def loaded() -> WorkerLoadReport | None:
         d = pd_server.load("decode")
         return d if d.kv_loads - before.kv_loads >= num_decoded else None
 
     after = wait_until(loaded, timeout_s=30)
-    assert after is not None, "decode did not load KV for every request"
+    assert after is not None, ("decode did not load KV for every request", troubles)
     assert after.kv_bytes_received > before.kv_bytes_received
     assert after.kv_transfers_completed - before.kv_transfers_completed >= num_decoded
     assert after.kv_transfers_failed == before.kv_transfers_failed
