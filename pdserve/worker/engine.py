@@ -163,12 +163,25 @@ def resolve_dtype(dtype: str) -> str:
     return dtype if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
 
 
+def _quiet_shm_spin() -> None:
+    """On CPU, the engine's processes sleep instead of spinning between messages
+    (``pdserve.worker.vllm_plugin``); an explicit ``PDSERVE_VLLM_SHM_SPIN_S`` wins.
+    The engine's child processes inherit the variable and its plugin reads it there."""
+    from vllm.platforms import current_platform
+
+    from .vllm_plugin import SPIN_ENV
+
+    if current_platform.is_cpu():
+        os.environ.setdefault(SPIN_ENV, "0")
+
+
 def build_engine(config: EngineConfig, counters: EngineCounters) -> AsyncLLM:
     """Start the engine (blocks ~20-40 s on CPU). Call from a ``__main__``-guarded process."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
     if config.cpu_threads_bind:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
+    _quiet_shm_spin()
     from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM

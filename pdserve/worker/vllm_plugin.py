@@ -1,0 +1,59 @@
+"""pdserve's vLLM general plugin: loaded by vLLM itself in every engine process
+(EngineCore and each Worker) before their message queues exist.
+
+It tunes one thing, and only where pdserve's engine host asked for it through
+``SPIN_ENV`` (so an aggregated ``vllm serve`` in the same environment is untouched):
+how long a reader of vLLM's shared-memory queues busy-waits after each read.
+
+vLLM's ``SpinCondition`` makes the EngineCore (waiting for the Worker's output) and
+the Worker (waiting for the next scheduler output) ``sched_yield`` in a loop for 1 s
+after every message before they sleep on a socket. With dedicated cores that saves
+microseconds per step. On a CPU host the engine's compute threads own the cores: two
+spinning readers per engine, and two engines per host with P/D, steal them from the
+very step they wait for. Measured here (2 cores, both engines on both): one
+~10-token request's prefill-to-decode gap went from 1.05-1.15 s to 0.11-0.14 s with
+the spin off, and 16 tokens from 2.5-2.8 s to 1.6-1.8 s (one aggregated engine: 1.49 s).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+logger = logging.getLogger("pdserve.worker.vllm_plugin")
+
+# Seconds a shared-memory queue reader spins after a read; unset: vLLM's own (1 s).
+SPIN_ENV = "PDSERVE_VLLM_SHM_SPIN_S"
+
+
+def register() -> None:
+    """vLLM's ``vllm.general_plugins`` entry point (may run more than once per process)."""
+    raw = os.environ.get(SPIN_ENV)
+    if raw is None:
+        return
+    try:
+        spin_s = float(raw)
+    except ValueError:
+        logger.warning("ignoring %s=%r: not a number of seconds", SPIN_ENV, raw)
+        return
+    set_shm_spin(spin_s)
+
+
+def set_shm_spin(spin_s: float) -> None:
+    """Every ``SpinCondition`` reader made from now on spins ``spin_s`` seconds."""
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    cls = shm_broadcast.SpinCondition
+    original = getattr(cls.__init__, "__pdserve_original__", cls.__init__)
+
+    @functools.wraps(original)
+    def init(self: Any, is_reader: bool, context: Any, notify_address: str,
+             busy_loop_s: float = spin_s) -> None:
+        original(self, is_reader, context, notify_address, busy_loop_s)
+        if is_reader:
+            self.busy_loop_s = spin_s
+
+    init.__pdserve_original__ = original  # type: ignore[attr-defined]
+    cls.__init__ = init
