@@ -166,13 +166,16 @@ def resolve_dtype(dtype: str) -> str:
 def _quiet_shm_spin() -> None:
     """On CPU, the engine's processes sleep instead of spinning between messages
     (``pdserve.worker.vllm_plugin``); an explicit ``PDSERVE_VLLM_SHM_SPIN_S`` wins.
-    The engine's child processes inherit the variable and its plugin reads it there."""
+    Applied here too: forked engine processes inherit it even where the plugin's
+    entry point is shadowed (a stale ``pdserve.egg-info`` in the working directory);
+    spawned ones inherit the variable and the plugin applies it there."""
     from vllm.platforms import current_platform
 
-    from .vllm_plugin import SPIN_ENV
+    from .vllm_plugin import SPIN_ENV, register
 
     if current_platform.is_cpu():
         os.environ.setdefault(SPIN_ENV, "0")
+    register()
 
 
 def build_engine(config: EngineConfig, counters: EngineCounters) -> AsyncLLM:

@@ -22,7 +22,8 @@ import logging
 import os
 from typing import Any
 
-logger = logging.getLogger("pdserve.worker.vllm_plugin")
+# Under "vllm": the engine processes configure only vLLM's loggers.
+logger = logging.getLogger("vllm.pdserve_plugin")
 
 # Seconds a shared-memory queue reader spins after a read; unset: vLLM's own (1 s).
 SPIN_ENV = "PDSERVE_VLLM_SHM_SPIN_S"
@@ -57,3 +58,4 @@ def set_shm_spin(spin_s: float) -> None:
 
     init.__pdserve_original__ = original  # type: ignore[attr-defined]
     cls.__init__ = init
+    logger.info("pdserve: vLLM shared-memory readers in pid %d spin %.3g s", os.getpid(), spin_s)
