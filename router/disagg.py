@@ -14,6 +14,7 @@ it is counted by the dispatcher's ``pdserve_dispatch_prefill_fallbacks`` alone.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Literal
 
@@ -60,6 +61,21 @@ class DisaggConfig:
                      "local_decode_max_running"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> DisaggConfig:
+        """From the ``--disagg`` / ``--local-*`` flags (``router`` and ``up``)."""
+        return cls(mode=args.disagg, local_prefill_max_tokens=args.local_prefill_max_tokens,
+                   local_prefill_max_queued_tokens=args.local_prefill_max_queued_tokens,
+                   local_decode_max_running=args.local_decode_max_running)
+
+    def flags(self) -> list[str]:
+        """The router flags that give this config back (``pdserve up`` hands them to its
+        router child), the inverse of ``from_args``."""
+        return ["--disagg", self.mode,
+                "--local-prefill-max-tokens", str(self.local_prefill_max_tokens),
+                "--local-prefill-max-queued-tokens", str(self.local_prefill_max_queued_tokens),
+                "--local-decode-max-running", str(self.local_decode_max_running)]
 
 
 @dataclass(frozen=True)
