@@ -102,18 +102,22 @@ def choose_disagg(
 
     ``prefill`` is None when placement found no healthy prefill worker compatible with
     ``decode``: then the prompt is computed on decode, whatever the mode. In ``auto``,
-    in this order (``uncached`` = the prompt tokens outside the chosen prefill worker's
-    prefix cache, i.e. the prefill it would compute):
+    the first rule that holds decides (``local tokens`` = the prompt tokens outside
+    decode's own prefix cache, ``decode_cached_tokens``: what decode computes if local):
 
-    - ``short_prompt``: ``uncached <= local_prefill_max_tokens`` → local;
-    - ``decode_cached``: the prompt tokens outside decode's own prefix cache
-      (``decode_cached_tokens``) are that few → local (decode reuses its cache);
+    - ``short_prompt``: the prompt has at most ``local_prefill_max_tokens`` tokens → local;
+    - ``decode_cached``: the local tokens are that few (decode holds the rest) → local;
     - ``prefill_busy``: the prefill worker has more than
-      ``local_prefill_max_queued_tokens`` of uncached prompt tokens ahead of this one,
-      decode runs at most ``local_decode_max_running`` requests, and the prompt is no
-      larger than that queue threshold (a huge prompt would stall decode's streams
-      longer than the queue delays this one) → local;
+      ``local_prefill_max_queued_tokens`` uncached prompt tokens queued ahead of this
+      request, decode runs at most ``local_decode_max_running`` requests, and the local
+      tokens are no more than that queue threshold (a huge prompt would stall decode's
+      streams longer than the queue delays this one) → local;
     - otherwise ``long_prompt`` → remote.
+
+    The thresholds compare what *decode* would compute, not the prompt tokens outside
+    the prefill worker's cache: a prompt whose prefix prefill holds is cheap remotely (a
+    short prefill and a transfer) but is computed whole by a decode that lacks it, so
+    prefill's cache argues for remote, never for local.
     """
     if prefill is None:
         return DisaggDecision("local", "no_prefill")
@@ -121,22 +125,22 @@ def choose_disagg(
         return DisaggDecision("remote", "always")
     if config.mode == "never":
         return DisaggDecision("local", "never")
-    uncached = request.uncached_tokens(prefill)
-    if uncached <= config.local_prefill_max_tokens:
+    if request.num_prompt_tokens <= config.local_prefill_max_tokens:
         return DisaggDecision("local", "short_prompt")
-    if request.num_prompt_tokens - decode_cached_tokens <= config.local_prefill_max_tokens:
+    local_tokens = request.num_prompt_tokens - decode_cached_tokens
+    if local_tokens <= config.local_prefill_max_tokens:
         return DisaggDecision("local", "decode_cached")
-    if _prefill_busy(config, uncached, prefill, decode):
+    if _prefill_busy(config, local_tokens, prefill, decode):
         return DisaggDecision("local", "prefill_busy")
     return DisaggDecision("remote", "long_prompt")
 
 
-def _prefill_busy(config: DisaggConfig, uncached: int, prefill: WorkerState,
+def _prefill_busy(config: DisaggConfig, local_tokens: int, prefill: WorkerState,
                   decode: WorkerState) -> bool:
     """The queue rule: prefill is backed up, decode has room, the prompt is moderate."""
     return (prefill.num_assigned_tokens > config.local_prefill_max_queued_tokens
             and num_running(decode) <= config.local_decode_max_running
-            and uncached <= config.local_prefill_max_queued_tokens)
+            and local_tokens <= config.local_prefill_max_queued_tokens)
 
 
 def num_running(worker: WorkerState) -> int:

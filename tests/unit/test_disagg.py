@@ -41,12 +41,11 @@ def test_long_prompt_with_idle_prefill_is_remote() -> None:
     assert decision.remote and decision.header() == "remote; reason=long_prompt"
 
 
-def test_long_prompt_mostly_cached_on_prefill_counts_only_its_uncached_tokens() -> None:
-    """The threshold is on the tokens prefill would compute, not the prompt length."""
-    cached = choose_disagg(AUTO, request(LONG, matched_on_p0=512), prefill(), decode())
-    assert cached == DisaggDecision("local", "short_prompt")
-    elsewhere = PlacementRequest(LONG, {"p1": 512})  # another worker holds it
-    assert choose_disagg(AUTO, elsewhere, prefill(), decode()).remote
+def test_long_prompt_cached_on_prefill_stays_remote() -> None:
+    """Prefill's cache makes the remote path cheaper, not the local one: decode would
+    compute the whole prompt."""
+    decision = choose_disagg(AUTO, request(LONG, matched_on_p0=512), prefill(), decode())
+    assert decision == DisaggDecision("remote", "long_prompt")
 
 
 def test_long_prompt_with_saturated_prefill_and_idle_decode_is_local() -> None:
