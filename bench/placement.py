@@ -75,7 +75,8 @@ def run_phase(args: argparse.Namespace, name: str, policy: str, workload: Worklo
     router = Child(f"router-{name}-{policy}", [
         sys.executable, "-m", "pdserve.cli", "router", "--port", str(port), "--placement",
         policy, "--prefill", ",".join(prefill), "--decode", decode, "--max-model-len",
-        str(args.max_model_len)], log_dir / f"router-{name}-{policy}.log",
+        str(args.max_model_len), "--disagg", "always"],  # prefill placement is measured
+        log_dir / f"router-{name}-{policy}.log",
         f"http://127.0.0.1:{port}/health")
     start_children([router])
     try:

@@ -70,7 +70,7 @@ def plan(mode: str, dtype: str, port_base: int, log_dir: Path) -> list[Child]:
         children.append(Child(role, argv, log_dir / f"{mode}-{role}.log",
                               f"grpc:127.0.0.1:{port}"))
     router = py + ["router", "--port", str(port_base), "--prefill", f"127.0.0.1:{port_base + 1}",
-                   "--decode", f"127.0.0.1:{port_base + 3}"]
+                   "--decode", f"127.0.0.1:{port_base + 3}", "--disagg", "always"]
     children.append(Child("router", router, log_dir / f"{mode}-router.log",
                           f"http://127.0.0.1:{port_base}/health"))
     return children

@@ -109,8 +109,9 @@ def plan_setup(setup: Setup, dtype: str, port_base: int, log_dir: Path) -> list[
                      "--cpu-cores", cores, "--worker-id", f"{role}-0"]
         endpoints[role] = f"127.0.0.1:{port}"
         children.append(Child(f"{role}-0", argv, log_dir / f"{role}.log", f"grpc:127.0.0.1:{port}"))
+    # --disagg always: every setup with a prefill worker measures the handoff.
     router_argv = py + ["router", "--port", str(port_base), "--prefill", endpoints["prefill"],
-                        "--decode", endpoints["decode"]]
+                        "--decode", endpoints["decode"], "--disagg", "always"]
     children.append(Child("router", router_argv, log_dir / "router.log",
                           f"http://127.0.0.1:{port_base}/health"))
     return children

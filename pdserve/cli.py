@@ -25,10 +25,12 @@ TRANSPORT = ("transport", "kv-checksum", "kv-throttle-mib-s", "kv-push")
 MEMBERSHIP = ("etcd", "cluster", "etcd-ttl-s")
 WORKER = ("host", "port", "advertise-host", "kv-port", "kv-host", "cpu-cores", "lease-s",
           "worker-id", "compile")
+DISAGG = ("disagg", "local-prefill-max-tokens", "local-prefill-max-queued-tokens",
+          "local-decode-max-running")
 ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement",
-          "served-model-name")
+          "served-model-name") + DISAGG
 UP = ("host", "port", "num-prefill", "num-decode", "placement", "cpu-layout", "with-etcd",
-      "startup-timeout-s")
+      "startup-timeout-s") + DISAGG
 SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",
        "prefill-us-per-token", "decode-ms-per-token", "log-level")
 

@@ -18,6 +18,13 @@ from typing import Any, NoReturn
 from pdserve.cpu_layout import CPU_LAYOUTS
 from pdserve.kv_transfer.base import transport_names
 from pdserve.membership import DEFAULT_TTL_S
+from pdserve.router.disagg import (
+    DEFAULT_DISAGG_MODE,
+    DEFAULT_LOCAL_DECODE_MAX_RUNNING,
+    DEFAULT_LOCAL_PREFILL_MAX_QUEUED_TOKENS,
+    DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
+    DISAGG_MODES,
+)
 from pdserve.router.placement import DEFAULT_PLACEMENT, PLACEMENTS
 
 Parse = Callable[[str], Any]
@@ -188,6 +195,18 @@ FLAGS = _flags(
     # router and up
     Flag("placement", "prefill/decode placement policy", DEFAULT_PLACEMENT,
          choices=sorted(PLACEMENTS)),
+    Flag("disagg", "per request: prefill remotely and hand the KV to decode (always), let "
+         "decode prefill the prompt itself (never), or decide from the uncached prompt "
+         "length and the workers' load (auto)", DEFAULT_DISAGG_MODE, choices=DISAGG_MODES),
+    Flag("local-prefill-max-tokens", "auto: a prompt with at most this many tokens outside "
+         "the prefill worker's prefix cache is prefilled on decode",
+         DEFAULT_LOCAL_PREFILL_MAX_TOKENS, parse_int(0)),
+    Flag("local-prefill-max-queued-tokens", "auto: beyond this many uncached prompt tokens "
+         "queued on the prefill worker, a prompt up to this size is prefilled on a lightly "
+         "loaded decode", DEFAULT_LOCAL_PREFILL_MAX_QUEUED_TOKENS, parse_int(0)),
+    Flag("local-decode-max-running", "auto: a decode with at most this many running or "
+         "queued requests counts as lightly loaded", DEFAULT_LOCAL_DECODE_MAX_RUNNING,
+         parse_int(0)),
     Flag("prefill", "comma-separated prefill worker gRPC endpoints host:port", ""),
     Flag("decode", "comma-separated decode worker gRPC endpoints host:port", ""),
     Flag("workers-file", 'static workers from JSON {"prefill": [...], "decode": [...]}',

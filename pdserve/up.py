@@ -27,6 +27,7 @@ from pdserve.kv_transfer.base import transport_names
 from pdserve.membership.local_etcd import LocalEtcd
 from pdserve.model import ResolvedModel, cache_dir
 from pdserve.ports import free_port
+from pdserve.router.disagg import DisaggConfig
 from pdserve.router.worker_client import WorkerCallError, probe_health
 
 _STOP_GRACE_S = 15.0
@@ -57,6 +58,7 @@ class UpConfig:
     cluster: str = "default"
     etcd_ttl_s: int = 10
     num_kv_blocks: int | None = None  # prefill workers' KV blocks (overrides kv_cache_gib)
+    disagg: DisaggConfig = DisaggConfig()  # handed to the router as its flags
 
     def __post_init__(self) -> None:
         if self.etcd and self.with_etcd:
@@ -82,6 +84,7 @@ class UpConfig:
             kv_throttle_mib_s=args.kv_throttle_mib_s, kv_push=args.kv_push,
             etcd=args.etcd or "", with_etcd=args.with_etcd, cluster=args.cluster,
             etcd_ttl_s=args.etcd_ttl_s, num_kv_blocks=args.num_kv_blocks or None,
+            disagg=DisaggConfig.from_args(args),
         )
 
 
@@ -127,7 +130,7 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     workers = membership or ["--prefill", ",".join(endpoints["prefill"]),
                              "--decode", ",".join(endpoints["decode"])]
     router_argv = py + ["router", *common, "--host", cfg.host, "--port", str(cfg.port),
-                        *workers, "--placement", cfg.placement]
+                        *workers, "--placement", cfg.placement, *cfg.disagg.flags()]
     probe_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     # Ready once the router itself sees every worker healthy: a worker's own Health
     # turns ready up to one router health interval before the router places on it,

@@ -1,5 +1,7 @@
 """Runs a request on the workers: prefill on P (first token + KV handle), then
-decode on D with the handle; falls back to decode alone when prefill fails.
+decode on D with the handle (``remote``), or decode alone computing the prompt
+(``local``), as ``disagg.choose_disagg`` decides per request; falls back to decode
+alone when prefill fails.
 
 Cleanup is owned here: however the chunk iterator ends (finished, closed by the
 HTTP layer, cancelled), the gRPC calls are cancelled and each worker involved is
@@ -20,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from pdserve.types import PhaseOutput, PhaseRequest, SamplingSpec
 
+from .disagg import DisaggConfig, DisaggDecision, choose_disagg
 from .placement import Choice, Placement, PlacementRequest
 from .prefix_routing import PrefixRouting
 from .types import NoWorkerAvailableError, TokenChunk, WorkerFailedError
@@ -37,22 +40,28 @@ _UNREACHABLE = {UNAVAILABLE}
 class DispatchMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.fallbacks = Counter(
-            "pdserve_dispatch_prefill_fallbacks", "Requests whose prompt decode computed "
-            "itself because no prefill worker could serve.", registry=registry)
+            "pdserve_dispatch_prefill_fallbacks", "Requests sent to prefill whose prefill "
+            "call failed, so decode computed the prompt itself (failures only; a local "
+            "decision is counted in pdserve_disagg_decisions).", registry=registry)
         self.worker_errors = Counter(
             "pdserve_dispatch_worker_errors", "Failed worker calls, by role and status.",
             ["role", "code"], registry=registry)
         self.handoffs = Counter(
             "pdserve_dispatch_kv_handoffs", "Requests whose KV went from prefill to decode.",
             registry=registry)
+        self.disagg_decisions = Counter(
+            "pdserve_disagg_decisions", "Per-request disaggregation decisions: remote "
+            "(prefill, then decode loads the KV) or local (decode computes the prompt), "
+            "by the rule that decided.", ["decision", "reason"], registry=registry)
 
 
 @dataclass(frozen=True)
 class _Route:
     """Where a request goes, decided from one set of snapshots."""
 
-    prefill: Worker | None
+    prefill: Worker | None  # None: decode computes the prompt (``disagg`` says why)
     decode: Worker
+    disagg: DisaggDecision
     uncached_tokens: int = 0  # the prompt tokens not in prefill's prefix cache
     push_to: PushTarget | None = None
 
@@ -80,10 +89,12 @@ class PDDispatcher:
     def __init__(
         self, pool: WorkerPool, placement: Placement, registry: CollectorRegistry,
         request_timeout_s: float = 600.0, prefix: PrefixRouting | None = None,
+        disagg: DisaggConfig | None = None,
     ) -> None:
         self._pool = pool
         self._placement = placement
         self._prefix = prefix
+        self._disagg = disagg or DisaggConfig()
         self._metrics = DispatchMetrics(registry)
         self._timeout = request_timeout_s
         self._cursor = 0
@@ -93,7 +104,8 @@ class PDDispatcher:
         return any(w.snapshot().healthy for w in self._pool.decode)
 
     def _choose(self, prompt: Sequence[int]) -> _Route:
-        """Placement over one snapshot of every worker, taken once per decision."""
+        """Placement, then the disaggregation decision, over one snapshot of every
+        worker, taken once per request."""
         request = (self._prefix.request(prompt) if self._prefix is not None
                    else PlacementRequest(len(prompt)))
         prefill, decode = self._pool.prefill, self._pool.decode
@@ -103,12 +115,17 @@ class PDDispatcher:
         self._cursor += 1
         if choice is None:
             raise NoWorkerAvailableError("no healthy decode worker is available")
-        if choice.prefill is None:
-            return _Route(None, decode[choice.decode])
-        p_state, d_state = p_states[choice.prefill], d_states[choice.decode]
+        p_state = None if choice.prefill is None else p_states[choice.prefill]
+        d_state = d_states[choice.decode]
+        # TODO(issue 10): pass decode_cached_tokens once decode workers publish KV events
+        # (today only prefill workers do, and the prefix index holds only theirs).
+        disagg = choose_disagg(self._disagg, request, p_state, d_state)
+        self._metrics.disagg_decisions.labels(disagg.decision, disagg.reason).inc()
+        if choice.prefill is None or p_state is None or not disagg.remote:
+            return _Route(None, decode[choice.decode], disagg)
         if self._prefix is not None:
             self._prefix.on_placed(request, p_state)
-        return _Route(prefill[choice.prefill], decode[choice.decode],
+        return _Route(prefill[choice.prefill], decode[choice.decode], disagg,
                       request.uncached_tokens(p_state), _push_target(p_state, d_state))
 
     async def generate(
@@ -124,13 +141,13 @@ class PDDispatcher:
                 first = await self._prefill(route.prefill, PhaseRequest(
                     request_id, "prefill", tuple(prompt_token_ids), sampling,
                     push_target=route.push_to), route.uncached_tokens)
-            if first is None:
-                self._metrics.fallbacks.inc()
-            else:
+                if first is None:  # a remote decision whose prefill failed
+                    self._metrics.fallbacks.inc()
+            if first is not None:
                 done = first.finish_reason in ("stop", "abort", "error") or (
                     sampling.max_tokens <= 1)
                 yield TokenChunk(first.token_ids, first.finish_reason if done else None,
-                                 first.num_cached_tokens)
+                                 first.num_cached_tokens, route.disagg)
                 if done:  # nothing is held: prefill keeps KV only for a decode to come
                     finished = True
                     return
@@ -138,7 +155,8 @@ class PDDispatcher:
                     self._metrics.handoffs.inc()
             involved.append(route.decode)
             stream = self._decode(route.decode, _decode_request(
-                request_id, prompt_token_ids, sampling, first), first is None, involved)
+                request_id, prompt_token_ids, sampling, first),
+                route.disagg if first is None else None, involved)
             async with contextlib.aclosing(stream):  # closing us closes the decode call now
                 async for chunk in stream:
                     if chunk.finish_reason is not None:
@@ -169,10 +187,13 @@ class PDDispatcher:
             worker.on_finished(uncached_tokens)
 
     async def _decode(
-        self, worker: Worker, request: PhaseRequest, first_chunk: bool, involved: list[Worker],
+        self, worker: Worker, request: PhaseRequest, opening: DisaggDecision | None,
+        involved: list[Worker],
     ) -> AsyncIterator[TokenChunk]:
         """Decode on ``worker``; if it is unreachable before its first token (it died
-        and membership has not caught up yet), once more on another compatible one."""
+        and membership has not caught up yet), once more on another compatible one.
+        ``opening`` is set when decode's first chunk opens the request (no prefill
+        chunk came before it): that chunk carries decode's cached tokens and it."""
         current: Worker | None = worker
         retries = 1
         while current is not None:
@@ -183,9 +204,10 @@ class PDDispatcher:
                         worker.client.generate(request, self._timeout)) as outs:
                     async for out in outs:
                         started = True
-                        cached = out.num_cached_tokens if first_chunk else None
-                        first_chunk = False
-                        yield TokenChunk(out.token_ids, out.finish_reason, cached)
+                        cached = out.num_cached_tokens if opening is not None else None
+                        chunk = TokenChunk(out.token_ids, out.finish_reason, cached, opening)
+                        opening = None
+                        yield chunk
             except WorkerCallError as exc:
                 self._on_error(worker, exc)
                 if started or exc.code not in _UNREACHABLE or not retries:

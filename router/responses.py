@@ -46,6 +46,7 @@ class FinalOutput:
     token_ids: Sequence[int]
     finish_reason: str
     num_cached_tokens: int
+    disagg: str | None = None  # "local" / "remote": where the prompt was computed
 
 
 class ResponseFormatter:
@@ -56,9 +57,10 @@ class ResponseFormatter:
     def __init__(self, request: GenerationRequest) -> None:
         self.request = request
 
-    def usage(self, num_completion_tokens: int, num_cached_tokens: int) -> Usage:
+    def usage(self, num_completion_tokens: int, num_cached_tokens: int,
+              disagg: str | None = None) -> Usage:
         num_prompt = len(self.request.prompt_token_ids)
-        return Usage.of(num_prompt, num_completion_tokens, num_cached_tokens)
+        return Usage.of(num_prompt, num_completion_tokens, num_cached_tokens, disagg)
 
     def response(self, output: FinalOutput) -> Envelope:
         raise NotImplementedError
@@ -105,7 +107,8 @@ class CompletionFormatter(ResponseFormatter):
             **self._token_ids(output.token_ids),
         )
         fields = self._envelope(first=True)
-        fields["usage"] = self.usage(len(output.token_ids), output.num_cached_tokens)
+        fields["usage"] = self.usage(len(output.token_ids), output.num_cached_tokens,
+                                     output.disagg)
         return CompletionResponse(choices=[choice], **fields)
 
     def stream_events(
@@ -130,7 +133,8 @@ class ChatFormatter(ResponseFormatter):
             **self._token_ids(output.token_ids),
         )
         fields = self._envelope(first=True)
-        fields["usage"] = self.usage(len(output.token_ids), output.num_cached_tokens)
+        fields["usage"] = self.usage(len(output.token_ids), output.num_cached_tokens,
+                                     output.disagg)
         return ChatCompletionResponse(choices=[choice], **fields)
 
     def stream_events(

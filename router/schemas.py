@@ -205,18 +205,27 @@ class _Response(BaseModel):
 
 
 class Usage(_Response):
+    """OpenAI's usage, plus pdserve's extension ``pdserve_disagg`` ("local": decode
+    computed the prompt; "remote": a prefill worker did and handed over the KV), present
+    only when the dispatcher reported it."""
+
+    _omit_unless_set = frozenset({"pdserve_disagg"})
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict[str, int]
+    pdserve_disagg: str | None = None
 
     @classmethod
-    def of(cls, num_prompt: int, num_completion: int, num_cached: int) -> Usage:
+    def of(cls, num_prompt: int, num_completion: int, num_cached: int,
+           disagg: str | None = None) -> Usage:
+        extension = {} if disagg is None else {"pdserve_disagg": disagg}
         return cls(
             prompt_tokens=num_prompt,
             completion_tokens=num_completion,
             total_tokens=num_prompt + num_completion,
             prompt_tokens_details={"cached_tokens": num_cached},
+            **extension,
         )
 
 

@@ -15,6 +15,7 @@ from pdserve.membership import MembershipConfig, create_membership
 from pdserve.model import ResolvedModel
 
 from .app import create_app
+from .disagg import DisaggConfig
 from .dispatch import PDDispatcher
 from .kv_feed import KvIndexFeeder
 from .placement import DEFAULT_PLACEMENT, create_placement
@@ -37,6 +38,7 @@ class RouterConfig:
     placement: str = DEFAULT_PLACEMENT
     health_interval_s: float = 2.0
     request_timeout_s: float = 600.0
+    disagg: DisaggConfig = DisaggConfig()  # remote/local per request (router/disagg.py)
     # etcd, or static (then ``prefill``/``decode`` or its workers file name the workers)
     membership: MembershipConfig = MembershipConfig()
 
@@ -56,6 +58,7 @@ class RouterConfig:
             served_model_name=args.served_model_name or model.served_name,
             prefill=prefill, decode=decode, host=args.host, port=args.port,
             max_model_len=args.max_model_len, placement=args.placement,
+            disagg=DisaggConfig.from_args(args),
             membership=MembershipConfig.from_flags(
                 args.etcd, args.cluster, args.etcd_ttl_s, prefill, decode, args.workers_file),
         )
@@ -78,7 +81,8 @@ async def serve_router(config: RouterConfig) -> None:
     pool.on_worker_added(lambda _: feeder.sync())
     pool.on_worker_removed(lambda _: feeder.sync())  # its index entries go at once
     dispatcher = PDDispatcher(pool, create_placement(config.placement), registry,
-                              config.request_timeout_s, PrefixRouting(index, registry))
+                              config.request_timeout_s, PrefixRouting(index, registry),
+                              config.disagg)
     app = create_app(served_model_name=config.served_model_name,
                      max_model_len=config.max_model_len, tokenizer=tokenizer,
                      dispatcher=dispatcher, registry=registry)
@@ -93,8 +97,9 @@ async def serve_router(config: RouterConfig) -> None:
                                            log_level="warning", timeout_graceful_shutdown=5))
     await pool.start(membership)
     await feeder.start()
-    logger.info("router on http://%s:%d/v1: %s membership, placement %s", config.host,
-                config.port, membership.name, config.placement)
+    logger.info("router on http://%s:%d/v1: %s membership, placement %s, disagg %s",
+                config.host, config.port, membership.name, config.placement,
+                config.disagg.mode)
     try:
         await server.serve()
     finally:

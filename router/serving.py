@@ -25,6 +25,7 @@ from .cancellation import (
     until_disconnect,
 )
 from .detokenize import IncrementalDetokenizer, TokenDecoder
+from .disagg import DisaggDecision
 from .errors import APIError, to_api_error
 from .metrics import RouterMetrics
 from .preprocess import GenerationRequest
@@ -41,6 +42,7 @@ from .types import Dispatcher, NoWorkerAvailableError, TokenChunk, WorkerFailedE
 logger = logging.getLogger(__name__)
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; only in metrics and logs
+DISAGG_HEADER = "x-pdserve-disagg"  # "<local|remote>; reason=<rule>", see router/disagg.py
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class RequestOutput:
         self.detokenizer = IncrementalDetokenizer(decoder, stop=request.stop)
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0
+        self.disagg: DisaggDecision | None = None
         self._texts: list[str] = []
         self._metrics = metrics
         self._last_chunk_s: float | None = None
@@ -94,6 +97,11 @@ class RequestOutput:
         self._texts.append(text)
         return OutputDelta(text, self.token_ids[before:], self.finish_reason)
 
+    def headers(self) -> dict[str, str]:
+        """The disaggregation decision, known from the first chunk on (before any byte of
+        the body), as a header on streaming and non-streaming responses alike."""
+        return {} if self.disagg is None else {DISAGG_HEADER: self.disagg.header()}
+
     def check_finished(self) -> str:
         if self.finish_reason is None:
             raise WorkerFailedError("the dispatcher ended the stream without a finish reason")
@@ -104,6 +112,7 @@ class RequestOutput:
         if self._last_chunk_s is None:
             self._metrics.time_to_first_token.observe(now - self.request.arrival_s)
             self.num_cached_tokens = chunk.num_cached_tokens or 0
+            self.disagg = chunk.disagg
         elif chunk.token_ids:
             gap = (now - self._last_chunk_s) / len(chunk.token_ids)
             self._metrics.inter_token_latency.observe(gap)
@@ -142,12 +151,13 @@ class OpenAIServing:
                 token_ids=output.token_ids,
                 finish_reason=output.check_finished(),
                 num_cached_tokens=output.num_cached_tokens,
+                disagg=_decision(output),
             )
         except BaseException as exc:
             return self._fail(output, exc)
         self._finish(output, 200)
         body = formatter_for(output.request).response(final).model_dump_json()
-        return Response(body, media_type="application/json")
+        return Response(body, media_type="application/json", headers=output.headers())
 
     async def _open_stream(
         self, output: RequestOutput, chunks: AsyncIterator[TokenChunk], http: Request
@@ -162,7 +172,8 @@ class OpenAIServing:
         return ClosingStreamingResponse(
             self._events(output, chunks, first_delta),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                     **output.headers()},
         )
 
     async def _events(
@@ -182,7 +193,8 @@ class OpenAIServing:
                         yield events
             output.check_finished()
             if output.request.include_usage:
-                usage = formatter.usage(len(output.token_ids), output.num_cached_tokens)
+                usage = formatter.usage(len(output.token_ids), output.num_cached_tokens,
+                                        _decision(output))
                 yield sse_event(formatter.usage_event(usage))
         except Exception as exc:  # the stream has started: report in-band
             error = _log_unexpected(exc)
@@ -230,6 +242,10 @@ async def _collect(output: RequestOutput, chunks: AsyncIterator[TokenChunk]) -> 
             output.consume(chunk)
             if output.stopped_by_string:
                 break
+
+
+def _decision(output: RequestOutput) -> str | None:
+    return None if output.disagg is None else output.disagg.decision
 
 
 def _encode(formatter: ResponseFormatter, delta: OutputDelta, first: bool) -> bytes:

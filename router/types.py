@@ -14,18 +14,23 @@ from typing import Protocol
 
 from pdserve.types import FinishReason, SamplingSpec
 
+from .disagg import DisaggDecision
+
 
 @dataclass(frozen=True)
 class TokenChunk:
     """Tokens produced since the previous chunk.
 
     ``finish_reason`` is set on the last chunk only. ``num_cached_tokens`` (prompt
-    tokens served from a prefix cache) is set on the first chunk, when known.
+    tokens served from a prefix cache) is set on the first chunk, when known, and so
+    is ``disagg``: where the prompt was computed, decided before any worker call, so
+    the HTTP layer can send it as a header with the first byte.
     """
 
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     num_cached_tokens: int | None = None
+    disagg: DisaggDecision | None = None
 
 
 class NoWorkerAvailableError(RuntimeError):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from integration.pd_cases import CASES, KILL_CASE, prompt_ids
+from integration.pd_cases import CASES, KILL_CASE, LOCAL_PREFILL_MAX_TOKENS, prompt_ids
 from pdserve_testing import Server, launch_up, stop_up
 
 from pdserve.model import prepare_default_model
@@ -57,16 +57,22 @@ def reference(references: list[list[int]]) -> list[list[int]]:
 def pd_server(model_path: Path, request: pytest.FixtureRequest,
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The P/D cluster, over ``--transport tcp`` unless a test parametrizes it
-    indirectly with ``"<transport>"`` or ``"<transport>:<MiB/s>"`` (KV sends paced
-    by ``--kv-throttle-mib-s``). One cluster at a time: pytest tears the previous
-    one down first. Transfers are checksummed."""
-    transport, _, throttle = str(getattr(request, "param", "tcp")).partition(":")
+    indirectly with ``"<transport>"``, ``"<transport>:<MiB/s>"`` (KV sends paced
+    by ``--kv-throttle-mib-s``) or ``"<transport>:<MiB/s>:<disagg>"``. The tcp cluster
+    runs ``--disagg auto`` (CASES' short prompts on decode alone, the long ones P → D);
+    the others ``--disagg always``: they test their transport on every case. One
+    cluster at a time: pytest tears the previous one down first. Transfers are
+    checksummed."""
+    transport, _, rest = str(getattr(request, "param", "tcp")).partition(":")
+    throttle, _, disagg = rest.partition(":")
+    disagg = disagg or ("auto" if transport == "tcp" else "always")
     env = dict(os.environ, HF_HUB_OFFLINE="1",
                PDSERVE_CACHE=os.environ.get("PDSERVE_CACHE", str(model_path.parents[1])))
     server = launch_up(
         ["--dtype", "float32", "--port", str(free_port()), "--kv-cache-gib", "1",
          "--max-model-len", "4096", "--transport", transport, "--kv-checksum", "--kv-push",
-         "--kv-throttle-mib-s", throttle or "0"], env, STARTUP_TIMEOUT_S,
+         "--kv-throttle-mib-s", throttle or "0", "--disagg", disagg,
+         "--local-prefill-max-tokens", str(LOCAL_PREFILL_MAX_TOKENS)], env, STARTUP_TIMEOUT_S,
         log_path=tmp_path_factory.mktemp(f"up-{transport}") / "up.log")
     try:
         yield server

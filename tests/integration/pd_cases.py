@@ -1,16 +1,22 @@
 """The requests the P/D end-to-end tests send (``test_pd_e2e*.py``), and how they
-send them: the official openai client, greedy, returning text and token ids."""
+send them: the official openai client, greedy, returning text and token ids (or raw
+HTTP, where the response's headers are checked)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import openai
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 128
 NUM_LAYERS = 30  # SmolLM2-135M
+# The tcp cluster's --local-prefill-max-tokens: CASES' short prompts (<= 40 tokens)
+# run on decode alone, the two LONG ones (~720 tokens) go prefill -> decode.
+LOCAL_PREFILL_MAX_TOKENS = 256
 LONG = " ".join(f"Fact {i}: the river by the old mill runs north in spring." for i in range(45))
 
 
@@ -69,3 +75,37 @@ def run_case(client: openai.OpenAI, case: Case) -> tuple[str, list[int]]:
             text += choice.get("text") or ""
             ids += choice.get("token_ids") or []
     return text, ids
+
+
+@dataclass(frozen=True)
+class Reply:
+    token_ids: list[int]
+    disagg: str  # the x-pdserve-disagg header: "<local|remote>; reason=<rule>"
+    usage: dict[str, Any]
+
+
+def post_case(base_url: str, case: Case) -> Reply:
+    """``case`` over raw HTTP (the openai client hides headers), with its usage."""
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": case.max_tokens, "temperature": 0,
+                            "return_token_ids": True, "stream": case.stream}
+    body["messages" if case.kind == "chat" else "prompt"] = case.prompt
+    path = "/chat/completions" if case.kind == "chat" else "/completions"
+    if not case.stream:
+        resp = httpx.post(base_url + path, json=body, timeout=120)
+        resp.raise_for_status()
+        data = resp.json()
+        return Reply(data["choices"][0]["token_ids"], resp.headers["x-pdserve-disagg"],
+                     data["usage"])
+    body["stream_options"] = {"include_usage": True}
+    ids: list[int] = []
+    usage: dict[str, Any] = {}
+    with httpx.stream("POST", base_url + path, json=body, timeout=120) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            usage = chunk.get("usage") or usage
+            for choice in chunk["choices"]:
+                ids += choice.get("token_ids") or []
+        return Reply(ids, resp.headers["x-pdserve-disagg"], usage)

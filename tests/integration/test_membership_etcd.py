@@ -154,9 +154,11 @@ def cluster(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     router_url = f"http://127.0.0.1:{port}"
     procs: dict[str, subprocess.Popen[bytes]] = {
         # round_robin: these tests count which worker served; cache_aware would send
-        # nothing to a decode worker no prefill can pair with.
+        # nothing to a decode worker no prefill can pair with. --disagg always: their
+        # short prompts would otherwise skip prefill.
         "router": _spawn(["router", "--etcd", etcd.url, "--cluster", CLUSTER, "--port",
-                          str(port), "--placement", "round_robin"], log_dir / "router.log")}
+                          str(port), "--placement", "round_robin", "--disagg", "always"],
+                         log_dir / "router.log")}
     timeline = Timeline(etcd.url, router_url)
     observer = threading.Thread(target=timeline.run, daemon=True)
     observer.start()

@@ -1,10 +1,12 @@
 """P/D end to end on real vLLM engines: the official openai client against
-``pdserve up --dtype float32`` (KV over tcp, pushed), checked against one aggregated
-vLLM; then the engines' KV counters, bad input and client disconnects. The same
+``pdserve up --dtype float32 --disagg auto`` (KV over tcp, pushed), checked against one
+aggregated vLLM; which requests were disaggregated; then the engines' KV counters, bad
+input and client disconnects. The same
 equality over the other transports is in ``test_pd_e2e_transports.py``."""
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -14,9 +16,11 @@ import pytest
 from integration.pd_cases import (
     BLOCK_SIZE,
     CASES,
+    LOCAL_PREFILL_MAX_TOKENS,
     LONG,
     MODEL,
     NUM_LAYERS,
+    post_case,
     prompt_ids,
     run_case,
 )
@@ -46,8 +50,8 @@ def test_greedy_pd_equals_aggregated_vllm_and_kv_came_over_the_transport(
         text, ids = run_case(client, case)
         assert ids == want, f"{case.kind} stream={case.stream}: P/D diverged from vLLM"
         assert text == tokenizer.decode(want, skip_special_tokens=True)
-        if len(want) < 2:
-            continue  # finished in prefill: decode never ran
+        if len(want) < 2 or num_prompt <= LOCAL_PREFILL_MAX_TOKENS:
+            continue  # finished in prefill, or run on decode alone (--disagg auto)
         # Decode saw prompt + [first token]; the engine's own counters say where each came from.
         def counted(b: tuple[int, int, int] = before, n: int = num_prompt
                     ) -> tuple[int, int, int] | None:
@@ -60,6 +64,59 @@ def test_greedy_pd_equals_aggregated_vllm_and_kv_came_over_the_transport(
         assert computed + local_hit + external == num_prompt + 1
         assert computed <= BLOCK_SIZE, f"decode computed {computed} prompt tokens itself"
         assert external >= num_prompt - local_hit, "the prompt's KV did not come over the wire"
+
+
+_DECISION = re.compile(r'^pdserve_disagg_decisions_total\{decision="(\w+)",reason="(\w+)"\} (\S+)$')
+
+
+def disagg_decisions(server: Server) -> dict[tuple[str, str], float]:
+    """The router's ``pdserve_disagg_decisions_total``, by (decision, reason)."""
+    text = httpx.get(server.base_url.removesuffix("/v1") + "/metrics", timeout=5).text
+    return {(m[1], m[2]): float(m[3]) for line in text.splitlines()
+            if (m := _DECISION.match(line))}
+
+
+def decode_saw(server: Server, before: tuple[int, int, int], num_tokens: int
+               ) -> tuple[int, int, int]:
+    """Decode's prompt counters grown by ``num_tokens`` since ``before``, as deltas."""
+    def counted() -> tuple[int, int, int] | None:
+        a = prompt_counters(server)
+        return a if sum(a) - sum(before) >= num_tokens else None
+
+    after = wait_until(counted, timeout_s=30)
+    assert after is not None, "decode's engine counters never saw the request"
+    computed, local_hit, external = (a - b for a, b in zip(after, before, strict=True))
+    return computed, local_hit, external
+
+
+def test_auto_disagg_short_local_long_remote(
+    pd_server: Server, tokenizer: Any, reference: list[list[int]]
+) -> None:
+    """``--disagg auto``: CASES' short prompts run on decode alone, the two long ones go
+    prefill → decode; the answers are vLLM's either way, and the header, the usage, the
+    decode engine's counters and the router's metrics agree on the path each took."""
+    lengths = [len(prompt_ids(tokenizer, c)) for c in CASES]
+    num_local = sum(n <= LOCAL_PREFILL_MAX_TOKENS for n in lengths)
+    assert 0 < num_local < len(CASES) and max(lengths) > 2 * LOCAL_PREFILL_MAX_TOKENS
+    decisions0 = disagg_decisions(pd_server)
+    for case, want, num_prompt in zip(CASES, reference, lengths, strict=True):
+        local = num_prompt <= LOCAL_PREFILL_MAX_TOKENS
+        before = prompt_counters(pd_server)
+        reply = post_case(pd_server.base_url, case)
+        assert reply.token_ids == want, f"{case.kind} stream={case.stream}: diverged"
+        assert reply.disagg == ("local; reason=short_prompt" if local
+                                else "remote; reason=long_prompt")
+        assert reply.usage["pdserve_disagg"] == ("local" if local else "remote")
+        if local:  # decode computed the prompt (or hit its own cache); nothing came in
+            computed, local_hit, external = decode_saw(pd_server, before, num_prompt)
+            assert computed > 0 and computed + local_hit == num_prompt and external == 0
+        elif len(want) >= 2:  # decode saw prompt + t1, the prompt's KV from prefill
+            computed, local_hit, external = decode_saw(pd_server, before, num_prompt + 1)
+            assert external > 0 and computed <= BLOCK_SIZE
+    decisions = disagg_decisions(pd_server)
+    grown = {k: v - decisions0.get(k, 0.0) for k, v in decisions.items()}
+    assert grown.get(("local", "short_prompt")) == num_local
+    assert grown.get(("remote", "long_prompt")) == len(CASES) - num_local
 
 
 def test_prefill_holds_no_blocks_and_no_transfer_is_pending_after_requests(

@@ -32,6 +32,7 @@ def cluster(model_path: Path) -> Iterator[Server]:
                PDSERVE_CACHE=os.environ.get("PDSERVE_CACHE", str(model_path.parents[1])))
     server = launch_up(["--dtype", "float32", "--kv-cache-gib", "1", "--num-prefill", "2",
                         "--placement", "cache_aware", "--max-model-len", "4096",
+                        "--disagg", "always",  # prefill placement is under test
                         "--port", str(_free_port())], env)
     try:
         assert wait_until(lambda: len(_index(server)["resyncs"]) == 2, 30), _index(server)

@@ -1,6 +1,7 @@
 """The dispatcher test bench shared by ``test_dispatch*.py``: one fake prefill and
 one fake decode worker (``fake_worker.py``) in a pool, a ``PDDispatcher`` with
-round-robin placement, and the helpers that read its chunks. The ``cluster``
+round-robin placement (and ``--disagg always`` unless a test asks otherwise: the P/D
+flow is what most of them check), and the helpers that read its chunks. The ``cluster``
 fixture (``conftest.py``) checks for leaks when a test ends."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import types
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from pdserve.router.disagg import DisaggConfig
 from pdserve.router.dispatch import PDDispatcher
 from pdserve.router.placement import RoundRobinPlacement
 from pdserve.router.types import TokenChunk
@@ -22,6 +24,8 @@ from pdserve.types import SamplingSpec
 
 PROMPT = (11, 12, 13, 14)
 FALLBACKS = "pdserve_dispatch_prefill_fallbacks_total"
+DECISIONS = "pdserve_disagg_decisions_total"
+ALWAYS = DisaggConfig(mode="always")
 WAIT_S = 2.0
 
 
@@ -45,6 +49,10 @@ class Cluster:
     def fallbacks(self) -> float | None:
         return self.registry.get_sample_value(FALLBACKS)
 
+    def decisions(self, decision: str, reason: str) -> float:
+        labels = {"decision": decision, "reason": reason}
+        return self.registry.get_sample_value(DECISIONS, labels) or 0.0
+
     def new_tasks(self) -> set[asyncio.Task[object]]:
         """Tasks started since the fixture's setup (an abort in flight, a gRPC call), but
         the grpc server's own, whose coroutines are Cython's, not Python's."""
@@ -58,13 +66,14 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def running_cluster() -> AsyncIterator[Cluster]:
+async def running_cluster(disagg: DisaggConfig = ALWAYS) -> AsyncIterator[Cluster]:
     """One fake prefill and one fake decode worker, both healthy in the pool."""
     prefill = await start_fake_worker("prefill")
     decode = await start_fake_worker("decode")
     pool = WorkerPool([prefill.endpoint], [decode.endpoint])
     registry = CollectorRegistry()
-    dispatcher = PDDispatcher(pool, RoundRobinPlacement(), registry, request_timeout_s=10.0)
+    dispatcher = PDDispatcher(pool, RoundRobinPlacement(), registry, request_timeout_s=10.0,
+                              disagg=disagg)
     await pool.refresh_all()
     assert all(w.snapshot().healthy for w in pool.all)
     c = Cluster(prefill, decode, pool, dispatcher, registry, asyncio.all_tasks())

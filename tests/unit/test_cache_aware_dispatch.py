@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest_asyncio
+from pdserve.router.disagg import DisaggConfig
 from pdserve.router.dispatch import PDDispatcher
 from pdserve.router.kv_feed import KvIndexFeeder
 from pdserve.router.placement import create_placement
@@ -25,6 +26,8 @@ from pdserve.sim_worker import start_sim_worker
 from pdserve.types import SamplingSpec
 
 BS = 16
+# Placement of prefills is under test: every request goes to a prefill worker.
+ALWAYS = DisaggConfig(mode="always")
 
 
 @dataclass
@@ -60,7 +63,7 @@ async def sim_router() -> AsyncIterator[SimRouter]:
     index, registry = PrefixIndex(), CollectorRegistry()
     feeder = KvIndexFeeder(lambda: pool.prefill, index, registry)
     dispatcher = PDDispatcher(pool, create_placement("cache_aware"), registry, 10.0,
-                              PrefixRouting(index, registry))
+                              PrefixRouting(index, registry), ALWAYS)
     await pool.start()
     await feeder.start()
     try:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.router.disagg import DisaggConfig
 from pdserve.router.server import RouterConfig
 
 from pdserve.cli import build_parser, main
@@ -17,7 +18,7 @@ from pdserve.membership import MembershipConfig
 from pdserve.model import ResolvedModel
 from pdserve.sim_engine import SimConfig
 from pdserve.sim_worker import sim_config_from_args
-from pdserve.up import UpConfig
+from pdserve.up import UpConfig, plan
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine import EngineConfig
 
@@ -134,6 +135,30 @@ def test_up_config_from_args() -> None:
         with_etcd=True, num_kv_blocks=64, cpu_layout="split")
     assert UpConfig.from_args(build_parser().parse_args(["up"]), MODEL) == UpConfig(
         model="/models/tiny")
+
+
+def test_disagg_flags_reach_the_router_and_up_passes_them_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert RouterConfig.from_args(build_parser().parse_args(["router", "--decode", "c:3"]),
+                                  MODEL).disagg == DisaggConfig()  # auto by default
+    monkeypatch.setenv("PDSERVE_LOCAL_DECODE_MAX_RUNNING", "2")
+    argv = ["--disagg", "never", "--local-prefill-max-tokens", "128",
+            "--local-prefill-max-queued-tokens", "1000"]
+    expected = DisaggConfig("never", 128, 1000, 2)
+    router = RouterConfig.from_args(build_parser().parse_args(
+        ["router", "--decode", "c:3", *argv]), MODEL)
+    assert router.disagg == expected
+    up = UpConfig.from_args(build_parser().parse_args(["up", *argv]), MODEL)
+    assert up.disagg == expected
+    (router_argv,) = [c.argv for c in plan(up, tmp_path) if c.name == "router"]
+    child = build_parser().parse_args(router_argv[router_argv.index("router"):])
+    assert DisaggConfig.from_args(child) == expected
+
+
+def test_a_bad_disagg_mode_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _error_of(["router", "--disagg", "sometimes"], capsys)
+    assert "--disagg" in err and "auto, always, never" in err
 
 
 def test_worker_config_from_args() -> None:

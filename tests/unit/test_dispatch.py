@@ -9,6 +9,7 @@ import asyncio
 
 import grpc
 import pytest
+from pdserve.router.disagg import DisaggDecision
 from pdserve.router.types import NoWorkerAvailableError, TokenChunk, WorkerFailedError
 from unit.dispatch_cluster import PROMPT, WAIT_S, Cluster, collect, spec, tokens
 from unit.fake_worker import eventually
@@ -20,7 +21,7 @@ async def test_prefill_then_decode_with_kv_handle(cluster: Cluster) -> None:
     cluster.p.script.num_cached_tokens = 2
     chunks = await collect(cluster.dispatcher.generate("r1", PROMPT, spec(5)))
 
-    assert chunks[0] == TokenChunk((42,), None, 2)
+    assert chunks[0] == TokenChunk((42,), None, 2, DisaggDecision("remote", "always"))
     assert tokens(chunks) == [42, 100, 101, 102, 103]
     assert [c.finish_reason for c in chunks] == [None] * 4 + ["length"]
     (p,) = cluster.p.generates
@@ -67,7 +68,7 @@ async def test_first_chunk_arrives_before_decode_produces(cluster: Cluster) -> N
 async def test_max_tokens_one_runs_prefill_only(cluster: Cluster) -> None:
     chunks = await collect(cluster.dispatcher.generate("r1", PROMPT, spec(1)))
 
-    assert chunks == [TokenChunk((42,), "length", 0)]
+    assert chunks == [TokenChunk((42,), "length", 0, DisaggDecision("remote", "always"))]
     (p,) = cluster.p.generates
     assert p.max_tokens == 1
     assert cluster.p.leases == {}  # no KV handle was requested, so none is held
@@ -79,7 +80,7 @@ async def test_prefill_stop_ends_the_request(cluster: Cluster) -> None:
     cluster.p.script.prefill_stop = True
     chunks = await collect(cluster.dispatcher.generate("r1", PROMPT, spec(8)))
 
-    assert chunks == [TokenChunk((42,), "stop", 0)]
+    assert chunks == [TokenChunk((42,), "stop", 0, DisaggDecision("remote", "always"))]
     assert cluster.d.generates == []
     assert cluster.p.leases == {}
     cluster.assert_no_abort()
@@ -101,6 +102,7 @@ async def test_prefill_unreachable_falls_back_to_decode(cluster: Cluster, how: s
     (d,) = cluster.d.generates
     assert (d.prompt_token_ids, d.kv_handle, d.max_tokens) == (PROMPT, None, 4)
     assert cluster.fallbacks() == 1
+    assert cluster.decisions("remote", "always") == 1  # the decision stands; it failed
     assert not cluster.pool.prefill[0].snapshot().healthy
     assert cluster.dispatcher.is_ready()
 
@@ -141,5 +143,7 @@ async def test_incompatible_pair_falls_back_to_decode_alone(cluster: Cluster) ->
     assert cluster.p.generates == []  # RoundRobinPlacement never pairs them
     (d,) = cluster.d.generates
     assert (d.prompt_token_ids, d.kv_handle, d.max_tokens) == (PROMPT, None, 3)
-    assert cluster.fallbacks() == 1
+    assert cluster.fallbacks() == 0  # a decision, not a failure: counted as one
+    assert cluster.decisions("local", "no_prefill") == 1
+    assert chunks[0].disagg == DisaggDecision("local", "no_prefill")
     assert cluster.pool.prefill[0].snapshot().healthy  # not a failure of the prefill worker

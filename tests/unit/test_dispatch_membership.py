@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+from pdserve.router.disagg import DisaggConfig
 from pdserve.router.dispatch import PDDispatcher
 from pdserve.router.placement import RoundRobinPlacement
 from pdserve.router.workers import WorkerPool
@@ -15,13 +16,15 @@ from unit.fake_worker import start_fake_worker
 from pdserve.types import SamplingSpec
 
 PROMPT = (11, 12, 13, 14)
+ALWAYS = DisaggConfig(mode="always")  # these tests are about the P/D handoff
 
 
 async def test_dead_decode_worker_is_retried_on_another() -> None:
     prefill = await start_fake_worker("prefill")
     d1, d2 = await start_fake_worker("decode"), await start_fake_worker("decode")
     pool = WorkerPool([prefill.endpoint], [d1.endpoint, d2.endpoint])
-    dispatcher = PDDispatcher(pool, RoundRobinPlacement(), CollectorRegistry(), 10.0)
+    dispatcher = PDDispatcher(pool, RoundRobinPlacement(), CollectorRegistry(), 10.0,
+                              disagg=ALWAYS)
     try:
         await pool.refresh_all()
         assert all(w.snapshot().healthy for w in pool.all)
@@ -45,7 +48,8 @@ async def test_removed_worker_leaves_placement_and_listeners_hear_it() -> None:
     pool = WorkerPool([], [d1.endpoint, d2.endpoint])
     removed: list[str] = []
     pool.on_worker_removed(lambda s: removed.append(s.endpoint))
-    dispatcher = PDDispatcher(pool, RoundRobinPlacement(), CollectorRegistry(), 10.0)
+    dispatcher = PDDispatcher(pool, RoundRobinPlacement(), CollectorRegistry(), 10.0,
+                              disagg=ALWAYS)
     try:
         await pool.refresh_all()
         await pool.delete(f"decode/{d1.endpoint}")
