@@ -113,8 +113,9 @@ class PrefixRouting:
     def _export_pending(self) -> None:
         pending = self.index.pending
         num_expired = pending.num_expired + pending.num_evicted
-        self.metrics.pending_expired.inc(num_expired - self._num_expired)
-        self._num_expired = num_expired
+        if num_expired != self._num_expired:
+            self.metrics.pending_expired.inc(num_expired - self._num_expired)
+            self._num_expired = num_expired
         self.metrics.pending_blocks.set(len(pending))
 
     def on_prefilled(self, num_cached_tokens: int) -> None:
