@@ -24,7 +24,7 @@ from pdserve.types import PhaseOutput, PhaseRequest, SamplingSpec
 
 from .disagg import DisaggConfig, DisaggDecision, choose_disagg
 from .placement import Choice, Placement, PlacementRequest
-from .prefix_routing import PrefixRouting
+from .prefix_routing import PendingPrefix, PrefixRouting
 from .types import NoWorkerAvailableError, TokenChunk, WorkerFailedError
 from .worker_client import INVALID_ARGUMENT, UNAVAILABLE, WorkerCallError
 from .worker_state import WorkerState
@@ -64,6 +64,7 @@ class _Route:
     disagg: DisaggDecision
     uncached_tokens: int = 0  # the prompt tokens not in prefill's prefix cache
     push_to: PushTarget | None = None
+    pending: PendingPrefix | None = None  # what the prefill made pending in the prefix index
 
 
 def _push_target(prefill: WorkerState, decode: WorkerState) -> PushTarget | None:
@@ -123,10 +124,10 @@ class PDDispatcher:
         self._metrics.disagg_decisions.labels(disagg.decision, disagg.reason).inc()
         if choice.prefill is None or p_state is None or not disagg.remote:
             return _Route(None, decode[choice.decode], disagg)
-        if self._prefix is not None:
-            self._prefix.on_placed(request, p_state)
+        pending = self._prefix.on_placed(request, p_state) if self._prefix is not None else None
         return _Route(prefill[choice.prefill], decode[choice.decode], disagg,
-                      request.uncached_tokens(p_state), _push_target(p_state, d_state))
+                      request.uncached_tokens(p_state), _push_target(p_state, d_state),
+                      pending)
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec
@@ -140,7 +141,7 @@ class PDDispatcher:
                 involved.append(route.prefill)
                 first = await self._prefill(route.prefill, PhaseRequest(
                     request_id, "prefill", tuple(prompt_token_ids), sampling,
-                    push_target=route.push_to), route.uncached_tokens)
+                    push_target=route.push_to), route.uncached_tokens, route.pending)
                 if first is None:  # a remote decision whose prefill failed
                     self._metrics.fallbacks.inc()
             if first is not None:
@@ -166,12 +167,12 @@ class PDDispatcher:
             if not finished:
                 self._abort_later(request_id, involved)
 
-    async def _prefill(self, worker: Worker, request: PhaseRequest, uncached_tokens: int
-                       ) -> PhaseOutput | None:
+    async def _prefill(self, worker: Worker, request: PhaseRequest, uncached_tokens: int,
+                       pending: PendingPrefix | None = None) -> PhaseOutput | None:
         """The prefill's one output, or None if prefill failed (decode falls back)."""
         worker.on_sent(uncached_tokens)
+        last: PhaseOutput | None = None
         try:
-            last: PhaseOutput | None = None
             async with contextlib.aclosing(worker.client.generate(request, self._timeout)) as outs:
                 async for out in outs:
                     last = out
@@ -185,6 +186,9 @@ class PDDispatcher:
             return None
         finally:
             worker.on_finished(uncached_tokens)
+            if self._prefix is not None and (last is None
+                                             or last.finish_reason in ("abort", "error")):
+                self._prefix.on_prefill_failed(pending)  # its blocks will not be computed
 
     async def _decode(
         self, worker: Worker, request: PhaseRequest, opening: DisaggDecision | None,

@@ -22,10 +22,16 @@ class Choice:
 @dataclass(frozen=True)
 class PlacementRequest:
     """What placement knows about the request: its prompt length and, per prefill
-    worker id, how many leading prompt tokens the prefix index says it holds."""
+    worker id, how many leading prompt tokens the prefix index says it holds or is
+    computing for a prefill in flight (``matched_tokens``), and how many of those
+    are only the latter (``pending_tokens``)."""
 
     num_prompt_tokens: int = 0
     matched_tokens: Mapping[str, int] = field(default_factory=dict)
+    pending_tokens: Mapping[str, int] = field(default_factory=dict)
+    # The prompt's block hashes per block size, for the hook that records the
+    # placement (``PrefixRouting.on_placed``); policies do not read them.
+    block_hashes: Mapping[int, Sequence[int]] = field(default_factory=dict, compare=False)
 
     def uncached_tokens(self, worker: WorkerState) -> int:
         return self.num_prompt_tokens - self.matched_tokens.get(worker.worker_id, 0)
@@ -115,7 +121,18 @@ class CacheAwarePlacement:
     """Prefill: the lowest cost = uncached prompt tokens on that worker + the
     uncached tokens of prefills already sent to it + ``request_cost_tokens`` per
     request queued or running there. Ties: fewer queued requests, then rotation.
-    Decode: least loaded (queued requests, then KV usage) among the compatible."""
+    Decode: least loaded (queued requests, then KV usage) among the compatible.
+
+    Pending prefix tokens (a prefill in flight on the worker is computing them)
+    are not counted as that worker's queued work: the request shares that work
+    rather than adding to it. Counting it would make a second request with the
+    same new prefix cost prefix + queue on the worker computing it against prefix
+    alone on an idle one, so the pool would compute the prefix twice (and every
+    further copy of the burst once per worker). With the credit, a new prefix
+    stays on one worker until its other queued work (``request_cost_tokens`` per
+    request, suffixes) exceeds computing the prefix elsewhere. The credit is at
+    most the worker's queued tokens: a finished prefill whose KV event has not
+    arrived leaves nothing to share."""
 
     name = "cache_aware"
 
@@ -123,7 +140,9 @@ class CacheAwarePlacement:
         self.config = config or CacheAwareConfig()
 
     def cost(self, worker: WorkerState, request: PlacementRequest) -> int:
-        return (request.uncached_tokens(worker) + worker.num_assigned_tokens
+        shared = min(request.pending_tokens.get(worker.worker_id, 0),
+                     worker.num_assigned_tokens)
+        return (request.uncached_tokens(worker) + worker.num_assigned_tokens - shared
                 + self.config.request_cost_tokens * _queued(worker))
 
     def choose(
@@ -144,6 +163,7 @@ class CacheAwarePlacement:
         """The healthy, pairable prefill worker of lowest ``cost`` (inlined: this loop is
         the decision's hot path), ties by fewer queued requests, then rotation."""
         matched, total = request.matched_tokens, request.num_prompt_tokens
+        pending = request.pending_tokens
         per_request, n = self.config.request_cost_tokens, len(prefill)
         best: int | None = None
         best_cost = best_queued = 0
@@ -152,8 +172,10 @@ class CacheAwarePlacement:
                 continue
             load = w.load
             queued = max(w.num_assigned, load.num_running_reqs + load.num_waiting_reqs)
-            cost = (total - matched.get(w.worker_id, 0) + w.num_assigned_tokens
-                    + per_request * queued)
+            assigned = w.num_assigned_tokens
+            if pending:
+                assigned -= min(pending.get(w.worker_id, 0), assigned)
+            cost = total - matched.get(w.worker_id, 0) + assigned + per_request * queued
             if (best is None or cost < best_cost or (cost == best_cost and (
                     queued < best_queued or (queued == best_queued
                                              and (i - cursor) % n < (best - cursor) % n)))):

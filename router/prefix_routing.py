@@ -1,9 +1,12 @@
 """What the dispatcher asks of the prefix index: a ``PlacementRequest`` for a
-prompt (its block hashes matched against every worker), and the hit metrics."""
+prompt (its block hashes matched against every worker), the hit metrics, and the
+pending blocks of prefills in flight (recorded at placement, released when the
+prefill fails)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -37,6 +40,20 @@ class PrefixMetrics:
         self.indexed_blocks = Gauge(
             "pdserve_placement_indexed_blocks", "(worker, block) entries in the prefix index.",
             registry=registry)
+        self.pending_blocks = Gauge(
+            "pdserve_placement_pending_blocks", "(worker, block) entries pending in the "
+            "prefix index: placed prefills computing them, no KV event yet.", registry=registry)
+        self.pending_expired = Counter(
+            "pdserve_placement_pending_expired", "Pending (worker, block) entries that no KV "
+            "event confirmed in time, or evicted over the cap.", registry=registry)
+
+
+@dataclass(frozen=True)
+class PendingPrefix:
+    """The blocks one placed prefill made pending on its worker (to release on failure)."""
+
+    worker_id: str
+    block_hashes: tuple[int, ...]
 
 
 class PrefixRouting:
@@ -45,19 +62,28 @@ class PrefixRouting:
         self.metrics = PrefixMetrics(registry)
         # Totals since start, for the ratio gauges.
         self.num_prompt_tokens = self.num_matched_tokens = self.num_cached_tokens = 0
+        self._num_expired = 0  # pending entries expired or evicted, as last exported
 
     def request(self, prompt_token_ids: Sequence[int]) -> PlacementRequest:
-        """The prompt matched against every indexed worker, in tokens."""
+        """The prompt matched against every indexed worker, in tokens (blocks being
+        computed by a prefill in flight there count as held)."""
         matched: dict[str, int] = {}
+        pending: dict[str, int] = {}
+        hashed: dict[int, Sequence[int]] = {}
         for block_size in self.index.block_sizes():
-            hashes = chain_hashes(prompt_token_ids, block_size)
-            for worker_id, blocks in self.index.match(hashes).items():
+            hashes = hashed[block_size] = chain_hashes(prompt_token_ids, block_size)
+            found = self.index.match_blocks(hashes)
+            for worker_id, blocks in found.num_blocks.items():
                 if self.index.block_size(worker_id) == block_size:
                     matched[worker_id] = blocks * block_size
-        return PlacementRequest(len(prompt_token_ids), matched)
+                    if worker_id in found.num_pending:
+                        pending[worker_id] = found.num_pending[worker_id] * block_size
+        return PlacementRequest(len(prompt_token_ids), matched, pending, hashed)
 
-    def on_placed(self, request: PlacementRequest, worker: WorkerState) -> None:
-        """A prefill was placed on ``worker``."""
+    def on_placed(self, request: PlacementRequest, worker: WorkerState) -> PendingPrefix | None:
+        """A prefill was placed on ``worker``: its prompt's blocks are pending there
+        (returned, for ``on_prefill_failed``; None where the worker is not indexed)."""
+        placed = self._record_pending(request, worker)
         m = self.metrics
         matched = request.matched_tokens.get(worker.worker_id, 0)
         self.num_prompt_tokens += request.num_prompt_tokens
@@ -67,6 +93,30 @@ class PrefixRouting:
         m.placed.labels(worker.worker_id or worker.endpoint).inc()
         m.predicted_ratio.set(self.num_matched_tokens / max(self.num_prompt_tokens, 1))
         m.indexed_blocks.set(self.index.num_blocks)
+        self._export_pending()
+        return placed
+
+    def on_prefill_failed(self, pending: PendingPrefix | None) -> None:
+        """The placed prefill failed or was aborted: it will not compute its blocks."""
+        if pending is not None:
+            self.index.release_pending(pending.worker_id, pending.block_hashes)
+            self._export_pending()
+
+    def _record_pending(self, request: PlacementRequest, worker: WorkerState
+                        ) -> PendingPrefix | None:
+        block_size = self.index.block_size(worker.worker_id) if worker.worker_id else None
+        hashes = request.block_hashes.get(block_size or 0)
+        if not hashes:
+            return None
+        return PendingPrefix(worker.worker_id, self.index.add_pending(worker.worker_id, hashes))
+
+    def _export_pending(self) -> None:
+        pending = self.index.pending
+        num_expired = pending.num_expired + pending.num_evicted
+        if num_expired != self._num_expired:
+            self.metrics.pending_expired.inc(num_expired - self._num_expired)
+            self._num_expired = num_expired
+        self.metrics.pending_blocks.set(len(pending))
 
     def on_prefilled(self, num_cached_tokens: int) -> None:
         """The placed prefill finished; its engine served ``num_cached_tokens`` from cache."""

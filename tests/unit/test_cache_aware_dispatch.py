@@ -1,7 +1,8 @@
 """The router's dispatcher with ``cache_aware`` placement against simulated workers
 over real gRPC (their prefix caches emit KV events through the same relay as
 vLLM workers): repeated prefixes stick to their holder, the hit metrics and
-``cached_tokens`` follow, and a flood spills."""
+``cached_tokens`` follow, a flood spills, and a new prefix already in flight
+draws a concurrent request with the same prefix to its worker (pending blocks)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pdserve.router.workers import WorkerPool
 from pdserve_testing import wait_until_async
 from prometheus_client import CollectorRegistry
 
+from pdserve.block_hash import chain_hashes
 from pdserve.sim_engine import SimConfig
 from pdserve.sim_worker import start_sim_worker
 from pdserve.types import SamplingSpec
@@ -43,6 +45,16 @@ class SimRouter:
             request_id, prompt, SamplingSpec(max_tokens=3))]
         assert sum(len(c.token_ids) for c in chunks) == 3
         return chunks[0].num_cached_tokens or 0
+
+    def placed(self) -> dict[str, int]:
+        """Prefills placed per prefill worker (the router's metric)."""
+        return {w: int(self.registry.get_sample_value(
+            "pdserve_placement_prefill_requests_total", {"worker": w}) or 0)
+            for w in self.computed()}
+
+    def prefilling(self) -> bool:
+        return any(e.counters.num_running_reqs for e in self.engines.values()
+                   if e.config.role == "prefill")
 
     def computed(self) -> dict[str, int]:
         return {w: e.counters.prompt_tokens_computed for w, e in self.engines.items()
@@ -112,3 +124,37 @@ async def test_flood_spills_from_the_holder(sim_router: SimRouter) -> None:
     assert placed[holder] + placed[other] == 25
     assert placed[other] >= 1 and placed[holder] > placed[other], placed
     assert after[other] - before[other] >= 20 * BS  # the other computed the prefix itself
+
+
+def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {w: after[w] - before[w] for w in after}
+
+
+async def test_concurrent_same_new_prefix_same_prefill_worker(sim_router: SimRouter) -> None:
+    r = sim_router
+    placed, computed = r.placed(), r.computed()
+    # 40 new blocks: ~130 ms of modelled prefill, so the second request arrives
+    # while the first is computing and before any KV event names the prefix.
+    first = asyncio.create_task(r.run("n0", prompt(3, 0, blocks=40)))
+    assert await wait_until_async(lambda: r.prefilling() or first.done(), 5)
+    assert r.index.match(chain_hashes(prompt(3, 0, blocks=40), BS)) != {}  # pending only
+    assert await r.run("n1", prompt(3, 1, blocks=40)) == 40 * BS  # served from cache
+    assert await first == 0
+    (holder,) = [w for w, n in _delta(r.placed(), placed).items() if n]
+    assert _delta(r.placed(), placed)[holder] == 2
+    assert _delta(r.computed(), computed) == {
+        w: (len(prompt(3, 0, blocks=40)) + 3 if w == holder else 0) for w in computed}
+    # The worker's KV events confirm the pending blocks.
+    assert await wait_until_async(lambda: len(r.index.blocks_of(holder)) == 40, 5)
+    assert len(r.index.pending) == 0
+
+
+async def test_concurrent_different_new_prefixes_may_spread(sim_router: SimRouter) -> None:
+    r = sim_router
+    placed = r.placed()
+    first = asyncio.create_task(r.run("m0", prompt(4, 0, blocks=40)))
+    assert await wait_until_async(r.prefilling, 5)
+    # Nothing shared: no pending credit, no cache hit, wherever it goes.
+    assert await r.run("m1", prompt(5, 0, blocks=40)) == 0
+    assert await first == 0
+    assert sum(_delta(r.placed(), placed).values()) == 2
