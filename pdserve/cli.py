@@ -26,7 +26,7 @@ MEMBERSHIP = ("etcd", "cluster", "etcd-ttl-s")
 WORKER = ("host", "port", "advertise-host", "kv-port", "kv-host", "cpu-cores", "lease-s",
           "worker-id", "compile")
 ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement",
-          "served-model-name")
+          "served-model-name", "log-timeline")
 UP = ("host", "port", "num-prefill", "num-decode", "placement", "cpu-layout", "with-etcd",
       "startup-timeout-s")
 SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",

@@ -22,6 +22,7 @@ from pdserve.types import PhaseOutput, PhaseRequest, SamplingSpec
 
 from .placement import Choice, Placement, PlacementRequest
 from .prefix_routing import PrefixRouting
+from .timeline import RequestTimeline, TimelineRecorder
 from .types import NoWorkerAvailableError, TokenChunk, WorkerFailedError
 from .worker_client import INVALID_ARGUMENT, UNAVAILABLE, WorkerCallError
 from .worker_state import WorkerState
@@ -85,6 +86,7 @@ class PDDispatcher:
         self._placement = placement
         self._prefix = prefix
         self._metrics = DispatchMetrics(registry)
+        self._timelines = TimelineRecorder(registry)
         self._timeout = request_timeout_s
         self._cursor = 0
         self._cleanups: set[asyncio.Task[None]] = set()
@@ -112,21 +114,26 @@ class PDDispatcher:
                       request.uncached_tokens(p_state), _push_target(p_state, d_state))
 
     async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
+        timeline: RequestTimeline | None = None,
     ) -> AsyncIterator[TokenChunk]:
+        timeline = timeline or RequestTimeline(request_id)
         route = self._choose(prompt_token_ids)
+        timeline.on_placed()
         involved: list[Worker] = []
         finished = False
         try:
             first: PhaseOutput | None = None
             if route.prefill is not None:
                 involved.append(route.prefill)
+                timeline.on_call()
                 first = await self._prefill(route.prefill, PhaseRequest(
                     request_id, "prefill", tuple(prompt_token_ids), sampling,
                     push_target=route.push_to), route.uncached_tokens)
             if first is None:
                 self._metrics.fallbacks.inc()
             else:
+                timeline.on_prefill(first)
                 done = first.finish_reason in ("stop", "abort", "error") or (
                     sampling.max_tokens <= 1)
                 yield TokenChunk(first.token_ids, first.finish_reason if done else None,
@@ -137,15 +144,19 @@ class PDDispatcher:
                 if first.kv_handle is not None:
                     self._metrics.handoffs.inc()
             involved.append(route.decode)
+            timeline.on_call()
             stream = self._decode(route.decode, _decode_request(
-                request_id, prompt_token_ids, sampling, first), first is None, involved)
+                request_id, prompt_token_ids, sampling, first), first is None, involved,
+                timeline)
             async with contextlib.aclosing(stream):  # closing us closes the decode call now
                 async for chunk in stream:
                     if chunk.finish_reason is not None:
                         finished = True
                     yield chunk
         finally:
-            if not finished:
+            if finished:
+                self._timelines.record(timeline)
+            else:
                 self._abort_later(request_id, involved)
 
     async def _prefill(self, worker: Worker, request: PhaseRequest, uncached_tokens: int
@@ -170,6 +181,7 @@ class PDDispatcher:
 
     async def _decode(
         self, worker: Worker, request: PhaseRequest, first_chunk: bool, involved: list[Worker],
+        timeline: RequestTimeline,
     ) -> AsyncIterator[TokenChunk]:
         """Decode on ``worker``; if it is unreachable before its first token (it died
         and membership has not caught up yet), once more on another compatible one."""
@@ -183,6 +195,7 @@ class PDDispatcher:
                         worker.client.generate(request, self._timeout)) as outs:
                     async for out in outs:
                         started = True
+                        timeline.on_decode(out)
                         cached = out.num_cached_tokens if first_chunk else None
                         first_chunk = False
                         yield TokenChunk(out.token_ids, out.finish_reason, cached)

@@ -37,6 +37,7 @@ class RouterConfig:
     placement: str = DEFAULT_PLACEMENT
     health_interval_s: float = 2.0
     request_timeout_s: float = 600.0
+    log_timeline: bool = False
     # etcd, or static (then ``prefill``/``decode`` or its workers file name the workers)
     membership: MembershipConfig = MembershipConfig()
 
@@ -56,6 +57,7 @@ class RouterConfig:
             served_model_name=args.served_model_name or model.served_name,
             prefill=prefill, decode=decode, host=args.host, port=args.port,
             max_model_len=args.max_model_len, placement=args.placement,
+            log_timeline=args.log_timeline,
             membership=MembershipConfig.from_flags(
                 args.etcd, args.cluster, args.etcd_ttl_s, prefill, decode, args.workers_file),
         )
@@ -69,6 +71,8 @@ async def serve_router(config: RouterConfig) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+    if config.log_timeline:  # its DEBUG lines pass the root's handlers, whatever its level
+        logging.getLogger("pdserve.timeline").setLevel(logging.DEBUG)
     registry = CollectorRegistry()
     membership = create_membership(replace(config.membership, prefill=config.prefill,
                                            decode=config.decode), registry)

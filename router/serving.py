@@ -36,6 +36,7 @@ from .responses import (
     sse_error,
     sse_event,
 )
+from .timeline import RequestTimeline
 from .types import Dispatcher, NoWorkerAvailableError, TokenChunk, WorkerFailedError
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,8 @@ class OpenAIServing:
         output = RequestOutput(request, self._decoder, self._metrics)
         try:
             chunks = self._dispatcher.generate(
-                request.request_id, request.prompt_token_ids, request.sampling
+                request.request_id, request.prompt_token_ids, request.sampling,
+                RequestTimeline(request.request_id, request.arrival_s),
             )
         except Exception as exc:  # a dispatcher may refuse before returning an iterator
             return self._fail(output, exc)
