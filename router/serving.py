@@ -235,8 +235,7 @@ async def _collect(output: RequestOutput, chunks: AsyncIterator[TokenChunk]) -> 
 
 
 def _encode(formatter: ResponseFormatter, delta: OutputDelta, first: bool) -> bytes:
-    events = formatter.stream_events(delta.text, delta.token_ids, delta.finish_reason, first)
-    return b"".join(sse_event(event) for event in events)
+    return formatter.encode_stream(delta.text, delta.token_ids, delta.finish_reason, first)
 
 
 def _log_unexpected(exc: Exception) -> APIError:
