@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -165,13 +166,26 @@ def report(s: dict[str, float], loop: dict[str, float]) -> None:
         print(f"{key}: {s[key]:.1f} us = {s[key] / (TARGET_CHUNK_S * 1e6):.2f}x the 50 us target")
 
 
+def profiler(pid: int, out: str | None, duration_s: float) -> subprocess.Popen[bytes] | None:
+    """py-spy (beside this interpreter) sampling the router while the closed loop runs."""
+    if out is None:
+        return None
+    spy = Path(sys.executable).parent / "py-spy"
+    return subprocess.Popen([str(spy), "record", "--pid", str(pid), "--format", "raw",
+                             "--duration", str(int(duration_s)), "--rate", "200", "-o", out,
+                             "--nonblocking"], stdout=subprocess.DEVNULL)
+
+
 async def run(args: argparse.Namespace, url: str, p_ep: str, d_ep: str, pid: int) -> None:
     p, d = WorkerClient(p_ep), WorkerClient(d_ep)
     try:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             short = await measure(http, p, d, pid, 2, args.requests)
             long = await measure(http, p, d, pid, args.long_tokens, args.long_requests)
+        spy = profiler(pid, args.profile, args.duration_s)
         loop = await closed_loop(url, pid, args.clients, args.duration_s, args.loop_tokens)
+        if spy is not None:
+            spy.wait()
     finally:
         await asyncio.gather(p.close(), d.close())
     summary = summarize(short, long, args.long_tokens)
@@ -189,6 +203,8 @@ def main() -> None:
     ap.add_argument("--duration-s", type=float, default=10.0)
     ap.add_argument("--loop-tokens", type=int, default=16, help="(c): max_tokens per request")
     ap.add_argument("--json", help="also write the numbers to this file")
+    ap.add_argument("--profile", help="py-spy the router during (c) into this file (raw "
+                    "collapsed stacks: one line per stack, its sample count last)")
     args = ap.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="bench-router-cost-"))
     procs, url, p_ep, d_ep = children(log_dir)
