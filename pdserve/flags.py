@@ -212,6 +212,9 @@ FLAGS = _flags(
     Flag("workers-file", 'static workers from JSON {"prefill": [...], "decode": [...]}',
          metavar="PATH"),
     Flag("served-model-name", "model name in the OpenAI API (default: the model's)"),
+    Flag("log-timeline", "log each finished request's timeline (its phases' times) as one "
+         "JSON line on logger pdserve.timeline (also on at --log-level DEBUG)", False,
+         parse_bool, switch=True),
     Flag("num-prefill", "prefill workers to start", 1, parse_int(0)),
     Flag("num-decode", "decode workers to start", 1, parse_int(1)),
     Flag("cpu-layout", "CPU only: engines share all cores or split them", "shared",

@@ -11,6 +11,7 @@ same relay a vLLM worker uses.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,13 @@ class SimConfig:
             raise ValueError("block_size and num_blocks must be >= 1")
         if min(self.prefill_s_per_token, self.step_overhead_s, self.decode_s_per_token) < 0:
             raise ValueError("modelled times must be >= 0")
+
+
+@dataclass(frozen=True)
+class SimPrefill:
+    num_cached_tokens: int
+    queue_ns: int
+    compute_ns: int
 
 
 @dataclass
@@ -70,9 +78,21 @@ class SimEngine:
 
     async def prefill(self, prompt: Sequence[int]) -> int:
         """Compute the prompt (modelled time); returns the prompt tokens served from cache."""
+        return (await self.prefill_timed(prompt)).num_cached_tokens
+
+    async def prefill_timed(self, prompt: Sequence[int]) -> SimPrefill:
+        """``prefill``, with its time in the queue (waiting for the compute) and computing."""
+        queued = time.perf_counter_ns()
+        scheduled = await self._prefill_locked(prompt, queued)
+        return SimPrefill(scheduled[0], scheduled[1] - queued,
+                          time.perf_counter_ns() - scheduled[1])
+
+    async def _prefill_locked(self, prompt: Sequence[int], queued: int) -> tuple[int, int]:
+        """(cached tokens, when the compute began)."""
         c, cfg = self.counters, self.config
         c.num_waiting_reqs += 1
         async with self._compute:
+            scheduled = time.perf_counter_ns()
             c.num_waiting_reqs -= 1
             c.num_running_reqs += 1
             try:
@@ -86,7 +106,7 @@ class SimEngine:
                 self._store(hashes[hit:])
                 c.prompt_tokens_computed += len(prompt) - cached
                 c.prompt_tokens_local_cache_hit += cached
-                return cached
+                return cached, scheduled
             finally:
                 c.num_running_reqs -= 1
 

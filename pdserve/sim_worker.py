@@ -23,6 +23,7 @@ from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 from pdserve.sim_engine import SimConfig, SimEngine
 from pdserve.types import PhaseOutput, PhaseRequest, WorkerHealth, WorkerLoadReport
 from pdserve.worker.servicer import start_server
+from pdserve.worker.timing import PhaseClock
 
 logger = logging.getLogger("pdserve.sim_worker")
 
@@ -36,22 +37,38 @@ class SimHost:
 
     async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         self._inflight.add(request.request_id)
+        clock = PhaseClock()
         try:
             if self.engine.config.role == "prefill":
-                yield await self._prefill(request)
+                yield await self._prefill(request, clock)
                 return
-            prompt = request.prompt_token_ids
-            tokens = [t async for t in self.engine.decode(prompt, request.sampling.max_tokens)]
-            for t in tokens[:-1]:
-                yield PhaseOutput(token_ids=(t,))
-            yield PhaseOutput(token_ids=tuple(tokens[-1:]), finish_reason="length",
-                              num_prompt_tokens=len(prompt))
+            async for out in self._decode(request, clock):
+                yield out
         finally:
             self._inflight.discard(request.request_id)
 
-    async def _prefill(self, request: PhaseRequest) -> PhaseOutput:
+    async def _decode(self, request: PhaseRequest, clock: PhaseClock
+                      ) -> AsyncGenerator[PhaseOutput, None]:
+        """One message per token, as they are made (the last one with the timing: no
+        queue, no KV load, the first token's step as the compute)."""
+        prompt, n = request.prompt_token_ids, request.sampling.max_tokens
+        i = 0
+        async for t in self.engine.decode(prompt, n):
+            clock.on_output((t,))
+            i += 1
+            if i < n:
+                yield PhaseOutput(token_ids=(t,))
+                continue
+            compute_ns = clock.first_token_unix_ns - clock.admitted_unix_ns
+            yield PhaseOutput(token_ids=(t,), finish_reason="length",
+                              num_prompt_tokens=len(prompt),
+                              timing=clock.timing(compute_ns=compute_ns))
+
+    async def _prefill(self, request: PhaseRequest, clock: PhaseClock) -> PhaseOutput:
         prompt = request.prompt_token_ids
-        cached = await self.engine.prefill(prompt)
+        run = await self.engine.prefill_timed(prompt)
+        cached = run.num_cached_tokens
+        clock.on_output((0,))
         handle = None
         if request.sampling.max_tokens > 1:
             handle = KVHandle(
@@ -60,7 +77,8 @@ class SimHost:
                 transfer_id=request.request_id, lease_deadline_unix_ns=0)
         return PhaseOutput(token_ids=(10 + sum(prompt) % 1000,), finish_reason="length",
                            kv_handle=handle, num_cached_tokens=cached,
-                           num_prompt_tokens=len(prompt))
+                           num_prompt_tokens=len(prompt),
+                           timing=clock.timing(run.queue_ns, run.compute_ns))
 
     async def abort(self, request_id: str) -> bool:
         return request_id in self._inflight

@@ -53,14 +53,32 @@ class PhaseRequest:
 
 
 @dataclass(frozen=True)
+class PhaseTiming:
+    """Where one phase's time went on its worker (``GenerateResponse.timing``).
+
+    Timestamps are wall-clock ns, so the router can join two workers (the
+    handoff); durations come from one clock. 0 means "not measured".
+    ``queue_ns`` of a decode that loads KV includes ``kv_load_ns``.
+    """
+
+    admitted_unix_ns: int = 0
+    first_token_unix_ns: int = 0
+    queue_ns: int = 0
+    compute_ns: int = 0
+    kv_load_ns: int = 0
+
+
+@dataclass(frozen=True)
 class PhaseOutput:
-    """Tokens since the previous output; the last one has ``finish_reason``."""
+    """Tokens since the previous output; the last one has ``finish_reason``
+    (and ``timing``, from workers that measure it)."""
 
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     kv_handle: KVHandle | None = None
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
+    timing: PhaseTiming | None = None
 
 
 @dataclass(frozen=True)

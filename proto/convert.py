@@ -21,6 +21,7 @@ from pdserve.types import (
     Phase,
     PhaseOutput,
     PhaseRequest,
+    PhaseTiming,
     Role,
     SamplingSpec,
     WorkerHealth,
@@ -119,14 +120,30 @@ def phase_output_to_pb(out: PhaseOutput) -> pb.GenerateResponse:
         num_cached_tokens=out.num_cached_tokens, num_prompt_tokens=out.num_prompt_tokens)
     if out.kv_handle is not None:
         msg.kv_handle.CopyFrom(handle_to_pb(out.kv_handle))
+    if out.timing is not None:
+        msg.timing.CopyFrom(pb.PhaseTiming(**asdict(out.timing)))
     return msg
 
 
 def phase_output_from_pb(msg: pb.GenerateResponse) -> PhaseOutput:
+    """Per streamed chunk on the router: the optional fields are checked once each, and
+    a chunk with neither a handle nor timing (every decode token but the last) takes
+    the short path."""
+    token_ids = tuple(msg.token_ids)
+    finish = FINISH_FROM_PB.get(msg.finish_reason)
+    if not (msg.HasField("kv_handle") or msg.HasField("timing")):
+        return PhaseOutput(token_ids, finish, None, msg.num_cached_tokens, msg.num_prompt_tokens)
     return PhaseOutput(
-        token_ids=tuple(msg.token_ids), finish_reason=FINISH_FROM_PB.get(msg.finish_reason),
+        token_ids=token_ids, finish_reason=finish,
         kv_handle=handle_from_pb(msg.kv_handle) if msg.HasField("kv_handle") else None,
-        num_cached_tokens=msg.num_cached_tokens, num_prompt_tokens=msg.num_prompt_tokens)
+        num_cached_tokens=msg.num_cached_tokens, num_prompt_tokens=msg.num_prompt_tokens,
+        timing=timing_from_pb(msg.timing) if msg.HasField("timing") else None)
+
+
+def timing_from_pb(msg: pb.PhaseTiming) -> PhaseTiming:
+    return PhaseTiming(
+        admitted_unix_ns=msg.admitted_unix_ns, first_token_unix_ns=msg.first_token_unix_ns,
+        queue_ns=msg.queue_ns, compute_ns=msg.compute_ns, kv_load_ns=msg.kv_load_ns)
 
 
 # ---- Health, GetLoad -----------------------------------------------------------------

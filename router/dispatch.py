@@ -25,6 +25,7 @@ from pdserve.types import PhaseOutput, PhaseRequest, SamplingSpec
 from .disagg import DisaggConfig, DisaggDecision, choose_disagg
 from .placement import Choice, Placement, PlacementRequest
 from .prefix_routing import PendingPrefix, PrefixRouting
+from .timeline import RequestTimeline, TimelineRecorder
 from .types import NoWorkerAvailableError, TokenChunk, WorkerFailedError
 from .worker_client import INVALID_ARGUMENT, UNAVAILABLE, WorkerCallError
 from .worker_state import WorkerState
@@ -97,6 +98,7 @@ class PDDispatcher:
         self._prefix = prefix
         self._disagg = disagg or DisaggConfig()
         self._metrics = DispatchMetrics(registry)
+        self._timelines = TimelineRecorder(registry)
         self._timeout = request_timeout_s
         self._cursor = 0
         self._cleanups: set[asyncio.Task[None]] = set()
@@ -130,21 +132,26 @@ class PDDispatcher:
                       pending)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
+        timeline: RequestTimeline | None = None,
     ) -> AsyncIterator[TokenChunk]:
+        timeline = timeline or RequestTimeline(request_id)
         route = self._choose(prompt_token_ids)
+        timeline.on_placed()
         involved: list[Worker] = []
         finished = False
         try:
             first: PhaseOutput | None = None
             if route.prefill is not None:
                 involved.append(route.prefill)
+                timeline.on_call()
                 first = await self._prefill(route.prefill, PhaseRequest(
                     request_id, "prefill", tuple(prompt_token_ids), sampling,
                     push_target=route.push_to), route.uncached_tokens, route.pending)
                 if first is None:  # a remote decision whose prefill failed
                     self._metrics.fallbacks.inc()
             if first is not None:
+                timeline.on_prefill(first)
                 done = first.finish_reason in ("stop", "abort", "error") or (
                     sampling.max_tokens <= 1)
                 yield TokenChunk(first.token_ids, first.finish_reason if done else None,
@@ -155,16 +162,19 @@ class PDDispatcher:
                 if first.kv_handle is not None:
                     self._metrics.handoffs.inc()
             involved.append(route.decode)
+            timeline.on_call()
             stream = self._decode(route.decode, _decode_request(
                 request_id, prompt_token_ids, sampling, first),
-                route.disagg if first is None else None, involved)
+                route.disagg if first is None else None, involved, timeline)
             async with contextlib.aclosing(stream):  # closing us closes the decode call now
                 async for chunk in stream:
                     if chunk.finish_reason is not None:
                         finished = True
                     yield chunk
         finally:
-            if not finished:
+            if finished:
+                self._timelines.record(timeline)
+            else:
                 self._abort_later(request_id, involved)
 
     async def _prefill(self, worker: Worker, request: PhaseRequest, uncached_tokens: int,
@@ -192,7 +202,7 @@ class PDDispatcher:
 
     async def _decode(
         self, worker: Worker, request: PhaseRequest, opening: DisaggDecision | None,
-        involved: list[Worker],
+        involved: list[Worker], timeline: RequestTimeline,
     ) -> AsyncIterator[TokenChunk]:
         """Decode on ``worker``; if it is unreachable before its first token (it died
         and membership has not caught up yet), once more on another compatible one.
@@ -208,6 +218,7 @@ class PDDispatcher:
                         worker.client.generate(request, self._timeout)) as outs:
                     async for out in outs:
                         started = True
+                        timeline.on_decode(out)
                         cached = out.num_cached_tokens if opening is not None else None
                         chunk = TokenChunk(out.token_ids, out.finish_reason, cached, opening)
                         opening = None

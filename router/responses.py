@@ -56,6 +56,29 @@ class ResponseFormatter:
 
     def __init__(self, request: GenerationRequest) -> None:
         self.request = request
+        self._frame: tuple[bytes, bytes] | None = None
+
+    def encode_stream(
+        self, text: str, token_ids: Sequence[int], finish_reason: str | None, first: bool
+    ) -> bytes:
+        """SSE bytes for one dispatcher chunk. After the first, every chunk's envelope is
+        the same bytes: they are rendered once, and only the choice is serialized (the
+        envelope's field-omitting serializer made pydantic call back into Python per chunk)."""
+        events = self.stream_events(text, token_ids, finish_reason, first)
+        if first:
+            return b"".join(sse_event(event) for event in events)
+        head, tail = self._frame or self._render_frame()
+        return b"".join(head + event.choices[0].model_dump_json().encode() + tail
+                        for event in events)
+
+    def _render_frame(self) -> tuple[bytes, bytes]:
+        """The SSE bytes before and after a later chunk's one choice, by pydantic itself."""
+        template = self.chunk_class(choices=[], **self._envelope()).model_dump_json().encode()
+        head, marker, tail = template.partition(b'"choices":[]')
+        if not marker:
+            raise RuntimeError("chunk envelope without a choices list")
+        self._frame = (b"data: " + head + b'"choices":[', b"]" + tail + b"\n\n")
+        return self._frame
 
     def usage(self, num_completion_tokens: int, num_cached_tokens: int,
               disagg: str | None = None) -> Usage:

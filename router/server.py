@@ -39,6 +39,7 @@ class RouterConfig:
     health_interval_s: float = 2.0
     request_timeout_s: float = 600.0
     disagg: DisaggConfig = DisaggConfig()  # remote/local per request (router/disagg.py)
+    log_timeline: bool = False
     # etcd, or static (then ``prefill``/``decode`` or its workers file name the workers)
     membership: MembershipConfig = MembershipConfig()
 
@@ -59,6 +60,7 @@ class RouterConfig:
             prefill=prefill, decode=decode, host=args.host, port=args.port,
             max_model_len=args.max_model_len, placement=args.placement,
             disagg=DisaggConfig.from_args(args),
+            log_timeline=args.log_timeline,
             membership=MembershipConfig.from_flags(
                 args.etcd, args.cluster, args.etcd_ttl_s, prefill, decode, args.workers_file),
         )
@@ -72,6 +74,8 @@ async def serve_router(config: RouterConfig) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+    if config.log_timeline:  # its DEBUG lines pass the root's handlers, whatever its level
+        logging.getLogger("pdserve.timeline").setLevel(logging.DEBUG)
     registry = CollectorRegistry()
     membership = create_membership(replace(config.membership, prefill=config.prefill,
                                            decode=config.decode), registry)

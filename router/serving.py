@@ -37,6 +37,7 @@ from .responses import (
     sse_error,
     sse_event,
 )
+from .timeline import RequestTimeline
 from .types import Dispatcher, NoWorkerAvailableError, TokenChunk, WorkerFailedError
 
 logger = logging.getLogger(__name__)
@@ -133,7 +134,8 @@ class OpenAIServing:
         output = RequestOutput(request, self._decoder, self._metrics)
         try:
             chunks = self._dispatcher.generate(
-                request.request_id, request.prompt_token_ids, request.sampling
+                request.request_id, request.prompt_token_ids, request.sampling,
+                RequestTimeline(request.request_id, request.arrival_s),
             )
         except Exception as exc:  # a dispatcher may refuse before returning an iterator
             return self._fail(output, exc)
@@ -249,8 +251,7 @@ def _decision(output: RequestOutput) -> str | None:
 
 
 def _encode(formatter: ResponseFormatter, delta: OutputDelta, first: bool) -> bytes:
-    events = formatter.stream_events(delta.text, delta.token_ids, delta.finish_reason, first)
-    return b"".join(sse_event(event) for event in events)
+    return formatter.encode_stream(delta.text, delta.token_ids, delta.finish_reason, first)
 
 
 def _log_unexpected(exc: Exception) -> APIError:

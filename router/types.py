@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pdserve.types import FinishReason, SamplingSpec
 
 from .disagg import DisaggDecision
+
+if TYPE_CHECKING:
+    from .timeline import RequestTimeline
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,12 @@ class Dispatcher(Protocol):
     """
 
     def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec
-    ) -> AsyncIterator[TokenChunk]: ...
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
+        timeline: RequestTimeline | None = None,
+    ) -> AsyncIterator[TokenChunk]:
+        """``timeline`` (started when the request arrived) is marked as the request goes
+        and recorded when it finishes; without one the dispatcher starts its own."""
+        ...
 
     def is_ready(self) -> bool:
         """True when at least one route (prefill+decode, or decode alone) is healthy."""

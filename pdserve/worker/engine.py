@@ -72,6 +72,10 @@ class EngineStep:
     finish_reason: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     num_cached_tokens: int = 0
+    # On the finished step, from the engine's request stats (0: not reported):
+    # queued -> first scheduled, and first scheduled -> first token.
+    queue_ns: int = 0
+    compute_ns: int = 0
 
 
 class Engine(Protocol):

@@ -18,12 +18,14 @@ from pdserve.types import (
     FinishReason,
     PhaseOutput,
     PhaseRequest,
+    PhaseTiming,
     WorkerHealth,
     WorkerLoadReport,
 )
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import Engine, EngineConfig, EngineCounters, EngineStep
 from pdserve.worker.policy import RolePolicy
+from pdserve.worker.timing import PhaseClock
 
 if TYPE_CHECKING:
     from pdserve.prefill_worker.kv_mirror import KvCacheMirror
@@ -111,6 +113,7 @@ class EngineHost:
         engine = self.engine
         if engine is None:
             raise WorkerError("unavailable", "engine is loading")
+        clock = PhaseClock()
         params = self.policy.engine_params(request)
         self._inflight.add(request.request_id)
         try:
@@ -118,18 +121,21 @@ class EngineHost:
                                     request.sampling, params)
             async with contextlib.aclosing(steps):
                 async for step in steps:
-                    yield self._output(request, step)
+                    clock.on_output(step.token_ids)
+                    yield self._output(request, step, clock)
         finally:
             self._inflight.discard(request.request_id)
 
-    def _output(self, request: PhaseRequest, step: EngineStep) -> PhaseOutput:
-        handle = (self.policy.on_finished(request, step.kv_transfer_params)
-                  if step.finished else None)
+    def _output(self, request: PhaseRequest, step: EngineStep, clock: PhaseClock
+                ) -> PhaseOutput:
+        if not step.finished:
+            return PhaseOutput(step.token_ids, None, None, step.num_cached_tokens,
+                               len(request.prompt_token_ids))
         return PhaseOutput(
-            token_ids=step.token_ids,
-            finish_reason=_finish_reason(step.finish_reason) if step.finished else None,
-            kv_handle=handle, num_cached_tokens=step.num_cached_tokens,
-            num_prompt_tokens=len(request.prompt_token_ids))
+            token_ids=step.token_ids, finish_reason=_finish_reason(step.finish_reason),
+            kv_handle=self.policy.on_finished(request, step.kv_transfer_params),
+            num_cached_tokens=step.num_cached_tokens,
+            num_prompt_tokens=len(request.prompt_token_ids), timing=_timing(request, step, clock))
 
     async def abort(self, request_id: str) -> bool:
         """Abort a running request and release whatever its role holds for it."""
@@ -186,6 +192,14 @@ def load_report(c: EngineCounters, status: dict[str, Any], num_inflight: int,
             kv_load_time_ns=stat("load_time_ns"), kv_push_loads=stat("push_loads"),
             kv_push_fallbacks=stat("push_fallbacks"), kv_layers_pushed=stat("layers_pushed"),
             kv_pushes_failed=stat("pushes_failed"), num_cached_blocks=num_cached_blocks)
+
+
+def _timing(request: PhaseRequest, step: EngineStep, clock: PhaseClock) -> PhaseTiming:
+    """vLLM schedules a decode that loads KV only once the load is done, and reports no
+    load time of its own: a decode with a handle counts its whole queue wait as the load
+    (an upper bound: it includes any wait for a slot before the load began)."""
+    kv_load_ns = step.queue_ns if request.kv_handle is not None else 0
+    return clock.timing(step.queue_ns, step.compute_ns, kv_load_ns)
 
 
 def _finish_reason(reason: str | None) -> FinishReason:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncGenerator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.types import SamplingSpec
 from pdserve.worker.engine import (
@@ -38,6 +38,21 @@ def to_sampling_params(sampling: SamplingSpec, params: EngineParams) -> Sampling
         extra_args=({"kv_transfer_params": params.kv_transfer_params}
                     if params.kv_transfer_params else None),
     )
+
+
+def _phase_ns(stats: Any) -> dict[str, int]:
+    """``queue_ns``/``compute_ns`` from vLLM's ``RequestStateStats`` (EngineCore's monotonic
+    stamps; present because the engine logs stats for its counters). A stamp vLLM did not
+    set is 0: its interval is then not reported."""
+    queued = getattr(stats, "queued_ts", 0.0)
+    scheduled = getattr(stats, "scheduled_ts", 0.0)
+    first = getattr(stats, "first_token_ts", 0.0)
+    return {"queue_ns": _interval_ns(queued, scheduled),
+            "compute_ns": _interval_ns(scheduled, first)}
+
+
+def _interval_ns(start: float, end: float) -> int:
+    return int((end - start) * 1e9) if 0.0 < start <= end else 0
 
 
 class VllmEngine:
@@ -76,7 +91,8 @@ class VllmEngine:
                     token_ids=tuple(completion.token_ids), finished=out.finished,
                     finish_reason=completion.finish_reason,
                     kv_transfer_params=out.kv_transfer_params,
-                    num_cached_tokens=out.num_cached_tokens or 0)
+                    num_cached_tokens=out.num_cached_tokens or 0,
+                    **(_phase_ns(out.metrics) if out.finished else {}))
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)

@@ -22,7 +22,14 @@ import grpc
 from pdserve.kv_transfer.handle import KVHandle, PushTarget
 from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 
-from pdserve.types import PhaseOutput, PhaseRequest, Role, WorkerHealth, WorkerLoadReport
+from pdserve.types import (
+    PhaseOutput,
+    PhaseRequest,
+    PhaseTiming,
+    Role,
+    WorkerHealth,
+    WorkerLoadReport,
+)
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.servicer import STATUS_OF_KIND, start_server
 
@@ -46,6 +53,8 @@ class WorkerScript:
     # Advertise layer-wise KV push, with this KV port.
     kv_push: bool = False
     kv_port: int = 0
+    # Sent on the last output of each call, as a worker that measures its phases does.
+    timing: PhaseTiming | None = None
 
 
 @dataclass(frozen=True)
@@ -116,7 +125,7 @@ class FakeWorkerServicer:
             token_ids=(self.script.first_token_id,),
             finish_reason="stop" if self.script.prefill_stop else "length", kv_handle=handle,
             num_cached_tokens=self.script.num_cached_tokens,
-            num_prompt_tokens=len(request.prompt_token_ids))
+            num_prompt_tokens=len(request.prompt_token_ids), timing=self.script.timing)
 
     async def _decode(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         ids = self.script.decode_token_ids
@@ -129,7 +138,8 @@ class FakeWorkerServicer:
             yield PhaseOutput(
                 token_ids=(ids[i % len(ids)],), finish_reason="length" if last else None,
                 num_cached_tokens=self.script.num_cached_tokens if i == 0 else 0,
-                num_prompt_tokens=len(request.prompt_token_ids) if last else 0)
+                num_prompt_tokens=len(request.prompt_token_ids) if last else 0,
+                timing=self.script.timing if last else None)
 
     async def abort(self, request_id: str) -> bool:
         self.aborts.append(request_id)

@@ -71,7 +71,8 @@ class FakeDispatcher:
         return self.ready
 
     def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
+        timeline: object = None,
     ) -> AsyncIterator[TokenChunk]:
         self.calls.append(DispatchCall(request_id, tuple(prompt_token_ids), sampling))
         if self.error_on_call is not None:

@@ -29,6 +29,17 @@ def test_phase_output_round_trips(finish: t.FinishReason | None) -> None:
     assert convert.phase_output_from_pb(convert.phase_output_to_pb(out)) == out
 
 
+def test_phase_timing_round_trips() -> None:
+    """The last output's timing (wall-clock stamps, durations), with and without a handle;
+    an output without timing stays without."""
+    timing = t.PhaseTiming(1_700_000_000_000_000_001, 1_700_000_000_500_000_000, 3, 4, 5)
+    for handle in (HANDLE, None):
+        out = t.PhaseOutput((5,), "length", handle, 2, 9, timing=timing)
+        assert convert.phase_output_from_pb(convert.phase_output_to_pb(out)) == out
+    assert not convert.phase_output_to_pb(t.PhaseOutput((5,))).HasField("timing")
+    assert convert.phase_output_from_pb(pb.GenerateResponse(token_ids=[5])).timing is None
+
+
 def test_worker_reports_round_trip() -> None:
     health = t.WorkerHealth(True, "prefill", "w0", "m", "float32", 128, 4096, "tcp", "abc",
                           "127.0.0.1", 51051, True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from pdserve.decode_worker.policy import DecodePolicy
@@ -157,9 +157,25 @@ async def test_a_finished_prefill_returns_the_handle_and_holds_its_lease() -> No
     engine = FakeEngine([EngineStep((7,), True, "length", h.to_params(), num_cached_tokens=2)])
     policy = PrefillPolicy(release=Released())
     host = started("prefill", policy, engine)
-    assert await run(host, request("prefill", 8)) == [
+    outs = await run(host, request("prefill", 8))
+    assert [replace(o, timing=None) for o in outs] == [
         PhaseOutput((7,), "length", h, num_cached_tokens=2, num_prompt_tokens=len(PROMPT))]
     assert "r1" in policy.leases and len(policy.leases) == 1
+
+
+async def test_the_last_output_carries_the_phase_timing() -> None:
+    """The engine's queue and compute times, the worker's wall-clock stamps; a decode
+    that loads KV counts its queue wait as the load, one that computes alone does not."""
+    steps = [EngineStep((1,)), EngineStep((2,), True, "length", queue_ns=30, compute_ns=40)]
+    before = time.time_ns()
+    for kv_handle, kv_load_ns in ((handle(), 30), (None, 0)):
+        outs = await run(started("decode", DecodePolicy(), FakeEngine(list(steps))),
+                         request("decode", 2, kv_handle=kv_handle))
+        assert outs[0].timing is None
+        timing = outs[-1].timing
+        assert timing is not None
+        assert (timing.queue_ns, timing.compute_ns, timing.kv_load_ns) == (30, 40, kv_load_ns)
+        assert before <= timing.admitted_unix_ns <= timing.first_token_unix_ns <= time.time_ns()
 
 
 async def test_no_lease_without_a_decode_to_follow() -> None:

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\"\x9f\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\xd3\x01\n\x08KvHandle\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x19\n\x11remote_request_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\x0c\n\x04host\x18\x06 \x01(\t\x12\x0c\n\x04port\x18\x07 \x01(\r\x12\x13\n\x0btransfer_id\x18\x08 \x01(\t\x12\x1e\n\x16lease_deadline_unix_ns\x18\t \x01(\x03\x12\x0e\n\x06pushed\x18\x14 \x01(\x08\"?\n\x0cKvPushTarget\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\"\x95\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x05phase\x18\x02 \x01(\x0e\x32\x11.pdserve.v1.Phase\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12,\n\tkv_handle\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvHandleH\x00\x88\x01\x01\x12\x35\n\x0ekv_push_target\x18\x14 \x01(\x0b\x32\x18.pdserve.v1.KvPushTargetH\x01\x88\x01\x01\x42\x0c\n\n_kv_handleB\x11\n\x0f_kv_push_target\"\xc8\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12,\n\tkv_handle\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KvHandleH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\rB\x0c\n\n_kv_handle\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\xfd\x01\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x11\n\ttransport\x18\x08 \x01(\t\x12\x1a\n\x12\x63ompatibility_hash\x18\t \x01(\t\x12\x0f\n\x07kv_host\x18\x14 \x01(\t\x12\x0f\n\x07kv_port\x18\x15 \x01(\r\x12\x0f\n\x07kv_push\x18\x16 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xd1\x04\n\x0fGetLoadResponse\x12\x18\n\x10num_running_reqs\x18\x01 \x01(\r\x12\x18\n\x10num_waiting_reqs\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x1d\n\x15num_pending_transfers\x18\x04 \x01(\r\x12\x1e\n\x16prompt_tokens_computed\x18\x05 \x01(\x04\x12%\n\x1dprompt_tokens_local_cache_hit\x18\x06 \x01(\x04\x12\x1e\n\x16prompt_tokens_external\x18\x07 \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\x08 \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\t \x01(\x04\x12\x1e\n\x16kv_transfers_completed\x18\n \x01(\x04\x12\x1b\n\x13kv_transfers_failed\x18\x0b \x01(\x04\x12\x1b\n\x13kv_transfer_time_ns\x18\x0c \x01(\x04\x12\x19\n\x11num_inflight_reqs\x18\r \x01(\r\x12\x19\n\x11kv_leases_expired\x18\x0e \x01(\x04\x12\x10\n\x08kv_loads\x18\x14 \x01(\x04\x12\x17\n\x0fkv_load_time_ns\x18\x15 \x01(\x04\x12\x15\n\rkv_push_loads\x18\x16 \x01(\x04\x12\x19\n\x11kv_push_fallbacks\x18\x17 \x01(\x04\x12\x18\n\x10kv_layers_pushed\x18\x18 \x01(\x04\x12\x18\n\x10kv_pushes_failed\x18\x19 \x01(\x04\x12\x19\n\x11num_cached_blocks\x18\x1e \x01(\r\"\x11\n\x0fKvEventsRequest\"M\n\x0cKvEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07\x63leared\x18\x02 \x01(\x08\x12\x0e\n\x06stored\x18\x03 \x03(\x06\x12\x0f\n\x07removed\x18\x04 \x03(\x06\"\x13\n\x11KvSnapshotRequest\"V\n\nKvSnapshot\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x06\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x11\n\tworker_id\x18\x04 \x01(\t*C\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x11\n\rPHASE_PREFILL\x10\x01\x12\x10\n\x0cPHASE_DECODE\x10\x02*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xae\x03\n\rWorkerService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12\x42\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x1b.pdserve.v1.GetLoadResponse\x12I\n\x0eStreamKvEvents\x12\x1b.pdserve.v1.KvEventsRequest\x1a\x18.pdserve.v1.KvEventBatch0\x01\x12\x46\n\rGetKvSnapshot\x12\x1d.pdserve.v1.KvSnapshotRequest\x1a\x16.pdserve.v1.KvSnapshotb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\"\x9f\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\xd3\x01\n\x08KvHandle\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x19\n\x11remote_request_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\x0c\n\x04host\x18\x06 \x01(\t\x12\x0c\n\x04port\x18\x07 \x01(\r\x12\x13\n\x0btransfer_id\x18\x08 \x01(\t\x12\x1e\n\x16lease_deadline_unix_ns\x18\t \x01(\x03\x12\x0e\n\x06pushed\x18\x14 \x01(\x08\"?\n\x0cKvPushTarget\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\"\x95\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12 \n\x05phase\x18\x02 \x01(\x0e\x32\x11.pdserve.v1.Phase\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12,\n\tkv_handle\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvHandleH\x00\x88\x01\x01\x12\x35\n\x0ekv_push_target\x18\x14 \x01(\x0b\x32\x18.pdserve.v1.KvPushTargetH\x01\x88\x01\x01\x42\x0c\n\n_kv_handleB\x11\n\x0f_kv_push_target\"\x81\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12,\n\tkv_handle\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KvHandleH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12,\n\x06timing\x18\x06 \x01(\x0b\x32\x17.pdserve.v1.PhaseTimingH\x01\x88\x01\x01\x42\x0c\n\n_kv_handleB\t\n\x07_timing\"~\n\x0bPhaseTiming\x12\x18\n\x10\x61\x64mitted_unix_ns\x18\x01 \x01(\x03\x12\x1b\n\x13\x66irst_token_unix_ns\x18\x02 \x01(\x03\x12\x10\n\x08queue_ns\x18\x03 \x01(\x04\x12\x12\n\ncompute_ns\x18\x04 \x01(\x04\x12\x12\n\nkv_load_ns\x18\x05 \x01(\x04\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\xfd\x01\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x11\n\ttransport\x18\x08 \x01(\t\x12\x1a\n\x12\x63ompatibility_hash\x18\t \x01(\t\x12\x0f\n\x07kv_host\x18\x14 \x01(\t\x12\x0f\n\x07kv_port\x18\x15 \x01(\r\x12\x0f\n\x07kv_push\x18\x16 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xd1\x04\n\x0fGetLoadResponse\x12\x18\n\x10num_running_reqs\x18\x01 \x01(\r\x12\x18\n\x10num_waiting_reqs\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x1d\n\x15num_pending_transfers\x18\x04 \x01(\r\x12\x1e\n\x16prompt_tokens_computed\x18\x05 \x01(\x04\x12%\n\x1dprompt_tokens_local_cache_hit\x18\x06 \x01(\x04\x12\x1e\n\x16prompt_tokens_external\x18\x07 \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\x08 \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\t \x01(\x04\x12\x1e\n\x16kv_transfers_completed\x18\n \x01(\x04\x12\x1b\n\x13kv_transfers_failed\x18\x0b \x01(\x04\x12\x1b\n\x13kv_transfer_time_ns\x18\x0c \x01(\x04\x12\x19\n\x11num_inflight_reqs\x18\r \x01(\r\x12\x19\n\x11kv_leases_expired\x18\x0e \x01(\x04\x12\x10\n\x08kv_loads\x18\x14 \x01(\x04\x12\x17\n\x0fkv_load_time_ns\x18\x15 \x01(\x04\x12\x15\n\rkv_push_loads\x18\x16 \x01(\x04\x12\x19\n\x11kv_push_fallbacks\x18\x17 \x01(\x04\x12\x18\n\x10kv_layers_pushed\x18\x18 \x01(\x04\x12\x18\n\x10kv_pushes_failed\x18\x19 \x01(\x04\x12\x19\n\x11num_cached_blocks\x18\x1e \x01(\r\"\x11\n\x0fKvEventsRequest\"M\n\x0cKvEventBatch\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0f\n\x07\x63leared\x18\x02 \x01(\x08\x12\x0e\n\x06stored\x18\x03 \x03(\x06\x12\x0f\n\x07removed\x18\x04 \x03(\x06\"\x13\n\x11KvSnapshotRequest\"V\n\nKvSnapshot\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x06\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x11\n\tworker_id\x18\x04 \x01(\t*C\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x11\n\rPHASE_PREFILL\x10\x01\x12\x10\n\x0cPHASE_DECODE\x10\x02*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xae\x03\n\rWorkerService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12\x42\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x1b.pdserve.v1.GetLoadResponse\x12I\n\x0eStreamKvEvents\x12\x1b.pdserve.v1.KvEventsRequest\x1a\x18.pdserve.v1.KvEventBatch0\x01\x12\x46\n\rGetKvSnapshot\x12\x1d.pdserve.v1.KvSnapshotRequest\x1a\x16.pdserve.v1.KvSnapshotb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PHASE']._serialized_start=2125
-  _globals['_PHASE']._serialized_end=2192
-  _globals['_ROLE']._serialized_start=2194
-  _globals['_ROLE']._serialized_end=2257
-  _globals['_FINISHREASON']._serialized_start=2260
-  _globals['_FINISHREASON']._serialized_end=2405
+  _globals['_PHASE']._serialized_start=2310
+  _globals['_PHASE']._serialized_end=2377
+  _globals['_ROLE']._serialized_start=2379
+  _globals['_ROLE']._serialized_end=2442
+  _globals['_FINISHREASON']._serialized_start=2445
+  _globals['_FINISHREASON']._serialized_end=2590
   _globals['_SAMPLINGPARAMS']._serialized_start=40
   _globals['_SAMPLINGPARAMS']._serialized_end=199
   _globals['_KVHANDLE']._serialized_start=202
@@ -46,27 +46,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=481
   _globals['_GENERATEREQUEST']._serialized_end=758
   _globals['_GENERATERESPONSE']._serialized_start=761
-  _globals['_GENERATERESPONSE']._serialized_end=961
-  _globals['_ABORTREQUEST']._serialized_start=963
-  _globals['_ABORTREQUEST']._serialized_end=997
-  _globals['_ABORTRESPONSE']._serialized_start=999
-  _globals['_ABORTRESPONSE']._serialized_end=1029
-  _globals['_HEALTHREQUEST']._serialized_start=1031
-  _globals['_HEALTHREQUEST']._serialized_end=1046
-  _globals['_HEALTHRESPONSE']._serialized_start=1049
-  _globals['_HEALTHRESPONSE']._serialized_end=1302
-  _globals['_GETLOADREQUEST']._serialized_start=1304
-  _globals['_GETLOADREQUEST']._serialized_end=1320
-  _globals['_GETLOADRESPONSE']._serialized_start=1323
-  _globals['_GETLOADRESPONSE']._serialized_end=1916
-  _globals['_KVEVENTSREQUEST']._serialized_start=1918
-  _globals['_KVEVENTSREQUEST']._serialized_end=1935
-  _globals['_KVEVENTBATCH']._serialized_start=1937
-  _globals['_KVEVENTBATCH']._serialized_end=2014
-  _globals['_KVSNAPSHOTREQUEST']._serialized_start=2016
-  _globals['_KVSNAPSHOTREQUEST']._serialized_end=2035
-  _globals['_KVSNAPSHOT']._serialized_start=2037
-  _globals['_KVSNAPSHOT']._serialized_end=2123
-  _globals['_WORKERSERVICE']._serialized_start=2408
-  _globals['_WORKERSERVICE']._serialized_end=2838
+  _globals['_GENERATERESPONSE']._serialized_end=1018
+  _globals['_PHASETIMING']._serialized_start=1020
+  _globals['_PHASETIMING']._serialized_end=1146
+  _globals['_ABORTREQUEST']._serialized_start=1148
+  _globals['_ABORTREQUEST']._serialized_end=1182
+  _globals['_ABORTRESPONSE']._serialized_start=1184
+  _globals['_ABORTRESPONSE']._serialized_end=1214
+  _globals['_HEALTHREQUEST']._serialized_start=1216
+  _globals['_HEALTHREQUEST']._serialized_end=1231
+  _globals['_HEALTHRESPONSE']._serialized_start=1234
+  _globals['_HEALTHRESPONSE']._serialized_end=1487
+  _globals['_GETLOADREQUEST']._serialized_start=1489
+  _globals['_GETLOADREQUEST']._serialized_end=1505
+  _globals['_GETLOADRESPONSE']._serialized_start=1508
+  _globals['_GETLOADRESPONSE']._serialized_end=2101
+  _globals['_KVEVENTSREQUEST']._serialized_start=2103
+  _globals['_KVEVENTSREQUEST']._serialized_end=2120
+  _globals['_KVEVENTBATCH']._serialized_start=2122
+  _globals['_KVEVENTBATCH']._serialized_end=2199
+  _globals['_KVSNAPSHOTREQUEST']._serialized_start=2201
+  _globals['_KVSNAPSHOTREQUEST']._serialized_end=2220
+  _globals['_KVSNAPSHOT']._serialized_start=2222
+  _globals['_KVSNAPSHOT']._serialized_end=2308
+  _globals['_WORKERSERVICE']._serialized_start=2593
+  _globals['_WORKERSERVICE']._serialized_end=3023
 # @@protoc_insertion_point(module_scope)

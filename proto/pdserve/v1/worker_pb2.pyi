@@ -107,18 +107,34 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., kv_push_target: _Optional[_Union[KvPushTarget, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "kv_handle", "num_cached_tokens", "num_prompt_tokens")
+    __slots__ = ("token_ids", "finish_reason", "kv_handle", "num_cached_tokens", "num_prompt_tokens", "timing")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     kv_handle: KvHandle
     num_cached_tokens: int
     num_prompt_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    timing: PhaseTiming
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., timing: _Optional[_Union[PhaseTiming, _Mapping]] = ...) -> None: ...
+
+class PhaseTiming(_message.Message):
+    __slots__ = ("admitted_unix_ns", "first_token_unix_ns", "queue_ns", "compute_ns", "kv_load_ns")
+    ADMITTED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
+    KV_LOAD_NS_FIELD_NUMBER: _ClassVar[int]
+    admitted_unix_ns: int
+    first_token_unix_ns: int
+    queue_ns: int
+    compute_ns: int
+    kv_load_ns: int
+    def __init__(self, admitted_unix_ns: _Optional[int] = ..., first_token_unix_ns: _Optional[int] = ..., queue_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., kv_load_ns: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

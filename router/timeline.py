@@ -1,0 +1,120 @@
+"""One request's timeline through the cluster, and where it is recorded.
+
+A ``RequestTimeline`` is created when the router receives a request (``serving.py``) and
+threaded through the dispatcher, which marks the router's own steps (placed, first call
+sent) and hands it each worker output. The workers' ``PhaseTiming`` (on each call's last
+output) supplies the engine-side phases; the router's clock supplies its own phase and
+the decode steps. When the request finishes, ``TimelineRecorder`` observes every phase
+in ``pdserve_request_phase_seconds{phase}`` and, when logger ``pdserve.timeline`` is at
+DEBUG (``--log-timeline``), logs the whole timeline as one JSON line.
+
+Phases (seconds; a phase whose source is missing is left out, never recorded as 0):
+
+  router           received -> first worker call sent (validation, tokenization, placement)
+  prefill_queue    prefill engine: queued -> scheduled
+  prefill_compute  prefill engine: scheduled -> first token
+  handoff          prefill's first token out -> decode worker admitted the call (wall
+                   clocks of two workers: exact on one machine, NTP-close across machines)
+  kv_load          decode: loading the prompt's KV (see ``PhaseTiming.kv_load_ns``)
+  decode_queue     decode engine: queued -> scheduled, less the KV load
+  decode_step      the mean time between decode tokens, as the router receives them
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Histogram
+
+from pdserve.types import PhaseOutput, PhaseTiming
+
+logger = logging.getLogger("pdserve.timeline")
+
+PHASES = ("router", "prefill_queue", "prefill_compute", "handoff", "kv_load", "decode_queue",
+          "decode_step")
+_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+            1.0, 2.5, 5.0, 10.0, 30.0)
+_NS = 1e-9
+
+
+class RequestTimeline:
+    """Mutable, owned by the one task serving the request; per-chunk marks are a clock
+    read and two additions."""
+
+    __slots__ = ("request_id", "arrival_s", "placed_s", "first_call_s", "prefill", "decode",
+                 "first_decode_s", "last_decode_s", "num_decode_steps")
+
+    def __init__(self, request_id: str, arrival_s: float | None = None) -> None:
+        self.request_id = request_id
+        self.arrival_s = time.perf_counter() if arrival_s is None else arrival_s
+        self.placed_s = 0.0
+        self.first_call_s = 0.0
+        self.prefill: PhaseTiming | None = None
+        self.decode: PhaseTiming | None = None
+        self.first_decode_s = 0.0
+        self.last_decode_s = 0.0
+        self.num_decode_steps = 0  # tokens received after decode's first output
+
+    def on_placed(self) -> None:
+        self.placed_s = time.perf_counter()
+
+    def on_call(self) -> None:
+        """A worker call is about to go out; only the first one ends the router phase."""
+        if not self.first_call_s:
+            self.first_call_s = time.perf_counter()
+
+    def on_prefill(self, out: PhaseOutput) -> None:
+        self.prefill = out.timing
+
+    def on_decode(self, out: PhaseOutput) -> None:
+        now = time.perf_counter()
+        if not self.first_decode_s:
+            self.first_decode_s = now
+        else:
+            self.num_decode_steps += len(out.token_ids)
+        self.last_decode_s = now
+        if out.timing is not None:
+            self.decode = out.timing
+
+    def phases(self) -> dict[str, float]:
+        """Every phase this request has a measure of, in seconds."""
+        out: dict[str, float] = {}
+        if self.first_call_s:
+            out["router"] = self.first_call_s - self.arrival_s
+        p, d = self.prefill, self.decode
+        if p is not None:
+            out["prefill_queue"] = p.queue_ns * _NS
+            out["prefill_compute"] = p.compute_ns * _NS
+        if p is not None and d is not None:
+            if p.first_token_unix_ns and d.admitted_unix_ns:
+                out["handoff"] = max(d.admitted_unix_ns - p.first_token_unix_ns, 0) * _NS
+            out["kv_load"] = d.kv_load_ns * _NS
+        if d is not None:
+            out["decode_queue"] = max(d.queue_ns - d.kv_load_ns, 0) * _NS
+        if self.num_decode_steps:
+            out["decode_step"] = ((self.last_decode_s - self.first_decode_s)
+                                  / self.num_decode_steps)
+        return out
+
+
+class TimelineRecorder:
+    """The phase histogram (children looked up once) and the per-request log line."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        histogram = Histogram(
+            "pdserve_request_phase_seconds", "Where finished requests spent their time, by "
+            "phase (router, prefill_queue, prefill_compute, handoff, kv_load, decode_queue, "
+            "decode_step: the mean time between decode tokens).", ["phase"],
+            buckets=_BUCKETS, registry=registry)
+        self._children = {phase: histogram.labels(phase) for phase in PHASES}
+
+    def record(self, timeline: RequestTimeline) -> None:
+        phases = timeline.phases()
+        for phase, seconds in phases.items():
+            self._children[phase].observe(seconds)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s", json.dumps({
+                "request_id": timeline.request_id, "num_decode_steps": timeline.num_decode_steps,
+                "phases_ms": {k: round(v * 1e3, 3) for k, v in phases.items()}}))

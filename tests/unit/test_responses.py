@@ -1,0 +1,32 @@
+"""SSE framing (``router/responses.py``): the cached envelope of later chunks gives the
+same bytes as serializing each whole chunk with pydantic."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from pdserve.router.preprocess import GenerationRequest
+from pdserve.router.responses import formatter_for, sse_event
+
+from pdserve.types import SamplingSpec
+
+
+def request(endpoint: str, include_usage: bool, return_token_ids: bool) -> GenerationRequest:
+    return GenerationRequest(
+        request_id="cmpl-1", endpoint=endpoint, model='m"\\odel', prompt_token_ids=(1, 2),  # type: ignore[arg-type]
+        sampling=SamplingSpec(4), stop=(), stream=True, include_usage=include_usage,
+        return_token_ids=return_token_ids, created=1_700_000_000, arrival_s=0.0)
+
+
+@pytest.mark.parametrize(("endpoint", "include_usage", "return_token_ids"),
+                         list(itertools.product(("completions", "chat"), (False, True),
+                                                (False, True))))
+def test_later_chunks_encode_as_pydantic_does(endpoint: str, include_usage: bool,
+                                              return_token_ids: bool) -> None:
+    formatter = formatter_for(request(endpoint, include_usage, return_token_ids))
+    for text, ids, finish, first in [("héllo\n\t\"x\" \x01 ✓", [5, 6], None, True),
+                                     (" wörld\\", [7], None, False), ("", [], "length", False),
+                                     ("", [8], None, False), ("😀", [9], "stop", False)]:
+        want = b"".join(sse_event(e) for e in formatter.stream_events(text, ids, finish, first))
+        assert formatter.encode_stream(text, ids, finish, first) == want
