@@ -218,15 +218,22 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         pass
 
 
-def unloaded(base: str, args: argparse.Namespace) -> tuple[float, float]:
-    """One short request alone: (TTFT, TPOT), for SLOs derived from this run."""
+def unloaded(base: str, args: argparse.Namespace) -> tuple[float, float, float]:
+    """Requests alone, one after another: a short one's (TTFT, TPOT), for SLOs derived
+    from this run, and the median TTFT of ``--single-reps`` ~``--single-tokens``-token
+    prompts (x 16 output tokens)."""
     job = build_jobs(argparse.Namespace(**{**vars(args), "short_share": 1.0}), 1, 999)[0]
     sample = asyncio.run(run_rate(base, [job], 1.0, 0))[1][0]
-    return sample.ttft_s, sample.tpot_s
+    single = argparse.Namespace(**{**vars(args), "short_share": 1.0, "short_out": 16,
+                                   "short_tokens": args.single_tokens})
+    ttfts = []
+    for job in build_jobs(single, args.single_reps, 998):
+        ttfts.append(asyncio.run(run_rate(base, [job], 1.0, 0))[1][0].ttft_s)
+    return sample.ttft_s, sample.tpot_s, _pct(ttfts, 50)
 
 
 def run_system(system: str, args: argparse.Namespace, log_dir: Path
-               ) -> tuple[list[RateResult], tuple[float, float]]:
+               ) -> tuple[list[RateResult], tuple[float, float, float]]:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = launch(system, port, log_dir / f"{system}.log", args.dtype)
@@ -234,7 +241,8 @@ def run_system(system: str, args: argparse.Namespace, log_dir: Path
     try:
         wait_up(base, proc)
         idle = unloaded(base, args)
-        console.print(f"[bold]{system}[/] up; unloaded TTFT {idle[0]:.3f} s, TPOT {idle[1]:.3f} s")
+        console.print(f"[bold]{system}[/] up; unloaded TTFT {idle[0]:.3f} s, TPOT {idle[1]:.3f} s"
+                      f", {args.single_tokens}-token prompt TTFT p50 {idle[2]:.3f} s")
         for i, rate in enumerate(args.rates):
             jobs = build_jobs(args, args.num, seed=100 + i)
             duration, samples = asyncio.run(run_rate(base, jobs, rate, seed=i))
@@ -289,6 +297,8 @@ def main() -> None:
     p.add_argument("--short-out", type=int, default=96)
     p.add_argument("--long-tokens", type=int, default=1200)
     p.add_argument("--long-out", type=int, default=16)
+    p.add_argument("--single-tokens", type=int, default=500)
+    p.add_argument("--single-reps", type=int, default=5)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--slo-ttft-s", type=float, default=2.0)
     p.add_argument("--slo-tpot-s", type=float, default=0.1)
@@ -298,13 +308,17 @@ def main() -> None:
     args = p.parse_args()
     log_dir = args.out.parent / "serve_mix_logs"
     results: dict[str, list[RateResult]] = {}
-    idle: dict[str, tuple[float, float]] = {}
+    idle: dict[str, tuple[float, float, float]] = {}
     for system in args.systems:
         results[system], idle[system] = run_system(system, args, log_dir)
     slo = (args.slo_ttft_s, args.slo_tpot_s)
     if args.slo_from_agg > 0 and "vllm" in idle:
         slo = (args.slo_from_agg * idle["vllm"][0], args.slo_from_agg * idle["vllm"][1])
     summary = report(results, slo)
+    if "vllm" in idle:
+        for system, (_, _, ttft) in idle.items():
+            console.print(f"single {args.single_tokens}-token prompt TTFT p50: {system} "
+                          f"{ttft:.3f} s = {ttft / idle['vllm'][2]:.2f}x vllm (target <= 1.05)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                     "unloaded": idle, "slo": slo, "summary": summary,
