@@ -42,7 +42,7 @@ from pdserve.up import free_port
 MODEL = "SmolLM2-135M-Instruct"
 STARTUP_TIMEOUT_S = 600
 REQUEST_TIMEOUT_S = 900
-console = Console()
+console = Console(width=170)
 
 
 @dataclass(frozen=True)
