@@ -7,8 +7,10 @@ prompt tokens x ``--short-out`` output tokens, the rest ~``--long-tokens`` x
 ``--long-out``. Every prompt is new (no prefix is shared between requests).
 
 Systems (``--systems``): ``vllm`` (``vllm serve``: one aggregated engine on every
-core), and ``pd-<mode>`` (``pdserve up --disagg <mode>``, default flags otherwise;
-``pd-<mode>@split`` adds ``--cpu-layout split``).
+core), ``vllm-nospin`` (the same with its shared-memory queue readers not spinning:
+what pdserve's vLLM plugin does in its own engines), and ``pd-<mode>`` (``pdserve up --disagg <mode>``, default flags otherwise;
+``pd-<mode>@<layout>`` adds ``--cpu-layout <layout>``). For pdserve it also reports
+the mean time per request in each phase of the router's timeline histogram.
 
 Per system and rate it prints completed req/s, TTFT p50/p99, TPOT p50, ITL p50/p99
 and goodput (requests/s meeting both SLOs; default TTFT <= 2 s, TPOT <= 100 ms, or
@@ -73,6 +75,8 @@ class RateResult:
     rate: float
     duration_s: float
     samples: list[Sample]
+    # pdserve only: mean seconds per request in each timeline phase (router's histogram)
+    phases: dict[str, float] = field(default_factory=dict)
 
     def summary(self, slo_ttft_s: float, slo_tpot_s: float) -> dict[str, float]:
         ok = [s for s in self.samples if s.ok]
@@ -166,10 +170,37 @@ async def run_rate(base: str, jobs: list[Job], rate: float, seed: int
     return time.perf_counter() - start, list(samples)
 
 
+def phase_totals(base: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of ``pdserve_request_phase_seconds`` per phase; {} from vLLM."""
+    try:
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        for kind, index in (("_sum{", 0), ("_count{", 1)):
+            if line.startswith("pdserve_request_phase_seconds" + kind):
+                phase = line.split('phase="', 1)[1].split('"', 1)[0]
+                out.setdefault(phase, [0.0, 0.0])[index] = float(line.rsplit(" ", 1)[1])
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def phase_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+                ) -> dict[str, float]:
+    means = {}
+    for phase, (total, count) in after.items():
+        t0, c0 = before.get(phase, (0.0, 0.0))
+        if count > c0:
+            means[phase] = (total - t0) / (count - c0)
+    return means
+
+
 def launch(system: str, port: int, log: Path, dtype: str) -> subprocess.Popen[bytes]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2",
                PDSERVE_CACHE=str(cache_dir()))
-    if system == "vllm":
+    if system in ("vllm", "vllm-nospin"):
+        if system == "vllm-nospin":  # pdserve's vLLM plugin, installed here, does it
+            env["PDSERVE_VLLM_SHM_SPIN_S"] = "0"
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(prepare_default_model()), "--served-model-name", MODEL,
                 "--dtype", dtype, "--max-model-len", "4096", "--enforce-eager",
@@ -245,10 +276,15 @@ def run_system(system: str, args: argparse.Namespace, log_dir: Path
                       f", {args.single_tokens}-token prompt TTFT p50 {idle[2]:.3f} s")
         for i, rate in enumerate(args.rates):
             jobs = build_jobs(args, args.num, seed=100 + i)
+            before = phase_totals(base)
             duration, samples = asyncio.run(run_rate(base, jobs, rate, seed=i))
-            results.append(RateResult(system, rate, duration, samples))
+            phases = phase_means(before, phase_totals(base))
+            results.append(RateResult(system, rate, duration, samples, phases))
             console.print(f"  {rate} req/s: {sum(s.ok for s in samples)}/{len(samples)} ok "
                           f"in {duration:.0f} s")
+            if phases:
+                console.print("    mean s/request by phase: " + ", ".join(
+                    f"{k} {v:.3f}" for k, v in phases.items()))
     finally:
         stop(proc)
     return results, idle
@@ -287,6 +323,19 @@ def report(all_results: dict[str, list[RateResult]], slo: tuple[float, float]) -
     return out
 
 
+def report_again(args: argparse.Namespace) -> None:
+    saved = json.loads(args.from_file.read_text())
+    results = {system: [RateResult(r["system"], r["rate"], r["duration_s"],
+                                   [Sample(**x) for x in r["samples"]], r.get("phases", {}))
+                        for r in runs]
+               for system, runs in saved["samples"].items()}
+    idle = saved["unloaded"]
+    slo = (args.slo_ttft_s, args.slo_tpot_s)
+    if args.slo_from_agg > 0 and "vllm" in idle:
+        slo = (args.slo_from_agg * idle["vllm"][0], args.slo_from_agg * idle["vllm"][1])
+    report(results, slo)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", nargs="+", default=["vllm", "pd-auto", "pd-always", "pd-never"])
@@ -305,7 +354,12 @@ def main() -> None:
     p.add_argument("--slo-from-agg", type=float, default=0.0,
                    help="if > 0: SLOs are this multiple of vllm's unloaded TTFT/TPOT")
     p.add_argument("--out", type=Path, default=Path("bench/results/serve_mix.json"))
+    p.add_argument("--from", dest="from_file", type=Path,
+                   help="report a previous run's --out again (e.g. with other SLOs); runs nothing")
     args = p.parse_args()
+    if args.from_file is not None:
+        report_again(args)
+        return
     log_dir = args.out.parent / "serve_mix_logs"
     results: dict[str, list[RateResult]] = {}
     idle: dict[str, tuple[float, float, float]] = {}
@@ -315,6 +369,11 @@ def main() -> None:
     if args.slo_from_agg > 0 and "vllm" in idle:
         slo = (args.slo_from_agg * idle["vllm"][0], args.slo_from_agg * idle["vllm"][1])
     summary = report(results, slo)
+    for system, runs in results.items():
+        for r in runs:
+            if r.phases:
+                console.print(f"{system} @ {r.rate}/s, mean s/request by phase: " + ", ".join(
+                    f"{k} {v:.3f}" for k, v in r.phases.items()))
     if "vllm" in idle:
         for system, (_, _, ttft) in idle.items():
             console.print(f"single {args.single_tokens}-token prompt TTFT p50: {system} "

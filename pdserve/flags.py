@@ -217,7 +217,9 @@ FLAGS = _flags(
          parse_bool, switch=True),
     Flag("num-prefill", "prefill workers to start", 1, parse_int(0)),
     Flag("num-decode", "decode workers to start", 1, parse_int(1)),
-    Flag("cpu-layout", "CPU only: engines share all cores or split them", "shared",
+    Flag("cpu-layout", "CPU only: engines share every core, or split them (prefill on the "
+         "first half, decode on the rest); auto: split on 2+ cores, measured best under load",
+         "auto",
          choices=CPU_LAYOUTS),
     Flag("with-etcd", "start a local etcd (the `etcd` binary) for membership", False,
          parse_bool, switch=True),

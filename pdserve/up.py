@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from pdserve.cpu_layout import CPU_LAYOUTS, core_sets
+from pdserve.cpu_layout import CPU_LAYOUTS, DEFAULT_CPU_LAYOUT, core_sets, resolve_layout
 from pdserve.kv_transfer.base import transport_names
 from pdserve.membership.local_etcd import LocalEtcd
 from pdserve.model import ResolvedModel, cache_dir
@@ -48,7 +48,7 @@ class UpConfig:
     placement: str = "cache_aware"
     startup_timeout_s: float = 600.0
     log_level: str = "INFO"
-    cpu_layout: str = "shared"
+    cpu_layout: str = DEFAULT_CPU_LAYOUT
     kv_push: bool | None = None  # None: each worker's default (push on CUDA only)
     kv_checksum: bool = False
     kv_throttle_mib_s: float = 0.0
@@ -126,7 +126,8 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
                 argv += ["--num-kv-blocks", str(cfg.num_kv_blocks)]
             endpoints[role].append(f"127.0.0.1:{port}")
             children.append(Child(f"{role}-{i}", argv, log_dir / f"{role}-{i}.log",
-                                  f"grpc:127.0.0.1:{port}"))
+                                  f"grpc:127.0.0.1:{port}",
+                                  extra={"cores": cores[i]} if cores[i] else {}))
     workers = membership or ["--prefill", ",".join(endpoints["prefill"]),
                              "--decode", ",".join(endpoints["decode"])]
     router_argv = py + ["router", *common, "--host", cfg.host, "--port", str(cfg.port),
@@ -251,6 +252,16 @@ def run_up(cfg: UpConfig) -> int:
             etcd.stop()
 
 
+def _print_layout(cfg: UpConfig, children: list[Child]) -> None:
+    """Say which cores each engine got, and why (``--cpu-layout auto``: measured under
+    load, see ``pdserve/cpu_layout.py``)."""
+    layout = resolve_layout(cfg.cpu_layout)
+    why = " (auto: split measured best under load)" if cfg.cpu_layout == "auto" else ""
+    cores = ", ".join(f"{c.name} on {c.extra['cores']}" for c in children if "cores" in c.extra)
+    if cores:
+        console.print(f"cpu layout {layout}{why}: {cores}")
+
+
 def _run_children(cfg: UpConfig, log_dir: Path) -> int:
     children = plan(cfg, log_dir)
     stopping = False
@@ -264,6 +275,7 @@ def _run_children(cfg: UpConfig, log_dir: Path) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
+        _print_layout(cfg, children)
         start_children(children)
         wait_ready(children, cfg.startup_timeout_s)
         console.print(f"[bold green]pdserve ready[/]: http://{cfg.host}:{cfg.port}/v1  "
