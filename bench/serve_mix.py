@@ -8,7 +8,8 @@ prompt tokens x ``--short-out`` output tokens, the rest ~``--long-tokens`` x
 
 Systems (``--systems``): ``vllm`` (``vllm serve``: one aggregated engine on every
 core), ``vllm-nospin`` (the same with its shared-memory queue readers not spinning:
-what pdserve's vLLM plugin does in its own engines), and ``pd-<mode>`` (``pdserve up --disagg <mode>``, default flags otherwise;
+what pdserve's vLLM plugin does in its own engines), and ``pd-<mode>``
+(``pdserve up --disagg <mode>``, default flags otherwise;
 ``pd-<mode>@<layout>`` adds ``--cpu-layout <layout>``). For pdserve it also reports
 the mean time per request in each phase of the router's timeline histogram.
 
