@@ -113,11 +113,18 @@ class Cluster:
         assert r.status_code == 200, r.text
         return str(r.json()["choices"][0]["text"])
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, *labels: str) -> float:
+        """The router's sample of ``name``; with ``labels`` (``'reason="x"'``), the sum of
+        the labelled samples that carry every one of them."""
+        total, found = 0.0, False
         for line in httpx.get(self.router_url + "/metrics", timeout=5).text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        raise KeyError(name)
+            if not line.startswith(name + ("{" if labels else " ")):
+                continue
+            if all(label in line for label in labels):
+                total, found = total + float(line.rsplit(" ", 1)[1]), True
+        if not found and not labels:
+            raise KeyError(name)
+        return total
 
     def signal(self, worker_id: str, sig: int) -> None:
         os.killpg(self.procs[worker_id].pid, sig)
@@ -273,15 +280,17 @@ def test_incompatible_worker_is_never_paired(cluster: Cluster) -> None:
     view = cluster.view()
     hashes = {i: w["compatibility_hash"] for i, w in view.items()}
     assert view[LATE]["healthy"] and hashes[LATE] != hashes["prefill-0"] == hashes["decode-0"]
-    fallbacks = cluster.metric("pdserve_dispatch_prefill_fallbacks_total")
+    no_prefill = ("pdserve_disagg_decisions_total", 'decision="local"', 'reason="no_prefill"')
+    local = cluster.metric(*no_prefill)
     computed = cluster.load(LATE).prompt_tokens_computed
     external = cluster.load("decode-0").prompt_tokens_external
     for j in range(6):
         cluster.complete(600 + j)
     # Round robin gave the bf16 decode worker half of these; no prefill worker may be
-    # paired with it, so it computed those prompts itself and received no KV.
+    # paired with it, so it computed those prompts itself (a local decision, reason
+    # no_prefill: not a failed prefill) and received no KV.
     late = cluster.load(LATE)
     assert late.prompt_tokens_computed > computed
     assert (late.prompt_tokens_external, late.kv_bytes_received) == (0, 0)
-    assert cluster.metric("pdserve_dispatch_prefill_fallbacks_total") >= fallbacks + 3
+    assert cluster.metric(*no_prefill) >= local + 3
     assert cluster.load("decode-0").prompt_tokens_external > external
