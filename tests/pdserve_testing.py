@@ -192,12 +192,8 @@ class Server:
         text = self.log_path.read_text(errors="replace")
         return [line for line in text.splitlines() if any(n in line for n in needles)]
 
-    def metric(self, name: str) -> float:
-        """The sum of the router's samples of ``name`` (every label set) on /metrics."""
-        text = httpx.get(self.base_url.removesuffix("/v1") + "/metrics", timeout=5).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(name) and not line.startswith("#")
-                   and line[len(name)] in "{ ")
+    def metric(self, name: str, *labels: str) -> float:
+        return router_metric(self.base_url.removesuffix("/v1"), name, *labels)
 
     def workers(self, role: str) -> list[dict[str, Any]]:
         view = httpx.get(self.base_url.removesuffix("/v1") + "/workers", timeout=5).json()
@@ -206,6 +202,21 @@ class Server:
     def load(self, role: str) -> WorkerLoadReport:
         (worker,) = self.workers(role)
         return probe_load(worker["endpoint"], timeout_s=5)
+
+
+def router_metric(router_url: str, name: str, *labels: str) -> float:
+    """The router's sample of ``name`` on /metrics; with ``labels`` (``'reason="x"'``),
+    the sum of its labelled samples that carry every one of them (0 while none exists).
+    ``KeyError`` if an unlabelled metric is missing."""
+    total, found = 0.0, False
+    for line in httpx.get(router_url + "/metrics", timeout=5).text.splitlines():
+        if not line.startswith(name + ("{" if labels else " ")):
+            continue
+        if all(label in line for label in labels):
+            total, found = total + float(line.rsplit(" ", 1)[1]), True
+    if not found and not labels:
+        raise KeyError(name)
+    return total
 
 
 def wait_until(predicate: Callable[[], T], timeout_s: float, interval_s: float = 0.25) -> T:

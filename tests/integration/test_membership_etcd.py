@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 from pdserve.router.worker_client import probe_load
-from pdserve_testing import etcd_keys, wait_until
+from pdserve_testing import etcd_keys, router_metric, wait_until
 
 from pdserve.membership.local_etcd import LocalEtcd
 from pdserve.types import WorkerLoadReport
@@ -114,17 +114,7 @@ class Cluster:
         return str(r.json()["choices"][0]["text"])
 
     def metric(self, name: str, *labels: str) -> float:
-        """The router's sample of ``name``; with ``labels`` (``'reason="x"'``), the sum of
-        the labelled samples that carry every one of them."""
-        total, found = 0.0, False
-        for line in httpx.get(self.router_url + "/metrics", timeout=5).text.splitlines():
-            if not line.startswith(name + ("{" if labels else " ")):
-                continue
-            if all(label in line for label in labels):
-                total, found = total + float(line.rsplit(" ", 1)[1]), True
-        if not found and not labels:
-            raise KeyError(name)
-        return total
+        return router_metric(self.router_url, name, *labels)
 
     def signal(self, worker_id: str, sig: int) -> None:
         os.killpg(self.procs[worker_id].pid, sig)

@@ -6,7 +6,6 @@ equality over the other transports is in ``test_pd_e2e_transports.py``."""
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any
 
@@ -66,14 +65,8 @@ def test_greedy_pd_equals_aggregated_vllm_and_kv_came_over_the_transport(
         assert external >= num_prompt - local_hit, "the prompt's KV did not come over the wire"
 
 
-_DECISION = re.compile(r'^pdserve_disagg_decisions_total\{decision="(\w+)",reason="(\w+)"\} (\S+)$')
-
-
-def disagg_decisions(server: Server) -> dict[tuple[str, str], float]:
-    """The router's ``pdserve_disagg_decisions_total``, by (decision, reason)."""
-    text = httpx.get(server.base_url.removesuffix("/v1") + "/metrics", timeout=5).text
-    return {(m[1], m[2]): float(m[3]) for line in text.splitlines()
-            if (m := _DECISION.match(line))}
+_LOCAL = ("pdserve_disagg_decisions_total", 'decision="local"', 'reason="short_prompt"')
+_REMOTE = ("pdserve_disagg_decisions_total", 'decision="remote"', 'reason="long_prompt"')
 
 
 def decode_saw(server: Server, before: tuple[int, int, int], num_tokens: int
@@ -98,7 +91,7 @@ def test_auto_disagg_short_local_long_remote(
     lengths = [len(prompt_ids(tokenizer, c)) for c in CASES]
     num_local = sum(n <= LOCAL_PREFILL_MAX_TOKENS for n in lengths)
     assert 0 < num_local < len(CASES) and max(lengths) > 2 * LOCAL_PREFILL_MAX_TOKENS
-    decisions0 = disagg_decisions(pd_server)
+    local0, remote0 = pd_server.metric(*_LOCAL), pd_server.metric(*_REMOTE)
     for case, want, num_prompt in zip(CASES, reference, lengths, strict=True):
         local = num_prompt <= LOCAL_PREFILL_MAX_TOKENS
         before = prompt_counters(pd_server)
@@ -113,10 +106,8 @@ def test_auto_disagg_short_local_long_remote(
         elif len(want) >= 2:  # decode saw prompt + t1, the prompt's KV from prefill
             computed, local_hit, external = decode_saw(pd_server, before, num_prompt + 1)
             assert external > 0 and computed <= BLOCK_SIZE
-    decisions = disagg_decisions(pd_server)
-    grown = {k: v - decisions0.get(k, 0.0) for k, v in decisions.items()}
-    assert grown.get(("local", "short_prompt")) == num_local
-    assert grown.get(("remote", "long_prompt")) == len(CASES) - num_local
+    assert pd_server.metric(*_LOCAL) - local0 == num_local
+    assert pd_server.metric(*_REMOTE) - remote0 == len(CASES) - num_local
 
 
 def test_prefill_holds_no_blocks_and_no_transfer_is_pending_after_requests(
