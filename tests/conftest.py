@@ -1,9 +1,60 @@
 """Puts tests/ on sys.path so the shared helpers module (``pdserve_testing``) is
 importable from test modules and from the processes they spawn."""
 
+import asyncio
+import io
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
+
+
+# A hung await shows as an idle event loop in pytest-timeout's thread dump, which
+# says nothing about where. Unit tests get a short timeout (a hang costs CI 2 min,
+# not 15), and shortly before any test's timeout every pending asyncio task's stack
+# is printed, so the await that never returned is named in the CI log.
+UNIT_TIMEOUT_S = 120.0
+DUMP_BEFORE_TIMEOUT_S = 10.0
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "/unit/" in str(item.path) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S))
+
+
+def _dump_asyncio_tasks(nodeid: str) -> None:
+    tasks = [t for t in list(asyncio.tasks._all_tasks) if not t.done()]  # type: ignore[attr-defined]
+    out = io.StringIO()
+    print(f"\n=== {nodeid}: {len(tasks)} pending asyncio tasks near the timeout ===", file=out)
+    for task in tasks:
+        try:
+            task.print_stack(limit=30, file=out)
+        except Exception as exc:  # noqa: BLE001 - a diagnostic must never raise
+            print(f"{task!r}: stack unavailable ({exc})", file=out)
+    sys.stderr.write(out.getvalue())
+    sys.stderr.flush()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    marker = item.get_closest_marker("timeout")
+    timeout_s = float(marker.args[0]) if marker and marker.args else float(
+        item.config.getini("timeout") or 0)
+    timer = None
+    if timeout_s > DUMP_BEFORE_TIMEOUT_S:
+        timer = threading.Timer(timeout_s - DUMP_BEFORE_TIMEOUT_S, _dump_asyncio_tasks,
+                                args=(item.nodeid,))
+        timer.daemon = True
+        timer.start()
+    try:
+        yield
+    finally:
+        if timer is not None:
+            timer.cancel()

@@ -12,15 +12,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import aetcd
 import grpc
+from aetcd import exceptions as aetcd_exceptions
+from aetcd import rpc as aetcd_rpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from .base import MembershipSink, WorkerInfo, workers_prefix
 
 logger = logging.getLogger("pdserve.membership.etcd")
+
+T = TypeVar("T")
 
 DEFAULT_CALL_TIMEOUT_S = 2.0
 # What a failed etcd call raises through aetcd (it maps gRPC errors to ClientError).
@@ -50,9 +56,57 @@ def etcd_client(url: str, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> aet
     return aetcd.Client(host, port, timeout=call_timeout_s)  # type: ignore[arg-type]
 
 
+async def bounded(aw: Awaitable[T], timeout_s: float) -> T:
+    """Await ``aw`` for at most ``timeout_s``, then raise ``TimeoutError``.
+
+    Unlike ``asyncio.wait_for``, which on expiry waits for the cancelled call to
+    finish, this returns at the deadline even if the call never acknowledges its
+    cancellation (a gRPC call on a channel to a killed etcd can sit there).
+    """
+    task = asyncio.ensure_future(aw)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        task.add_done_callback(_consume_result)
+        raise TimeoutError(f"no answer from etcd within {timeout_s:.1f}s")
+    return task.result()
+
+
+def _consume_result(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved, so asyncio does not log it as never retrieved
+
+
+async def refresh_lease_once(client: aetcd.Client, lease_id: int) -> Any:
+    """One LeaseKeepAlive round trip, then the stream is closed.
+
+    aetcd's ``refresh_lease`` returns from inside the stream's iteration and leaves
+    the stream open on etcd until garbage collection: one leaked stream per
+    keepalive. Returns etcd's reply (``TTL <= 0`` once the lease is gone).
+    """
+    await client.connect()
+    call = client.leasestub.LeaseKeepAlive(  # type: ignore[union-attr]
+        iter([aetcd_rpc.LeaseKeepAliveRequest(ID=lease_id)]),
+        timeout=client._timeout, metadata=client.metadata)
+    try:
+        reply = await call.read()
+    except grpc.aio.AioRpcError as exc:
+        aetcd_exceptions._handle_exception(exc)  # raises aetcd's ClientError subclass
+        raise
+    finally:
+        call.cancel()
+    if reply is grpc.aio.EOF:
+        raise aetcd.ClientError("etcd closed the lease keepalive stream without a reply")
+    return reply
+
+
 async def close_client(client: aetcd.Client, timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> None:
     with contextlib.suppress(*ETCD_ERRORS):
-        await asyncio.wait_for(client.close(), timeout_s)
+        await bounded(client.close(), timeout_s)
 
 
 class EtcdMembershipMetrics:
@@ -142,7 +196,7 @@ class EtcdMembership:
     async def _probe(self, client: aetcd.Client) -> None:
         while True:
             await asyncio.sleep(self._probe_interval_s)
-            await asyncio.wait_for(client.status(), self._call_timeout_s + 1)
+            await bounded(client.status(), self._call_timeout_s + 1)
 
     def _parse(self, key: bytes, value: bytes) -> WorkerInfo | None:
         try:

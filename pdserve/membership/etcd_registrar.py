@@ -15,7 +15,14 @@ import contextlib
 import logging
 
 from .base import WorkerInfo, worker_key
-from .etcd import DEFAULT_CALL_TIMEOUT_S, ETCD_ERRORS, close_client, etcd_client
+from .etcd import (
+    DEFAULT_CALL_TIMEOUT_S,
+    ETCD_ERRORS,
+    bounded,
+    close_client,
+    etcd_client,
+    refresh_lease_once,
+)
 
 logger = logging.getLogger("pdserve.membership.registrar")
 
@@ -80,7 +87,7 @@ class EtcdRegistrar:
     async def _refresh(self) -> bool:
         """True while the lease lives; False once etcd says it expired."""
         assert self.lease_id is not None
-        reply = await self._call(self._client.refresh_lease(self.lease_id))
+        reply = await self._call(refresh_lease_once(self._client, self.lease_id))
         if reply is not None and reply.TTL > 0:
             return True
         logger.warning("lease of %s expired; registering again with a new lease", self._key)
@@ -98,4 +105,4 @@ class EtcdRegistrar:
 
     async def _call(self, coro):  # type: ignore[no-untyped-def]
         """Every etcd call has a deadline (aetcd's own, and this one as a backstop)."""
-        return await asyncio.wait_for(coro, self._call_timeout_s + 1)
+        return await bounded(coro, self._call_timeout_s + 1)
