@@ -34,12 +34,32 @@ def _dump_asyncio_tasks(nodeid: str) -> None:
     out = io.StringIO()
     print(f"\n=== {nodeid}: {len(tasks)} pending asyncio tasks near the timeout ===", file=out)
     for task in tasks:
+        print(f"-- {task.get_name()}:", file=out)
         try:
-            task.print_stack(limit=30, file=out)
+            print("".join(_await_chain(task.get_coro())), end="", file=out)
         except Exception as exc:  # noqa: BLE001 - a diagnostic must never raise
-            print(f"{task!r}: stack unavailable ({exc})", file=out)
+            print(f"   stack unavailable ({exc})", file=out)
     sys.stderr.write(out.getvalue())
     sys.stderr.flush()
+
+
+def _await_chain(coro: object) -> list[str]:
+    """Where a task waits: each coroutine it awaits, down to the innermost one (a
+    task's own stack stops at its outermost coroutine)."""
+    lines = []
+    for _ in range(64):
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) \
+            or getattr(coro, "ag_frame", None)
+        if frame is not None:
+            lines.append(f"   {frame.f_code.co_filename}:{frame.f_lineno} in "
+                         f"{frame.f_code.co_name}\n")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) \
+            or getattr(coro, "ag_await", None)
+        if coro is None:
+            break
+        if frame is None:
+            lines.append(f"   awaiting {coro!r}\n")
+    return lines
 
 
 @pytest.hookimpl(hookwrapper=True)
