@@ -12,8 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import urlsplit
 
 import aetcd
@@ -22,11 +21,11 @@ from aetcd import exceptions as aetcd_exceptions
 from aetcd import rpc as aetcd_rpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from pdserve.deadline import bounded
+
 from .base import MembershipSink, WorkerInfo, workers_prefix
 
 logger = logging.getLogger("pdserve.membership.etcd")
-
-T = TypeVar("T")
 
 DEFAULT_CALL_TIMEOUT_S = 2.0
 # What a failed etcd call raises through aetcd (it maps gRPC errors to ClientError).
@@ -54,31 +53,6 @@ def etcd_client(url: str, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> aet
     """A client whose every call carries a ``call_timeout_s`` deadline."""
     host, port = parse_etcd_url(url)
     return aetcd.Client(host, port, timeout=call_timeout_s)  # type: ignore[arg-type]
-
-
-async def bounded(aw: Awaitable[T], timeout_s: float) -> T:
-    """Await ``aw`` for at most ``timeout_s``, then raise ``TimeoutError``.
-
-    Unlike ``asyncio.wait_for``, which on expiry waits for the cancelled call to
-    finish, this returns at the deadline even if the call never acknowledges its
-    cancellation (a gRPC call on a channel to a killed etcd can sit there).
-    """
-    task = asyncio.ensure_future(aw)
-    try:
-        done, _ = await asyncio.wait({task}, timeout=timeout_s)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    if not done:
-        task.cancel()
-        task.add_done_callback(_consume_result)
-        raise TimeoutError(f"no answer from etcd within {timeout_s:.1f}s")
-    return task.result()
-
-
-def _consume_result(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # retrieved, so asyncio does not log it as never retrieved
 
 
 async def refresh_lease_once(client: aetcd.Client, lease_id: int) -> Any:

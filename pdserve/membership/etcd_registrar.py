@@ -14,11 +14,12 @@ import asyncio
 import contextlib
 import logging
 
+from pdserve.deadline import bounded
+
 from .base import WorkerInfo, worker_key
 from .etcd import (
     DEFAULT_CALL_TIMEOUT_S,
     ETCD_ERRORS,
-    bounded,
     close_client,
     etcd_client,
     refresh_lease_once,

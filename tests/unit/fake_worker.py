@@ -22,6 +22,7 @@ import grpc
 from pdserve.kv_transfer.handle import KVHandle, PushTarget
 from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 
+from pdserve.deadline import bounded
 from pdserve.types import (
     PhaseOutput,
     PhaseRequest,
@@ -55,6 +56,8 @@ class WorkerScript:
     kv_port: int = 0
     # Sent on the last output of each call, as a worker that measures its phases does.
     timing: PhaseTiming | None = None
+
+STOP_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -173,8 +176,10 @@ class FakeWorker:
         return f"127.0.0.1:{self.port}"
 
     async def stop(self) -> None:
-        """Stop serving at once (in-flight calls are cancelled): a dead worker."""
-        await self.server.stop(grace=None)
+        """Stop serving at once (in-flight calls are cancelled): a dead worker. Bounded:
+        a test must not hang on a server whose shutdown never completes."""
+        with contextlib.suppress(TimeoutError):
+            await bounded(self.server.stop(grace=None), STOP_TIMEOUT_S)
 
 
 async def start_fake_worker(role: Role, script: WorkerScript | None = None) -> FakeWorker:
