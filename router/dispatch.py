@@ -223,6 +223,7 @@ class PDDispatcher:
         tokens and it."""
         while True:
             failure: str | None = None
+            ended = False  # the finish went out: a failure after it loses nothing
             worker.on_sent()
             try:
                 async with contextlib.aclosing(
@@ -234,10 +235,12 @@ class PDDispatcher:
                         migration.on_sent(out)
                         cached = out.num_cached_tokens if opening is not None else None
                         chunk = TokenChunk(out.token_ids, out.finish_reason, cached, opening)
-                        opening = None
+                        opening, ended = None, out.finish_reason is not None
                         yield chunk
             except WorkerCallError as exc:
                 self._on_error(worker, exc)
+                if ended:
+                    return
                 if (failure := failure_of_error(exc)) is None:
                     raise WorkerFailedError(f"decode worker failed: {exc.details}") from exc
             finally:
