@@ -295,4 +295,3 @@ class PDDispatcher:
         except WorkerCallError as exc:
             logger.warning("abort of %s on %s failed: %s", request_id, worker.client.endpoint,
                            exc.code)
-

@@ -8,6 +8,8 @@ runs after each test."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,6 +18,7 @@ import pytest
 import pytest_asyncio
 from pdserve.router.app import create_app
 from pdserve.router.migration import MigrationConfig
+from pdserve.router.timeline import RequestTimeline
 from pdserve.router.types import WorkerFailedError
 from unit.dispatch_cluster import (
     PROMPT,
@@ -29,6 +32,8 @@ from unit.dispatch_cluster import (
 )
 from unit.fake_worker import FakeWorkerServicer, eventually, greedy_answer
 from unit.fakes import ROUTER_MODEL, asgi_http_client, cmpl_body, sse_payloads
+
+from pdserve.types import PhaseTiming
 
 MIGRATIONS = "pdserve_dispatch_migrations_total"
 REFUSED = "pdserve_dispatch_migrations_failed_total"
@@ -161,6 +166,22 @@ async def test_failure_after_the_finish_is_not_a_migration(pd2: Cluster) -> None
     assert tokens(chunks) == greedy_answer(PROMPT, MAX_TOKENS)
     assert [c.finish_reason for c in chunks if c.finish_reason] == ["length"]
     assert d2.generates == [] and migrations(pd2) == 0
+
+
+async def test_the_timeline_counts_the_migration_and_drops_the_handoff(
+        pd2: Cluster, caplog: pytest.LogCaptureFixture) -> None:
+    """The last decode's timing does not measure the handoff from prefill: left out."""
+    d1, d2 = servicers(pd2)
+    pd2.p.script.timing = PhaseTiming(10**18, 10**18 + 5, 2, 3, 0)
+    d2.script.timing = PhaseTiming(10**18 + 12, 10**18 + 20, 4, 1, 0)
+    d1.script.fail_code, d1.script.fail_after_tokens = grpc.StatusCode.UNAVAILABLE, 2
+    with caplog.at_level(logging.DEBUG, logger="pdserve.timeline"):
+        await collect(pd2.dispatcher.generate("r1", PROMPT, spec(MAX_TOKENS),
+                                              RequestTimeline("r1")))
+    (record,) = [r for r in caplog.records if r.name == "pdserve.timeline"]
+    line = json.loads(record.getMessage())
+    assert line["num_migrations"] == 1 and line["num_decode_steps"] == MAX_TOKENS - 2
+    assert "handoff" not in line["phases_ms"] and "decode_queue" in line["phases_ms"]
 
 
 # ---- when it must not, or cannot, migrate ---------------------------------------------------
