@@ -28,7 +28,7 @@ WORKER = ("host", "port", "advertise-host", "kv-port", "kv-host", "cpu-cores", "
 DISAGG = ("disagg", "local-prefill-max-tokens", "local-prefill-max-queued-tokens",
           "local-decode-max-running")
 ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement",
-          "served-model-name", "log-timeline") + DISAGG
+          "served-model-name", "log-timeline", "max-migrations") + DISAGG
 UP = ("host", "port", "num-prefill", "num-decode", "placement", "cpu-layout", "with-etcd",
       "startup-timeout-s") + DISAGG
 SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",

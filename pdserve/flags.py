@@ -25,6 +25,7 @@ from pdserve.router.disagg import (
     DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
     DISAGG_MODES,
 )
+from pdserve.router.migration import DEFAULT_MAX_MIGRATIONS
 from pdserve.router.placement import DEFAULT_PLACEMENT, PLACEMENTS
 
 Parse = Callable[[str], Any]
@@ -206,6 +207,10 @@ FLAGS = _flags(
          "loaded decode", DEFAULT_LOCAL_PREFILL_MAX_QUEUED_TOKENS, parse_int(0)),
     Flag("local-decode-max-running", "auto: a decode with at most this many running or "
          "queued requests counts as lightly loaded", DEFAULT_LOCAL_DECODE_MAX_RUNNING,
+         parse_int(0)),
+    Flag("max-migrations", "a request whose decode worker fails mid-stream continues on "
+         "another compatible decode worker (prompt + tokens sent, recomputed there) at most "
+         "this many times; 0: a failed decode fails the request", DEFAULT_MAX_MIGRATIONS,
          parse_int(0)),
     Flag("prefill", "comma-separated prefill worker gRPC endpoints host:port", ""),
     Flag("decode", "comma-separated decode worker gRPC endpoints host:port", ""),

@@ -17,12 +17,21 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
-from pdserve.kv_transfer.handle import KVHandle, PushTarget
+from pdserve.kv_transfer.handle import PushTarget
 from prometheus_client import CollectorRegistry, Counter
 
 from pdserve.types import PhaseOutput, PhaseRequest, SamplingSpec
 
 from .disagg import DisaggConfig, DisaggDecision, choose_disagg
+from .migration import (
+    Continuation,
+    MigrationConfig,
+    MigrationMetrics,
+    MigrationRefused,
+    RequestMigration,
+    failure_of_error,
+    failure_of_output,
+)
 from .placement import Choice, Placement, PlacementRequest
 from .prefix_routing import PendingPrefix, PrefixRouting
 from .timeline import RequestTimeline, TimelineRecorder
@@ -91,12 +100,14 @@ class PDDispatcher:
     def __init__(
         self, pool: WorkerPool, placement: Placement, registry: CollectorRegistry,
         request_timeout_s: float = 600.0, prefix: PrefixRouting | None = None,
-        disagg: DisaggConfig | None = None,
+        disagg: DisaggConfig | None = None, migration: MigrationConfig | None = None,
     ) -> None:
         self._pool = pool
         self._placement = placement
         self._prefix = prefix
         self._disagg = disagg or DisaggConfig()
+        self._migration = migration or MigrationConfig()
+        self._migration_metrics = MigrationMetrics(registry)
         self._metrics = DispatchMetrics(registry)
         self._timelines = TimelineRecorder(registry)
         self._timeout = request_timeout_s
@@ -163,9 +174,11 @@ class PDDispatcher:
                     self._metrics.handoffs.inc()
             involved.append(route.decode)
             timeline.on_call()
+            migration = RequestMigration(self._migration, self._migration_metrics,
+                                         prompt_token_ids, first)
             stream = self._decode(route.decode, _decode_request(
                 request_id, prompt_token_ids, sampling, first),
-                route.disagg if first is None else None, involved, timeline)
+                route.disagg if first is None else None, involved, timeline, migration)
             async with contextlib.aclosing(stream):  # closing us closes the decode call now
                 async for chunk in stream:
                     if chunk.finish_reason is not None:
@@ -202,47 +215,62 @@ class PDDispatcher:
 
     async def _decode(
         self, worker: Worker, request: PhaseRequest, opening: DisaggDecision | None,
-        involved: list[Worker], timeline: RequestTimeline,
+        involved: list[Worker], timeline: RequestTimeline, migration: RequestMigration,
     ) -> AsyncIterator[TokenChunk]:
-        """Decode on ``worker``; if it is unreachable before its first token (it died
-        and membership has not caught up yet), once more on another compatible one.
-        ``opening`` is set when decode's first chunk opens the request (no prefill
-        chunk came before it): that chunk carries decode's cached tokens and it."""
-        current: Worker | None = worker
-        retries = 1
-        while current is not None:
-            worker, current, started = current, None, False
+        """Decode on ``worker``; if it fails, on another (``migration.py`` says when and
+        with what request). ``opening`` is set when decode's first chunk opens the
+        request (no prefill chunk came before it): that chunk carries decode's cached
+        tokens and it."""
+        while True:
+            failure: str | None = None
+            ended = False  # the finish went out: a failure after it loses nothing
             worker.on_sent()
             try:
                 async with contextlib.aclosing(
                         worker.client.generate(request, self._timeout)) as outs:
                     async for out in outs:
-                        started = True
+                        if (failure := failure_of_output(out)) is not None:
+                            break
                         timeline.on_decode(out)
+                        migration.on_sent(out)
                         cached = out.num_cached_tokens if opening is not None else None
                         chunk = TokenChunk(out.token_ids, out.finish_reason, cached, opening)
-                        opening = None
+                        opening, ended = None, out.finish_reason is not None
                         yield chunk
             except WorkerCallError as exc:
                 self._on_error(worker, exc)
-                if started or exc.code not in _UNREACHABLE or not retries:
+                if ended:
+                    return
+                if (failure := failure_of_error(exc)) is None:
                     raise WorkerFailedError(f"decode worker failed: {exc.details}") from exc
-                retries, current = retries - 1, self._other_decode(worker)
-                if current is None:
-                    raise WorkerFailedError(f"decode worker failed: {exc.details}") from exc
-                involved.append(current)
-                request = _pull_instead(request)
             finally:
                 worker.on_finished()
+            if failure is None:
+                return
+            step = self._migrate(worker, failure, request, involved, migration)
+            if step is None:  # every token was sent: only the end was lost
+                yield TokenChunk((), "length")
+                return
+            worker, request = step.worker, step.request
+            timeline.on_migrated()
 
-    def _other_decode(self, failed: Worker) -> Worker | None:
-        """A healthy decode worker that can load the same KV as ``failed``."""
-        compat = failed.snapshot().compatibility_hash
-        for w in self._pool.decode:
-            state = w.snapshot()
-            if w is not failed and state.healthy and state.compatibility_hash == compat:
-                return w
-        return None
+    def _migrate(self, failed: Worker, reason: str, request: PhaseRequest,
+                 involved: list[Worker], migration: RequestMigration) -> Continuation | None:
+        """Where the request goes after ``failed`` failed it (None: nowhere, it has every
+        token). The failed worker is told to abort now, and so is
+        prefill once its KV is no longer going to be loaded (its lease is released)."""
+        logger.warning("decode of %s on %s failed (%s)", request.request_id,
+                       failed.snapshot().endpoint, reason)
+        try:
+            step = migration.next(failed, reason, request, self._pool.decode)
+        except MigrationRefused as exc:
+            raise WorkerFailedError(f"decode worker failed ({reason}): {exc}") from exc
+        done = involved if step is None or not step.keeps_kv else [failed]
+        self._abort_later(request.request_id, list(done))
+        involved[:] = [w for w in involved if w not in done]
+        if step is not None:
+            involved.append(step.worker)
+        return step
 
     def _on_error(self, worker: Worker, exc: WorkerCallError) -> None:
         state = worker.snapshot()
@@ -267,11 +295,3 @@ class PDDispatcher:
         except WorkerCallError as exc:
             logger.warning("abort of %s on %s failed: %s", request_id, worker.client.endpoint,
                            exc.code)
-
-
-def _pull_instead(request: PhaseRequest) -> PhaseRequest:
-    """The KV was pushed to a decode worker that died: the next one pulls it."""
-    handle: KVHandle | None = request.kv_handle
-    if handle is None:
-        return request
-    return replace(request, kv_handle=replace(handle, pushed=False))

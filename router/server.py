@@ -18,6 +18,7 @@ from .app import create_app
 from .disagg import DisaggConfig
 from .dispatch import PDDispatcher
 from .kv_feed import KvIndexFeeder
+from .migration import MigrationConfig
 from .placement import DEFAULT_PLACEMENT, create_placement
 from .prefix_index import PrefixIndex
 from .prefix_routing import PrefixRouting
@@ -40,6 +41,7 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     disagg: DisaggConfig = DisaggConfig()  # remote/local per request (router/disagg.py)
     log_timeline: bool = False
+    migration: MigrationConfig = MigrationConfig()  # decode failover (router/migration.py)
     # etcd, or static (then ``prefill``/``decode`` or its workers file name the workers)
     membership: MembershipConfig = MembershipConfig()
 
@@ -61,6 +63,7 @@ class RouterConfig:
             max_model_len=args.max_model_len, placement=args.placement,
             disagg=DisaggConfig.from_args(args),
             log_timeline=args.log_timeline,
+            migration=MigrationConfig(max_migrations=args.max_migrations),
             membership=MembershipConfig.from_flags(
                 args.etcd, args.cluster, args.etcd_ttl_s, prefill, decode, args.workers_file),
         )
@@ -86,7 +89,7 @@ async def serve_router(config: RouterConfig) -> None:
     pool.on_worker_removed(lambda _: feeder.sync())  # its index entries go at once
     dispatcher = PDDispatcher(pool, create_placement(config.placement), registry,
                               config.request_timeout_s, PrefixRouting(index, registry),
-                              config.disagg)
+                              config.disagg, config.migration)
     app = create_app(served_model_name=config.served_model_name,
                      max_model_len=config.max_model_len, tokenizer=tokenizer,
                      dispatcher=dispatcher, registry=registry)

@@ -44,7 +44,7 @@ class RequestTimeline:
     read and two additions."""
 
     __slots__ = ("request_id", "arrival_s", "placed_s", "first_call_s", "prefill", "decode",
-                 "first_decode_s", "last_decode_s", "num_decode_steps")
+                 "first_decode_s", "last_decode_s", "num_decode_steps", "num_migrations")
 
     def __init__(self, request_id: str, arrival_s: float | None = None) -> None:
         self.request_id = request_id
@@ -56,6 +56,7 @@ class RequestTimeline:
         self.first_decode_s = 0.0
         self.last_decode_s = 0.0
         self.num_decode_steps = 0  # tokens received after decode's first output
+        self.num_migrations = 0  # decode workers replaced mid-request (router/migration.py)
 
     def on_placed(self) -> None:
         self.placed_s = time.perf_counter()
@@ -78,6 +79,11 @@ class RequestTimeline:
         if out.timing is not None:
             self.decode = out.timing
 
+    def on_migrated(self) -> None:
+        """Decode moved to another worker: the handoff from prefill is no longer the one
+        that decode's timing (the last worker's) measures, so it is left out."""
+        self.num_migrations += 1
+
     def phases(self) -> dict[str, float]:
         """Every phase this request has a measure of, in seconds."""
         out: dict[str, float] = {}
@@ -88,7 +94,7 @@ class RequestTimeline:
             out["prefill_queue"] = p.queue_ns * _NS
             out["prefill_compute"] = p.compute_ns * _NS
         if p is not None and d is not None:
-            if p.first_token_unix_ns and d.admitted_unix_ns:
+            if p.first_token_unix_ns and d.admitted_unix_ns and not self.num_migrations:
                 out["handoff"] = max(d.admitted_unix_ns - p.first_token_unix_ns, 0) * _NS
             out["kv_load"] = d.kv_load_ns * _NS
         if d is not None:
@@ -117,4 +123,5 @@ class TimelineRecorder:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s", json.dumps({
                 "request_id": timeline.request_id, "num_decode_steps": timeline.num_decode_steps,
+                "num_migrations": timeline.num_migrations,
                 "phases_ms": {k: round(v * 1e3, 3) for k, v in phases.items()}}))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from pdserve.router.disagg import DisaggConfig
 from pdserve.router.dispatch import PDDispatcher
+from pdserve.router.migration import MigrationConfig
 from pdserve.router.placement import RoundRobinPlacement
 from pdserve.router.types import TokenChunk
 from pdserve.router.workers import WorkerPool
@@ -37,6 +38,8 @@ class Cluster:
     dispatcher: PDDispatcher
     registry: CollectorRegistry
     baseline: set[asyncio.Task[object]]
+    # Every decode worker (``decode`` is the first), for the tests that need more than one.
+    decodes: tuple[FakeWorker, ...] = ()
 
     @property
     def p(self) -> FakeWorkerServicer:
@@ -66,28 +69,31 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def running_cluster(disagg: DisaggConfig = ALWAYS) -> AsyncIterator[Cluster]:
-    """One fake prefill and one fake decode worker, both healthy in the pool."""
+async def running_cluster(disagg: DisaggConfig = ALWAYS, num_decode: int = 1,
+                          migration: MigrationConfig | None = None) -> AsyncIterator[Cluster]:
+    """One fake prefill and ``num_decode`` fake decode workers, all healthy in the pool."""
     prefill = await start_fake_worker("prefill")
-    decode = await start_fake_worker("decode")
-    pool = WorkerPool([prefill.endpoint], [decode.endpoint])
+    decodes = tuple([await start_fake_worker("decode") for _ in range(num_decode)])
+    pool = WorkerPool([prefill.endpoint], [d.endpoint for d in decodes])
     registry = CollectorRegistry()
     dispatcher = PDDispatcher(pool, RoundRobinPlacement(), registry, request_timeout_s=10.0,
-                              disagg=disagg)
+                              disagg=disagg, migration=migration)
     await pool.refresh_all()
     assert all(w.snapshot().healthy for w in pool.all)
-    c = Cluster(prefill, decode, pool, dispatcher, registry, asyncio.all_tasks())
+    c = Cluster(prefill, decodes[0], pool, dispatcher, registry, asyncio.all_tasks(), decodes)
+    workers = (prefill, *decodes)
     try:
         yield c
         # Leak check: nothing running on a worker, no request counted as assigned, no task
         # (an abort, a gRPC call) left pending by the test.
-        await eventually(lambda: not c.p.inflight and not c.d.inflight, WAIT_S, "workers idle")
+        await eventually(lambda: not any(w.servicer.inflight for w in workers), WAIT_S,
+                         "workers idle")
         await eventually(lambda: all(w.snapshot().num_assigned == 0 for w in pool.all), WAIT_S,
                          "num_assigned back to 0")
         await eventually(lambda: not c.new_tasks(), WAIT_S, "no task left pending")
     finally:
         await pool.close()
-        await asyncio.gather(prefill.stop(), decode.stop())
+        await asyncio.gather(*(w.stop() for w in workers))
 
 
 def spec(max_tokens: int) -> SamplingSpec:

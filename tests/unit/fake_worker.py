@@ -7,7 +7,11 @@ cancellations) and plays a ``WorkerScript``:
   ``sampling.max_tokens > 1``, or finish STOP without a handle when ``prefill_stop``;
 - decode: ``sampling.max_tokens`` tokens, one per message, ``token_delay_s`` apart, the last
   one with finish LENGTH (after ``decode_gate``, if any, is set);
-- ``fail_code`` fails Generate with that status, after ``fail_after_tokens`` messages.
+- ``fail_code`` fails Generate with that status, after ``fail_after_tokens`` messages;
+  ``fail_finish`` ends it instead with an output finishing ``error``/``abort``;
+- ``tokens_from_context``: each token (prefill's too) is ``context_token`` of the whole
+  context before it (prompt + tokens so far), as a greedy engine's is, so a continuation
+  from any point gives the uninterrupted sequence and a repeated or dropped token shows.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import zlib
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -24,6 +29,7 @@ from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 
 from pdserve.deadline import bounded
 from pdserve.types import (
+    FinishReason,
     PhaseOutput,
     PhaseRequest,
     PhaseTiming,
@@ -49,7 +55,9 @@ class WorkerScript:
     decode_gate: asyncio.Event | None = None
     num_cached_tokens: int = 0
     fail_code: grpc.StatusCode | None = None
+    fail_finish: FinishReason | None = None
     fail_after_tokens: int = 0
+    tokens_from_context: bool = False
     compatibility_hash: str = "compat-a"
     # Advertise layer-wise KV push, with this KV port.
     kv_push: bool = False
@@ -58,6 +66,19 @@ class WorkerScript:
     timing: PhaseTiming | None = None
 
 STOP_TIMEOUT_S = 5.0
+
+
+def context_token(context: Sequence[int]) -> int:
+    """The fake's "greedy" next token: a function of the whole context before it."""
+    return 1000 + zlib.crc32(b",".join(b"%d" % t for t in context)) % 30000
+
+
+def greedy_answer(prompt: Sequence[int], num_tokens: int) -> list[int]:
+    """What an uninterrupted ``tokens_from_context`` request answers."""
+    context = list(prompt)
+    for _ in range(num_tokens):
+        context.append(context_token(context))
+    return context[len(prompt):]
 
 
 @dataclass(frozen=True)
@@ -96,16 +117,19 @@ class FakeWorkerServicer:
         self.inflight.add(rid)
         try:
             steps = self._prefill(request) if phase == "prefill" else self._decode(request)
-            fail = self.script.fail_code
+            fail, finish = self.script.fail_code, self.script.fail_finish
+            failing = fail is not None or finish is not None
             num_sent = 0
             async with contextlib.aclosing(steps):
                 async for out in steps:
-                    if fail is not None and num_sent >= self.script.fail_after_tokens:
+                    if failing and num_sent >= self.script.fail_after_tokens:
                         break
                     yield out
                     num_sent += 1
             if fail is not None:
                 raise WorkerError(_KIND_OF_STATUS[fail], f"scripted {phase} failure")
+            if finish is not None:
+                yield PhaseOutput(token_ids=(), finish_reason=finish)
         except (asyncio.CancelledError, GeneratorExit):
             # Cancelled inside the backend, or closed by the servicer at a yield.
             self.cancelled.append(rid)
@@ -124,8 +148,10 @@ class FakeWorkerServicer:
                 host="127.0.0.1", port=1, transfer_id=transfer_id,
                 lease_deadline_unix_ns=time.time_ns() + 30 * 10**9)
             self.leases[request.request_id] = transfer_id
+        first = (context_token(request.prompt_token_ids) if self.script.tokens_from_context
+                 else self.script.first_token_id)
         yield PhaseOutput(
-            token_ids=(self.script.first_token_id,),
+            token_ids=(first,),
             finish_reason="stop" if self.script.prefill_stop else "length", kv_handle=handle,
             num_cached_tokens=self.script.num_cached_tokens,
             num_prompt_tokens=len(request.prompt_token_ids), timing=self.script.timing)
@@ -133,13 +159,17 @@ class FakeWorkerServicer:
     async def _decode(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         ids = self.script.decode_token_ids
         n = request.sampling.max_tokens
+        context = list(request.prompt_token_ids)
         if self.script.decode_gate is not None:
             await self.script.decode_gate.wait()
         for i in range(n):
             await asyncio.sleep(self.script.token_delay_s)
             last = i == n - 1
+            token = (context_token(context) if self.script.tokens_from_context
+                     else ids[i % len(ids)])
+            context.append(token)
             yield PhaseOutput(
-                token_ids=(ids[i % len(ids)],), finish_reason="length" if last else None,
+                token_ids=(token,), finish_reason="length" if last else None,
                 num_cached_tokens=self.script.num_cached_tokens if i == 0 else 0,
                 num_prompt_tokens=len(request.prompt_token_ids) if last else 0,
                 timing=self.script.timing if last else None)
