@@ -2,12 +2,14 @@
 and a real router (``pdserve router --etcd``), one cluster shared by the module.
 
 The tests run in file order on that cluster: discovery within 2 s, spread over
-2 prefill + 2 decode, SIGKILL of a decode worker, SIGSTOP past the TTL then
-SIGCONT, an etcd outage and restart (a worker started during it is discovered: a
-bfloat16 decode worker, incompatible with the float32 prefill workers), and the
-incompatible worker never paired (it serves alone, computing prompts itself). At
-most four engines run at once. Workers use a 3 s lease TTL (``--etcd-ttl-s 3``;
-the default is 10 s).
+2 prefill + 2 decode, the decode worker serving a long greedy stream SIGSTOPped
+(keepalive notices, the stream moves to the other decode worker, the answer is
+unchanged) then SIGKILLed (the same, and it leaves the view within its TTL), SIGSTOP
+of a prefill worker past the TTL then SIGCONT, an etcd outage and restart (a worker
+started during it is discovered: a bfloat16 decode worker, incompatible with the
+float32 prefill workers), and the incompatible worker never paired (it serves alone,
+computing prompts itself). At most four engines run at once. Workers use a 3 s lease
+TTL (``--etcd-ttl-s 3``; the default is 10 s).
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from integration.pd_cases import LONG, MODEL
 from pdserve.router.worker_client import probe_load
 from pdserve_testing import etcd_keys, router_metric, wait_until
 
@@ -40,6 +44,20 @@ ENGINE_START_S = 600
 WORKERS = {"prefill-0": ("prefill", "float32"), "prefill-1": ("prefill", "float32"),
            "decode-0": ("decode", "float32"), "decode-1": ("decode", "float32")}
 LATE = "decode-bf16"  # started during the etcd outage; its hash differs (dtype)
+# The migration tests' long greedy stream, and when (tokens received) the fault hits.
+MIGRATION_TOKENS = 64
+KILL_AFTER_TOKENS = 16
+MIGRATION_BODY = {"model": MODEL, "prompt": "Recount every fact, one per line.\n" + LONG,
+                  "max_tokens": MIGRATION_TOKENS, "temperature": 0, "ignore_eos": True,
+                  "stream": True, "return_token_ids": True,
+                  "stream_options": {"include_usage": True}}
+
+
+@dataclass
+class Answer:
+    ids: list[int]
+    usage: dict[str, Any]
+    seconds: float
 
 
 @dataclass
@@ -87,6 +105,8 @@ class Cluster:
     procs: dict[str, subprocess.Popen[bytes]]
     endpoints: dict[str, str]
     timeline: Timeline
+    survivor: str = "decode-0"  # the decode worker left after the SIGKILL test
+    _reference: Answer | None = None
 
     def start_worker(self, worker_id: str, role: str, dtype: str) -> None:
         port = free_port()
@@ -118,6 +138,45 @@ class Cluster:
 
     def signal(self, worker_id: str, sig: int) -> None:
         os.killpg(self.procs[worker_id].pid, sig)
+
+    def idle(self, worker_id: str) -> bool:
+        """Nothing in flight, running or held in the KV cache."""
+        load = self.load(worker_id)
+        return (load.num_inflight_reqs, load.num_running_reqs, load.kv_cache_usage) == (0, 0, 0)
+
+    def reference_answer(self) -> Answer:
+        """The migration stream, uninterrupted (computed once)."""
+        if self._reference is None:
+            started = time.monotonic()
+            ids, usage, _ = self.stream()
+            assert len(ids) == MIGRATION_TOKENS == usage["completion_tokens"]
+            self._reference = Answer(ids, usage, time.monotonic() - started)
+        return self._reference
+
+    def stream(self, act_after: int | None = None, sig: int = signal.SIGKILL
+               ) -> tuple[list[int], dict[str, Any], str]:
+        """The migration stream's token ids and usage; after ``act_after`` tokens have
+        reached the client, ``sig`` goes to the decode worker serving it (its id is
+        returned)."""
+        ids: list[int] = []
+        usage: dict[str, Any] = {}
+        hit = ""
+        with httpx.stream("POST", self.router_url + "/v1/completions", json=MIGRATION_BODY,
+                          timeout=300) as resp:
+            assert resp.status_code == 200, resp.read()
+            for line in resp.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line.removeprefix("data: "))
+                assert "error" not in event, event
+                usage = event.get("usage") or usage
+                for choice in event["choices"]:
+                    ids += choice.get("token_ids") or []
+                if act_after is not None and not hit and len(ids) >= act_after:
+                    (hit,) = [w for w in ("decode-0", "decode-1")
+                              if self.load(w).num_inflight_reqs]
+                    self.signal(hit, sig)
+        return ids, usage, hit
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -204,21 +263,56 @@ def test_requests_spread_over_two_prefill_and_two_decode(cluster: Cluster) -> No
                 > before[worker_id].prompt_tokens_external), worker_id
 
 
-def test_sigkilled_worker_leaves_the_view_and_requests_keep_succeeding(
+def test_decode_paused_mid_stream_the_stream_moves_and_the_answer_is_unchanged(
         cluster: Cluster) -> None:
-    killed = time.monotonic()
-    cluster.signal("decode-1", signal.SIGKILL)
-    cluster.procs["decode-1"].wait(timeout=30)
+    """SIGSTOP (a hung worker, not a dead one): gRPC keepalive notices within seconds,
+    not at the request's deadline, and the router continues the stream on the other
+    decode worker from prompt + the tokens sent."""
+    want = cluster.reference_answer()
+    before = cluster.metric("pdserve_dispatch_migrations_total", 'reason="')
+    started = time.monotonic()
+    got, usage, paused = cluster.stream(act_after=KILL_AFTER_TOKENS, sig=signal.SIGSTOP)
+    try:
+        assert paused, "the stream ended before the pause"
+        assert got == want.ids, "the migrated answer differs from the uninterrupted one"
+        assert usage["completion_tokens"] == MIGRATION_TOKENS
+        assert usage["prompt_tokens"] == want.usage["prompt_tokens"]
+        assert time.monotonic() - started < want.seconds + 30  # not the 600 s deadline
+        assert cluster.metric("pdserve_dispatch_migrations_total", 'reason="') == before + 1
+    finally:
+        cluster.signal(paused, signal.SIGCONT)
+    # Resumed, it re-registers, drops the abandoned request and serves again.
+    assert wait_until(lambda: paused in cluster.healthy(), TTL_S + 10, 0.1)
+    assert wait_until(lambda: cluster.idle(paused), 30.0, 0.5), f"{paused} holds KV"
+
+
+def test_decode_killed_mid_stream_the_answer_is_unchanged_and_it_leaves_the_view(
+        cluster: Cluster) -> None:
+    """SIGKILL of the decode worker serving a long greedy stream: the client's answer is
+    the uninterrupted one, token for token; the worker leaves the view within its TTL;
+    requests keep succeeding; no KV is left held on the survivor."""
+    want = cluster.reference_answer()
+    before = cluster.metric("pdserve_dispatch_migrations_total", 'reason="')
+    got, usage, killed = cluster.stream(act_after=KILL_AFTER_TOKENS, sig=signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert killed, "the stream ended before the kill"
+    assert got == want.ids, "the migrated answer differs from the uninterrupted one"
+    assert usage["completion_tokens"] == MIGRATION_TOKENS  # every token counted once
+    assert usage["prompt_tokens"] == want.usage["prompt_tokens"]
+    assert cluster.metric("pdserve_dispatch_migrations_total", 'reason="') == before + 1
+    cluster.procs[killed].wait(timeout=30)
+    cluster.survivor = "decode-1" if killed == "decode-0" else "decode-0"
     i = 100
-    while "decode-1" in cluster.view() and time.monotonic() - killed < TTL_S + 5:
+    while killed in cluster.view() and time.monotonic() - killed_at < TTL_S + 5:
         cluster.complete(i)  # asserts success: served by the others meanwhile
         i += 1
-    assert wait_until(lambda: "decode-1" not in cluster.view(), 1.0, interval_s=0.05)
+    assert wait_until(lambda: killed not in cluster.view(), 1.0, interval_s=0.05)
     t = cluster.timeline
-    assert max(t.listed["decode-1"]) - killed <= TTL_S + 2.0  # last seen in the view
-    assert "decode-1" not in etcd_keys(cluster.etcd.url, PREFIX + "decode/")
+    assert max(t.listed[killed]) - killed_at <= TTL_S + 2.0  # last seen in the view
+    assert killed not in etcd_keys(cluster.etcd.url, PREFIX + "decode/")
     for j in range(3):
         cluster.complete(200 + j)
+    assert wait_until(lambda: cluster.idle(cluster.survivor), 15.0, 0.5)
 
 
 def test_paused_worker_reregisters_and_serves_again(cluster: Cluster) -> None:
@@ -269,11 +363,12 @@ def test_etcd_outage_keeps_serving_then_discovers_a_new_worker(cluster: Cluster)
 def test_incompatible_worker_is_never_paired(cluster: Cluster) -> None:
     view = cluster.view()
     hashes = {i: w["compatibility_hash"] for i, w in view.items()}
-    assert view[LATE]["healthy"] and hashes[LATE] != hashes["prefill-0"] == hashes["decode-0"]
+    survivor = cluster.survivor
+    assert view[LATE]["healthy"] and hashes[LATE] != hashes["prefill-0"] == hashes[survivor]
     no_prefill = ("pdserve_disagg_decisions_total", 'decision="local"', 'reason="no_prefill"')
     local = cluster.metric(*no_prefill)
     computed = cluster.load(LATE).prompt_tokens_computed
-    external = cluster.load("decode-0").prompt_tokens_external
+    external = cluster.load(survivor).prompt_tokens_external
     for j in range(6):
         cluster.complete(600 + j)
     # Round robin gave the bf16 decode worker half of these; no prefill worker may be
@@ -283,4 +378,4 @@ def test_incompatible_worker_is_never_paired(cluster: Cluster) -> None:
     assert late.prompt_tokens_computed > computed
     assert (late.prompt_tokens_external, late.kv_bytes_received) == (0, 0)
     assert cluster.metric(*no_prefill) >= local + 3
-    assert cluster.load("decode-0").prompt_tokens_external > external
+    assert cluster.load(survivor).prompt_tokens_external > external
