@@ -225,6 +225,11 @@ FLAGS = _flags(
          parse_bool, switch=True),
     Flag("startup-timeout-s", "give up if not ready after this many seconds", 600.0,
          parse_float(0, strict=True)),
+    # security
+    Flag("cluster-secret-file", "file holding the cluster's shared secret (at least 16 bytes; "
+         "mode 600): router->worker gRPC calls and every KV connection must prove it "
+         "(default: unauthenticated; up: a fresh random secret for its own cluster)",
+         metavar="PATH"),
     # simulated worker
     Flag("role", "the simulated worker's role", "prefill", choices=("prefill", "decode")),
     Flag("block-size", "tokens per KV block", 16, parse_int(1)),

@@ -23,6 +23,8 @@ from pdserve.proto import convert
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
 
+from pdserve.cluster_secret import ClusterSecret
+from pdserve.grpc_auth import client_interceptors, intercept_sync
 from pdserve.types import (
     KvChange,
     KvSnapshot,
@@ -58,10 +60,11 @@ class WorkerCallError(RuntimeError):
 class WorkerClient:
     """One worker's gRPC endpoint. Every unary call takes its deadline in seconds."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, secret: ClusterSecret | None = None) -> None:
         self.endpoint = endpoint
         self._channel = grpc.aio.insecure_channel(
-            endpoint, options=[("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)])
+            endpoint, options=[("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)],
+            interceptors=client_interceptors(secret))  # every call carries the cluster token
         self._stub = pb_grpc.WorkerServiceStub(self._channel)
 
     async def generate(self, request: PhaseRequest, timeout_s: float
@@ -119,24 +122,27 @@ async def _stream(call: Any) -> AsyncIterator[Any]:
         call.cancel()
 
 
-def probe_health(endpoint: str, timeout_s: float) -> WorkerHealth:
+def probe_health(endpoint: str, timeout_s: float,
+                 secret: ClusterSecret | None = None) -> WorkerHealth:
     """One blocking ``Health`` call; raises ``WorkerCallError`` (or ``ValueError``
     for a worker that names no known role)."""
     return convert.health_from_pb(_probe(endpoint, lambda stub: stub.Health, pb.HealthRequest(),
-                                         timeout_s))
+                                         timeout_s, secret))
 
 
-def probe_load(endpoint: str, timeout_s: float) -> WorkerLoadReport:
+def probe_load(endpoint: str, timeout_s: float,
+               secret: ClusterSecret | None = None) -> WorkerLoadReport:
     """One blocking ``GetLoad`` call; raises ``WorkerCallError``."""
     return convert.load_from_pb(_probe(endpoint, lambda stub: stub.GetLoad, pb.GetLoadRequest(),
-                                       timeout_s))
+                                       timeout_s, secret))
 
 
 def _probe(endpoint: str, method: Callable[[pb_grpc.WorkerServiceStub], Any], request: Any,
-           timeout_s: float) -> Any:
-    """One blocking unary call (``method`` picks it from the stub) on a channel of its own."""
+           timeout_s: float, secret: ClusterSecret | None) -> Any:
+    """One blocking unary call (``method`` picks it from the stub) on a channel of its own,
+    carrying the cluster token when there is a ``secret``."""
     with grpc.insecure_channel(endpoint) as channel:
-        call = method(pb_grpc.WorkerServiceStub(channel))
+        call = method(pb_grpc.WorkerServiceStub(intercept_sync(channel, secret)))
         try:
             return call(request, timeout=timeout_s)
         except grpc.RpcError as exc:

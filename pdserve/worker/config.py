@@ -46,6 +46,7 @@ class WorkerConfig:
             kv_port=args.kv_port or args.port + 1000, kv_bind_host=args.host,
             lease_s=args.lease_s, kv_checksum=args.kv_checksum,
             kv_throttle_mib_s=args.kv_throttle_mib_s, push=kv_push_default(args.kv_push),
+            cluster_secret_file=args.cluster_secret_file,
         )
         engine = EngineConfig(
             model_path=str(model.path), served_model_name=model.served_name, role=role,

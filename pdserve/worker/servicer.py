@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from pdserve.cluster_secret import ClusterSecret, warn_if_open
+from pdserve.grpc_auth import server_interceptors
 from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 from pdserve.prefill_worker.kv_relay import kv_changes, kv_snapshot
 from pdserve.proto import convert
@@ -123,10 +125,13 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
-async def start_server(backend: WorkerBackend, host: str = "127.0.0.1", port: int = 0
-                       ) -> tuple[grpc.aio.Server, int]:
-    """Serve ``backend`` on ``host:port`` (0: any free port); returns (server, bound port)."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+async def start_server(backend: WorkerBackend, host: str = "127.0.0.1", port: int = 0, *,
+                       secret: ClusterSecret | None = None) -> tuple[grpc.aio.Server, int]:
+    """Serve ``backend`` on ``host:port`` (0: any free port); returns (server, bound port).
+    With the cluster ``secret``, calls without its token are refused (``grpc_auth``)."""
+    warn_if_open("worker gRPC", host, secret)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
+                             interceptors=server_interceptors(secret))
     pb_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(backend), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
