@@ -5,6 +5,7 @@ works as before."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -13,14 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 from pdserve.kv_transfer.auth import AuthError, authenticate_to_server
-from pdserve.kv_transfer.base import KVTransport, PeerAddress, TransportOptions
+from pdserve.kv_transfer.base import KVTransport, PeerAddress, TransportOptions, create_transport
+from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
+from pdserve.kv_transfer.push_inbox import PushInbox
 from pdserve.kv_transfer.wire import TransferError, recv_msg, request_once, send_msg
-from pdserve_testing import make_caches, start_transport
+from pdserve_testing import NUM_BLOCKS, compat, make_caches, start_transport
 
 from pdserve.cluster_secret import (
     ClusterSecret,
     load_cluster_secret,
+    note_refusal,
     num_refusals,
     write_cluster_secret,
 )
@@ -162,6 +166,46 @@ def test_other_transports_authenticate_on_their_control_channel(name: str) -> No
         assert _moved(caches, got)
     finally:
         transport.close()
+
+
+@pytest.mark.parametrize("secret", [WRONG, None], ids=["wrong_secret", "no_secret"])
+def test_push_from_a_peer_without_the_secret_is_refused(secret: ClusterSecret | None) -> None:
+    """Layer-wise push rides the same authenticated connections: nothing lands in
+    the decode's inbox from a prefill without the secret; the right one pushes."""
+    caches = {k: torch.zeros_like(v) for k, v in make_caches(0, torch.float32).items()}
+    layout = KVLayout.from_kv_caches(caches, NUM_BLOCKS, 16)
+    inbox = PushInbox(layout, 64 << 20, ttl_s=30)
+    decode = create_transport("tcp", _options(RIGHT))
+    channel = decode.push_channel()
+    assert channel is not None
+    channel.accept_pushes(inbox)
+    port = decode.start(kv_caches=list(caches.values()), layout=layout, leases=LeaseTable(),
+                        compat=dict(compat(torch.float32), layout=layout.describe()),
+                        host="127.0.0.1", port=0)
+    prefills = [start_transport("tcp", make_caches(1, torch.float32), LeaseTable(),
+                                _options(s))[0] for s in (secret, RIGHT)]
+    try:
+        bad, good = (p.push_channel() for p in prefills)
+        assert bad is not None and good is not None
+        peer = PeerAddress("127.0.0.1", port)
+        with pytest.raises(TransferError, match="authentication"):
+            bad.push(peer, "t1", 0, 0, SRC, len(SRC), True, time.monotonic() + 5)
+        assert inbox.num_entries == 0 and decode.stats()["bytes_received"] == 0
+        assert good.push(peer, "t2", 0, 0, SRC, len(SRC), True, time.monotonic() + 5) > 0
+        assert inbox.num_entries == 1
+    finally:
+        for transport in (decode, *prefills):
+            transport.close()
+
+
+def test_refusals_are_counted_but_logged_at_most_once_a_while(
+        caplog: pytest.LogCaptureFixture) -> None:
+    before = num_refusals("kv", "test flood")
+    with caplog.at_level(logging.WARNING, logger="pdserve.auth"):
+        for _ in range(20):
+            note_refusal("kv", "test flood", "10.0.0.1:1234")
+    assert num_refusals("kv", "test flood") == before + 20
+    assert len([r for r in caplog.records if "test flood" in r.getMessage()]) == 1
 
 
 def test_secret_file_is_read_once_and_checked(tmp_path: Path) -> None:
