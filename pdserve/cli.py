@@ -32,7 +32,7 @@ ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement",
 UP = ("host", "port", "num-prefill", "num-decode", "placement", "cpu-layout", "with-etcd",
       "startup-timeout-s") + DISAGG
 # The cluster secret: the router, every worker and up (which hands it to its children).
-SECURITY = ("cluster-secret-file",)
+SECURITY = ("cluster-secret-file", "tls-cert", "tls-key", "tls-ca")
 SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",
        "prefill-us-per-token", "decode-ms-per-token", "log-level")
 
@@ -116,7 +116,8 @@ def _run_worker(args: argparse.Namespace, model: ResolvedModel) -> int:
 
     config = WorkerConfig.from_args(args, model)
     asyncio.run(serve_worker(config.engine, config.worker_id, config.host, config.port,
-                             create_registrar(config.membership), config.advertise_host))
+                             create_registrar(config.membership), config.advertise_host,
+                             tls=config.tls.load()))
     return 0
 
 
@@ -137,10 +138,12 @@ def _run_sim_worker(args: argparse.Namespace) -> int:
     import asyncio
 
     from pdserve.cluster_secret import optional_secret
+    from pdserve.grpc_tls import TlsFiles
     from pdserve.sim_worker import serve_sim_worker, sim_config_from_args
 
     asyncio.run(serve_sim_worker(sim_config_from_args(args), args.host, args.port,
-                                 optional_secret(args.cluster_secret_file)))
+                                 optional_secret(args.cluster_secret_file),
+                                 TlsFiles.from_args(args).load()))
     return 0
 
 

@@ -80,10 +80,11 @@ def load_cluster_secret(path: str) -> ClusterSecret:
     except OSError as exc:
         raise ValueError(f"cannot read the cluster secret file {path}: "
                          f"{exc.strerror or exc}") from None
+    secret = ClusterSecret(key, source=path)  # a short one fails before any warning
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         logger.warning("cluster secret file %s is readable by others (mode %o); chmod 600 it",
                        path, stat.S_IMODE(mode))
-    return ClusterSecret(key, source=path)
+    return secret
 
 
 def optional_secret(path: str | None) -> ClusterSecret | None:

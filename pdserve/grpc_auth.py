@@ -18,12 +18,13 @@ TLS to the gRPC channels.
 from __future__ import annotations
 
 from collections import namedtuple
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
 
 from pdserve.cluster_secret import ClusterSecret, note_refusal
+from pdserve.grpc_tls import GrpcTls
 
 TOKEN_HEADER = "x-pdserve-cluster-token"
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
@@ -81,6 +82,25 @@ class SyncTokenInterceptor(grpc.UnaryUnaryClientInterceptor):
                                d.credentials, getattr(d, "wait_for_ready", None),
                                getattr(d, "compression", None))
         return continuation(details, request)
+
+
+def aio_channel(endpoint: str, options: Sequence[tuple[str, Any]],
+                secret: ClusterSecret | None, tls: GrpcTls | None = None) -> grpc.aio.Channel:
+    """A channel to a worker: TLS with ``tls``, the cluster token on every call with
+    ``secret``, plain otherwise."""
+    interceptors = client_interceptors(secret)
+    if tls is None:
+        return grpc.aio.insecure_channel(endpoint, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(endpoint, tls.channel_credentials(), options=options,
+                                   interceptors=interceptors)
+
+
+def sync_channel(endpoint: str, secret: ClusterSecret | None,
+                 tls: GrpcTls | None = None) -> grpc.Channel:
+    """The same, blocking (probes); close it when done."""
+    channel = (grpc.insecure_channel(endpoint) if tls is None
+               else grpc.secure_channel(endpoint, tls.channel_credentials()))
+    return intercept_sync(channel, secret)
 
 
 def client_interceptors(secret: ClusterSecret | None) -> list[grpc.aio.ClientInterceptor]:

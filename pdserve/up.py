@@ -25,6 +25,7 @@ from rich.table import Table
 
 from pdserve.cluster_secret import ClusterSecret, optional_secret, write_cluster_secret
 from pdserve.cpu_layout import CPU_LAYOUTS, DEFAULT_CPU_LAYOUT, core_sets, resolve_layout
+from pdserve.grpc_tls import GrpcTls, TlsFiles
 from pdserve.kv_transfer.base import transport_names
 from pdserve.membership.local_etcd import LocalEtcd
 from pdserve.model import ResolvedModel, cache_dir
@@ -63,6 +64,7 @@ class UpConfig:
     disagg: DisaggConfig = DisaggConfig()  # handed to the router as its flags
     # The cluster secret's file, handed to every child; None: ``run_up`` makes one.
     cluster_secret_file: str | None = None
+    tls: TlsFiles = TlsFiles()  # gRPC TLS files, handed to every child
 
     def __post_init__(self) -> None:
         if self.etcd and self.with_etcd:
@@ -75,6 +77,7 @@ class UpConfig:
             raise ValueError(f"unknown KV transport {self.transport!r}; valid transports: "
                              f"{', '.join(transport_names())}")
         optional_secret(self.cluster_secret_file)  # a bad secret file fails before any child
+        self.tls.load()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
@@ -90,6 +93,7 @@ class UpConfig:
             etcd=args.etcd or "", with_etcd=args.with_etcd, cluster=args.cluster,
             etcd_ttl_s=args.etcd_ttl_s, num_kv_blocks=args.num_kv_blocks or None,
             disagg=DisaggConfig.from_args(args), cluster_secret_file=args.cluster_secret_file,
+            tls=TlsFiles.from_args(args),
         )
 
 
@@ -110,6 +114,7 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
               "--log-level", cfg.log_level]
     if cfg.cluster_secret_file:  # a path: the secret itself never shows in `ps`
         common += ["--cluster-secret-file", cfg.cluster_secret_file]
+    common += cfg.tls.flags()  # certificates must name 127.0.0.1, where up probes
     membership = (["--etcd", cfg.etcd, "--cluster", cfg.cluster, "--etcd-ttl-s",
                    str(cfg.etcd_ttl_s)] if cfg.etcd else [])
     p_cores, d_cores = core_sets(cfg.num_prefill, cfg.num_decode, cfg.cpu_layout)
@@ -149,11 +154,12 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     return children
 
 
-def _healthy(child: Child, secret: ClusterSecret | None = None) -> bool:
+def _healthy(child: Child, secret: ClusterSecret | None = None,
+             tls: GrpcTls | None = None) -> bool:
     if child.probe.startswith("grpc:"):
         target = child.probe.removeprefix("grpc:")
         try:
-            health = probe_health(target, timeout_s=1, secret=secret)
+            health = probe_health(target, timeout_s=1, secret=secret, tls=tls)
         except WorkerCallError:
             return False
         child.state = "ready" if health.ready else "loading engine"
@@ -217,7 +223,7 @@ def _signal_group(child: Child, sig: int) -> None:
 
 
 def wait_ready(children: list[Child], timeout_s: float,
-               secret: ClusterSecret | None = None) -> None:
+               secret: ClusterSecret | None = None, tls: GrpcTls | None = None) -> None:
     started = time.monotonic()
     with Live(_table(children, started), console=console, refresh_per_second=2) as live:
         while True:
@@ -229,7 +235,7 @@ def wait_ready(children: list[Child], timeout_s: float,
                     raise RuntimeError(f"{child.name} exited during startup; see {child.log}:\n"
                                        + _tail(child.log))
                 if child.state != "ready":
-                    _healthy(child, secret)
+                    _healthy(child, secret, tls)
             live.update(_table(children, started))
             if all(c.state == "ready" for c in children):
                 return
@@ -293,7 +299,8 @@ def _run_children(cfg: UpConfig, log_dir: Path) -> int:
     try:
         _print_layout(cfg, children)
         start_children(children)
-        wait_ready(children, cfg.startup_timeout_s, optional_secret(cfg.cluster_secret_file))
+        wait_ready(children, cfg.startup_timeout_s, optional_secret(cfg.cluster_secret_file),
+                   cfg.tls.load())
         console.print(f"[bold green]pdserve ready[/]: http://{cfg.host}:{cfg.port}/v1  "
                       f"(model {Path(cfg.model).name}, logs {log_dir})")
         print(f"http://{cfg.host}:{cfg.port}/v1", flush=True)

@@ -12,6 +12,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from pdserve.cluster_secret import optional_secret
+from pdserve.grpc_tls import TlsFiles
 from pdserve.membership import MembershipConfig, create_membership
 from pdserve.model import ResolvedModel
 
@@ -45,6 +46,7 @@ class RouterConfig:
     membership: MembershipConfig = MembershipConfig()
     # The cluster secret's file: calls to workers carry its token. None: unauthenticated.
     cluster_secret_file: str | None = None
+    tls: TlsFiles = TlsFiles()  # gRPC to workers over TLS when set
 
     def __post_init__(self) -> None:
         static = self.membership.kind == "static"
@@ -53,6 +55,7 @@ class RouterConfig:
                              "--workers-file, or --etcd URL)")
         create_placement(self.placement)  # validates the name
         optional_secret(self.cluster_secret_file)  # a bad secret file fails here, in one line
+        self.tls.load()  # and an unreadable TLS file
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, model: ResolvedModel) -> RouterConfig:
@@ -67,7 +70,7 @@ class RouterConfig:
             log_timeline=args.log_timeline,
             membership=MembershipConfig.from_flags(
                 args.etcd, args.cluster, args.etcd_ttl_s, prefill, decode, args.workers_file),
-            cluster_secret_file=args.cluster_secret_file,
+            cluster_secret_file=args.cluster_secret_file, tls=TlsFiles.from_args(args),
         )
 
 
@@ -85,7 +88,7 @@ async def serve_router(config: RouterConfig) -> None:
     membership = create_membership(replace(config.membership, prefill=config.prefill,
                                            decode=config.decode), registry)
     pool = WorkerPool(interval_s=config.health_interval_s,
-                      secret=optional_secret(config.cluster_secret_file))
+                      secret=optional_secret(config.cluster_secret_file), tls=config.tls.load())
     index = PrefixIndex()
     feeder = KvIndexFeeder(lambda: pool.prefill, index, registry)
     pool.on_worker_added(lambda _: feeder.sync())

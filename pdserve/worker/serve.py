@@ -10,6 +10,7 @@ import logging
 import signal
 
 from pdserve.decode_worker.policy import DecodePolicy
+from pdserve.grpc_tls import GrpcTls
 from pdserve.kv_transfer.base import push_transport_names
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.membership import Registrar, WorkerInfo
@@ -65,14 +66,14 @@ def worker_info(host: EngineHost, advertise_host: str, grpc_port: int) -> Worker
 
 async def serve_worker(config: EngineConfig, worker_id: str, host: str, port: int,
                        registrar: Registrar | None = None,
-                       advertise_host: str | None = None) -> None:
+                       advertise_host: str | None = None, *, tls: GrpcTls | None = None) -> None:
     """Serve until SIGTERM/SIGINT. Registers with ``registrar`` once the engine is
     ready; on the way out withdraws the registration first (no new requests), then
     lets in-flight calls finish."""
     registrar = registrar or NullRegistrar()
     backend = engine_host(config, worker_id)
     server, bound = await start_server(backend, host, port,
-                                       secret=config.connector.cluster_secret())
+                                       secret=config.connector.cluster_secret(), tls=tls)
     logger.info("%s worker %s: gRPC on %s:%d, loading engine", config.role, worker_id, host, bound)
 
     stop = asyncio.Event()
