@@ -15,6 +15,7 @@ import pytest
 import torch
 from pdserve.kv_transfer.auth import AuthError, authenticate_to_server
 from pdserve.kv_transfer.base import KVTransport, PeerAddress, TransportOptions, create_transport
+from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.push_inbox import PushInbox
@@ -233,3 +234,16 @@ def _read_all(conn: socket.socket) -> bytes:
     except ConnectionResetError:
         pass
     return data
+
+
+def test_connector_config_carries_the_path_not_the_secret(tmp_path: Path) -> None:
+    """The connector's settings reach vLLM's engine processes through its (logged) config:
+    only the file's path travels; each process reads the secret itself."""
+    path = write_cluster_secret(tmp_path / "secret")
+    config = ConnectorConfig(engine_id="e", cluster_secret_file=str(path))
+    extra = config.to_extra_config()
+    assert path.read_text().strip() not in repr(extra)
+    options = ConnectorConfig.from_extra_config(extra).transport_options()
+    assert options.secret is load_cluster_secret(str(path))
+    assert path.read_text().strip() not in repr(options)
+    assert ConnectorConfig(engine_id="e").transport_options().secret is None
