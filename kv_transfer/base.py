@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:  # kept out of import time: the CLI lists transports without torch
     import torch
+
+    from pdserve.cluster_secret import ClusterSecret
 
     from .layout import KVLayout
     from .leases import LeaseTable
@@ -41,10 +43,15 @@ class TransportOptions:
     connector then reports a failed load and vLLM recomputes), never wrong KV.
     ``throttle_bytes_per_s``: pace the sending side to at most this rate (0: off);
     emulates a slower link for benchmarks and makes mid-transfer faults testable.
+    ``secret``: the cluster secret; with it, every control connection (and so
+    every transfer, whichever transport moves the bytes) starts with a mutual
+    challenge-response (``auth.py``), and a peer without it gets no KV byte.
+    None: anyone who reaches the port is trusted (as before).
     """
 
     checksum: bool = False
     throttle_bytes_per_s: float = 0.0
+    secret: ClusterSecret | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.throttle_bytes_per_s < 0:

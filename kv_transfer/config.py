@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pdserve.cluster_secret import ClusterSecret, optional_secret
+
 from .base import TransportOptions, transport_names
 
 
@@ -30,6 +32,9 @@ class ConnectorConfig:
     kv_checksum: bool = False
     # Pace the sending side to this many MiB/s (0: off); emulates a slow link.
     kv_throttle_mib_s: float = 0.0
+    # The cluster secret's file (never the secret: this config lands in vLLM's, which
+    # vLLM logs); None: KV connections are not authenticated.
+    cluster_secret_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.lease_s <= 0 or self.transfer_timeout_s <= 0 or self.push_wait_s <= 0:
@@ -44,10 +49,16 @@ class ConnectorConfig:
         if self.transport not in names:
             raise ValueError(
                 f"unknown KV transport {self.transport!r}; valid transports: {', '.join(names)}")
+        self.cluster_secret()  # a bad secret file fails here, in the worker, not in vLLM
+
+    def cluster_secret(self) -> ClusterSecret | None:
+        """The secret (read once per process), or None for an unauthenticated cluster."""
+        return optional_secret(self.cluster_secret_file)
 
     def transport_options(self) -> TransportOptions:
         return TransportOptions(checksum=self.kv_checksum,
-                                throttle_bytes_per_s=self.kv_throttle_mib_s * (1 << 20))
+                                throttle_bytes_per_s=self.kv_throttle_mib_s * (1 << 20),
+                                secret=self.cluster_secret())
 
     def to_extra_config(self) -> dict[str, Any]:
         return {"pdserve": asdict(self)}

@@ -16,6 +16,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from pdserve.cluster_secret import num_refusals
+
 from .base import PeerAddress, PushChannel, TransportOptions
 from .control_server import IDLE_TIMEOUT_S, ControlServer, Handler
 from .layout import KVLayout
@@ -48,7 +50,7 @@ class ControlledTransport:
         self._compat: dict[str, Any] = {}
         self._server: ControlServer | None = None
         self._stop = threading.Event()
-        self._pool = ConnectionPool(IDLE_TIMEOUT_S / 2)
+        self._pool = ConnectionPool(IDLE_TIMEOUT_S / 2, self.options.secret)
         self._stats_lock = threading.Lock()
         self._num_sending = 0  # a gauge, shown by the status op only
         # More counters for the ``status`` op (the connector's load statistics).
@@ -95,6 +97,7 @@ class ControlledTransport:
             {"status": lambda conn, _: send_msg(conn, self._status()), "release": self._on_release},
             self._kv_ops(),
             self._stop,
+            self.options.secret,
         )
         return self._server.start(host, port)
 
@@ -131,7 +134,8 @@ class ControlledTransport:
         expired = self._leases.num_expired if self._leases is not None else 0
         extra = self._extra_status() if self._extra_status is not None else {}
         return {"ok": True, **self.stats(), **extra, "num_leases": held,
-                "leases_expired": expired, "num_sending": self._num_sending}
+                "leases_expired": expired, "num_sending": self._num_sending,
+                "kv_auth_refusals": num_refusals("kv")}
 
     def _on_hello(self, conn: socket.socket, msg: dict[str, Any]) -> bool:
         problem = compare_compat(self._compat, msg.get("compat", {}), "server", "client")

@@ -14,6 +14,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from pdserve.cluster_secret import ClusterSecret, warn_if_open
+
+from .auth import authenticate_client
 from .threads import unpin_current_thread
 from .wire import TransferError, recv_msg, send_msg, tune
 
@@ -29,17 +32,23 @@ HelloHandler = Callable[[socket.socket, dict[str, Any]], bool]
 
 
 class ControlServer:
+    """With a cluster ``secret``, a connection is served nothing, not even
+    ``status``, until it has authenticated (``auth.py``); one that fails is closed."""
+
     def __init__(self, hello: HelloHandler, open_ops: dict[str, Handler],
-                 gated_ops: dict[str, Handler], stop: threading.Event) -> None:
+                 gated_ops: dict[str, Handler], stop: threading.Event,
+                 secret: ClusterSecret | None = None) -> None:
         self._hello = hello
         self._open_ops = open_ops
         self._gated_ops = gated_ops
         self._stop = stop
+        self._secret = secret
         self._listener: socket.socket | None = None
 
     def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0: any free port); returns the bound port."""
         listener = socket.create_server((host, port), reuse_port=False, backlog=64)
+        warn_if_open("KV endpoint", host, self._secret)
         listener.settimeout(_ACCEPT_POLL_S)
         self._listener = listener
         threading.Thread(target=self._accept_loop, args=(listener,), name="pdserve-kv-accept",
@@ -54,20 +63,23 @@ class ControlServer:
         unpin_current_thread()
         while not self._stop.is_set():
             try:
-                conn, _ = listener.accept()
+                conn, addr = listener.accept()
             except TimeoutError:
                 continue
             except OSError:
                 return
             tune(conn)
             threading.Thread(
-                target=self._serve_conn, args=(conn,), name="pdserve-kv-conn", daemon=True
+                target=self._serve_conn, args=(conn, _address(addr)), name="pdserve-kv-conn",
+                daemon=True,
             ).start()
 
-    def _serve_conn(self, conn: socket.socket) -> None:
+    def _serve_conn(self, conn: socket.socket, peer: str = "?") -> None:
         unpin_current_thread()
         verified = False
         with conn:
+            if self._secret is not None and not authenticate_client(conn, self._secret, peer):
+                return
             try:
                 while not self._stop.is_set():
                     conn.settimeout(IDLE_TIMEOUT_S)
@@ -87,3 +99,7 @@ class ControlServer:
                         send_msg(conn, {"ok": False, "error": f"unknown op {op!r}"})
             except (OSError, TransferError, ValueError) as exc:  # incl. idle timeout
                 logger.debug("KV connection closed: %s", exc)
+
+
+def _address(addr: Any) -> str:
+    return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else str(addr)

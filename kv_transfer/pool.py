@@ -7,6 +7,9 @@ import threading
 import time
 from typing import Any
 
+from pdserve.cluster_secret import ClusterSecret
+
+from .auth import AuthError, authenticate_to_server
 from .base import PeerAddress
 from .wire import (
     IncompatiblePeerError,
@@ -24,14 +27,17 @@ class ConnectionPool:
     (the server drops idle ones later than that). A connection that failed is
     closed by its user, never checked back in."""
 
-    def __init__(self, max_idle_s: float) -> None:
+    def __init__(self, max_idle_s: float, secret: ClusterSecret | None = None) -> None:
         self._max_idle_s = max_idle_s
+        self._secret = secret  # with it, a new connection authenticates before its hello
         self._idle: dict[PeerAddress, list[tuple[socket.socket, float]]] = {}
         self._lock = threading.Lock()
 
     def checkout(self, peer: PeerAddress, deadline: float,
                  compat: dict[str, Any]) -> socket.socket:
-        """A handshaken connection to ``peer``; ``IncompatiblePeerError`` names both sides."""
+        """A handshaken (and, with a secret, authenticated) connection to ``peer``;
+        ``IncompatiblePeerError`` names both sides, ``AuthError`` a peer that does
+        not prove this cluster's secret or refuses ours."""
         with self._lock:
             idle = self._idle.get(peer, [])
             while idle:
@@ -48,12 +54,17 @@ class ConnectionPool:
             raise TransferError(f"cannot reach KV peer {peer}: {exc}") from exc
         try:
             tune(conn)
+            if self._secret is not None:
+                authenticate_to_server(conn, self._secret, deadline, str(peer))
             set_deadline(conn, deadline)
             send_msg(conn, {"op": "hello", "compat": compat})
             check_reply(recv_msg(conn), f"handshake with {peer}")
         except IncompatiblePeerError as exc:
             conn.close()
             raise IncompatiblePeerError(f"KV peer {peer} refused the handshake: {exc}") from None
+        except AuthError:
+            conn.close()
+            raise
         except (OSError, TransferError) as exc:
             conn.close()
             raise TransferError(f"handshake with KV peer {peer} failed: {exc}") from exc

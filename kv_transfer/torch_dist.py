@@ -151,7 +151,7 @@ class TorchTransport(PullTransport):
         try:
             store = dist.TCPStore(str(reply["host"]), int(reply["port"]), world_size=2,
                                   is_master=False, timeout=timedelta(seconds=timeout))
-            pg = _new_group(self._backend, store, f"pdserve/{self._client_id}/{gen}",
+            pg = _new_group(self._backend, store, self._group_prefix(self._client_id, gen),
                             _RECEIVER, conn.getsockname()[0], timeout)
         except (RuntimeError, ValueError) as exc:  # DistStoreError/DistNetworkError included
             raise TransferError(f"cannot join torch group with {peer}: {exc}") from exc
@@ -174,13 +174,23 @@ class TorchTransport(PullTransport):
                               timeout=timedelta(seconds=GROUP_SETUP_S), wait_for_workers=False)
         send_msg(conn, {"ok": True, "host": host, "port": int(store.port)})
         try:
-            pg = _new_group(self._backend, store, f"pdserve/{client}/{gen}", _SENDER,
+            pg = _new_group(self._backend, store, self._group_prefix(client, gen), _SENDER,
                             host, GROUP_SETUP_S)
         except (RuntimeError, ValueError) as exc:
             logger.warning("torch group gen %d with client %s failed: %s", gen, client, exc)
             raise TransferError(str(exc)) from exc
         with self._groups_lock:
             self._served[client] = _PairGroup(pg, store, gen, threading.Lock())
+
+    def _group_prefix(self, client: str, gen: int) -> str:
+        """The pair's keys in the store. The store itself takes anyone, but with a
+        cluster secret its keys are derived from it: a peer that overheard the
+        (authenticated) ``torch_group`` exchange still cannot name them to join."""
+        prefix = f"pdserve/{client}/{gen}"
+        secret = self.options.secret
+        if secret is None:
+            return prefix
+        return f"{prefix}/{secret.mac(b'pdserve-torch-v1', prefix.encode()).hex()[:32]}"
 
     def _drop(self, peer: PeerAddress, group: _PairGroup) -> None:
         with self._groups_lock:

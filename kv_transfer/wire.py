@@ -12,7 +12,10 @@ import socket
 import struct
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.cluster_secret import ClusterSecret
 
 # 2: every pull ends with a trailer message (bytes, optional checksum).
 PROTOCOL_VERSION = 2
@@ -42,14 +45,14 @@ def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:
     sock.sendall(_LEN.pack(len(body)) + body)
 
 
-def recv_msg(sock: socket.socket) -> dict[str, Any] | None:
-    """Read one message; None on a clean EOF before its first byte."""
+def recv_msg(sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any] | None:
+    """Read one message of at most ``max_bytes``; None on a clean EOF before its first byte."""
     head = recv_exact(sock, _LEN.size, eof_ok=True)
     if head is None:
         return None
     (size,) = _LEN.unpack(head)
-    if size > MAX_MESSAGE_BYTES:
-        raise TransferError(f"control message of {size} bytes exceeds {MAX_MESSAGE_BYTES}")
+    if size > max_bytes:
+        raise TransferError(f"control message of {size} bytes exceeds {max_bytes}")
     body = recv_exact(sock, size)
     assert body is not None
     msg = json.loads(body)
@@ -104,11 +107,17 @@ def compare_compat(local: dict[str, Any], remote: dict[str, Any], local_name: st
     return "incompatible KV peers (" + "; ".join(diffs) + ")" if diffs else None
 
 
-def request_once(host: str, port: int, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """One control exchange on a fresh connection (release, status)."""
+def request_once(host: str, port: int, msg: dict[str, Any], timeout_s: float,
+                 secret: ClusterSecret | None = None) -> dict[str, Any]:
+    """One control exchange on a fresh connection (release, status), authenticated
+    first when the cluster has a ``secret``."""
     deadline = time.monotonic() + timeout_s
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            if secret is not None:
+                from .auth import authenticate_to_server
+
+                authenticate_to_server(sock, secret, deadline, f"{host}:{port}")
             set_deadline(sock, deadline)
             send_msg(sock, msg)
             return check_reply(recv_msg(sock), str(msg.get("op")))

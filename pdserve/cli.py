@@ -31,6 +31,8 @@ ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement",
           "served-model-name", "log-timeline", "max-migrations") + DISAGG
 UP = ("host", "port", "num-prefill", "num-decode", "placement", "cpu-layout", "with-etcd",
       "startup-timeout-s") + DISAGG
+# The cluster secret: the router, every worker and up (which hands it to its children).
+SECURITY = ("cluster-secret-file", "tls-cert", "tls-key", "tls-ca")
 SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",
        "prefill-us-per-token", "decode-ms-per-token", "log-level")
 
@@ -61,18 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _command(sub, "up", "router + prefill + decode workers on this machine",
-             COMMON + ENGINE + TRANSPORT + MEMBERSHIP + UP,
+             COMMON + ENGINE + TRANSPORT + MEMBERSHIP + UP + SECURITY,
              dict(_HTTP, **{"num-kv-blocks": {"help": "KV blocks per prefill worker "
                                               "(overrides --kv-cache-gib; 0: unset)"}}))
-    _command(sub, "router", "the OpenAI-compatible HTTP router", COMMON + ROUTER + MEMBERSHIP,
-             _HTTP)
+    _command(sub, "router", "the OpenAI-compatible HTTP router",
+             COMMON + ROUTER + MEMBERSHIP + SECURITY, _HTTP)
     for role, port in (("prefill", 50051), ("decode", 50061)):
         _command(sub, role, f"a {role} worker (vLLM engine + gRPC)",
-                 COMMON + ENGINE + TRANSPORT + MEMBERSHIP + WORKER,
+                 COMMON + ENGINE + TRANSPORT + MEMBERSHIP + WORKER + SECURITY,
                  dict(_GRPC, port={"default": port, "help": "gRPC port"}))
     sub.add_parser("prepare-model", help=f"convert the default model ({DEFAULT_MODEL_NAME}) once")
     _command(sub, "sim-worker", "a simulated worker (same gRPC service; modelled times and "
-             "prefix cache) for router-scale tests", SIM,
+             "prefix cache) for router-scale tests", SIM + SECURITY,
              dict(_GRPC, port={"default": 50051, "help": "gRPC port"}))
     return parser
 
@@ -114,7 +116,8 @@ def _run_worker(args: argparse.Namespace, model: ResolvedModel) -> int:
 
     config = WorkerConfig.from_args(args, model)
     asyncio.run(serve_worker(config.engine, config.worker_id, config.host, config.port,
-                             create_registrar(config.membership), config.advertise_host))
+                             create_registrar(config.membership), config.advertise_host,
+                             tls=config.tls.load()))
     return 0
 
 
@@ -134,9 +137,13 @@ def _run_up(args: argparse.Namespace, model: ResolvedModel) -> int:
 def _run_sim_worker(args: argparse.Namespace) -> int:
     import asyncio
 
+    from pdserve.cluster_secret import optional_secret
+    from pdserve.grpc_tls import TlsFiles
     from pdserve.sim_worker import serve_sim_worker, sim_config_from_args
 
-    asyncio.run(serve_sim_worker(sim_config_from_args(args), args.host, args.port))
+    asyncio.run(serve_sim_worker(sim_config_from_args(args), args.host, args.port,
+                                 optional_secret(args.cluster_secret_file),
+                                 TlsFiles.from_args(args).load()))
     return 0
 
 

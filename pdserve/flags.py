@@ -230,6 +230,16 @@ FLAGS = _flags(
          parse_bool, switch=True),
     Flag("startup-timeout-s", "give up if not ready after this many seconds", 600.0,
          parse_float(0, strict=True)),
+    # security
+    Flag("cluster-secret-file", "file holding the cluster's shared secret (at least 16 bytes; "
+         "mode 600): router->worker gRPC calls and every KV connection must prove it "
+         "(default: unauthenticated; up: a fresh random secret for its own cluster)",
+         metavar="PATH"),
+    Flag("tls-cert", "PEM certificate: a worker serves gRPC over TLS with it; the router "
+         "presents it as its client certificate (with --tls-key)", metavar="PATH"),
+    Flag("tls-key", "PEM private key of --tls-cert", metavar="PATH"),
+    Flag("tls-ca", "PEM CA bundle: the router verifies workers against it (and uses TLS); "
+         "a worker then requires client certificates it signed (mutual TLS)", metavar="PATH"),
     # simulated worker
     Flag("role", "the simulated worker's role", "prefill", choices=("prefill", "decode")),
     Flag("block-size", "tokens per KV block", 16, parse_int(1)),

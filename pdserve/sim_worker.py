@@ -18,6 +18,8 @@ from collections.abc import AsyncGenerator
 
 import grpc
 
+from pdserve.cluster_secret import ClusterSecret
+from pdserve.grpc_tls import GrpcTls
 from pdserve.kv_transfer.handle import KVHandle
 from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 from pdserve.sim_engine import SimConfig, SimEngine
@@ -103,16 +105,20 @@ class SimHost:
         return self.engine.mirror if self.engine.config.role == "prefill" else None
 
 
-async def start_sim_worker(config: SimConfig, host: str = "127.0.0.1", port: int = 0
+async def start_sim_worker(config: SimConfig, host: str = "127.0.0.1", port: int = 0,
+                           secret: ClusterSecret | None = None, tls: GrpcTls | None = None
                            ) -> tuple[grpc.aio.Server, int, SimEngine]:
-    """Start a simulated worker on this event loop; returns (server, bound port, engine)."""
+    """Start a simulated worker on this event loop; returns (server, bound port, engine).
+    With the cluster ``secret``, calls without its token are refused; ``tls``: TLS only."""
     engine = SimEngine(config)
-    server, bound = await start_server(SimHost(engine), host, port)
+    server, bound = await start_server(SimHost(engine), host, port, secret=secret, tls=tls)
     return server, bound, engine
 
 
-async def serve_sim_worker(config: SimConfig, host: str, port: int) -> None:
-    server, bound, _ = await start_sim_worker(config, host, port)
+async def serve_sim_worker(config: SimConfig, host: str, port: int,
+                           secret: ClusterSecret | None = None,
+                           tls: GrpcTls | None = None) -> None:
+    server, bound, _ = await start_sim_worker(config, host, port, secret, tls)
     logger.info("simulated %s worker %s on %s:%d", config.role, config.worker_id, host, bound)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -22,7 +23,9 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from pdserve.cluster_secret import ClusterSecret, optional_secret, write_cluster_secret
 from pdserve.cpu_layout import CPU_LAYOUTS, DEFAULT_CPU_LAYOUT, core_sets, resolve_layout
+from pdserve.grpc_tls import GrpcTls, TlsFiles
 from pdserve.kv_transfer.base import transport_names
 from pdserve.membership.local_etcd import LocalEtcd
 from pdserve.model import ResolvedModel, cache_dir
@@ -59,6 +62,9 @@ class UpConfig:
     etcd_ttl_s: int = 10
     num_kv_blocks: int | None = None  # prefill workers' KV blocks (overrides kv_cache_gib)
     disagg: DisaggConfig = DisaggConfig()  # handed to the router as its flags
+    # The cluster secret's file, handed to every child; None: ``run_up`` makes one.
+    cluster_secret_file: str | None = None
+    tls: TlsFiles = TlsFiles()  # gRPC TLS files, handed to every child
 
     def __post_init__(self) -> None:
         if self.etcd and self.with_etcd:
@@ -70,6 +76,8 @@ class UpConfig:
         if self.transport not in transport_names():
             raise ValueError(f"unknown KV transport {self.transport!r}; valid transports: "
                              f"{', '.join(transport_names())}")
+        optional_secret(self.cluster_secret_file)  # a bad secret file fails before any child
+        self.tls.load()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
@@ -84,7 +92,8 @@ class UpConfig:
             kv_throttle_mib_s=args.kv_throttle_mib_s, kv_push=args.kv_push,
             etcd=args.etcd or "", with_etcd=args.with_etcd, cluster=args.cluster,
             etcd_ttl_s=args.etcd_ttl_s, num_kv_blocks=args.num_kv_blocks or None,
-            disagg=DisaggConfig.from_args(args),
+            disagg=DisaggConfig.from_args(args), cluster_secret_file=args.cluster_secret_file,
+            tls=TlsFiles.from_args(args),
         )
 
 
@@ -103,6 +112,9 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     py = [sys.executable, "-m", "pdserve.cli"]
     common = ["--model", cfg.model, "--max-model-len", str(cfg.max_model_len),
               "--log-level", cfg.log_level]
+    if cfg.cluster_secret_file:  # a path: the secret itself never shows in `ps`
+        common += ["--cluster-secret-file", cfg.cluster_secret_file]
+    common += cfg.tls.flags()  # certificates must name 127.0.0.1, where up probes
     membership = (["--etcd", cfg.etcd, "--cluster", cfg.cluster, "--etcd-ttl-s",
                    str(cfg.etcd_ttl_s)] if cfg.etcd else [])
     p_cores, d_cores = core_sets(cfg.num_prefill, cfg.num_decode, cfg.cpu_layout)
@@ -142,11 +154,12 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     return children
 
 
-def _healthy(child: Child) -> bool:
+def _healthy(child: Child, secret: ClusterSecret | None = None,
+             tls: GrpcTls | None = None) -> bool:
     if child.probe.startswith("grpc:"):
         target = child.probe.removeprefix("grpc:")
         try:
-            health = probe_health(target, timeout_s=1)
+            health = probe_health(target, timeout_s=1, secret=secret, tls=tls)
         except WorkerCallError:
             return False
         child.state = "ready" if health.ready else "loading engine"
@@ -209,7 +222,8 @@ def _signal_group(child: Child, sig: int) -> None:
         pass
 
 
-def wait_ready(children: list[Child], timeout_s: float) -> None:
+def wait_ready(children: list[Child], timeout_s: float,
+               secret: ClusterSecret | None = None, tls: GrpcTls | None = None) -> None:
     started = time.monotonic()
     with Live(_table(children, started), console=console, refresh_per_second=2) as live:
         while True:
@@ -221,7 +235,7 @@ def wait_ready(children: list[Child], timeout_s: float) -> None:
                     raise RuntimeError(f"{child.name} exited during startup; see {child.log}:\n"
                                        + _tail(child.log))
                 if child.state != "ready":
-                    _healthy(child)
+                    _healthy(child, secret, tls)
             live.update(_table(children, started))
             if all(c.state == "ready" for c in children):
                 return
@@ -240,6 +254,12 @@ def _tail(path: Path, lines: int = 30) -> str:
 def run_up(cfg: UpConfig) -> int:
     log_dir = cache_dir() / "logs" / time.strftime("%Y%m%d-%H%M%S")
     etcd: LocalEtcd | None = None
+    own_secret: tempfile.TemporaryDirectory[str] | None = None
+    if not cfg.cluster_secret_file:  # this cluster's own, gone with it
+        own_secret = tempfile.TemporaryDirectory(prefix="pdserve-up-")
+        path = write_cluster_secret(Path(own_secret.name) / "cluster-secret")
+        cfg = replace(cfg, cluster_secret_file=str(path))
+        console.print(f"cluster secret {path} (tools calling workers: --cluster-secret-file)")
     if cfg.with_etcd:
         log_dir.mkdir(parents=True, exist_ok=True)
         etcd = LocalEtcd(log_path=log_dir / "etcd.log").start()  # fails clearly without one
@@ -250,6 +270,8 @@ def run_up(cfg: UpConfig) -> int:
     finally:
         if etcd is not None:
             etcd.stop()
+        if own_secret is not None:
+            own_secret.cleanup()
 
 
 def _print_layout(cfg: UpConfig, children: list[Child]) -> None:
@@ -277,7 +299,8 @@ def _run_children(cfg: UpConfig, log_dir: Path) -> int:
     try:
         _print_layout(cfg, children)
         start_children(children)
-        wait_ready(children, cfg.startup_timeout_s)
+        wait_ready(children, cfg.startup_timeout_s, optional_secret(cfg.cluster_secret_file),
+                   cfg.tls.load())
         console.print(f"[bold green]pdserve ready[/]: http://{cfg.host}:{cfg.port}/v1  "
                       f"(model {Path(cfg.model).name}, logs {log_dir})")
         print(f"http://{cfg.host}:{cfg.port}/v1", flush=True)

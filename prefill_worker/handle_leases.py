@@ -13,6 +13,8 @@ import logging
 from pdserve.kv_transfer.handle import KVHandle
 from pdserve.kv_transfer.wire import TransferError, request_once
 
+from pdserve.cluster_secret import ClusterSecret
+
 logger = logging.getLogger("pdserve.worker")
 _CONTROL_TIMEOUT_S = 10.0
 
@@ -39,11 +41,13 @@ class HandleLeases:
             del self._handles[rid]
 
 
-def release_over_control(handle: KVHandle) -> None:
-    """Ask the engine's KV endpoint to free ``handle``'s blocks (blocking). A
-    failure is only logged: the lease expires on its own."""
+def release_over_control(handle: KVHandle, secret: ClusterSecret | None = None) -> None:
+    """Ask the engine's KV endpoint to free ``handle``'s blocks (blocking), proving
+    the cluster ``secret`` first if there is one. A failure is only logged: the
+    lease expires on its own."""
     try:
         request_once(handle.host, handle.port,
-                     {"op": "release", "req": handle.remote_request_id}, _CONTROL_TIMEOUT_S)
+                     {"op": "release", "req": handle.remote_request_id}, _CONTROL_TIMEOUT_S,
+                     secret)
     except TransferError as exc:
         logger.warning("release of %s failed: %s", handle.remote_request_id, exc)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, replace
 import uvicorn
 from prometheus_client import CollectorRegistry
 
+from pdserve.cluster_secret import optional_secret
+from pdserve.grpc_tls import TlsFiles
 from pdserve.membership import MembershipConfig, create_membership
 from pdserve.model import ResolvedModel
 
@@ -44,6 +46,9 @@ class RouterConfig:
     migration: MigrationConfig = MigrationConfig()  # decode failover (router/migration.py)
     # etcd, or static (then ``prefill``/``decode`` or its workers file name the workers)
     membership: MembershipConfig = MembershipConfig()
+    # The cluster secret's file: calls to workers carry its token. None: unauthenticated.
+    cluster_secret_file: str | None = None
+    tls: TlsFiles = TlsFiles()  # gRPC to workers over TLS when set
 
     def __post_init__(self) -> None:
         static = self.membership.kind == "static"
@@ -51,6 +56,8 @@ class RouterConfig:
             raise ValueError("the router needs at least one decode worker (--decode HOST:PORT, "
                              "--workers-file, or --etcd URL)")
         create_placement(self.placement)  # validates the name
+        optional_secret(self.cluster_secret_file)  # a bad secret file fails here, in one line
+        self.tls.load()  # and an unreadable TLS file
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, model: ResolvedModel) -> RouterConfig:
@@ -66,6 +73,7 @@ class RouterConfig:
             migration=MigrationConfig(max_migrations=args.max_migrations),
             membership=MembershipConfig.from_flags(
                 args.etcd, args.cluster, args.etcd_ttl_s, prefill, decode, args.workers_file),
+            cluster_secret_file=args.cluster_secret_file, tls=TlsFiles.from_args(args),
         )
 
 
@@ -82,7 +90,8 @@ async def serve_router(config: RouterConfig) -> None:
     registry = CollectorRegistry()
     membership = create_membership(replace(config.membership, prefill=config.prefill,
                                            decode=config.decode), registry)
-    pool = WorkerPool(interval_s=config.health_interval_s)
+    pool = WorkerPool(interval_s=config.health_interval_s,
+                      secret=optional_secret(config.cluster_secret_file), tls=config.tls.load())
     index = PrefixIndex()
     feeder = KvIndexFeeder(lambda: pool.prefill, index, registry)
     pool.on_worker_added(lambda _: feeder.sync())

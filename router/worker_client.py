@@ -23,6 +23,9 @@ from pdserve.proto import convert
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
 
+from pdserve.cluster_secret import ClusterSecret
+from pdserve.grpc_auth import aio_channel, sync_channel
+from pdserve.grpc_tls import GrpcTls
 from pdserve.types import (
     KvChange,
     KvSnapshot,
@@ -58,10 +61,12 @@ class WorkerCallError(RuntimeError):
 class WorkerClient:
     """One worker's gRPC endpoint. Every unary call takes its deadline in seconds."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, secret: ClusterSecret | None = None, *,
+                 tls: GrpcTls | None = None) -> None:
         self.endpoint = endpoint
-        self._channel = grpc.aio.insecure_channel(
-            endpoint, options=[("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)])
+        # Every call carries the cluster token with a ``secret``; TLS with ``tls``.
+        self._channel = aio_channel(
+            endpoint, [("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)], secret, tls)
         self._stub = pb_grpc.WorkerServiceStub(self._channel)
 
     async def generate(self, request: PhaseRequest, timeout_s: float
@@ -119,23 +124,26 @@ async def _stream(call: Any) -> AsyncIterator[Any]:
         call.cancel()
 
 
-def probe_health(endpoint: str, timeout_s: float) -> WorkerHealth:
+def probe_health(endpoint: str, timeout_s: float, secret: ClusterSecret | None = None,
+                 tls: GrpcTls | None = None) -> WorkerHealth:
     """One blocking ``Health`` call; raises ``WorkerCallError`` (or ``ValueError``
     for a worker that names no known role)."""
     return convert.health_from_pb(_probe(endpoint, lambda stub: stub.Health, pb.HealthRequest(),
-                                         timeout_s))
+                                         timeout_s, secret, tls))
 
 
-def probe_load(endpoint: str, timeout_s: float) -> WorkerLoadReport:
+def probe_load(endpoint: str, timeout_s: float, secret: ClusterSecret | None = None,
+               tls: GrpcTls | None = None) -> WorkerLoadReport:
     """One blocking ``GetLoad`` call; raises ``WorkerCallError``."""
     return convert.load_from_pb(_probe(endpoint, lambda stub: stub.GetLoad, pb.GetLoadRequest(),
-                                       timeout_s))
+                                       timeout_s, secret, tls))
 
 
 def _probe(endpoint: str, method: Callable[[pb_grpc.WorkerServiceStub], Any], request: Any,
-           timeout_s: float) -> Any:
-    """One blocking unary call (``method`` picks it from the stub) on a channel of its own."""
-    with grpc.insecure_channel(endpoint) as channel:
+           timeout_s: float, secret: ClusterSecret | None, tls: GrpcTls | None) -> Any:
+    """One blocking unary call (``method`` picks it from the stub) on a channel of its own,
+    carrying the cluster token when there is a ``secret``, over TLS with ``tls``."""
+    with sync_channel(endpoint, secret, tls) as channel:
         call = method(pb_grpc.WorkerServiceStub(channel))
         try:
             return call(request, timeout=timeout_s)

@@ -17,6 +17,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
+from pdserve.cluster_secret import ClusterSecret
+from pdserve.grpc_tls import GrpcTls
 from pdserve.membership import Membership, WorkerInfo
 from pdserve.membership.static import static_infos
 from pdserve.types import WorkerHealth, WorkerLoadReport
@@ -38,14 +40,15 @@ class Worker:
     ``on_sent`` / ``on_finished`` publishes a new one, combining the worker's last
     report with this router's in-flight work on it."""
 
-    def __init__(self, info: WorkerInfo) -> None:
+    def __init__(self, info: WorkerInfo, secret: ClusterSecret | None = None,
+                 tls: GrpcTls | None = None) -> None:
         self.info = info
         # Registered members must answer with the id they registered (a stale record
         # may point at a port another worker now uses). Static members, whose id is
         # their endpoint until Health tells, learn it.
         static = info.worker_id == info.grpc_endpoint
         self._expected_id = None if static else info.worker_id
-        self.client = WorkerClient(info.grpc_endpoint)
+        self.client = WorkerClient(info.grpc_endpoint, secret, tls=tls)
         self._inflight = InFlight()
         # The last report, as a snapshot with nothing in flight.
         self._reported = WorkerState(endpoint=info.grpc_endpoint, role=info.role,
@@ -154,8 +157,11 @@ class WorkerPool:
     the start; a ``Membership`` passed to ``start`` then owns the set."""
 
     def __init__(self, prefill: Sequence[str] = (), decode: Sequence[str] = (),
-                 interval_s: float = 2.0) -> None:
+                 interval_s: float = 2.0, secret: ClusterSecret | None = None,
+                 tls: GrpcTls | None = None) -> None:
         self._interval_s = interval_s
+        # The cluster's secret (every worker's client carries its token) and gRPC TLS.
+        self._secret, self._tls = secret, tls
         self._members: dict[str, Worker] = {}
         self.prefill: list[Worker] = []
         self.decode: list[Worker] = []
@@ -165,7 +171,7 @@ class WorkerPool:
         self._task: asyncio.Task[None] | None = None
         self._membership_task: asyncio.Task[None] | None = None
         for info in static_infos(prefill, decode):
-            self._add(Worker(info))
+            self._add(Worker(info, secret, tls))
 
     @property
     def all(self) -> list[Worker]:
@@ -202,7 +208,7 @@ class WorkerPool:
             return
         if current is not None:
             self._remove(info.member_id)
-        worker = Worker(info)
+        worker = Worker(info, self._secret, self._tls)
         self._add(worker)
         self._spawn(worker.refresh(max(self._interval_s, 1.0)))  # routable once this passes
 

@@ -19,6 +19,7 @@ from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.wire import TransferError
 from pdserve.router.worker_client import probe_load
 
+from pdserve.cluster_secret import ClusterSecret, load_cluster_secret, write_cluster_secret
 from pdserve.types import WorkerLoadReport
 
 T = TypeVar("T")
@@ -184,6 +185,7 @@ class Server:
     base_url: str
     proc: subprocess.Popen[str]
     log_path: Path | None = None  # where ``pdserve up`` logs (stderr), if kept
+    secret: ClusterSecret | None = None  # the cluster's: direct calls to workers need it
 
     def log_lines(self, *needles: str) -> list[str]:
         """Lines of the cluster's log holding any of ``needles`` (for failure messages)."""
@@ -201,7 +203,7 @@ class Server:
 
     def load(self, role: str) -> WorkerLoadReport:
         (worker,) = self.workers(role)
-        return probe_load(worker["endpoint"], timeout_s=5)
+        return probe_load(worker["endpoint"], timeout_s=5, secret=self.secret)
 
 
 def router_metric(router_url: str, name: str, *labels: str) -> float:
@@ -262,10 +264,17 @@ def launch_up(args: list[str], env: dict[str, str], timeout_s: float = 600,
               log_path: Path | None = None) -> Server:
     """Start ``pdserve up`` with ``args`` in its own session and wait for its endpoint
     line; stop it with ``stop_up``. Its stderr (every component's log) goes to
-    ``log_path`` when given."""
+    ``log_path`` when given. The cluster's secret is a file of the test's (up's own
+    would leave with it), so the test can call workers directly (``Server.secret``)."""
     import queue
     import sys
+    import tempfile
     import threading
+
+    if "--cluster-secret-file" not in args:
+        path = Path(tempfile.mkdtemp(prefix="pdserve-test-")) / "cluster-secret"
+        args = [*args, "--cluster-secret-file", str(write_cluster_secret(path))]
+    secret = load_cluster_secret(args[args.index("--cluster-secret-file") + 1])
 
     log = open(log_path, "w") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
     try:
@@ -293,7 +302,7 @@ def launch_up(args: list[str], env: dict[str, str], timeout_s: float = 600,
                     raise RuntimeError(f"pdserve up exited with {proc.returncode}") from None
                 continue
             if line.startswith("http://"):
-                return Server(line.strip(), proc, log_path)
+                return Server(line.strip(), proc, log_path, secret)
         raise TimeoutError(f"pdserve up not ready after {timeout_s}s")
     except BaseException:
         stop_up(proc)

@@ -12,6 +12,7 @@ import os
 import uuid
 from dataclasses import dataclass
 
+from pdserve.grpc_tls import TlsFiles
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.membership import MembershipConfig, check_name
 from pdserve.model import ResolvedModel
@@ -28,6 +29,7 @@ class WorkerConfig:
     advertise_host: str  # where the router and peers reach this worker
     membership: MembershipConfig
     engine: EngineConfig
+    tls: TlsFiles = TlsFiles()  # gRPC TLS (the cluster secret is the connector's)
 
     @property
     def role(self) -> Role:
@@ -46,6 +48,7 @@ class WorkerConfig:
             kv_port=args.kv_port or args.port + 1000, kv_bind_host=args.host,
             lease_s=args.lease_s, kv_checksum=args.kv_checksum,
             kv_throttle_mib_s=args.kv_throttle_mib_s, push=kv_push_default(args.kv_push),
+            cluster_secret_file=args.cluster_secret_file,
         )
         engine = EngineConfig(
             model_path=str(model.path), served_model_name=model.served_name, role=role,
@@ -55,7 +58,8 @@ class WorkerConfig:
             enforce_eager=not args.compile, num_kv_blocks=args.num_kv_blocks or None,
         )
         membership = MembershipConfig.from_flags(args.etcd, args.cluster, args.etcd_ttl_s)
-        return cls(worker_id, args.host, args.port, advertise, membership, engine)
+        return cls(worker_id, args.host, args.port, advertise, membership, engine,
+                   TlsFiles.from_args(args))
 
 
 def _kv_event_endpoints(worker_id: str) -> tuple[str, str]:

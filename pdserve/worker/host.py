@@ -156,7 +156,8 @@ class EngineHost:
         its last reply if this one is late or fails."""
         try:
             self._kv_status = request_once("127.0.0.1", self.config.connector.kv_port,
-                                           {"op": "status"}, KV_STATUS_TIMEOUT_S)
+                                           {"op": "status"}, KV_STATUS_TIMEOUT_S,
+                                           self.config.connector.cluster_secret())
         except TransferError as exc:
             logger.warning("KV endpoint status unavailable (reporting the last): %s", exc)
         return self._kv_status

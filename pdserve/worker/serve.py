@@ -5,14 +5,17 @@ loads; the worker registers once it is ready and withdraws first on the way out.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 
 from pdserve.decode_worker.policy import DecodePolicy
+from pdserve.grpc_tls import GrpcTls
 from pdserve.kv_transfer.base import push_transport_names
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.membership import Registrar, WorkerInfo
 from pdserve.membership.static import NullRegistrar
+from pdserve.prefill_worker.handle_leases import release_over_control
 from pdserve.prefill_worker.policy import PrefillPolicy
 from pdserve.worker.engine import EngineConfig
 from pdserve.worker.host import EngineHost
@@ -31,7 +34,8 @@ def kv_push_enabled(connector: ConnectorConfig) -> bool:
 
 def role_policy(config: EngineConfig, kv_push: bool) -> RolePolicy:
     if config.role == "prefill":
-        return PrefillPolicy(kv_push=kv_push, kv_events=config.kv_events)
+        release = functools.partial(release_over_control, secret=config.connector.cluster_secret())
+        return PrefillPolicy(kv_push=kv_push, kv_events=config.kv_events, release=release)
     return DecodePolicy()
 
 
@@ -62,13 +66,14 @@ def worker_info(host: EngineHost, advertise_host: str, grpc_port: int) -> Worker
 
 async def serve_worker(config: EngineConfig, worker_id: str, host: str, port: int,
                        registrar: Registrar | None = None,
-                       advertise_host: str | None = None) -> None:
+                       advertise_host: str | None = None, *, tls: GrpcTls | None = None) -> None:
     """Serve until SIGTERM/SIGINT. Registers with ``registrar`` once the engine is
     ready; on the way out withdraws the registration first (no new requests), then
     lets in-flight calls finish."""
     registrar = registrar or NullRegistrar()
     backend = engine_host(config, worker_id)
-    server, bound = await start_server(backend, host, port)
+    server, bound = await start_server(backend, host, port,
+                                       secret=config.connector.cluster_secret(), tls=tls)
     logger.info("%s worker %s: gRPC on %s:%d, loading engine", config.role, worker_id, host, bound)
 
     stop = asyncio.Event()

@@ -14,6 +14,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from pdserve.cluster_secret import ClusterSecret, warn_if_open
+from pdserve.grpc_auth import server_interceptors
+from pdserve.grpc_tls import GrpcTls
 from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 from pdserve.prefill_worker.kv_relay import kv_changes, kv_snapshot
 from pdserve.proto import convert
@@ -123,12 +126,19 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
-async def start_server(backend: WorkerBackend, host: str = "127.0.0.1", port: int = 0
+async def start_server(backend: WorkerBackend, host: str = "127.0.0.1", port: int = 0, *,
+                       secret: ClusterSecret | None = None, tls: GrpcTls | None = None
                        ) -> tuple[grpc.aio.Server, int]:
-    """Serve ``backend`` on ``host:port`` (0: any free port); returns (server, bound port)."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    """Serve ``backend`` on ``host:port`` (0: any free port); returns (server, bound port).
+    With the cluster ``secret``, calls without its token are refused (``grpc_auth``);
+    with ``tls``, only TLS is served (``grpc_tls``)."""
+    warn_if_open("worker gRPC", host, secret)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
+                             interceptors=server_interceptors(secret))
     pb_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(backend), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = (server.add_insecure_port(address) if tls is None
+             else server.add_secure_port(address, tls.server_credentials()))
     if bound == 0:
         raise RuntimeError(f"cannot bind gRPC port {host}:{port}")
     await server.start()

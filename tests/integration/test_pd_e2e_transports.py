@@ -37,7 +37,7 @@ def test_greedy_pd_equals_aggregated_vllm_over_each_transport(
     tcp is the default cluster above."""
     for role in ("prefill", "decode"):
         (worker,) = pd_server.workers(role)
-        health = probe_health(worker["endpoint"], timeout_s=5)
+        health = probe_health(worker["endpoint"], timeout_s=5, secret=pd_server.secret)
         assert health.transport == request.node.callspec.params["pd_server"].split(":")[0]
     client = openai.OpenAI(base_url=pd_server.base_url, api_key="none", timeout=120)
     before = pd_server.load("decode")

@@ -52,7 +52,8 @@ def _index(server: Server) -> dict:
 
 
 def _prefill_loads(server: Server) -> dict[str, WorkerLoadReport]:
-    return {w["id"]: probe_load(w["endpoint"], timeout_s=5) for w in server.workers("prefill")}
+    return {w["id"]: probe_load(w["endpoint"], timeout_s=5, secret=server.secret)
+            for w in server.workers("prefill")}
 
 
 def _prefix(seed: int, words: int = 1100) -> str:

@@ -1,0 +1,84 @@
+"""Optional TLS on router→worker gRPC (``--tls-cert``, ``--tls-key``, ``--tls-ca``).
+
+The cluster token (``grpc_auth``) proves who calls; TLS keeps the token and the
+prompts from eavesdroppers and proves to the router that it talks to a worker
+whose certificate the CA signed. One set of flags serves both ends:
+
+- worker: serves TLS with ``--tls-cert``/``--tls-key``; with ``--tls-ca`` it also
+  requires a client certificate signed by that CA (mutual TLS).
+- router (and tools): verifies workers against ``--tls-ca`` (system roots
+  without it) and presents ``--tls-cert``/``--tls-key`` as its client certificate
+  when given. A worker's certificate must name the host the router dials (its
+  advertised address), e.g. an IP SAN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """Where the PEM files are; ``load`` reads them (once per process)."""
+
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("--tls-cert and --tls-key go together")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert or self.ca)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TlsFiles:
+        return cls(args.tls_cert, args.tls_key, args.tls_ca)
+
+    def flags(self) -> list[str]:
+        """The same files as flags, for a child process."""
+        return [arg for name, path in (("--tls-cert", self.cert), ("--tls-key", self.key),
+                                       ("--tls-ca", self.ca)) if path for arg in (name, path)]
+
+    def load(self) -> GrpcTls | None:
+        """The credentials' bytes, or None without TLS; ``ValueError`` names an unreadable file."""
+        return _load(self) if self.enabled else None
+
+
+@dataclass(frozen=True)
+class GrpcTls:
+    cert: bytes | None = field(default=None, repr=False)
+    key: bytes | None = field(default=None, repr=False)
+    ca: bytes | None = field(default=None, repr=False)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        if self.cert is None or self.key is None:
+            raise ValueError("a TLS worker needs --tls-cert and --tls-key")
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+                                           require_client_auth=self.ca is not None)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+
+@functools.lru_cache(maxsize=4)
+def _load(files: TlsFiles) -> GrpcTls:
+    return GrpcTls(_read(files.cert, "--tls-cert"), _read(files.key, "--tls-key"),
+                   _read(files.ca, "--tls-ca"))
+
+
+def _read(path: str | None, flag: str) -> bytes | None:
+    if not path:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read {flag} {path}: {exc.strerror or exc}") from None

@@ -1,0 +1,92 @@
+"""gRPC TLS between the router and workers (``pdserve/grpc_tls.py``): a simulated
+worker serving mutual TLS with the cluster token, a throwaway CA made here."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+from pathlib import Path
+
+import pytest
+from pdserve.router.worker_client import WorkerCallError, WorkerClient, probe_health
+
+from pdserve.cluster_secret import ClusterSecret
+from pdserve.grpc_tls import GrpcTls, TlsFiles
+from pdserve.sim_engine import SimConfig
+from pdserve.sim_worker import start_sim_worker
+
+x509 = pytest.importorskip("cryptography.x509")
+from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
+from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
+from cryptography.x509.oid import NameOID  # noqa: E402
+
+SECRET = ClusterSecret(b"the-cluster-secret-0123456789")
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _cert(name: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name,
+          issuer_key: ec.EllipticCurvePrivateKey, ca: bool = False) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (x509.CertificateBuilder()
+               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+               .issuer_name(issuer).public_key(key.public_key())
+               .serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=1))
+               .not_valid_after(now + datetime.timedelta(hours=1))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if not ca:
+        builder = builder.add_extension(x509.SubjectAlternativeName(
+            [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    """A CA and one certificate it signed for 127.0.0.1 (worker and router share it)."""
+    folder: Path = tmp_path_factory.mktemp("tls")
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pdserve test CA")])
+    ca = _cert("pdserve test CA", ca_key, ca_name, ca_key, ca=True)
+    cert = _cert("pdserve", key, ca_name, ca_key)
+    pem = serialization.Encoding.PEM
+    (folder / "ca.pem").write_bytes(ca.public_bytes(pem))
+    (folder / "cert.pem").write_bytes(cert.public_bytes(pem))
+    (folder / "key.pem").write_bytes(_pem_key(key))
+    return TlsFiles(str(folder / "cert.pem"), str(folder / "key.pem"), str(folder / "ca.pem"))
+
+
+async def test_mutual_tls_with_the_token(tls_files: TlsFiles) -> None:
+    tls = tls_files.load()
+    assert tls is not None and tls_files.load() is tls  # read once
+    assert "PRIVATE KEY" not in repr(tls)  # the key stays out of logs
+    server, port, _ = await start_sim_worker(SimConfig("prefill", "p0", block_size=16),
+                                             secret=SECRET, tls=tls)
+    endpoint = f"127.0.0.1:{port}"
+    client = WorkerClient(endpoint, SECRET, tls=tls)
+    try:
+        assert (await client.health(timeout_s=5)).worker_id == "p0"
+        assert (await asyncio.to_thread(probe_health, endpoint, 5, SECRET, tls)).ready
+        no_client_cert = GrpcTls(ca=tls.ca)
+        for other in (None, no_client_cert):  # plaintext, or TLS without a client certificate
+            with pytest.raises(WorkerCallError, match="UNAVAILABLE"):
+                await asyncio.to_thread(probe_health, endpoint, 3, SECRET, other)
+        with pytest.raises(WorkerCallError, match="UNAUTHENTICATED"):  # TLS is not the token
+            await asyncio.to_thread(probe_health, endpoint, 5, None, tls)
+    finally:
+        await client.close()
+        await server.stop(0)
+
+
+def test_tls_flags_pair_up_and_pass_on(tls_files: TlsFiles) -> None:
+    with pytest.raises(ValueError, match="go together"):
+        TlsFiles(cert="c.pem")
+    with pytest.raises(ValueError, match="cannot read --tls-ca"):
+        TlsFiles(ca="/nonexistent/ca.pem").load()
+    assert TlsFiles().load() is None
+    flags = tls_files.flags()
+    assert flags[::2] == ["--tls-cert", "--tls-key", "--tls-ca"]
