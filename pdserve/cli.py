@@ -30,9 +30,9 @@ DISAGG = ("disagg", "local-prefill-max-tokens", "local-prefill-max-queued-tokens
 ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement",
           "served-model-name", "log-timeline") + DISAGG
 UP = ("host", "port", "num-prefill", "num-decode", "placement", "cpu-layout", "with-etcd",
-      "startup-timeout-s") + DISAGG
+      "startup-timeout-s", "max-restarts", "restart-window-s", "simulated") + DISAGG
 SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",
-       "prefill-us-per-token", "decode-ms-per-token", "log-level")
+       "prefill-us-per-token", "decode-ms-per-token", "log-level") + MEMBERSHIP
 
 _HTTP = {"host": {"help": "the router's HTTP bind address"},
          "port": {"help": "the router's HTTP port"}}
@@ -134,9 +134,12 @@ def _run_up(args: argparse.Namespace, model: ResolvedModel) -> int:
 def _run_sim_worker(args: argparse.Namespace) -> int:
     import asyncio
 
+    from pdserve.membership import MembershipConfig, create_registrar
     from pdserve.sim_worker import serve_sim_worker, sim_config_from_args
 
-    asyncio.run(serve_sim_worker(sim_config_from_args(args), args.host, args.port))
+    membership = MembershipConfig.from_flags(args.etcd, args.cluster, args.etcd_ttl_s)
+    asyncio.run(serve_sim_worker(sim_config_from_args(args), args.host, args.port,
+                                 create_registrar(membership)))
     return 0
 
 

@@ -19,6 +19,8 @@ from collections.abc import AsyncGenerator
 import grpc
 
 from pdserve.kv_transfer.handle import KVHandle
+from pdserve.membership import Registrar, WorkerInfo
+from pdserve.membership.static import NullRegistrar
 from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 from pdserve.sim_engine import SimConfig, SimEngine
 from pdserve.types import PhaseOutput, PhaseRequest, WorkerHealth, WorkerLoadReport
@@ -111,15 +113,34 @@ async def start_sim_worker(config: SimConfig, host: str = "127.0.0.1", port: int
     return server, bound, engine
 
 
-async def serve_sim_worker(config: SimConfig, host: str, port: int) -> None:
-    server, bound, _ = await start_sim_worker(config, host, port)
+async def serve_sim_worker(config: SimConfig, host: str, port: int,
+                           registrar: Registrar | None = None) -> None:
+    """Serve until SIGTERM/SIGINT; registered with ``registrar`` (etcd) meanwhile, as a
+    vLLM worker is once ready."""
+    registrar = registrar or NullRegistrar()
+    server, bound, engine = await start_sim_worker(config, host, port)
     logger.info("simulated %s worker %s on %s:%d", config.role, config.worker_id, host, bound)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(1.0)
+    try:
+        await registrar.start(sim_worker_info(engine, host, bound))
+        await stop.wait()
+    finally:
+        await registrar.close()
+        await server.stop(1.0)
+
+
+def sim_worker_info(engine: SimEngine, host: str, port: int) -> WorkerInfo:
+    """What a simulated worker registers: its Health's identity, no KV endpoint."""
+    health = SimHost(engine).health()
+    advertise = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return WorkerInfo(worker_id=health.worker_id, role=health.role,
+                      grpc_endpoint=f"{advertise}:{port}", model=health.model,
+                      dtype=health.dtype, block_size=health.block_size,
+                      compatibility_hash=health.compatibility_hash,
+                      max_model_len=health.max_model_len)
 
 
 def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
