@@ -54,8 +54,12 @@ class SimHost:
         """One message per token, as they are made (the last one with the timing: no
         queue, no KV load, the first token's step as the compute)."""
         prompt, n = request.prompt_token_ids, request.sampling.max_tokens
+        # With a KV handle the prompt ends with the prefill's first token: continue
+        # the prompt's answer from its second token, so the text does not depend on
+        # whether the prompt was prefilled here (fallback, local) or remotely.
+        first_index = 1 if request.kv_handle is not None else 0
         i = 0
-        async for t in self.engine.decode(prompt, n):
+        async for t in self.engine.decode(prompt[:len(prompt) - first_index], n, first_index):
             clock.on_output((t,))
             i += 1
             if i < n:
