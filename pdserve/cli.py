@@ -30,11 +30,11 @@ DISAGG = ("disagg", "local-prefill-max-tokens", "local-prefill-max-queued-tokens
 ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement",
           "served-model-name", "log-timeline", "max-migrations") + DISAGG
 UP = ("host", "port", "num-prefill", "num-decode", "placement", "cpu-layout", "with-etcd",
-      "startup-timeout-s") + DISAGG
+      "startup-timeout-s", "max-restarts", "restart-window-s", "simulated") + DISAGG
 # The cluster secret: the router, every worker and up (which hands it to its children).
 SECURITY = ("cluster-secret-file", "tls-cert", "tls-key", "tls-ca")
 SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",
-       "prefill-us-per-token", "decode-ms-per-token", "log-level")
+       "prefill-us-per-token", "decode-ms-per-token", "log-level") + MEMBERSHIP
 
 _HTTP = {"host": {"help": "the router's HTTP bind address"},
          "port": {"help": "the router's HTTP port"}}
@@ -139,9 +139,12 @@ def _run_sim_worker(args: argparse.Namespace) -> int:
 
     from pdserve.cluster_secret import optional_secret
     from pdserve.grpc_tls import TlsFiles
+    from pdserve.membership import MembershipConfig, create_registrar
     from pdserve.sim_worker import serve_sim_worker, sim_config_from_args
 
+    membership = MembershipConfig.from_flags(args.etcd, args.cluster, args.etcd_ttl_s)
     asyncio.run(serve_sim_worker(sim_config_from_args(args), args.host, args.port,
+                                 create_registrar(membership),
                                  optional_secret(args.cluster_secret_file),
                                  TlsFiles.from_args(args).load()))
     return 0

@@ -27,6 +27,7 @@ from pdserve.router.disagg import (
 )
 from pdserve.router.migration import DEFAULT_MAX_MIGRATIONS
 from pdserve.router.placement import DEFAULT_PLACEMENT, PLACEMENTS
+from pdserve.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S
 
 Parse = Callable[[str], Any]
 
@@ -228,7 +229,8 @@ FLAGS = _flags(
          choices=CPU_LAYOUTS),
     Flag("with-etcd", "start a local etcd (the `etcd` binary) for membership", False,
          parse_bool, switch=True),
-    Flag("startup-timeout-s", "give up if not ready after this many seconds", 600.0,
+    Flag("startup-timeout-s", "fail the start if no decode worker is ready after this many "
+         "seconds (workers still starting then keep being supervised)", 600.0,
          parse_float(0, strict=True)),
     # security
     Flag("cluster-secret-file", "file holding the cluster's shared secret (at least 16 bytes; "
@@ -240,6 +242,15 @@ FLAGS = _flags(
     Flag("tls-key", "PEM private key of --tls-cert", metavar="PATH"),
     Flag("tls-ca", "PEM CA bundle: the router verifies workers against it (and uses TLS); "
          "a worker then requires client certificates it signed (mutual TLS)", metavar="PATH"),
+    Flag("max-restarts", "a child (worker or router) that exits is restarted with back-off "
+         "(1 s doubling to 30 s); after this many restarts within --restart-window-s it is "
+         "given up on (up exits once the router or every decode worker is)",
+         DEFAULT_MAX_RESTARTS, parse_int(0)),
+    Flag("restart-window-s", "the window --max-restarts counts restarts in",
+         DEFAULT_RESTART_WINDOW_S, parse_float(0, strict=True)),
+    Flag("simulated", "start simulated workers (sim-worker: made-up tokens, modelled times, "
+         "no vLLM) instead of vLLM ones: for router and fault tests only", False, parse_bool,
+         switch=True),
     # simulated worker
     Flag("role", "the simulated worker's role", "prefill", choices=("prefill", "decode")),
     Flag("block-size", "tokens per KV block", 16, parse_int(1)),

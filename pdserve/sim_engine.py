@@ -110,11 +110,14 @@ class SimEngine:
             finally:
                 c.num_running_reqs -= 1
 
-    async def decode(self, prompt: Sequence[int], max_tokens: int) -> AsyncIterator[int]:
+    async def decode(self, prompt: Sequence[int], max_tokens: int, first_index: int = 0
+                     ) -> AsyncIterator[int]:
+        """Output tokens ``first_index`` onwards of ``prompt``'s answer: a function of
+        the prompt alone, as a greedy engine's is, whichever worker made the first."""
         self.counters.num_running_reqs += 1
         try:
             seed = sum(prompt)
-            for i in range(max_tokens):
+            for i in range(first_index, first_index + max_tokens):
                 await asyncio.sleep(self.config.decode_s_per_token)
                 yield 10 + (seed + i) % 1000
         finally:

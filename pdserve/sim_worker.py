@@ -21,6 +21,8 @@ import grpc
 from pdserve.cluster_secret import ClusterSecret
 from pdserve.grpc_tls import GrpcTls
 from pdserve.kv_transfer.handle import KVHandle
+from pdserve.membership import Registrar, WorkerInfo
+from pdserve.membership.static import NullRegistrar
 from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 from pdserve.sim_engine import SimConfig, SimEngine
 from pdserve.types import PhaseOutput, PhaseRequest, WorkerHealth, WorkerLoadReport
@@ -54,8 +56,12 @@ class SimHost:
         """One message per token, as they are made (the last one with the timing: no
         queue, no KV load, the first token's step as the compute)."""
         prompt, n = request.prompt_token_ids, request.sampling.max_tokens
+        # With a KV handle the prompt ends with the prefill's first token: continue
+        # the prompt's answer from its second token, so the text does not depend on
+        # whether the prompt was prefilled here (fallback, local) or remotely.
+        first_index = 1 if request.kv_handle is not None else 0
         i = 0
-        async for t in self.engine.decode(prompt, n):
+        async for t in self.engine.decode(prompt[:len(prompt) - first_index], n, first_index):
             clock.on_output((t,))
             i += 1
             if i < n:
@@ -116,16 +122,35 @@ async def start_sim_worker(config: SimConfig, host: str = "127.0.0.1", port: int
 
 
 async def serve_sim_worker(config: SimConfig, host: str, port: int,
+                           registrar: Registrar | None = None,
                            secret: ClusterSecret | None = None,
                            tls: GrpcTls | None = None) -> None:
-    server, bound, _ = await start_sim_worker(config, host, port, secret, tls)
+    """Serve until SIGTERM/SIGINT; registered with ``registrar`` (etcd) meanwhile, as a
+    vLLM worker is once ready."""
+    registrar = registrar or NullRegistrar()
+    server, bound, engine = await start_sim_worker(config, host, port, secret, tls)
     logger.info("simulated %s worker %s on %s:%d", config.role, config.worker_id, host, bound)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(1.0)
+    try:
+        await registrar.start(sim_worker_info(engine, host, bound))
+        await stop.wait()
+    finally:
+        await registrar.close()
+        await server.stop(1.0)
+
+
+def sim_worker_info(engine: SimEngine, host: str, port: int) -> WorkerInfo:
+    """What a simulated worker registers: its Health's identity, no KV endpoint."""
+    health = SimHost(engine).health()
+    advertise = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return WorkerInfo(worker_id=health.worker_id, role=health.role,
+                      grpc_endpoint=f"{advertise}:{port}", model=health.model,
+                      dtype=health.dtype, block_size=health.block_size,
+                      compatibility_hash=health.compatibility_hash,
+                      max_model_len=health.max_model_len)
 
 
 def sim_config_from_args(args: argparse.Namespace) -> SimConfig:

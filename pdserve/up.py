@@ -1,40 +1,45 @@
 """``pdserve up``: router + prefill + decode workers on one machine, static membership.
 
 Each component is a child process in its own session (so its vLLM engine
-processes go with it); Ctrl-C / SIGTERM stops every child, SIGKILL after a grace
-period. Logs go to one file per component; startup shows progress and the
-endpoint is printed only once every worker and the router are healthy.
+processes go with it), supervised: one that exits is restarted with back-off
+while the rest keep serving (``up_watch.py``). Ctrl-C / SIGTERM stops every
+child, SIGKILL after a grace period. Logs go to one file per component; startup
+shows progress and the endpoint is printed once the cluster can serve.
+``--simulated`` starts simulated workers (``sim-worker``: made-up tokens,
+modelled times) instead of vLLM ones, for fast router and fault tests.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-import httpx
-from rich.console import Console
-from rich.live import Live
-from rich.table import Table
-
-from pdserve.cluster_secret import ClusterSecret, optional_secret, write_cluster_secret
+from pdserve.cluster_secret import optional_secret, write_cluster_secret
 from pdserve.cpu_layout import CPU_LAYOUTS, DEFAULT_CPU_LAYOUT, core_sets, resolve_layout
-from pdserve.grpc_tls import GrpcTls, TlsFiles
+from pdserve.grpc_tls import TlsFiles
 from pdserve.kv_transfer.base import transport_names
 from pdserve.membership.local_etcd import LocalEtcd
 from pdserve.model import ResolvedModel, cache_dir
 from pdserve.ports import free_port
 from pdserve.router.disagg import DisaggConfig
-from pdserve.router.worker_client import WorkerCallError, probe_health
+from pdserve.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S, RestartPolicy
+from pdserve.up_children import (  # Child and the fail-fast helpers: re-exported for bench/
+    STOP_GRACE_S,
+    Child,
+    console,
+    start_children,
+    stop_children,
+    wait_ready,
+)
+from pdserve.up_watch import ClusterWatch
 
-_STOP_GRACE_S = 15.0
-console = Console(stderr=True)
+__all__ = ["Child", "UpConfig", "free_port", "plan", "run_up", "start_children",
+           "stop_children", "wait_ready"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,11 @@ class UpConfig:
     etcd_ttl_s: int = 10
     num_kv_blocks: int | None = None  # prefill workers' KV blocks (overrides kv_cache_gib)
     disagg: DisaggConfig = DisaggConfig()  # handed to the router as its flags
+    # Supervision: a child failing more than max_restarts times within the window is
+    # given up on.
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    restart_window_s: float = DEFAULT_RESTART_WINDOW_S
+    simulated: bool = False  # sim-worker processes instead of vLLM workers
     # The cluster secret's file, handed to every child; None: ``run_up`` makes one.
     cluster_secret_file: str | None = None
     tls: TlsFiles = TlsFiles()  # gRPC TLS files, handed to every child
@@ -92,29 +102,24 @@ class UpConfig:
             kv_throttle_mib_s=args.kv_throttle_mib_s, kv_push=args.kv_push,
             etcd=args.etcd or "", with_etcd=args.with_etcd, cluster=args.cluster,
             etcd_ttl_s=args.etcd_ttl_s, num_kv_blocks=args.num_kv_blocks or None,
-            disagg=DisaggConfig.from_args(args), cluster_secret_file=args.cluster_secret_file,
-            tls=TlsFiles.from_args(args),
+            disagg=DisaggConfig.from_args(args), max_restarts=args.max_restarts,
+            restart_window_s=args.restart_window_s, simulated=args.simulated,
+            cluster_secret_file=args.cluster_secret_file, tls=TlsFiles.from_args(args),
         )
 
-
-@dataclass
-class Child:
-    name: str
-    argv: list[str]
-    log: Path
-    probe: str  # "grpc:host:port", "http://.../health" or "http://.../workers" (all routable)
-    proc: subprocess.Popen[bytes] | None = None
-    state: str = "starting"
-    extra: dict[str, str] = field(default_factory=dict)
+    @property
+    def restart_policy(self) -> RestartPolicy:
+        return RestartPolicy(self.max_restarts, self.restart_window_s)
 
 
 def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     py = [sys.executable, "-m", "pdserve.cli"]
     common = ["--model", cfg.model, "--max-model-len", str(cfg.max_model_len),
               "--log-level", cfg.log_level]
-    if cfg.cluster_secret_file:  # a path: the secret itself never shows in `ps`
-        common += ["--cluster-secret-file", cfg.cluster_secret_file]
-    common += cfg.tls.flags()  # certificates must name 127.0.0.1, where up probes
+    security = (["--cluster-secret-file", cfg.cluster_secret_file]  # a path: the secret
+                if cfg.cluster_secret_file else [])  # itself never shows in `ps`
+    security += cfg.tls.flags()  # certificates must name 127.0.0.1, where up probes
+    common += security
     membership = (["--etcd", cfg.etcd, "--cluster", cfg.cluster, "--etcd-ttl-s",
                    str(cfg.etcd_ttl_s)] if cfg.etcd else [])
     p_cores, d_cores = core_sets(cfg.num_prefill, cfg.num_decode, cfg.cpu_layout)
@@ -124,22 +129,21 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
                            ("decode", cfg.num_decode, d_cores)):
         for i in range(n):
             port, kv_port = free_port(), free_port()
-            argv = py + [role, *common, "--dtype", cfg.dtype, "--port", str(port),
-                         "--kv-port", str(kv_port), "--transport", cfg.transport,
-                         "--kv-cache-gib", str(cfg.kv_cache_gib), "--worker-id", f"{role}-{i}",
-                         *membership]
-            if cores[i]:
-                argv += ["--cpu-cores", cores[i]]
-            if cfg.kv_push is not None:
-                argv += ["--kv-push" if cfg.kv_push else "--no-kv-push"]
-            argv += ["--kv-checksum" if cfg.kv_checksum else "--no-kv-checksum",
-                     "--kv-throttle-mib-s", str(cfg.kv_throttle_mib_s)]
-            if role == "prefill" and cfg.num_kv_blocks:
-                argv += ["--num-kv-blocks", str(cfg.num_kv_blocks)]
+            core = "" if cfg.simulated else cores[i]
+            if cfg.simulated:  # no engine: no cores, KV or engine flags
+                argv = py + ["sim-worker", "--role", role, "--port", str(port),
+                             "--worker-id", f"{role}-{i}", "--log-level", cfg.log_level,
+                             *membership, *security]
+            else:
+                argv = py + [role, *common, "--dtype", cfg.dtype, "--port", str(port),
+                             "--kv-port", str(kv_port), "--transport", cfg.transport,
+                             "--kv-cache-gib", str(cfg.kv_cache_gib),
+                             "--worker-id", f"{role}-{i}", *membership]
+                argv += _engine_flags(cfg, role, core)
             endpoints[role].append(f"127.0.0.1:{port}")
             children.append(Child(f"{role}-{i}", argv, log_dir / f"{role}-{i}.log",
                                   f"grpc:127.0.0.1:{port}",
-                                  extra={"cores": cores[i]} if cores[i] else {}))
+                                  extra={"cores": core} if core else {}))
     workers = membership or ["--prefill", ",".join(endpoints["prefill"]),
                              "--decode", ",".join(endpoints["decode"])]
     router_argv = py + ["router", *common, "--host", cfg.host, "--port", str(cfg.port),
@@ -154,101 +158,15 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     return children
 
 
-def _healthy(child: Child, secret: ClusterSecret | None = None,
-             tls: GrpcTls | None = None) -> bool:
-    if child.probe.startswith("grpc:"):
-        target = child.probe.removeprefix("grpc:")
-        try:
-            health = probe_health(target, timeout_s=1, secret=secret, tls=tls)
-        except WorkerCallError:
-            return False
-        child.state = "ready" if health.ready else "loading engine"
-        return bool(health.ready)
-    try:
-        reply = httpx.get(child.probe, timeout=1)
-        ok = reply.status_code == 200
-        if ok and child.probe.endswith("/workers"):  # every worker found and healthy
-            healthy = sum(1 for w in reply.json()["workers"] if w["healthy"])
-            ok = healthy >= int(child.extra["num_workers"])
-    except (httpx.HTTPError, ValueError, KeyError):
-        return False
-    child.state = "ready" if ok else "waiting for workers"
-    return ok
-
-
-def _table(children: list[Child], started: float) -> Table:
-    table = Table(title=f"pdserve starting ({time.monotonic() - started:.0f}s)")
-    table.add_column("component")
-    table.add_column("state")
-    table.add_column("log")
-    for c in children:
-        table.add_row(c.name, c.state, str(c.log))
-    return table
-
-
-def start_children(children: list[Child]) -> None:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    for child in children:
-        child.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(child.log, "wb") as log:
-            child.proc = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, env=env,
-                                          start_new_session=True)
-
-
-def stop_children(children: list[Child], grace_s: float = _STOP_GRACE_S) -> None:
-    """SIGTERM every child's process group, then SIGKILL what is left after ``grace_s``."""
-    live = [c for c in children if c.proc is not None]
-    for c in reversed(live):  # router first: no new requests while workers drain
-        _signal_group(c, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for c in live:
-        assert c.proc is not None
-        try:
-            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for c in live:
-        _signal_group(c, signal.SIGKILL)  # the group: engine processes included
-        assert c.proc is not None
-        c.proc.wait(timeout=10)
-
-
-def _signal_group(child: Child, sig: int) -> None:
-    assert child.proc is not None
-    try:
-        os.killpg(child.proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def wait_ready(children: list[Child], timeout_s: float,
-               secret: ClusterSecret | None = None, tls: GrpcTls | None = None) -> None:
-    started = time.monotonic()
-    with Live(_table(children, started), console=console, refresh_per_second=2) as live:
-        while True:
-            for child in children:
-                assert child.proc is not None
-                if child.proc.poll() is not None:
-                    child.state = f"exited ({child.proc.returncode})"
-                    live.update(_table(children, started))
-                    raise RuntimeError(f"{child.name} exited during startup; see {child.log}:\n"
-                                       + _tail(child.log))
-                if child.state != "ready":
-                    _healthy(child, secret, tls)
-            live.update(_table(children, started))
-            if all(c.state == "ready" for c in children):
-                return
-            if time.monotonic() - started > timeout_s:
-                raise RuntimeError(f"not ready after {timeout_s:.0f}s")
-            time.sleep(0.5)
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
+def _engine_flags(cfg: UpConfig, role: str, cores: str) -> list[str]:
+    argv = ["--cpu-cores", cores] if cores else []
+    if cfg.kv_push is not None:
+        argv += ["--kv-push" if cfg.kv_push else "--no-kv-push"]
+    argv += ["--kv-checksum" if cfg.kv_checksum else "--no-kv-checksum",
+             "--kv-throttle-mib-s", str(cfg.kv_throttle_mib_s)]
+    if role == "prefill" and cfg.num_kv_blocks:
+        argv += ["--num-kv-blocks", str(cfg.num_kv_blocks)]
+    return argv
 
 
 def run_up(cfg: UpConfig) -> int:
@@ -266,7 +184,7 @@ def run_up(cfg: UpConfig) -> int:
         console.print(f"local etcd at {etcd.url} (data {etcd.data_dir})")
         cfg = replace(cfg, etcd=etcd.url, with_etcd=False)
     try:
-        return _run_children(cfg, log_dir)
+        return _run_children(cfg, log_dir, etcd)
     finally:
         if etcd is not None:
             etcd.stop()
@@ -284,8 +202,9 @@ def _print_layout(cfg: UpConfig, children: list[Child]) -> None:
         console.print(f"cpu layout {layout}{why}: {cores}")
 
 
-def _run_children(cfg: UpConfig, log_dir: Path) -> int:
-    children = plan(cfg, log_dir)
+def _run_children(cfg: UpConfig, log_dir: Path, etcd: LocalEtcd | None = None) -> int:
+    watch = ClusterWatch(plan(cfg, log_dir), cfg.restart_policy, etcd,
+                         optional_secret(cfg.cluster_secret_file), cfg.tls.load())
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -297,21 +216,16 @@ def _run_children(cfg: UpConfig, log_dir: Path) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        _print_layout(cfg, children)
-        start_children(children)
-        wait_ready(children, cfg.startup_timeout_s, optional_secret(cfg.cluster_secret_file),
-                   cfg.tls.load())
+        _print_layout(cfg, list(watch.children.values()))
+        if cfg.simulated:
+            console.print("[yellow]simulated workers[/]: made-up tokens, modelled times "
+                          "(no vLLM engine)")
+        watch.start()
+        watch.wait_servable(cfg.startup_timeout_s)
         console.print(f"[bold green]pdserve ready[/]: http://{cfg.host}:{cfg.port}/v1  "
                       f"(model {Path(cfg.model).name}, logs {log_dir})")
         print(f"http://{cfg.host}:{cfg.port}/v1", flush=True)
-        while True:
-            for child in children:
-                assert child.proc is not None
-                if child.proc.poll() is not None:
-                    console.print(f"[red]{child.name} exited ({child.proc.returncode})[/]; "
-                                  f"stopping. Log: {child.log}\n{_tail(child.log)}")
-                    return 1
-            time.sleep(0.5)
+        return watch.serve()
     except KeyboardInterrupt:
         console.print("stopping pdserve...")
         return 0
@@ -321,4 +235,4 @@ def _run_children(cfg: UpConfig, log_dir: Path) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stop_children(children)
+        watch.stop(STOP_GRACE_S)

@@ -1,0 +1,68 @@
+"""``pdserve up`` supervising real vLLM workers, on the shared tcp cluster
+(``pd_server``; this file sorts after ``test_pd_e2e.py`` and before the transport
+clusters, so it reuses that cluster): the prefill worker is SIGKILLed, every
+request meanwhile still gets vLLM's answer (decode prefills it), and the worker is
+restarted on its port, with its engine, and rejoins the router's view. The test
+waits for the rejoin, so the cluster it leaves is whole."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import openai
+import psutil
+import pytest
+from integration.pd_cases import CASES, run_case
+from pdserve_testing import Server, wait_until
+
+pytestmark = pytest.mark.integration
+
+# A vLLM engine starts in ~35 s on two cores; back-off 1 s; router health every 2 s.
+REJOIN_TIMEOUT_S = 240
+
+
+def _worker(server: Server, worker_id: str) -> psutil.Process | None:
+    for p in psutil.Process(server.proc.pid).children():
+        try:
+            argv = p.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        if "--worker-id" in argv and argv[argv.index("--worker-id") + 1] == worker_id:
+            return p
+    return None
+
+
+def _healthy(server: Server, worker_id: str) -> bool:
+    return any(w["id"] == worker_id and w["healthy"] for w in server.workers("prefill"))
+
+
+def test_sigkilled_prefill_worker_is_restarted_and_rejoins_while_answers_stay_exact(
+    pd_server: Server, reference: list[list[int]]
+) -> None:
+    victim = _worker(pd_server, "prefill-0")
+    assert victim is not None and _healthy(pd_server, "prefill-0")
+    (endpoint,) = [w["endpoint"] for w in pd_server.workers("prefill")]
+    engines = victim.children(recursive=True)
+    client = openai.OpenAI(base_url=pd_server.base_url, api_key="none", timeout=300)
+    victim.send_signal(signal.SIGKILL)
+    # Its engine is in its process group: the supervisor kills it, no orphan is left.
+    gone = wait_until(lambda: not any(e.is_running() and e.status() != psutil.STATUS_ZOMBIE
+                                      for e in engines), timeout_s=30)
+    assert gone, "the dead worker's engine processes survived it"
+    # While prefill-0 is down (and while its new engine loads), decode prefills.
+    started = time.monotonic()
+    while not _healthy(pd_server, "prefill-0"):
+        assert time.monotonic() - started < REJOIN_TIMEOUT_S, \
+            pd_server.log_lines("prefill-0", "exited", "restart")
+        for case, want in zip(CASES, reference, strict=True):
+            _, ids = run_case(client, case)
+            assert ids == want, f"{case.kind} stream={case.stream}: answer changed meanwhile"
+        time.sleep(1)
+    back = _worker(pd_server, "prefill-0")
+    assert back is not None and back.pid != victim.pid
+    assert [w["endpoint"] for w in pd_server.workers("prefill")] == [endpoint]
+    assert pd_server.log_lines("prefill-0 is back (restart 1)")
+    for case, want in zip(CASES, reference, strict=True):  # and P/D again
+        assert run_case(client, case)[1] == want
+
