@@ -9,17 +9,17 @@ module only picks the subcommand's flags and dispatches.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from pdserve.flags import FLAGS, FlagParser, HelpFormatter
+from pdserve.logs import setup_logging
 from pdserve.model import DEFAULT_MODEL_NAME, ResolvedModel
 
 # Flags by concern; a subcommand takes the groups it needs.
-COMMON = ("model", "max-model-len", "log-level")
+COMMON = ("model", "max-model-len", "log-level", "log-format")
 ENGINE = ("dtype", "kv-cache-gib", "num-kv-blocks")
 TRANSPORT = ("transport", "kv-checksum", "kv-throttle-mib-s", "kv-push")
 MEMBERSHIP = ("etcd", "cluster", "etcd-ttl-s")
@@ -32,7 +32,7 @@ ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement",
 UP = ("host", "port", "num-prefill", "num-decode", "placement", "cpu-layout", "with-etcd",
       "startup-timeout-s") + DISAGG
 SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",
-       "prefill-us-per-token", "decode-ms-per-token", "log-level")
+       "prefill-us-per-token", "decode-ms-per-token", "log-level", "log-format")
 
 _HTTP = {"host": {"help": "the router's HTTP bind address"},
          "port": {"help": "the router's HTTP port"}}
@@ -79,10 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(args, "log_level", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
     try:
         return _run(args)
     except ValueError as exc:
