@@ -27,10 +27,12 @@ WORKER = ("host", "port", "advertise-host", "kv-port", "kv-host", "cpu-cores", "
           "worker-id", "compile")
 DISAGG = ("disagg", "local-prefill-max-tokens", "local-prefill-max-queued-tokens",
           "local-decode-max-running")
+EDGE = ("api-key", "api-key-file", "admin-port", "admin-host", "max-concurrent-requests",
+        "max-queued-requests", "max-queue-wait-s", "max-body-bytes", "drain-timeout-s")
 ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement",
-          "served-model-name", "log-timeline") + DISAGG
+          "served-model-name", "log-timeline") + DISAGG + EDGE
 UP = ("host", "port", "num-prefill", "num-decode", "placement", "cpu-layout", "with-etcd",
-      "startup-timeout-s") + DISAGG
+      "startup-timeout-s") + DISAGG + EDGE
 SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",
        "prefill-us-per-token", "decode-ms-per-token", "log-level", "log-format")
 

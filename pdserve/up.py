@@ -28,6 +28,7 @@ from pdserve.membership.local_etcd import LocalEtcd
 from pdserve.model import ResolvedModel, cache_dir
 from pdserve.ports import free_port
 from pdserve.router.disagg import DisaggConfig
+from pdserve.router.edge_config import EdgeConfig
 from pdserve.router.worker_client import WorkerCallError, probe_health
 
 _STOP_GRACE_S = 15.0
@@ -48,6 +49,7 @@ class UpConfig:
     placement: str = "cache_aware"
     startup_timeout_s: float = 600.0
     log_level: str = "INFO"
+    log_format: str = "text"
     cpu_layout: str = DEFAULT_CPU_LAYOUT
     kv_push: bool | None = None  # None: each worker's default (push on CUDA only)
     kv_checksum: bool = False
@@ -59,6 +61,7 @@ class UpConfig:
     etcd_ttl_s: int = 10
     num_kv_blocks: int | None = None  # prefill workers' KV blocks (overrides kv_cache_gib)
     disagg: DisaggConfig = DisaggConfig()  # handed to the router as its flags
+    edge: EdgeConfig = EdgeConfig()  # the router's too (its keys in its environment)
 
     def __post_init__(self) -> None:
         if self.etcd and self.with_etcd:
@@ -80,11 +83,12 @@ class UpConfig:
             transport=args.transport, max_model_len=args.max_model_len,
             kv_cache_gib=args.kv_cache_gib, placement=args.placement,
             startup_timeout_s=args.startup_timeout_s, log_level=args.log_level,
+            log_format=args.log_format,
             cpu_layout=args.cpu_layout, kv_checksum=args.kv_checksum,
             kv_throttle_mib_s=args.kv_throttle_mib_s, kv_push=args.kv_push,
             etcd=args.etcd or "", with_etcd=args.with_etcd, cluster=args.cluster,
             etcd_ttl_s=args.etcd_ttl_s, num_kv_blocks=args.num_kv_blocks or None,
-            disagg=DisaggConfig.from_args(args),
+            disagg=DisaggConfig.from_args(args), edge=EdgeConfig.from_args(args),
         )
 
 
@@ -97,12 +101,14 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     state: str = "starting"
     extra: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # added to the child's environment
+    probe_headers: dict[str, str] = field(default_factory=dict)  # the router's API key
 
 
 def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     py = [sys.executable, "-m", "pdserve.cli"]
     common = ["--model", cfg.model, "--max-model-len", str(cfg.max_model_len),
-              "--log-level", cfg.log_level]
+              "--log-level", cfg.log_level, "--log-format", cfg.log_format]
     membership = (["--etcd", cfg.etcd, "--cluster", cfg.cluster, "--etcd-ttl-s",
                    str(cfg.etcd_ttl_s)] if cfg.etcd else [])
     p_cores, d_cores = core_sets(cfg.num_prefill, cfg.num_decode, cfg.cpu_layout)
@@ -131,14 +137,16 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     workers = membership or ["--prefill", ",".join(endpoints["prefill"]),
                              "--decode", ",".join(endpoints["decode"])]
     router_argv = py + ["router", *common, "--host", cfg.host, "--port", str(cfg.port),
-                        *workers, "--placement", cfg.placement, *cfg.disagg.flags()]
+                        *workers, "--placement", cfg.placement, *cfg.disagg.flags(),
+                        *cfg.edge.flags()]
     probe_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     # Ready once the router itself sees every worker healthy: a worker's own Health
     # turns ready up to one router health interval before the router places on it,
     # and a request in between would skip a prefill worker that is up.
     children.append(Child("router", router_argv, log_dir / "router.log",
                           f"http://{probe_host}:{cfg.port}/workers",
-                          extra={"num_workers": str(cfg.num_prefill + cfg.num_decode)}))
+                          extra={"num_workers": str(cfg.num_prefill + cfg.num_decode)},
+                          env=cfg.edge.env(), probe_headers=cfg.edge.probe_headers()))
     return children
 
 
@@ -152,7 +160,7 @@ def _healthy(child: Child) -> bool:
         child.state = "ready" if health.ready else "loading engine"
         return bool(health.ready)
     try:
-        reply = httpx.get(child.probe, timeout=1)
+        reply = httpx.get(child.probe, timeout=1, headers=child.probe_headers)
         ok = reply.status_code == 200
         if ok and child.probe.endswith("/workers"):  # every worker found and healthy
             healthy = sum(1 for w in reply.json()["workers"] if w["healthy"])
@@ -179,7 +187,7 @@ def start_children(children: list[Child]) -> None:
         child.log.parent.mkdir(parents=True, exist_ok=True)
         with open(child.log, "wb") as log:
             child.proc = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, env=env,
+                                          stdin=subprocess.DEVNULL, env={**env, **child.env},
                                           start_new_session=True)
 
 

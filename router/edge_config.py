@@ -73,6 +73,10 @@ class EdgeConfig:
     def env(self) -> dict[str, str]:
         return {"PDSERVE_API_KEY": ",".join(self.api_keys)} if self.api_keys else {}
 
+    def probe_headers(self) -> dict[str, str]:
+        """What a probe of the main port's admin views sends (``pdserve up``'s)."""
+        return {"Authorization": f"Bearer {self.api_keys[0]}"} if self.api_keys else {}
+
 
 def check_api_key(key: str) -> str:
     """A key must survive an HTTP header and a comma-separated environment variable."""
