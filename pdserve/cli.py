@@ -9,17 +9,17 @@ module only picks the subcommand's flags and dispatches.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from pdserve.flags import FLAGS, FlagParser, HelpFormatter
+from pdserve.logs import setup_logging
 from pdserve.model import DEFAULT_MODEL_NAME, ResolvedModel
 
 # Flags by concern; a subcommand takes the groups it needs.
-COMMON = ("model", "max-model-len", "log-level")
+COMMON = ("model", "max-model-len", "log-level", "log-format")
 ENGINE = ("dtype", "kv-cache-gib", "num-kv-blocks")
 TRANSPORT = ("transport", "kv-checksum", "kv-throttle-mib-s", "kv-push")
 MEMBERSHIP = ("etcd", "cluster", "etcd-ttl-s")
@@ -27,14 +27,16 @@ WORKER = ("host", "port", "advertise-host", "kv-port", "kv-host", "cpu-cores", "
           "worker-id", "compile")
 DISAGG = ("disagg", "local-prefill-max-tokens", "local-prefill-max-queued-tokens",
           "local-decode-max-running")
+EDGE = ("api-key", "api-key-file", "admin-port", "admin-host", "max-concurrent-requests",
+        "max-queued-requests", "max-queue-wait-s", "max-body-bytes", "drain-timeout-s")
 ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement",
-          "served-model-name", "log-timeline", "max-migrations") + DISAGG
+          "served-model-name", "log-timeline", "max-migrations") + DISAGG + EDGE
 UP = ("host", "port", "num-prefill", "num-decode", "placement", "cpu-layout", "with-etcd",
-      "startup-timeout-s", "max-restarts", "restart-window-s", "simulated") + DISAGG
+      "startup-timeout-s", "max-restarts", "restart-window-s", "simulated") + DISAGG + EDGE
 # The cluster secret: the router, every worker and up (which hands it to its children).
 SECURITY = ("cluster-secret-file", "tls-cert", "tls-key", "tls-ca")
 SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",
-       "prefill-us-per-token", "decode-ms-per-token", "log-level") + MEMBERSHIP
+       "prefill-us-per-token", "decode-ms-per-token", "log-level", "log-format") + MEMBERSHIP
 
 _HTTP = {"host": {"help": "the router's HTTP bind address"},
          "port": {"help": "the router's HTTP port"}}
@@ -81,10 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(args, "log_level", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
     try:
         return _run(args)
     except ValueError as exc:

@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 from pdserve.cpu_layout import CPU_LAYOUTS
 from pdserve.kv_transfer.base import transport_names
+from pdserve.logs import DEFAULT_LOG_FORMAT, LOG_FORMATS
 from pdserve.membership import DEFAULT_TTL_S
 from pdserve.router.disagg import (
     DEFAULT_DISAGG_MODE,
@@ -25,6 +26,7 @@ from pdserve.router.disagg import (
     DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
     DISAGG_MODES,
 )
+from pdserve.router.edge_config import check_api_key
 from pdserve.router.migration import DEFAULT_MAX_MIGRATIONS
 from pdserve.router.placement import DEFAULT_PLACEMENT, PLACEMENTS
 from pdserve.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S
@@ -64,6 +66,7 @@ class Flag:
     choices: Sequence[str] | None = None
     switch: bool = False  # --name / --no-name
     metavar: str | None = None
+    repeat: bool = False  # may be given several times; ``parse`` returns a tuple to add up
 
     @property
     def env(self) -> str:
@@ -82,6 +85,9 @@ class Flag:
         if flag.switch:
             parser.add_argument(f"--{flag.name}", action=argparse.BooleanOptionalAction,
                                 **kwargs)
+        elif flag.repeat:
+            parser.add_argument(f"--{flag.name}", action=_Repeated, metavar=flag.metavar,
+                                **kwargs)
         else:
             parser.add_argument(f"--{flag.name}", choices=flag.choices,
                                 metavar=flag.metavar, **kwargs)
@@ -98,6 +104,18 @@ class Flag:
                 f"invalid choice {str(text)!r}{source} (choose from "
                 f"{', '.join(self.choices)})")
         return value
+
+
+class _Repeated(argparse.Action):
+    """A flag given several times: its values (tuples) add up, and the first one on the
+    command line replaces the default (the environment's), as every flag's does."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        current = getattr(namespace, self.dest, None)
+        if current is None or current is self.default:
+            current = ()
+        setattr(namespace, self.dest, (*current, *values))
 
 
 # ---- value parsers: ValueError says what was expected --------------------------------
@@ -139,6 +157,14 @@ def parse_float(low: float, *, strict: bool = False) -> Parse:
 parse_port = parse_int(0, 65535)
 
 
+def parse_api_keys(text: str) -> tuple[str, ...]:
+    """Comma-separated keys (one per ``--api-key``; the environment may hold several)."""
+    keys = tuple(k.strip() for k in text.split(",") if k.strip())
+    for key in keys:
+        check_api_key(key)
+    return keys
+
+
 # ---- the table ------------------------------------------------------------------------
 
 def _log_level(text: str) -> str:
@@ -156,6 +182,8 @@ FLAGS = _flags(
     Flag("max-model-len", "longest prompt + output in tokens", 4096, parse_int(16)),
     Flag("log-level", "log level", "INFO", _log_level,
          choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")),
+    Flag("log-format", "log lines as text, or one JSON object per line (json); both carry "
+         "the request id of lines about a request", DEFAULT_LOG_FORMAT, choices=LOG_FORMATS),
     Flag("host", "bind address", "127.0.0.1"),
     Flag("port", "port", 8000, parse_port),
     Flag("worker-id", "this worker's id (default: <role>-<random>)"),
@@ -221,6 +249,26 @@ FLAGS = _flags(
     Flag("log-timeline", "log each finished request's timeline (its phases' times) as one "
          "JSON line on logger pdserve.timeline (also on at --log-level DEBUG)", False,
          parse_bool, switch=True),
+    # the router's HTTP edge (router/edge_config.py)
+    Flag("api-key", "require `Authorization: Bearer <key>` on /v1/* (and on /metrics, "
+         "/workers, /prefix_index of the main port); repeatable; the environment variable "
+         "may hold several, comma-separated", None, parse_api_keys, repeat=True,
+         metavar="KEY"),
+    Flag("api-key-file", "API keys, one per line (blank lines and # comments skipped), "
+         "added to --api-key", metavar="PATH"),
+    Flag("admin-port", "serve /metrics, /workers, /prefix_index and /health without a key "
+         "on this port (0: no admin listener)", 0, parse_port),
+    Flag("admin-host", "the admin listener's bind address", "127.0.0.1"),
+    Flag("max-concurrent-requests", "generation requests running at once; more wait in "
+         "the queue", 256, parse_int(1)),
+    Flag("max-queued-requests", "generation requests waiting for a slot; beyond: 429 "
+         "with Retry-After", 1024, parse_int(0)),
+    Flag("max-queue-wait-s", "how long a request may wait for a slot before its 429",
+         30.0, parse_float(0)),
+    Flag("max-body-bytes", "largest request body; larger: 413 before it is parsed",
+         4 * 1024 * 1024, parse_int(1)),
+    Flag("drain-timeout-s", "on SIGTERM: stop admitting, give in-flight requests this "
+         "long to finish, then exit", 30.0, parse_float(0)),
     Flag("num-prefill", "prefill workers to start", 1, parse_int(0)),
     Flag("num-decode", "decode workers to start", 1, parse_int(1)),
     Flag("cpu-layout", "CPU only: engines share every core, or split them (prefill on the "

@@ -62,6 +62,7 @@ class ChildSpec:
     name: str
     argv: Sequence[str]
     log: Path  # stdout and stderr; a restart appends to it
+    env: Mapping[str, str] = field(default_factory=dict)  # on top of the supervisor's
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ class Supervisor:
                           f"(last exit {child.returncode}) ---\n".encode())
                 log.flush()
             child.proc = subprocess.Popen(list(spec.argv), stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, env=self._env,
+                                          stdin=subprocess.DEVNULL, env={**self._env, **spec.env},
                                           start_new_session=True)
         child.restart_at = None
         if not first:

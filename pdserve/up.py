@@ -27,6 +27,7 @@ from pdserve.membership.local_etcd import LocalEtcd
 from pdserve.model import ResolvedModel, cache_dir
 from pdserve.ports import free_port
 from pdserve.router.disagg import DisaggConfig
+from pdserve.router.edge_config import EdgeConfig
 from pdserve.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S, RestartPolicy
 from pdserve.up_children import (  # Child and the fail-fast helpers: re-exported for bench/
     STOP_GRACE_S,
@@ -75,6 +76,8 @@ class UpConfig:
     # The cluster secret's file, handed to every child; None: ``run_up`` makes one.
     cluster_secret_file: str | None = None
     tls: TlsFiles = TlsFiles()  # gRPC TLS files, handed to every child
+    log_format: str = "text"
+    edge: EdgeConfig = EdgeConfig()  # the router's too (its keys in its environment)
 
     def __post_init__(self) -> None:
         if self.etcd and self.with_etcd:
@@ -105,6 +108,7 @@ class UpConfig:
             disagg=DisaggConfig.from_args(args), max_restarts=args.max_restarts,
             restart_window_s=args.restart_window_s, simulated=args.simulated,
             cluster_secret_file=args.cluster_secret_file, tls=TlsFiles.from_args(args),
+            log_format=args.log_format, edge=EdgeConfig.from_args(args),
         )
 
     @property
@@ -115,7 +119,7 @@ class UpConfig:
 def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     py = [sys.executable, "-m", "pdserve.cli"]
     common = ["--model", cfg.model, "--max-model-len", str(cfg.max_model_len),
-              "--log-level", cfg.log_level]
+              "--log-level", cfg.log_level, "--log-format", cfg.log_format]
     security = (["--cluster-secret-file", cfg.cluster_secret_file]  # a path: the secret
                 if cfg.cluster_secret_file else [])  # itself never shows in `ps`
     security += cfg.tls.flags()  # certificates must name 127.0.0.1, where up probes
@@ -133,7 +137,7 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
             if cfg.simulated:  # no engine: no cores, KV or engine flags
                 argv = py + ["sim-worker", "--role", role, "--port", str(port),
                              "--worker-id", f"{role}-{i}", "--log-level", cfg.log_level,
-                             *membership, *security]
+                             "--log-format", cfg.log_format, *membership, *security]
             else:
                 argv = py + [role, *common, "--dtype", cfg.dtype, "--port", str(port),
                              "--kv-port", str(kv_port), "--transport", cfg.transport,
@@ -147,14 +151,16 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     workers = membership or ["--prefill", ",".join(endpoints["prefill"]),
                              "--decode", ",".join(endpoints["decode"])]
     router_argv = py + ["router", *common, "--host", cfg.host, "--port", str(cfg.port),
-                        *workers, "--placement", cfg.placement, *cfg.disagg.flags()]
+                        *workers, "--placement", cfg.placement, *cfg.disagg.flags(),
+                        *cfg.edge.flags()]
     probe_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     # Ready once the router itself sees every worker healthy: a worker's own Health
     # turns ready up to one router health interval before the router places on it,
     # and a request in between would skip a prefill worker that is up.
     children.append(Child("router", router_argv, log_dir / "router.log",
                           f"http://{probe_host}:{cfg.port}/workers",
-                          extra={"num_workers": str(cfg.num_prefill + cfg.num_decode)}))
+                          extra={"num_workers": str(cfg.num_prefill + cfg.num_decode)},
+                          env=cfg.edge.env(), probe_headers=cfg.edge.probe_headers()))
     return children
 
 

@@ -35,6 +35,8 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     state: str = "starting"
     extra: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # added to the child's environment
+    probe_headers: dict[str, str] = field(default_factory=dict)  # the router's API key
     # The router's last /workers answer: how many workers (of which decode) it finds healthy.
     num_healthy: int = 0
     num_healthy_decode: int = 0
@@ -58,7 +60,7 @@ def probe_child(child: Child, secret: ClusterSecret | None = None,
         child.state = "ready" if health.ready else "loading engine"
         return bool(health.ready)
     try:
-        reply = httpx.get(child.probe, timeout=1)
+        reply = httpx.get(child.probe, timeout=1, headers=child.probe_headers)
         ok = reply.status_code == 200
         if ok and child.probe.endswith("/workers"):  # every worker found and healthy
             healthy = [w for w in reply.json()["workers"] if w["healthy"]]
@@ -87,7 +89,7 @@ def start_children(children: list[Child]) -> None:
         child.log.parent.mkdir(parents=True, exist_ok=True)
         with open(child.log, "wb") as log:
             child.proc = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, env=env,
+                                          stdin=subprocess.DEVNULL, env={**env, **child.env},
                                           start_new_session=True)
 
 

@@ -41,8 +41,8 @@ class ClusterWatch:
                  tls: GrpcTls | None = None) -> None:
         self.children = {c.name: c for c in children}
         self._secret, self._tls = secret, tls  # what workers are probed with
-        self.supervisor = Supervisor([ChildSpec(c.name, c.argv, c.log) for c in children],
-                                     policy, child_env())
+        specs = [ChildSpec(c.name, c.argv, c.log, c.env) for c in children]
+        self.supervisor = Supervisor(specs, policy, child_env())
         self._etcd = etcd
         self._etcd_restarts = 0
         self._etcd_retry_at: float | None = None  # set while etcd is down

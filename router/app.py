@@ -1,7 +1,10 @@
 """The router's OpenAI-compatible HTTP layer: a thin FastAPI adapter.
 
 Validation lives in ``schemas.py``, tokenization in ``preprocess.py``, running requests
-in ``serving.py``, error rendering in ``errors.py``. This module wires them to routes.
+in ``serving.py``, error rendering in ``errors.py``. The edge in front of the routes is
+one ASGI middleware per concern, outermost first: metrics (``RequestMetricsMiddleware``),
+request ids (``request_ids.py``), client keys (``auth.py``), the body limit
+(``body_limit.py``), admission (``admission.py``). This module wires them to routes.
 """
 
 from __future__ import annotations
@@ -15,17 +18,30 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .admission import Admission, AdmissionMiddleware, draining_error
+from .auth import ApiKeyMiddleware, ApiKeys
+from .body_limit import BodyLimitMiddleware
+from .edge_config import EdgeConfig
 from .errors import ServiceUnavailableError, error_response, install_error_handlers
 from .metrics import RouterMetrics
-from .preprocess import Preprocessor, Tokenizer
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .openapi import ERROR_RESPONSES, stream_responses, without_422
+from .outcome import outcome_of
+from .preprocess import OffLoop, Preprocessor, Tokenizer
+from .request_ids import RequestIdMiddleware, arrival_of, request_id_of
+from .schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+)
 from .serving import OpenAIServing
 from .types import Dispatcher
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 _GENERATION_PATHS = frozenset({COMPLETIONS_PATH, CHAT_COMPLETIONS_PATH})
-_KNOWN_PATHS = _GENERATION_PATHS | {"/v1/models", "/health", "/metrics"}
+_KNOWN_PATHS = _GENERATION_PATHS | {"/v1/models", "/health", "/metrics", "/workers",
+                                    "/prefix_index"}
 
 
 def create_app(
@@ -35,14 +51,18 @@ def create_app(
     tokenizer: Any,
     dispatcher: Dispatcher,
     registry: CollectorRegistry | None = None,
+    edge: EdgeConfig | None = None,
 ) -> FastAPI:
     """Build the router app. ``tokenizer`` is a Hugging Face tokenizer (see
     ``preprocess.Tokenizer``). Pass the dispatcher's ``registry`` so ``/metrics`` serves both;
-    without one the app gets a fresh registry. ``app.state.metrics`` is the
-    ``RouterMetrics``, ``app.state.registry`` the registry."""
+    without one the app gets a fresh registry. ``edge``: keys, admission and body limits
+    (default: ``EdgeConfig()``, no keys). ``app.state`` holds ``metrics`` (the
+    ``RouterMetrics``), ``registry``, ``admission`` (drain it with ``start_drain()``)."""
+    edge = edge or EdgeConfig()
     if registry is None:
         registry = CollectorRegistry()
-    metrics = RouterMetrics(registry)
+    admission = Admission(edge.max_concurrent, edge.max_queued, edge.max_queue_wait_s)
+    metrics = RouterMetrics(registry, admission)
     typed_tokenizer: Tokenizer = tokenizer
     preprocessor = Preprocessor(
         served_model_name=served_model_name,
@@ -54,34 +74,64 @@ def create_app(
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None)
     app.state.metrics = metrics
     app.state.registry = registry
+    app.state.admission = admission
     install_error_handlers(app)
+    app.add_middleware(AdmissionMiddleware, admission=admission, paths=_GENERATION_PATHS)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=edge.max_body_bytes)
+    app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(edge.api_keys))
+    app.add_middleware(RequestIdMiddleware, unique_paths=_GENERATION_PATHS)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
-    app.include_router(_openai_routes(preprocessor, serving))
-    app.include_router(_operations_routes(preprocessor, dispatcher, registry))
+    app.include_router(_openai_routes(preprocessor, serving, OffLoop()))
+    app.include_router(_operations_routes(preprocessor, dispatcher, admission))
+    app.include_router(admin_routes(registry))
+    without_422(app)
     return app
 
 
-def _openai_routes(preprocessor: Preprocessor, serving: OpenAIServing) -> APIRouter:
+def create_admin_app(registry: CollectorRegistry, *routers: APIRouter) -> FastAPI:
+    """The admin listener's app: ``/metrics`` and ``routers`` (the cluster views), without
+    keys; bind it to a private address (``--admin-host``)."""
+    app = FastAPI(title="pdserve router admin", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.include_router(admin_routes(registry))
+    for router in routers:
+        app.include_router(router)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app
+
+
+def _openai_routes(preprocessor: Preprocessor, serving: OpenAIServing,
+                   off_loop: OffLoop) -> APIRouter:
     router = APIRouter()
 
-    @router.post(COMPLETIONS_PATH)
+    @router.post(COMPLETIONS_PATH, response_model=None,
+                 responses=stream_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await serving.serve(preprocessor.completion(body), request)
+        generation = await off_loop.run(preprocessor.completion, body,
+                                        request_id_of(request.scope), arrival_of(request.scope))
+        return await serving.serve(generation, request)
 
-    @router.post(CHAT_COMPLETIONS_PATH)
+    @router.post(CHAT_COMPLETIONS_PATH, response_model=None,
+                 responses=stream_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await serving.serve(preprocessor.chat(body), request)
+        generation = await off_loop.run(preprocessor.chat, body,
+                                        request_id_of(request.scope), arrival_of(request.scope))
+        return await serving.serve(generation, request)
 
     return router
 
 
 def _operations_routes(
-    preprocessor: Preprocessor, dispatcher: Dispatcher, registry: CollectorRegistry
+    preprocessor: Preprocessor, dispatcher: Dispatcher, admission: Admission
 ) -> APIRouter:
     router = APIRouter()
     created = int(time.time())
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", responses=ERROR_RESPONSES)
     async def models() -> dict[str, Any]:
         card = {
             "id": preprocessor.served_model_name,
@@ -92,15 +142,23 @@ def _operations_routes(
         }
         return {"object": "list", "data": [card]}
 
-    @router.get("/health")
+    @router.get("/health", responses=ERROR_RESPONSES)
     async def health() -> Response:
+        if admission.draining:
+            return error_response(draining_error())
         if dispatcher.is_ready():
             return JSONResponse({"status": "ok"})
         return error_response(
             ServiceUnavailableError("no healthy worker route", code="no_worker_available")
         )
 
-    @router.get("/metrics")
+    return router
+
+
+def admin_routes(registry: CollectorRegistry) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/metrics", response_class=Response, responses=ERROR_RESPONSES)
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -108,8 +166,11 @@ def _operations_routes(
 
 
 class RequestMetricsMiddleware:
-    """Counts requests by endpoint and final status, and generation requests in flight.
+    """Counts requests by endpoint and final status, failed generation requests by
+    reason, and generation requests in flight.
 
+    The final status is the recorded outcome (``outcome.py``) when there is one: a
+    stream that failed after its 200 counts with its error's status, not as a 200.
     Pure ASGI (not ``BaseHTTPMiddleware``) so streaming responses pass through untouched
     and the in-flight gauge covers the whole stream.
     """
@@ -140,4 +201,9 @@ class RequestMetricsMiddleware:
             if tracked:
                 self.metrics.requests_in_flight.dec()
             endpoint = path if path in _KNOWN_PATHS else "other"
-            self.metrics.requests.labels(endpoint, str(status)).inc()
+            outcome = outcome_of(scope)
+            final = outcome.status if outcome is not None else status
+            self.metrics.requests.labels(endpoint, str(final)).inc()
+            if tracked and final != 200:
+                reason = outcome.reason if outcome is not None else f"http_{final}"
+                self.metrics.request_failures.labels(endpoint, reason).inc()

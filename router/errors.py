@@ -16,7 +16,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Message, Scope, Send
 
+from .outcome import outcome_reason, record_outcome
 from .types import NoWorkerAvailableError, WorkerFailedError
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,35 @@ class MethodNotAllowedError(APIError):
     error_type = "invalid_request_error"
 
 
+class AuthenticationError(APIError):
+    status_code = 401
+    error_type = "authentication_error"
+
+
+class ConflictError(APIError):
+    status_code = 409
+    error_type = "invalid_request_error"
+
+
+class RequestTooLargeError(APIError):
+    status_code = 413
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str):
+        super().__init__(message, code="request_too_large")
+
+
+class TooManyRequestsError(APIError):
+    """Admission refused: the client should retry after ``retry_after_s``."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message, code="too_many_requests")
+        self.retry_after_s = retry_after_s
+
+
 class ServiceUnavailableError(APIError):
     status_code = 503
     error_type = "service_unavailable"
@@ -128,11 +159,35 @@ def error_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status_code, headers=headers)
 
 
+def error_headers(error: APIError) -> dict[str, str]:
+    """Headers an error's response carries besides its body (``Retry-After`` on a 429,
+    the auth scheme on a 401)."""
+    if isinstance(error, TooManyRequestsError):
+        return {"Retry-After": str(error.retry_after_s)}
+    if isinstance(error, AuthenticationError):
+        return {"WWW-Authenticate": "Bearer"}
+    return {}
+
+
+async def send_error(scope: Scope, send: Send, error: APIError) -> None:
+    """Answer from ASGI middleware (before any route runs) with the error's JSON and
+    headers, and record the outcome for the metrics."""
+    record_outcome(scope, error.status_code, outcome_reason(error))
+    response = JSONResponse(error.body(), status_code=error.status_code,
+                            headers=error_headers(error))
+    await response(scope, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Render every error the app raises as OpenAI error JSON (validation errors as 400)."""
 
     async def handle(request: Request, exc: Exception) -> JSONResponse:
         response = error_response(exc)
+        record_outcome(request.scope, response.status_code, outcome_reason(to_api_error(exc)))
         where = f"{request.method} {request.url.path}"
         if not isinstance(exc, _EXPECTED):
             logger.error("%s -> %d: unexpected error", where, response.status_code, exc_info=exc)
@@ -145,6 +200,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def _from_http_exception(exc: StarletteHTTPException) -> APIError:
+    if exc.status_code == 413:  # the body limit, found while FastAPI read the body
+        return RequestTooLargeError(str(exc.detail))
     if exc.status_code == 404:
         return RouteNotFoundError("Not found: no such route")
     if exc.status_code == 405:

@@ -8,6 +8,8 @@ serves the whole registry.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 PREFIX = "pdserve_router_"
@@ -32,10 +34,20 @@ _TOKEN_LATENCY_BUCKETS = (
 )
 
 
+class AdmissionState(Protocol):
+    """What the gauges read from admission control (``admission.Admission``)."""
+
+    num_running: int
+
+    @property
+    def num_waiting(self) -> int: ...
+
+
 class RouterMetrics:
     """The router's request-level metrics. Token metrics are observed once per chunk."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry,
+                 admission: AdmissionState | None = None) -> None:
         self.registry = registry
         self.requests = Counter(
             f"{PREFIX}requests",
@@ -43,6 +55,21 @@ class RouterMetrics:
             ["endpoint", "status_code"],
             registry=registry,
         )
+        self.request_failures = Counter(
+            f"{PREFIX}request_failures",
+            "Generation requests that did not finish normally, by endpoint and reason: an "
+            "OpenAI error code (worker_failed, too_many_requests, invalid_api_key, ...) or "
+            "client_closed. A stream that failed midway counts here, not as a success.",
+            ["endpoint", "reason"],
+            registry=registry,
+        )
+        if admission is not None:
+            Gauge(f"{PREFIX}num_requests_running", "Generation requests holding an "
+                  "admission slot.", registry=registry).set_function(
+                lambda: admission.num_running)
+            Gauge(f"{PREFIX}num_requests_waiting", "Generation requests queued for an "
+                  "admission slot.", registry=registry).set_function(
+                lambda: admission.num_waiting)
         self.requests_in_flight = Gauge(
             f"{PREFIX}requests_in_flight",
             "Generation requests received and not yet answered.",

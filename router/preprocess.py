@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 from pdserve.types import SamplingSpec
 
@@ -19,6 +22,7 @@ from .schemas import ChatCompletionRequest, CompletionRequest
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 Endpoint = Literal["completions", "chat"]
+T = TypeVar("T")
 
 
 class Tokenizer(TokenDecoder, Protocol):
@@ -57,18 +61,24 @@ class Preprocessor:
         self._tokenizer = tokenizer
         self._vocab_size = len(tokenizer)
 
-    def completion(self, body: CompletionRequest) -> GenerationRequest:
-        arrival_s = time.perf_counter()
+    def completion(self, body: CompletionRequest, request_id: str | None = None,
+                   arrival_s: float | None = None) -> GenerationRequest:
+        """``request_id``: the id the router's edge gave the request (default: a fresh
+        one); the workers see ``cmpl-<request_id>``. ``arrival_s``: ``perf_counter()``
+        at arrival (default: now)."""
+        arrival_s = time.perf_counter() if arrival_s is None else arrival_s
         self._check_model(body.model)
         if isinstance(body.prompt, str):
             prompt_ids = self._tokenizer.encode(body.prompt, add_special_tokens=True)
         else:
             prompt_ids = self._check_token_ids(body.prompt)
         max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
-        return self._build("completions", body, prompt_ids, max_tokens, arrival_s)
+        return self._build("completions", body, prompt_ids, max_tokens, arrival_s, request_id)
 
-    def chat(self, body: ChatCompletionRequest) -> GenerationRequest:
-        arrival_s = time.perf_counter()
+    def chat(self, body: ChatCompletionRequest, request_id: str | None = None,
+             arrival_s: float | None = None) -> GenerationRequest:
+        """As ``completion``; the workers see ``chatcmpl-<request_id>``."""
+        arrival_s = time.perf_counter() if arrival_s is None else arrival_s
         self._check_model(body.model)
         try:
             text = self._tokenizer.apply_chat_template(
@@ -78,7 +88,7 @@ class Preprocessor:
             raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
         prompt_ids = self._tokenizer.encode(str(text), add_special_tokens=False)
         max_tokens = body.requested_max_tokens or self.max_model_len - len(prompt_ids)
-        return self._build("chat", body, prompt_ids, max_tokens, arrival_s)
+        return self._build("chat", body, prompt_ids, max_tokens, arrival_s, request_id)
 
     def _check_model(self, model: str) -> None:
         if model != self.served_model_name:
@@ -100,6 +110,7 @@ class Preprocessor:
         prompt_ids: list[int],
         max_tokens: int,
         arrival_s: float,
+        request_id: str | None,
     ) -> GenerationRequest:
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -111,7 +122,7 @@ class Preprocessor:
             )
         prefix = "cmpl" if endpoint == "completions" else "chatcmpl"
         return GenerationRequest(
-            request_id=f"{prefix}-{uuid.uuid4().hex}",
+            request_id=f"{prefix}-{request_id or uuid.uuid4().hex}",
             endpoint=endpoint,
             model=self.served_model_name,
             prompt_token_ids=tuple(prompt_ids),
@@ -123,6 +134,28 @@ class Preprocessor:
             created=int(time.time()),
             arrival_s=arrival_s,
         )
+
+
+class OffLoop:
+    """Runs tokenization and chat templating off the event loop, in one thread of its own.
+
+    A long prompt's tokenization (or a template) takes milliseconds to seconds of CPU; on
+    the loop it would stall every stream the router serves. One thread, because a Hugging
+    Face fast tokenizer is not safe to call from several threads at once ("Already
+    borrowed"); the queue in front of it is bounded by admission control. The caller's
+    context (its request id, for log lines) goes along.
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-preprocess")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        context = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, context.run, fn,
+                                                                *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _sampling_spec(

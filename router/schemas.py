@@ -24,6 +24,12 @@ from pydantic import (
 
 MAX_STOP_STRINGS = 4
 
+# Ranges of the protobuf fields these values travel in (proto/pdserve/v1/worker.proto):
+# out of range they would fail in the conversion, a 500, instead of a 400 naming the field.
+UINT32_MAX = 2**32 - 1
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 # Parameters this server does not implement, with the values that mean "not used".
 # Anything else is rejected with the parameter's name rather than silently ignored.
 _UNSUPPORTED_DEFAULTS: dict[str, tuple[object, ...]] = {
@@ -56,11 +62,11 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = None
-    seed: int | None = None
+    top_k: int | None = Field(default=None, le=INT32_MAX)
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     n: int | None = 1
@@ -176,7 +182,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -188,6 +194,19 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 # --- responses ---------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, for every error status (``errors.py`` renders it)."""
+
+    error: ErrorDetail
 
 
 class _Response(BaseModel):

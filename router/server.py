@@ -5,22 +5,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import uvicorn
+from fastapi import APIRouter
 from prometheus_client import CollectorRegistry
 
 from pdserve.cluster_secret import optional_secret
 from pdserve.grpc_tls import TlsFiles
-from pdserve.membership import MembershipConfig, create_membership
+from pdserve.membership import Membership, MembershipConfig, create_membership
 from pdserve.model import ResolvedModel
 
-from .app import create_app
+from .app import create_admin_app, create_app
 from .disagg import DisaggConfig
 from .dispatch import PDDispatcher
+from .drain import DrainingServer
+from .edge_config import EdgeConfig
 from .kv_feed import KvIndexFeeder
 from .migration import MigrationConfig
+from .openapi import ERROR_RESPONSES
 from .placement import DEFAULT_PLACEMENT, create_placement
 from .prefix_index import PrefixIndex
 from .prefix_routing import PrefixRouting
@@ -44,6 +50,7 @@ class RouterConfig:
     disagg: DisaggConfig = DisaggConfig()  # remote/local per request (router/disagg.py)
     log_timeline: bool = False
     migration: MigrationConfig = MigrationConfig()  # decode failover (router/migration.py)
+    edge: EdgeConfig = EdgeConfig()  # keys, admin listener, admission, body limit, drain
     # etcd, or static (then ``prefill``/``decode`` or its workers file name the workers)
     membership: MembershipConfig = MembershipConfig()
     # The cluster secret's file: calls to workers carry its token. None: unauthenticated.
@@ -71,6 +78,7 @@ class RouterConfig:
             disagg=DisaggConfig.from_args(args),
             log_timeline=args.log_timeline,
             migration=MigrationConfig(max_migrations=args.max_migrations),
+            edge=EdgeConfig.from_args(args),
             membership=MembershipConfig.from_flags(
                 args.etcd, args.cluster, args.etcd_ttl_s, prefill, decode, args.workers_file),
             cluster_secret_file=args.cluster_secret_file, tls=TlsFiles.from_args(args),
@@ -101,26 +109,56 @@ async def serve_router(config: RouterConfig) -> None:
                               config.disagg, config.migration)
     app = create_app(served_model_name=config.served_model_name,
                      max_model_len=config.max_model_len, tokenizer=tokenizer,
-                     dispatcher=dispatcher, registry=registry)
-    app.add_api_route("/workers", lambda: {"workers": pool.describe(),
-                                           "membership": membership.describe()},
-                      methods=["GET"])
-    app.add_api_route("/prefix_index", lambda: {
-        "blocks": {w: len(index.blocks_of(w)) for w in index.workers()},
-        "resyncs": {f.worker_id or f.client.endpoint: f.num_resyncs
-                    for f in feeder.followers}}, methods=["GET"])
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                           log_level="warning", timeout_graceful_shutdown=5))
+                     dispatcher=dispatcher, registry=registry, edge=config.edge)
+    views = _cluster_views(pool, membership, index, feeder)
+    app.include_router(views)
+    admin: list[uvicorn.Server] = []
+    if config.edge.admin_port:
+        admin.append(_QuietServer(uvicorn.Config(
+            create_admin_app(registry, views), host=config.edge.admin_host,
+            port=config.edge.admin_port, log_level="warning", lifespan="off")))
+    server = DrainingServer(
+        uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                       timeout_graceful_shutdown=5),
+        app.state.admission, config.edge.drain_timeout_s, companions=admin)
     await pool.start(membership)
     await feeder.start()
-    logger.info("router on http://%s:%d/v1: %s membership, placement %s, disagg %s",
+    logger.info("router on http://%s:%d/v1: %s membership, placement %s, disagg %s, "
+                "%s, at most %d running + %d queued requests%s",
                 config.host, config.port, membership.name, config.placement,
-                config.disagg.mode)
+                config.disagg.mode,
+                f"{len(config.edge.api_keys)} API key(s)" if config.edge.api_keys
+                else "no API keys", config.edge.max_concurrent, config.edge.max_queued,
+                f", admin on http://{config.edge.admin_host}:{config.edge.admin_port}"
+                if admin else "")
     try:
-        await server.serve()
+        await asyncio.gather(server.serve(), *(a.serve() for a in admin))
     finally:
         await feeder.close()
         await pool.close()
+
+
+def _cluster_views(pool: WorkerPool, membership: Membership, index: PrefixIndex,
+                   feeder: KvIndexFeeder) -> APIRouter:
+    """``/workers`` and ``/prefix_index``: on the main port (behind the key, when keys
+    are set) and on the admin listener."""
+    router = APIRouter()
+    router.add_api_route("/workers", lambda: {"workers": pool.describe(),
+                                              "membership": membership.describe()},
+                         methods=["GET"], responses=ERROR_RESPONSES)
+    router.add_api_route("/prefix_index", lambda: {
+        "blocks": {w: len(index.blocks_of(w)) for w in index.workers()},
+        "resyncs": {f.worker_id or f.client.endpoint: f.num_resyncs
+                    for f in feeder.followers}}, methods=["GET"], responses=ERROR_RESPONSES)
+    return router
+
+
+class _QuietServer(uvicorn.Server):
+    """The admin listener: signals are the main server's (it stops this one)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 def run_router(config: RouterConfig) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import Scope
 
 from .cancellation import (
     ClientDisconnectedError,
@@ -28,6 +29,7 @@ from .detokenize import IncrementalDetokenizer, TokenDecoder
 from .disagg import DisaggDecision
 from .errors import APIError, to_api_error
 from .metrics import RouterMetrics
+from .outcome import CLIENT_CLOSED, outcome_reason, record_outcome
 from .preprocess import GenerationRequest
 from .responses import (
     SSE_DONE,
@@ -58,8 +60,10 @@ class OutputDelta:
 class RequestOutput:
     """One request's output as chunks arrive: text, stop strings, finish reason, metrics."""
 
-    def __init__(self, request: GenerationRequest, decoder: TokenDecoder, metrics: RouterMetrics):
+    def __init__(self, request: GenerationRequest, decoder: TokenDecoder, metrics: RouterMetrics,
+                 scope: Scope | None = None):
         self.request = request
+        self.scope = scope  # the HTTP request's, where the outcome is recorded
         self.detokenizer = IncrementalDetokenizer(decoder, stop=request.stop)
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0
@@ -131,7 +135,7 @@ class OpenAIServing:
 
     async def serve(self, request: GenerationRequest, http: Request) -> Response:
         self._metrics.prompt_tokens.inc(len(request.prompt_token_ids))
-        output = RequestOutput(request, self._decoder, self._metrics)
+        output = RequestOutput(request, self._decoder, self._metrics, http.scope)
         try:
             chunks = self._dispatcher.generate(
                 request.request_id, request.prompt_token_ids, request.sampling,
@@ -157,7 +161,7 @@ class OpenAIServing:
             )
         except BaseException as exc:
             return self._fail(output, exc)
-        self._finish(output, 200)
+        self._finish(output, 200, "ok")
         body = formatter_for(output.request).response(final).model_dump_json()
         return Response(body, media_type="application/json", headers=output.headers())
 
@@ -183,7 +187,7 @@ class OpenAIServing:
     ) -> AsyncIterator[bytes]:
         """SSE body. One write per dispatcher chunk, never batched across chunks."""
         formatter = formatter_for(output.request)
-        status = 200
+        status, reason = 200, "ok"
         try:
             async with closing(chunks):
                 yield _encode(formatter, first, first=True)
@@ -200,28 +204,31 @@ class OpenAIServing:
                 yield sse_event(formatter.usage_event(usage))
         except Exception as exc:  # the stream has started: report in-band
             error = _log_unexpected(exc)
-            status = error.status_code
+            status, reason = error.status_code, outcome_reason(error)
             yield sse_error(error)
         except BaseException:
-            status = CLIENT_CLOSED_REQUEST
+            status, reason = CLIENT_CLOSED_REQUEST, CLIENT_CLOSED
             raise
         finally:
-            self._finish(output, status)
+            self._finish(output, status, reason)
         yield SSE_DONE
 
     def _fail(self, output: RequestOutput, exc: BaseException) -> Response:
         """Answer a failure that happened before the response started; a cancellation is
         logged and re-raised."""
         if isinstance(exc, ClientDisconnectedError) or not isinstance(exc, Exception):
-            self._finish(output, CLIENT_CLOSED_REQUEST)
+            self._finish(output, CLIENT_CLOSED_REQUEST, CLIENT_CLOSED)
             if isinstance(exc, ClientDisconnectedError):
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             raise exc
         error = _log_unexpected(exc)
-        self._finish(output, error.status_code)
+        self._finish(output, error.status_code, outcome_reason(error))
         return JSONResponse(error.body(), status_code=error.status_code)
 
-    def _finish(self, output: RequestOutput, status: int) -> None:
+    def _finish(self, output: RequestOutput, status: int, reason: str) -> None:
+        """Log the request's end, and record its outcome for the HTTP metrics."""
+        if output.scope is not None:
+            record_outcome(output.scope, status, reason)
         latency_s = time.perf_counter() - output.request.arrival_s
         if status == 200:
             self._metrics.e2e_latency.observe(latency_s)

@@ -18,7 +18,9 @@ import openai
 import uvicorn
 from fastapi import FastAPI
 from pdserve.router.app import create_app
-from pdserve.router.types import NoWorkerAvailableError, TokenChunk, WorkerFailedError
+from pdserve.router.edge_config import EdgeConfig
+from pdserve.router.types import Dispatcher, NoWorkerAvailableError, TokenChunk, WorkerFailedError
+from prometheus_client import CollectorRegistry
 
 from pdserve.model import DEFAULT_MODEL_NAME
 from pdserve.types import FinishReason, SamplingSpec
@@ -151,12 +153,16 @@ CHAT_COMPLETIONS = "/v1/chat/completions"
 USER_MESSAGES = [{"role": "user", "content": "hi"}]
 
 
-def make_router_app(tokenizer: Any, dispatcher: FakeDispatcher) -> FastAPI:
+def make_router_app(tokenizer: Any, dispatcher: Dispatcher,
+                    edge: EdgeConfig | None = None,
+                    registry: CollectorRegistry | None = None) -> FastAPI:
     return create_app(
         served_model_name=ROUTER_MODEL,
         max_model_len=ROUTER_MAX_MODEL_LEN,
         tokenizer=tokenizer,
         dispatcher=dispatcher,
+        edge=edge,
+        registry=registry,
     )
 
 
