@@ -24,15 +24,16 @@ ENGINE = ("dtype", "kv-cache-gib", "num-kv-blocks")
 TRANSPORT = ("transport", "kv-checksum", "kv-throttle-mib-s", "kv-push")
 MEMBERSHIP = ("etcd", "cluster", "etcd-ttl-s")
 WORKER = ("host", "port", "advertise-host", "kv-port", "kv-host", "cpu-cores", "lease-s",
-          "worker-id", "compile")
+          "worker-id", "compile", "grpc-keepalive-s", "drain-timeout-s")
 DISAGG = ("disagg", "local-prefill-max-tokens", "local-prefill-max-queued-tokens",
           "local-decode-max-running")
 ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement",
-          "served-model-name", "log-timeline") + DISAGG
+          "served-model-name", "log-timeline", "request-timeout-s", "grpc-keepalive-s") + DISAGG
 UP = ("host", "port", "num-prefill", "num-decode", "placement", "cpu-layout", "with-etcd",
       "startup-timeout-s") + DISAGG
 SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",
-       "prefill-us-per-token", "decode-ms-per-token", "log-level")
+       "prefill-us-per-token", "decode-ms-per-token", "log-level", "grpc-keepalive-s",
+       "drain-timeout-s")
 
 _HTTP = {"host": {"help": "the router's HTTP bind address"},
          "port": {"help": "the router's HTTP port"}}
@@ -114,7 +115,8 @@ def _run_worker(args: argparse.Namespace, model: ResolvedModel) -> int:
 
     config = WorkerConfig.from_args(args, model)
     asyncio.run(serve_worker(config.engine, config.worker_id, config.host, config.port,
-                             create_registrar(config.membership), config.advertise_host))
+                             create_registrar(config.membership), config.advertise_host,
+                             config.grpc_keepalive_s, config.drain_timeout_s))
     return 0
 
 
@@ -136,7 +138,8 @@ def _run_sim_worker(args: argparse.Namespace) -> int:
 
     from pdserve.sim_worker import serve_sim_worker, sim_config_from_args
 
-    asyncio.run(serve_sim_worker(sim_config_from_args(args), args.host, args.port))
+    asyncio.run(serve_sim_worker(sim_config_from_args(args), args.host, args.port,
+                                 args.grpc_keepalive_s, args.drain_timeout_s))
     return 0
 
 

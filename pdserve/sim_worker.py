@@ -18,11 +18,12 @@ from collections.abc import AsyncGenerator
 
 import grpc
 
+from pdserve.grpc_options import DEFAULT_KEEPALIVE_S
 from pdserve.kv_transfer.handle import KVHandle
 from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 from pdserve.sim_engine import SimConfig, SimEngine
 from pdserve.types import PhaseOutput, PhaseRequest, WorkerHealth, WorkerLoadReport
-from pdserve.worker.servicer import start_server
+from pdserve.worker.servicer import WorkerServer, start_worker_server
 from pdserve.worker.timing import PhaseClock
 
 logger = logging.getLogger("pdserve.sim_worker")
@@ -107,19 +108,25 @@ async def start_sim_worker(config: SimConfig, host: str = "127.0.0.1", port: int
                            ) -> tuple[grpc.aio.Server, int, SimEngine]:
     """Start a simulated worker on this event loop; returns (server, bound port, engine)."""
     engine = SimEngine(config)
-    server, bound = await start_server(SimHost(engine), host, port)
-    return server, bound, engine
+    worker = await start_worker_server(SimHost(engine), host, port)
+    return worker.server, worker.port, engine
 
 
-async def serve_sim_worker(config: SimConfig, host: str, port: int) -> None:
-    server, bound, _ = await start_sim_worker(config, host, port)
-    logger.info("simulated %s worker %s on %s:%d", config.role, config.worker_id, host, bound)
+async def serve_sim_worker(config: SimConfig, host: str, port: int,
+                           keepalive_s: float = DEFAULT_KEEPALIVE_S,
+                           drain_timeout_s: float = 30.0) -> None:
+    """Serve until SIGTERM/SIGINT, then drain as a vLLM worker does (``serve_worker``)."""
+    worker: WorkerServer = await start_worker_server(
+        SimHost(SimEngine(config)), host, port, keepalive_s)
+    logger.info("simulated %s worker %s on %s:%d", config.role, config.worker_id, host,
+                worker.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await server.stop(1.0)
+    logger.info("simulated worker draining (up to %.0f s)", drain_timeout_s)
+    await worker.drain(drain_timeout_s)
 
 
 def sim_config_from_args(args: argparse.Namespace) -> SimConfig:

@@ -35,11 +35,13 @@ def create_app(
     tokenizer: Any,
     dispatcher: Dispatcher,
     registry: CollectorRegistry | None = None,
+    request_timeout_s: float = 600.0,
 ) -> FastAPI:
     """Build the router app. ``tokenizer`` is a Hugging Face tokenizer (see
     ``preprocess.Tokenizer``). Pass the dispatcher's ``registry`` so ``/metrics`` serves both;
     without one the app gets a fresh registry. ``app.state.metrics`` is the
-    ``RouterMetrics``, ``app.state.registry`` the registry."""
+    ``RouterMetrics``, ``app.state.registry`` the registry. ``request_timeout_s`` is the
+    longest deadline a request gets (``deadline.py``)."""
     if registry is None:
         registry = CollectorRegistry()
     metrics = RouterMetrics(registry)
@@ -49,7 +51,8 @@ def create_app(
         max_model_len=max_model_len,
         tokenizer=typed_tokenizer,
     )
-    serving = OpenAIServing(dispatcher=dispatcher, decoder=typed_tokenizer, metrics=metrics)
+    serving = OpenAIServing(dispatcher=dispatcher, decoder=typed_tokenizer, metrics=metrics,
+                            request_timeout_s=request_timeout_s)
 
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None)
     app.state.metrics = metrics

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import uvicorn
 from prometheus_client import CollectorRegistry
 
+from pdserve.grpc_options import DEFAULT_KEEPALIVE_S
 from pdserve.membership import MembershipConfig, create_membership
 from pdserve.model import ResolvedModel
 
@@ -37,7 +38,8 @@ class RouterConfig:
     max_model_len: int = 4096
     placement: str = DEFAULT_PLACEMENT
     health_interval_s: float = 2.0
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0  # the longest a request may take; see deadline.py
+    grpc_keepalive_s: float = DEFAULT_KEEPALIVE_S  # see pdserve.grpc_options
     disagg: DisaggConfig = DisaggConfig()  # remote/local per request (router/disagg.py)
     log_timeline: bool = False
     # etcd, or static (then ``prefill``/``decode`` or its workers file name the workers)
@@ -60,7 +62,8 @@ class RouterConfig:
             prefill=prefill, decode=decode, host=args.host, port=args.port,
             max_model_len=args.max_model_len, placement=args.placement,
             disagg=DisaggConfig.from_args(args),
-            log_timeline=args.log_timeline,
+            log_timeline=args.log_timeline, request_timeout_s=args.request_timeout_s,
+            grpc_keepalive_s=args.grpc_keepalive_s,
             membership=MembershipConfig.from_flags(
                 args.etcd, args.cluster, args.etcd_ttl_s, prefill, decode, args.workers_file),
         )
@@ -79,7 +82,8 @@ async def serve_router(config: RouterConfig) -> None:
     registry = CollectorRegistry()
     membership = create_membership(replace(config.membership, prefill=config.prefill,
                                            decode=config.decode), registry)
-    pool = WorkerPool(interval_s=config.health_interval_s)
+    pool = WorkerPool(interval_s=config.health_interval_s, keepalive_s=config.grpc_keepalive_s,
+                      close_grace_s=config.request_timeout_s)
     index = PrefixIndex()
     feeder = KvIndexFeeder(lambda: pool.prefill, index, registry)
     pool.on_worker_added(lambda _: feeder.sync())
@@ -89,7 +93,8 @@ async def serve_router(config: RouterConfig) -> None:
                               config.disagg)
     app = create_app(served_model_name=config.served_model_name,
                      max_model_len=config.max_model_len, tokenizer=tokenizer,
-                     dispatcher=dispatcher, registry=registry)
+                     dispatcher=dispatcher, registry=registry,
+                     request_timeout_s=config.request_timeout_s)
     app.add_api_route("/workers", lambda: {"workers": pool.describe(),
                                            "membership": membership.describe()},
                       methods=["GET"])

@@ -11,6 +11,10 @@ close them (``contextlib.aclosing``) as soon as they stop reading.
 
 ``probe_health`` / ``probe_load`` are blocking one-shot calls for tools (the
 launcher, tests, benchmarks).
+
+Channels are made in one place (``open_channel``, ``_probe``) with the options of
+``pdserve.grpc_options``: keepalive pings turn a hung worker into UNAVAILABLE within
+seconds, whatever the calls' deadlines.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pdserve.proto import convert
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
 
+from pdserve.grpc_options import DEFAULT_KEEPALIVE_S, client_options
 from pdserve.types import (
     KvChange,
     KvSnapshot,
@@ -32,11 +37,11 @@ from pdserve.types import (
     WorkerLoadReport,
 )
 
-_MAX_MESSAGE_BYTES = 64 << 20
 UNAVAILABLE = "UNAVAILABLE"
 INVALID_ARGUMENT = "INVALID_ARGUMENT"
 UNIMPLEMENTED = "UNIMPLEMENTED"
 DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+CANCELLED = "CANCELLED"
 
 
 class WorkerCallError(RuntimeError):
@@ -56,12 +61,12 @@ class WorkerCallError(RuntimeError):
 
 
 class WorkerClient:
-    """One worker's gRPC endpoint. Every unary call takes its deadline in seconds."""
+    """One worker's gRPC endpoint. Every call but ``kv_events`` takes its deadline in
+    seconds (the time the request has left)."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, keepalive_s: float = DEFAULT_KEEPALIVE_S) -> None:
         self.endpoint = endpoint
-        self._channel = grpc.aio.insecure_channel(
-            endpoint, options=[("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)])
+        self._channel = open_channel(endpoint, keepalive_s)
         self._stub = pb_grpc.WorkerServiceStub(self._channel)
 
     async def generate(self, request: PhaseRequest, timeout_s: float
@@ -97,6 +102,11 @@ class WorkerClient:
 
     async def close(self, grace_s: float | None = None) -> None:
         await self._channel.close(grace_s)
+
+
+def open_channel(endpoint: str, keepalive_s: float = DEFAULT_KEEPALIVE_S) -> grpc.aio.Channel:
+    """The router's channel to one worker: every option it needs, set here only."""
+    return grpc.aio.insecure_channel(endpoint, options=client_options(keepalive_s))
 
 
 async def _unary(method: Any, request: Any, timeout_s: float) -> Any:
@@ -135,7 +145,7 @@ def probe_load(endpoint: str, timeout_s: float) -> WorkerLoadReport:
 def _probe(endpoint: str, method: Callable[[pb_grpc.WorkerServiceStub], Any], request: Any,
            timeout_s: float) -> Any:
     """One blocking unary call (``method`` picks it from the stub) on a channel of its own."""
-    with grpc.insecure_channel(endpoint) as channel:
+    with grpc.insecure_channel(endpoint, options=client_options()) as channel:
         call = method(pb_grpc.WorkerServiceStub(channel))
         try:
             return call(request, timeout=timeout_s)

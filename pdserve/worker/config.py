@@ -12,6 +12,7 @@ import os
 import uuid
 from dataclasses import dataclass
 
+from pdserve.grpc_options import DEFAULT_KEEPALIVE_S
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.membership import MembershipConfig, check_name
 from pdserve.model import ResolvedModel
@@ -28,6 +29,8 @@ class WorkerConfig:
     advertise_host: str  # where the router and peers reach this worker
     membership: MembershipConfig
     engine: EngineConfig
+    grpc_keepalive_s: float = DEFAULT_KEEPALIVE_S  # see pdserve.grpc_options
+    drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may take
 
     @property
     def role(self) -> Role:
@@ -55,7 +58,8 @@ class WorkerConfig:
             enforce_eager=not args.compile, num_kv_blocks=args.num_kv_blocks or None,
         )
         membership = MembershipConfig.from_flags(args.etcd, args.cluster, args.etcd_ttl_s)
-        return cls(worker_id, args.host, args.port, advertise, membership, engine)
+        return cls(worker_id, args.host, args.port, advertise, membership, engine,
+                   args.grpc_keepalive_s, args.drain_timeout_s)
 
 
 def _kv_event_endpoints(worker_id: str) -> tuple[str, str]:

@@ -2,7 +2,9 @@
 vLLM engine host, the simulator, the router tests' scripted worker).
 
 Every call is ``from_pb -> backend -> to_pb`` through ``pdserve.proto.convert``;
-exceptions map to gRPC status in one place (``status_of``).
+exceptions map to gRPC status in one place (``status_of``). The same server carries
+the standard ``grpc.health.v1`` service; ``ServingState`` (``lifecycle.py``) decides
+what both health answers say and whether a ``Generate`` is admitted.
 """
 
 from __future__ import annotations
@@ -10,10 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
 
+from pdserve.grpc_options import DEFAULT_KEEPALIVE_S, server_options
 from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 from pdserve.prefill_worker.kv_relay import kv_changes, kv_snapshot
 from pdserve.proto import convert
@@ -21,8 +27,11 @@ from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.types import PhaseRequest, WorkerHealth
 from pdserve.worker.backend import ErrorKind, WorkerBackend, WorkerError
+from pdserve.worker.lifecycle import ServingState
 
 logger = logging.getLogger("pdserve.worker")
+# After a drain: what is still running is cancelled (and so aborted) this soon.
+_STOP_GRACE_S = 1.0
 
 STATUS_OF_KIND: dict[ErrorKind, grpc.StatusCode] = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
@@ -34,19 +43,24 @@ STATUS_OF_KIND: dict[ErrorKind, grpc.StatusCode] = {
 
 
 class WorkerServicer(pb_grpc.WorkerServiceServicer):
-    def __init__(self, backend: WorkerBackend) -> None:
+    def __init__(self, backend: WorkerBackend, state: ServingState | None = None) -> None:
         self._backend = backend
+        self._state = state or ServingState(backend)
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            outputs = self._backend.generate(admit(request, self._backend.health()))
-            async with contextlib.aclosing(outputs):
-                async for out in outputs:
-                    yield convert.phase_output_to_pb(out)
+            with self._state.admission.call():
+                phase = replace(admit(request, self._backend.health()),
+                                timeout_s=context.time_remaining())
+                outputs = self._backend.generate(phase)
+                async with contextlib.aclosing(outputs):
+                    async for out in outputs:
+                        yield convert.phase_output_to_pb(out)
         except asyncio.CancelledError:
-            # The router cancelled the call; closing the outputs aborted the request.
+            # The router cancelled the call, or its deadline passed (gRPC cancels the
+            # handler then): closing the outputs aborted the request and freed its KV.
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status for the router
             if not isinstance(exc, WorkerError):
@@ -61,7 +75,10 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     async def Health(  # noqa: N802 - gRPC method name
         self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
     ) -> pb.HealthResponse:
-        return convert.health_to_pb(self._backend.health())
+        health = self._backend.health()
+        if self._state.draining:  # the router's health loop stops placing here
+            health = replace(health, ready=False)
+        return convert.health_to_pb(health)
 
     async def GetLoad(  # noqa: N802 - gRPC method name
         self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
@@ -123,13 +140,47 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
-async def start_server(backend: WorkerBackend, host: str = "127.0.0.1", port: int = 0
-                       ) -> tuple[grpc.aio.Server, int]:
-    """Serve ``backend`` on ``host:port`` (0: any free port); returns (server, bound port)."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(backend), server)
+@dataclass
+class WorkerServer:
+    """A started worker server: its gRPC server, bound port and serving state."""
+
+    server: grpc.aio.Server
+    port: int
+    state: ServingState
+
+    async def drain(self, timeout_s: float,
+                    withdraw: Callable[[], Awaitable[None]] | None = None) -> bool:
+        """Stop taking requests (and ``withdraw``: leave membership), let those in
+        flight finish within ``timeout_s`` in all, then stop the server, which cancels
+        (and so aborts) whatever is left. Whether everything finished."""
+        deadline = time.monotonic() + timeout_s
+        await self.state.start_drain()
+        if withdraw is not None:
+            await withdraw()
+        idle = await self.state.wait_idle(max(deadline - time.monotonic(), 0.0))
+        await self.server.stop(_STOP_GRACE_S)
+        return idle
+
+
+async def start_worker_server(backend: WorkerBackend, host: str = "127.0.0.1", port: int = 0,
+                              keepalive_s: float = DEFAULT_KEEPALIVE_S) -> WorkerServer:
+    """Serve ``backend`` and the standard health service on ``host:port`` (0: any free
+    port). Health says SERVING at once if the backend is ready; else call
+    ``state.update()`` once it is."""
+    server = grpc.aio.server(options=server_options(keepalive_s))
+    state = ServingState(backend)
+    pb_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(backend, state), server)
+    health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"cannot bind gRPC port {host}:{port}")
+    await state.update()
     await server.start()
-    return server, bound
+    return WorkerServer(server, bound, state)
+
+
+async def start_server(backend: WorkerBackend, host: str = "127.0.0.1", port: int = 0
+                       ) -> tuple[grpc.aio.Server, int]:
+    """``start_worker_server`` for callers that need only (server, bound port)."""
+    started = await start_worker_server(backend, host, port)
+    return started.server, started.port
