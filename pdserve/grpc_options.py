@@ -27,6 +27,10 @@ def _keepalive(keepalive_s: float) -> Options:
         raise ValueError(f"gRPC keepalive must be >= {MIN_KEEPALIVE_S:g} s, not {keepalive_s}")
     ms = int(keepalive_s * 1000)
     return [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
+            # Measured with grpcio 1.85: keepalive_timeout alone never closes the
+            # connection to a stopped peer (its calls ran to their deadlines); the
+            # ping timeout is what gives up on an unanswered ping.
+            ("grpc.http2.ping_timeout_ms", ms),
             ("grpc.keepalive_permit_without_calls", 1)]
 
 
