@@ -24,19 +24,21 @@ ENGINE = ("dtype", "kv-cache-gib", "num-kv-blocks")
 TRANSPORT = ("transport", "kv-checksum", "kv-throttle-mib-s", "kv-push")
 MEMBERSHIP = ("etcd", "cluster", "etcd-ttl-s")
 WORKER = ("host", "port", "advertise-host", "kv-port", "kv-host", "cpu-cores", "lease-s",
-          "worker-id", "compile")
+          "worker-id", "compile", "grpc-keepalive-s", "drain-timeout-s")
 DISAGG = ("disagg", "local-prefill-max-tokens", "local-prefill-max-queued-tokens",
           "local-decode-max-running")
 EDGE = ("api-key", "api-key-file", "admin-port", "admin-host", "max-concurrent-requests",
         "max-queued-requests", "max-queue-wait-s", "max-body-bytes", "drain-timeout-s")
 ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement",
-          "served-model-name", "log-timeline", "max-migrations") + DISAGG + EDGE
+          "served-model-name", "log-timeline", "max-migrations", "request-timeout-s",
+          "grpc-keepalive-s") + DISAGG + EDGE
 UP = ("host", "port", "num-prefill", "num-decode", "placement", "cpu-layout", "with-etcd",
       "startup-timeout-s", "max-restarts", "restart-window-s", "simulated") + DISAGG + EDGE
 # The cluster secret: the router, every worker and up (which hands it to its children).
 SECURITY = ("cluster-secret-file", "tls-cert", "tls-key", "tls-ca")
 SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",
-       "prefill-us-per-token", "decode-ms-per-token", "log-level", "log-format") + MEMBERSHIP
+       "prefill-us-per-token", "decode-ms-per-token", "log-level", "log-format",
+       "grpc-keepalive-s", "drain-timeout-s") + MEMBERSHIP
 
 _HTTP = {"host": {"help": "the router's HTTP bind address"},
          "port": {"help": "the router's HTTP port"}}
@@ -116,6 +118,7 @@ def _run_worker(args: argparse.Namespace, model: ResolvedModel) -> int:
     config = WorkerConfig.from_args(args, model)
     asyncio.run(serve_worker(config.engine, config.worker_id, config.host, config.port,
                              create_registrar(config.membership), config.advertise_host,
+                             config.grpc_keepalive_s, config.drain_timeout_s,
                              tls=config.tls.load()))
     return 0
 
@@ -145,7 +148,8 @@ def _run_sim_worker(args: argparse.Namespace) -> int:
     asyncio.run(serve_sim_worker(sim_config_from_args(args), args.host, args.port,
                                  create_registrar(membership),
                                  optional_secret(args.cluster_secret_file),
-                                 TlsFiles.from_args(args).load()))
+                                 TlsFiles.from_args(args).load(),
+                                 args.grpc_keepalive_s, args.drain_timeout_s))
     return 0
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
 from pdserve.cpu_layout import CPU_LAYOUTS
+from pdserve.grpc_options import DEFAULT_KEEPALIVE_S, MIN_KEEPALIVE_S
 from pdserve.kv_transfer.base import transport_names
 from pdserve.logs import DEFAULT_LOG_FORMAT, LOG_FORMATS
 from pdserve.membership import DEFAULT_TTL_S
@@ -187,6 +188,10 @@ FLAGS = _flags(
     Flag("host", "bind address", "127.0.0.1"),
     Flag("port", "port", 8000, parse_port),
     Flag("worker-id", "this worker's id (default: <role>-<random>)"),
+    Flag("grpc-keepalive-s", "gRPC keepalive between router and workers: ping every this "
+         "many seconds, give up on a peer that leaves a ping unanswered as long (a hung "
+         "worker fails its calls with UNAVAILABLE in about twice this)", DEFAULT_KEEPALIVE_S,
+         parse_float(MIN_KEEPALIVE_S)),
     # engine (workers and up)
     Flag("dtype", "model and KV dtype (float32 for exact P/D equality)", "auto",
          choices=("auto", "float32", "bfloat16", "float16")),
@@ -222,6 +227,9 @@ FLAGS = _flags(
          parse_float(0, strict=True)),
     Flag("compile", "use torch.compile (slow start on CPU; default: eager)", False,
          parse_bool, switch=True),
+    Flag("drain-timeout-s", "on SIGTERM: stop taking requests (router: 503; worker: "
+         "NOT_SERVING, leaves membership) and give the requests in flight this long to "
+         "finish before exiting", 30.0, parse_float(0)),
     # router and up
     Flag("placement", "prefill/decode placement policy", DEFAULT_PLACEMENT,
          choices=sorted(PLACEMENTS)),
@@ -246,6 +254,9 @@ FLAGS = _flags(
     Flag("workers-file", 'static workers from JSON {"prefill": [...], "decode": [...]}',
          metavar="PATH"),
     Flag("served-model-name", "model name in the OpenAI API (default: the model's)"),
+    Flag("request-timeout-s", "each request's deadline, end to end (both worker calls "
+         "included); a request's X-Request-Timeout header may shorten it; past it the "
+         "client gets 504", 600.0, parse_float(0, strict=True)),
     Flag("log-timeline", "log each finished request's timeline (its phases' times) as one "
          "JSON line on logger pdserve.timeline (also on at --log-level DEBUG)", False,
          parse_bool, switch=True),
@@ -267,8 +278,6 @@ FLAGS = _flags(
          30.0, parse_float(0)),
     Flag("max-body-bytes", "largest request body; larger: 413 before it is parsed",
          4 * 1024 * 1024, parse_int(1)),
-    Flag("drain-timeout-s", "on SIGTERM: stop admitting, give in-flight requests this "
-         "long to finish, then exit", 30.0, parse_float(0)),
     Flag("num-prefill", "prefill workers to start", 1, parse_int(0)),
     Flag("num-decode", "decode workers to start", 1, parse_int(1)),
     Flag("cpu-layout", "CPU only: engines share every core, or split them (prefill on the "

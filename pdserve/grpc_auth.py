@@ -95,11 +95,11 @@ def aio_channel(endpoint: str, options: Sequence[tuple[str, Any]],
                                    interceptors=interceptors)
 
 
-def sync_channel(endpoint: str, secret: ClusterSecret | None,
-                 tls: GrpcTls | None = None) -> grpc.Channel:
+def sync_channel(endpoint: str, secret: ClusterSecret | None, tls: GrpcTls | None = None,
+                 options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
     """The same, blocking (probes); close it when done."""
-    channel = (grpc.insecure_channel(endpoint) if tls is None
-               else grpc.secure_channel(endpoint, tls.channel_credentials()))
+    channel = (grpc.insecure_channel(endpoint, options=options) if tls is None
+               else grpc.secure_channel(endpoint, tls.channel_credentials(), options=options))
     return intercept_sync(channel, secret)
 
 

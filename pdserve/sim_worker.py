@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator
 import grpc
 
 from pdserve.cluster_secret import ClusterSecret
+from pdserve.grpc_options import DEFAULT_KEEPALIVE_S
 from pdserve.grpc_tls import GrpcTls
 from pdserve.kv_transfer.handle import KVHandle
 from pdserve.membership import Registrar, WorkerInfo
@@ -26,7 +27,7 @@ from pdserve.membership.static import NullRegistrar
 from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 from pdserve.sim_engine import SimConfig, SimEngine
 from pdserve.types import PhaseOutput, PhaseRequest, WorkerHealth, WorkerLoadReport
-from pdserve.worker.servicer import start_server
+from pdserve.worker.servicer import WorkerServer, start_worker_server
 from pdserve.worker.timing import PhaseClock
 
 logger = logging.getLogger("pdserve.sim_worker")
@@ -117,29 +118,34 @@ async def start_sim_worker(config: SimConfig, host: str = "127.0.0.1", port: int
     """Start a simulated worker on this event loop; returns (server, bound port, engine).
     With the cluster ``secret``, calls without its token are refused; ``tls``: TLS only."""
     engine = SimEngine(config)
-    server, bound = await start_server(SimHost(engine), host, port, secret=secret, tls=tls)
-    return server, bound, engine
+    worker = await start_worker_server(SimHost(engine), host, port, secret=secret, tls=tls)
+    return worker.server, worker.port, engine
 
 
 async def serve_sim_worker(config: SimConfig, host: str, port: int,
                            registrar: Registrar | None = None,
                            secret: ClusterSecret | None = None,
-                           tls: GrpcTls | None = None) -> None:
-    """Serve until SIGTERM/SIGINT; registered with ``registrar`` (etcd) meanwhile, as a
-    vLLM worker is once ready."""
+                           tls: GrpcTls | None = None,
+                           keepalive_s: float = DEFAULT_KEEPALIVE_S,
+                           drain_timeout_s: float = 30.0) -> None:
+    """Serve until SIGTERM/SIGINT, registered with ``registrar`` (etcd) meanwhile, as a
+    vLLM worker is once ready; then drain as a vLLM worker does (``serve_worker``)."""
     registrar = registrar or NullRegistrar()
-    server, bound, engine = await start_sim_worker(config, host, port, secret, tls)
-    logger.info("simulated %s worker %s on %s:%d", config.role, config.worker_id, host, bound)
+    engine = SimEngine(config)
+    worker: WorkerServer = await start_worker_server(
+        SimHost(engine), host, port, keepalive_s, secret=secret, tls=tls)
+    logger.info("simulated %s worker %s on %s:%d", config.role, config.worker_id, host,
+                worker.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await registrar.start(sim_worker_info(engine, host, bound))
+        await registrar.start(sim_worker_info(engine, host, worker.port))
         await stop.wait()
     finally:
-        await registrar.close()
-        await server.stop(1.0)
+        logger.info("simulated worker draining (up to %.0f s)", drain_timeout_s)
+        await worker.drain(drain_timeout_s, registrar.close)
 
 
 def sim_worker_info(engine: SimEngine, host: str, port: int) -> WorkerInfo:

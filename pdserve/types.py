@@ -50,6 +50,9 @@ class PhaseRequest:
     sampling: SamplingSpec
     kv_handle: KVHandle | None = None
     push_target: PushTarget | None = None
+    # On the worker: the time its caller gave the call (the gRPC deadline, which is
+    # the router's request deadline), None without one. Not sent: the call carries it.
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True)

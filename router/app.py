@@ -52,11 +52,13 @@ def create_app(
     dispatcher: Dispatcher,
     registry: CollectorRegistry | None = None,
     edge: EdgeConfig | None = None,
+    request_timeout_s: float = 600.0,
 ) -> FastAPI:
     """Build the router app. ``tokenizer`` is a Hugging Face tokenizer (see
     ``preprocess.Tokenizer``). Pass the dispatcher's ``registry`` so ``/metrics`` serves both;
     without one the app gets a fresh registry. ``edge``: keys, admission and body limits
-    (default: ``EdgeConfig()``, no keys). ``app.state`` holds ``metrics`` (the
+    (default: ``EdgeConfig()``, no keys). ``request_timeout_s`` is the longest deadline a
+    request gets (``deadline.py``). ``app.state`` holds ``metrics`` (the
     ``RouterMetrics``), ``registry``, ``admission`` (drain it with ``start_drain()``)."""
     edge = edge or EdgeConfig()
     if registry is None:
@@ -69,7 +71,8 @@ def create_app(
         max_model_len=max_model_len,
         tokenizer=typed_tokenizer,
     )
-    serving = OpenAIServing(dispatcher=dispatcher, decoder=typed_tokenizer, metrics=metrics)
+    serving = OpenAIServing(dispatcher=dispatcher, decoder=typed_tokenizer, metrics=metrics,
+                            request_timeout_s=request_timeout_s)
 
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None)
     app.state.metrics = metrics

@@ -6,6 +6,11 @@ alone when prefill fails.
 Cleanup is owned here: however the chunk iterator ends (finished, closed by the
 HTTP layer, cancelled), the gRPC calls are cancelled and each worker involved is
 told to abort, which also releases the KV blocks prefill holds.
+
+Each call gets what is left of the request's ``Deadline`` as its gRPC deadline; when it
+passes, the request ends with ``DeadlineExceededError`` (no fallback: no time is left).
+Each call's outcome goes to its worker's circuit breaker (``on_call_failed`` /
+``on_call_succeeded``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from pdserve.types import PhaseOutput, PhaseRequest, SamplingSpec
 
+from .deadline import Deadline
 from .disagg import DisaggConfig, DisaggDecision, choose_disagg
 from .migration import (
     Continuation,
@@ -35,8 +41,8 @@ from .migration import (
 from .placement import Choice, Placement, PlacementRequest
 from .prefix_routing import PendingPrefix, PrefixRouting
 from .timeline import RequestTimeline, TimelineRecorder
-from .types import NoWorkerAvailableError, TokenChunk, WorkerFailedError
-from .worker_client import INVALID_ARGUMENT, UNAVAILABLE, WorkerCallError
+from .types import DeadlineExceededError, NoWorkerAvailableError, TokenChunk, WorkerFailedError
+from .worker_client import DEADLINE_EXCEEDED, INVALID_ARGUMENT, UNAVAILABLE, WorkerCallError
 from .worker_state import WorkerState
 from .workers import Worker, WorkerPool
 
@@ -63,6 +69,13 @@ class DispatchMetrics:
             "pdserve_disagg_decisions", "Per-request disaggregation decisions: remote "
             "(prefill, then decode loads the KV) or local (decode computes the prompt), "
             "by the rule that decided.", ["decision", "reason"], registry=registry)
+        self.deadlines_exceeded = Counter(
+            "pdserve_dispatch_deadline_exceeded", "Requests whose deadline passed before "
+            "they finished (answered 504), by the phase it passed in.", ["phase"],
+            registry=registry)
+        self.ejections = Counter(
+            "pdserve_router_worker_ejections", "Workers ejected from placement by their "
+            "circuit breaker (repeated failed calls), by role.", ["role"], registry=registry)
 
 
 @dataclass(frozen=True)
@@ -144,9 +157,10 @@ class PDDispatcher:
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
-        timeline: RequestTimeline | None = None,
+        timeline: RequestTimeline | None = None, deadline: Deadline | None = None,
     ) -> AsyncIterator[TokenChunk]:
         timeline = timeline or RequestTimeline(request_id)
+        deadline = deadline or Deadline.after(self._timeout)
         route = self._choose(prompt_token_ids)
         timeline.on_placed()
         involved: list[Worker] = []
@@ -158,7 +172,7 @@ class PDDispatcher:
                 timeline.on_call()
                 first = await self._prefill(route.prefill, PhaseRequest(
                     request_id, "prefill", tuple(prompt_token_ids), sampling,
-                    push_target=route.push_to), route.uncached_tokens, route.pending)
+                    push_target=route.push_to), deadline, route.uncached_tokens, route.pending)
                 if first is None:  # a remote decision whose prefill failed
                     self._metrics.fallbacks.inc()
             if first is not None:
@@ -178,7 +192,8 @@ class PDDispatcher:
                                          prompt_token_ids, first)
             stream = self._decode(route.decode, _decode_request(
                 request_id, prompt_token_ids, sampling, first),
-                route.disagg if first is None else None, involved, timeline, migration)
+                route.disagg if first is None else None, involved, timeline, migration,
+                deadline)
             async with contextlib.aclosing(stream):  # closing us closes the decode call now
                 async for chunk in stream:
                     if chunk.finish_reason is not None:
@@ -190,20 +205,25 @@ class PDDispatcher:
             else:
                 self._abort_later(request_id, involved)
 
-    async def _prefill(self, worker: Worker, request: PhaseRequest, uncached_tokens: int,
-                       pending: PendingPrefix | None = None) -> PhaseOutput | None:
+    async def _prefill(self, worker: Worker, request: PhaseRequest, deadline: Deadline,
+                       uncached_tokens: int, pending: PendingPrefix | None = None
+                       ) -> PhaseOutput | None:
         """The prefill's one output, or None if prefill failed (decode falls back)."""
+        timeout_s = self._time_left(deadline, "prefill")
         worker.on_sent(uncached_tokens)
         last: PhaseOutput | None = None
         try:
-            async with contextlib.aclosing(worker.client.generate(request, self._timeout)) as outs:
+            async with contextlib.aclosing(worker.client.generate(request, timeout_s)) as outs:
                 async for out in outs:
                     last = out
+            worker.on_call_succeeded()
             if last is not None and self._prefix is not None:
                 self._prefix.on_prefilled(last.num_cached_tokens)
             return last
         except WorkerCallError as exc:
             self._on_error(worker, exc)
+            if exc.code == DEADLINE_EXCEEDED:
+                raise self._expired(deadline, "prefill") from exc
             if exc.code == INVALID_ARGUMENT:
                 raise WorkerFailedError(f"prefill rejected the request: {exc.details}") from exc
             return None
@@ -216,18 +236,20 @@ class PDDispatcher:
     async def _decode(
         self, worker: Worker, request: PhaseRequest, opening: DisaggDecision | None,
         involved: list[Worker], timeline: RequestTimeline, migration: RequestMigration,
+        deadline: Deadline,
     ) -> AsyncIterator[TokenChunk]:
         """Decode on ``worker``; if it fails, on another (``migration.py`` says when and
-        with what request). ``opening`` is set when decode's first chunk opens the
-        request (no prefill chunk came before it): that chunk carries decode's cached
-        tokens and it."""
+        with what request), each call with what is left of the request's ``deadline``.
+        ``opening`` is set when decode's first chunk opens the request (no prefill chunk
+        came before it): that chunk carries decode's cached tokens and it."""
         while True:
             failure: str | None = None
             ended = False  # the finish went out: a failure after it loses nothing
+            timeout_s = self._time_left(deadline, "decode")
             worker.on_sent()
             try:
                 async with contextlib.aclosing(
-                        worker.client.generate(request, self._timeout)) as outs:
+                        worker.client.generate(request, timeout_s)) as outs:
                     async for out in outs:
                         if (failure := failure_of_output(out)) is not None:
                             break
@@ -237,10 +259,13 @@ class PDDispatcher:
                         chunk = TokenChunk(out.token_ids, out.finish_reason, cached, opening)
                         opening, ended = None, out.finish_reason is not None
                         yield chunk
+                worker.on_call_succeeded()
             except WorkerCallError as exc:
                 self._on_error(worker, exc)
                 if ended:
                     return
+                if exc.code == DEADLINE_EXCEEDED:
+                    raise self._expired(deadline, "decode") from exc
                 if (failure := failure_of_error(exc)) is None:
                     raise WorkerFailedError(f"decode worker failed: {exc.details}") from exc
             finally:
@@ -272,12 +297,25 @@ class PDDispatcher:
             involved.append(step.worker)
         return step
 
+    def _time_left(self, deadline: Deadline, phase: str) -> float:
+        """The gRPC deadline of the ``phase`` call: what is left of the request's."""
+        remaining = deadline.remaining_s()
+        if remaining <= 0:
+            raise self._expired(deadline, phase)
+        return remaining
+
+    def _expired(self, deadline: Deadline, phase: str) -> DeadlineExceededError:
+        self._metrics.deadlines_exceeded.labels(phase).inc()
+        return deadline.exceeded(phase)
+
     def _on_error(self, worker: Worker, exc: WorkerCallError) -> None:
         state = worker.snapshot()
         self._metrics.worker_errors.labels(state.role, exc.code).inc()
         logger.warning("%s worker %s: %s %s", state.role, state.endpoint, exc.code, exc.details)
         if exc.code in _UNREACHABLE:
             worker.mark_unhealthy(exc.code)
+        if worker.on_call_failed(exc.code):
+            self._metrics.ejections.labels(state.role).inc()
 
     def _abort_later(self, request_id: str, workers: list[Worker]) -> None:
         """Abort on every worker involved, from a task of its own: this runs while

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Scope, Send
 
 from .outcome import outcome_reason, record_outcome
-from .types import NoWorkerAvailableError, WorkerFailedError
+from .types import DeadlineExceededError, NoWorkerAvailableError, WorkerFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -126,10 +126,16 @@ class ServerError(APIError):
     error_type = "server_error"
 
 
+class GatewayTimeoutError(APIError):
+    status_code = 504
+    error_type = "timeout_error"
+
+
 _EXPECTED = (
     APIError,
     NoWorkerAvailableError,
     WorkerFailedError,
+    DeadlineExceededError,
     RequestValidationError,
     ValidationError,
     StarletteHTTPException,
@@ -144,6 +150,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return ServiceUnavailableError(
             str(exc) or "no worker available", code="no_worker_available"
         )
+    if isinstance(exc, DeadlineExceededError):
+        return GatewayTimeoutError(str(exc) or "request timed out", code="timeout")
     if isinstance(exc, WorkerFailedError):
         return ServerError(str(exc) or "worker failed", code="worker_failed")
     if isinstance(exc, RequestValidationError | ValidationError):

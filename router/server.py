@@ -15,6 +15,7 @@ from fastapi import APIRouter
 from prometheus_client import CollectorRegistry
 
 from pdserve.cluster_secret import optional_secret
+from pdserve.grpc_options import DEFAULT_KEEPALIVE_S
 from pdserve.grpc_tls import TlsFiles
 from pdserve.membership import Membership, MembershipConfig, create_membership
 from pdserve.model import ResolvedModel
@@ -46,7 +47,8 @@ class RouterConfig:
     max_model_len: int = 4096
     placement: str = DEFAULT_PLACEMENT
     health_interval_s: float = 2.0
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0  # the longest a request may take; see deadline.py
+    grpc_keepalive_s: float = DEFAULT_KEEPALIVE_S  # see pdserve.grpc_options
     disagg: DisaggConfig = DisaggConfig()  # remote/local per request (router/disagg.py)
     log_timeline: bool = False
     migration: MigrationConfig = MigrationConfig()  # decode failover (router/migration.py)
@@ -76,7 +78,8 @@ class RouterConfig:
             prefill=prefill, decode=decode, host=args.host, port=args.port,
             max_model_len=args.max_model_len, placement=args.placement,
             disagg=DisaggConfig.from_args(args),
-            log_timeline=args.log_timeline,
+            log_timeline=args.log_timeline, request_timeout_s=args.request_timeout_s,
+            grpc_keepalive_s=args.grpc_keepalive_s,
             migration=MigrationConfig(max_migrations=args.max_migrations),
             edge=EdgeConfig.from_args(args),
             membership=MembershipConfig.from_flags(
@@ -99,7 +102,8 @@ async def serve_router(config: RouterConfig) -> None:
     membership = create_membership(replace(config.membership, prefill=config.prefill,
                                            decode=config.decode), registry)
     pool = WorkerPool(interval_s=config.health_interval_s,
-                      secret=optional_secret(config.cluster_secret_file), tls=config.tls.load())
+                      secret=optional_secret(config.cluster_secret_file), tls=config.tls.load(),
+                      keepalive_s=config.grpc_keepalive_s, close_grace_s=config.request_timeout_s)
     index = PrefixIndex()
     feeder = KvIndexFeeder(lambda: pool.prefill, index, registry)
     pool.on_worker_added(lambda _: feeder.sync())
@@ -109,7 +113,8 @@ async def serve_router(config: RouterConfig) -> None:
                               config.disagg, config.migration)
     app = create_app(served_model_name=config.served_model_name,
                      max_model_len=config.max_model_len, tokenizer=tokenizer,
-                     dispatcher=dispatcher, registry=registry, edge=config.edge)
+                     dispatcher=dispatcher, registry=registry, edge=config.edge,
+                     request_timeout_s=config.request_timeout_s)
     views = _cluster_views(pool, membership, index, feeder)
     app.include_router(views)
     admin: list[uvicorn.Server] = []

@@ -25,6 +25,7 @@ from .cancellation import (
     closing,
     until_disconnect,
 )
+from .deadline import TIMEOUT_HEADER, Deadline, request_timeout_s
 from .detokenize import IncrementalDetokenizer, TokenDecoder
 from .disagg import DisaggDecision
 from .errors import APIError, to_api_error
@@ -40,7 +41,13 @@ from .responses import (
     sse_event,
 )
 from .timeline import RequestTimeline
-from .types import Dispatcher, NoWorkerAvailableError, TokenChunk, WorkerFailedError
+from .types import (
+    DeadlineExceededError,
+    Dispatcher,
+    NoWorkerAvailableError,
+    TokenChunk,
+    WorkerFailedError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +135,10 @@ class RequestOutput:
 class OpenAIServing:
     """Answers ``GenerationRequest``s: a JSON body, or an SSE stream."""
 
-    def __init__(self, *, dispatcher: Dispatcher, decoder: TokenDecoder, metrics: RouterMetrics):
+    def __init__(self, *, dispatcher: Dispatcher, decoder: TokenDecoder, metrics: RouterMetrics,
+                 request_timeout_s: float = 600.0):
         self._dispatcher = dispatcher
+        self._request_timeout_s = request_timeout_s
         self._decoder = decoder
         self._metrics = metrics
 
@@ -137,9 +146,12 @@ class OpenAIServing:
         self._metrics.prompt_tokens.inc(len(request.prompt_token_ids))
         output = RequestOutput(request, self._decoder, self._metrics, http.scope)
         try:
+            timeout_s = request_timeout_s(http.headers.get(TIMEOUT_HEADER),
+                                          self._request_timeout_s)
             chunks = self._dispatcher.generate(
                 request.request_id, request.prompt_token_ids, request.sampling,
                 RequestTimeline(request.request_id, request.arrival_s),
+                deadline=Deadline.after(timeout_s, request.arrival_s),
             )
         except Exception as exc:  # a dispatcher may refuse before returning an iterator
             return self._fail(output, exc)
@@ -263,7 +275,8 @@ def _encode(formatter: ResponseFormatter, delta: OutputDelta, first: bool) -> by
 
 def _log_unexpected(exc: Exception) -> APIError:
     """Map to the OpenAI error; an exception nobody planned for is a bug: log its traceback."""
-    if not isinstance(exc, APIError | NoWorkerAvailableError | WorkerFailedError):
+    if not isinstance(exc, APIError | NoWorkerAvailableError | WorkerFailedError
+                      | DeadlineExceededError):
         logger.exception("unexpected error while serving a request")
     return to_api_error(exc)
 

@@ -17,6 +17,7 @@ from pdserve.types import FinishReason, SamplingSpec
 from .disagg import DisaggDecision
 
 if TYPE_CHECKING:
+    from .deadline import Deadline
     from .timeline import RequestTimeline
 
 
@@ -45,6 +46,11 @@ class WorkerFailedError(RuntimeError):
     or an error event when the stream has already started)."""
 
 
+class DeadlineExceededError(RuntimeError):
+    """The request's deadline passed before it finished (HTTP 504, or an error event
+    when the stream has already started); every worker involved was told to abort."""
+
+
 class Dispatcher(Protocol):
     """Runs requests on the workers.
 
@@ -52,15 +58,18 @@ class Dispatcher(Protocol):
     (``aclose()``, or cancellation of the task iterating it) aborts the request
     on every worker involved and frees their KV blocks; the dispatcher owns
     that cleanup. It raises ``NoWorkerAvailableError`` before the first chunk
-    when no worker can serve, and ``WorkerFailedError`` when a worker fails.
+    when no worker can serve, ``WorkerFailedError`` when a worker fails, and
+    ``DeadlineExceededError`` when ``deadline`` passes.
     """
 
     def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
-        timeline: RequestTimeline | None = None,
+        timeline: RequestTimeline | None = None, deadline: Deadline | None = None,
     ) -> AsyncIterator[TokenChunk]:
         """``timeline`` (started when the request arrived) is marked as the request goes
-        and recorded when it finishes; without one the dispatcher starts its own."""
+        and recorded when it finishes; without one the dispatcher starts its own.
+        ``deadline`` (fixed when the request arrived) bounds every worker call; without
+        one the dispatcher's own request timeout starts now."""
         ...
 
     def is_ready(self) -> bool:

@@ -11,6 +11,10 @@ close them (``contextlib.aclosing``) as soon as they stop reading.
 
 ``probe_health`` / ``probe_load`` are blocking one-shot calls for tools (the
 launcher, tests, benchmarks).
+
+Channels are made in one place (``open_channel``, ``_probe``) with the options of
+``pdserve.grpc_options``: keepalive pings turn a hung worker into UNAVAILABLE within
+seconds, whatever the calls' deadlines.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
 
 from pdserve.cluster_secret import ClusterSecret
 from pdserve.grpc_auth import aio_channel, sync_channel
+from pdserve.grpc_options import DEFAULT_KEEPALIVE_S, client_options
 from pdserve.grpc_tls import GrpcTls
 from pdserve.types import (
     KvChange,
@@ -35,11 +40,11 @@ from pdserve.types import (
     WorkerLoadReport,
 )
 
-_MAX_MESSAGE_BYTES = 64 << 20
 UNAVAILABLE = "UNAVAILABLE"
 INVALID_ARGUMENT = "INVALID_ARGUMENT"
 UNIMPLEMENTED = "UNIMPLEMENTED"
 DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+CANCELLED = "CANCELLED"
 
 
 class WorkerCallError(RuntimeError):
@@ -59,14 +64,14 @@ class WorkerCallError(RuntimeError):
 
 
 class WorkerClient:
-    """One worker's gRPC endpoint. Every unary call takes its deadline in seconds."""
+    """One worker's gRPC endpoint. Every call but ``kv_events`` takes its deadline in
+    seconds (the time the request has left)."""
 
     def __init__(self, endpoint: str, secret: ClusterSecret | None = None, *,
-                 tls: GrpcTls | None = None) -> None:
+                 tls: GrpcTls | None = None, keepalive_s: float = DEFAULT_KEEPALIVE_S) -> None:
         self.endpoint = endpoint
         # Every call carries the cluster token with a ``secret``; TLS with ``tls``.
-        self._channel = aio_channel(
-            endpoint, [("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)], secret, tls)
+        self._channel = open_channel(endpoint, keepalive_s, secret, tls)
         self._stub = pb_grpc.WorkerServiceStub(self._channel)
 
     async def generate(self, request: PhaseRequest, timeout_s: float
@@ -102,6 +107,14 @@ class WorkerClient:
 
     async def close(self, grace_s: float | None = None) -> None:
         await self._channel.close(grace_s)
+
+
+def open_channel(endpoint: str, keepalive_s: float = DEFAULT_KEEPALIVE_S,
+                 secret: ClusterSecret | None = None, tls: GrpcTls | None = None
+                 ) -> grpc.aio.Channel:
+    """The router's channel to one worker: every option it needs, set here only (the
+    cluster token on every call with a ``secret``, TLS with ``tls``)."""
+    return aio_channel(endpoint, client_options(keepalive_s), secret, tls)
 
 
 async def _unary(method: Any, request: Any, timeout_s: float) -> Any:
@@ -143,7 +156,7 @@ def _probe(endpoint: str, method: Callable[[pb_grpc.WorkerServiceStub], Any], re
            timeout_s: float, secret: ClusterSecret | None, tls: GrpcTls | None) -> Any:
     """One blocking unary call (``method`` picks it from the stub) on a channel of its own,
     carrying the cluster token when there is a ``secret``, over TLS with ``tls``."""
-    with sync_channel(endpoint, secret, tls) as channel:
+    with sync_channel(endpoint, secret, tls, client_options()) as channel:
         call = method(pb_grpc.WorkerServiceStub(channel))
         try:
             return call(request, timeout=timeout_s)

@@ -7,6 +7,11 @@ flags, or etcd) and adds/removes workers as it reports them. A new worker gets a
 health check at once and is placed only once that passes; a removed worker's
 channel is closed once its requests end (bounded). ``on_worker_added`` /
 ``on_worker_removed`` let other router state (e.g. a prefix index) follow.
+
+A worker is placeable when its last health check passed (a draining worker answers
+not ready: it gets nothing new, and its streams go on) and its circuit breaker
+(``breaker.py``) is closed: the dispatcher reports each call's outcome
+(``on_call_failed`` / ``on_call_succeeded``).
 """
 
 from __future__ import annotations
@@ -18,17 +23,21 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from pdserve.cluster_secret import ClusterSecret
+from pdserve.grpc_options import DEFAULT_KEEPALIVE_S
 from pdserve.grpc_tls import GrpcTls
 from pdserve.membership import Membership, WorkerInfo
 from pdserve.membership.static import static_infos
 from pdserve.types import WorkerHealth, WorkerLoadReport
 
+from .breaker import DEFAULT_BREAKER, BreakerConfig, CircuitBreaker
 from .worker_client import DEADLINE_EXCEEDED, WorkerCallError, WorkerClient
 from .worker_state import InFlight, WorkerLoad, WorkerState
 
 logger = logging.getLogger("pdserve.router.workers")
 
-_CLOSE_GRACE_S = 10.0
+# A removed worker's requests may run this long before its channel cancels them (a
+# draining worker leaves membership first, then finishes them).
+_CLOSE_GRACE_S = 600.0
 # A worker that answers too slowly is busy, not gone: only this many probe
 # timeouts in a row take it out of placement (a refused connection does at once).
 MAX_SLOW_PROBES = 3
@@ -41,14 +50,16 @@ class Worker:
     report with this router's in-flight work on it."""
 
     def __init__(self, info: WorkerInfo, secret: ClusterSecret | None = None,
-                 tls: GrpcTls | None = None) -> None:
+                 tls: GrpcTls | None = None, keepalive_s: float = DEFAULT_KEEPALIVE_S,
+                 breaker: BreakerConfig = DEFAULT_BREAKER) -> None:
         self.info = info
         # Registered members must answer with the id they registered (a stale record
         # may point at a port another worker now uses). Static members, whose id is
         # their endpoint until Health tells, learn it.
         static = info.worker_id == info.grpc_endpoint
         self._expected_id = None if static else info.worker_id
-        self.client = WorkerClient(info.grpc_endpoint, secret, tls=tls)
+        self.client = WorkerClient(info.grpc_endpoint, secret, tls=tls,
+                                   keepalive_s=keepalive_s)
         self._inflight = InFlight()
         # The last report, as a snapshot with nothing in flight.
         self._reported = WorkerState(endpoint=info.grpc_endpoint, role=info.role,
@@ -57,14 +68,44 @@ class Worker:
                                      max_model_len=info.max_model_len)
         self._snapshot = self._reported
         self._slow_probes = 0
+        self._breaker = CircuitBreaker(breaker)
+        self._ejected = False  # the breaker was open at the last publish
 
     @property
     def member_id(self) -> str:
         return self.info.member_id
 
+    @property
+    def ejected(self) -> bool:
+        return self._ejected
+
     def snapshot(self) -> WorkerState:
-        """The current snapshot (immutable; a later change publishes a new one)."""
+        """The current snapshot (immutable; a later change publishes a new one). An
+        ejected worker whose back-off has passed is readmitted here, on trial."""
+        if self._ejected and not self._breaker.is_open():
+            self._ejected = False
+            logger.info("%s worker at %s readmitted after its back-off", self.info.role,
+                        self.info.grpc_endpoint)
+            self._publish()
         return self._snapshot
+
+    def on_call_failed(self, code: str) -> bool:
+        """A call to the worker failed with gRPC status ``code``; True if that ejected
+        it from placement (its circuit breaker opened)."""
+        if not self._breaker.on_failure(code):
+            return False
+        logger.warning("%s worker at %s ejected for %.1f s after %d failed calls in a row",
+                       self.info.role, self.info.grpc_endpoint,
+                       self._breaker.open_for_s, self._breaker.num_failures)
+        self._ejected = True
+        self._publish()
+        return True
+
+    def on_call_succeeded(self) -> None:
+        self._breaker.on_success()
+        if self._ejected:
+            self._ejected = False
+            self._publish()
 
     def on_sent(self, uncached_tokens: int = 0) -> None:
         """This router sent the worker a request (a prefill: with that many prompt
@@ -134,7 +175,8 @@ class Worker:
         # Built field by field: twice per request per worker, and ``replace`` costs 2x.
         r, inflight = self._reported, self._inflight
         self._snapshot = WorkerState(
-            endpoint=r.endpoint, role=r.role, healthy=r.healthy, worker_id=r.worker_id,
+            endpoint=r.endpoint, role=r.role, healthy=r.healthy and not self._ejected,
+            worker_id=r.worker_id,
             compatibility_hash=r.compatibility_hash, max_model_len=r.max_model_len,
             kv_host=r.kv_host, kv_port=r.kv_port, kv_push=r.kv_push, load=r.load,
             num_assigned=inflight.num_assigned,
@@ -158,10 +200,16 @@ class WorkerPool:
 
     def __init__(self, prefill: Sequence[str] = (), decode: Sequence[str] = (),
                  interval_s: float = 2.0, secret: ClusterSecret | None = None,
-                 tls: GrpcTls | None = None) -> None:
+                 tls: GrpcTls | None = None, keepalive_s: float = DEFAULT_KEEPALIVE_S,
+                 breaker: BreakerConfig = DEFAULT_BREAKER,
+                 close_grace_s: float = _CLOSE_GRACE_S) -> None:
         self._interval_s = interval_s
         # The cluster's secret (every worker's client carries its token) and gRPC TLS.
         self._secret, self._tls = secret, tls
+        self._keepalive_s = keepalive_s
+        self._breaker = breaker
+        self._close_grace_s = close_grace_s
+        self._closing: set[Worker] = set()  # removed, channel closing once its calls end
         self._members: dict[str, Worker] = {}
         self.prefill: list[Worker] = []
         self.decode: list[Worker] = []
@@ -171,7 +219,7 @@ class WorkerPool:
         self._task: asyncio.Task[None] | None = None
         self._membership_task: asyncio.Task[None] | None = None
         for info in static_infos(prefill, decode):
-            self._add(Worker(info, secret, tls))
+            self._add(self._worker(info))
 
     @property
     def all(self) -> list[Worker]:
@@ -189,9 +237,10 @@ class WorkerPool:
         """The current view, for ``GET /workers``."""
         return [
             {"id": s.worker_id, "role": s.role, "endpoint": s.endpoint,
-             "healthy": s.healthy, "compatibility_hash": s.compatibility_hash,
+             "healthy": s.healthy, "ejected": w.ejected,
+             "compatibility_hash": s.compatibility_hash,
              "load": asdict(s.load), "num_assigned": s.num_assigned}
-            for s in (w.snapshot() for w in self.all)
+            for w, s in ((w, w.snapshot()) for w in self.all)
         ]
 
     # MembershipSink
@@ -208,13 +257,16 @@ class WorkerPool:
             return
         if current is not None:
             self._remove(info.member_id)
-        worker = Worker(info, self._secret, self._tls)
+        worker = self._worker(info)
         self._add(worker)
         self._spawn(worker.refresh(max(self._interval_s, 1.0)))  # routable once this passes
 
     async def delete(self, member_id: str) -> None:
         if member_id in self._members:
             self._remove(member_id)
+
+    def _worker(self, info: WorkerInfo) -> Worker:
+        return Worker(info, self._secret, self._tls, self._keepalive_s, self._breaker)
 
     def _add(self, worker: Worker) -> None:
         self._members[worker.member_id] = worker
@@ -230,7 +282,13 @@ class WorkerPool:
         logger.info("%s worker %s at %s left the view", worker.info.role,
                     worker.info.worker_id, worker.info.grpc_endpoint)
         self._notify(self._removed, worker.snapshot())
-        self._spawn(worker.close(_CLOSE_GRACE_S))  # its requests end or are cancelled
+        self._closing.add(worker)
+        self._spawn(self._close_removed(worker))
+
+    async def _close_removed(self, worker: Worker) -> None:
+        """Its requests end (a draining worker finishes them) or are cancelled."""
+        await worker.close(self._close_grace_s)
+        self._closing.discard(worker)
 
     def _rebuild(self) -> None:
         members = sorted(self._members.values(), key=lambda w: w.member_id)
@@ -271,8 +329,10 @@ class WorkerPool:
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        for task in self._tasks:  # a removed worker's patient close among them
+            task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(w.close() for w in self.all))
+        await asyncio.gather(*(w.close() for w in [*self.all, *self._closing]))
 
     async def _loop(self) -> None:
         while True:

@@ -12,6 +12,7 @@ import os
 import uuid
 from dataclasses import dataclass
 
+from pdserve.grpc_options import DEFAULT_KEEPALIVE_S
 from pdserve.grpc_tls import TlsFiles
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.membership import MembershipConfig, check_name
@@ -29,6 +30,8 @@ class WorkerConfig:
     advertise_host: str  # where the router and peers reach this worker
     membership: MembershipConfig
     engine: EngineConfig
+    grpc_keepalive_s: float = DEFAULT_KEEPALIVE_S  # see pdserve.grpc_options
+    drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may take
     tls: TlsFiles = TlsFiles()  # gRPC TLS (the cluster secret is the connector's)
 
     @property
@@ -59,7 +62,7 @@ class WorkerConfig:
         )
         membership = MembershipConfig.from_flags(args.etcd, args.cluster, args.etcd_ttl_s)
         return cls(worker_id, args.host, args.port, advertise, membership, engine,
-                   TlsFiles.from_args(args))
+                   args.grpc_keepalive_s, args.drain_timeout_s, TlsFiles.from_args(args))
 
 
 def _kv_event_endpoints(worker_id: str) -> tuple[str, str]:

@@ -1,6 +1,8 @@
 """Runs one worker process: the gRPC ``WorkerService`` in front of an in-process
 vLLM engine, with the role's policy. Health answers "not ready" while the engine
-loads; the worker registers once it is ready and withdraws first on the way out."""
+loads; the worker registers once it is ready. SIGTERM drains it (``WorkerServer.drain``):
+NOT_SERVING, withdrawn from membership, in-flight requests finished within the drain
+timeout, then exit."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import logging
 import signal
 
 from pdserve.decode_worker.policy import DecodePolicy
+from pdserve.grpc_options import DEFAULT_KEEPALIVE_S
 from pdserve.grpc_tls import GrpcTls
 from pdserve.kv_transfer.base import push_transport_names
 from pdserve.kv_transfer.config import ConnectorConfig
@@ -20,11 +23,11 @@ from pdserve.prefill_worker.policy import PrefillPolicy
 from pdserve.worker.engine import EngineConfig
 from pdserve.worker.host import EngineHost
 from pdserve.worker.policy import RolePolicy
-from pdserve.worker.servicer import start_server
+from pdserve.worker.servicer import start_worker_server
 from pdserve.worker.vllm_engine import VllmEngine
 
 logger = logging.getLogger("pdserve.worker")
-_GRACE_S = 5.0
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 def kv_push_enabled(connector: ConnectorConfig) -> bool:
@@ -66,14 +69,19 @@ def worker_info(host: EngineHost, advertise_host: str, grpc_port: int) -> Worker
 
 async def serve_worker(config: EngineConfig, worker_id: str, host: str, port: int,
                        registrar: Registrar | None = None,
-                       advertise_host: str | None = None, *, tls: GrpcTls | None = None) -> None:
+                       advertise_host: str | None = None,
+                       keepalive_s: float = DEFAULT_KEEPALIVE_S,
+                       drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S, *,
+                       tls: GrpcTls | None = None) -> None:
     """Serve until SIGTERM/SIGINT. Registers with ``registrar`` once the engine is
-    ready; on the way out withdraws the registration first (no new requests), then
-    lets in-flight calls finish."""
+    ready; on the way out drains: says NOT_SERVING and refuses new requests, withdraws
+    the registration (its lease is revoked), lets in-flight calls finish within
+    ``drain_timeout_s``, then stops."""
     registrar = registrar or NullRegistrar()
     backend = engine_host(config, worker_id)
-    server, bound = await start_server(backend, host, port,
+    worker = await start_worker_server(backend, host, port, keepalive_s,
                                        secret=config.connector.cluster_secret(), tls=tls)
+    bound = worker.port
     logger.info("%s worker %s: gRPC on %s:%d, loading engine", config.role, worker_id, host, bound)
 
     stop = asyncio.Event()
@@ -87,12 +95,13 @@ async def serve_worker(config: EngineConfig, worker_id: str, host: str, port: in
         if load.done():
             load.result()  # raises if the engine failed to start
             backend.start_role(loop)
+            await worker.state.update()  # SERVING
             logger.info("%s worker %s ready (KV %s on port %d)", config.role, worker_id,
                         config.connector.transport, config.connector.kv_port)
             await registrar.start(worker_info(backend, advertise_host or host, bound))
             await stopped
     finally:
-        logger.info("%s worker %s stopping", config.role, worker_id)
-        await registrar.close()
-        await server.stop(_GRACE_S)
+        logger.info("%s worker %s draining (up to %.0f s)", config.role, worker_id,
+                    drain_timeout_s)
+        await worker.drain(drain_timeout_s, registrar.close)
         backend.shutdown()

@@ -2,7 +2,9 @@
 vLLM engine host, the simulator, the router tests' scripted worker).
 
 Every call is ``from_pb -> backend -> to_pb`` through ``pdserve.proto.convert``;
-exceptions map to gRPC status in one place (``status_of``).
+exceptions map to gRPC status in one place (``status_of``). The same server carries
+the standard ``grpc.health.v1`` service; ``ServingState`` (``lifecycle.py``) decides
+what both health answers say and whether a ``Generate`` is admitted.
 """
 
 from __future__ import annotations
@@ -10,12 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from pdserve.cluster_secret import ClusterSecret, warn_if_open
 from pdserve.grpc_auth import server_interceptors
+from pdserve.grpc_options import DEFAULT_KEEPALIVE_S, server_options
 from pdserve.grpc_tls import GrpcTls
 from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 from pdserve.prefill_worker.kv_relay import kv_changes, kv_snapshot
@@ -24,8 +30,11 @@ from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.types import PhaseRequest, WorkerHealth
 from pdserve.worker.backend import ErrorKind, WorkerBackend, WorkerError
+from pdserve.worker.lifecycle import ServingState
 
 logger = logging.getLogger("pdserve.worker")
+# After a drain: what is still running is cancelled (and so aborted) this soon.
+_STOP_GRACE_S = 1.0
 
 STATUS_OF_KIND: dict[ErrorKind, grpc.StatusCode] = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
@@ -37,19 +46,24 @@ STATUS_OF_KIND: dict[ErrorKind, grpc.StatusCode] = {
 
 
 class WorkerServicer(pb_grpc.WorkerServiceServicer):
-    def __init__(self, backend: WorkerBackend) -> None:
+    def __init__(self, backend: WorkerBackend, state: ServingState | None = None) -> None:
         self._backend = backend
+        self._state = state or ServingState(backend)
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            outputs = self._backend.generate(admit(request, self._backend.health()))
-            async with contextlib.aclosing(outputs):
-                async for out in outputs:
-                    yield convert.phase_output_to_pb(out)
+            with self._state.admission.call():
+                phase = replace(admit(request, self._backend.health()),
+                                timeout_s=context.time_remaining())
+                outputs = self._backend.generate(phase)
+                async with contextlib.aclosing(outputs):
+                    async for out in outputs:
+                        yield convert.phase_output_to_pb(out)
         except asyncio.CancelledError:
-            # The router cancelled the call; closing the outputs aborted the request.
+            # The router cancelled the call, or its deadline passed (gRPC cancels the
+            # handler then): closing the outputs aborted the request and freed its KV.
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status for the router
             if not isinstance(exc, WorkerError):
@@ -64,7 +78,10 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     async def Health(  # noqa: N802 - gRPC method name
         self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
     ) -> pb.HealthResponse:
-        return convert.health_to_pb(self._backend.health())
+        health = self._backend.health()
+        if self._state.draining:  # the router's health loop stops placing here
+            health = replace(health, ready=False)
+        return convert.health_to_pb(health)
 
     async def GetLoad(  # noqa: N802 - gRPC method name
         self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext
@@ -126,20 +143,56 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
-async def start_server(backend: WorkerBackend, host: str = "127.0.0.1", port: int = 0, *,
-                       secret: ClusterSecret | None = None, tls: GrpcTls | None = None
-                       ) -> tuple[grpc.aio.Server, int]:
-    """Serve ``backend`` on ``host:port`` (0: any free port); returns (server, bound port).
-    With the cluster ``secret``, calls without its token are refused (``grpc_auth``);
-    with ``tls``, only TLS is served (``grpc_tls``)."""
+@dataclass
+class WorkerServer:
+    """A started worker server: its gRPC server, bound port and serving state."""
+
+    server: grpc.aio.Server
+    port: int
+    state: ServingState
+
+    async def drain(self, timeout_s: float,
+                    withdraw: Callable[[], Awaitable[None]] | None = None) -> bool:
+        """Stop taking requests (and ``withdraw``: leave membership), let those in
+        flight finish within ``timeout_s`` in all, then stop the server, which cancels
+        (and so aborts) whatever is left. Whether everything finished."""
+        deadline = time.monotonic() + timeout_s
+        await self.state.start_drain()
+        if withdraw is not None:
+            await withdraw()
+        idle = await self.state.wait_idle(max(deadline - time.monotonic(), 0.0))
+        await self.server.stop(_STOP_GRACE_S)
+        return idle
+
+
+async def start_worker_server(backend: WorkerBackend, host: str = "127.0.0.1", port: int = 0,
+                              keepalive_s: float = DEFAULT_KEEPALIVE_S, *,
+                              secret: ClusterSecret | None = None,
+                              tls: GrpcTls | None = None) -> WorkerServer:
+    """Serve ``backend`` and the standard health service on ``host:port`` (0: any free
+    port). Health says SERVING at once if the backend is ready; else call
+    ``state.update()`` once it is. With the cluster ``secret``, calls without its token
+    are refused (``grpc_auth``; the standard health service stays open); with ``tls``,
+    only TLS is served (``grpc_tls``)."""
     warn_if_open("worker gRPC", host, secret)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
+    server = grpc.aio.server(options=server_options(keepalive_s),
                              interceptors=server_interceptors(secret))
-    pb_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(backend), server)
+    state = ServingState(backend)
+    pb_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(backend, state), server)
+    health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
     address = f"{host}:{port}"
     bound = (server.add_insecure_port(address) if tls is None
              else server.add_secure_port(address, tls.server_credentials()))
     if bound == 0:
         raise RuntimeError(f"cannot bind gRPC port {host}:{port}")
+    await state.update()
     await server.start()
-    return server, bound
+    return WorkerServer(server, bound, state)
+
+
+async def start_server(backend: WorkerBackend, host: str = "127.0.0.1", port: int = 0, *,
+                       secret: ClusterSecret | None = None, tls: GrpcTls | None = None
+                       ) -> tuple[grpc.aio.Server, int]:
+    """``start_worker_server`` for callers that need only (server, bound port)."""
+    started = await start_worker_server(backend, host, port, secret=secret, tls=tls)
+    return started.server, started.port

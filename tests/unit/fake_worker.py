@@ -38,7 +38,7 @@ from pdserve.types import (
     WorkerLoadReport,
 )
 from pdserve.worker.backend import WorkerError
-from pdserve.worker.servicer import STATUS_OF_KIND, start_server
+from pdserve.worker.servicer import STATUS_OF_KIND, WorkerServer, start_worker_server
 
 _KIND_OF_STATUS = {code: kind for kind, code in STATUS_OF_KIND.items()}
 
@@ -89,6 +89,7 @@ class GenerateRecord:
     kv_handle: KVHandle | None
     max_tokens: int
     kv_push_target: PushTarget | None = None
+    timeout_s: float | None = None  # the call's gRPC deadline, as time left on arrival
 
 
 @dataclass
@@ -113,7 +114,7 @@ class FakeWorkerServicer:
         rid, phase = request.request_id, request.phase
         self.generates.append(GenerateRecord(
             rid, phase, request.prompt_token_ids, request.kv_handle,
-            request.sampling.max_tokens, request.push_target))
+            request.sampling.max_tokens, request.push_target, request.timeout_s))
         self.inflight.add(rid)
         try:
             steps = self._prefill(request) if phase == "prefill" else self._decode(request)
@@ -200,6 +201,7 @@ class FakeWorker:
     servicer: FakeWorkerServicer
     server: grpc.aio.Server
     port: int
+    serving: WorkerServer | None = None  # its health service and drain
 
     @property
     def endpoint(self) -> str:
@@ -214,8 +216,8 @@ class FakeWorker:
 
 async def start_fake_worker(role: Role, script: WorkerScript | None = None) -> FakeWorker:
     backend = FakeWorkerServicer(role, script or WorkerScript())
-    server, port = await start_server(backend)
-    return FakeWorker(backend, server, port)
+    serving = await start_worker_server(backend)
+    return FakeWorker(backend, serving.server, serving.port, serving)
 
 
 async def eventually(

@@ -41,6 +41,7 @@ class DispatchCall:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingSpec
+    deadline: Any = None  # the router.deadline.Deadline the HTTP layer fixed
 
 
 @dataclass
@@ -74,9 +75,10 @@ class FakeDispatcher:
 
     def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
-        timeline: object = None,
+        timeline: object = None, deadline: Any = None,
     ) -> AsyncIterator[TokenChunk]:
-        self.calls.append(DispatchCall(request_id, tuple(prompt_token_ids), sampling))
+        self.calls.append(DispatchCall(request_id, tuple(prompt_token_ids), sampling,
+                                       deadline))
         if self.error_on_call is not None:
             raise self.error_on_call
         return self._run(request_id, sampling)

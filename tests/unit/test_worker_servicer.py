@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import pytest_asyncio
@@ -105,7 +105,10 @@ async def test_generate_round_trip(served: Served) -> None:
     outs = [PhaseOutput((5,)), PhaseOutput((6, 7), "length", HANDLE, 2, 5)]
     served.backend.outputs = outs
     assert await served.generate(REQUEST) == outs
-    assert served.backend.requests == [REQUEST]
+    (seen,) = served.backend.requests
+    assert replace(seen, timeout_s=None) == REQUEST
+    # The call's gRPC deadline reaches the backend as the time it has left.
+    assert seen.timeout_s is not None and 0 < seen.timeout_s <= TIMEOUT_S
     assert served.backend.closed == []
 
 
