@@ -217,3 +217,40 @@ def test_client_disconnect_mid_stream_aborts_on_both_workers(pd_server: Server) 
     assert wait_until(idle, timeout_s=10), "request still running after the client left"
     # 1000 tokens at ~25 tok/s would take 40 s: it was aborted, not finished.
     assert time.monotonic() - started < 10
+
+
+def _idle(pd_server: Server) -> bool:
+    """Neither worker holds a request, a KV block or a pending transfer."""
+    p, d = pd_server.load("prefill"), pd_server.load("decode")
+    return (p.num_inflight_reqs == d.num_inflight_reqs == d.num_running_reqs == 0
+            and p.num_pending_transfers == d.num_pending_transfers == 0
+            and p.kv_cache_usage == d.kv_cache_usage == 0.0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_past_its_deadline_gets_504_and_no_worker_holds_it(
+    pd_server: Server, stream: bool
+) -> None:
+    """``X-Request-Timeout`` shorter than the request: 504 before any token, or an SSE
+    error event then ``[DONE]`` once streaming started; both workers then hold nothing."""
+    assert wait_until(lambda: _idle(pd_server), timeout_s=15)
+    timeout_s = 1.5 if stream else 0.3  # streaming: the deadline hits mid-decode
+    body = {"model": MODEL, "prompt": "Count: " + LONG, "max_tokens": 1000, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+    headers = {"X-Request-Timeout": str(timeout_s)}
+    started = time.monotonic()
+    with httpx.Client(timeout=60) as http:
+        if not stream:
+            reply = http.post(pd_server.base_url + "/completions", json=body, headers=headers)
+            assert reply.status_code == 504, reply.text
+            assert reply.json()["error"]["code"] == "timeout"
+        else:
+            with http.stream("POST", pd_server.base_url + "/completions", json=body,
+                             headers=headers) as resp:
+                assert resp.status_code == 200
+                events = [line.removeprefix("data: ") for line in resp.iter_lines()
+                          if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and '"error"' in events[-2], events[-3:]
+            assert any('"text"' in e for e in events[:-2])  # tokens came before the error
+    assert time.monotonic() - started < timeout_s + 5  # ended at the deadline, not at 1000
+    assert wait_until(lambda: _idle(pd_server), timeout_s=10), "a worker still holds it"

@@ -2,18 +2,21 @@
 (``pd_server``; this file sorts after ``test_pd_e2e.py`` and before the transport
 clusters, so it reuses that cluster): the prefill worker is SIGKILLed, every
 request meanwhile still gets vLLM's answer (decode prefills it), and the worker is
-restarted on its port, with its engine, and rejoins the router's view. The test
-waits for the rejoin, so the cluster it leaves is whole."""
+restarted on its port, with its engine, and rejoins the router's view; then the
+router is SIGKILLed mid-stream: both workers free the request (its engine requests
+aborted, its KV freed) within the KV lease time, and the router is restarted. Each
+test waits for the restart, so the cluster it leaves is whole."""
 
 from __future__ import annotations
 
 import signal
 import time
 
+import httpx
 import openai
 import psutil
 import pytest
-from integration.pd_cases import CASES, run_case
+from integration.pd_cases import CASES, LONG, MODEL, run_case
 from pdserve_testing import Server, wait_until
 
 pytestmark = pytest.mark.integration
@@ -23,11 +26,14 @@ REJOIN_TIMEOUT_S = 240
 
 
 def _worker(server: Server, worker_id: str) -> psutil.Process | None:
+    """``up``'s child that is ``worker_id``, or ``router``."""
     for p in psutil.Process(server.proc.pid).children():
         try:
             argv = p.cmdline()
         except psutil.NoSuchProcess:
             continue
+        if worker_id == "router" and argv[3:4] == ["router"]:
+            return p
         if "--worker-id" in argv and argv[argv.index("--worker-id") + 1] == worker_id:
             return p
     return None
@@ -66,3 +72,51 @@ def test_sigkilled_prefill_worker_is_restarted_and_rejoins_while_answers_stay_ex
     for case, want in zip(CASES, reference, strict=True):  # and P/D again
         assert run_case(client, case)[1] == want
 
+
+
+LEASE_S = 30.0  # the workers' --lease-s default: how long prefill keeps unclaimed KV
+
+
+def test_router_killed_mid_stream_both_workers_free_the_request(
+    pd_server: Server, reference: list[list[int]]
+) -> None:
+    def idle() -> bool:
+        p, d = pd_server.load("prefill"), pd_server.load("decode")
+        return (p.num_inflight_reqs == d.num_inflight_reqs == d.num_running_reqs == 0
+                and p.num_pending_transfers == d.num_pending_transfers == 0
+                and p.kv_cache_usage == d.kv_cache_usage == 0.0)
+
+    assert wait_until(idle, timeout_s=15)
+    router = _worker(pd_server, "router")
+    assert router is not None
+    body = {"model": MODEL, "prompt": "Count: " + LONG, "max_tokens": 1000,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # long: P -> D
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", pd_server.base_url + "/completions", json=body) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            received = 0
+            while received < 3:
+                if next(lines).startswith("data: "):
+                    received += 1
+            assert pd_server.load("decode").num_inflight_reqs == 1
+            router.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            with pytest.raises(httpx.HTTPError):  # the stream is cut
+                for _ in lines:
+                    pass
+    assert wait_until(idle, timeout_s=LEASE_S + 5), "a worker still holds the request"
+    assert time.monotonic() - killed < LEASE_S + 5
+    # The supervisor restarts the router on its port; it finds both workers again.
+    back = wait_until(lambda: (_worker(pd_server, "router") or router).pid != router.pid
+                      and _all_healthy(pd_server), timeout_s=REJOIN_TIMEOUT_S, interval_s=1)
+    assert back, pd_server.log_lines("router", "restart")
+    client = openai.OpenAI(base_url=pd_server.base_url, api_key="none", timeout=300)
+    assert run_case(client, CASES[0])[1] == reference[0]  # serves again, exactly
+
+
+def _all_healthy(server: Server) -> bool:
+    try:
+        return all(w["healthy"] for w in server.workers("prefill") + server.workers("decode"))
+    except (httpx.HTTPError, ValueError, KeyError):
+        return False
