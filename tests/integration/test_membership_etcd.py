@@ -8,7 +8,8 @@ unchanged) then SIGKILLed (the same, and it leaves the view within its TTL), SIG
 of a prefill worker past the TTL then SIGCONT, an etcd outage and restart (a worker
 started during it is discovered: a bfloat16 decode worker, incompatible with the
 float32 prefill workers), and the incompatible worker never paired (it serves alone,
-computing prompts itself). At most four engines run at once. Workers use a 3 s lease
+computing prompts itself), then SIGTERM to that worker mid-stream (it drains). At
+most four engines run at once. Workers use a 3 s lease
 TTL (``--etcd-ttl-s 3``; the default is 10 s).
 """
 
@@ -47,6 +48,7 @@ LATE = "decode-bf16"  # started during the etcd outage; its hash differs (dtype)
 # The migration tests' long greedy stream, and when (tokens received) the fault hits.
 MIGRATION_TOKENS = 64
 KILL_AFTER_TOKENS = 16
+DRAIN_TIMEOUT_S = 30  # the workers' --drain-timeout-s default
 MIGRATION_BODY = {"model": MODEL, "prompt": "Recount every fact, one per line.\n" + LONG,
                   "max_tokens": MIGRATION_TOKENS, "temperature": 0, "ignore_eos": True,
                   "stream": True, "return_token_ids": True,
@@ -379,3 +381,37 @@ def test_incompatible_worker_is_never_paired(cluster: Cluster) -> None:
     assert (late.prompt_tokens_external, late.kv_bytes_received) == (0, 0)
     assert cluster.metric(*no_prefill) >= local + 3
     assert cluster.load(survivor).prompt_tokens_external > external
+
+
+def test_sigterm_drains_a_decode_worker_its_stream_completes_and_it_exits(
+        cluster: Cluster) -> None:
+    """SIGTERM to a decode worker while it streams (the last test: the worker is gone
+    after it): it leaves the view at once (its lease revoked), new requests go to the
+    other decode worker, its stream completes, and it exits within the drain grace."""
+    streams: list[tuple[list[int], dict[str, Any]]] = []
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            ids, usage, _ = cluster.stream()
+            streams.append((ids, usage))
+        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+            errors.append(exc)
+
+    # Round robin: of two requests at once, one lands on each decode worker.
+    clients = [threading.Thread(target=one) for _ in range(2)]
+    for t in clients:
+        t.start()
+    assert wait_until(lambda: cluster.load(LATE).num_inflight_reqs > 0, 60.0, 0.1)
+    proc = cluster.procs[LATE]
+    proc.send_signal(signal.SIGTERM)  # the worker itself, not its engine's group
+    drained = time.monotonic()
+    assert wait_until(lambda: LATE not in cluster.view(), 5.0, 0.05)
+    for j in range(2):
+        cluster.complete(800 + j)  # served by the others meanwhile
+    for t in clients:
+        t.join(timeout=180)
+    assert not errors, errors
+    assert [len(ids) for ids, _ in streams] == [MIGRATION_TOKENS] * 2
+    assert proc.wait(timeout=DRAIN_TIMEOUT_S + 30) == 0
+    assert time.monotonic() - drained < DRAIN_TIMEOUT_S + 30
