@@ -99,3 +99,42 @@ def test_checksums_agree_between_host_and_device(kind: str) -> None:
     host.append(torch.arange(7, dtype=torch.uint8))  # a size that is no multiple of 4
     device = [t.to("cuda:0") for t in host]
     assert checksum(device, kind) == checksum(host, kind)
+
+
+@pytest.mark.parametrize("name", ["tcp", "ucx", "torch"])
+def test_device_kv_moves_only_with_the_cluster_secret(name: str) -> None:
+    """The cluster-secret handshake in front of device memory: the right secret moves
+    the blocks bit-exact; a wrong one is refused before any block moves."""
+    if name == "ucx":
+        pytest.importorskip("ucxx")
+    from pdserve.cluster_secret import ClusterSecret
+
+    right = ClusterSecret(b"gpu-cluster-secret-0123456789")
+    server_dev, client_dev = _devices(name)
+    torch.cuda.set_device(client_dev)
+    peer = KVPeer(name, {"secret": right}, device=server_dev)
+    key = (1, "bfloat16")
+    try:
+        for secret, ok in ((ClusterSecret(b"not-the-cluster-secret-9876"), False), (right, True)):
+            caches = {k: torch.zeros_like(v) for k, v in make_caches(
+                0, torch.bfloat16, block_dim=1, device=client_dev).items()}
+            transport, _ = start_transport(name, caches, LeaseTable(),
+                                           TransportOptions(secret=secret))
+            try:
+                req = f"s-{ok}"
+                peer.lease(key, req, [3, 4])
+                address = PeerAddress("127.0.0.1", peer.ports[key])
+                if not ok:
+                    with pytest.raises(TransferError, match="secret"):
+                        transport.pull(address, req, [3, 4], [5, 6], time.monotonic() + 30)
+                    assert all(not t.any() for t in caches.values())  # nothing arrived
+                    continue
+                transport.pull(address, req, [3, 4], [5, 6], time.monotonic() + 60)
+                want = make_caches(kv_seed(*key), torch.bfloat16, block_dim=1)
+                for n, tensor in caches.items():
+                    assert torch.equal(tensor[:, [5, 6]].cpu().view(torch.uint8),
+                                       want[n][:, [3, 4]].view(torch.uint8))
+            finally:
+                transport.close()
+    finally:
+        peer.stop()
