@@ -49,6 +49,7 @@ LATE = "decode-bf16"  # started during the etcd outage; its hash differs (dtype)
 MIGRATION_TOKENS = 64
 KILL_AFTER_TOKENS = 16
 DRAIN_TIMEOUT_S = 30  # the workers' --drain-timeout-s default
+_SIGKILL = signal.SIGKILL  # (in Cluster, `signal` is its method)
 MIGRATION_BODY = {"model": MODEL, "prompt": "Recount every fact, one per line.\n" + LONG,
                   "max_tokens": MIGRATION_TOKENS, "temperature": 0, "ignore_eos": True,
                   "stream": True, "return_token_ids": True,
@@ -155,7 +156,7 @@ class Cluster:
             self._reference = Answer(ids, usage, time.monotonic() - started)
         return self._reference
 
-    def stream(self, act_after: int | None = None, sig: int = signal.SIGKILL
+    def stream(self, act_after: int | None = None, sig: int = _SIGKILL
                ) -> tuple[list[int], dict[str, Any], str]:
         """The migration stream's token ids and usage; after ``act_after`` tokens have
         reached the client, ``sig`` goes to the decode worker serving it (its id is
