@@ -6,7 +6,7 @@ import asyncio
 import multiprocessing as mp
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -204,6 +204,21 @@ class Server:
     def load(self, role: str) -> WorkerLoadReport:
         (worker,) = self.workers(role)
         return probe_load(worker["endpoint"], timeout_s=5, secret=self.secret)
+
+    def idle(self) -> bool:
+        """Neither worker holds a request, a KV block or a pending transfer."""
+        p, d = self.load("prefill"), self.load("decode")
+        return (p.num_inflight_reqs == d.num_inflight_reqs == d.num_running_reqs == 0
+                and p.num_pending_transfers == d.num_pending_transfers == 0
+                and p.kv_cache_usage == d.kv_cache_usage == 0.0)
+
+
+def read_events(lines: Iterator[str], n: int) -> None:
+    """Read an SSE stream's lines until ``n`` data events have arrived."""
+    received = 0
+    while received < n:
+        if next(lines).startswith("data: "):
+            received += 1
 
 
 def router_metric(router_url: str, name: str, *labels: str) -> float:

@@ -23,7 +23,7 @@ from integration.pd_cases import (
     prompt_ids,
     run_case,
 )
-from pdserve_testing import Server, wait_until
+from pdserve_testing import Server, read_events, wait_until
 
 from pdserve.types import WorkerLoadReport
 
@@ -200,31 +200,12 @@ def test_client_disconnect_mid_stream_aborts_on_both_workers(pd_server: Server) 
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", pd_server.base_url + "/completions", json=body) as resp:
             assert resp.status_code == 200
-            lines = resp.iter_lines()
-            received = 0
-            while received < 3:
-                if next(lines).startswith("data: "):
-                    received += 1
+            read_events(resp.iter_lines(), 3)
             assert pd_server.load("decode").num_inflight_reqs == 1
     started = time.monotonic()
-
-    def idle() -> bool:
-        p, d = pd_server.load("prefill"), pd_server.load("decode")
-        return (d.num_inflight_reqs == 0 and d.num_running_reqs == 0
-                and d.num_pending_transfers == 0 and p.num_pending_transfers == 0
-                and d.kv_cache_usage == 0.0 and p.kv_cache_usage == 0.0)
-
-    assert wait_until(idle, timeout_s=10), "request still running after the client left"
+    assert wait_until(pd_server.idle, timeout_s=10), "request still running after the client left"
     # 1000 tokens at ~25 tok/s would take 40 s: it was aborted, not finished.
     assert time.monotonic() - started < 10
-
-
-def _idle(pd_server: Server) -> bool:
-    """Neither worker holds a request, a KV block or a pending transfer."""
-    p, d = pd_server.load("prefill"), pd_server.load("decode")
-    return (p.num_inflight_reqs == d.num_inflight_reqs == d.num_running_reqs == 0
-            and p.num_pending_transfers == d.num_pending_transfers == 0
-            and p.kv_cache_usage == d.kv_cache_usage == 0.0)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -233,7 +214,7 @@ def test_request_past_its_deadline_gets_504_and_no_worker_holds_it(
 ) -> None:
     """``X-Request-Timeout`` shorter than the request: 504 before any token, or an SSE
     error event then ``[DONE]`` once streaming started; both workers then hold nothing."""
-    assert wait_until(lambda: _idle(pd_server), timeout_s=15)
+    assert wait_until(pd_server.idle, timeout_s=15)
     timeout_s = 1.5 if stream else 0.3  # streaming: the deadline hits mid-decode
     body = {"model": MODEL, "prompt": "Count: " + LONG, "max_tokens": 1000, "temperature": 0,
             "ignore_eos": True, "stream": stream}
@@ -253,4 +234,4 @@ def test_request_past_its_deadline_gets_504_and_no_worker_holds_it(
             assert events[-1] == "[DONE]" and '"error"' in events[-2], events[-3:]
             assert any('"text"' in e for e in events[:-2])  # tokens came before the error
     assert time.monotonic() - started < timeout_s + 5  # ended at the deadline, not at 1000
-    assert wait_until(lambda: _idle(pd_server), timeout_s=10), "a worker still holds it"
+    assert wait_until(pd_server.idle, timeout_s=10), "a worker still holds it"

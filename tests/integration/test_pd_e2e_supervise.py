@@ -17,7 +17,7 @@ import openai
 import psutil
 import pytest
 from integration.pd_cases import CASES, LONG, MODEL, run_case
-from pdserve_testing import Server, wait_until
+from pdserve_testing import Server, read_events, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -80,13 +80,7 @@ LEASE_S = 30.0  # the workers' --lease-s default: how long prefill keeps unclaim
 def test_router_killed_mid_stream_both_workers_free_the_request(
     pd_server: Server, reference: list[list[int]]
 ) -> None:
-    def idle() -> bool:
-        p, d = pd_server.load("prefill"), pd_server.load("decode")
-        return (p.num_inflight_reqs == d.num_inflight_reqs == d.num_running_reqs == 0
-                and p.num_pending_transfers == d.num_pending_transfers == 0
-                and p.kv_cache_usage == d.kv_cache_usage == 0.0)
-
-    assert wait_until(idle, timeout_s=15)
+    assert wait_until(pd_server.idle, timeout_s=15)
     router = _worker(pd_server, "router")
     assert router is not None
     body = {"model": MODEL, "prompt": "Count: " + LONG, "max_tokens": 1000,
@@ -95,17 +89,14 @@ def test_router_killed_mid_stream_both_workers_free_the_request(
         with http.stream("POST", pd_server.base_url + "/completions", json=body) as resp:
             assert resp.status_code == 200
             lines = resp.iter_lines()
-            received = 0
-            while received < 3:
-                if next(lines).startswith("data: "):
-                    received += 1
+            read_events(lines, 3)
             assert pd_server.load("decode").num_inflight_reqs == 1
             router.send_signal(signal.SIGKILL)
             killed = time.monotonic()
             with pytest.raises(httpx.HTTPError):  # the stream is cut
                 for _ in lines:
                     pass
-    assert wait_until(idle, timeout_s=LEASE_S + 5), "a worker still holds the request"
+    assert wait_until(pd_server.idle, timeout_s=LEASE_S + 5), "a worker still holds the request"
     assert time.monotonic() - killed < LEASE_S + 5
     # The supervisor restarts the router on its port; it finds both workers again.
     back = wait_until(lambda: (_worker(pd_server, "router") or router).pid != router.pid
