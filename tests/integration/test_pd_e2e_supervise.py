@@ -56,6 +56,9 @@ def test_sigkilled_prefill_worker_is_restarted_and_rejoins_while_answers_stay_ex
     gone = wait_until(lambda: not any(e.is_running() and e.status() != psutil.STATUS_ZOMBIE
                                       for e in engines), timeout_s=30)
     assert gone, "the dead worker's engine processes survived it"
+    # The router notices at its next health check (every 2 s); the new engine takes
+    # ~35 s to load, so prefill-0 stays unhealthy meanwhile.
+    assert wait_until(lambda: not _healthy(pd_server, "prefill-0"), timeout_s=15)
     # While prefill-0 is down (and while its new engine loads), decode prefills.
     started = time.monotonic()
     while not _healthy(pd_server, "prefill-0"):

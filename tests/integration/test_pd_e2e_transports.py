@@ -87,7 +87,8 @@ def test_prefill_engine_killed_mid_transfer_decode_recomputes_the_same_answer(
     answer: dict[str, Any] = {}
     asker = threading.Thread(target=lambda: answer.update(ids=run_case(client, KILL_CASE)[1]))
     asker.start()
-    sending = wait_until(lambda: request_once("127.0.0.1", kv_port, {"op": "status"}, 5)
+    sending = wait_until(lambda: request_once("127.0.0.1", kv_port, {"op": "status"}, 5,
+                                                 pd_server.secret)
                          ["num_sending"], timeout_s=240, interval_s=0.05)
     assert sending, "the prefill never started sending"
     engine.kill()
