@@ -205,9 +205,16 @@ class Server:
         (worker,) = self.workers(role)
         return probe_load(worker["endpoint"], timeout_s=5, secret=self.secret)
 
-    def idle(self) -> bool:
-        """Neither worker holds a request, a KV block or a pending transfer."""
-        p, d = self.load("prefill"), self.load("decode")
+    def idle(self, endpoints: dict[str, str] | None = None) -> bool:
+        """Neither worker holds a request, a KV block or a pending transfer. The
+        workers are found through the router unless ``endpoints`` (role -> gRPC
+        endpoint) name them."""
+        def load(role: str) -> WorkerLoadReport:
+            if endpoints is None:
+                return self.load(role)
+            return probe_load(endpoints[role], timeout_s=5, secret=self.secret)
+
+        p, d = load("prefill"), load("decode")
         return (p.num_inflight_reqs == d.num_inflight_reqs == d.num_running_reqs == 0
                 and p.num_pending_transfers == d.num_pending_transfers == 0
                 and p.kv_cache_usage == d.kv_cache_usage == 0.0)

@@ -86,6 +86,7 @@ def test_router_killed_mid_stream_both_workers_free_the_request(
     assert wait_until(pd_server.idle, timeout_s=15)
     router = _worker(pd_server, "router")
     assert router is not None
+    endpoints = {role: pd_server.workers(role)[0]["endpoint"] for role in ("prefill", "decode")}
     body = {"model": MODEL, "prompt": "Count: " + LONG, "max_tokens": 1000,
             "temperature": 0, "ignore_eos": True, "stream": True}  # long: P -> D
     with httpx.Client(timeout=60) as http:
@@ -99,7 +100,9 @@ def test_router_killed_mid_stream_both_workers_free_the_request(
             with pytest.raises(httpx.HTTPError):  # the stream is cut
                 for _ in lines:
                     pass
-    assert wait_until(pd_server.idle, timeout_s=LEASE_S + 5), "a worker still holds the request"
+    # The router is down: ask the workers themselves.
+    assert wait_until(lambda: pd_server.idle(endpoints), timeout_s=LEASE_S + 5), \
+        "a worker still holds the request"
     assert time.monotonic() - killed < LEASE_S + 5
     # The supervisor restarts the router on its port; it finds both workers again.
     back = wait_until(lambda: (_worker(pd_server, "router") or router).pid != router.pid
@@ -111,6 +114,7 @@ def test_router_killed_mid_stream_both_workers_free_the_request(
 
 def _all_healthy(server: Server) -> bool:
     try:
-        return all(w["healthy"] for w in server.workers("prefill") + server.workers("decode"))
+        workers = server.workers("prefill") + server.workers("decode")
+        return len(workers) == 2 and all(w["healthy"] for w in workers)
     except (httpx.HTTPError, ValueError, KeyError):
         return False
