@@ -221,7 +221,9 @@ class Server:
 
 
 def read_events(lines: Iterator[str], n: int) -> None:
-    """Read an SSE stream's lines until ``n`` data events have arrived."""
+    """Read an SSE stream's lines until ``n`` data events have arrived. Keep a reference
+    to ``lines`` while the stream should stay open: httpx closes the response when its
+    line iterator is garbage-collected."""
     received = 0
     while received < n:
         if next(lines).startswith("data: "):

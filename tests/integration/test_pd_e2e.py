@@ -200,7 +200,8 @@ def test_client_disconnect_mid_stream_aborts_on_both_workers(pd_server: Server) 
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", pd_server.base_url + "/completions", json=body) as resp:
             assert resp.status_code == 200
-            read_events(resp.iter_lines(), 3)
+            lines = resp.iter_lines()  # held: a dropped iterator closes the response
+            read_events(lines, 3)
             assert pd_server.load("decode").num_inflight_reqs == 1
     started = time.monotonic()
     assert wait_until(pd_server.idle, timeout_s=10), "request still running after the client left"
