@@ -53,6 +53,12 @@ class PushInbox:
         with self._cond:
             return len(self._entries)
 
+    @property
+    def num_bytes(self) -> int:
+        """Bytes staged for transfers not yet consumed (at most ``capacity_bytes``)."""
+        with self._cond:
+            return self._used
+
     def receive_views(
         self, transfer_id: str, layer: int, first: int, count: int, num_blocks: int
     ) -> list[memoryview]:

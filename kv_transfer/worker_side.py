@@ -144,7 +144,8 @@ class WorkerSide:
     def stats_delta(self) -> dict[str, int] | None:
         now = dict(self._transport.stats(), leases_expired=self._leases.num_expired,
                    **self._status_extra())
-        now.pop("inflight_pulls", None)  # a gauge, not a counter
+        for gauge in ("inflight_pulls", "push_inbox_bytes"):  # not counters
+            now.pop(gauge, None)
         delta = {k: v - self._last_stats.get(k, 0) for k, v in now.items()}
         self._last_stats = now
         return delta if any(delta.values()) else None
@@ -155,6 +156,8 @@ class WorkerSide:
         if self._sender is not None:
             out.update(layers_pushed=self._sender.num_layers_pushed,
                        pushes_failed=self._sender.num_pushes_failed)
+        if self._inbox is not None:
+            out.update(push_inbox_bytes=self._inbox.num_bytes)
         return out
 
     def _count_load(self, **deltas: int) -> None:

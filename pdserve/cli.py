@@ -24,7 +24,8 @@ ENGINE = ("dtype", "kv-cache-gib", "num-kv-blocks")
 TRANSPORT = ("transport", "kv-checksum", "kv-throttle-mib-s", "kv-push")
 MEMBERSHIP = ("etcd", "cluster", "etcd-ttl-s")
 WORKER = ("host", "port", "advertise-host", "kv-port", "kv-host", "cpu-cores", "lease-s",
-          "worker-id", "compile", "grpc-keepalive-s", "drain-timeout-s")
+          "worker-id", "compile", "grpc-keepalive-s", "drain-timeout-s", "metrics-port",
+          "metrics-host")
 DISAGG = ("disagg", "local-prefill-max-tokens", "local-prefill-max-queued-tokens",
           "local-decode-max-running")
 EDGE = ("api-key", "api-key-file", "admin-port", "admin-host", "max-concurrent-requests",
@@ -33,12 +34,13 @@ ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement",
           "served-model-name", "log-timeline", "max-migrations", "request-timeout-s",
           "grpc-keepalive-s") + DISAGG + EDGE
 UP = ("host", "port", "num-prefill", "num-decode", "placement", "cpu-layout", "with-etcd",
-      "startup-timeout-s", "max-restarts", "restart-window-s", "simulated") + DISAGG + EDGE
+      "startup-timeout-s", "max-restarts", "restart-window-s", "simulated", "worker-metrics",
+      "metrics-targets-file") + DISAGG + EDGE
 # The cluster secret: the router, every worker and up (which hands it to its children).
 SECURITY = ("cluster-secret-file", "tls-cert", "tls-key", "tls-ca")
 SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",
        "prefill-us-per-token", "decode-ms-per-token", "log-level", "log-format",
-       "grpc-keepalive-s", "drain-timeout-s") + MEMBERSHIP
+       "grpc-keepalive-s", "drain-timeout-s", "metrics-port", "metrics-host") + MEMBERSHIP
 
 _HTTP = {"host": {"help": "the router's HTTP bind address"},
          "port": {"help": "the router's HTTP port"}}
@@ -119,7 +121,7 @@ def _run_worker(args: argparse.Namespace, model: ResolvedModel) -> int:
     asyncio.run(serve_worker(config.engine, config.worker_id, config.host, config.port,
                              create_registrar(config.membership), config.advertise_host,
                              config.grpc_keepalive_s, config.drain_timeout_s,
-                             tls=config.tls.load()))
+                             tls=config.tls.load(), metrics=config.metrics))
     return 0
 
 
@@ -142,14 +144,17 @@ def _run_sim_worker(args: argparse.Namespace) -> int:
     from pdserve.cluster_secret import optional_secret
     from pdserve.grpc_tls import TlsFiles
     from pdserve.membership import MembershipConfig, create_registrar
-    from pdserve.sim_worker import serve_sim_worker, sim_config_from_args
+    from pdserve.sim_worker import serve_sim_worker, sim_advertise_host, sim_config_from_args
+    from pdserve.worker.metrics import MetricsListener
 
     membership = MembershipConfig.from_flags(args.etcd, args.cluster, args.etcd_ttl_s)
+    metrics = MetricsListener.from_flags(args.metrics_host, args.metrics_port, args.host,
+                                         sim_advertise_host(args.host))
     asyncio.run(serve_sim_worker(sim_config_from_args(args), args.host, args.port,
                                  create_registrar(membership),
                                  optional_secret(args.cluster_secret_file),
                                  TlsFiles.from_args(args).load(),
-                                 args.grpc_keepalive_s, args.drain_timeout_s))
+                                 args.grpc_keepalive_s, args.drain_timeout_s, metrics))
     return 0
 
 

@@ -227,6 +227,9 @@ FLAGS = _flags(
          parse_float(0, strict=True)),
     Flag("compile", "use torch.compile (slow start on CPU; default: eager)", False,
          parse_bool, switch=True),
+    Flag("metrics-port", "serve Prometheus /metrics over HTTP on this port: the engine's "
+         "vllm:* metrics and the worker's pdserve:* ones (0: off)", 0, parse_port),
+    Flag("metrics-host", "the /metrics listener's bind address (default: --host)"),
     Flag("drain-timeout-s", "on SIGTERM: stop taking requests (router: 503; worker: "
          "NOT_SERVING, leaves membership) and give the requests in flight this long to "
          "finish before exiting", 30.0, parse_float(0)),
@@ -284,6 +287,11 @@ FLAGS = _flags(
          "first half, decode on the rest); auto: split on 2+ cores, measured best under load",
          "auto",
          choices=CPU_LAYOUTS),
+    Flag("worker-metrics", "give every worker a /metrics port (a free one) and print the "
+         "scrape targets once ready; --no-worker-metrics: the router's only", True,
+         parse_bool, switch=True),
+    Flag("metrics-targets-file", "write the scrape targets (router and workers) to this "
+         "file as Prometheus file_sd JSON once ready", metavar="PATH"),
     Flag("with-etcd", "start a local etcd (the `etcd` binary) for membership", False,
          parse_bool, switch=True),
     Flag("startup-timeout-s", "fail the start if no decode worker is ready after this many "

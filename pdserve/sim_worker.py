@@ -27,6 +27,7 @@ from pdserve.membership.static import NullRegistrar
 from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 from pdserve.sim_engine import SimConfig, SimEngine
 from pdserve.types import PhaseOutput, PhaseRequest, WorkerHealth, WorkerLoadReport
+from pdserve.worker.metrics import MetricsListener, start_worker_metrics
 from pdserve.worker.servicer import WorkerServer, start_worker_server
 from pdserve.worker.timing import PhaseClock
 
@@ -34,10 +35,12 @@ logger = logging.getLogger("pdserve.sim_worker")
 
 
 class SimHost:
-    """The ``WorkerBackend`` of a simulated worker."""
+    """The ``WorkerBackend`` of a simulated worker; ``metrics_endpoint``: where its
+    ``/metrics`` listener is reached ("" when off)."""
 
-    def __init__(self, engine: SimEngine) -> None:
+    def __init__(self, engine: SimEngine, metrics_endpoint: str = "") -> None:
         self.engine = engine
+        self.metrics_endpoint = metrics_endpoint
         self._inflight: set[str] = set()
 
     async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
@@ -97,7 +100,7 @@ class SimHost:
         return WorkerHealth(
             ready=True, role=cfg.role, worker_id=cfg.worker_id, model="sim", dtype="sim",
             block_size=cfg.block_size, max_model_len=cfg.max_model_len, transport="sim",
-            compatibility_hash=f"sim-{cfg.block_size}")
+            compatibility_hash=f"sim-{cfg.block_size}", metrics_endpoint=self.metrics_endpoint)
 
     async def load(self) -> WorkerLoadReport:
         c = self.engine.counters
@@ -127,13 +130,17 @@ async def serve_sim_worker(config: SimConfig, host: str, port: int,
                            secret: ClusterSecret | None = None,
                            tls: GrpcTls | None = None,
                            keepalive_s: float = DEFAULT_KEEPALIVE_S,
-                           drain_timeout_s: float = 30.0) -> None:
+                           drain_timeout_s: float = 30.0,
+                           metrics: MetricsListener | None = None) -> None:
     """Serve until SIGTERM/SIGINT, registered with ``registrar`` (etcd) meanwhile, as a
-    vLLM worker is once ready; then drain as a vLLM worker does (``serve_worker``)."""
+    vLLM worker is once ready, and ``/metrics`` on ``metrics`` (if its port is set);
+    then drain as a vLLM worker does (``serve_worker``)."""
     registrar = registrar or NullRegistrar()
     engine = SimEngine(config)
+    backend = SimHost(engine, metrics.endpoint if metrics else "")
     worker: WorkerServer = await start_worker_server(
-        SimHost(engine), host, port, keepalive_s, secret=secret, tls=tls)
+        backend, host, port, keepalive_s, secret=secret, tls=tls)
+    metrics_server = start_worker_metrics(metrics, backend, worker.state) if metrics else None
     logger.info("simulated %s worker %s on %s:%d", config.role, config.worker_id, host,
                 worker.port)
     stop = asyncio.Event()
@@ -141,22 +148,28 @@ async def serve_sim_worker(config: SimConfig, host: str, port: int,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await registrar.start(sim_worker_info(engine, host, worker.port))
+        await registrar.start(sim_worker_info(backend, host, worker.port))
         await stop.wait()
     finally:
         logger.info("simulated worker draining (up to %.0f s)", drain_timeout_s)
         await worker.drain(drain_timeout_s, registrar.close)
+        if metrics_server is not None:  # off the loop: a scrape in progress waits on it
+            await asyncio.to_thread(metrics_server.close)
 
 
-def sim_worker_info(engine: SimEngine, host: str, port: int) -> WorkerInfo:
+def sim_worker_info(host_backend: SimHost, host: str, port: int) -> WorkerInfo:
     """What a simulated worker registers: its Health's identity, no KV endpoint."""
-    health = SimHost(engine).health()
-    advertise = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    health = host_backend.health()
     return WorkerInfo(worker_id=health.worker_id, role=health.role,
-                      grpc_endpoint=f"{advertise}:{port}", model=health.model,
+                      grpc_endpoint=f"{sim_advertise_host(host)}:{port}", model=health.model,
                       dtype=health.dtype, block_size=health.block_size,
                       compatibility_hash=health.compatibility_hash,
-                      max_model_len=health.max_model_len)
+                      max_model_len=health.max_model_len,
+                      metrics_endpoint=health.metrics_endpoint)
+
+
+def sim_advertise_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::") else host
 
 
 def sim_config_from_args(args: argparse.Namespace) -> SimConfig:

@@ -100,6 +100,7 @@ class WorkerHealth:
     kv_host: str = ""
     kv_port: int = 0
     kv_push: bool = False
+    metrics_endpoint: str = ""  # host:port of its /metrics listener; "" when off
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,8 @@ class WorkerLoadReport:
     kv_layers_pushed: int = 0
     kv_pushes_failed: int = 0
     num_cached_blocks: int = 0
+    kv_leases_held: int = 0
+    kv_push_inbox_bytes: int = 0
 
 
 @dataclass(frozen=True)

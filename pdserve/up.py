@@ -37,6 +37,7 @@ from pdserve.up_children import (  # Child and the fail-fast helpers: re-exporte
     stop_children,
     wait_ready,
 )
+from pdserve.up_targets import METRICS_KEY, scrape_targets, targets_line, write_file_sd
 from pdserve.up_watch import ClusterWatch
 
 __all__ = ["Child", "UpConfig", "free_port", "plan", "run_up", "start_children",
@@ -78,6 +79,8 @@ class UpConfig:
     tls: TlsFiles = TlsFiles()  # gRPC TLS files, handed to every child
     log_format: str = "text"
     edge: EdgeConfig = EdgeConfig()  # the router's too (its keys in its environment)
+    worker_metrics: bool = True  # each worker gets a free /metrics port
+    metrics_targets_file: str = ""  # Prometheus file_sd JSON, written once ready
 
     def __post_init__(self) -> None:
         if self.etcd and self.with_etcd:
@@ -89,6 +92,9 @@ class UpConfig:
         if self.transport not in transport_names():
             raise ValueError(f"unknown KV transport {self.transport!r}; valid transports: "
                              f"{', '.join(transport_names())}")
+        if self.metrics_targets_file and not Path(self.metrics_targets_file).parent.is_dir():
+            raise ValueError(f"--metrics-targets-file {self.metrics_targets_file}: no such "
+                             "directory")
         optional_secret(self.cluster_secret_file)  # a bad secret file fails before any child
         self.tls.load()
 
@@ -109,6 +115,8 @@ class UpConfig:
             restart_window_s=args.restart_window_s, simulated=args.simulated,
             cluster_secret_file=args.cluster_secret_file, tls=TlsFiles.from_args(args),
             log_format=args.log_format, edge=EdgeConfig.from_args(args),
+            worker_metrics=args.worker_metrics,
+            metrics_targets_file=args.metrics_targets_file or "",
         )
 
     @property
@@ -133,6 +141,7 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
                            ("decode", cfg.num_decode, d_cores)):
         for i in range(n):
             port, kv_port = free_port(), free_port()
+            metrics_port = free_port() if cfg.worker_metrics else 0
             core = "" if cfg.simulated else cores[i]
             if cfg.simulated:  # no engine: no cores, KV or engine flags
                 argv = py + ["sim-worker", "--role", role, "--port", str(port),
@@ -144,10 +153,13 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
                              "--kv-cache-gib", str(cfg.kv_cache_gib),
                              "--worker-id", f"{role}-{i}", *membership]
                 argv += _engine_flags(cfg, role, core)
+            argv += ["--metrics-port", str(metrics_port)]
             endpoints[role].append(f"127.0.0.1:{port}")
+            extra = {"cores": core} if core else {}
+            if metrics_port:
+                extra[METRICS_KEY] = f"127.0.0.1:{metrics_port}"
             children.append(Child(f"{role}-{i}", argv, log_dir / f"{role}-{i}.log",
-                                  f"grpc:127.0.0.1:{port}",
-                                  extra={"cores": core} if core else {}))
+                                  f"grpc:127.0.0.1:{port}", extra=extra))
     workers = membership or ["--prefill", ",".join(endpoints["prefill"]),
                              "--decode", ",".join(endpoints["decode"])]
     router_argv = py + ["router", *common, "--host", cfg.host, "--port", str(cfg.port),
@@ -159,7 +171,8 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     # and a request in between would skip a prefill worker that is up.
     children.append(Child("router", router_argv, log_dir / "router.log",
                           f"http://{probe_host}:{cfg.port}/workers",
-                          extra={"num_workers": str(cfg.num_prefill + cfg.num_decode)},
+                          extra={"num_workers": str(cfg.num_prefill + cfg.num_decode),
+                                 METRICS_KEY: router_metrics_endpoint(cfg, probe_host)},
                           env=cfg.edge.env(), probe_headers=cfg.edge.probe_headers()))
     return children
 
@@ -208,6 +221,25 @@ def _print_layout(cfg: UpConfig, children: list[Child]) -> None:
         console.print(f"cpu layout {layout}{why}: {cores}")
 
 
+def router_metrics_endpoint(cfg: UpConfig, probe_host: str) -> str:
+    """Where the router's /metrics is open: its admin listener if it has one (the main
+    port's needs the API key when keys are set)."""
+    if cfg.edge.admin_port:
+        admin = cfg.edge.admin_host
+        return f"{'127.0.0.1' if admin in ('0.0.0.0', '::') else admin}:{cfg.edge.admin_port}"
+    return f"{probe_host}:{cfg.port}"
+
+
+def _announce_targets(cfg: UpConfig, children: list[Child]) -> None:
+    """Print the scrape targets after the endpoint line (never starting with http://:
+    tools take the first such line as the endpoint), and write them as file_sd JSON."""
+    targets = scrape_targets(children)
+    print(targets_line(targets), flush=True)
+    if cfg.metrics_targets_file:
+        path = write_file_sd(Path(cfg.metrics_targets_file), targets)
+        console.print(f"scrape targets (Prometheus file_sd) in {path}")
+
+
 def _run_children(cfg: UpConfig, log_dir: Path, etcd: LocalEtcd | None = None) -> int:
     watch = ClusterWatch(plan(cfg, log_dir), cfg.restart_policy, etcd,
                          optional_secret(cfg.cluster_secret_file), cfg.tls.load())
@@ -231,6 +263,7 @@ def _run_children(cfg: UpConfig, log_dir: Path, etcd: LocalEtcd | None = None) -
         console.print(f"[bold green]pdserve ready[/]: http://{cfg.host}:{cfg.port}/v1  "
                       f"(model {Path(cfg.model).name}, logs {log_dir})")
         print(f"http://{cfg.host}:{cfg.port}/v1", flush=True)
+        _announce_targets(cfg, list(watch.children.values()))
         return watch.serve()
     except KeyboardInterrupt:
         console.print("stopping pdserve...")

@@ -67,6 +67,9 @@ class Worker:
                                      compatibility_hash=info.compatibility_hash,
                                      max_model_len=info.max_model_len)
         self._snapshot = self._reported
+        # Where to scrape its /metrics (not placement's concern: kept off the snapshot);
+        # registered, then as its Health says (static members register nothing).
+        self.metrics_endpoint = info.metrics_endpoint
         self._slow_probes = 0
         self._breaker = CircuitBreaker(breaker)
         self._ejected = False  # the breaker was open at the last publish
@@ -141,6 +144,7 @@ class Worker:
             self.mark_unhealthy(str(exc))
             return
         self._slow_probes = 0
+        self.metrics_endpoint = health.metrics_endpoint
         if not self._reported.healthy and health.ready:
             logger.info("%s worker %s at %s is healthy", self._reported.role, health.worker_id,
                         self._reported.endpoint)
@@ -239,7 +243,8 @@ class WorkerPool:
             {"id": s.worker_id, "role": s.role, "endpoint": s.endpoint,
              "healthy": s.healthy, "ejected": w.ejected,
              "compatibility_hash": s.compatibility_hash,
-             "load": asdict(s.load), "num_assigned": s.num_assigned}
+             "load": asdict(s.load), "num_assigned": s.num_assigned,
+             "metrics_endpoint": w.metrics_endpoint}
             for w, s in ((w, w.snapshot()) for w in self.all)
         ]
 

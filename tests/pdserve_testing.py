@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import queue
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -186,6 +187,8 @@ class Server:
     proc: subprocess.Popen[str]
     log_path: Path | None = None  # where ``pdserve up`` logs (stderr), if kept
     secret: ClusterSecret | None = None  # the cluster's: direct calls to workers need it
+    # up's scrape targets (name -> /metrics URL), from the line after the endpoint's.
+    metrics_targets: dict[str, str] = field(default_factory=dict)
 
     def log_lines(self, *needles: str) -> list[str]:
         """Lines of the cluster's log holding any of ``needles`` (for failure messages)."""
@@ -290,7 +293,6 @@ def launch_up(args: list[str], env: dict[str, str], timeout_s: float = 600,
     line; stop it with ``stop_up``. Its stderr (every component's log) goes to
     ``log_path`` when given. The cluster's secret is a file of the test's (up's own
     would leave with it), so the test can call workers directly (``Server.secret``)."""
-    import queue
     import sys
     import tempfile
     import threading
@@ -326,11 +328,23 @@ def launch_up(args: list[str], env: dict[str, str], timeout_s: float = 600,
                     raise RuntimeError(f"pdserve up exited with {proc.returncode}") from None
                 continue
             if line.startswith("http://"):
-                return Server(line.strip(), proc, log_path, secret)
+                return Server(line.strip(), proc, log_path, secret, _targets(lines))
         raise TimeoutError(f"pdserve up not ready after {timeout_s}s")
     except BaseException:
         stop_up(proc)
         raise
+
+
+def _targets(lines: queue.Queue[str]) -> dict[str, str]:
+    """``metrics: router=http://... prefill-0=http://...`` (up prints it right after its
+    endpoint line) as name -> URL; {} if the next line is not that."""
+    try:
+        line = lines.get(timeout=10)
+    except queue.Empty:
+        return {}
+    if not line.startswith("metrics: "):
+        return {}
+    return dict(item.split("=", 1) for item in line.removeprefix("metrics: ").split())
 
 
 def stop_up(proc: subprocess.Popen[str]) -> None:

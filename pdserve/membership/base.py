@@ -55,6 +55,9 @@ class WorkerInfo:
     max_model_len: int = 0
     # e.g. {"kv_cache_gib": 1, "num_kv_blocks": 120, "max_num_seqs": 64}
     capacity: Mapping[str, float] = field(default_factory=dict)
+    # host:port of the worker's Prometheus /metrics listener; "" when off (and in
+    # registrations written before it existed).
+    metrics_endpoint: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -18,6 +18,7 @@ from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.membership import MembershipConfig, check_name
 from pdserve.model import ResolvedModel
 from pdserve.worker.engine import EngineConfig, Role
+from pdserve.worker.metrics import MetricsListener
 
 _ANY_HOST = ("0.0.0.0", "::")
 
@@ -33,6 +34,7 @@ class WorkerConfig:
     grpc_keepalive_s: float = DEFAULT_KEEPALIVE_S  # see pdserve.grpc_options
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may take
     tls: TlsFiles = TlsFiles()  # gRPC TLS (the cluster secret is the connector's)
+    metrics: MetricsListener = MetricsListener("127.0.0.1", 0, "127.0.0.1")  # port 0: off
 
     @property
     def role(self) -> Role:
@@ -61,8 +63,11 @@ class WorkerConfig:
             enforce_eager=not args.compile, num_kv_blocks=args.num_kv_blocks or None,
         )
         membership = MembershipConfig.from_flags(args.etcd, args.cluster, args.etcd_ttl_s)
+        metrics = MetricsListener.from_flags(args.metrics_host, args.metrics_port, args.host,
+                                             advertise)
         return cls(worker_id, args.host, args.port, advertise, membership, engine,
-                   args.grpc_keepalive_s, args.drain_timeout_s, TlsFiles.from_args(args))
+                   args.grpc_keepalive_s, args.drain_timeout_s, TlsFiles.from_args(args),
+                   metrics)
 
 
 def _kv_event_endpoints(worker_id: str) -> tuple[str, str]:

@@ -42,16 +42,19 @@ KV_STATUS_TIMEOUT_S = 1.0
 class EngineHost:
     """``engine_factory`` starts the engine (``VllmEngine.start`` in a worker, a
     fake in tests); ``kv_push`` says whether this worker sends (prefill) or
-    accepts (decode) layer-wise push."""
+    accepts (decode) layer-wise push; ``metrics_endpoint`` is where its ``/metrics``
+    listener is reached ("" when off), as its Health says."""
 
     def __init__(self, config: EngineConfig, worker_id: str, policy: RolePolicy,
-                 engine_factory: EngineFactory, kv_push: bool = False) -> None:
+                 engine_factory: EngineFactory, kv_push: bool = False,
+                 metrics_endpoint: str = "") -> None:
         if policy.role != config.role:
             raise ValueError(f"a {policy.role} policy cannot host a {config.role} engine")
         self.config = config
         self.worker_id = worker_id
         self.policy = policy
         self.kv_push = kv_push
+        self.metrics_endpoint = metrics_endpoint
         self.counters = EngineCounters()
         self.engine: Engine | None = None
         self._engine_factory = engine_factory
@@ -107,7 +110,7 @@ class EngineHost:
             model=cfg.served_model_name, dtype=dtype, block_size=block_size,
             max_model_len=cfg.max_model_len, transport=conn.transport,
             compatibility_hash=digest, kv_host=conn.kv_host, kv_port=conn.kv_port,
-            kv_push=self.kv_push)
+            kv_push=self.kv_push, metrics_endpoint=self.metrics_endpoint)
 
     async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         engine = self.engine
@@ -192,7 +195,8 @@ def load_report(c: EngineCounters, status: dict[str, Any], num_inflight: int,
             kv_leases_expired=stat("leases_expired"), kv_loads=stat("loads"),
             kv_load_time_ns=stat("load_time_ns"), kv_push_loads=stat("push_loads"),
             kv_push_fallbacks=stat("push_fallbacks"), kv_layers_pushed=stat("layers_pushed"),
-            kv_pushes_failed=stat("pushes_failed"), num_cached_blocks=num_cached_blocks)
+            kv_pushes_failed=stat("pushes_failed"), num_cached_blocks=num_cached_blocks,
+            kv_leases_held=stat("num_leases"), kv_push_inbox_bytes=stat("push_inbox_bytes"))
 
 
 def _timing(request: PhaseRequest, step: EngineStep, clock: PhaseClock) -> PhaseTiming:

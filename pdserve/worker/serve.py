@@ -22,6 +22,7 @@ from pdserve.prefill_worker.handle_leases import release_over_control
 from pdserve.prefill_worker.policy import PrefillPolicy
 from pdserve.worker.engine import EngineConfig
 from pdserve.worker.host import EngineHost
+from pdserve.worker.metrics import MetricsListener, start_worker_metrics
 from pdserve.worker.policy import RolePolicy
 from pdserve.worker.servicer import start_worker_server
 from pdserve.worker.vllm_engine import VllmEngine
@@ -42,11 +43,12 @@ def role_policy(config: EngineConfig, kv_push: bool) -> RolePolicy:
     return DecodePolicy()
 
 
-def engine_host(config: EngineConfig, worker_id: str) -> EngineHost:
+def engine_host(config: EngineConfig, worker_id: str, metrics_endpoint: str = ""
+                ) -> EngineHost:
     """The vLLM engine host for ``config``'s role (the engine starts on ``start``)."""
     kv_push = kv_push_enabled(config.connector)
     return EngineHost(config, worker_id, role_policy(config, kv_push), VllmEngine.start,
-                      kv_push=kv_push)
+                      kv_push=kv_push, metrics_endpoint=metrics_endpoint)
 
 
 def worker_info(host: EngineHost, advertise_host: str, grpc_port: int) -> WorkerInfo:
@@ -63,7 +65,7 @@ def worker_info(host: EngineHost, advertise_host: str, grpc_port: int) -> Worker
         kv_endpoints={conn.transport: f"{conn.kv_host}:{conn.kv_port}"},
         model=cfg.served_model_name, dtype=health.dtype, block_size=health.block_size,
         compatibility_hash=health.compatibility_hash, max_model_len=cfg.max_model_len,
-        capacity=capacity,
+        capacity=capacity, metrics_endpoint=host.metrics_endpoint,
     )
 
 
@@ -72,15 +74,18 @@ async def serve_worker(config: EngineConfig, worker_id: str, host: str, port: in
                        advertise_host: str | None = None,
                        keepalive_s: float = DEFAULT_KEEPALIVE_S,
                        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S, *,
-                       tls: GrpcTls | None = None) -> None:
-    """Serve until SIGTERM/SIGINT. Registers with ``registrar`` once the engine is
-    ready; on the way out drains: says NOT_SERVING and refuses new requests, withdraws
-    the registration (its lease is revoked), lets in-flight calls finish within
-    ``drain_timeout_s``, then stops."""
+                       tls: GrpcTls | None = None,
+                       metrics: MetricsListener | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, and ``/metrics`` on ``metrics`` (if its port is set)
+    from the start. Registers with ``registrar`` once the engine is ready; on the way
+    out drains: says NOT_SERVING and refuses new requests, withdraws the registration
+    (its lease is revoked), lets in-flight calls finish within ``drain_timeout_s``,
+    then stops."""
     registrar = registrar or NullRegistrar()
-    backend = engine_host(config, worker_id)
+    backend = engine_host(config, worker_id, metrics.endpoint if metrics else "")
     worker = await start_worker_server(backend, host, port, keepalive_s,
                                        secret=config.connector.cluster_secret(), tls=tls)
+    metrics_server = start_worker_metrics(metrics, backend, worker.state) if metrics else None
     bound = worker.port
     logger.info("%s worker %s: gRPC on %s:%d, loading engine", config.role, worker_id, host, bound)
 
@@ -105,3 +110,5 @@ async def serve_worker(config: EngineConfig, worker_id: str, host: str, port: in
                     drain_timeout_s)
         await worker.drain(drain_timeout_s, registrar.close)
         backend.shutdown()
+        if metrics_server is not None:  # off the loop: a scrape in progress waits on it
+            await asyncio.to_thread(metrics_server.close)

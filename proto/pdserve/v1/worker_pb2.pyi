@@ -153,7 +153,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ready", "role", "worker_id", "model", "dtype", "block_size", "max_model_len", "transport", "compatibility_hash", "kv_host", "kv_port", "kv_push")
+    __slots__ = ("ready", "role", "worker_id", "model", "dtype", "block_size", "max_model_len", "transport", "compatibility_hash", "kv_host", "kv_port", "kv_push", "metrics_endpoint")
     READY_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class HealthResponse(_message.Message):
     KV_HOST_FIELD_NUMBER: _ClassVar[int]
     KV_PORT_FIELD_NUMBER: _ClassVar[int]
     KV_PUSH_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     role: Role
     worker_id: str
@@ -178,14 +179,15 @@ class HealthResponse(_message.Message):
     kv_host: str
     kv_port: int
     kv_push: bool
-    def __init__(self, ready: _Optional[bool] = ..., role: _Optional[_Union[Role, str]] = ..., worker_id: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., transport: _Optional[str] = ..., compatibility_hash: _Optional[str] = ..., kv_host: _Optional[str] = ..., kv_port: _Optional[int] = ..., kv_push: _Optional[bool] = ...) -> None: ...
+    metrics_endpoint: str
+    def __init__(self, ready: _Optional[bool] = ..., role: _Optional[_Union[Role, str]] = ..., worker_id: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., transport: _Optional[str] = ..., compatibility_hash: _Optional[str] = ..., kv_host: _Optional[str] = ..., kv_port: _Optional[int] = ..., kv_push: _Optional[bool] = ..., metrics_endpoint: _Optional[str] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "num_pending_transfers", "prompt_tokens_computed", "prompt_tokens_local_cache_hit", "prompt_tokens_external", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_completed", "kv_transfers_failed", "kv_transfer_time_ns", "num_inflight_reqs", "kv_leases_expired", "kv_loads", "kv_load_time_ns", "kv_push_loads", "kv_push_fallbacks", "kv_layers_pushed", "kv_pushes_failed", "num_cached_blocks")
+    __slots__ = ("num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "num_pending_transfers", "prompt_tokens_computed", "prompt_tokens_local_cache_hit", "prompt_tokens_external", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_completed", "kv_transfers_failed", "kv_transfer_time_ns", "num_inflight_reqs", "kv_leases_expired", "kv_loads", "kv_load_time_ns", "kv_push_loads", "kv_push_fallbacks", "kv_layers_pushed", "kv_pushes_failed", "kv_leases_held", "kv_push_inbox_bytes", "num_cached_blocks")
     NUM_RUNNING_REQS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +208,8 @@ class GetLoadResponse(_message.Message):
     KV_PUSH_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     KV_LAYERS_PUSHED_FIELD_NUMBER: _ClassVar[int]
     KV_PUSHES_FAILED_FIELD_NUMBER: _ClassVar[int]
+    KV_LEASES_HELD_FIELD_NUMBER: _ClassVar[int]
+    KV_PUSH_INBOX_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_running_reqs: int
     num_waiting_reqs: int
@@ -227,8 +231,10 @@ class GetLoadResponse(_message.Message):
     kv_push_fallbacks: int
     kv_layers_pushed: int
     kv_pushes_failed: int
+    kv_leases_held: int
+    kv_push_inbox_bytes: int
     num_cached_blocks: int
-    def __init__(self, num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_pending_transfers: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_local_cache_hit: _Optional[int] = ..., prompt_tokens_external: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_completed: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_time_ns: _Optional[int] = ..., num_inflight_reqs: _Optional[int] = ..., kv_leases_expired: _Optional[int] = ..., kv_loads: _Optional[int] = ..., kv_load_time_ns: _Optional[int] = ..., kv_push_loads: _Optional[int] = ..., kv_push_fallbacks: _Optional[int] = ..., kv_layers_pushed: _Optional[int] = ..., kv_pushes_failed: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+    def __init__(self, num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_pending_transfers: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_local_cache_hit: _Optional[int] = ..., prompt_tokens_external: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_completed: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_time_ns: _Optional[int] = ..., num_inflight_reqs: _Optional[int] = ..., kv_leases_expired: _Optional[int] = ..., kv_loads: _Optional[int] = ..., kv_load_time_ns: _Optional[int] = ..., kv_push_loads: _Optional[int] = ..., kv_push_fallbacks: _Optional[int] = ..., kv_layers_pushed: _Optional[int] = ..., kv_pushes_failed: _Optional[int] = ..., kv_leases_held: _Optional[int] = ..., kv_push_inbox_bytes: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class KvEventsRequest(_message.Message):
     __slots__ = ()
