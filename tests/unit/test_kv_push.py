@@ -174,9 +174,11 @@ def test_unclaimed_pushes_expire_and_free_their_memory() -> None:
     inbox = PushInbox(KVLayout.from_kv_caches(caches, NUM_BLOCKS, BS), 64 << 20, ttl_s=0.05)
     inbox.receive_views("t", 0, 0, 2, 2)
     assert inbox.num_entries == 1
+    block = caches["layer.0"][0]
+    assert inbox.num_bytes == len(caches) * 2 * block.numel() * block.element_size()
     time.sleep(0.1)
     inbox.expire()
-    assert inbox.num_entries == 0
+    assert inbox.num_entries == 0 and inbox.num_bytes == 0
 
 
 @pytest.mark.gpu
