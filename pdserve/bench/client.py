@@ -146,7 +146,7 @@ async def send(client: httpx.AsyncClient, ep: Endpoint, encoder: PromptEncoder,
         failure = RequestFailed("timeout", f"no answer within {ep.timeout_s} s ({exc!r})")
     except httpx.ConnectError as exc:
         failure = RequestFailed("connect", str(exc) or repr(exc))
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.StreamError, OSError) as exc:
         failure = RequestFailed("disconnected", str(exc) or repr(exc))
     record.error = failure.kind
     return record, failure.detail
