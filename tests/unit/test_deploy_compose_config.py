@@ -84,8 +84,9 @@ def test_workers_scale_and_each_replica_advertises_itself() -> None:
         assert worker["secrets"] == ["cluster_secret"]
     router_env = services["router"]["environment"]
     target = HealthTarget.parse(router_env["PDSERVE_HEALTHCHECK"])
+    # The router is healthy when servable: its main port's /health (open without a key).
     assert (target.scheme, target.port, target.path) == (
-        "http", int(router_env["PDSERVE_ADMIN_PORT"]), "/health")
+        "http", int(router_env["PDSERVE_PORT"]), "/health")
     assert set(services["router"]["secrets"]) == {"cluster_secret", "api_key"}
     assert router_env["PDSERVE_API_KEY_FILE"] == "/run/secrets/api_key"
     for name in PDSERVE_SERVICES:
