@@ -19,12 +19,15 @@ test: install etcd
 	HF_HUB_OFFLINE=1 $(BIN)/pdserve prepare-model
 	HF_HUB_OFFLINE=1 $(BIN)/pytest $(PYTEST_ARGS)
 
-# Membership tests start a real etcd: Debian's etcd-server (sudo when not root).
+# System tools the tests run (sudo when not root): a real etcd for the membership tests
+# (Debian's etcd-server), and Debian's docker-compose, which checks deploy/compose offline.
 etcd:
-	@command -v etcd >/dev/null || { \
+	@command -v etcd >/dev/null && command -v docker-compose >/dev/null || { \
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq etcd-server; }
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+			etcd-server docker-compose; }
 	@command -v etcd >/dev/null || { echo "etcd is not installed (apt-get install etcd-server)"; exit 1; }
+	@command -v docker-compose >/dev/null || { echo "docker-compose is not installed (apt-get install docker-compose)"; exit 1; }
 
 venv: $(BIN)/python
 

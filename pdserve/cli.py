@@ -1,5 +1,5 @@
 """The ``pdserve`` command: ``up``, ``router``, ``prefill``, ``decode``, ``prepare-model``,
-``bench`` (a load generator: ``pdserve.bench.cli``).
+``health``, ``bench`` (a load generator: ``pdserve.bench.cli``).
 
 Every flag also reads a ``PDSERVE_<FLAG>`` environment variable (e.g.
 ``PDSERVE_PORT``); flags win. Flags are declared once (``flags.py``); each
@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="load-generator benchmarks against any OpenAI-compatible "
                    "endpoint (run, sweep); see `pdserve bench --help`", add_help=False)
     sub.add_parser("prepare-model", help=f"convert the default model ({DEFAULT_MODEL_NAME}) once")
+    _command(sub, "health", "probe a router (HTTP /health) or a worker (gRPC health) once: "
+             "exit 0 when healthy, 1 when not (container health checks)",
+             ("healthcheck", "health-timeout-s"))
     _command(sub, "sim-worker", "a simulated worker (same gRPC service; modelled times and "
              "prefix cache) for router-scale tests", SIM + SECURITY,
              dict(_GRPC, port={"default": 50051, "help": "gRPC port"}))
@@ -115,6 +118,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "sim-worker":
         return _run_sim_worker(args)
+    if args.command == "health":
+        return _run_health(args)
     runners: dict[str, Callable[[argparse.Namespace, ResolvedModel], int]] = {
         "prefill": _run_worker, "decode": _run_worker, "router": _run_router, "up": _run_up}
     return runners[args.command](args, resolve_model(args.model))
@@ -146,6 +151,14 @@ def _run_up(args: argparse.Namespace, model: ResolvedModel) -> int:
     from pdserve.up import UpConfig, run_up
 
     return run_up(UpConfig.from_args(args, model))
+
+
+def _run_health(args: argparse.Namespace) -> int:
+    from pdserve.health import probe
+
+    result = probe(args.healthcheck, args.health_timeout_s)
+    print(result.detail, file=sys.stdout if result.healthy else sys.stderr)
+    return 0 if result.healthy else 1
 
 
 def _run_sim_worker(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 from pdserve.cpu_layout import CPU_LAYOUTS
 from pdserve.grpc_options import DEFAULT_KEEPALIVE_S, MIN_KEEPALIVE_S
+from pdserve.health import DEFAULT_TARGET, HealthTarget
 from pdserve.kv_transfer.base import transport_names
 from pdserve.logs import DEFAULT_LOG_FORMAT, LOG_FORMATS
 from pdserve.membership import DEFAULT_TTL_S
@@ -219,7 +220,8 @@ FLAGS = _flags(
          DEFAULT_TTL_S, parse_int(1)),
     # worker
     Flag("advertise-host", "address the router and peers use to reach this worker "
-         "(default: --host; 127.0.0.1 when --host is 0.0.0.0)"),
+         "(default: --host; when --host is 0.0.0.0, the address this machine's hostname "
+         "resolves to, e.g. a container's own IP, else 127.0.0.1)"),
     Flag("kv-port", "KV transfer port (0: gRPC port + 1000)", 0, parse_port),
     Flag("kv-host", "address peers use to reach the KV port (default: --advertise-host)"),
     Flag("cpu-cores", "cores for the engine's compute threads, e.g. 0 or 0-3 (CPU only)"),
@@ -316,6 +318,11 @@ FLAGS = _flags(
     Flag("simulated", "start simulated workers (sim-worker: made-up tokens, modelled times, "
          "no vLLM) instead of vLLM ones: for router and fault tests only", False, parse_bool,
          switch=True),
+    # health (container health checks)
+    Flag("healthcheck", "what `pdserve health` asks: http://HOST:PORT/PATH (GET, healthy on "
+         "200; the router's /health) or grpc://HOST:PORT (grpc.health.v1, healthy on "
+         "SERVING; a worker)", DEFAULT_TARGET, HealthTarget.parse, metavar="URL"),
+    Flag("health-timeout-s", "the probe's deadline", 5.0, parse_float(0, strict=True)),
     # simulated worker
     Flag("role", "the simulated worker's role", "prefill", choices=("prefill", "decode")),
     Flag("block-size", "tokens per KV block", 16, parse_int(1)),

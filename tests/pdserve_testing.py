@@ -362,3 +362,18 @@ def stop_up(proc: subprocess.Popen[str]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+COMPOSE_FILE = Path(__file__).resolve().parents[1] / "deploy" / "compose" / "docker-compose.yml"
+
+
+def compose_services(path: Path = COMPOSE_FILE) -> dict[str, dict[str, Any]]:
+    """deploy/compose's services as compose reads them (YAML anchors and ``<<`` merges
+    resolved); environment values as strings."""
+    import yaml
+
+    services: dict[str, dict[str, Any]] = yaml.safe_load(path.read_text())["services"]
+    for service in services.values():
+        env = service.get("environment") or {}
+        service["environment"] = {k: str(v) for k, v in env.items()}
+    return services

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import uuid
 from dataclasses import dataclass
 
@@ -45,8 +46,7 @@ class WorkerConfig:
         """From the ``prefill``/``decode`` subcommand's flags (``args.command`` is the role)."""
         role: Role = args.command
         worker_id = check_name("worker id", args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}")
-        advertise = args.advertise_host or (
-            args.host if args.host not in _ANY_HOST else "127.0.0.1")
+        advertise = args.advertise_host or default_advertise_host(args.host)
         connector = ConnectorConfig(
             engine_id=worker_id, transport=args.transport,
             kv_host=args.kv_host or advertise,
@@ -68,6 +68,19 @@ class WorkerConfig:
         return cls(worker_id, args.host, args.port, advertise, membership, engine,
                    args.grpc_keepalive_s, args.drain_timeout_s, TlsFiles.from_args(args),
                    metrics)
+
+
+def default_advertise_host(host: str) -> str:
+    """Where peers reach a worker bound to ``host``: that address; bound to every
+    interface, the address this machine's name resolves to (in a container or pod its
+    own IP, so each replica of a scaled service advertises itself), or 127.0.0.1 when
+    the name does not resolve."""
+    if host not in _ANY_HOST:
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def _kv_event_endpoints(worker_id: str) -> tuple[str, str]:

@@ -161,7 +161,9 @@ def test_a_bad_disagg_mode_is_one_line(capsys: pytest.CaptureFixture[str]) -> No
     assert "--disagg" in err and "auto, always, never" in err
 
 
-def test_worker_config_from_args() -> None:
+def test_worker_config_from_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Bound to 0.0.0.0, a worker advertises the address its hostname resolves to.
+    monkeypatch.setattr("socket.gethostbyname", lambda name: "127.0.0.1")
     args = build_parser().parse_args([
         "prefill", "--host", "0.0.0.0", "--port", "6000", "--worker-id", "p-1",
         "--dtype", "float32", "--kv-push", "--kv-checksum", "--lease-s", "5",
@@ -180,6 +182,26 @@ def test_worker_config_from_args() -> None:
         connector=engine.connector, dtype="float32", cpu_threads_bind="0-1",
         num_kv_blocks=32, kv_events=engine.kv_events)
     assert config.role == "prefill"
+
+
+@pytest.mark.parametrize("resolved", ["10.1.2.3", None])
+def test_a_worker_on_every_interface_advertises_its_hostname_address(
+        monkeypatch: pytest.MonkeyPatch, resolved: str | None) -> None:
+    """Each replica of a scaled compose service (or a pod) advertises its own IP; a name
+    that does not resolve falls back to loopback. A given bind address is advertised as is."""
+    def gethostbyname(name: str) -> str:
+        if resolved is None:
+            raise OSError("no such host")
+        return resolved
+
+    monkeypatch.setattr("socket.gethostbyname", gethostbyname)
+    config = WorkerConfig.from_args(
+        build_parser().parse_args(["decode", "--host", "0.0.0.0"]), MODEL)
+    expected = resolved or "127.0.0.1"
+    assert (config.advertise_host, config.engine.connector.kv_host) == (expected, expected)
+    bound = WorkerConfig.from_args(
+        build_parser().parse_args(["decode", "--host", "10.9.9.9"]), MODEL)
+    assert bound.advertise_host == "10.9.9.9"
 
 
 def test_decode_worker_config_advertises_and_registers() -> None:

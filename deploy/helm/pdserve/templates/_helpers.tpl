@@ -1,0 +1,104 @@
+{{/* Names: <release>-pdserve, or the release name when it already says pdserve. */}}
+{{- define "pdserve.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/* Selector labels of one component: include with (dict "root" $ "component" "router"). */}}
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ .root.Chart.Name }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "pdserve.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{- define "pdserve.etcdName" -}}
+{{ include "pdserve.fullname" . }}-etcd
+{{- end -}}
+
+{{- define "pdserve.etcdEndpoint" -}}
+{{- if .Values.etcd.enabled -}}
+http://{{ include "pdserve.etcdName" . }}:2379
+{{- else if .Values.etcd.externalEndpoint -}}
+{{ .Values.etcd.externalEndpoint }}
+{{- else -}}
+{{ fail "etcd.enabled is false: set etcd.externalEndpoint (http://HOST:PORT)" }}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.clusterSecretName" -}}
+{{ .Values.clusterSecret.existingSecret | default (printf "%s-cluster-secret" (include "pdserve.fullname" .)) }}
+{{- end -}}
+
+{{- define "pdserve.apiKeySecretName" -}}
+{{ .Values.apiKey.existingSecret | default (printf "%s-api-key" (include "pdserve.fullname" .)) }}
+{{- end -}}
+
+{{- define "pdserve.apiKeyEnabled" -}}
+{{- if or .Values.apiKey.existingSecret .Values.apiKey.create -}}true{{- end -}}
+{{- end -}}
+
+{{/* The pod security settings of every pdserve pod: the image's non-root user. */}}
+{{- define "pdserve.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "pdserve.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+capabilities:
+  drop: ["ALL"]
+{{- end -}}
+
+{{/* Settings every pdserve process reads (PDSERVE_<FLAG>). */}}
+{{- define "pdserve.commonEnv" -}}
+- name: PDSERVE_HOST
+  value: "0.0.0.0"
+- name: PDSERVE_ETCD
+  value: {{ include "pdserve.etcdEndpoint" . | quote }}
+- name: PDSERVE_CLUSTER
+  value: {{ .Values.cluster | quote }}
+- name: PDSERVE_CLUSTER_SECRET_FILE
+  value: /etc/pdserve/cluster-secret/{{ .Values.clusterSecret.secretKey }}
+- name: PDSERVE_LOG_LEVEL
+  value: {{ .Values.logLevel | quote }}
+- name: PDSERVE_LOG_FORMAT
+  value: {{ .Values.logFormat | quote }}
+- name: PDSERVE_MAX_MODEL_LEN
+  value: {{ .Values.model.maxModelLen | quote }}
+{{- with .Values.model.path }}
+- name: PDSERVE_MODEL
+  value: {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.clusterSecretVolume" -}}
+- name: cluster-secret
+  secret:
+    secretName: {{ include "pdserve.clusterSecretName" . }}
+    defaultMode: 0440
+{{- end -}}
+
+{{- define "pdserve.clusterSecretMount" -}}
+- name: cluster-secret
+  mountPath: /etc/pdserve/cluster-secret
+  readOnly: true
+{{- end -}}
