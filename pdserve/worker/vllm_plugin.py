@@ -27,10 +27,14 @@ logger = logging.getLogger("vllm.pdserve_plugin")
 
 # Seconds a shared-memory queue reader spins after a read; unset: vLLM's own (1 s).
 SPIN_ENV = "PDSERVE_VLLM_SHM_SPIN_S"
+# "0": NIXL agents (vLLM's NixlConnector) run without their progress thread.
+NIXL_PROG_THREAD_ENV = "PDSERVE_NIXL_PROG_THREAD"
 
 
 def register() -> None:
     """vLLM's ``vllm.general_plugins`` entry point (may run more than once per process)."""
+    if os.environ.get(NIXL_PROG_THREAD_ENV) == "0":
+        nixl_without_progress_thread()
     raw = os.environ.get(SPIN_ENV)
     if raw is None:
         return
@@ -59,3 +63,43 @@ def set_shm_spin(spin_s: float) -> None:
     init.__pdserve_original__ = original  # type: ignore[attr-defined]
     cls.__init__ = init
     logger.info("pdserve: vLLM shared-memory readers in pid %d spin %.3g s", os.getpid(), spin_s)
+
+
+def nixl_without_progress_thread() -> None:
+    """NIXL agents made from now on have no progress thread.
+
+    NIXL's Python agent runs its progress thread with no delay between polls
+    (``pthrDelay = 0``): on a CPU host it busy-spins a core the engine's compute
+    threads need. vLLM's NixlConnector exposes no switch for it; without the thread,
+    transfers progress when the connector polls their state each engine step.
+    ``pdserve bench compare --with-vllm-disagg`` asks for this in vLLM's engines.
+    Also maps ``nixl`` (what vLLM imports) onto the ``nixl-cu12`` wheel where the
+    ``nixl`` meta package, which pulls both CUDA variants, is not installed.
+    """
+    import importlib
+    import sys
+
+    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")  # as vLLM would set it
+    try:
+        api = importlib.import_module("nixl._api")
+    except ImportError:
+        try:
+            pkg = importlib.import_module("nixl_cu12")
+        except ImportError:
+            logger.warning("pdserve: %s=0 but NIXL is not installed", NIXL_PROG_THREAD_ENV)
+            return
+        sys.modules["nixl"] = pkg
+        for sub in ("_bindings", "_utils", "logging", "_api"):
+            sys.modules[f"nixl.{sub}"] = importlib.import_module(f"nixl_cu12.{sub}")
+        api = sys.modules["nixl._api"]
+    cls = api.nixl_agent_config
+    original = getattr(cls.__init__, "__pdserve_original__", cls.__init__)
+
+    @functools.wraps(original)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.enable_pthread = False
+
+    init.__pdserve_original__ = original  # type: ignore[attr-defined]
+    cls.__init__ = init
+    logger.info("pdserve: NIXL agents in pid %d run without a progress thread", os.getpid())

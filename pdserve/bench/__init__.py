@@ -1,0 +1,1 @@
+"""``pdserve bench``: load-generator benchmarks against OpenAI-compatible endpoints."""

@@ -1,0 +1,219 @@
+"""``pdserve bench compare`` without engines: the report from constructed run JSONs
+(ratios in the Markdown, valid PNGs), the systems' command lines (the same engine
+settings everywhere), bad input (one error line, nothing written), and starting,
+probing and stopping a real ``pdserve up --simulated`` (no process left behind)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib.image
+import numpy as np
+import psutil
+import pytest
+
+from pdserve.bench import compare
+from pdserve.bench.launch import RunningSystem, port_free
+from pdserve.bench.report import CompareReport, RateRun, SystemResult, write_report
+from pdserve.bench.systems import (
+    EngineSettings,
+    parse_pdserve_entry,
+    pdserve_up,
+    vllm_aggregated,
+    vllm_disagg,
+)
+from pdserve.model import resolve_model
+from pdserve.ports import free_port
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SETTINGS = EngineSettings("/models/m", "m", "float32", 3, 1024, (0, 1))
+
+
+def run_json(ttfts: list[float], itl_s: float, goodput: float, out_tps: float,
+             failed: int = 0) -> dict[str, Any]:
+    """A ``pdserve.bench.run/v1`` result with the given per-request TTFTs and gaps."""
+    requests = [{"prompt_tokens": 10, "output_tokens": 5, "cached_tokens": 0,
+                 "ttft_s": t, "tpot_s": itl_s, "e2e_s": t + 4 * itl_s,
+                 "itls_s": [itl_s * (1 + 0.1 * k) for k in range(4)], "start_s": i * 0.5,
+                 "error": None} for i, t in enumerate(ttfts)]
+    ordered = sorted(ttfts)
+
+    def stats(values: list[float]) -> dict[str, float]:
+        return {"mean": float(np.mean(values)), "p50": float(np.percentile(values, 50)),
+                "p90": float(np.percentile(values, 90)), "p99": float(np.percentile(values, 99))}
+
+    return {"schema": "pdserve.bench.run/v1", "num_requests": len(ttfts) + failed,
+            "completed": len(ttfts), "failed": failed,
+            "errors": {"http_500": failed} if failed else {},
+            "request_throughput": len(ttfts) / 10, "output_throughput": out_tps,
+            "goodput": goodput, "ttft_s": stats(ordered), "tpot_s": stats([itl_s]),
+            "itl_s": stats([x for r in requests for x in r["itls_s"]]),
+            "e2e_s": stats([r["e2e_s"] for r in requests]), "requests": requests}
+
+
+def constructed_report() -> CompareReport:
+    spec = vllm_aggregated(SETTINGS, 8000).to_json()
+    base = SystemResult("vllm", "vllm", spec, startup_s=12.0, stop={"clean": True}, runs=[
+        RateRun(0.5, run_json([0.2, 0.4, 0.6], 0.050, 0.5, 40.0)),
+        RateRun(1.0, run_json([1.0, 2.0, 3.0], 0.100, 0.2, 50.0))])
+    pd = SystemResult("split", "pdserve", pdserve_up(SETTINGS, 8001, "split",
+                                                     "--cpu-layout split").to_json(),
+                      startup_s=20.0, stop={"clean": True}, runs=[
+        RateRun(0.5, run_json([0.1, 0.2, 0.3], 0.025, 0.5, 40.0)),
+        RateRun(1.0, None, error="bench run exited 1: boom")])
+    dead = SystemResult("broken", "pdserve", pdserve_up(SETTINGS, 8002, "broken", "").to_json(),
+                        error="pdserve-up exited with 1")
+    return CompareReport({"model": "m", "dtype": "float32", "kv_cache_gib": 3,
+                          "max_model_len": 1024, "enforce_eager": True, "seed": 7,
+                          "slo": "ttft=2s,tpot=100ms", "workload_args": "--seed 7"},
+                         {"cores": [0, 1], "cpu_model": "test", "cpu_flags": {}},
+                         {"pdserve": "0.1.0"}, [0.5, 1.0], [base, pd, dead], "vllm")
+
+
+def test_report_tables_carry_ratios_to_the_baseline_and_the_pngs_are_drawn(
+        tmp_path: Path) -> None:
+    files = write_report(constructed_report(), tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    rate_05 = md.split("## 0.5 req/s")[1].split("##")[0]
+    split_row = next(line for line in rate_05.splitlines() if line.startswith("| split |"))
+    cells = [c.strip() for c in split_row.strip("|").split("|")]
+    # goodput equal, TTFT p50 0.2 vs 0.4 -> 0.50x, ITL p50 halved, TPOT halved
+    assert cells[1] == "0.500 (1.00×)"
+    assert cells[4] == "0.200 (0.50×)"
+    assert cells[6] == "25.0 (0.50×)" and cells[8].endswith("(0.50×)")
+    vllm_row = next(line for line in rate_05.splitlines() if line.startswith("| vllm |"))
+    assert "×" not in vllm_row  # the baseline has no ratio to itself
+    rate_1 = md.split("## 1 req/s")[1]
+    assert "| split | run failed |" in rate_1 and "| broken | failed to start |" in rate_1
+    assert "**broken failed to start**: pdserve-up exited with 1" in md
+    assert "split at 1 req/s: **run failed**: bench run exited 1: boom" in md
+
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["schema"] == "pdserve.bench.compare/v1" and saved["baseline"] == "vllm"
+    assert saved["systems"][0]["runs"][1]["result"]["ttft_s"]["p50"] == 2.0
+    assert saved["systems"][2]["error"] == "pdserve-up exited with 1"
+
+    pngs = [f for f in files if f.suffix == ".png"]
+    assert {p.name for p in pngs} == {"ttft_cdf.png", "itl_cdf.png", "latency_vs_rate.png",
+                                      "throughput_vs_rate.png"}
+    for png in pngs:
+        assert png.read_bytes()[:8] == PNG_SIGNATURE
+        pixels = matplotlib.image.imread(png)
+        assert pixels.shape[0] > 200 and pixels.shape[1] > 200
+        assert float(pixels[..., :3].std()) > 0.05, f"{png.name} is blank"
+
+
+def test_infinite_rate_is_written_as_a_string(tmp_path: Path) -> None:
+    report = constructed_report()
+    report.rates = [float("inf")]
+    for system in report.systems:
+        for run in system.runs:
+            run.rate = float("inf")
+    write_report(report, tmp_path)
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["rates"] == ["inf"] and saved["systems"][0]["runs"][0]["rate"] == "inf"
+    assert "## inf req/s" in (tmp_path / "report.md").read_text()
+
+
+def _flag(argv: tuple[str, ...], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_every_system_gets_the_same_engine_settings() -> None:
+    agg = vllm_aggregated(SETTINGS, 9000)
+    dis = vllm_disagg(SETTINGS, 9001, (9002, 9003), (9004, 9005))
+    pd = pdserve_up(SETTINGS, 9006, "split", "--cpu-layout split --placement round_robin")
+    engines = [agg.procs[0], *[p for p in dis.procs if p.name in ("prefill", "decode")]]
+    for proc in engines:
+        assert _flag(proc.argv, "--model") == "/models/m"
+        assert _flag(proc.argv, "--served-model-name") == "m"
+        assert _flag(proc.argv, "--dtype") == "float32"
+        assert _flag(proc.argv, "--max-model-len") == "1024"
+        assert "--enforce-eager" in proc.argv
+        assert proc.env["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert agg.procs[0].env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+    assert (_flag(pd.procs[0].argv, "--model"), _flag(pd.procs[0].argv, "--dtype"),
+            _flag(pd.procs[0].argv, "--kv-cache-gib"),
+            _flag(pd.procs[0].argv, "--max-model-len")) == ("/models/m", "float32", "3", "1024")
+    assert pd.procs[0].argv[-4:] == ("--cpu-layout", "split", "--placement", "round_robin")
+    assert pd.cores == {"prefill": "0", "decode": "1"}
+
+
+def test_vllm_disagg_is_two_nixl_engines_on_separate_cores_behind_a_proxy() -> None:
+    dis = vllm_disagg(SETTINGS, 9001, (9002, 9003), (9004, 9005))
+    prefill, decode, proxy = dis.procs
+    assert (prefill.env["VLLM_CPU_OMP_THREADS_BIND"], decode.env["VLLM_CPU_OMP_THREADS_BIND"]) \
+        == ("0", "1")
+    for proc, port, side in ((prefill, "9002", "9004"), (decode, "9003", "9005")):
+        kv = json.loads(_flag(proc.argv, "--kv-transfer-config"))
+        assert kv["kv_connector"] == "NixlConnector" and kv["kv_buffer_device"] == "cpu"
+        assert _flag(proc.argv, "--port") == port
+        assert proc.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == side
+        assert proc.env["PDSERVE_NIXL_PROG_THREAD"] == "0"
+    assert _flag(proxy.argv, "--prefill") == "http://127.0.0.1:9002"
+    assert _flag(proxy.argv, "--decode") == "http://127.0.0.1:9003"
+    with pytest.raises(ValueError, match="2\\+ cores"):
+        vllm_disagg(EngineSettings("/m", "m", "float32", 1, 64, (0,)), 1, (2, 3), (4, 5))
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pdserve bench")
+    compare.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["compare", *argv])
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--request-rates", "1,x"], "'x' is not a number"),
+    (["--request-rates", "0"], "must be > 0"),
+    (["--pdserve", "no-equals-sign"], "expected NAME="),
+    (["--pdserve", "a=--model /x"], "--model is set by compare"),
+    (["--pdserve", "a=--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--pdserve", "a=--placement nope"], "invalid choice 'nope'"),
+    (["--pdserve", "vllm="], "must differ"),
+    (["--slo", "ttft=2"], "--slo 'ttft=2'"),
+    (["--dataset", "/no/such/file.json"], "no such file"),
+    (["--model", "/no/such/model"], "is not a directory"),
+])
+def test_bad_input_is_one_error_line_and_writes_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
+        message: str) -> None:
+    out = tmp_path / "report"
+    assert compare.main(_parse([*argv, "--output-dir", str(out)])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pdserve bench: error: ")
+    assert message in err[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_non_empty_output_dir_is_refused(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "old.txt").write_text("x")
+    assert compare.main(_parse(["--output-dir", str(tmp_path)])) == 2
+    assert "not an empty folder" in capsys.readouterr().err
+
+
+def test_pdserve_entries_and_workload_flags_are_passed_as_given() -> None:
+    assert parse_pdserve_entry("split=--cpu-layout split") == ("split", "--cpu-layout split")
+    args = _parse(["--workload", "chat-mix", "--mix", "0.7:80:96,0.3:1200:16",
+                   "--num-requests", "40", "--slo", "ttft=2s,tpot=100ms", "--seed", "3",
+                   "--no-ignore-eos"])
+    assert compare.workload_args(args) == [
+        "--seed", "3", "--workload", "chat-mix", "--mix", "0.7:80:96,0.3:1200:16",
+        "--num-requests", "40", "--slo", "ttft=2s,tpot=100ms", "--no-ignore-eos"]
+
+
+def test_a_simulated_pdserve_starts_serves_and_stops_leaving_nothing(tmp_path: Path) -> None:
+    model = resolve_model(None)
+    settings = EngineSettings(str(model.path), model.served_name, "float32", 1, 1024, (0, 1))
+    spec = pdserve_up(settings, free_port(), "sim", "--simulated --drain-timeout-s 2")
+    with RunningSystem(spec, tmp_path / "logs", stop_grace_s=30) as running:
+        assert running.wait_ready(120) > 0
+        tree = running._tree()
+        assert len(tree) >= 4  # up, router, prefill and decode sim-workers
+    report = running.stop_report
+    assert report is not None and report.clean and report.left_behind == []
+    assert report.port_free and port_free(spec.port)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in tree)
