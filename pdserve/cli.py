@@ -1,4 +1,5 @@
-"""The ``pdserve`` command: ``up``, ``router``, ``prefill``, ``decode``, ``prepare-model``.
+"""The ``pdserve`` command: ``up``, ``router``, ``prefill``, ``decode``, ``prepare-model``,
+``bench`` (a load generator: ``pdserve.bench.cli``).
 
 Every flag also reads a ``PDSERVE_<FLAG>`` environment variable (e.g.
 ``PDSERVE_PORT``); flags win. Flags are declared once (``flags.py``); each
@@ -76,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
         _command(sub, role, f"a {role} worker (vLLM engine + gRPC)",
                  COMMON + ENGINE + TRANSPORT + MEMBERSHIP + WORKER + SECURITY,
                  dict(_GRPC, port={"default": port, "help": "gRPC port"}))
+    # Parsed by pdserve.bench.cli (its own flags; no PDSERVE_* environment): listed here
+    # for --help, dispatched in main() before this parser sees the arguments.
+    sub.add_parser("bench", help="load-generator benchmarks against any OpenAI-compatible "
+                   "endpoint (run, sweep); see `pdserve bench --help`", add_help=False)
     sub.add_parser("prepare-model", help=f"convert the default model ({DEFAULT_MODEL_NAME}) once")
     _command(sub, "sim-worker", "a simulated worker (same gRPC service; modelled times and "
              "prefix cache) for router-scale tests", SIM + SECURITY,
@@ -84,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        from pdserve.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     setup_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
     try:

@@ -1,0 +1,63 @@
+"""``pdserve bench run``: one workload against one endpoint, one JSON result."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .flags import add_run_flags
+from .session import Session, schedule, write_json
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "run", help="drive an OpenAI-compatible endpoint with a seeded workload",
+        description="Drive an OpenAI-compatible endpoint with a seeded workload (open loop "
+        "at --request-rate, or closed loop at --max-concurrency) and report TTFT, TPOT, ITL, "
+        "E2E, throughput and goodput as vllm bench serve defines them.")
+    add_run_flags(p)
+    return p
+
+
+def _ms(stats: dict[str, float | None], key: str) -> str:
+    value = stats.get(key)
+    return "-" if value is None else f"{value * 1e3:.1f}"
+
+
+def print_summary(results: list[dict[str, Any]], title: str) -> None:
+    table = Table(title=title)
+    for col in ("rate", "conc", "done", "fail", "skip", "req/s", "out tok/s", "goodput",
+                "TTFT p50/p99 ms", "TPOT p50 ms", "ITL p50/p99 ms", "E2E p50 ms", "cached"):
+        table.add_column(col, justify="right")
+    for r in results:
+        c = r["config"]
+        table.add_row(str(c["request_rate"]), str(c["max_concurrency"] or "-"),
+                      str(r["completed"]), str(r["failed"]), str(r["skipped"]),
+                      f"{r['request_throughput']:.2f}", f"{r['output_throughput']:.1f}",
+                      f"{r['goodput']:.2f} ({r['goodput_share']:.0%})",
+                      f"{_ms(r['ttft_s'], 'p50')}/{_ms(r['ttft_s'], 'p99')}",
+                      _ms(r["tpot_s"], "p50"),
+                      f"{_ms(r['itl_s'], 'p50')}/{_ms(r['itl_s'], 'p99')}",
+                      _ms(r["e2e_s"], "p50"), f"{r['cached_token_share']:.0%}")
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: keep every column readable
+        console = Console(width=180)
+    console.print(table)
+    for r in results:
+        for kind, detail in r["error_examples"].items():
+            console.print(f"[red]{r['errors'][kind]} x {kind}[/]: {detail}", markup=True)
+
+
+def main(args: argparse.Namespace) -> int:
+    session = Session(args)
+    sched = schedule(args)
+    (result,) = asyncio.run(session.run([sched]))
+    print_summary([result], f"pdserve bench run: {args.workload} on {result['config']['model']}")
+    if args.result_json:
+        write_json(args.result_json, result)
+        print(f"wrote {args.result_json}")
+    return 0

@@ -1,0 +1,200 @@
+"""The workloads: endless, seeded sequences of requests (same seed, same requests).
+
+- ``random``: one class of ``input_len`` x ``output_len`` tokens, each drawn uniformly
+  within ``range_ratio`` of it (vLLM's random dataset).
+- ``chat-mix``: classes in shares (``0.7:80:96,0.3:1200:16``: 70 % 80-token prompts with 96
+  output tokens, 30 % 1,200 with 16), each request's class drawn by share.
+- ``shared-prefix``: conversations (system prompt x user x turn). Turn ``t`` of a user
+  sends its system prompt, its turns so far with stand-in assistant replies of
+  ``output_len`` tokens (fixed text, so prompts do not depend on what the server
+  answers) and the new turn; all users' turn 0 go first, then turn 1, and so on, so each
+  turn's prefix was computed a round before: a cache-aware placement reuses it. After
+  the last turn a new set of users starts.
+- ``sharegpt``: a ShareGPT file's prompts in a seeded order, repeated if needed.
+
+Every prompt is built from random tokens to an exact count through the endpoint's
+tokenizer and chat template (``PromptEncoder.fit``), so ``--input-len 500`` means the
+server counts 500 prompt tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .prompts import BenchRequest, Messages, PromptEncoder
+from .sharegpt import ShareGptData, load_sharegpt
+
+WORKLOADS = ("random", "chat-mix", "shared-prefix", "sharegpt")
+DEFAULT_OUTPUT_LEN = 128  # synthetic workloads; sharegpt takes the reference completion's
+
+
+@dataclass(frozen=True)
+class LengthClass:
+    share: float
+    input_len: int
+    output_len: int
+
+
+def parse_mix(text: str) -> list[LengthClass]:
+    """``"0.7:80:96,0.3:1200:16"`` -> classes (shares normalized to 1)."""
+    classes = []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        try:
+            share, num_in, num_out = float(parts[0]), int(parts[1]), int(parts[2])
+            if len(parts) != 3:
+                raise ValueError
+        except (ValueError, IndexError):
+            raise ValueError(f"bad --mix item {item.strip()!r}: expected "
+                             "SHARE:INPUT_TOKENS:OUTPUT_TOKENS, e.g. 0.7:80:96") from None
+        if share <= 0 or num_in < 1 or num_out < 1:
+            raise ValueError(f"bad --mix item {item.strip()!r}: share > 0, lengths >= 1")
+        classes.append(LengthClass(share, num_in, num_out))
+    total = sum(c.share for c in classes)
+    return [replace(c, share=c.share / total) for c in classes]
+
+
+def _around(n: int, ratio: float, rng: random.Random) -> int:
+    return max(1, rng.randint(math.floor(n * (1 - ratio)), math.ceil(n * (1 + ratio))))
+
+
+class MixWorkload:
+    """``random`` (one class) and ``chat-mix``."""
+
+    def __init__(self, encoder: PromptEncoder, classes: list[LengthClass],
+                 range_ratio: float, seed: int) -> None:
+        if not 0 <= range_ratio < 1:
+            raise ValueError(f"--range-ratio must be in [0, 1), not {range_ratio}")
+        self.encoder, self.classes, self.range_ratio, self.seed = (
+            encoder, classes, range_ratio, seed)
+
+    def request(self, index: int) -> BenchRequest:
+        rng = random.Random(f"{self.seed}:{index}")
+        pick, cls = rng.random(), self.classes[-1]
+        for c in self.classes:
+            if pick < c.share:
+                cls = c
+                break
+            pick -= c.share
+        num_in = _around(cls.input_len, self.range_ratio, rng)
+        num_out = _around(cls.output_len, self.range_ratio, rng)
+        return replace(self.encoder.fit_user(num_in, rng), output_tokens=num_out)
+
+    def __iter__(self) -> Iterator[BenchRequest]:
+        return map(self.request, itertools.count())
+
+
+@dataclass(frozen=True)
+class SharedPrefixShape:
+    num_system_prompts: int
+    system_prompt_len: int
+    num_users: int
+    num_turns: int
+    turn_input_len: int
+    output_len: int
+
+    def __post_init__(self) -> None:
+        if min(self.num_system_prompts, self.system_prompt_len, self.num_users,
+               self.num_turns, self.turn_input_len, self.output_len) < 1:
+            raise ValueError("shared-prefix sizes must all be >= 1")
+
+
+class SharedPrefixWorkload:
+    def __init__(self, encoder: PromptEncoder, shape: SharedPrefixShape, seed: int) -> None:
+        self.encoder, self.shape, self.seed = encoder, shape, seed
+        rng = random.Random(f"{seed}:system")
+        self.systems = [encoder.fit(shape.system_prompt_len, rng)[0]
+                        for _ in range(shape.num_system_prompts)]
+
+    def _round(self, round_index: int) -> Iterator[BenchRequest]:
+        s, enc = self.shape, self.encoder
+        chats: list[Messages] = []
+        for u in range(s.num_users):
+            rng = random.Random(f"{self.seed}:user:{round_index}:{u}")
+            system = self.systems[(round_index * s.num_users + u) % s.num_system_prompts]
+            chats.append([{"role": "system", "content": system}])
+            for t in range(s.num_turns):
+                chats[u].append({"role": "user", "content": enc.fit(s.turn_input_len, rng)[0]})
+                if t < s.num_turns - 1:
+                    reply = enc.fit(s.output_len, rng)[0]
+                    chats[u].append({"role": "assistant", "content": reply})
+        for t in range(s.num_turns):
+            for chat in chats:
+                messages = chat[:2 + 2 * t]
+                yield BenchRequest(messages, enc.count(messages), s.output_len)
+
+    def __iter__(self) -> Iterator[BenchRequest]:
+        return itertools.chain.from_iterable(map(self._round, itertools.count()))
+
+
+class ShareGptWorkload:
+    def __init__(self, encoder: PromptEncoder, data: ShareGptData, output_len: int | None,
+                 seed: int) -> None:
+        self.num_malformed = data.num_malformed
+        self.pairs = list(data.pairs)
+        random.Random(seed).shuffle(self.pairs)
+        self.encoder, self.output_len = encoder, output_len
+
+    def __iter__(self) -> Iterator[BenchRequest]:
+        for prompt, completion in itertools.cycle(self.pairs):
+            messages = [{"role": "user", "content": prompt}]
+            num_out = self.output_len or max(1, self.encoder.tokens(completion))
+            yield BenchRequest(messages, self.encoder.count(messages), num_out)
+
+
+Workload = MixWorkload | SharedPrefixWorkload | ShareGptWorkload
+
+
+def _output_len(args: argparse.Namespace) -> int:
+    return int(args.output_len or DEFAULT_OUTPUT_LEN)
+
+
+def check_workload_flags(args: argparse.Namespace) -> ShareGptData | None:
+    """Fail fast on bad workload flags (before any tokenizer or server); the dataset,
+    loaded, for ``sharegpt``."""
+    if args.workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {args.workload!r}; choose one of "
+                         f"{', '.join(WORKLOADS)}")
+    if args.workload == "chat-mix":
+        parse_mix(args.mix)
+    if args.workload == "shared-prefix":
+        SharedPrefixShape(args.num_system_prompts, args.system_prompt_len, args.num_users,
+                          args.num_turns, args.turn_input_len, _output_len(args))
+    if args.workload == "sharegpt":
+        if not args.dataset:
+            raise ValueError("--workload sharegpt needs --dataset PATH (.json or .jsonl)")
+        return load_sharegpt(args.dataset)
+    return None
+
+
+def make_workload(args: argparse.Namespace, encoder: PromptEncoder, seed: int,
+                  dataset: ShareGptData | None = None) -> Workload:
+    """The workload ``args.workload`` names (flags as ``pdserve bench run`` defines them);
+    ``dataset``: ``check_workload_flags``' for sharegpt."""
+    if args.workload == "random":
+        return MixWorkload(encoder, [LengthClass(1.0, args.input_len, _output_len(args))],
+                           args.range_ratio, seed)
+    if args.workload == "chat-mix":
+        return MixWorkload(encoder, parse_mix(args.mix), args.range_ratio, seed)
+    if args.workload == "shared-prefix":
+        shape = SharedPrefixShape(args.num_system_prompts, args.system_prompt_len,
+                                  args.num_users, args.num_turns, args.turn_input_len,
+                                  _output_len(args))
+        return SharedPrefixWorkload(encoder, shape, seed)
+    if args.workload == "sharegpt":
+        return ShareGptWorkload(encoder, dataset or load_sharegpt(args.dataset),
+                                args.output_len, seed)
+    raise ValueError(f"unknown workload {args.workload!r}; choose one of {', '.join(WORKLOADS)}")
+
+
+def workload_info(workload: Workload) -> dict[str, Any]:
+    if isinstance(workload, ShareGptWorkload):
+        return {"dataset_entries": len(workload.pairs),
+                "dataset_malformed": workload.num_malformed}
+    return {}
