@@ -57,6 +57,7 @@ PASSTHROUGH: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--num-requests", {"type": int}), ("--duration-s", {"type": float}),
     ("--num-warmup", {"type": int}), ("--burstiness", {"type": float}),
     ("--max-concurrency", {"type": int}), ("--slo", {}),
+    ("--request-timeout-s", {"type": float}),
 )
 
 
@@ -142,19 +143,27 @@ def parse_rates(text: str) -> tuple[float, ...]:
     return tuple(rates)
 
 
-def check_slo(text: str) -> None:
-    """``ttft=2s,tpot=100ms,e2e=30s`` (any subset; units s or ms)."""
-    for part in text.split(","):
-        key, sep, value = part.strip().partition("=")
-        number = value.removesuffix("ms").removesuffix("s")
-        try:
-            ok = sep and key in ("ttft", "tpot", "e2e") and value.endswith(("s", "ms")) and \
-                float(number) > 0
-        except ValueError:
-            ok = False
-        if not ok:
-            raise ValueError(f"--slo {text!r}: expected e.g. 'ttft=2s,tpot=100ms,e2e=30s' "
-                             f"(keys ttft, tpot, e2e; units s or ms), not {part!r}")
+def check_workload(argv: list[str]) -> None:
+    """The workload flags as ``pdserve bench run`` checks them (SLO, mix, dataset...),
+    so a bad one fails before any system starts, not at its first run."""
+    import contextlib
+    import io
+
+    from pdserve.bench.flags import add_run_flags
+    from pdserve.bench.metrics import Slo
+    from pdserve.bench.workloads import check_workload_flags
+
+    parser = argparse.ArgumentParser(prog="pdserve bench run")
+    add_run_flags(parser)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = parser.parse_args(["--base-url", "http://127.0.0.1:1", *argv])
+    except SystemExit:
+        lines = err.getvalue().strip().splitlines()
+        raise ValueError(lines[-1] if lines else "bad workload flags") from None
+    Slo.parse(args.slo)
+    check_workload_flags(args)
 
 
 def config_from_args(args: argparse.Namespace) -> CompareConfig:
@@ -170,10 +179,7 @@ def config_from_args(args: argparse.Namespace) -> CompareConfig:
                          "'vllm-disagg'")
     for name, flags in entries:
         check_up_flags(name, flags)
-    if args.slo:
-        check_slo(args.slo)
-    if args.dataset and not Path(args.dataset).is_file():
-        raise ValueError(f"--dataset {args.dataset}: no such file")
+    check_workload(workload_args(args))
     if args.with_vllm_disagg:
         check_vllm_disagg()
     out = args.output_dir or Path("bench/results") / time.strftime("compare-%Y%m%d-%H%M%S")

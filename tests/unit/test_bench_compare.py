@@ -173,8 +173,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     (["--pdserve", "a=--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--pdserve", "a=--placement nope"], "invalid choice 'nope'"),
     (["--pdserve", "vllm="], "must differ"),
-    (["--slo", "ttft=2"], "--slo 'ttft=2'"),
-    (["--dataset", "/no/such/file.json"], "no such file"),
+    (["--slo", "ttft=2"], "bad --slo item 'ttft=2'"),
+    (["--workload", "sharegpt"], "needs --dataset"),
+    (["--workload", "sharegpt", "--dataset", "/no/such/file.json"], "/no/such/file.json"),
+    (["--workload", "chat-mix", "--mix", "0.7:80"], "0.7:80"),
     (["--model", "/no/such/model"], "is not a directory"),
 ])
 def test_bad_input_is_one_error_line_and_writes_nothing(
