@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -121,11 +122,19 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdserve bench: error: {exc}", file=sys.stderr)
         return 2
-    report = run_compare(cfg)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # stop the systems, then exit
+    try:
+        report = run_compare(cfg)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     failed = [s.name for s in report.systems if s.error]
     print(f"report: {cfg.output_dir}/report.md" + (
         f" ({', '.join(failed)} failed to start)" if failed else ""))
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def parse_rates(text: str) -> tuple[float, ...]:

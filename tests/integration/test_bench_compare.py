@@ -4,10 +4,13 @@ report.json, report.md and valid PNGs, and leaves no process and no port behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -21,20 +24,33 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 NUM_REQUESTS = 4
 
 
-def _ours(before: set[int]) -> list[str]:
-    """Processes started since ``before`` that are an engine, a pdserve or a proxy."""
-    out = []
-    for p in psutil.process_iter(["pid", "cmdline", "status"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if p.info["pid"] in before or p.info["status"] == psutil.STATUS_ZOMBIE:
-            continue
-        if any(k in cmd for k in ("vllm.entrypoints", "pdserve.cli", "disagg_proxy")):
-            out.append(f"{p.info['pid']} {cmd[:120]}")
-    return out
+def _run_watching_children(argv: list[str], timeout_s: float
+                           ) -> tuple[int, str, dict[psutil.Process, str]]:
+    """Run ``argv``; every process that was ever its descendant (looked for once a
+    second), with its command line."""
+    seen: dict[psutil.Process, str] = {}
+    with subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1")) as proc:
+        stderr: list[str] = []
+        reader = threading.Thread(target=lambda: stderr.extend(proc.stderr or []), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + timeout_s
+        root = psutil.Process(proc.pid)
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for p in root.children(recursive=True):
+                    if p not in seen:
+                        with contextlib.suppress(psutil.Error):
+                            seen[p] = " ".join(p.cmdline())
+            time.sleep(1.0)
+        if proc.poll() is None:
+            proc.kill()
+            pytest.fail(f"compare still running after {timeout_s:.0f} s")
+        reader.join(timeout=10)
+    return proc.returncode, "".join(stderr), seen
 
 
 def test_compare_writes_the_report_and_leaves_nothing_behind(tmp_path: Path) -> None:
-    before = {p.pid for p in psutil.process_iter()}
     out = tmp_path / "report"
     argv = [sys.executable, "-m", "pdserve.cli", "bench", "compare",
             "--pdserve", "default=", "--request-rates", "2", "--num-requests", str(NUM_REQUESTS),
@@ -42,9 +58,13 @@ def test_compare_writes_the_report_and_leaves_nothing_behind(tmp_path: Path) -> 
             "--max-model-len", "512", "--kv-cache-gib", "1", "--seed", "1",
             "--slo", "ttft=10s,tpot=1s", "--startup-timeout-s", "400",
             "--run-timeout-s", "300", "--output-dir", str(out)]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1200,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, stderr, children = _run_watching_children(argv, timeout_s=1200)
+    assert code == 0, stderr[-3000:]
+    commands = list(children.values())
+    assert any("vllm.entrypoints.openai.api_server" in c for c in commands), commands
+    assert any(" up " in c for c in commands) and any(" decode " in c for c in commands)
+    left = [c for p, c in children.items() if _alive(p)]
+    assert left == [], f"left behind: {left}"
 
     report = json.loads((out / "report.json").read_text())
     assert report["schema"] == "pdserve.bench.compare/v1" and report["baseline"] == "vllm"
@@ -71,4 +91,10 @@ def test_compare_writes_the_report_and_leaves_nothing_behind(tmp_path: Path) -> 
         data = (out / f"{name}.png").read_bytes()
         assert data[:8] == PNG_SIGNATURE and len(data) > 10_000
     assert not any(p.name.startswith(".report-") for p in tmp_path.iterdir())
-    assert _ours(before) == []
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

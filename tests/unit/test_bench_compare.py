@@ -1,12 +1,16 @@
 """``pdserve bench compare`` without engines: the report from constructed run JSONs
 (ratios in the Markdown, valid PNGs), the systems' command lines (the same engine
-settings everywhere), bad input (one error line, nothing written), and starting,
-probing and stopping a real ``pdserve up --simulated`` (no process left behind)."""
+settings everywhere), bad input (one error line, nothing written), and a SIGTERM
+while a real ``pdserve up --simulated`` serves (stopped, nothing left, no report)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +20,7 @@ import psutil
 import pytest
 
 from pdserve.bench import compare
-from pdserve.bench.launch import RunningSystem, port_free
+from pdserve.bench.launch import port_free
 from pdserve.bench.report import CompareReport, RateRun, SystemResult, write_report
 from pdserve.bench.systems import (
     EngineSettings,
@@ -25,8 +29,6 @@ from pdserve.bench.systems import (
     vllm_aggregated,
     vllm_disagg,
 )
-from pdserve.model import resolve_model
-from pdserve.ports import free_port
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SETTINGS = EngineSettings("/models/m", "m", "float32", 3, 1024, (0, 1))
@@ -207,15 +209,34 @@ def test_pdserve_entries_and_workload_flags_are_passed_as_given() -> None:
         "--num-requests", "40", "--slo", "ttft=2s,tpot=100ms", "--no-ignore-eos"]
 
 
-def test_a_simulated_pdserve_starts_serves_and_stops_leaving_nothing(tmp_path: Path) -> None:
-    model = resolve_model(None)
-    settings = EngineSettings(str(model.path), model.served_name, "float32", 1, 1024, (0, 1))
-    spec = pdserve_up(settings, free_port(), "sim", "--simulated --drain-timeout-s 2")
-    with RunningSystem(spec, tmp_path / "logs", stop_grace_s=30) as running:
-        assert running.wait_ready(120) > 0
-        tree = running._tree()
-        assert len(tree) >= 4  # up, router, prefill and decode sim-workers
-    report = running.stop_report
-    assert report is not None and report.clean and report.left_behind == []
-    assert report.port_free and port_free(spec.port)
+def test_sigterm_mid_run_stops_the_system_and_writes_no_report(tmp_path: Path) -> None:
+    """A real ``pdserve up --simulated`` (no vLLM): compare waits until it serves, is
+    SIGTERMed during the run, stops it (no process of its tree left, port free) and
+    leaves neither a report nor its temporary folder."""
+    out = tmp_path / "report"
+    argv = [sys.executable, "-m", "pdserve.cli", "bench", "compare", "--no-vllm",
+            "--pdserve", "sim=--simulated --drain-timeout-s 2", "--request-rates", "0.2",
+            "--num-requests", "50", "--workload", "random", "--input-len", "64",
+            "--output-len", "4", "--startup-timeout-s", "120", "--output-dir", str(out)]
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    tree: list[psutil.Process] = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "sim: ready" in line:
+                break
+        else:
+            pytest.fail("compare ended before the system was ready")
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        port = int(next(p.cmdline()[p.cmdline().index("--port") + 1] for p in tree
+                        if "up" in p.cmdline() and "--port" in p.cmdline()))
+        assert len(tree) >= 4  # up, router, a prefill and a decode sim-worker
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in tree)
+    assert port_free(port)
+    assert list(tmp_path.iterdir()) == []
