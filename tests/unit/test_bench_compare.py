@@ -19,7 +19,7 @@ import numpy as np
 import psutil
 import pytest
 
-from pdserve.bench import compare
+from pdserve.bench import compare, compare_config
 from pdserve.bench.launch import port_free
 from pdserve.bench.report import CompareReport, RateRun, SystemResult, write_report
 from pdserve.bench.systems import (
@@ -170,6 +170,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 @pytest.mark.parametrize(("argv", "message"), [
     (["--request-rates", "1,x"], "'x' is not a number"),
     (["--request-rates", "0"], "must be > 0"),
+    (["--run-timeout-s", "0"], "must be > 0"),
+    (["--kv-cache-gib", "0"], "kv_cache_gib > 0"),
     (["--pdserve", "no-equals-sign"], "expected NAME="),
     (["--pdserve", "a=--model /x"], "--model is set by compare"),
     (["--pdserve", "a=--no-such-flag"], "unrecognized arguments: --no-such-flag"),
@@ -204,7 +206,7 @@ def test_pdserve_entries_and_workload_flags_are_passed_as_given() -> None:
     args = _parse(["--workload", "chat-mix", "--mix", "0.7:80:96,0.3:1200:16",
                    "--num-requests", "40", "--slo", "ttft=2s,tpot=100ms", "--seed", "3",
                    "--no-ignore-eos"])
-    assert compare.workload_args(args) == [
+    assert compare_config.workload_args(args) == [
         "--seed", "3", "--workload", "chat-mix", "--mix", "0.7:80:96,0.3:1200:16",
         "--num-requests", "40", "--slo", "ttft=2s,tpot=100ms", "--no-ignore-eos"]
 
