@@ -35,16 +35,17 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_app(prefill: str, decode: str, timeout_s: float = 900.0) -> FastAPI:
+def build_app(prefill: str, decode: str, timeout_s: float = 900.0,
+              transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """``transport``: for tests (fake engines); default: the network."""
     clients: dict[str, httpx.AsyncClient] = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        clients["prefill"] = httpx.AsyncClient(base_url=prefill, timeout=timeout_s,
-                                               limits=limits)
-        clients["decode"] = httpx.AsyncClient(base_url=decode, timeout=timeout_s,
-                                              limits=limits)
+        for role, url in (("prefill", prefill), ("decode", decode)):
+            clients[role] = httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits,
+                                              transport=transport)
         yield
         for client in clients.values():
             await client.aclose()
@@ -74,7 +75,7 @@ def build_app(prefill: str, decode: str, timeout_s: float = 900.0) -> FastAPI:
 
         async def relay() -> AsyncIterator[bytes]:
             try:
-                async for chunk in upstream.aiter_raw():
+                async for chunk in upstream.aiter_bytes():
                     yield chunk
             finally:
                 await upstream.aclose()

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import matplotlib.image
 import numpy as np
 import psutil
@@ -242,3 +243,31 @@ def test_sigterm_mid_run_stops_the_system_and_writes_no_report(tmp_path: Path) -
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in tree)
     assert port_free(port)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_disagg_proxy_prefills_one_token_then_streams_decode_with_its_kv_params() -> None:
+    from fastapi.testclient import TestClient
+
+    from pdserve.bench.disagg_proxy import build_app
+
+    seen: dict[str, dict[str, Any]] = {}
+    params = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_block_ids": [3]}
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        role = "prefill" if request.url.host == "prefill" else "decode"
+        seen[role] = json.loads(request.content)
+        if role == "prefill":
+            return httpx.Response(200, json={"choices": [], "kv_transfer_params": params})
+        return httpx.Response(200, content=b'data: {"x": 1}\n\ndata: [DONE]\n\n',
+                              headers={"content-type": "text/event-stream"})
+
+    app = build_app("http://prefill", "http://decode", transport=httpx.MockTransport(engine))
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with TestClient(app) as client:
+        reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200 and reply.text.endswith("data: [DONE]\n\n")
+    prefill = seen["prefill"]
+    assert prefill["max_tokens"] == 1 and "stream" not in prefill
+    assert prefill["kv_transfer_params"]["do_remote_decode"] is True
+    assert seen["decode"] == dict(body, kv_transfer_params=params)
