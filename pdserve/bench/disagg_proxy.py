@@ -54,7 +54,12 @@ def build_app(prefill: str, decode: str, timeout_s: float = 900.0,
 
     @app.get("/v1/models")
     async def models() -> Response:
-        resp = await clients["decode"].get("/v1/models")
+        """The decode engine's list, once both engines answer (503 until then)."""
+        try:
+            await clients["prefill"].get("/v1/models")
+            resp = await clients["decode"].get("/v1/models")
+        except httpx.HTTPError as exc:
+            return JSONResponse({"error": f"engine not reachable: {exc}"}, 503)
         return Response(resp.content, resp.status_code, media_type="application/json")
 
     async def generate(path: str, request: Request) -> Response:

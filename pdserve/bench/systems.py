@@ -28,8 +28,10 @@ OWNED_UP_FLAGS = ("--model", "--dtype", "--kv-cache-gib", "--max-model-len", "--
 # pdserve's own engines run at most this many sequences at once (EngineConfig.max_num_seqs);
 # vLLM gets the same cap so batches are alike.
 MAX_NUM_SEQS = 64
-# Turns NIXL's progress thread off in vLLM's engine processes (pdserve's vLLM plugin).
-NIXL_PROG_THREAD_ENV = "PDSERVE_NIXL_PROG_THREAD"
+# NIXL's progress thread polls with this delay in vLLM's engines instead of spinning a
+# core (pdserve's vLLM plugin; see pdserve/worker/vllm_plugin.py).
+NIXL_DELAY_ENV = "PDSERVE_NIXL_PROGRESS_DELAY_US"
+NIXL_DELAY_US = 1000
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,8 @@ def vllm_aggregated(s: EngineSettings, port: int, name: str = "vllm") -> SystemS
 
 def vllm_disagg(s: EngineSettings, port: int, engine_ports: tuple[int, int],
                 side_ports: tuple[int, int], name: str = "vllm-disagg") -> SystemSpec:
-    """Two ``vllm serve`` with the NixlConnector (prefill, decode on separate cores) and
+    """Two ``vllm serve`` with the NixlConnector (prefill, decode on separate cores;
+    UCX over tcp/shared memory, KV read from host memory) and
     the proxy that sends each request to prefill (1 token) then to decode."""
     if len(s.cores) < 2:
         raise ValueError("vLLM disaggregated serving needs 2+ cores (prefill and decode "
@@ -119,11 +122,13 @@ def vllm_disagg(s: EngineSettings, port: int, engine_ports: tuple[int, int],
     procs = []
     for role, eport, side, cores in (("prefill", engine_ports[0], side_ports[0], p_cores),
                                      ("decode", engine_ports[1], side_ports[1], d_cores)):
-        kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+        # vLLM 0.32 deprecates kv_both for the NixlConnector: producer prefills, consumer decodes
+        kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+        kv = {"kv_connector": "NixlConnector", "kv_role": kv_role,
               "kv_buffer_device": "cpu", "kv_connector_extra_config": {"backends": ["UCX"]}}
         env = dict(_vllm_env(s, cores), VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
                    VLLM_NIXL_SIDE_CHANNEL_PORT=str(side), UCX_TLS="tcp,self,sm",
-                   **{NIXL_PROG_THREAD_ENV: "0"})
+                   **{NIXL_DELAY_ENV: str(NIXL_DELAY_US)})
         argv = _vllm_argv(s, eport) + ["--kv-transfer-config", json.dumps(kv)]
         procs.append(ProcSpec(role, tuple(argv), env))
     proxy = [sys.executable, "-m", "pdserve.bench.disagg_proxy", "--port", str(port),

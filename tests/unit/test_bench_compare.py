@@ -150,12 +150,14 @@ def test_vllm_disagg_is_two_nixl_engines_on_separate_cores_behind_a_proxy() -> N
     prefill, decode, proxy = dis.procs
     assert (prefill.env["VLLM_CPU_OMP_THREADS_BIND"], decode.env["VLLM_CPU_OMP_THREADS_BIND"]) \
         == ("0", "1")
-    for proc, port, side in ((prefill, "9002", "9004"), (decode, "9003", "9005")):
+    for proc, port, side, role in ((prefill, "9002", "9004", "kv_producer"),
+                                   (decode, "9003", "9005", "kv_consumer")):
         kv = json.loads(_flag(proc.argv, "--kv-transfer-config"))
         assert kv["kv_connector"] == "NixlConnector" and kv["kv_buffer_device"] == "cpu"
+        assert kv["kv_role"] == role
         assert _flag(proc.argv, "--port") == port
         assert proc.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == side
-        assert proc.env["PDSERVE_NIXL_PROG_THREAD"] == "0"
+        assert proc.env["PDSERVE_NIXL_PROGRESS_DELAY_US"] == "1000"
     assert _flag(proxy.argv, "--prefill") == "http://127.0.0.1:9002"
     assert _flag(proxy.argv, "--decode") == "http://127.0.0.1:9003"
     with pytest.raises(ValueError, match="2\\+ cores"):
@@ -271,3 +273,20 @@ def test_disagg_proxy_prefills_one_token_then_streams_decode_with_its_kv_params(
     assert prefill["max_tokens"] == 1 and "stream" not in prefill
     assert prefill["kv_transfer_params"]["do_remote_decode"] is True
     assert seen["decode"] == dict(body, kv_transfer_params=params)
+
+
+def test_the_vllm_plugin_gives_nixl_progress_threads_a_poll_delay(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("nixl_cu12")
+    from pdserve.worker import vllm_plugin
+
+    monkeypatch.setenv("PDSERVE_NIXL_PROGRESS_DELAY_US", "1000")
+    vllm_plugin.register()
+    vllm_plugin.register()  # vLLM may load plugins twice: the delay must not stack
+    import nixl._api as api
+
+    config = api.nixlBind.nixlAgentConfig()
+    config.pthrDelay = 0  # what nixl_agent sets
+    assert config.pthrDelay == 1000
+    config.pthrDelay = 5  # any other value is left alone
+    assert config.pthrDelay == 5
