@@ -118,7 +118,8 @@ def vllm_disagg(s: EngineSettings, port: int, engine_ports: tuple[int, int],
         raise ValueError("vLLM disaggregated serving needs 2+ cores (prefill and decode "
                          "on separate cores)")
     (p_cores,), (d_cores,) = core_sets(1, 1, "split")
-    assert p_cores and d_cores  # split on 2+ cores always names cores
+    if not p_cores or not d_cores:
+        raise ValueError("no split of the cores for prefill and decode")
     procs = []
     for role, eport, side, cores in (("prefill", engine_ports[0], side_ports[0], p_cores),
                                      ("decode", engine_ports[1], side_ports[1], d_cores)):
