@@ -117,9 +117,8 @@ def vllm_disagg(s: EngineSettings, port: int, engine_ports: tuple[int, int],
     if len(s.cores) < 2:
         raise ValueError("vLLM disaggregated serving needs 2+ cores (prefill and decode "
                          "on separate cores)")
-    (p_cores,), (d_cores,) = core_sets(1, 1, "split")
-    if not p_cores or not d_cores:
-        raise ValueError("no split of the cores for prefill and decode")
+    half = len(s.cores) // 2  # as pdserve up --cpu-layout split places one of each
+    p_cores, d_cores = (",".join(map(str, c)) for c in (s.cores[:half], s.cores[half:]))
     procs = []
     for role, eport, side, cores in (("prefill", engine_ports[0], side_ports[0], p_cores),
                                      ("decode", engine_ports[1], side_ports[1], d_cores)):
