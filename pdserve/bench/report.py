@@ -121,7 +121,7 @@ def render_markdown(report: CompareReport) -> str:
              f"{'eager' if s.get('enforce_eager') else 'compiled'}; seed {s.get('seed')}; "
              f"SLO {s.get('slo') or 'none'}; workload `{s.get('workload_args')}`.", "",
              f"Machine: {report.machine.get('cpu_model')}, cores "
-             f"{report.machine.get('cores')}, flags {report.machine.get('cpu_flags')}. "
+             f"{report.machine.get('cores')}; {_flags(report.machine.get('cpu_flags', {}))}. "
              f"Versions: {', '.join(f'{k} {v}' for k, v in report.versions.items())}.", ""]
     lines += _systems_section(report)
     base = next((x for x in report.systems if x.name == report.baseline), None)
@@ -138,6 +138,12 @@ def render_markdown(report: CompareReport) -> str:
                               base_run if system is not base else None))
         lines.append("")
     return "\n".join(lines)
+
+
+def _flags(flags: dict[str, bool]) -> str:
+    has = [f for f, on in flags.items() if on]
+    lacks = [f for f, on in flags.items() if not on]
+    return f"has {', '.join(has) or '–'}; lacks {', '.join(lacks) or '–'}"
 
 
 def _systems_section(report: CompareReport) -> list[str]:
