@@ -1,5 +1,9 @@
 """pdserve vs one aggregated vLLM on the same cores, under an open-loop chat mix.
 
+Superseded: the load is ``pdserve bench run --workload chat-mix`` (the same 70/30 mix by
+default, exact token counts, vLLM's metric definitions), the systems side by side are
+``pdserve bench compare``. Kept to reproduce the results it wrote.
+
 Each system starts alone on this machine (the others stopped), gets one warm-up
 request, then for each rate a Poisson stream of chat requests (streamed, greedy,
 ``ignore_eos`` so output lengths are fixed): ``--short-share`` of them ~``--short-tokens``

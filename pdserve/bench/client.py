@@ -1,5 +1,6 @@
 """One streamed request against an OpenAI-compatible endpoint, timed as ``vllm bench
-serve`` times it (see ``metrics.py``), with a deadline and an error kind on failure.
+serve`` times it (see ``metrics.py``; one difference: only chunks that carry text are
+token chunks, see ``_has_text``), with a deadline and an error kind on failure.
 
 Error kinds: ``http_<status>`` (refused: 4xx/5xx before the stream), ``connect``,
 ``timeout`` (the per-request deadline, or httpx's), ``disconnected`` (the connection
@@ -63,6 +64,18 @@ def _payload(ep: Endpoint, encoder: PromptEncoder, req: BenchRequest) -> dict[st
     return body
 
 
+def _has_text(choices: Any) -> bool:
+    """A token chunk: its choice carries text (completions) or content (chat). vLLM's
+    ``bench serve`` counts any chunk with a choice; servers that close a stream with a
+    chunk holding only ``finish_reason`` (pdserve's router does) would then get one extra
+    ITL of ~0 s per request, and chat's role-only opening chunk an early TTFT."""
+    if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
+        return False
+    choice = choices[0]
+    delta = choice.get("delta") or {}
+    return bool(choice.get("text") or delta.get("content") or delta.get("reasoning_content"))
+
+
 class _Stream:
     """The timing state of one response stream."""
 
@@ -81,7 +94,7 @@ class _Stream:
             raise RequestFailed("bad_chunk", data[:200]) from None
         if "error" in event:
             raise RequestFailed("stream_error", json.dumps(event["error"])[:300])
-        if event.get("choices"):
+        if _has_text(event.get("choices")):
             if self.num_chunks == 0:
                 self.record.ttft_s = now - self.start
             else:
@@ -133,7 +146,7 @@ async def send(client: httpx.AsyncClient, ep: Endpoint, encoder: PromptEncoder,
         failure = RequestFailed("timeout", f"no answer within {ep.timeout_s} s ({exc!r})")
     except httpx.ConnectError as exc:
         failure = RequestFailed("connect", str(exc) or repr(exc))
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.StreamError, OSError) as exc:
         failure = RequestFailed("disconnected", str(exc) or repr(exc))
     record.error = failure.kind
     return record, failure.detail

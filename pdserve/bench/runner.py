@@ -123,7 +123,7 @@ class Runner:
                 raise ValueError(f"warm-up request to {self.ep.url} failed "
                                  f"({record.error}): {detail}")
 
-    def _progress(self, total: int | None) -> Progress:
+    def _progress(self) -> Progress:
         return Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=Console(stderr=True),
                         disable=not self.show_progress, transient=True)
@@ -143,7 +143,7 @@ class Runner:
             arrivals = arrivals_until(float(sched.duration_s or 0), sched.request_rate,
                                       sched.burstiness, sched.seed)
         total = out.num_drawn - out.num_skipped if sched.num_requests is not None else None
-        with self._progress(total) as progress:
+        with self._progress() as progress:
             task = progress.add_task("bench", total=total)
             await self._send_all(requests, arrivals, sched, out,
                                  lambda: progress.advance(task))

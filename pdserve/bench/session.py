@@ -91,6 +91,8 @@ class Session:
         self.dataset = check_workload_flags(args)
         if args.max_model_len is not None and args.max_model_len < 1:
             raise ValueError("--max-model-len must be >= 1")
+        if args.num_warmup < 0 or not args.request_timeout_s > 0:
+            raise ValueError("--num-warmup must be >= 0 and --request-timeout-s > 0")
         self.base_url = Endpoint.normalize(args.base_url)
         self.ignore_eos = (args.workload != "sharegpt" if args.ignore_eos is None
                            else args.ignore_eos)

@@ -1,0 +1,65 @@
+"""``pdserve bench run`` against a real ``pdserve up`` (the session's ``pd_server``: vLLM
+engines, ``--disagg auto``): the JSON's request, token and error counts equal the deltas of
+the router's own ``/metrics`` counters over the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pdserve_testing import Server
+
+pytestmark = pytest.mark.integration
+
+# The router's counters this test reads, by role: one place to rename them.
+METRICS = {
+    "requests": "pdserve_router_requests_total",  # {endpoint, status_code}
+    "failures": "pdserve_router_request_failures_total",  # {endpoint, reason}
+    "prompt_tokens": "pdserve_router_prompt_tokens_total",
+    "generation_tokens": "pdserve_router_generation_tokens_total",
+}
+ENDPOINT = 'endpoint="/v1/chat/completions"'
+RUN_TIMEOUT_S = 300
+
+
+def _counters(server: Server) -> dict[str, float]:
+    return {
+        "ok": server.metric(METRICS["requests"], ENDPOINT, 'status_code="200"'),
+        "all": server.metric(METRICS["requests"], ENDPOINT),
+        "failures": server.metric(METRICS["failures"], ENDPOINT),
+        "prompt": server.metric(METRICS["prompt_tokens"]),
+        "generation": server.metric(METRICS["generation_tokens"]),
+    }
+
+
+def test_bench_run_counts_match_the_routers_counters(pd_server: Server, model_path: Path,
+                                                     tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    before = _counters(pd_server)
+    # Short prompts stay on decode (--disagg auto), the 300-token ones go P -> D.
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "bench", "run", "--base-url", pd_server.base_url,
+         "--model", "SmolLM2-135M-Instruct", "--tokenizer", str(model_path),
+         "--workload", "chat-mix", "--mix", "0.5:60:8,0.5:300:4", "--num-requests", "6",
+         "--request-rate", "4", "--num-warmup", "0", "--seed", "1", "--slo", "ttft=60s",
+         "--no-progress", "--result-json", str(out)],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr
+    after = _counters(pd_server)
+    delta = {k: after[k] - before[k] for k in before}
+    result = json.loads(out.read_text())
+    assert (result["num_requests"], result["skipped"]) == (6, 0)
+    assert result["completed"] + result["failed"] == delta["all"] == 6
+    assert result["completed"] == delta["ok"] - delta["failures"]
+    assert result["failed"] == sum(result["errors"].values())
+    assert result["failed"] == delta["all"] - delta["ok"] + delta["failures"]
+    assert result["input_tokens"] == delta["prompt"]
+    assert result["output_tokens"] == delta["generation"]
+    assert {(r["prompt_tokens"], r["output_tokens"]) for r in result["requests"]} <= {
+        (60, 8), (300, 4)}  # exact lengths through the chat template, ignore_eos
+    assert result["completed"] == 6 and result["ttft_s"]["p50"] > 0

@@ -1,0 +1,124 @@
+"""``pdserve bench`` workloads: ShareGPT files as users bring them (malformed entries
+skipped and counted), exact prompt lengths through the tokenizer and chat template,
+seeded reproducibility, shared prefixes across a user's turns."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdserve.bench.flags import add_run_flags
+from pdserve.bench.prompts import PromptEncoder
+from pdserve.bench.sharegpt import load_sharegpt
+from pdserve.bench.workloads import check_workload_flags, make_workload, parse_mix
+
+GOOD = {"conversations": [{"from": "human", "value": "Why is the sky blue?"},
+                          {"from": "gpt", "value": "Rayleigh scattering of sunlight."}]}
+MALFORMED = [
+    "not an object",
+    {"id": "no conversations"},
+    {"conversations": "not a list"},
+    {"conversations": [{"from": "human", "value": "one turn only"}]},
+    {"conversations": [{"from": "human", "value": 42}, {"from": "gpt", "value": "x"}]},
+    {"conversations": [{"from": "human", "value": "   "}, {"from": "gpt", "value": "x"}]},
+    {"conversations": ["a", "b"]},
+]
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_run_flags(p)
+    return p.parse_args(["--base-url", "http://x", *argv])
+
+
+def test_sharegpt_json_skips_malformed_entries_and_counts_them(tmp_path: Path) -> None:
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps([GOOD, *MALFORMED, GOOD]))
+    data = load_sharegpt(path)
+    assert data.pairs == [("Why is the sky blue?", "Rayleigh scattering of sunlight.")] * 2
+    assert data.num_malformed == len(MALFORMED)
+
+
+def test_sharegpt_jsonl_counts_lines_that_are_not_json(tmp_path: Path) -> None:
+    path = tmp_path / "sg.jsonl"
+    path.write_text("\n".join([json.dumps(GOOD), "{broken", "", json.dumps(MALFORMED[1])]))
+    data = load_sharegpt(path)
+    assert len(data.pairs) == 1 and data.num_malformed == 2
+
+
+@pytest.mark.parametrize(("name", "text", "match"), [
+    ("empty.json", "", "not JSON"),
+    ("list.json", "[]", "no usable ShareGPT entry"),
+    ("bad.json", json.dumps(MALFORMED), r"no usable ShareGPT entry \(7 malformed\)"),
+    ("obj.json", "{}", "expected a JSON list"),
+    ("empty.jsonl", "", "no usable ShareGPT entry"),
+])
+def test_an_empty_or_malformed_dataset_is_one_clear_error(tmp_path: Path, name: str, text: str,
+                                                          match: str) -> None:
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_sharegpt(tmp_path / name)
+    with pytest.raises(ValueError, match="No such file"):
+        load_sharegpt(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_random_prompts_have_the_exact_token_count_the_endpoint_sees(tokenizer: Any,
+                                                                    endpoint: str) -> None:
+    encoder = PromptEncoder(tokenizer, endpoint)
+    args = _args("--input-len", "300", "--output-len", "20", "--range-ratio", "0.5")
+    requests = list(itertools.islice(make_workload(args, encoder, seed=5), 12))
+    lengths = [r.prompt_tokens for r in requests]
+    assert len(set(lengths)) > 1 and all(150 <= n <= 450 for n in lengths)
+    for r in requests:  # as the router counts them (preprocess.py)
+        if endpoint == "chat":
+            text = tokenizer.apply_chat_template(r.messages, add_generation_prompt=True,
+                                                 tokenize=False)
+            assert len(tokenizer.encode(text, add_special_tokens=False)) == r.prompt_tokens
+        else:
+            assert len(tokenizer.encode(r.messages[0]["content"])) == r.prompt_tokens
+        assert 10 <= r.output_tokens <= 30
+    again = list(itertools.islice(make_workload(args, encoder, seed=5), 12))
+    other = list(itertools.islice(make_workload(args, encoder, seed=6), 12))
+    assert again == requests and other != requests
+
+
+def test_chat_mix_draws_its_classes_in_their_shares(tokenizer: Any) -> None:
+    assert [c.share for c in parse_mix("3:10:5,1:40:2")] == [0.75, 0.25]
+    encoder = PromptEncoder(tokenizer, "chat")
+    args = _args("--workload", "chat-mix", "--mix", "0.7:50:9,0.3:120:3")
+    requests = list(itertools.islice(make_workload(args, encoder, seed=0), 200))
+    short = [r for r in requests if r.output_tokens == 9]
+    assert {r.prompt_tokens for r in short} == {50}
+    assert {r.prompt_tokens for r in requests if r.output_tokens == 3} == {120}
+    assert 0.6 <= len(short) / len(requests) <= 0.8  # 140 expected, sd ~6.5
+
+
+def test_shared_prefix_turns_extend_their_users_conversation(tokenizer: Any) -> None:
+    encoder = PromptEncoder(tokenizer, "chat")
+    args = _args("--workload", "shared-prefix", "--num-system-prompts", "2",
+                 "--system-prompt-len", "40", "--num-users", "3", "--num-turns", "2",
+                 "--turn-input-len", "10", "--output-len", "8")
+    requests = list(itertools.islice(make_workload(args, encoder, seed=1), 12))
+    first, second = requests[:3], requests[3:6]  # all users' turn 0, then turn 1
+    for a, b in zip(first, second, strict=True):
+        assert b.messages[:2] == a.messages and len(b.messages) == 4
+        assert b.messages[2]["role"] == "assistant" and b.prompt_tokens > a.prompt_tokens
+    systems = [r.messages[0]["content"] for r in first]
+    assert systems[0] == systems[2] != systems[1]  # users share the 2 system prompts
+    assert encoder.tokens(systems[0]) == 40
+    assert requests[6].messages[1] != first[0].messages[1]  # then new users
+
+
+def test_bad_workload_flags_fail_before_any_tokenizer(tmp_path: Path) -> None:
+    for argv, match in [(["--workload", "chat-mix", "--mix", "0.5:10"], "--mix"),
+                        (["--workload", "chat-mix", "--mix", "0:10:5"], "share > 0"),
+                        (["--workload", "sharegpt"], "--dataset"),
+                        (["--workload", "shared-prefix", "--num-users", "0"], ">= 1")]:
+        with pytest.raises(ValueError, match=match):
+            check_workload_flags(_args(*argv))
