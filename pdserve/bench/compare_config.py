@@ -111,8 +111,7 @@ def check_workload(argv: list[str]) -> None:
     import io
 
     from pdserve.bench.flags import add_run_flags
-    from pdserve.bench.metrics import Slo
-    from pdserve.bench.workloads import check_workload_flags
+    from pdserve.bench.session import Session
 
     parser = argparse.ArgumentParser(prog="pdserve bench run")
     add_run_flags(parser)
@@ -123,8 +122,7 @@ def check_workload(argv: list[str]) -> None:
     except SystemExit:
         lines = err.getvalue().strip().splitlines()
         raise ValueError(lines[-1] if lines else "bad workload flags") from None
-    Slo.parse(args.slo)
-    check_workload_flags(args)
+    Session(args)  # its checks that need neither a server nor a tokenizer
 
 
 def config_from_args(args: argparse.Namespace) -> CompareConfig:

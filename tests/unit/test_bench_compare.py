@@ -176,6 +176,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     (["--request-rates", "1,x"], "'x' is not a number"),
     (["--request-rates", "0"], "must be > 0"),
     (["--run-timeout-s", "0"], "must be > 0"),
+    (["--num-warmup", "-1"], "--num-warmup must be >= 0"),
     (["--kv-cache-gib", "0"], "kv_cache_gib > 0"),
     (["--pdserve", "no-equals-sign"], "expected NAME="),
     (["--pdserve", "a=--model /x"], "--model is set by compare"),
