@@ -13,6 +13,7 @@ into place only when complete; bad input fails before anything starts.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import signal
 import subprocess
@@ -156,6 +157,4 @@ def bench_run(spec: SystemSpec, rate: float, cfg: CompareConfig, tmp: Path) -> R
         lines = log.read_text(errors="replace").strip().splitlines()
         return RateRun(rate, error=f"bench run exited {proc.returncode}: "
                        f"{lines[-1] if lines else 'no output'}")
-    import json
-
     return RateRun(rate, result=json.loads(out.read_text()))
