@@ -2,7 +2,9 @@
 
 ``run`` drives one endpoint with a seeded workload (open loop: Poisson or gamma arrivals;
 closed loop: a concurrency cap) and writes one JSON result; ``sweep`` repeats it over
-rates or concurrencies and finds the highest one that meets the SLO.
+rates or concurrencies and finds the highest one that meets the SLO; ``compare`` starts
+aggregated vLLM, optionally vLLM's own P/D, and pdserve configurations one after another
+on the same cores, runs the same workload and rates against each and writes one report.
 
 What comes from vLLM's ``vllm.benchmarks`` and what does not
 --------------------------------------------------------------

@@ -11,9 +11,9 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from . import run, sweep
+from . import compare, run, sweep
 
-SUBCOMMANDS: list[ModuleType] = [run, sweep]
+SUBCOMMANDS: list[ModuleType] = [run, sweep, compare]
 DESCRIPTION = "Load-generator benchmarks against any OpenAI-compatible endpoint."
 
 

@@ -1,0 +1,160 @@
+"""``pdserve bench compare``: aggregated vLLM, optionally vLLM's own P/D, and pdserve
+configurations, one after another on the same machine and cores, each driven by the
+same seeded workload at the same rates (``pdserve bench run``); one report.
+
+Each system is started alone (``launch.RunningSystem``), is ready once ``/v1/models``
+answers and one warm request completes, gets one ``bench run`` per rate, and is
+stopped (SIGTERM to its process groups, a deadline, SIGKILL) and checked gone before
+the next starts. A system that fails to start is recorded as such and the others go
+on. The report is written to a temporary folder beside ``--output-dir`` and moved
+into place only when complete; bad input fails before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pdserve.bench.compare_config import CompareConfig, add_parser, config_from_args
+from pdserve.bench.launch import RunningSystem, StartupError
+from pdserve.bench.report import (
+    CompareReport,
+    RateRun,
+    SystemResult,
+    machine_info,
+    rate_label,
+    versions,
+    write_report,
+)
+from pdserve.bench.systems import SystemSpec, pdserve_up, vllm_aggregated, vllm_disagg
+
+__all__ = ["add_parser", "main", "run_compare"]
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"pdserve bench: error: {exc}", file=sys.stderr)
+        return 2
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # stop the systems, then exit
+    try:
+        report = run_compare(cfg)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    failed = [s.name for s in report.systems if s.error]
+    print(f"report: {cfg.output_dir}/report.md" + (
+        f" ({', '.join(failed)} failed to start)" if failed else ""))
+    return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def build_systems(cfg: CompareConfig) -> list[SystemSpec]:
+    from pdserve.ports import free_port
+
+    systems = []
+    if cfg.with_vllm:
+        systems.append(vllm_aggregated(cfg.settings, free_port()))
+    if cfg.with_vllm_disagg:
+        systems.append(vllm_disagg(cfg.settings, free_port(), (free_port(), free_port()),
+                                   (free_port(), free_port())))
+    for name, flags in cfg.pdserve:
+        systems.append(pdserve_up(cfg.settings, free_port(), name, flags))
+    return systems
+
+
+def run_compare(cfg: CompareConfig) -> CompareReport:
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    parent = cfg.output_dir.absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.output_dir.name}-", dir=parent))
+    try:
+        results = [run_system(spec, cfg, tmp) for spec in build_systems(cfg)]
+        report = CompareReport(
+            settings=settings_json(cfg), machine=machine_info(), versions=versions(),
+            rates=list(cfg.rates), systems=results, baseline="vllm" if cfg.with_vllm else None,
+            started_at=started, finished_at=datetime.now(UTC).isoformat(timespec="seconds"))
+        write_report(report, tmp)
+        if cfg.output_dir.exists():
+            cfg.output_dir.rmdir()  # checked empty up front
+        tmp.rename(cfg.output_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
+
+
+def settings_json(cfg: CompareConfig) -> dict[str, Any]:
+    s = cfg.settings
+    return {"model": s.served_name, "model_path": s.model_path, "dtype": s.dtype,
+            "dtype_requested": cfg.dtype_requested, "kv_cache_gib": s.kv_cache_gib,
+            "max_model_len": s.max_model_len, "enforce_eager": s.enforce_eager,
+            "cores": list(s.cores), "seed": cfg.seed, "slo": cfg.slo,
+            "request_rates": [rate_label(r) for r in cfg.rates],
+            "workload_args": " ".join(cfg.workload_args), "command": sys.argv,
+            "startup_timeout_s": cfg.startup_timeout_s, "run_timeout_s": cfg.run_timeout_s}
+
+
+def _say(text: str) -> None:
+    print(f"[compare {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def run_system(spec: SystemSpec, cfg: CompareConfig, tmp: Path) -> SystemResult:
+    result = SystemResult(spec.name, spec.kind, spec.to_json())
+    _say(f"{spec.name}: starting ({spec.kind}, cores {spec.cores})")
+    running = RunningSystem(spec, tmp / "logs" / spec.name, cfg.stop_timeout_s)
+    with running:
+        try:
+            result.startup_s = running.wait_ready(cfg.startup_timeout_s)
+        except StartupError as exc:
+            result.error = str(exc)
+            _say(f"{spec.name}: failed to start: {exc}")
+        else:
+            _say(f"{spec.name}: ready in {result.startup_s:.1f} s")
+            for rate in cfg.rates:
+                gone = running.exited()
+                run = RateRun(rate, error=gone) if gone else bench_run(spec, rate, cfg, tmp)
+                result.runs.append(run)
+                _say(f"{spec.name} at {rate_label(rate)} req/s: " + (
+                    f"failed: {run.error}" if run.error else
+                    f"{run.result.get('completed')}/{run.result.get('num_requests')} done"
+                    if run.result else ""))
+    stop = running.stop()
+    result.stop = stop.to_json()
+    _say(f"{spec.name}: stopped " + ("cleanly" if stop.clean else f"with SIGKILL "
+                                      f"({len(stop.killed)} processes)"))
+    return result
+
+
+def bench_run(spec: SystemSpec, rate: float, cfg: CompareConfig, tmp: Path) -> RateRun:
+    """One ``pdserve bench run`` (a subprocess: its CLI is the contract)."""
+    out = tmp / "runs" / spec.name / f"rate-{rate_label(rate)}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "pdserve.cli", "bench", "run", "--base-url", spec.base_url,
+            "--model", cfg.settings.served_name, "--tokenizer", cfg.settings.model_path,
+            "--request-rate", rate_label(rate), "--result-json", str(out), "--no-progress",
+            *cfg.workload_args]
+    log = out.with_suffix(".log")
+    try:
+        with open(log, "w") as log_file:
+            proc = subprocess.run(argv, stdout=log_file, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, timeout=cfg.run_timeout_s)
+    except subprocess.TimeoutExpired:
+        return RateRun(rate, error=f"bench run past --run-timeout-s {cfg.run_timeout_s:g}")
+    if proc.returncode != 0 or not out.is_file():
+        lines = log.read_text(errors="replace").strip().splitlines()
+        return RateRun(rate, error=f"bench run exited {proc.returncode}: "
+                       f"{lines[-1] if lines else 'no output'}")
+    return RateRun(rate, result=json.loads(out.read_text()))

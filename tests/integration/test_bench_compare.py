@@ -1,0 +1,100 @@
+"""``pdserve bench compare`` on real engines, on a tiny workload: aggregated ``vllm
+serve`` and ``pdserve up`` (default flags), one rate, 4 short requests. It writes
+report.json, report.md and valid PNGs, and leaves no process and no port behind."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pdserve.bench.launch import port_free
+
+pytestmark = pytest.mark.integration
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+NUM_REQUESTS = 4
+
+
+def _run_watching_children(argv: list[str], timeout_s: float
+                           ) -> tuple[int, str, dict[psutil.Process, str]]:
+    """Run ``argv``; every process that was ever its descendant (looked for once a
+    second), with its command line."""
+    seen: dict[psutil.Process, str] = {}
+    with subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1")) as proc:
+        stderr: list[str] = []
+        reader = threading.Thread(target=lambda: stderr.extend(proc.stderr or []), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + timeout_s
+        root = psutil.Process(proc.pid)
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for p in root.children(recursive=True):
+                    if p not in seen:
+                        with contextlib.suppress(psutil.Error):
+                            seen[p] = " ".join(p.cmdline())
+            time.sleep(1.0)
+        if proc.poll() is None:
+            proc.kill()
+            pytest.fail(f"compare still running after {timeout_s:.0f} s")
+        reader.join(timeout=10)
+    return proc.returncode, "".join(stderr), seen
+
+
+def test_compare_writes_the_report_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    argv = [sys.executable, "-m", "pdserve.cli", "bench", "compare",
+            "--pdserve", "default=", "--request-rates", "2", "--num-requests", str(NUM_REQUESTS),
+            "--workload", "random", "--input-len", "64", "--output-len", "8",
+            "--max-model-len", "512", "--kv-cache-gib", "1", "--seed", "1",
+            "--slo", "ttft=10s,tpot=1s", "--startup-timeout-s", "400",
+            "--run-timeout-s", "300", "--output-dir", str(out)]
+    code, stderr, children = _run_watching_children(argv, timeout_s=1200)
+    assert code == 0, stderr[-3000:]
+    commands = list(children.values())
+    assert any("vllm.entrypoints.openai.api_server" in c for c in commands), commands
+    assert any(" up " in c for c in commands) and any(" decode " in c for c in commands)
+    left = [c for p, c in children.items() if _alive(p)]
+    assert left == [], f"left behind: {left}"
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["schema"] == "pdserve.bench.compare/v1" and report["baseline"] == "vllm"
+    assert [s["name"] for s in report["systems"]] == ["vllm", "default"]
+    assert report["settings"]["kv_cache_gib"] == 1 and report["settings"]["seed"] == 1
+    assert report["versions"]["vllm"] and report["machine"]["cores"]
+    for system in report["systems"]:
+        assert system["error"] is None, system["error"]
+        assert system["stop"]["left_behind"] == [] and system["stop"]["port_free"]
+        (run,) = system["runs"]
+        assert run["error"] is None, run["error"]
+        result = run["result"]
+        assert result["schema"] == "pdserve.bench.run/v1"
+        assert (result["completed"], result["failed"]) == (NUM_REQUESTS, 0)
+        assert result["config"]["seed"] == 1
+        assert result["ttft_s"]["p50"] > 0 and result["output_tokens"] == NUM_REQUESTS * 8
+        assert port_free(system["spec"]["port"])
+
+    md = (out / "report.md").read_text()
+    row = next(line for line in md.split("## 2 req/s")[1].splitlines()
+               if line.startswith("| default |"))
+    assert row.count("×") == 10  # every metric has its ratio to vllm
+    for name in ("ttft_cdf", "itl_cdf", "latency_vs_rate", "throughput_vs_rate"):
+        data = (out / f"{name}.png").read_bytes()
+        assert data[:8] == PNG_SIGNATURE and len(data) > 10_000
+    assert not any(p.name.startswith(".report-") for p in tmp_path.iterdir())
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -1,0 +1,295 @@
+"""``pdserve bench compare`` without engines: the report from constructed run JSONs
+(ratios in the Markdown, valid PNGs), the systems' command lines (the same engine
+settings everywhere), bad input (one error line, nothing written), and a SIGTERM
+while a real ``pdserve up --simulated`` serves (stopped, nothing left, no report)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import matplotlib.image
+import numpy as np
+import psutil
+import pytest
+
+from pdserve.bench import compare, compare_config
+from pdserve.bench.launch import port_free
+from pdserve.bench.report import CompareReport, RateRun, SystemResult, write_report
+from pdserve.bench.systems import (
+    EngineSettings,
+    parse_pdserve_entry,
+    pdserve_up,
+    vllm_aggregated,
+    vllm_disagg,
+)
+from pdserve.cpu_layout import core_sets
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SETTINGS = EngineSettings("/models/m", "m", "float32", 3, 1024, (0, 1))
+
+
+def run_json(ttfts: list[float], itl_s: float, goodput: float, out_tps: float,
+             failed: int = 0) -> dict[str, Any]:
+    """A ``pdserve.bench.run/v1`` result with the given per-request TTFTs and gaps."""
+    requests = [{"prompt_tokens": 10, "output_tokens": 5, "cached_tokens": 0,
+                 "ttft_s": t, "tpot_s": itl_s, "e2e_s": t + 4 * itl_s,
+                 "itls_s": [itl_s * (1 + 0.1 * k) for k in range(4)], "start_s": i * 0.5,
+                 "error": None} for i, t in enumerate(ttfts)]
+    ordered = sorted(ttfts)
+
+    def stats(values: list[float]) -> dict[str, float]:
+        return {"mean": float(np.mean(values)), "p50": float(np.percentile(values, 50)),
+                "p90": float(np.percentile(values, 90)), "p99": float(np.percentile(values, 99))}
+
+    return {"schema": "pdserve.bench.run/v1", "num_requests": len(ttfts) + failed,
+            "completed": len(ttfts), "failed": failed,
+            "errors": {"http_500": failed} if failed else {},
+            "request_throughput": len(ttfts) / 10, "output_throughput": out_tps,
+            "goodput": goodput, "ttft_s": stats(ordered), "tpot_s": stats([itl_s]),
+            "itl_s": stats([x for r in requests for x in r["itls_s"]]),
+            "e2e_s": stats([r["e2e_s"] for r in requests]), "requests": requests}
+
+
+def constructed_report() -> CompareReport:
+    spec = vllm_aggregated(SETTINGS, 8000).to_json()
+    base = SystemResult("vllm", "vllm", spec, startup_s=12.0, stop={"clean": True}, runs=[
+        RateRun(0.5, run_json([0.2, 0.4, 0.6], 0.050, 0.5, 40.0)),
+        RateRun(1.0, run_json([1.0, 2.0, 3.0], 0.100, 0.2, 50.0))])
+    pd = SystemResult("split", "pdserve", pdserve_up(SETTINGS, 8001, "split",
+                                                     "--cpu-layout split").to_json(),
+                      startup_s=20.0, stop={"clean": True}, runs=[
+        RateRun(0.5, run_json([0.1, 0.2, 0.3], 0.025, 0.5, 40.0)),
+        RateRun(1.0, None, error="bench run exited 1: boom")])
+    dead = SystemResult("broken", "pdserve", pdserve_up(SETTINGS, 8002, "broken", "").to_json(),
+                        error="pdserve-up exited with 1")
+    return CompareReport({"model": "m", "dtype": "float32", "kv_cache_gib": 3,
+                          "max_model_len": 1024, "enforce_eager": True, "seed": 7,
+                          "slo": "ttft=2s,tpot=100ms", "workload_args": "--seed 7"},
+                         {"cores": [0, 1], "cpu_model": "test", "cpu_flags": {}},
+                         {"pdserve": "0.1.0"}, [0.5, 1.0], [base, pd, dead], "vllm")
+
+
+def test_report_tables_carry_ratios_to_the_baseline_and_the_pngs_are_drawn(
+        tmp_path: Path) -> None:
+    files = write_report(constructed_report(), tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    rate_05 = md.split("## 0.5 req/s")[1].split("##")[0]
+    split_row = next(line for line in rate_05.splitlines() if line.startswith("| split |"))
+    cells = [c.strip() for c in split_row.strip("|").split("|")]
+    # goodput equal, TTFT p50 0.2 vs 0.4 -> 0.50x, ITL p50 halved, TPOT halved
+    assert cells[1] == "0.500 (1.00×)"
+    assert cells[4] == "0.200 (0.50×)"
+    assert cells[6] == "25.0 (0.50×)" and cells[8].endswith("(0.50×)")
+    vllm_row = next(line for line in rate_05.splitlines() if line.startswith("| vllm |"))
+    assert "×" not in vllm_row  # the baseline has no ratio to itself
+    rate_1 = md.split("## 1 req/s")[1]
+    assert "| split | run failed |" in rate_1 and "| broken | failed to start |" in rate_1
+    assert "**broken failed to start**: pdserve-up exited with 1" in md
+    assert "split at 1 req/s: **run failed**: bench run exited 1: boom" in md
+
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["schema"] == "pdserve.bench.compare/v1" and saved["baseline"] == "vllm"
+    assert saved["systems"][0]["runs"][1]["result"]["ttft_s"]["p50"] == 2.0
+    assert saved["systems"][2]["error"] == "pdserve-up exited with 1"
+
+    pngs = [f for f in files if f.suffix == ".png"]
+    assert {p.name for p in pngs} == {"ttft_cdf.png", "itl_cdf.png", "latency_vs_rate.png",
+                                      "throughput_vs_rate.png"}
+    for png in pngs:
+        assert png.read_bytes()[:8] == PNG_SIGNATURE
+        pixels = matplotlib.image.imread(png)
+        assert pixels.shape[0] > 200 and pixels.shape[1] > 200
+        assert float(pixels[..., :3].std()) > 0.05, f"{png.name} is blank"
+
+
+def test_infinite_rate_is_written_as_a_string(tmp_path: Path) -> None:
+    report = constructed_report()
+    report.rates = [float("inf")]
+    for system in report.systems:
+        for run in system.runs:
+            run.rate = float("inf")
+    write_report(report, tmp_path)
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["rates"] == ["inf"] and saved["systems"][0]["runs"][0]["rate"] == "inf"
+    assert "## inf req/s" in (tmp_path / "report.md").read_text()
+
+
+def _flag(argv: tuple[str, ...], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_every_system_gets_the_same_engine_settings() -> None:
+    agg = vllm_aggregated(SETTINGS, 9000)
+    dis = vllm_disagg(SETTINGS, 9001, (9002, 9003), (9004, 9005))
+    pd = pdserve_up(SETTINGS, 9006, "split", "--cpu-layout split --placement round_robin")
+    engines = [agg.procs[0], *[p for p in dis.procs if p.name in ("prefill", "decode")]]
+    for proc in engines:
+        assert _flag(proc.argv, "--model") == "/models/m"
+        assert _flag(proc.argv, "--served-model-name") == "m"
+        assert _flag(proc.argv, "--dtype") == "float32"
+        assert _flag(proc.argv, "--max-model-len") == "1024"
+        assert "--enforce-eager" in proc.argv
+        assert proc.env["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert agg.procs[0].env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+    assert (_flag(pd.procs[0].argv, "--model"), _flag(pd.procs[0].argv, "--dtype"),
+            _flag(pd.procs[0].argv, "--kv-cache-gib"),
+            _flag(pd.procs[0].argv, "--max-model-len")) == ("/models/m", "float32", "3", "1024")
+    assert pd.procs[0].argv[-4:] == ("--cpu-layout", "split", "--placement", "round_robin")
+    (p_cores,), (d_cores,) = core_sets(1, 1, "split")  # what up does on this machine
+    assert pd.cores == {"prefill": p_cores, "decode": d_cores}
+
+
+def test_vllm_disagg_is_two_nixl_engines_on_separate_cores_behind_a_proxy() -> None:
+    dis = vllm_disagg(SETTINGS, 9001, (9002, 9003), (9004, 9005))
+    prefill, decode, proxy = dis.procs
+    assert (prefill.env["VLLM_CPU_OMP_THREADS_BIND"], decode.env["VLLM_CPU_OMP_THREADS_BIND"]) \
+        == ("0", "1")
+    for proc, port, side, role in ((prefill, "9002", "9004", "kv_producer"),
+                                   (decode, "9003", "9005", "kv_consumer")):
+        kv = json.loads(_flag(proc.argv, "--kv-transfer-config"))
+        assert kv["kv_connector"] == "NixlConnector" and kv["kv_buffer_device"] == "cpu"
+        assert kv["kv_role"] == role
+        assert _flag(proc.argv, "--port") == port
+        assert proc.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == side
+        assert proc.env["PDSERVE_NIXL_PROGRESS_DELAY_US"] == "1000"
+    assert _flag(proxy.argv, "--prefill") == "http://127.0.0.1:9002"
+    assert _flag(proxy.argv, "--decode") == "http://127.0.0.1:9003"
+    with pytest.raises(ValueError, match="2\\+ cores"):
+        vllm_disagg(EngineSettings("/m", "m", "float32", 1, 64, (0,)), 1, (2, 3), (4, 5))
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pdserve bench")
+    compare.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["compare", *argv])
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--request-rates", "1,x"], "'x' is not a number"),
+    (["--request-rates", "0"], "must be > 0"),
+    (["--run-timeout-s", "0"], "must be > 0"),
+    (["--num-warmup", "-1"], "--num-warmup must be >= 0"),
+    (["--kv-cache-gib", "0"], "kv_cache_gib > 0"),
+    (["--pdserve", "no-equals-sign"], "expected NAME="),
+    (["--pdserve", "a=--model /x"], "--model is set by compare"),
+    (["--pdserve", "a=--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--pdserve", "a=--placement nope"], "invalid choice 'nope'"),
+    (["--pdserve", "vllm="], "must differ"),
+    (["--slo", "ttft=2"], "bad --slo item 'ttft=2'"),
+    (["--workload", "sharegpt"], "needs --dataset"),
+    (["--workload", "sharegpt", "--dataset", "/no/such/file.json"], "/no/such/file.json"),
+    (["--workload", "chat-mix", "--mix", "0.7:80"], "0.7:80"),
+    (["--model", "/no/such/model"], "is not a directory"),
+])
+def test_bad_input_is_one_error_line_and_writes_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
+        message: str) -> None:
+    out = tmp_path / "report"
+    assert compare.main(_parse([*argv, "--output-dir", str(out)])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pdserve bench: error: ")
+    assert message in err[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_non_empty_output_dir_is_refused(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "old.txt").write_text("x")
+    assert compare.main(_parse(["--output-dir", str(tmp_path)])) == 2
+    assert "not an empty folder" in capsys.readouterr().err
+
+
+def test_pdserve_entries_and_workload_flags_are_passed_as_given() -> None:
+    assert parse_pdserve_entry("split=--cpu-layout split") == ("split", "--cpu-layout split")
+    args = _parse(["--workload", "chat-mix", "--mix", "0.7:80:96,0.3:1200:16",
+                   "--num-requests", "40", "--slo", "ttft=2s,tpot=100ms", "--seed", "3",
+                   "--no-ignore-eos"])
+    assert compare_config.workload_args(args) == [
+        "--seed", "3", "--workload", "chat-mix", "--mix", "0.7:80:96,0.3:1200:16",
+        "--num-requests", "40", "--slo", "ttft=2s,tpot=100ms", "--no-ignore-eos"]
+
+
+def test_sigterm_mid_run_stops_the_system_and_writes_no_report(tmp_path: Path) -> None:
+    """A real ``pdserve up --simulated`` (no vLLM): compare waits until it serves, is
+    SIGTERMed during the run, stops it (no process of its tree left, port free) and
+    leaves neither a report nor its temporary folder."""
+    out = tmp_path / "report"
+    argv = [sys.executable, "-m", "pdserve.cli", "bench", "compare", "--no-vllm",
+            "--pdserve", "sim=--simulated --drain-timeout-s 2", "--request-rates", "0.2",
+            "--num-requests", "50", "--workload", "random", "--input-len", "64",
+            "--output-len", "4", "--startup-timeout-s", "120", "--output-dir", str(out)]
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    tree: list[psutil.Process] = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "sim: ready" in line:
+                break
+        else:
+            pytest.fail("compare ended before the system was ready")
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        port = int(next(p.cmdline()[p.cmdline().index("--port") + 1] for p in tree
+                        if "up" in p.cmdline() and "--port" in p.cmdline()))
+        assert len(tree) >= 4  # up, router, a prefill and a decode sim-worker
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in tree)
+    assert port_free(port)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disagg_proxy_prefills_one_token_then_streams_decode_with_its_kv_params() -> None:
+    from fastapi.testclient import TestClient
+
+    from pdserve.bench.disagg_proxy import build_app
+
+    seen: dict[str, dict[str, Any]] = {}
+    params = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_block_ids": [3]}
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        role = "prefill" if request.url.host == "prefill" else "decode"
+        seen[role] = json.loads(request.content)
+        if role == "prefill":
+            return httpx.Response(200, json={"choices": [], "kv_transfer_params": params})
+        return httpx.Response(200, content=b'data: {"x": 1}\n\ndata: [DONE]\n\n',
+                              headers={"content-type": "text/event-stream"})
+
+    app = build_app("http://prefill", "http://decode", transport=httpx.MockTransport(engine))
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with TestClient(app) as client:
+        reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200 and reply.text.endswith("data: [DONE]\n\n")
+    prefill = seen["prefill"]
+    assert prefill["max_tokens"] == 1 and "stream" not in prefill
+    assert prefill["kv_transfer_params"]["do_remote_decode"] is True
+    assert seen["decode"] == dict(body, kv_transfer_params=params)
+
+
+def test_the_vllm_plugin_gives_nixl_progress_threads_a_poll_delay(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("nixl_cu12")
+    from pdserve.worker import vllm_plugin
+
+    monkeypatch.setenv("PDSERVE_NIXL_PROGRESS_DELAY_US", "1000")
+    vllm_plugin.register()
+    vllm_plugin.register()  # vLLM may load plugins twice: the delay must not stack
+    import nixl._api as api
+
+    config = api.nixlBind.nixlAgentConfig()
+    config.pthrDelay = 0  # what nixl_agent sets
+    assert config.pthrDelay == 1000
+    config.pthrDelay = 5  # any other value is left alone
+    assert config.pthrDelay == 5
