@@ -29,6 +29,7 @@ from .kv_feed import KvIndexFeeder
 from .migration import MigrationConfig
 from .openapi import ERROR_RESPONSES
 from .placement import DEFAULT_PLACEMENT, create_placement
+from .pool_metrics import register_pool_metrics
 from .prefix_index import PrefixIndex
 from .prefix_routing import PrefixRouting
 from .workers import WorkerPool
@@ -51,6 +52,7 @@ class RouterConfig:
     grpc_keepalive_s: float = DEFAULT_KEEPALIVE_S  # see pdserve.grpc_options
     disagg: DisaggConfig = DisaggConfig()  # remote/local per request (router/disagg.py)
     log_timeline: bool = False
+    metrics: bool = True  # False (--disable-metrics): no metric work, /metrics answers 404
     migration: MigrationConfig = MigrationConfig()  # decode failover (router/migration.py)
     edge: EdgeConfig = EdgeConfig()  # keys, admin listener, admission, body limit, drain
     # etcd, or static (then ``prefill``/``decode`` or its workers file name the workers)
@@ -78,7 +80,8 @@ class RouterConfig:
             prefill=prefill, decode=decode, host=args.host, port=args.port,
             max_model_len=args.max_model_len, placement=args.placement,
             disagg=DisaggConfig.from_args(args),
-            log_timeline=args.log_timeline, request_timeout_s=args.request_timeout_s,
+            log_timeline=args.log_timeline, metrics=not args.disable_metrics,
+            request_timeout_s=args.request_timeout_s,
             grpc_keepalive_s=args.grpc_keepalive_s,
             migration=MigrationConfig(max_migrations=args.max_migrations),
             edge=EdgeConfig.from_args(args),
@@ -98,12 +101,14 @@ async def serve_router(config: RouterConfig) -> None:
     tokenizer = AutoTokenizer.from_pretrained(config.model_path)
     if config.log_timeline:  # its DEBUG lines pass the root's handlers, whatever its level
         logging.getLogger("pdserve.timeline").setLevel(logging.DEBUG)
-    registry = CollectorRegistry()
+    registry = CollectorRegistry() if config.metrics else None
     membership = create_membership(replace(config.membership, prefill=config.prefill,
                                            decode=config.decode), registry)
     pool = WorkerPool(interval_s=config.health_interval_s,
                       secret=optional_secret(config.cluster_secret_file), tls=config.tls.load(),
                       keepalive_s=config.grpc_keepalive_s, close_grace_s=config.request_timeout_s)
+    if registry is not None:
+        register_pool_metrics(pool, registry)
     index = PrefixIndex()
     feeder = KvIndexFeeder(lambda: pool.prefill, index, registry)
     pool.on_worker_added(lambda _: feeder.sync())
@@ -114,7 +119,7 @@ async def serve_router(config: RouterConfig) -> None:
     app = create_app(served_model_name=config.served_model_name,
                      max_model_len=config.max_model_len, tokenizer=tokenizer,
                      dispatcher=dispatcher, registry=registry, edge=config.edge,
-                     request_timeout_s=config.request_timeout_s)
+                     request_timeout_s=config.request_timeout_s, metrics_enabled=config.metrics)
     views = _cluster_views(pool, membership, index, feeder)
     app.include_router(views)
     admin: list[uvicorn.Server] = []
@@ -129,13 +134,13 @@ async def serve_router(config: RouterConfig) -> None:
     await pool.start(membership)
     await feeder.start()
     logger.info("router on http://%s:%d/v1: %s membership, placement %s, disagg %s, "
-                "%s, at most %d running + %d queued requests%s",
+                "%s, at most %d running + %d queued requests%s%s",
                 config.host, config.port, membership.name, config.placement,
                 config.disagg.mode,
                 f"{len(config.edge.api_keys)} API key(s)" if config.edge.api_keys
                 else "no API keys", config.edge.max_concurrent, config.edge.max_queued,
                 f", admin on http://{config.edge.admin_host}:{config.edge.admin_port}"
-                if admin else "")
+                if admin else "", "" if config.metrics else ", metrics off")
     try:
         await asyncio.gather(server.serve(), *(a.serve() for a in admin))
     finally:
