@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from pdserve.kv_transfer.handle import PushTarget
 from prometheus_client import CollectorRegistry, Counter
 
-from pdserve.types import PhaseOutput, PhaseRequest, SamplingSpec
+from pdserve.types import PHASES, PhaseOutput, PhaseRequest, SamplingSpec
 
 from .deadline import Deadline
 from .disagg import DisaggConfig, DisaggDecision, choose_disagg
@@ -78,6 +78,9 @@ class DispatchMetrics:
                                  "placement by their circuit breaker (repeated failed calls), "
                                  "by role.", ["role"])
         self.placements = PlacementCounts(registry, policy)
+        for role in PHASES:  # bounded label sets exist from the start (0, not absent)
+            self.deadlines_exceeded.labels(role)
+            self.ejections.labels(role)
 
 
 class PlacementCounts:

@@ -75,6 +75,12 @@ class MigrationMetrics:
             registry, f"{PREFIX}migrations_failed", "Decode failures that could not be "
             "migrated: max_migrations reached, or no compatible healthy decode worker left.",
             ["reason"])
+        for code in MIGRATABLE_CODES:  # bounded label sets exist from the start
+            self.migrations.labels(code.lower())
+        for reason in _FAILED_FINISHES:
+            self.migrations.labels(f"finish_{reason}")
+        for reason in ("max_migrations", "no_worker"):
+            self.failed.labels(reason)
 
 
 def failure_of_error(exc: WorkerCallError) -> str | None:

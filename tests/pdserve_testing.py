@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing as mp
+import re
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -348,3 +350,39 @@ def stop_up(proc: subprocess.Popen[str]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+# PromQL words that look like metric names: keywords, and what ``by (...)`` etc. hold.
+_PROMQL_WORDS = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right",
+                           "bool", "offset", "and", "or", "unless", "inf", "nan"})
+_STRIP = (re.compile(r'"(?:[^"\\]|\\.)*"'),  # string literals (label values)
+          re.compile(r"\{[^}]*\}"),  # label matchers
+          re.compile(r"\[[^\]]*\]"),  # ranges
+          re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)"))
+_NAME = re.compile(r"(?<![\w:$.])([a-zA-Z_:][a-zA-Z0-9_:]*)(?![\w:]|\s*\()")
+
+
+def dashboard_exprs(path: str | Path) -> list[str]:
+    """Every query (``targets[].expr``) of a Grafana dashboard JSON, rows' panels included."""
+    dashboard = json.loads(Path(path).read_text())
+    exprs: list[str] = []
+
+    def walk(panels: list[dict[str, Any]]) -> None:
+        for panel in panels:
+            exprs.extend(t["expr"] for t in panel.get("targets", []) if t.get("expr"))
+            walk(panel.get("panels", []))
+
+    walk(dashboard.get("panels", []))
+    return exprs
+
+
+def dashboard_metric_names(path: str | Path) -> set[str]:
+    """The exposition names a scrape must contain for the dashboard's queries to have
+    data: ``histogram_quantile(0.5, rate(pdserve:x_bucket[5m]))`` -> ``pdserve:x_bucket``
+    (functions, keywords, label names and values left out)."""
+    names: set[str] = set()
+    for expr in dashboard_exprs(path):
+        for pattern in _STRIP:
+            expr = pattern.sub(" ", expr)
+        names.update(n for n in _NAME.findall(expr) if n.lower() not in _PROMQL_WORDS)
+    return names
