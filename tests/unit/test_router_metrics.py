@@ -4,8 +4,10 @@ the metrics switch, and readiness (``/v1/models`` lists the model only when serv
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import pytest
 from pdserve.router.app import create_app
 from pdserve.router.dispatch import PDDispatcher
 from pdserve.router.placement import RoundRobinPlacement
@@ -22,6 +24,8 @@ from unit.fakes import (
     make_router_app,
 )
 
+from pdserve.cli import build_parser
+from pdserve.logs import setup_logging
 from pdserve.types import PhaseTiming
 
 PLACED = "pdserve:placement_decisions_total"
@@ -115,3 +119,30 @@ async def test_models_lists_the_model_only_when_servable(tokenizer: Any) -> None
         empty_health = (await http.get("/health")).status_code
     assert [m["id"] for m in ready["data"]] == [ROUTER_MODEL] and ready_health == 200
     assert empty == {"object": "list", "data": []} and empty_health == 503
+
+
+def test_the_switch_is_a_flag_and_an_environment_variable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    parse = build_parser().parse_args
+    assert parse(["router", "--decode", "h:1"]).disable_metrics is False
+    assert parse(["router", "--decode", "h:1", "--disable-metrics"]).disable_metrics is True
+    monkeypatch.setenv("PDSERVE_DISABLE_METRICS", "1")  # read when the parser is built
+    assert build_parser().parse_args(["router", "--decode", "h:1"]).disable_metrics is True
+
+
+def test_http_client_logs_stay_quiet_at_info() -> None:
+    """``pdserve up`` polls /health through httpx, which logs every call at INFO."""
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level, {n: logging.getLogger(n).level
+                                           for n in ("httpx", "httpcore")}
+    try:
+        setup_logging("INFO")
+        assert not logging.getLogger("httpx").isEnabledFor(logging.INFO)
+        assert not logging.getLogger("httpcore").isEnabledFor(logging.INFO)
+        assert logging.getLogger("httpx").isEnabledFor(logging.WARNING)
+        setup_logging("DEBUG")
+        assert logging.getLogger("httpx").isEnabledFor(logging.DEBUG)
+    finally:
+        root.handlers[:], root.level = saved[0], saved[1]
+        for name, level in saved[2].items():
+            logging.getLogger(name).setLevel(level)
