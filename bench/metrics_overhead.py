@@ -40,7 +40,7 @@ from pdserve.router.preprocess import GenerationRequest
 from pdserve.router.serving import RequestOutput
 from pdserve.router.types import TokenChunk
 from prometheus_client import CollectorRegistry
-from router_cost import cpu_s, gaps, pct, via_router
+from router_cost import gaps, pct, via_router
 
 from pdserve.types import SamplingSpec
 from pdserve.up import Child, free_port, start_children, stop_children, wait_ready
@@ -49,8 +49,9 @@ TARGET_CHUNK_US = 50.0
 MODES = ("on", "off")
 
 
-def children(log_dir: Path) -> tuple[list[Child], dict[str, str]]:
-    """Sim prefill + sim decode + two routers in front of both (metrics on / off)."""
+def children(log_dir: Path, control: bool = False) -> tuple[list[Child], dict[str, str]]:
+    """Sim prefill + sim decode + two routers in front of both (metrics on / off; both
+    on with ``control``)."""
     py = [sys.executable, "-m", "pdserve.cli"]
     ports = {name: free_port() for name in ("prefill", "decode", *MODES)}
     procs = [Child(role, py + ["sim-worker", "--role", role, "--port", str(ports[role]),
@@ -61,12 +62,25 @@ def children(log_dir: Path) -> tuple[list[Child], dict[str, str]]:
     urls = {}
     for mode in MODES:
         urls[mode] = f"http://127.0.0.1:{ports[mode]}"
-        off = ["--disable-metrics"] if mode == "off" else []
+        off = ["--disable-metrics"] if mode == "off" and not control else []
         procs.append(Child(f"router-{mode}", py + [
             "router", "--port", str(ports[mode]), "--prefill", f"127.0.0.1:{ports['prefill']}",
             "--decode", f"127.0.0.1:{ports['decode']}", "--log-level", "WARNING", *off],
             log_dir / f"router-{mode}.log", f"{urls[mode]}/health"))
     return procs, urls
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds of every thread of ``pid`` so far, from the scheduler's own ns counters
+    (``/proc/<pid>/task/*/schedstat``): psutil's clock ticks (10 ms) are too coarse for
+    the few ms a round's requests cost. Threads that ended take their time with them."""
+    total = 0
+    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            total += int(stat.read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            continue
+    return total / 1e9
 
 
 async def one_round(http: httpx.AsyncClient, pid: int, args: argparse.Namespace
@@ -153,13 +167,15 @@ def main() -> None:
     ap.add_argument("--long-requests", type=int, default=8, help="long requests per round")
     ap.add_argument("--long-tokens", type=int, default=256)
     ap.add_argument("--observe-chunks", type=int, default=200_000)
+    ap.add_argument("--control", action="store_true", help="A/A run: both routers with "
+                    "metrics on; its differences are the bench's own noise and bias")
     ap.add_argument("--json", help="also write the numbers to this file")
     args = ap.parse_args()
     observe = {mode: observe_ns(mode == "on", args.observe_chunks) for mode in MODES}
     print(f"per-chunk metric work in-process: on {observe['on']:.0f} ns, off "
           f"{observe['off']:.0f} ns, added {(observe['on'] - observe['off']) / 1e3:.2f} us")
     log_dir = Path(tempfile.mkdtemp(prefix="bench-metrics-overhead-"))
-    procs, urls = children(log_dir)
+    procs, urls = children(log_dir, args.control)
     try:
         start_children(procs)
         wait_ready(procs, 120)
