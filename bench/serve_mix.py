@@ -176,7 +176,7 @@ async def run_rate(base: str, jobs: list[Job], rate: float, seed: int
 
 
 def phase_totals(base: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of ``pdserve_request_phase_seconds`` per phase; {} from vLLM."""
+    """(sum, count) of ``pdserve:request_phase_seconds`` per phase; {} from vLLM."""
     try:
         text = httpx.get(f"{base}/metrics", timeout=10).text
     except httpx.HTTPError:
@@ -184,7 +184,7 @@ def phase_totals(base: str) -> dict[str, tuple[float, float]]:
     out: dict[str, list[float]] = {}
     for line in text.splitlines():
         for kind, index in (("_sum{", 0), ("_count{", 1)):
-            if line.startswith("pdserve_request_phase_seconds" + kind):
+            if line.startswith("pdserve:request_phase_seconds" + kind):
                 phase = line.split('phase="', 1)[1].split('"', 1)[0]
                 out.setdefault(phase, [0.0, 0.0])[index] = float(line.rsplit(" ", 1)[1])
     return {k: (v[0], v[1]) for k, v in out.items()}

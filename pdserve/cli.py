@@ -32,8 +32,8 @@ DISAGG = ("disagg", "local-prefill-max-tokens", "local-prefill-max-queued-tokens
 EDGE = ("api-key", "api-key-file", "admin-port", "admin-host", "max-concurrent-requests",
         "max-queued-requests", "max-queue-wait-s", "max-body-bytes", "drain-timeout-s")
 ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement",
-          "served-model-name", "log-timeline", "max-migrations", "request-timeout-s",
-          "grpc-keepalive-s") + DISAGG + EDGE
+          "served-model-name", "log-timeline", "disable-metrics", "max-migrations",
+          "request-timeout-s", "grpc-keepalive-s") + DISAGG + EDGE
 UP = ("host", "port", "num-prefill", "num-decode", "placement", "cpu-layout", "with-etcd",
       "startup-timeout-s", "max-restarts", "restart-window-s", "simulated", "worker-metrics",
       "metrics-targets-file") + DISAGG + EDGE

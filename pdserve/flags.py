@@ -265,6 +265,9 @@ FLAGS = _flags(
     Flag("log-timeline", "log each finished request's timeline (its phases' times) as one "
          "JSON line on logger pdserve.timeline (also on at --log-level DEBUG)", False,
          parse_bool, switch=True),
+    Flag("disable-metrics", "turn the router's metrics off: no metric work per request or "
+         "chunk, and /metrics answers 404 (to measure their cost, or where nothing scrapes)",
+         False, parse_bool, switch=True),
     # the router's HTTP edge (router/edge_config.py)
     Flag("api-key", "require `Authorization: Bearer <key>` on /v1/* (and on /metrics, "
          "/workers, /prefix_index of the main port); repeatable; the environment variable "

@@ -65,6 +65,15 @@ def make_handler(log_format: str = DEFAULT_LOG_FORMAT,
     return handler
 
 
+# Libraries that log every call at INFO (httpx: each of up's `GET /health` polls).
+_CHATTY_LOGGERS = ("httpx", "httpcore")
+
+
 def setup_logging(level: str = "INFO", log_format: str = DEFAULT_LOG_FORMAT) -> None:
-    """Replace the root logger's handlers with one ``make_handler(log_format)``."""
+    """Replace the root logger's handlers with one ``make_handler(log_format)``; the
+    chatty libraries log warnings only (their DEBUG lines still show at DEBUG)."""
     logging.basicConfig(level=level.upper(), handlers=[make_handler(log_format)], force=True)
+    root = logging.getLogger().level
+    quiet = root if root <= logging.DEBUG else max(logging.WARNING, root)
+    for name in _CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(quiet)

@@ -22,8 +22,13 @@ from .admission import Admission, AdmissionMiddleware, draining_error
 from .auth import ApiKeyMiddleware, ApiKeys
 from .body_limit import BodyLimitMiddleware
 from .edge_config import EdgeConfig
-from .errors import ServiceUnavailableError, error_response, install_error_handlers
-from .metrics import RouterMetrics
+from .errors import (
+    RouteNotFoundError,
+    ServiceUnavailableError,
+    error_response,
+    install_error_handlers,
+)
+from .metrics import METRICS_DISABLED_ENV, RouterMetrics
 from .openapi import ERROR_RESPONSES, stream_responses, without_422
 from .outcome import outcome_of
 from .preprocess import OffLoop, Preprocessor, Tokenizer
@@ -53,18 +58,23 @@ def create_app(
     registry: CollectorRegistry | None = None,
     edge: EdgeConfig | None = None,
     request_timeout_s: float = 600.0,
+    metrics_enabled: bool = True,
 ) -> FastAPI:
     """Build the router app. ``tokenizer`` is a Hugging Face tokenizer (see
     ``preprocess.Tokenizer``). Pass the dispatcher's ``registry`` so ``/metrics`` serves both;
     without one the app gets a fresh registry. ``edge``: keys, admission and body limits
     (default: ``EdgeConfig()``, no keys). ``request_timeout_s`` is the longest deadline a
-    request gets (``deadline.py``). ``app.state`` holds ``metrics`` (the
-    ``RouterMetrics``), ``registry``, ``admission`` (drain it with ``start_drain()``)."""
+    request gets (``deadline.py``). ``metrics_enabled=False``: no metric work per request,
+    and ``/metrics`` answers 404 (``metrics.py``). ``app.state`` holds ``metrics`` (the
+    ``RouterMetrics``), ``registry`` (None with metrics off), ``admission`` (drain it with
+    ``start_drain()``)."""
     edge = edge or EdgeConfig()
-    if registry is None:
+    if not metrics_enabled:
+        registry = None
+    elif registry is None:
         registry = CollectorRegistry()
     admission = Admission(edge.max_concurrent, edge.max_queued, edge.max_queue_wait_s)
-    metrics = RouterMetrics(registry, admission)
+    metrics = RouterMetrics(registry, served_model_name, admission)
     typed_tokenizer: Tokenizer = tokenizer
     preprocessor = Preprocessor(
         served_model_name=served_model_name,
@@ -83,7 +93,8 @@ def create_app(
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=edge.max_body_bytes)
     app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(edge.api_keys))
     app.add_middleware(RequestIdMiddleware, unique_paths=_GENERATION_PATHS)
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    if metrics.enabled:
+        app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     app.include_router(_openai_routes(preprocessor, serving, OffLoop()))
     app.include_router(_operations_routes(preprocessor, dispatcher, admission))
     app.include_router(admin_routes(registry))
@@ -91,9 +102,10 @@ def create_app(
     return app
 
 
-def create_admin_app(registry: CollectorRegistry, *routers: APIRouter) -> FastAPI:
-    """The admin listener's app: ``/metrics`` and ``routers`` (the cluster views), without
-    keys; bind it to a private address (``--admin-host``)."""
+def create_admin_app(registry: CollectorRegistry | None, *routers: APIRouter) -> FastAPI:
+    """The admin listener's app: ``/metrics`` (404 with metrics off: ``registry`` None)
+    and ``routers`` (the cluster views), without keys; bind it to a private address
+    (``--admin-host``)."""
     app = FastAPI(title="pdserve router admin", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.include_router(admin_routes(registry))
@@ -136,6 +148,10 @@ def _operations_routes(
 
     @router.get("/v1/models", responses=ERROR_RESPONSES)
     async def models() -> dict[str, Any]:
+        """The model only while a healthy decode worker serves it (every worker of this
+        router serves its one model): a client polling this waits for servable."""
+        if not dispatcher.is_ready():
+            return {"object": "list", "data": []}
         card = {
             "id": preprocessor.served_model_name,
             "object": "model",
@@ -158,11 +174,15 @@ def _operations_routes(
     return router
 
 
-def admin_routes(registry: CollectorRegistry) -> APIRouter:
+def admin_routes(registry: CollectorRegistry | None) -> APIRouter:
     router = APIRouter()
 
     @router.get("/metrics", response_class=Response, responses=ERROR_RESPONSES)
     async def prometheus_metrics() -> Response:
+        if registry is None:
+            return error_response(RouteNotFoundError(
+                "metrics are disabled on this router (--disable-metrics / "
+                f"{METRICS_DISABLED_ENV})", code="metrics_disabled"))
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return router

@@ -9,7 +9,7 @@ pure function of the snapshots placement already read: no I/O, no state, same in
 give the same decision (as placement's policies do).
 
 The failure fallback (the prefill call failed, decode recomputes) is not a decision:
-it is counted by the dispatcher's ``pdserve_dispatch_prefill_fallbacks`` alone.
+it is counted by the dispatcher's ``pdserve:prefill_fallbacks`` alone.
 """
 
 from __future__ import annotations

@@ -23,12 +23,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
 from pdserve.kv_transfer.handle import PushTarget
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
 from pdserve.types import PhaseOutput, PhaseRequest, SamplingSpec
 
 from .deadline import Deadline
 from .disagg import DisaggConfig, DisaggDecision, choose_disagg
+from .dispatch_metrics import DispatchMetrics
 from .migration import (
     Continuation,
     MigrationConfig,
@@ -51,31 +52,6 @@ logger = logging.getLogger("pdserve.router.dispatch")
 _ABORT_TIMEOUT_S = 5.0
 # Only "cannot reach" takes a worker out of placement; a slow request's deadline does not.
 _UNREACHABLE = {UNAVAILABLE}
-
-
-class DispatchMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.fallbacks = Counter(
-            "pdserve_dispatch_prefill_fallbacks", "Requests sent to prefill whose prefill "
-            "call failed, so decode computed the prompt itself (failures only; a local "
-            "decision is counted in pdserve_disagg_decisions).", registry=registry)
-        self.worker_errors = Counter(
-            "pdserve_dispatch_worker_errors", "Failed worker calls, by role and status.",
-            ["role", "code"], registry=registry)
-        self.handoffs = Counter(
-            "pdserve_dispatch_kv_handoffs", "Requests whose KV went from prefill to decode.",
-            registry=registry)
-        self.disagg_decisions = Counter(
-            "pdserve_disagg_decisions", "Per-request disaggregation decisions: remote "
-            "(prefill, then decode loads the KV) or local (decode computes the prompt), "
-            "by the rule that decided.", ["decision", "reason"], registry=registry)
-        self.deadlines_exceeded = Counter(
-            "pdserve_dispatch_deadline_exceeded", "Requests whose deadline passed before "
-            "they finished (answered 504), by the phase it passed in.", ["phase"],
-            registry=registry)
-        self.ejections = Counter(
-            "pdserve_router_worker_ejections", "Workers ejected from placement by their "
-            "circuit breaker (repeated failed calls), by role.", ["role"], registry=registry)
 
 
 @dataclass(frozen=True)
@@ -111,7 +87,7 @@ def _decode_request(request_id: str, prompt: Sequence[int], sampling: SamplingSp
 
 class PDDispatcher:
     def __init__(
-        self, pool: WorkerPool, placement: Placement, registry: CollectorRegistry,
+        self, pool: WorkerPool, placement: Placement, registry: CollectorRegistry | None,
         request_timeout_s: float = 600.0, prefix: PrefixRouting | None = None,
         disagg: DisaggConfig | None = None, migration: MigrationConfig | None = None,
     ) -> None:
@@ -121,7 +97,8 @@ class PDDispatcher:
         self._disagg = disagg or DisaggConfig()
         self._migration = migration or MigrationConfig()
         self._migration_metrics = MigrationMetrics(registry)
-        self._metrics = DispatchMetrics(registry)
+        self._metrics = DispatchMetrics(registry, placement.name)
+        pool.on_worker_removed(self._metrics.placements.forget)
         self._timelines = TimelineRecorder(registry)
         self._timeout = request_timeout_s
         self._cursor = 0
@@ -148,8 +125,10 @@ class PDDispatcher:
         # (today only prefill workers do, and the prefix index holds only theirs).
         disagg = choose_disagg(self._disagg, request, p_state, d_state)
         self._metrics.disagg_decisions.labels(disagg.decision, disagg.reason).inc()
+        self._metrics.placements.on_placed(d_state)
         if choice.prefill is None or p_state is None or not disagg.remote:
             return _Route(None, decode[choice.decode], disagg)
+        self._metrics.placements.on_placed(p_state)
         pending = self._prefix.on_placed(request, p_state) if self._prefix is not None else None
         return _Route(prefill[choice.prefill], decode[choice.decode], disagg,
                       request.uncached_tokens(p_state), _push_target(p_state, d_state),
@@ -184,8 +163,9 @@ class PDDispatcher:
                 if done:  # nothing is held: prefill keeps KV only for a decode to come
                     finished = True
                     return
-                if first.kv_handle is not None:
-                    self._metrics.handoffs.inc()
+                if (handle := first.kv_handle) is not None:
+                    self._metrics.handoffs.labels(handle.transport,
+                                                  "push" if handle.pushed else "pull").inc()
             involved.append(route.decode)
             timeline.on_call()
             migration = RequestMigration(self._migration, self._migration_metrics,

@@ -15,8 +15,9 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
+from .metrics import PREFIX, counter
 from .prefix_index import PrefixIndex
 from .worker_client import UNIMPLEMENTED, WorkerCallError, WorkerClient
 from .workers import Worker
@@ -27,11 +28,11 @@ _UNSUPPORTED_RETRY_S = 15.0
 
 
 class KvFeedMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.resyncs = Counter("pdserve_kv_events_resyncs", "Prefix-index resyncs from a "
-                               "worker's snapshot, by reason.", ["reason"], registry=registry)
-        self.batches = Counter("pdserve_kv_events_batches", "KV event batches applied to the "
-                               "prefix index.", registry=registry)
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self.resyncs = counter(registry, f"{PREFIX}kv_events_resyncs", "Prefix-index resyncs "
+                               "from a worker's snapshot, by reason.", ["reason"])
+        self.batches = counter(registry, f"{PREFIX}kv_events_batches", "KV event batches "
+                               "applied to the prefix index.")
 
 
 class KvEventFollower:
@@ -102,7 +103,7 @@ class KvIndexFeeder:
     """Keeps one follower per current prefill worker (membership may change)."""
 
     def __init__(self, prefill: Callable[[], Sequence[Worker]], index: PrefixIndex,
-                 registry: CollectorRegistry, interval_s: float = 1.0) -> None:
+                 registry: CollectorRegistry | None, interval_s: float = 1.0) -> None:
         self._prefill = prefill
         self._index = index
         self._metrics = KvFeedMetrics(registry)

@@ -33,9 +33,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
 from pdserve.types import PhaseOutput, PhaseRequest
+
+from .metrics import PREFIX, counter
 
 if TYPE_CHECKING:  # flags.py reads the default from here without loading gRPC
     from .worker_client import WorkerCallError
@@ -64,15 +66,21 @@ class MigrationConfig:
 
 
 class MigrationMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.migrations = Counter(
-            "pdserve_dispatch_migrations", "Requests moved to another decode worker after "
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self.migrations = counter(
+            registry, f"{PREFIX}migrations", "Requests moved to another decode worker after "
             "theirs failed, by what failed (a gRPC status, or finish_error/finish_abort).",
-            ["reason"], registry=registry)
-        self.failed = Counter(
-            "pdserve_dispatch_migrations_failed", "Decode failures that could not be "
+            ["reason"])
+        self.failed = counter(
+            registry, f"{PREFIX}migrations_failed", "Decode failures that could not be "
             "migrated: max_migrations reached, or no compatible healthy decode worker left.",
-            ["reason"], registry=registry)
+            ["reason"])
+        for code in MIGRATABLE_CODES:  # bounded label sets exist from the start
+            self.migrations.labels(code.lower())
+        for reason in _FAILED_FINISHES:
+            self.migrations.labels(f"finish_{reason}")
+        for reason in ("max_migrations", "no_worker"):
+            self.failed.labels(reason)
 
 
 def failure_of_error(exc: WorkerCallError) -> str | None:

@@ -8,44 +8,40 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from pdserve.block_hash import chain_hashes
 
+from .metrics import PREFIX, counter, gauge
 from .placement import PlacementRequest
 from .prefix_index import PrefixIndex
 from .worker_state import WorkerState
 
 
 class PrefixMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.prompt_tokens = Counter(
-            "pdserve_placement_prompt_tokens", "Prompt tokens of requests placed on a "
-            "prefill worker.", registry=registry)
-        self.matched_tokens = Counter(
-            "pdserve_placement_matched_tokens", "Prompt tokens the prefix index said the "
-            "chosen prefill worker held.", registry=registry)
-        self.cached_tokens = Counter(
-            "pdserve_placement_cached_tokens", "Prompt tokens the chosen prefill engine "
-            "reported served from its prefix cache.", registry=registry)
-        self.hit_ratio = Gauge(
-            "pdserve_placement_prefix_hit_ratio", "Prefix cache hit ratio of prefills "
-            "(engine-reported cached / prompt tokens, since start).", registry=registry)
-        self.predicted_ratio = Gauge(
-            "pdserve_placement_index_hit_ratio", "Prefix-index predicted hit ratio of "
-            "prefills (matched / prompt tokens, since start).", registry=registry)
-        self.placed = Counter(
-            "pdserve_placement_prefill_requests", "Prefills placed, by worker id.",
-            ["worker"], registry=registry)
-        self.indexed_blocks = Gauge(
-            "pdserve_placement_indexed_blocks", "(worker, block) entries in the prefix index.",
-            registry=registry)
-        self.pending_blocks = Gauge(
-            "pdserve_placement_pending_blocks", "(worker, block) entries pending in the "
-            "prefix index: placed prefills computing them, no KV event yet.", registry=registry)
-        self.pending_expired = Counter(
-            "pdserve_placement_pending_expired", "Pending (worker, block) entries that no KV "
-            "event confirmed in time, or evicted over the cap.", registry=registry)
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        r = registry
+        self.prompt_tokens = counter(r, f"{PREFIX}placement_prompt_tokens", "Prompt tokens of "
+                                     "requests placed on a prefill worker.")
+        self.matched_tokens = counter(r, f"{PREFIX}placement_matched_tokens", "Prompt tokens "
+                                      "the prefix index said the chosen prefill worker held.")
+        self.cached_tokens = counter(r, f"{PREFIX}placement_cached_tokens", "Prompt tokens the "
+                                     "chosen prefill engine reported served from its prefix "
+                                     "cache.")
+        self.hit_ratio = gauge(r, f"{PREFIX}prefix_cache_hit_ratio", "Prefix cache hit ratio "
+                               "of prefills (engine-reported cached / prompt tokens, since "
+                               "start).")
+        self.predicted_ratio = gauge(r, f"{PREFIX}prefix_index_hit_ratio", "Prefix-index "
+                                     "predicted hit ratio of prefills (matched / prompt tokens, "
+                                     "since start).")
+        self.indexed_blocks = gauge(r, f"{PREFIX}prefix_index_blocks", "(worker, block) "
+                                    "entries in the prefix index.")
+        self.pending_blocks = gauge(r, f"{PREFIX}prefix_pending_blocks", "(worker, block) "
+                                    "entries pending in the prefix index: placed prefills "
+                                    "computing them, no KV event yet.")
+        self.pending_expired = counter(r, f"{PREFIX}prefix_pending_expired", "Pending (worker, "
+                                       "block) entries that no KV event confirmed in time, or "
+                                       "evicted over the cap.")
 
 
 @dataclass(frozen=True)
@@ -57,7 +53,7 @@ class PendingPrefix:
 
 
 class PrefixRouting:
-    def __init__(self, index: PrefixIndex, registry: CollectorRegistry) -> None:
+    def __init__(self, index: PrefixIndex, registry: CollectorRegistry | None) -> None:
         self.index = index
         self.metrics = PrefixMetrics(registry)
         # Totals since start, for the ratio gauges.
@@ -90,7 +86,6 @@ class PrefixRouting:
         self.num_matched_tokens += matched
         m.prompt_tokens.inc(request.num_prompt_tokens)
         m.matched_tokens.inc(matched)
-        m.placed.labels(worker.worker_id or worker.endpoint).inc()
         m.predicted_ratio.set(self.num_matched_tokens / max(self.num_prompt_tokens, 1))
         m.indexed_blocks.set(self.index.num_blocks)
         self._export_pending()

@@ -9,9 +9,10 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import uvicorn
-from fastapi import APIRouter
+from fastapi import APIRouter, FastAPI
 from prometheus_client import CollectorRegistry
 
 from pdserve.cluster_secret import optional_secret
@@ -29,6 +30,7 @@ from .kv_feed import KvIndexFeeder
 from .migration import MigrationConfig
 from .openapi import ERROR_RESPONSES
 from .placement import DEFAULT_PLACEMENT, create_placement
+from .pool_metrics import register_pool_metrics
 from .prefix_index import PrefixIndex
 from .prefix_routing import PrefixRouting
 from .workers import WorkerPool
@@ -51,6 +53,7 @@ class RouterConfig:
     grpc_keepalive_s: float = DEFAULT_KEEPALIVE_S  # see pdserve.grpc_options
     disagg: DisaggConfig = DisaggConfig()  # remote/local per request (router/disagg.py)
     log_timeline: bool = False
+    metrics: bool = True  # False (--disable-metrics): no metric work, /metrics answers 404
     migration: MigrationConfig = MigrationConfig()  # decode failover (router/migration.py)
     edge: EdgeConfig = EdgeConfig()  # keys, admin listener, admission, body limit, drain
     # etcd, or static (then ``prefill``/``decode`` or its workers file name the workers)
@@ -78,7 +81,8 @@ class RouterConfig:
             prefill=prefill, decode=decode, host=args.host, port=args.port,
             max_model_len=args.max_model_len, placement=args.placement,
             disagg=DisaggConfig.from_args(args),
-            log_timeline=args.log_timeline, request_timeout_s=args.request_timeout_s,
+            log_timeline=args.log_timeline, metrics=not args.disable_metrics,
+            request_timeout_s=args.request_timeout_s,
             grpc_keepalive_s=args.grpc_keepalive_s,
             migration=MigrationConfig(max_migrations=args.max_migrations),
             edge=EdgeConfig.from_args(args),
@@ -92,18 +96,37 @@ def _endpoints(value: str) -> tuple[str, ...]:
     return tuple(e.strip() for e in value.split(",") if e.strip())
 
 
-async def serve_router(config: RouterConfig) -> None:
-    from transformers import AutoTokenizer
+@dataclass
+class Router:
+    """The router's parts, wired; ``start``/``close`` run its background work (health
+    checks, membership, KV event feeds). ``serve_router`` puts ``app`` under uvicorn."""
 
-    tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-    if config.log_timeline:  # its DEBUG lines pass the root's handlers, whatever its level
-        logging.getLogger("pdserve.timeline").setLevel(logging.DEBUG)
-    registry = CollectorRegistry()
+    app: FastAPI
+    pool: WorkerPool
+    feeder: KvIndexFeeder
+    membership: Membership
+    views: APIRouter  # /workers and /prefix_index, also for the admin listener
+    registry: CollectorRegistry | None  # None with metrics off
+
+    async def start(self) -> None:
+        await self.pool.start(self.membership)
+        await self.feeder.start()
+
+    async def close(self) -> None:
+        await self.feeder.close()
+        await self.pool.close()
+
+
+def build_router(config: RouterConfig, tokenizer: Any) -> Router:
+    """Every part of the router, from its config and its model's tokenizer."""
+    registry = CollectorRegistry() if config.metrics else None
     membership = create_membership(replace(config.membership, prefill=config.prefill,
                                            decode=config.decode), registry)
     pool = WorkerPool(interval_s=config.health_interval_s,
                       secret=optional_secret(config.cluster_secret_file), tls=config.tls.load(),
                       keepalive_s=config.grpc_keepalive_s, close_grace_s=config.request_timeout_s)
+    if registry is not None:
+        register_pool_metrics(pool, registry)
     index = PrefixIndex()
     feeder = KvIndexFeeder(lambda: pool.prefill, index, registry)
     pool.on_worker_added(lambda _: feeder.sync())
@@ -114,33 +137,42 @@ async def serve_router(config: RouterConfig) -> None:
     app = create_app(served_model_name=config.served_model_name,
                      max_model_len=config.max_model_len, tokenizer=tokenizer,
                      dispatcher=dispatcher, registry=registry, edge=config.edge,
-                     request_timeout_s=config.request_timeout_s)
+                     request_timeout_s=config.request_timeout_s, metrics_enabled=config.metrics)
     views = _cluster_views(pool, membership, index, feeder)
     app.include_router(views)
+    return Router(app, pool, feeder, membership, views, registry)
+
+
+async def serve_router(config: RouterConfig) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+    if config.log_timeline:  # its DEBUG lines pass the root's handlers, whatever its level
+        logging.getLogger("pdserve.timeline").setLevel(logging.DEBUG)
+    router = build_router(config, tokenizer)
+    app = router.app
     admin: list[uvicorn.Server] = []
     if config.edge.admin_port:
         admin.append(_QuietServer(uvicorn.Config(
-            create_admin_app(registry, views), host=config.edge.admin_host,
+            create_admin_app(router.registry, router.views), host=config.edge.admin_host,
             port=config.edge.admin_port, log_level="warning", lifespan="off")))
     server = DrainingServer(
         uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                        timeout_graceful_shutdown=5),
         app.state.admission, config.edge.drain_timeout_s, companions=admin)
-    await pool.start(membership)
-    await feeder.start()
+    await router.start()
     logger.info("router on http://%s:%d/v1: %s membership, placement %s, disagg %s, "
-                "%s, at most %d running + %d queued requests%s",
-                config.host, config.port, membership.name, config.placement,
+                "%s, at most %d running + %d queued requests%s%s",
+                config.host, config.port, router.membership.name, config.placement,
                 config.disagg.mode,
                 f"{len(config.edge.api_keys)} API key(s)" if config.edge.api_keys
                 else "no API keys", config.edge.max_concurrent, config.edge.max_queued,
                 f", admin on http://{config.edge.admin_host}:{config.edge.admin_port}"
-                if admin else "")
+                if admin else "", "" if config.metrics else ", metrics off")
     try:
         await asyncio.gather(server.serve(), *(a.serve() for a in admin))
     finally:
-        await feeder.close()
-        await pool.close()
+        await router.close()
 
 
 def _cluster_views(pool: WorkerPool, membership: Membership, index: PrefixIndex,

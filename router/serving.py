@@ -120,14 +120,18 @@ class RequestOutput:
         return self.finish_reason
 
     def _observe(self, chunk: TokenChunk) -> None:
-        now = time.perf_counter()
-        if self._last_chunk_s is None:
-            self._metrics.time_to_first_token.observe(now - self.request.arrival_s)
+        last = self._last_chunk_s
+        if last is None:
             self.num_cached_tokens = chunk.num_cached_tokens or 0
             self.disagg = chunk.disagg
+        if not self._metrics.enabled:  # metrics off: not even a clock read per chunk
+            self._last_chunk_s = 0.0
+            return
+        now = time.perf_counter()
+        if last is None:
+            self._metrics.time_to_first_token.observe(now - self.request.arrival_s)
         elif chunk.token_ids:
-            gap = (now - self._last_chunk_s) / len(chunk.token_ids)
-            self._metrics.inter_token_latency.observe(gap)
+            self._metrics.inter_token_latency.observe((now - last) / len(chunk.token_ids))
         self._last_chunk_s = now
         self._metrics.generation_tokens.inc(len(chunk.token_ids))
 
@@ -244,6 +248,7 @@ class OpenAIServing:
         latency_s = time.perf_counter() - output.request.arrival_s
         if status == 200:
             self._metrics.e2e_latency.observe(latency_s)
+            self._metrics.on_success(output.finish_reason or "")
         logger.info(
             "%s status=%d prompt_tokens=%d completion_tokens=%d cached_tokens=%d "
             "finish_reason=%s latency=%.3fs",

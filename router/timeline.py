@@ -5,8 +5,12 @@ threaded through the dispatcher, which marks the router's own steps (placed, fir
 sent) and hands it each worker output. The workers' ``PhaseTiming`` (on each call's last
 output) supplies the engine-side phases; the router's clock supplies its own phase and
 the decode steps. When the request finishes, ``TimelineRecorder`` observes every phase
-in ``pdserve_request_phase_seconds{phase}`` and, when logger ``pdserve.timeline`` is at
-DEBUG (``--log-timeline``), logs the whole timeline as one JSON line.
+in ``pdserve:request_phase_seconds{phase}``, the KV handoff's load time and tokens per
+transport (``pdserve:kv_handoff_load_seconds{transport}``,
+``pdserve:kv_handoff_tokens_total{transport}``: what the router sees of a transfer; the
+bytes are the workers' ``pdserve:kv_transfer_bytes_*``) and, when logger
+``pdserve.timeline`` is at DEBUG (``--log-timeline``), logs the whole timeline as one
+JSON line. With metrics off (no registry) only the log line remains.
 
 Phases (seconds; a phase whose source is missing is left out, never recorded as 0):
 
@@ -26,9 +30,11 @@ import json
 import logging
 import time
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry
 
 from pdserve.types import PhaseOutput, PhaseTiming
+
+from .metrics import PREFIX, counter, histogram
 
 logger = logging.getLogger("pdserve.timeline")
 
@@ -44,7 +50,8 @@ class RequestTimeline:
     read and two additions."""
 
     __slots__ = ("request_id", "arrival_s", "placed_s", "first_call_s", "prefill", "decode",
-                 "first_decode_s", "last_decode_s", "num_decode_steps", "num_migrations")
+                 "first_decode_s", "last_decode_s", "num_decode_steps", "num_migrations",
+                 "transport", "num_kv_tokens")
 
     def __init__(self, request_id: str, arrival_s: float | None = None) -> None:
         self.request_id = request_id
@@ -57,6 +64,8 @@ class RequestTimeline:
         self.last_decode_s = 0.0
         self.num_decode_steps = 0  # tokens received after decode's first output
         self.num_migrations = 0  # decode workers replaced mid-request (router/migration.py)
+        self.transport = ""  # the KV handle's, when prefill handed one over
+        self.num_kv_tokens = 0
 
     def on_placed(self) -> None:
         self.placed_s = time.perf_counter()
@@ -68,6 +77,9 @@ class RequestTimeline:
 
     def on_prefill(self, out: PhaseOutput) -> None:
         self.prefill = out.timing
+        if out.kv_handle is not None:
+            self.transport = out.kv_handle.transport
+            self.num_kv_tokens = out.kv_handle.num_tokens
 
     def on_decode(self, out: PhaseOutput) -> None:
         now = time.perf_counter()
@@ -106,22 +118,38 @@ class RequestTimeline:
 
 
 class TimelineRecorder:
-    """The phase histogram (children looked up once) and the per-request log line."""
+    """The phase and KV handoff metrics (phase children looked up once) and the
+    per-request log line."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        histogram = Histogram(
-            "pdserve_request_phase_seconds", "Where finished requests spent their time, by "
-            "phase (router, prefill_queue, prefill_compute, handoff, kv_load, decode_queue, "
-            "decode_step: the mean time between decode tokens).", ["phase"],
-            buckets=_BUCKETS, registry=registry)
-        self._children = {phase: histogram.labels(phase) for phase in PHASES}
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        histogram_ = histogram(
+            registry, f"{PREFIX}request_phase_seconds", "Where finished requests spent their "
+            "time, by phase (router, prefill_queue, prefill_compute, handoff, kv_load, "
+            "decode_queue, decode_step: the mean time between decode tokens).", ["phase"],
+            _BUCKETS)
+        self._children = {phase: histogram_.labels(phase) for phase in PHASES}
+        self._kv_seconds = histogram(
+            registry, f"{PREFIX}kv_handoff_load_seconds", "Decode's load of the prompt's KV "
+            "handed over by prefill (its PhaseTiming.kv_load_ns), by the handle's transport.",
+            ["transport"], _BUCKETS)
+        self._kv_tokens = counter(
+            registry, f"{PREFIX}kv_handoff_tokens", "Prompt tokens whose KV prefill handed "
+            "to decode, by the handle's transport.", ["transport"])
+        self._enabled = registry is not None
 
     def record(self, timeline: RequestTimeline) -> None:
-        phases = timeline.phases()
-        for phase, seconds in phases.items():
-            self._children[phase].observe(seconds)
+        if self._enabled:
+            self._observe(timeline, timeline.phases())
         if logger.isEnabledFor(logging.DEBUG):
+            phases = timeline.phases()
             logger.debug("%s", json.dumps({
                 "request_id": timeline.request_id, "num_decode_steps": timeline.num_decode_steps,
                 "num_migrations": timeline.num_migrations,
                 "phases_ms": {k: round(v * 1e3, 3) for k, v in phases.items()}}))
+
+    def _observe(self, timeline: RequestTimeline, phases: dict[str, float]) -> None:
+        for phase, seconds in phases.items():
+            self._children[phase].observe(seconds)
+        if timeline.transport and "kv_load" in phases:
+            self._kv_seconds.labels(timeline.transport).observe(phases["kv_load"])
+            self._kv_tokens.labels(timeline.transport).inc(timeline.num_kv_tokens)

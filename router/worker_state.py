@@ -29,6 +29,9 @@ class WorkerState:
     endpoint: str
     role: str
     healthy: bool = False
+    # The view's name for it (role/registered id; the endpoint stands in for a static
+    # member's id): stable while it is a member, whatever id the worker reports.
+    member_id: str = ""
     worker_id: str = ""
     compatibility_hash: str = ""
     max_model_len: int = 0

@@ -63,7 +63,7 @@ class Worker:
         self._inflight = InFlight()
         # The last report, as a snapshot with nothing in flight.
         self._reported = WorkerState(endpoint=info.grpc_endpoint, role=info.role,
-                                     worker_id=info.worker_id,
+                                     member_id=info.member_id, worker_id=info.worker_id,
                                      compatibility_hash=info.compatibility_hash,
                                      max_model_len=info.max_model_len)
         self._snapshot = self._reported
@@ -180,7 +180,7 @@ class Worker:
         r, inflight = self._reported, self._inflight
         self._snapshot = WorkerState(
             endpoint=r.endpoint, role=r.role, healthy=r.healthy and not self._ejected,
-            worker_id=r.worker_id,
+            member_id=r.member_id, worker_id=r.worker_id,
             compatibility_hash=r.compatibility_hash, max_model_len=r.max_model_len,
             kv_host=r.kv_host, kv_port=r.kv_port, kv_push=r.kv_push, load=r.load,
             num_assigned=inflight.num_assigned,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing as mp
 import queue
+import re
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -234,12 +236,12 @@ def read_events(lines: Iterator[str], n: int) -> None:
 
 
 def router_metric(router_url: str, name: str, *labels: str) -> float:
-    """The router's sample of ``name`` on /metrics; with ``labels`` (``'reason="x"'``),
-    the sum of its labelled samples that carry every one of them (0 while none exists).
-    ``KeyError`` if an unlabelled metric is missing."""
+    """The sum of the router's samples of ``name`` on /metrics that carry every one of
+    ``labels`` (``'reason="x"'``; none: every series, e.g. each ``model_name``), 0 while
+    none exists. ``KeyError`` if ``name`` is missing and no labels were asked for."""
     total, found = 0.0, False
     for line in httpx.get(router_url + "/metrics", timeout=5).text.splitlines():
-        if not line.startswith(name + ("{" if labels else " ")):
+        if not (line.startswith(name + "{") or (not labels and line.startswith(name + " "))):
             continue
         if all(label in line for label in labels):
             total, found = total + float(line.rsplit(" ", 1)[1]), True
@@ -377,3 +379,39 @@ def compose_services(path: Path = COMPOSE_FILE) -> dict[str, dict[str, Any]]:
         env = service.get("environment") or {}
         service["environment"] = {k: str(v) for k, v in env.items()}
     return services
+
+
+# PromQL words that look like metric names: keywords, and what ``by (...)`` etc. hold.
+_PROMQL_WORDS = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right",
+                           "bool", "offset", "and", "or", "unless", "inf", "nan"})
+_STRIP = (re.compile(r'"(?:[^"\\]|\\.)*"'),  # string literals (label values)
+          re.compile(r"\{[^}]*\}"),  # label matchers
+          re.compile(r"\[[^\]]*\]"),  # ranges
+          re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)"))
+_NAME = re.compile(r"(?<![\w:$.])([a-zA-Z_:][a-zA-Z0-9_:]*)(?![\w:]|\s*\()")
+
+
+def dashboard_exprs(path: str | Path) -> list[str]:
+    """Every query (``targets[].expr``) of a Grafana dashboard JSON, rows' panels included."""
+    dashboard = json.loads(Path(path).read_text())
+    exprs: list[str] = []
+
+    def walk(panels: list[dict[str, Any]]) -> None:
+        for panel in panels:
+            exprs.extend(t["expr"] for t in panel.get("targets", []) if t.get("expr"))
+            walk(panel.get("panels", []))
+
+    walk(dashboard.get("panels", []))
+    return exprs
+
+
+def dashboard_metric_names(path: str | Path) -> set[str]:
+    """The exposition names a scrape must contain for the dashboard's queries to have
+    data: ``histogram_quantile(0.5, rate(pdserve:x_bucket[5m]))`` -> ``pdserve:x_bucket``
+    (functions, keywords, label names and values left out)."""
+    names: set[str] = set()
+    for expr in dashboard_exprs(path):
+        for pattern in _STRIP:
+            expr = pattern.sub(" ", expr)
+        names.update(n for n in _NAME.findall(expr) if n.lower() not in _PROMQL_WORDS)
+    return names

@@ -1,7 +1,7 @@
 """etcd membership, router side: list, then watch from the listed revision.
 
 While etcd is unreachable the sink keeps its last-known set; the outage is
-logged once, ``pdserve_router_membership_etcd_up`` drops to 0, and on reconnect
+logged once, ``pdserve:membership_etcd_up`` drops to 0, and on reconnect
 the whole prefix is listed again (``..._etcd_reconnects_total``). A liveness probe
 (``Status`` with a deadline) runs beside the watch, because a watch stream to a
 hung (not dead) etcd may never fail by itself.
@@ -85,13 +85,13 @@ async def close_client(client: aetcd.Client, timeout_s: float = DEFAULT_CALL_TIM
 
 class EtcdMembershipMetrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
-        self.up = Gauge("pdserve_router_membership_etcd_up",
+        self.up = Gauge("pdserve:membership_etcd_up",
                         "1 while the router's etcd watch is live, 0 while it serves its "
                         "last-known worker set.", registry=registry)
-        self.reconnects = Counter("pdserve_router_membership_etcd_reconnects",
+        self.reconnects = Counter("pdserve:membership_etcd_reconnects",
                                   "Re-listings of the worker set after etcd was unreachable.",
                                   registry=registry)
-        self.events = Counter("pdserve_router_membership_events",
+        self.events = Counter("pdserve:membership_events",
                               "Membership changes seen in etcd, by kind (put, delete).",
                               ["kind"], registry=registry)
 

@@ -274,7 +274,7 @@ def test_decode_paused_mid_stream_the_stream_moves_and_the_answer_is_unchanged(
     not at the request's deadline, and the router continues the stream on the other
     decode worker from prompt + the tokens sent."""
     want = cluster.reference_answer()
-    before = cluster.metric("pdserve_dispatch_migrations_total", 'reason="')
+    before = cluster.metric("pdserve:migrations_total", 'reason="')
     started = time.monotonic()
     got, usage, paused = cluster.stream(act_after=KILL_AFTER_TOKENS, sig=signal.SIGSTOP)
     try:
@@ -283,7 +283,7 @@ def test_decode_paused_mid_stream_the_stream_moves_and_the_answer_is_unchanged(
         assert usage["completion_tokens"] == MIGRATION_TOKENS
         assert usage["prompt_tokens"] == want.usage["prompt_tokens"]
         assert time.monotonic() - started < want.seconds + 30  # not the 600 s deadline
-        assert cluster.metric("pdserve_dispatch_migrations_total", 'reason="') == before + 1
+        assert cluster.metric("pdserve:migrations_total", 'reason="') == before + 1
     finally:
         cluster.signal(paused, signal.SIGCONT)
     # Resumed, it re-registers, drops the abandoned request and serves again.
@@ -297,14 +297,14 @@ def test_decode_killed_mid_stream_the_answer_is_unchanged_and_it_leaves_the_view
     the uninterrupted one, token for token; the worker leaves the view within its TTL;
     requests keep succeeding; no KV is left held on the survivor."""
     want = cluster.reference_answer()
-    before = cluster.metric("pdserve_dispatch_migrations_total", 'reason="')
+    before = cluster.metric("pdserve:migrations_total", 'reason="')
     got, usage, killed = cluster.stream(act_after=KILL_AFTER_TOKENS, sig=signal.SIGKILL)
     killed_at = time.monotonic()
     assert killed, "the stream ended before the kill"
     assert got == want.ids, "the migrated answer differs from the uninterrupted one"
     assert usage["completion_tokens"] == MIGRATION_TOKENS  # every token counted once
     assert usage["prompt_tokens"] == want.usage["prompt_tokens"]
-    assert cluster.metric("pdserve_dispatch_migrations_total", 'reason="') == before + 1
+    assert cluster.metric("pdserve:migrations_total", 'reason="') == before + 1
     cluster.procs[killed].wait(timeout=30)
     cluster.survivor = "decode-1" if killed == "decode-0" else "decode-0"
     i = 100
@@ -342,7 +342,7 @@ def test_paused_worker_reregisters_and_serves_again(cluster: Cluster) -> None:
 def test_etcd_outage_keeps_serving_then_discovers_a_new_worker(cluster: Cluster) -> None:
     before = cluster.healthy()
     cluster.etcd.stop(keep_data=True)  # SIGKILL
-    assert wait_until(lambda: cluster.metric("pdserve_router_membership_etcd_up") == 0, 5.0)
+    assert wait_until(lambda: cluster.metric("pdserve:membership_etcd_up") == 0, 5.0)
     cluster.start_worker(LATE, "decode", "bfloat16")  # registers once etcd is back
     outage_end = time.monotonic() + TTL_S + 1  # past the TTL: nothing may expire
     i = 300
@@ -357,8 +357,8 @@ def test_etcd_outage_keeps_serving_then_discovers_a_new_worker(cluster: Cluster)
     t = cluster.timeline
     assert t.first(t.registered, LATE) >= restarted
     assert t.first(t.routable, LATE) - t.first(t.registered, LATE) <= 2.0
-    assert cluster.metric("pdserve_router_membership_etcd_up") == 1
-    assert cluster.metric("pdserve_router_membership_etcd_reconnects_total") >= 1
+    assert cluster.metric("pdserve:membership_etcd_up") == 1
+    assert cluster.metric("pdserve:membership_etcd_reconnects_total") >= 1
     assert before <= cluster.healthy()
     for j in range(4):
         cluster.complete(400 + j)
@@ -370,7 +370,7 @@ def test_incompatible_worker_is_never_paired(cluster: Cluster) -> None:
     hashes = {i: w["compatibility_hash"] for i, w in view.items()}
     survivor = cluster.survivor
     assert view[LATE]["healthy"] and hashes[LATE] != hashes["prefill-0"] == hashes[survivor]
-    no_prefill = ("pdserve_disagg_decisions_total", 'decision="local"', 'reason="no_prefill"')
+    no_prefill = ("pdserve:disagg_decisions_total", 'decision="local"', 'reason="no_prefill"')
     local = cluster.metric(*no_prefill)
     computed = cluster.load(LATE).prompt_tokens_computed
     external = cluster.load(survivor).prompt_tokens_external

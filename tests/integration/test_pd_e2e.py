@@ -65,8 +65,8 @@ def test_greedy_pd_equals_aggregated_vllm_and_kv_came_over_the_transport(
         assert external >= num_prompt - local_hit, "the prompt's KV did not come over the wire"
 
 
-_LOCAL = ("pdserve_disagg_decisions_total", 'decision="local"', 'reason="short_prompt"')
-_REMOTE = ("pdserve_disagg_decisions_total", 'decision="remote"', 'reason="long_prompt"')
+_LOCAL = ("pdserve:disagg_decisions_total", 'decision="local"', 'reason="short_prompt"')
+_REMOTE = ("pdserve:disagg_decisions_total", 'decision="remote"', 'reason="long_prompt"')
 
 
 def decode_saw(server: Server, before: tuple[int, int, int], num_tokens: int

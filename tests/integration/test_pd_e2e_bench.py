@@ -17,10 +17,10 @@ pytestmark = pytest.mark.integration
 
 # The router's counters this test reads, by role: one place to rename them.
 METRICS = {
-    "requests": "pdserve_router_requests_total",  # {endpoint, status_code}
-    "failures": "pdserve_router_request_failures_total",  # {endpoint, reason}
-    "prompt_tokens": "pdserve_router_prompt_tokens_total",
-    "generation_tokens": "pdserve_router_generation_tokens_total",
+    "requests": "pdserve:http_requests_total",  # {endpoint, status_code}
+    "failures": "pdserve:request_failures_total",  # {endpoint, reason}
+    "prompt_tokens": "pdserve:prompt_tokens_total",
+    "generation_tokens": "pdserve:generation_tokens_total",
 }
 ENDPOINT = 'endpoint="/v1/chat/completions"'
 RUN_TIMEOUT_S = 300

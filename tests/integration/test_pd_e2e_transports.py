@@ -50,7 +50,7 @@ def test_greedy_pd_equals_aggregated_vllm_over_each_transport(
     # Every request went through prefill (none fell back to decode computing it),
     # and the KV came over this transport: decode loaded it for each.
     troubles = pd_server.log_lines("unhealthy", "late", "failed")
-    assert pd_server.metric("pdserve_dispatch_prefill_fallbacks_total") == 0, troubles
+    assert pd_server.metric("pdserve:prefill_fallbacks_total") == 0, troubles
 
     def loaded() -> WorkerLoadReport | None:
         d = pd_server.load("decode")

@@ -98,7 +98,7 @@ def test_repeated_long_prefix_goes_to_the_worker_that_computed_it(cluster: Serve
         cached = resp["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached == hits[holder]  # the response reports the engine's prefix hit
     metrics = httpx.get(cluster.base_url.removesuffix("/v1") + "/metrics", timeout=5).text
-    assert "pdserve_placement_prefix_hit_ratio" in metrics
+    assert "pdserve:prefix_cache_hit_ratio" in metrics
 
 
 async def _flood(server: Server, prompts: list[str]) -> None:

@@ -24,8 +24,8 @@ from unit.fake_worker import FakeWorker, FakeWorkerServicer, eventually, start_f
 from pdserve.types import SamplingSpec
 
 PROMPT = (11, 12, 13, 14)
-FALLBACKS = "pdserve_dispatch_prefill_fallbacks_total"
-DECISIONS = "pdserve_disagg_decisions_total"
+FALLBACKS = "pdserve:prefill_fallbacks_total"
+DECISIONS = "pdserve:disagg_decisions_total"
 ALWAYS = DisaggConfig(mode="always")
 WAIT_S = 2.0
 

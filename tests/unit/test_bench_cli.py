@@ -86,10 +86,10 @@ def test_a_wrong_model_is_one_error(sim: Server, tmp_path: Path) -> None:
 def _counters(server: Server) -> dict[str, float]:
     url = server.base_url.removesuffix("/v1")
     return {
-        "ok": router_metric(url, "pdserve_router_requests_total",
+        "ok": router_metric(url, "pdserve:http_requests_total",
                             'endpoint="/v1/chat/completions"', 'status_code="200"'),
-        "prompt": router_metric(url, "pdserve_router_prompt_tokens_total"),
-        "generation": router_metric(url, "pdserve_router_generation_tokens_total"),
+        "prompt": router_metric(url, "pdserve:prompt_tokens_total"),
+        "generation": router_metric(url, "pdserve:generation_tokens_total"),
     }
 
 

@@ -30,6 +30,7 @@ from pdserve.types import SamplingSpec
 BS = 16
 # Placement of prefills is under test: every request goes to a prefill worker.
 ALWAYS = DisaggConfig(mode="always")
+PLACED = "pdserve:placement_decisions_total"
 
 
 @dataclass
@@ -49,7 +50,7 @@ class SimRouter:
     def placed(self) -> dict[str, int]:
         """Prefills placed per prefill worker (the router's metric)."""
         return {w: int(self.registry.get_sample_value(
-            "pdserve_placement_prefill_requests_total", {"worker": w}) or 0)
+            PLACED, {"policy": "cache_aware", "role": "prefill", "worker_id": w}) or 0)
             for w in self.computed()}
 
     def prefilling(self) -> bool:
@@ -105,8 +106,8 @@ async def test_repeated_prefix_sticks_to_its_holder(sim_router: SimRouter) -> No
         assert after[holder] - before[holder] == 3 and all(
             after[w] == before[w] for w in after if w != holder)
     # The engines' reported hits and the index's predictions agree, request by request.
-    ratio = r.registry.get_sample_value("pdserve_placement_prefix_hit_ratio")
-    predicted = r.registry.get_sample_value("pdserve_placement_index_hit_ratio")
+    ratio = r.registry.get_sample_value("pdserve:prefix_cache_hit_ratio")
+    predicted = r.registry.get_sample_value("pdserve:prefix_index_hit_ratio")
     assert ratio == predicted == (4 * 20 * BS) / (5 * len(prompt(1, 0)))
 
 
@@ -119,8 +120,8 @@ async def test_flood_spills_from_the_holder(sim_router: SimRouter) -> None:
     before = r.computed()
     await asyncio.gather(*(r.run(f"f{i}", prompt(2, i)) for i in range(1, 25)))
     after = r.computed()
-    placed = {w: r.registry.get_sample_value("pdserve_placement_prefill_requests_total",
-                                             {"worker": w}) or 0 for w in (holder, other)}
+    placed = {w: r.registry.get_sample_value(PLACED, {
+        "policy": "cache_aware", "role": "prefill", "worker_id": w}) or 0 for w in (holder, other)}
     assert placed[holder] + placed[other] == 25
     assert placed[other] >= 1 and placed[holder] > placed[other], placed
     assert after[other] - before[other] >= 20 * BS  # the other computed the prefix itself

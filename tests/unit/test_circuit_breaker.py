@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from unit.dispatch_cluster import PROMPT, collect, spec
 from unit.fake_worker import WorkerScript, start_fake_worker
 
-EJECTIONS = "pdserve_router_worker_ejections_total"
+EJECTIONS = "pdserve:worker_ejections_total"
 
 
 class Clock:

@@ -1,7 +1,7 @@
 """Conditional disaggregation through the dispatcher and the HTTP app, on the scripted
 fake workers (``fake_worker.py``): a short prompt in ``auto`` runs on decode alone, a
 long one goes prefill → decode, and the decision shows in the response header, the
-usage extension and ``pdserve_disagg_decisions_total``."""
+usage extension and ``pdserve:disagg_decisions_total``."""
 
 from __future__ import annotations
 
@@ -90,5 +90,5 @@ async def test_decision_header_usage_and_metric_through_the_app(
         usage = short.json()["usage"]
         assert long.json()["usage"]["pdserve_disagg"] == "remote"
     assert usage["pdserve_disagg"] == "local"
-    assert 'pdserve_disagg_decisions_total{decision="local",reason="short_prompt"} 1.0' in metrics
-    assert 'pdserve_disagg_decisions_total{decision="remote",reason="long_prompt"} 1.0' in metrics
+    assert 'pdserve:disagg_decisions_total{decision="local",reason="short_prompt"} 1.0' in metrics
+    assert 'pdserve:disagg_decisions_total{decision="remote",reason="long_prompt"} 1.0' in metrics

@@ -35,8 +35,8 @@ from unit.fakes import ROUTER_MODEL, asgi_http_client, cmpl_body, sse_payloads
 
 from pdserve.types import PhaseTiming
 
-MIGRATIONS = "pdserve_dispatch_migrations_total"
-REFUSED = "pdserve_dispatch_migrations_failed_total"
+MIGRATIONS = "pdserve:migrations_total"
+REFUSED = "pdserve:migrations_failed_total"
 MAX_TOKENS = 12
 
 
@@ -64,7 +64,7 @@ def migrations(c: Cluster, reason: str | None = None) -> float:
     """Migrations with ``reason``, or with any reason."""
     if reason is not None:
         return c.registry.get_sample_value(MIGRATIONS, {"reason": reason}) or 0.0
-    return sum(s.value for m in c.registry.collect() if m.name == "pdserve_dispatch_migrations"
+    return sum(s.value for m in c.registry.collect() if m.name == "pdserve:migrations"
                for s in m.samples if s.name == MIGRATIONS)
 
 

@@ -144,7 +144,7 @@ async def test_gap_in_kv_events_leads_to_a_resync(sims: SimCluster) -> None:
         assert await wait_until_async(lambda: follower.num_resyncs == 2, 5)
         assert await wait_until_async(lambda: in_sync(index, engine), 5)
         assert follower.last_seq == engine.mirror.seq
-        assert registry.get_sample_value("pdserve_kv_events_resyncs_total",
+        assert registry.get_sample_value("pdserve:kv_events_resyncs_total",
                                          {"reason": "gap"}) == 1
     finally:
         await feeder.close()

@@ -119,7 +119,7 @@ async def test_registered_worker_is_routable_at_once_and_leaves_on_revoke(
         await eventually(lambda: info.worker_id in view.healthy_ids(), 2.0, "routable")
         assert time.monotonic() - started < 2.0
         assert view.added == [info.worker_id]
-        assert view.metric("pdserve_router_membership_etcd_up") == 1
+        assert view.metric("pdserve:membership_etcd_up") == 1
         await registrar.close()  # a clean shutdown revokes the lease: gone at once
         await eventually(lambda: not view.ids(), 1.0, "removed after revoke")
         assert view.removed == [info.worker_id]
@@ -165,7 +165,7 @@ async def test_etcd_outage_keeps_last_known_set_then_relists(etcd: LocalEtcd,
                                                         infos[1].worker_id}, 2.0, "both")
         await asyncio.to_thread(etcd.stop, keep_data=True)
         await eventually(lambda: not view.membership.connected, 3.0, "outage seen")
-        assert view.metric("pdserve_router_membership_etcd_up") == 0
+        assert view.metric("pdserve:membership_etcd_up") == 0
         await asyncio.sleep(TTL_S + 1)  # past the TTL: nothing expires while etcd is down
         assert view.ids() == {infos[0].worker_id, infos[1].worker_id}
         await b.stop()  # etcd still lists b, but b fails the router's health checks
@@ -174,7 +174,7 @@ async def test_etcd_outage_keeps_last_known_set_then_relists(etcd: LocalEtcd,
         await regs[2].start(infos[2])  # a worker that joins after the restart
         await eventually(lambda: infos[2].worker_id in view.healthy_ids(), 5.0, "discovered")
         assert view.membership.connected
-        assert view.metric("pdserve_router_membership_etcd_reconnects_total") == 1
+        assert view.metric("pdserve:membership_etcd_reconnects_total") == 1
         assert infos[0].worker_id in view.healthy_ids()
     finally:
         for reg in regs:

@@ -125,8 +125,8 @@ def test_pending_blocks_expire_after_the_ttl() -> None:
     assert routing.index.match(HASHES) == {}
     assert routing.index.pending.num_expired == 13
     routing.on_placed(routing.request(PROMPT[:BS]), prefill(0))  # exports the metrics
-    assert registry.get_sample_value("pdserve_placement_pending_expired_total") == 13
-    assert registry.get_sample_value("pdserve_placement_pending_blocks") == 1
+    assert registry.get_sample_value("pdserve:prefix_pending_expired_total") == 13
+    assert registry.get_sample_value("pdserve:prefix_pending_blocks") == 1
 
 
 def test_a_refreshed_entry_lives_another_ttl() -> None:

@@ -27,7 +27,7 @@ from unit.fakes import (
 )
 
 MAX_TIMEOUT_S = 30.0
-DEADLINES = "pdserve_dispatch_deadline_exceeded_total"
+DEADLINES = "pdserve:deadline_exceeded_total"
 # gRPC sends a deadline as a rounded-up timeout header: the worker may see a bit more.
 WIRE_SLACK_S = 0.05
 

@@ -20,6 +20,7 @@ from unit.dispatch_cluster import Cluster
 from unit.fake_worker import eventually
 from unit.fakes import (
     COMPLETIONS,
+    ROUTER_MODEL,
     FakeDispatcher,
     asgi_http_client,
     cmpl_body,
@@ -64,9 +65,9 @@ async def test_burst_beyond_limits_gets_429s_and_admitted_requests_complete(
     assert len([g for g in cluster.d.generates]) == 4
     assert most_waiting == 2
     assert (admission.num_running, admission.num_waiting) == (0, 0)
-    assert ('pdserve_router_requests_total{endpoint="/v1/completions",status_code="429"} 16.0'
+    assert ('pdserve:http_requests_total{endpoint="/v1/completions",status_code="429"} 16.0'
             in metrics)
-    assert "pdserve_router_num_requests_running 0.0" in metrics
+    assert f'pdserve:num_requests_running{{model_name="{ROUTER_MODEL}"}} 0.0' in metrics
     # (the cluster fixture checks the workers are idle and no task is left pending)
 
 

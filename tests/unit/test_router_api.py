@@ -290,11 +290,13 @@ async def test_metrics_count_requests_and_tokens(tokenizer: Any) -> None:
         await client.post(COMPLETIONS, json=cmpl_body(prompt=[1, 2], stream=True))
         await client.post(COMPLETIONS, json=cmpl_body(model="nope"))
         text = (await client.get("/metrics")).text
-    assert 'pdserve_router_requests_total{endpoint="/v1/completions",status_code="200"} 2.0' in text
-    assert 'pdserve_router_requests_total{endpoint="/v1/completions",status_code="404"} 1.0' in text
-    assert "pdserve_router_prompt_tokens_total 6.0" in text
-    assert "pdserve_router_generation_tokens_total 6.0" in text
-    assert "pdserve_router_time_to_first_token_seconds_count 2.0" in text
-    assert "pdserve_router_e2e_request_latency_seconds_count 2.0" in text
-    assert "pdserve_router_inter_token_latency_seconds_count 4.0" in text
-    assert "pdserve_router_requests_in_flight 0.0" in text
+    assert 'pdserve:http_requests_total{endpoint="/v1/completions",status_code="200"} 2.0' in text
+    assert 'pdserve:http_requests_total{endpoint="/v1/completions",status_code="404"} 1.0' in text
+    assert f'pdserve:prompt_tokens_total{{model_name="{ROUTER_MODEL}"}} 6.0' in text
+    assert f'pdserve:generation_tokens_total{{model_name="{ROUTER_MODEL}"}} 6.0' in text
+    assert f'pdserve:time_to_first_token_seconds_count{{model_name="{ROUTER_MODEL}"}} 2.0' in text
+    assert f'pdserve:e2e_request_latency_seconds_count{{model_name="{ROUTER_MODEL}"}} 2.0' in text
+    assert f'pdserve:inter_token_latency_seconds_count{{model_name="{ROUTER_MODEL}"}} 4.0' in text
+    assert "pdserve:requests_in_flight 0.0" in text
+    assert ('pdserve:request_success_total{finished_reason="stop",'
+            f'model_name="{ROUTER_MODEL}"}} 2.0') in text

@@ -82,7 +82,7 @@ async def test_each_configured_key_opens_every_endpoint(apps: Apps, key: str) ->
         assert reply.status_code == 200, reply.text
         assert len(reply.json()["choices"][0]["text"]) > 0
         metrics = (await http.get("/metrics", headers=bearer(key))).text
-    assert 'pdserve_router_requests_total{endpoint="/metrics",status_code="401"}' not in metrics
+    assert 'pdserve:http_requests_total{endpoint="/metrics",status_code="401"}' not in metrics
     assert [g.phase for g in apps.cluster.d.generates] == ["decode"]
 
 
@@ -90,9 +90,9 @@ async def test_401s_are_counted_by_status(apps: Apps) -> None:
     async with asgi_http_client(apps.main) as http:
         await http.post(COMPLETIONS, json=cmpl_body(), headers=bearer("nope-nope"))
         metrics = (await http.get("/metrics", headers=bearer(KEYS[0]))).text
-    assert ('pdserve_router_requests_total{endpoint="/v1/completions",status_code="401"} 1.0'
+    assert ('pdserve:http_requests_total{endpoint="/v1/completions",status_code="401"} 1.0'
             in metrics)
-    assert ('pdserve_router_request_failures_total{endpoint="/v1/completions",'
+    assert ('pdserve:request_failures_total{endpoint="/v1/completions",'
             'reason="invalid_api_key"} 1.0' in metrics)
 
 

@@ -16,6 +16,7 @@ from unit.dispatch_cluster import Cluster
 from unit.fakes import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
+    ROUTER_MODEL,
     FakeDispatcher,
     asgi_http_client,
     chat_body,
@@ -55,7 +56,7 @@ async def test_body_over_the_limit_is_413_by_length_and_by_count(tokenizer: Any)
     assert "content-length" not in {k.lower() for k in by_count.request.headers}
     assert small.status_code == 200
     assert len(fake.calls) == 1
-    assert ('pdserve_router_requests_total{endpoint="/v1/completions",status_code="413"} 2.0'
+    assert ('pdserve:http_requests_total{endpoint="/v1/completions",status_code="413"} 2.0'
             in metrics)
 
 
@@ -183,8 +184,9 @@ async def test_stream_failing_midway_counts_as_failed_not_200(tokenizer: Any) ->
     assert reply.status_code == 200  # the stream had started
     assert sse_payloads(reply.text)[-2]["error"]["code"] == "worker_failed"
     assert 'endpoint="/v1/completions",status_code="200"' not in metrics
-    assert ('pdserve_router_requests_total{endpoint="/v1/completions",status_code="500"} 1.0'
+    assert ('pdserve:http_requests_total{endpoint="/v1/completions",status_code="500"} 1.0'
             in metrics)
-    assert ('pdserve_router_request_failures_total{endpoint="/v1/completions",'
+    assert ('pdserve:request_failures_total{endpoint="/v1/completions",'
             'reason="worker_failed"} 1.0' in metrics)
-    assert "pdserve_router_e2e_request_latency_seconds_count 0.0" in metrics
+    assert (f'pdserve:e2e_request_latency_seconds_count{{model_name="{ROUTER_MODEL}"}} 0.0'
+            in metrics)

@@ -1,5 +1,5 @@
 """The per-request timeline (``router/timeline.py``) through the dispatcher and the
-scripted workers: every phase lands in ``pdserve_request_phase_seconds`` with the
+scripted workers: every phase lands in ``pdserve:request_phase_seconds`` with the
 values the workers reported, and one JSON line per finished request is logged."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ T0 = 1_700_000_000 * 10**9
 # later, 4 ms in its queue of which 1 ms loading KV.
 PREFILL = PhaseTiming(T0, T0 + 5 * MS, 2 * MS, 3 * MS, 0)
 DECODE = PhaseTiming(T0 + 12 * MS, T0 + 20 * MS, 4 * MS, 1 * MS, 1 * MS)
-PHASE = "pdserve_request_phase_seconds"
+PHASE = "pdserve:request_phase_seconds"
 
 
 def observed(cluster: Cluster, phase: str) -> tuple[float | None, float | None]:

@@ -1,0 +1,122 @@
+"""The Grafana dashboard (``deploy/grafana/pdserve.json``): valid, every panel queries
+something, and every metric it queries exists: the router's ``pdserve:`` names in a
+router's ``/metrics`` after a few requests on simulated workers, the workers' names in
+the list their ``/metrics`` exports, vLLM's names in vLLM's own metrics code. (The live
+check against a real cluster is an integration test.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from pdserve.router.disagg import DisaggConfig
+from pdserve.router.server import RouterConfig, build_router
+from pdserve_testing import dashboard_exprs, dashboard_metric_names
+from unit.fake_worker import eventually
+from unit.fakes import COMPLETIONS, ROUTER_MODEL, asgi_http_client, cmpl_body
+
+from pdserve.sim_engine import SimConfig
+from pdserve.sim_worker import start_sim_worker
+
+DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "pdserve.json"
+# What a worker's /metrics exports besides vLLM's (pdserve/worker, the connector's).
+WORKER_METRICS = frozenset({
+    "pdserve:kv_transfer_bytes_sent_total", "pdserve:kv_transfer_bytes_received_total",
+    "pdserve:kv_transfer_seconds_total", "pdserve:kv_transfers_completed_total",
+    "pdserve:kv_transfers_failed_total", "pdserve:kv_loads_total",
+    "pdserve:kv_load_seconds_total", "pdserve:kv_leases_held",
+    "pdserve:kv_leases_expired_total", "pdserve:kv_pending_transfers",
+    "pdserve:kv_push_inbox_bytes", "pdserve:worker_inflight_requests", "pdserve:worker_ready",
+    "pdserve:worker_info"})
+_SUFFIXES = ("_bucket", "_count", "_sum", "_total")
+
+
+def _family(name: str) -> str:
+    for suffix in _SUFFIXES:
+        if name.endswith(suffix):
+            return name.removesuffix(suffix)
+    return name
+
+
+def test_dashboard_is_valid_and_every_panel_has_a_query() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["DS_PROMETHEUS"]["type"] == "datasource"
+    assert variables["DS_PROMETHEUS"]["query"] == "prometheus"
+    assert "model_name" in variables["model_name"]["definition"]
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len(panels) >= 20
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in panels:
+        assert panel["datasource"]["uid"] == "${DS_PROMETHEUS}", panel["title"]
+        exprs = [t.get("expr", "") for t in panel["targets"]]
+        assert exprs and all(exprs), panel["title"]
+        assert len({t["refId"] for t in panel["targets"]}) == len(exprs), panel["title"]
+    assert sum(len(p["targets"]) for p in panels) == len(dashboard_exprs(DASHBOARD))
+
+
+def test_dashboard_metric_names_reads_queries() -> None:
+    names = dashboard_metric_names(DASHBOARD)
+    assert "pdserve:time_to_first_token_seconds_bucket" in names
+    assert "vllm:kv_cache_usage_perc" in names
+    assert not {n for n in names if not n.startswith(("pdserve:", "vllm:"))}, names
+
+
+def test_worker_and_vllm_names_exist() -> None:
+    names = dashboard_metric_names(DASHBOARD)
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vLLM is not installed")
+    loggers = Path(spec.submodule_search_locations[0], "v1", "metrics", "loggers.py")
+    source = loggers.read_text()
+    for name in (n for n in names if n.startswith("vllm:")):
+        assert f'"{_family(name)}"' in source, name
+    worker = {n for n in names if n.startswith("pdserve:kv_transfer") or n in WORKER_METRICS}
+    assert worker <= WORKER_METRICS
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def router_metrics(tokenizer: Any) -> AsyncIterator[str]:
+    """A router (``build_router``, as ``pdserve router`` wires it) on one simulated
+    prefill and one simulated decode worker; its /metrics after a few requests."""
+    servers, endpoints = [], {}
+    for role in ("prefill", "decode"):
+        server, port, _ = await start_sim_worker(SimConfig(
+            role, f"sim-{role}", prefill_s_per_token=0.0, decode_s_per_token=0.0))
+        servers.append(server)
+        endpoints[role] = f"127.0.0.1:{port}"
+    router = build_router(RouterConfig(
+        model_path="unused", served_model_name=ROUTER_MODEL, prefill=(endpoints["prefill"],),
+        decode=(endpoints["decode"],), disagg=DisaggConfig(mode="always"),
+        health_interval_s=0.2), tokenizer)
+    await router.start()
+    try:
+        async with asgi_http_client(router.app) as http:
+            await eventually(lambda: len(router.pool.all) == 2 and all(
+                w.snapshot().healthy for w in router.pool.all), 5.0, "both workers healthy")
+            for stream in (False, True, True):
+                reply = await http.post(COMPLETIONS, json=cmpl_body(max_tokens=4,
+                                                                    stream=stream))
+                assert reply.status_code == 200, reply.text
+            assert (await http.post(COMPLETIONS, json=cmpl_body(model="nope"))).status_code \
+                == 404
+            yield (await http.get("/metrics")).text
+    finally:
+        await router.close()
+        for server in servers:
+            await server.stop(0)
+
+
+async def test_every_router_name_of_the_dashboard_is_scraped(router_metrics: str) -> None:
+    exposed = {line.split("{")[0].split(" ")[0] for line in router_metrics.splitlines()
+               if line and not line.startswith("#")}
+    router = {n for n in dashboard_metric_names(DASHBOARD)
+              if n.startswith("pdserve:") and n not in WORKER_METRICS}
+    assert router, "the dashboard queries no router metric"
+    assert router - exposed == set()
