@@ -6,13 +6,15 @@ and agree with ``GetLoad``; every worker answers the standard gRPC health check.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import httpx
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from integration.pd_cases import LONG, MODEL, NUM_LAYERS
-from pdserve_testing import Server, wait_until
+from pdserve_testing import Server, dashboard_metric_names, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.integration
@@ -111,3 +113,31 @@ def test_every_worker_answers_the_standard_grpc_health_check(pd_server: Server) 
             for service in ("", "pdserve.v1.WorkerService"):
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING, (name, service)
+
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdserve.json"
+
+
+def test_every_metric_the_dashboard_queries_is_served_by_the_live_cluster(
+    pd_server: Server,
+) -> None:
+    """deploy/grafana/pdserve.json's queries all have data on a real ``pdserve up``: every
+    metric name they use is in the router's or a worker's /metrics after a few requests
+    (a streamed chat one, a long prompt handed over, a client error), each scrape parsed
+    by prometheus-client."""
+    client = openai.OpenAI(base_url=pd_server.base_url, api_key="none", timeout=120)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=4,
+        temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    client.completions.create(model=MODEL, prompt="dashboard: " + LONG, max_tokens=2,
+                              temperature=0)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=-1)
+    served: set[str] = set()
+    for url in pd_server.metrics_targets.values():
+        served |= set(scrape(url))
+    wanted = dashboard_metric_names(DASHBOARD)
+    assert len(wanted) >= 20
+    assert {n.split(":")[0] for n in wanted} == {"pdserve", "vllm"}
+    assert wanted <= served, sorted(wanted - served)
