@@ -123,9 +123,10 @@ def run_system(spec: SystemSpec, cfg: CompareConfig, tmp: Path) -> SystemResult:
             _say(f"{spec.name}: failed to start: {exc}")
         else:
             _say(f"{spec.name}: ready in {result.startup_s:.1f} s")
-            for rate in cfg.rates:
+            for index, rate in enumerate(cfg.rates):
                 gone = running.exited()
-                run = RateRun(rate, error=gone) if gone else bench_run(spec, rate, cfg, tmp)
+                run = (RateRun(rate, error=gone) if gone
+                       else bench_run(spec, rate, index, cfg, tmp))
                 result.runs.append(run)
                 _say(f"{spec.name} at {rate_label(rate)} req/s: " + (
                     f"failed: {run.error}" if run.error else
@@ -138,14 +139,31 @@ def run_system(spec: SystemSpec, cfg: CompareConfig, tmp: Path) -> SystemResult:
     return result
 
 
-def bench_run(spec: SystemSpec, rate: float, cfg: CompareConfig, tmp: Path) -> RateRun:
+def rate_workload_args(cfg: CompareConfig, index: int) -> list[str]:
+    """The workload flags of the ``index``-th rate: its seed is ``--seed`` + index, so each
+    rate sends prompts of its own (a server's prefix cache would otherwise answer a later
+    rate's prompts from an earlier rate's run, which made the later rates look cheap) and
+    every system gets the same ones."""
+    args = list(cfg.workload_args)
+    at = args.index("--seed") + 1
+    args[at] = str(cfg.seed + index)
+    return args
+
+
+def bench_argv(spec: SystemSpec, rate: float, index: int, cfg: CompareConfig,
+               out: Path) -> list[str]:
+    return [sys.executable, "-m", "pdserve.cli", "bench", "run", "--base-url", spec.base_url,
+            "--model", cfg.settings.served_name, "--tokenizer", cfg.settings.model_path,
+            "--request-rate", rate_label(rate), "--result-json", str(out), "--no-progress",
+            *rate_workload_args(cfg, index)]
+
+
+def bench_run(spec: SystemSpec, rate: float, index: int, cfg: CompareConfig,
+              tmp: Path) -> RateRun:
     """One ``pdserve bench run`` (a subprocess: its CLI is the contract)."""
     out = tmp / "runs" / spec.name / f"rate-{rate_label(rate)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "pdserve.cli", "bench", "run", "--base-url", spec.base_url,
-            "--model", cfg.settings.served_name, "--tokenizer", cfg.settings.model_path,
-            "--request-rate", rate_label(rate), "--result-json", str(out), "--no-progress",
-            *cfg.workload_args]
+    argv = bench_argv(spec, rate, index, cfg, out)
     log = out.with_suffix(".log")
     try:
         with open(log, "w") as log_file:

@@ -94,7 +94,9 @@ def _vllm_argv(s: EngineSettings, port: int) -> list[str]:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", s.model_path, "--served-model-name", s.served_name,
             "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),
-            "--max-num-seqs", str(MAX_NUM_SEQS), "--host", "127.0.0.1", "--port", str(port)]
+            "--max-num-seqs", str(MAX_NUM_SEQS), "--host", "127.0.0.1", "--port", str(port),
+            # usage.prompt_tokens_details.cached_tokens, as pdserve's router reports it
+            "--enable-prompt-tokens-details"]
     return argv + (["--enforce-eager"] if s.enforce_eager else [])
 
 
