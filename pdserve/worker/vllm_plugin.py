@@ -1,9 +1,10 @@
 """pdserve's vLLM general plugin: loaded by vLLM itself in every engine process
 (EngineCore and each Worker) before their message queues exist.
 
-It tunes one thing, and only where pdserve's engine host asked for it through
-``SPIN_ENV`` (so an aggregated ``vllm serve`` in the same environment is untouched):
-how long a reader of vLLM's shared-memory queues busy-waits after each read.
+It tunes vLLM's shared-memory queues, and only where pdserve's engine host asked for it
+through ``SPIN_ENV`` (so an aggregated ``vllm serve`` in the same environment is
+untouched): how long a reader busy-waits after each read, and that a writer's wake-up
+ping is never lost.
 
 vLLM's ``SpinCondition`` makes the EngineCore (waiting for the Worker's output) and
 the Worker (waiting for the next scheduler output) ``sched_yield`` in a loop for 1 s
@@ -13,6 +14,20 @@ spinning readers per engine, and two engines per host with P/D, steal them from 
 very step they wait for. Measured here (2 cores, both engines on both): one
 ~10-token request's prefill-to-decode gap went from 1.05-1.15 s to 0.11-0.14 s with
 the spin off, and 16 tokens from 2.5-2.8 s to 1.6-1.8 s (one aggregated engine: 1.49 s).
+
+A reader that does not spin waits on the writer's ZMQ ping, and vLLM's pings get lost:
+the writer's PUB socket has ``SNDHWM=1``, and libzmq learns that the subscriber took the
+previous ping only when the socket processes its command mailbox, which ``send`` does
+at most once per ``max_command_delay`` (3M TSC cycles, ~1 ms). So a ping sent within
+~1 ms of the previous one is dropped even when the reader already received that one
+(measured: 298 of 300 such second pings lost, 0 of 300 with the fix below; every CPU
+runs the same libzmq rule). The Worker answers ``execute_model`` then ``sample_tokens``
+that close together on a fast CPU, and the EngineCore, woken by the first answer, then
+sleeps until vLLM's 5 s recheck (``SHM_READER_RECHECK_INTERVAL_MS``): the 5.05 s
+stalls seen on an AMD EPYC with native bf16. ``reliable_notify`` has the writer process
+its mailbox (``getsockopt(EVENTS)``) right before each ping, so a ping is dropped only
+while the previous one is still queued on the writer's side, i.e. not yet seen by the
+reader, which it will still wake.
 """
 
 from __future__ import annotations
@@ -49,6 +64,27 @@ def register() -> None:
         logger.warning("ignoring %s=%r: not a number of seconds", SPIN_ENV, raw)
         return
     set_shm_spin(spin_s)
+    reliable_notify()
+
+
+def reliable_notify() -> None:
+    """Every ``SpinCondition`` writer processes its socket's pending commands before it
+    pings, so a ping the reader may need is never dropped (module docstring)."""
+    import zmq
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    cls = shm_broadcast.SpinCondition
+    original = getattr(cls.notify, "__pdserve_original__", cls.notify)
+
+    @functools.wraps(original)
+    def notify(self: Any) -> None:
+        # ZMQ_EVENTS runs the socket's command mailbox unthrottled: the subscriber's
+        # "took the previous ping" (activate_write) lands before this send checks HWM.
+        self.local_notify_socket.getsockopt(zmq.EVENTS)
+        original(self)
+
+    notify.__pdserve_original__ = original  # type: ignore[attr-defined]
+    cls.notify = notify
 
 
 def set_shm_spin(spin_s: float) -> None:
