@@ -38,12 +38,16 @@ def core_sets(num_prefill: int, num_decode: int, layout: str) -> tuple[
     ``split``: prefill engines on the first half, decode on the second, so the two
     phases never oversubscribe a core with spinning threads (best under load).
     ``auto``: ``resolve_layout``.
+    A role with no engines leaves its half to the other: ``--num-prefill 0`` splits
+    every core among the decode engines.
     """
     layout = resolve_layout(layout)
     cores = sorted(os.sched_getaffinity(0))
     if layout == "shared" or len(cores) < 2:
         every = ",".join(map(str, cores))
         return [every] * num_prefill, [every] * num_decode
+    if num_prefill == 0 or num_decode == 0:
+        return _split(cores, num_prefill), _split(cores, num_decode)
     half = len(cores) // 2
     return _split(cores[:half], num_prefill), _split(cores[half:], num_decode)
 
