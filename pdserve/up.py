@@ -16,11 +16,12 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pdserve.cluster_secret import optional_secret, write_cluster_secret
 from pdserve.cpu_layout import CPU_LAYOUTS, DEFAULT_CPU_LAYOUT, core_sets, resolve_layout
+from pdserve.dtype import DtypeChoice, resolve_dtype
 from pdserve.grpc_tls import TlsFiles
 from pdserve.kv_transfer.base import transport_names
 from pdserve.membership.local_etcd import LocalEtcd
@@ -81,6 +82,8 @@ class UpConfig:
     edge: EdgeConfig = EdgeConfig()  # the router's too (its keys in its environment)
     worker_metrics: bool = True  # each worker gets a free /metrics port
     metrics_targets_file: str = ""  # Prometheus file_sd JSON, written once ready
+    # How ``dtype`` was resolved (printed at start-up).
+    dtype_choice: DtypeChoice | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.etcd and self.with_etcd:
@@ -100,9 +103,12 @@ class UpConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
-        """From the ``up`` subcommand's flags."""
+        """From the ``up`` subcommand's flags; ``--dtype auto`` resolved here, once, for
+        every engine (simulated workers have no dtype)."""
+        dtype = None if args.simulated else resolve_dtype(args.dtype, model_path=model.path)
         return cls(
-            model=str(model.path), dtype=args.dtype, host=args.host, port=args.port,
+            model=str(model.path), dtype=dtype.dtype if dtype else args.dtype,
+            dtype_choice=dtype, host=args.host, port=args.port,
             num_prefill=args.num_prefill, num_decode=args.num_decode,
             transport=args.transport, max_model_len=args.max_model_len,
             kv_cache_gib=args.kv_cache_gib, placement=args.placement,
@@ -254,6 +260,8 @@ def _run_children(cfg: UpConfig, log_dir: Path, etcd: LocalEtcd | None = None) -
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
+        if cfg.dtype_choice is not None:
+            console.print(cfg.dtype_choice.describe())
         _print_layout(cfg, list(watch.children.values()))
         if cfg.simulated:
             console.print("[yellow]simulated workers[/]: made-up tokens, modelled times "

@@ -18,8 +18,9 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from pdserve.hardware import Hardware
+
 SCHEMA = "pdserve.bench.compare/v1"
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 
 
 @dataclass
@@ -202,18 +203,12 @@ def write_report(report: CompareReport, out_dir: Path) -> list[Path]:
 
 def machine_info() -> dict[str, Any]:
     """Cores this process may use, the CPU model and the flags that decide its speed."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = ""
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])
-    return {"cores": sorted(os.sched_getaffinity(0)), "num_cpus": os.cpu_count(),
-            "cpu_model": _cpu_model(text), "cpu_flags": {f: f in flags for f in CPU_FLAGS},
-            "platform": platform.platform()}
+    hw = Hardware.detect()
+    return {"cores": list(hw.cores), "num_cpus": os.cpu_count(), "cpu_model": _cpu_model(hw),
+            "cpu_flags": hw.flag_table(), "platform": platform.platform()}
 
 
-def _cpu_model(cpuinfo: str) -> str:
+def _cpu_model(hw: Hardware) -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
         for line in out.splitlines():
@@ -221,8 +216,7 @@ def _cpu_model(cpuinfo: str) -> str:
                 return line.split(":", 1)[1].strip()
     except (OSError, subprocess.TimeoutExpired):
         pass
-    return next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
-                 if line.startswith("model name")), platform.processor() or "unknown")
+    return hw.cpu_model
 
 
 def versions() -> dict[str, str]:

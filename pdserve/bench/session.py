@@ -73,6 +73,17 @@ def _versions() -> dict[str, str]:
             "httpx": httpx.__version__}
 
 
+def _machine() -> dict[str, Any]:
+    """This machine's CPU, and what ``--dtype auto`` runs on it (what a server started
+    here with ``auto`` runs): results from different machines are not comparable."""
+    from pdserve.dtype import resolve_dtype
+
+    choice = resolve_dtype("auto")
+    return {"cpu_model": choice.hardware.cpu_model, "cores": list(choice.hardware.cores),
+            "cpu_flags": choice.hardware.flag_table(), "auto_dtype": choice.dtype,
+            "auto_dtype_reason": choice.reason}
+
+
 def write_json(path: str, payload: dict[str, Any]) -> None:
     """Atomically: a reader never sees a partial file."""
     target = Path(path)
@@ -140,7 +151,7 @@ class Session:
         summary = summarize(out.records, out.duration_s, self.slo)
         return {
             "schema": RUN_SCHEMA, "config": config, "versions": _versions(),
-            "started_at": started, "duration_s": out.duration_s,
+            "machine": _machine(), "started_at": started, "duration_s": out.duration_s,
             "num_requests": out.num_drawn, "completed": summary.pop("completed"),
             "failed": summary.pop("failed"), "skipped": out.num_skipped, **summary,
             "error_examples": out.error_examples, **info,

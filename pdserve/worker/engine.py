@@ -5,13 +5,14 @@ engine's own counters (prompt tokens by source, load, KV usage) for GetLoad, and
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pdserve.dtype import resolve_dtype
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.types import Role, SamplingSpec
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 
 CONNECTOR_MODULE = "pdserve.kv_transfer.connector"
+logger = logging.getLogger("pdserve.worker")
 
 
 @dataclass(frozen=True)
@@ -148,25 +150,6 @@ def _stat_logger_factory(counters: EngineCounters) -> Any:
     return CountersLogger
 
 
-def resolve_dtype(dtype: str) -> str:
-    """``auto`` on a CPU without native bf16 (no AVX512-BF16/AMX) means float32.
-
-    vLLM's CPU backend picks bfloat16 for ``auto``; on AVX2-only machines bf16 is
-    emulated and prefill runs about twice as slow as float32.
-    """
-    if dtype != "auto":
-        return dtype
-    import torch
-
-    if torch.cuda.is_available():
-        return dtype
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return dtype
-    return dtype if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
-
-
 def _quiet_shm_spin() -> None:
     """On CPU, the engine's processes sleep instead of spinning between messages
     (``pdserve.worker.vllm_plugin``); an explicit ``PDSERVE_VLLM_SHM_SPIN_S`` wins.
@@ -189,6 +172,8 @@ def build_engine(config: EngineConfig, counters: EngineCounters) -> AsyncLLM:
     if config.cpu_threads_bind:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
     _quiet_shm_spin()
+    dtype = resolve_dtype(config.dtype, model_path=config.model_path)
+    logger.info("%s engine: %s", config.role, dtype.describe())
     from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -204,7 +189,7 @@ def build_engine(config: EngineConfig, counters: EngineCounters) -> AsyncLLM:
     args = AsyncEngineArgs(
         model=config.model_path,
         served_model_name=[config.served_model_name],
-        dtype=resolve_dtype(config.dtype),
+        dtype=dtype.dtype,
         max_model_len=config.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
         kv_transfer_config=kv_config,

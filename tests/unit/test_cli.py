@@ -14,6 +14,7 @@ from pdserve.router.disagg import DisaggConfig
 from pdserve.router.server import RouterConfig
 
 from pdserve.cli import build_parser, main
+from pdserve.dtype import resolve_dtype
 from pdserve.membership import MembershipConfig
 from pdserve.model import ResolvedModel
 from pdserve.sim_engine import SimConfig
@@ -133,8 +134,11 @@ def test_up_config_from_args() -> None:
     assert UpConfig.from_args(args, MODEL) == UpConfig(
         model="/models/tiny", dtype="float32", num_prefill=2, transport="ucx", kv_push=False,
         with_etcd=True, num_kv_blocks=64, cpu_layout="split")
-    assert UpConfig.from_args(build_parser().parse_args(["up"]), MODEL) == UpConfig(
-        model="/models/tiny")
+    auto = UpConfig.from_args(build_parser().parse_args(["up"]), MODEL)
+    assert auto == UpConfig(model="/models/tiny", dtype=resolve_dtype("auto").dtype)
+    assert auto.dtype_choice == resolve_dtype("auto")  # what up prints
+    simulated = UpConfig.from_args(build_parser().parse_args(["up", "--simulated"]), MODEL)
+    assert (simulated.dtype, simulated.dtype_choice) == ("auto", None)  # no engine
 
 
 def test_disagg_flags_reach_the_router_and_up_passes_them_on(
