@@ -46,6 +46,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdserve bench: error: {exc}", file=sys.stderr)
         return 2
+    _say(cfg.dtype.describe())
     previous = signal.signal(signal.SIGTERM, _interrupt)  # stop the systems, then exit
     try:
         report = run_compare(cfg)
@@ -99,7 +100,8 @@ def run_compare(cfg: CompareConfig) -> CompareReport:
 def settings_json(cfg: CompareConfig) -> dict[str, Any]:
     s = cfg.settings
     return {"model": s.served_name, "model_path": s.model_path, "dtype": s.dtype,
-            "dtype_requested": cfg.dtype_requested, "kv_cache_gib": s.kv_cache_gib,
+            "dtype_requested": cfg.dtype.requested, "dtype_reason": cfg.dtype.reason,
+            "kv_cache_gib": s.kv_cache_gib,
             "max_model_len": s.max_model_len, "enforce_eager": s.enforce_eager,
             "cores": list(s.cores), "seed": cfg.seed, "slo": cfg.slo,
             "request_rates": [rate_label(r) for r in cfg.rates],
@@ -160,19 +162,25 @@ def bench_argv(spec: SystemSpec, rate: float, index: int, cfg: CompareConfig,
 
 def bench_run(spec: SystemSpec, rate: float, index: int, cfg: CompareConfig,
               tmp: Path) -> RateRun:
-    """One ``pdserve bench run`` (a subprocess: its CLI is the contract)."""
+    """One ``pdserve bench run`` at ``rate``."""
     out = tmp / "runs" / spec.name / f"rate-{rate_label(rate)}.json"
+    result, error = run_bench(bench_argv(spec, rate, index, cfg, out), out, cfg.run_timeout_s)
+    return RateRun(rate, result=result, error=error)
+
+
+def run_bench(argv: list[str], out: Path, timeout_s: float
+              ) -> tuple[dict[str, Any] | None, str | None]:
+    """``argv`` (a ``pdserve bench run`` writing ``out``; a subprocess: its CLI is the
+    contract), its log beside ``out``: the result JSON, or why there is none."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    argv = bench_argv(spec, rate, index, cfg, out)
     log = out.with_suffix(".log")
     try:
         with open(log, "w") as log_file:
             proc = subprocess.run(argv, stdout=log_file, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL, timeout=cfg.run_timeout_s)
+                                  stdin=subprocess.DEVNULL, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return RateRun(rate, error=f"bench run past --run-timeout-s {cfg.run_timeout_s:g}")
+        return None, f"bench run past --run-timeout-s {timeout_s:g}"
     if proc.returncode != 0 or not out.is_file():
         lines = log.read_text(errors="replace").strip().splitlines()
-        return RateRun(rate, error=f"bench run exited {proc.returncode}: "
-                       f"{lines[-1] if lines else 'no output'}")
-    return RateRun(rate, result=json.loads(out.read_text()))
+        return None, f"bench run exited {proc.returncode}: {lines[-1] if lines else 'no output'}"
+    return json.loads(out.read_text()), None

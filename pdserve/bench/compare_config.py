@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.systems import EngineSettings, check_up_flags, parse_pdserve_entry
+from pdserve.dtype import DTYPES, DtypeChoice
 
 DEFAULT_RATES = "0.5,1,1.5"
 # Workload flags handed to every `pdserve bench run` as given (its contract's flags).
@@ -46,7 +47,7 @@ class CompareConfig:
     startup_timeout_s: float
     run_timeout_s: float
     stop_timeout_s: float
-    dtype_requested: str
+    dtype: DtypeChoice  # how settings.dtype was chosen (printed, and in the report)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -57,14 +58,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "one after another on the same cores, the same seeded workload and rates against "
         "each; one report (report.json, report.md, PNG plots).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help="local HF model folder (default: pdserve's "
-                   "bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16",
-                                                       "float16"),
-                   help="every engine's dtype; auto is resolved once as pdserve does "
-                   "(float32 on CPUs without native bf16)")
-    p.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache per engine (GiB)")
-    p.add_argument("--max-model-len", type=int, default=4096)
+    add_engine_flags(p)
     p.add_argument("--request-rates", default=DEFAULT_RATES,
                    help="comma-separated req/s ('inf': all at once); one run per rate")
     p.add_argument("--pdserve", action="append", metavar="NAME='FLAGS'",
@@ -127,34 +121,68 @@ def check_workload(argv: list[str]) -> None:
 
 def config_from_args(args: argparse.Namespace) -> CompareConfig:
     """Every check that can fail before a system starts."""
-    from pdserve.model import resolve_model
-    from pdserve.worker.engine import resolve_dtype
-
     rates = parse_rates(args.request_rates)
     if min(args.startup_timeout_s, args.run_timeout_s, args.stop_timeout_s) <= 0:
         raise ValueError("--startup-timeout-s, --run-timeout-s and --stop-timeout-s must "
                          "be > 0")
-    entries = [parse_pdserve_entry(e) for e in (args.pdserve or ["default="])]
-    names = [n for n, _ in entries] + ["vllm", "vllm-disagg"]
-    if len(set(names)) != len(names):
-        raise ValueError("--pdserve names must differ from each other and from 'vllm', "
-                         "'vllm-disagg'")
-    for name, flags in entries:
-        check_up_flags(name, flags)
+    entries = pdserve_entries(args.pdserve, ("vllm", "vllm-disagg"))
     check_workload(workload_args(args))
     if args.with_vllm_disagg:
         check_vllm_disagg()
-    out = args.output_dir or Path("bench/results") / time.strftime("compare-%Y%m%d-%H%M%S")
+    out = output_dir(args.output_dir, "compare")
+    settings, dtype = engine_settings(args)
+    return CompareConfig(
+        settings, rates, entries, not args.no_vllm, args.with_vllm_disagg,
+        tuple(workload_args(args)), args.seed, args.slo, out, args.startup_timeout_s,
+        args.run_timeout_s, args.stop_timeout_s, dtype)
+
+
+def pdserve_entries(given: list[str] | None, reserved: tuple[str, ...]
+                    ) -> tuple[tuple[str, str], ...]:
+    """``--pdserve NAME=FLAGS`` entries (default: one named ``default`` with no flags),
+    each checked by ``pdserve up``'s own parser; names unique and not ``reserved``."""
+    entries = [parse_pdserve_entry(e) for e in (given or ["default="])]
+    names = [n for n, _ in entries] + list(reserved)
+    if len(set(names)) != len(names):
+        raise ValueError("--pdserve names must differ from each other and from "
+                         + ", ".join(f"'{n}'" for n in reserved))
+    for name, flags in entries:
+        check_up_flags(name, flags)
+    return tuple(entries)
+
+
+def output_dir(given: Path | None, kind: str) -> Path:
+    """``given``, or ``bench/results/<kind>-<time>``; refused unless absent or empty."""
+    out = given or Path("bench/results") / time.strftime(f"{kind}-%Y%m%d-%H%M%S")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--output-dir {out}: exists and is not an empty folder")
+    return out
+
+
+def engine_settings(args: argparse.Namespace) -> tuple[EngineSettings, DtypeChoice]:
+    """What every system's engines share (``--model``, ``--dtype`` resolved once,
+    ``--kv-cache-gib``, ``--max-model-len``, this process's cores), and how the dtype
+    was chosen."""
+    from pdserve.dtype import resolve_dtype
+    from pdserve.model import resolve_model
+
     model = resolve_model(args.model)
-    settings = EngineSettings(str(model.path), model.served_name, resolve_dtype(args.dtype),
+    dtype = resolve_dtype(args.dtype, model_path=model.path)
+    settings = EngineSettings(str(model.path), model.served_name, dtype.dtype,
                               args.kv_cache_gib, args.max_model_len,
                               tuple(sorted(_affinity())))
-    return CompareConfig(
-        settings, rates, tuple(entries), not args.no_vllm, args.with_vllm_disagg,
-        tuple(workload_args(args)), args.seed, args.slo, out, args.startup_timeout_s,
-        args.run_timeout_s, args.stop_timeout_s, args.dtype)
+    return settings, dtype
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The flags ``engine_settings`` reads."""
+    p.add_argument("--model", default=None, help="local HF model folder (default: pdserve's "
+                   "bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="every engine's dtype; auto is resolved once as pdserve does "
+                   "(bfloat16 on CPUs with native bf16, float32 on the others)")
+    p.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache per engine (GiB)")
+    p.add_argument("--max-model-len", type=int, default=4096)
 
 
 def _affinity() -> set[int]:
