@@ -11,9 +11,9 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from . import compare, run, sweep
+from . import compare, gaps, run, sweep
 
-SUBCOMMANDS: list[ModuleType] = [run, sweep, compare]
+SUBCOMMANDS: list[ModuleType] = [run, sweep, compare, gaps]
 DESCRIPTION = "Load-generator benchmarks against any OpenAI-compatible endpoint."
 
 
