@@ -14,10 +14,12 @@ serve: install
 	@HF_HUB_OFFLINE=1 $(BIN)/pdserve prepare-model
 	HF_HUB_OFFLINE=1 $(BIN)/pdserve up --host $(HOST) --port $(PORT) $(ARGS)
 
+# The machine first (its CPU decides the dtype and the times), the slowest tests last.
 test: install etcd
+	@$(BIN)/pdserve machine
 	$(BIN)/ruff check .
 	HF_HUB_OFFLINE=1 $(BIN)/pdserve prepare-model
-	HF_HUB_OFFLINE=1 $(BIN)/pytest $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/pytest --durations=25 $(PYTEST_ARGS)
 
 # System tools the tests run (sudo when not root): a real etcd for the membership tests
 # (Debian's etcd-server), and Debian's docker-compose, which checks deploy/compose offline.

@@ -1,5 +1,5 @@
 """The ``pdserve`` command: ``up``, ``router``, ``prefill``, ``decode``, ``prepare-model``,
-``health``, ``bench`` (a load generator: ``pdserve.bench.cli``).
+``health``, ``machine``, ``bench`` (a load generator: ``pdserve.bench.cli``).
 
 Every flag also reads a ``PDSERVE_<FLAG>`` environment variable (e.g.
 ``PDSERVE_PORT``); flags win. Flags are declared once (``flags.py``); each
@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     _command(sub, "health", "probe a router (HTTP /health) or a worker (gRPC health) once: "
              "exit 0 when healthy, 1 when not (container health checks)",
              ("healthcheck", "health-timeout-s"))
+    _command(sub, "machine", "this machine's CPU, cores and the flags that decide the "
+             "engines' speed, and the dtype --dtype resolves to here", ("dtype",))
     _command(sub, "sim-worker", "a simulated worker (same gRPC service; modelled times and "
              "prefix cache) for router-scale tests", SIM + SECURITY,
              dict(_GRPC, port={"default": 50051, "help": "gRPC port"}))
@@ -120,6 +122,11 @@ def _run(args: argparse.Namespace) -> int:
         return _run_sim_worker(args)
     if args.command == "health":
         return _run_health(args)
+    if args.command == "machine":
+        from pdserve.dtype import resolve_dtype
+
+        print(resolve_dtype(args.dtype).describe())
+        return 0
     runners: dict[str, Callable[[argparse.Namespace, ResolvedModel], int]] = {
         "prefill": _run_worker, "decode": _run_worker, "router": _run_router, "up": _run_up}
     return runners[args.command](args, resolve_model(args.model))

@@ -95,3 +95,12 @@ def test_cuda_auto_follows_vllms_rule(tmp_path: Path, config_dtype: str | None,
 def test_an_unknown_dtype_names_the_valid_ones() -> None:
     with pytest.raises(ValueError, match="valid: auto, float32, bfloat16, float16"):
         resolve_dtype("fp8")
+
+
+def test_pdserve_machine_prints_the_cpu_and_the_dtype_auto_runs(
+        fake_cpu: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from pdserve.cli import main
+
+    assert main(["machine"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"dtype {WANT[fake_cpu]} (requested auto") and CPUS[fake_cpu][0] in out
