@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .worker_client import CANCELLED, DEADLINE_EXCEEDED, INVALID_ARGUMENT
 
@@ -29,6 +29,8 @@ class BreakerConfig:
     threshold: int = 5  # failures in a row that eject a worker
     base_backoff_s: float = 1.0
     max_backoff_s: float = 30.0
+    # Where the back-off's time comes from (tests pass a fake clock).
+    clock: Callable[[], float] = field(default=time.monotonic, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.threshold < 1 or not 0 < self.base_backoff_s <= self.max_backoff_s:
@@ -40,13 +42,13 @@ DEFAULT_BREAKER = BreakerConfig()
 
 class CircuitBreaker:
     def __init__(self, config: BreakerConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] | None = None) -> None:
         self.config = config = config or DEFAULT_BREAKER
         self.num_failures = 0  # in a row
         self.backoff_s = config.base_backoff_s  # the next opening's
         self.open_for_s = 0.0  # the last opening's
         self._open_until = 0.0
-        self._clock = clock
+        self._clock = clock or config.clock
 
     def is_open(self) -> bool:
         """Whether the worker is ejected now."""

@@ -51,7 +51,9 @@ class FakeDispatcher:
 
     ``error_on_call`` is raised by ``generate`` itself (a dispatcher refusing at once),
     ``error_before_first`` before any chunk; ``fail_after_chunks`` raises
-    ``WorkerFailedError`` after that many chunks. A request whose iterator is closed before
+    ``WorkerFailedError`` after that many chunks. ``gate``, when given, holds every chunk
+    after the first until it is set (an event of the loop the app runs on): a request
+    that runs, mid-stream, for as long as a test needs. A request whose iterator is closed before
     its end (including right after the last chunk) is recorded in ``aborted``; the lists
     are appended from whichever thread runs the app and are safe to poll from another.
     """
@@ -64,6 +66,7 @@ class FakeDispatcher:
     error_on_call: Exception | None = None
     error_before_first: Exception | None = None
     fail_after_chunks: int | None = None
+    gate: asyncio.Event | None = None
     ready: bool = True
     calls: list[DispatchCall] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
@@ -105,6 +108,8 @@ class FakeDispatcher:
         for index, piece in enumerate(pieces):
             if self.fail_after_chunks is not None and index == self.fail_after_chunks:
                 raise WorkerFailedError("decode worker crashed")
+            if self.gate is not None and index > 0:
+                await self.gate.wait()
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
             last = index == len(pieces) - 1

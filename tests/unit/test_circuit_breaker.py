@@ -5,8 +5,6 @@ alone on a fake clock, then through the dispatcher against fake workers over gRP
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import pytest
 from pdserve.router.breaker import BreakerConfig, CircuitBreaker
@@ -57,8 +55,9 @@ def test_failures_the_worker_did_not_cause_do_not_count(code: str) -> None:
 
 async def test_a_failing_decode_worker_is_ejected_then_readmitted_after_its_back_off() -> None:
     decode = await start_fake_worker("decode", WorkerScript(fail_code=grpc.StatusCode.INTERNAL))
+    clock = Clock()  # the back-off passes when the test says, however slow the machine
     pool = WorkerPool(decode=[decode.endpoint],
-                      breaker=BreakerConfig(threshold=3, base_backoff_s=0.5))
+                      breaker=BreakerConfig(threshold=3, base_backoff_s=1.0, clock=clock))
     registry = CollectorRegistry()
     dispatcher = PDDispatcher(pool, RoundRobinPlacement(), registry, 10.0,
                               disagg=DisaggConfig(mode="never"))
@@ -75,7 +74,9 @@ async def test_a_failing_decode_worker_is_ejected_then_readmitted_after_its_back
         await pool.refresh_all()  # a passing health check does not readmit it
         assert not worker.snapshot().healthy
 
-        await asyncio.sleep(0.6)
+        clock.now += 0.75
+        assert not worker.snapshot().healthy  # the back-off has not passed yet
+        clock.now += 0.25
         assert worker.snapshot().healthy and not worker.ejected  # on trial
         decode.servicer.script.fail_code = None
         chunks = await collect(dispatcher.generate("r-ok", PROMPT, spec(2)))

@@ -108,7 +108,9 @@ async def test_decode_worker_killed_mid_stream(pd2: Cluster) -> None:
     """The worker's gRPC server stops while it streams (a dead process, as the router
     sees it): what reached the client and what d2 produces join without a seam."""
     d1, d2 = servicers(pd2)
-    d1.script.token_delay_s = 0.05
+    # After take(4) d1 still has 8 tokens to send: 1.6 s for the stop to land mid-stream,
+    # while each token still comes well within take's per-chunk wait (WAIT_S).
+    d1.script.token_delay_s = 0.2
     chunks = pd2.dispatcher.generate("r1", PROMPT, spec(MAX_TOKENS))
     got = await take(chunks, 4)
     (first,) = [d for d in pd2.decodes if d.servicer is d1]
@@ -234,7 +236,9 @@ async def test_invalid_argument_does_not_migrate(pd2: Cluster) -> None:
 @pytest.mark.parametrize("how", ["close", "cancel"])
 async def test_client_going_away_does_not_migrate(pd2: Cluster, how: str) -> None:
     d1, d2 = servicers(pd2)
-    d1.script.token_delay_s = 0.05
+    # Tokens 0.5 s apart (within take's per-chunk wait, WAIT_S): the cancellation below
+    # lands while the next one is awaited, not after it arrived.
+    d1.script.token_delay_s = 0.5
     chunks = pd2.dispatcher.generate("r1", PROMPT, spec(200))
     await take(chunks, 3)
 
@@ -242,7 +246,8 @@ async def test_client_going_away_does_not_migrate(pd2: Cluster, how: str) -> Non
         await asyncio.wait_for(chunks.aclose(), WAIT_S)
     else:
         task = asyncio.ensure_future(anext(chunks))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # the task starts waiting for the next token
+        assert not task.done()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(task, WAIT_S)

@@ -33,8 +33,10 @@ BURST = 20
 
 async def test_burst_beyond_limits_gets_429s_and_admitted_requests_complete(
         tokenizer: Any, cluster: Cluster) -> None:
-    cluster.d.script.token_delay_s = 0.03  # 6 tokens: each admitted request takes ~0.2 s
-    edge = EdgeConfig(max_concurrent=2, max_queued=2, max_queue_wait_s=5.0)
+    # Decode waits for the gate: the first two requests run until the whole burst has
+    # been answered or queued, however slow the machine. The queue wait covers that.
+    gate = cluster.d.script.decode_gate = asyncio.Event()
+    edge = EdgeConfig(max_concurrent=2, max_queued=2, max_queue_wait_s=60.0)
     app = make_router_app(tokenizer, cluster.dispatcher, edge, cluster.registry)
     admission = app.state.admission
     most_waiting = 0
@@ -48,8 +50,13 @@ async def test_burst_beyond_limits_gets_429s_and_admitted_requests_complete(
 
     watcher = asyncio.create_task(watch())
     async with asgi_http_client(app) as http:
-        replies = await asyncio.gather(*(
-            http.post(COMPLETIONS, json=cmpl_body(max_tokens=7)) for _ in range(BURST)))
+        posts = [asyncio.create_task(http.post(COMPLETIONS, json=cmpl_body(max_tokens=7)))
+                 for _ in range(BURST)]
+        await eventually(lambda: sum(p.done() for p in posts) == BURST - 4, 30.0,
+                         "all but the admitted answered")
+        assert (admission.num_running, admission.num_waiting) == (2, 2)
+        gate.set()
+        replies = await asyncio.gather(*posts)
         watcher.cancel()
         metrics = (await http.get("/metrics")).text
     statuses = sorted(r.status_code for r in replies)
@@ -88,7 +95,8 @@ async def test_a_queued_request_gives_up_after_max_queue_wait() -> None:
 
 async def test_drain_refuses_new_and_queued_requests_and_lets_running_ones_finish(
         tokenizer: Any) -> None:
-    fake = FakeDispatcher(output_ids=list(range(100, 110)), delay_s=0.03)
+    gate = asyncio.Event()  # the running request streams until the test sets it
+    fake = FakeDispatcher(output_ids=list(range(100, 110)), gate=gate)
     app = make_router_app(tokenizer, fake, EdgeConfig(max_concurrent=1, max_queued=4))
     admission = app.state.admission
     async with asgi_http_client(app) as http:
@@ -102,6 +110,8 @@ async def test_drain_refuses_new_and_queued_requests_and_lets_running_ones_finis
             assert reply.status_code == 503
             assert reply.json()["error"]["code"] == "draining"
         assert not running.done()
+        assert not await admission.wait_drained(0.1)  # the drain waits for it
+        gate.set()
         assert await admission.wait_drained(5.0)
         reply = await running
     assert reply.status_code == 200
@@ -111,13 +121,14 @@ async def test_drain_refuses_new_and_queued_requests_and_lets_running_ones_finis
 
 
 async def test_sigterm_drains_the_real_server_then_it_exits(tokenizer: Any) -> None:
-    fake = FakeDispatcher(output_ids=list(range(100, 120)), delay_s=0.03)
+    gate = asyncio.Event()  # the stream goes on past its first event until the test sets it
+    fake = FakeDispatcher(output_ids=list(range(100, 120)), gate=gate)
     app = make_router_app(tokenizer, fake)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     server = DrainingServer(uvicorn.Config(app, log_level="warning", lifespan="off"),
-                            app.state.admission, drain_timeout_s=5.0)
+                            app.state.admission, drain_timeout_s=60.0)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         await eventually(lambda: server.started, 5.0, "uvicorn started")
@@ -131,6 +142,8 @@ async def test_sigterm_drains_the_real_server_then_it_exits(tokenizer: Any) -> N
                 assert health.status_code == 503
                 assert health.headers["x-request-id"]
                 assert (await http.post(COMPLETIONS, json=cmpl_body())).status_code == 503
+                assert not serving.done()  # the drain waits for the stream
+                gate.set()
                 rest = [line async for line in lines]
         assert "data: [DONE]" in rest and not any("error" in line for line in rest)
         await asyncio.wait_for(serving, 5.0)  # exits by itself once drained

@@ -138,7 +138,8 @@ async def test_unusable_request_id_is_400(tokenizer: Any, bad: str) -> None:
 async def test_a_running_request_id_cannot_be_reused_at_once(tokenizer: Any) -> None:
     import asyncio
 
-    fake = FakeDispatcher(output_ids=OUTPUT, delay_s=0.05)
+    gate = asyncio.Event()  # the first request runs until the second has been answered
+    fake = FakeDispatcher(output_ids=OUTPUT, gate=gate)
     app = make_router_app(tokenizer, fake)
     async with asgi_http_client(app) as http:
         first = asyncio.create_task(http.post(COMPLETIONS, json=cmpl_body(),
@@ -147,6 +148,8 @@ async def test_a_running_request_id_cannot_be_reused_at_once(tokenizer: Any) -> 
             await asyncio.sleep(0.01)
         second = await http.post(COMPLETIONS, json=cmpl_body(), headers={"X-Request-Id": "same"})
         assert second.status_code == 409
+        assert not first.done()
+        gate.set()
         assert (await first).status_code == 200
         again = await http.post(COMPLETIONS, json=cmpl_body(), headers={"X-Request-Id": "same"})
     assert again.status_code == 200  # free again once the first one ended

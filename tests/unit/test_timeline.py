@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import pytest
 from pdserve.router.timeline import PHASES, RequestTimeline
@@ -30,7 +31,9 @@ def observed(cluster: Cluster, phase: str) -> tuple[float | None, float | None]:
 
 async def test_a_finished_request_records_every_phase(cluster: Cluster) -> None:
     cluster.p.script.timing, cluster.d.script.timing = PREFILL, DECODE
+    started = time.perf_counter()
     await collect(cluster.dispatcher.generate("r1", PROMPT, spec(5)))
+    elapsed = time.perf_counter() - started
     want = {"prefill_queue": 0.002, "prefill_compute": 0.003, "handoff": 0.007,
             "kv_load": 0.001, "decode_queue": 0.003}
     for phase, seconds in want.items():
@@ -38,7 +41,8 @@ async def test_a_finished_request_records_every_phase(cluster: Cluster) -> None:
         assert count == 1 and total == pytest.approx(seconds), phase
     for phase in ("router", "decode_step"):  # the router's own clock: just measured
         count, total = observed(cluster, phase)
-        assert count == 1 and total is not None and 0 <= total < 1, phase
+        # Within the request, however long a loaded machine made it take.
+        assert count == 1 and total is not None and 0 <= total <= elapsed, phase
 
 
 async def test_an_unfinished_request_records_nothing(cluster: Cluster) -> None:

@@ -24,6 +24,7 @@ from unit.fake_worker import FakeWorker, WorkerScript, eventually, start_fake_wo
 from pdserve.ports import free_port
 from pdserve.types import PhaseOutput, PhaseRequest, SamplingSpec
 from pdserve.worker.lifecycle import WORKER_SERVICE
+from pdserve.worker.servicer import _STOP_GRACE_S
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -97,9 +98,13 @@ async def test_drain_cancels_what_is_left_at_its_timeout() -> None:
         assert worker.serving is not None
         in_flight = asyncio.create_task(run(client, decode_request("r-stuck")))
         await eventually(lambda: "r-stuck" in worker.servicer.inflight, what="call in flight")
+        drain_s = 0.3
         started = time.monotonic()
-        assert await worker.serving.drain(0.3) is False
-        assert time.monotonic() - started < 2.5  # the timeout, then the stop's short grace
+        assert await worker.serving.drain(drain_s) is False
+        elapsed = time.monotonic() - started
+        # The timeout, then the stop's short grace, plus 3 s for a slow, loaded machine:
+        # still well before the stuck call's own deadline (CALL_S) would have ended it.
+        assert drain_s <= elapsed < drain_s + _STOP_GRACE_S + 3.0 < CALL_S
         with pytest.raises(WorkerCallError):
             await asyncio.wait_for(in_flight, CALL_S)
         await eventually(lambda: worker.servicer.cancelled == ["r-stuck"],
@@ -141,11 +146,17 @@ async def wait_health(endpoint: str, status: int, timeout_s: float = 10.0) -> No
 
 
 async def test_sigterm_drains_a_worker_process_and_it_exits() -> None:
-    with sim_worker("--decode-ms-per-token", "100", "--drain-timeout-s", "10") as (proc, ep):
+    # A 6 s stream (60 tokens, 100 ms apart): the drain (NOT_SERVING, refusals) is seen
+    # while it runs however slow the machine; the drain timeout and the call's deadline
+    # leave it ample time to finish.
+    num_tokens, stream_s = 60, 60.0
+    with sim_worker("--decode-ms-per-token", "100",
+                    "--drain-timeout-s", str(stream_s)) as (proc, ep):
         await wait_health(ep, SERVING)
         client = WorkerClient(ep)
         try:
-            outputs = client.generate(decode_request("r-old", max_tokens=12), CALL_S)
+            outputs = client.generate(decode_request("r-old", max_tokens=num_tokens),
+                                      stream_s)
             first = await anext(outputs)
             proc.send_signal(signal.SIGTERM)
             await wait_health(ep, NOT_SERVING)
@@ -153,7 +164,7 @@ async def test_sigterm_drains_a_worker_process_and_it_exits() -> None:
                 await asyncio.wait_for(run(client, decode_request("r-new")), 3.0)
             assert refused.value.code == UNAVAILABLE
             rest = [out async for out in outputs]
-            assert len([first, *rest]) == 12 and rest[-1].finish_reason == "length"
+            assert len([first, *rest]) == num_tokens and rest[-1].finish_reason == "length"
         finally:
             await client.close()
         started = time.monotonic()
