@@ -235,6 +235,48 @@ def read_events(lines: Iterator[str], n: int) -> None:
             received += 1
 
 
+@dataclass
+class TimedStream:
+    """A streamed completion as the client saw it: when the request was sent, and when
+    each chunk carrying tokens arrived (``time.monotonic``)."""
+
+    sent: float
+    arrivals: list[float]
+    num_tokens: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.arrivals[0] - self.sent
+
+    @property
+    def gaps_s(self) -> list[float]:
+        """Between two token chunks (the first token's wait excluded)."""
+        return [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
+
+
+def stream_timed(base_url: str, body: dict[str, Any], stop_after: int | None = None,
+                 timeout_s: float = 300) -> TimedStream:
+    """POST ``body`` (a streamed ``/completions`` with ``return_token_ids``) and time
+    its token chunks; with ``stop_after``, hang up once that many tokens came (the
+    router aborts the rest)."""
+    sent = time.monotonic()
+    timed = TimedStream(sent, [], 0)
+    with httpx.stream("POST", base_url + "/completions", json=body, timeout=timeout_s) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            assert "error" not in event, event
+            ids = [t for c in event["choices"] for t in c.get("token_ids") or []]
+            if ids:
+                timed.arrivals.append(time.monotonic())
+                timed.num_tokens += len(ids)
+            if stop_after is not None and timed.num_tokens >= stop_after:
+                break
+    return timed
+
+
 def router_metric(router_url: str, name: str, *labels: str) -> float:
     """The sum of the router's samples of ``name`` on /metrics that carry every one of
     ``labels`` (``'reason="x"'``; none: every series, e.g. each ``model_name``), 0 while

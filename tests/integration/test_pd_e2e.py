@@ -6,6 +6,7 @@ equality over the other transports is in ``test_pd_e2e_transports.py``."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -23,7 +24,7 @@ from integration.pd_cases import (
     prompt_ids,
     run_case,
 )
-from pdserve_testing import Server, read_events, wait_until
+from pdserve_testing import Server, read_events, stream_timed, wait_until
 
 from pdserve.types import WorkerLoadReport
 
@@ -209,20 +210,31 @@ def test_client_disconnect_mid_stream_aborts_on_both_workers(pd_server: Server) 
     assert time.monotonic() - started < 10
 
 
+def deadline_mid_decode(server: Server, body: dict[str, Any]) -> float:
+    """A deadline for ``body`` that lands after its first token and long before its
+    last, from this cluster's own times: the same request streamed (its prompt now in
+    the prefix caches, so the next one's first token comes no later) until 8 tokens,
+    then dropped."""
+    probe = stream_timed(server.base_url, {**body, "stream": True}, stop_after=8)
+    assert wait_until(server.idle, timeout_s=15)
+    return 2 * probe.ttft_s + 8 * max(statistics.median(probe.gaps_s), 0.05)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_request_past_its_deadline_gets_504_and_no_worker_holds_it(
     pd_server: Server, stream: bool
 ) -> None:
     """``X-Request-Timeout`` shorter than the request: 504 before any token, or an SSE
-    error event then ``[DONE]`` once streaming started; both workers then hold nothing."""
+    error event then ``[DONE]`` once streaming started; both workers then hold nothing.
+    Streaming, the deadline lands mid-decode wherever this machine puts it."""
     assert wait_until(pd_server.idle, timeout_s=15)
-    timeout_s = 1.5 if stream else 0.3  # streaming: the deadline hits mid-decode
     body = {"model": MODEL, "prompt": "Count: " + LONG, "max_tokens": 1000, "temperature": 0,
-            "ignore_eos": True, "stream": stream}
-    headers = {"X-Request-Timeout": str(timeout_s)}
+            "ignore_eos": True, "stream": stream, "return_token_ids": True}
+    timeout_s = deadline_mid_decode(pd_server, body) if stream else 0.3
+    headers = {"X-Request-Timeout": f"{timeout_s:.3f}"}
     started = time.monotonic()
     with httpx.Client(timeout=60) as http:
-        if not stream:
+        if not stream:  # the whole answer is due at once: 1000 tokens never fit
             reply = http.post(pd_server.base_url + "/completions", json=body, headers=headers)
             assert reply.status_code == 504, reply.text
             assert reply.json()["error"]["code"] == "timeout"
@@ -236,3 +248,20 @@ def test_request_past_its_deadline_gets_504_and_no_worker_holds_it(
             assert any('"text"' in e for e in events[:-2])  # tokens came before the error
     assert time.monotonic() - started < timeout_s + 5  # ended at the deadline, not at 1000
     assert wait_until(pd_server.idle, timeout_s=10), "a worker still holds it"
+
+
+@pytest.mark.parametrize("prompt", ["Tell me a story.", LONG], ids=["local", "remote"])
+def test_a_lone_stream_never_stalls(pd_server: Server, prompt: str) -> None:
+    """A lone 64-token stream on an idle cluster, prefilled on decode (short prompt) or
+    handed off (long): no gap between two tokens reaches 1 s. A second is not a slow
+    machine (a step here is tens of ms): it is a lost wake-up, such as vLLM's
+    shared-memory queue missing a ping and sleeping to its 5 s recheck."""
+    assert wait_until(pd_server.idle, timeout_s=15)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 64, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    for _ in range(2):  # the second: the prompt cached, the path otherwise the same
+        timed = stream_timed(pd_server.base_url, body)
+        assert timed.num_tokens == 64
+        worst = max(timed.gaps_s)
+        assert worst < 1.0, (f"a {worst:.2f} s gap between two tokens "
+                             f"(gaps {[round(g, 2) for g in timed.gaps_s]})")
