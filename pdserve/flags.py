@@ -227,6 +227,10 @@ FLAGS = _flags(
     Flag("cpu-cores", "cores for the engine's compute threads, e.g. 0 or 0-3 (CPU only)"),
     Flag("lease-s", "how long prefill keeps a request's KV for its decode", 30.0,
          parse_float(0, strict=True)),
+    Flag("shm-spin-s", "how long the engine's processes busy-wait for the next message "
+         "on vLLM's shared-memory queues before they sleep (seconds; default: 0 on CPU, "
+         "where the compute threads need the cores, vLLM's own 1 on GPU)", None,
+         parse_float(0)),
     Flag("compile", "use torch.compile (slow start on CPU; default: eager)", False,
          parse_bool, switch=True),
     Flag("metrics-port", "serve Prometheus /metrics over HTTP on this port: the engine's "

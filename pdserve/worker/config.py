@@ -61,6 +61,7 @@ class WorkerConfig:
             connector=connector, dtype=args.dtype, max_model_len=args.max_model_len,
             kv_cache_gib=args.kv_cache_gib, cpu_threads_bind=args.cpu_cores,
             enforce_eager=not args.compile, num_kv_blocks=args.num_kv_blocks or None,
+            shm_spin_s=args.shm_spin_s,
         )
         membership = MembershipConfig.from_flags(args.etcd, args.cluster, args.etcd_ttl_s)
         metrics = MetricsListener.from_flags(args.metrics_host, args.metrics_port, args.host,

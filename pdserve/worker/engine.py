@@ -44,6 +44,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     # Prefill: publish vLLM's KV cache events on these ZMQ endpoints (pub, replay).
     kv_events: tuple[str, str] | None = None
+    # vLLM's shared-memory readers' busy-wait (pdserve.worker.vllm_plugin); None: 0 on
+    # CPU (or PDSERVE_VLLM_SHM_SPIN_S), vLLM's own on GPU.
+    shm_spin_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -54,6 +57,8 @@ class EngineConfig:
             raise ValueError("kv_cache_gib must be > 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be >= 2")
+        if self.shm_spin_s is not None and self.shm_spin_s < 0:
+            raise ValueError("shm_spin_s must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -150,17 +155,21 @@ def _stat_logger_factory(counters: EngineCounters) -> Any:
     return CountersLogger
 
 
-def _quiet_shm_spin() -> None:
-    """On CPU, the engine's processes sleep instead of spinning between messages
-    (``pdserve.worker.vllm_plugin``); an explicit ``PDSERVE_VLLM_SHM_SPIN_S`` wins.
-    Applied here too: forked engine processes inherit it even where the plugin's
-    entry point is shadowed (a stale ``pdserve.egg-info`` in the working directory);
-    spawned ones inherit the variable and the plugin applies it there."""
+def _quiet_shm_spin(spin_s: float | None) -> None:
+    """The engine's processes busy-wait ``spin_s`` between messages (None: not at all
+    on CPU, where the compute threads need the cores; vLLM's own 1 s on GPU), and their
+    wake-up pings are never lost (``pdserve.worker.vllm_plugin``). An explicit
+    ``PDSERVE_VLLM_SHM_SPIN_S`` wins over the CPU default. Applied here too: forked
+    engine processes inherit it even where the plugin's entry point is shadowed (a
+    stale ``pdserve.egg-info`` in the working directory); spawned ones inherit the
+    variable and the plugin applies it there."""
     from vllm.platforms import current_platform
 
     from .vllm_plugin import SPIN_ENV, register
 
-    if current_platform.is_cpu():
+    if spin_s is not None:
+        os.environ[SPIN_ENV] = repr(spin_s)
+    elif current_platform.is_cpu():
         os.environ.setdefault(SPIN_ENV, "0")
     register()
 
@@ -171,7 +180,7 @@ def build_engine(config: EngineConfig, counters: EngineCounters) -> AsyncLLM:
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
     if config.cpu_threads_bind:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
-    _quiet_shm_spin()
+    _quiet_shm_spin(config.shm_spin_s)
     dtype = resolve_dtype(config.dtype, model_path=config.model_path)
     logger.info("%s engine: %s", config.role, dtype.describe())
     from vllm.config import KVEventsConfig, KVTransferConfig

@@ -229,3 +229,17 @@ def test_sim_config_from_args() -> None:
         role="decode", worker_id="s-1", block_size=32,
         prefill_s_per_token=config.prefill_s_per_token, decode_s_per_token=4e-3)
     assert config.prefill_s_per_token == pytest.approx(10e-6)
+
+
+def test_shm_spin_reaches_every_engine_from_up(tmp_path: Path) -> None:
+    """``--shm-spin-s`` (unset: each worker's own default) goes to every engine up starts."""
+    args = build_parser().parse_args(["up", "--shm-spin-s", "1", "--num-prefill", "1"])
+    cfg = UpConfig.from_args(args, MODEL)
+    workers = [c for c in plan(cfg, tmp_path) if c.name != "router"]
+    assert cfg.shm_spin_s == 1.0 and len(workers) == 2
+    for child in workers:
+        assert child.argv[child.argv.index("--shm-spin-s") + 1] == "1.0"
+        worker_args = build_parser().parse_args(child.argv[3:])
+        assert WorkerConfig.from_args(worker_args, MODEL).engine.shm_spin_s == 1.0
+    default = UpConfig.from_args(build_parser().parse_args(["up"]), MODEL)
+    assert all("--shm-spin-s" not in c.argv for c in plan(default, tmp_path))
