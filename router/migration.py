@@ -2,12 +2,15 @@
 
 When the decode worker serving a request fails after tokens have reached the client
 (its stream ends UNAVAILABLE, INTERNAL, ..., or with an ``error``/``abort`` finish the
-router did not ask for), the request continues on another healthy decode worker of
-the same compatibility hash. The continuation's prompt is the original prompt plus
-every token already sent, computed there as a local prefill (decode alone, as the
-``local`` route runs), with ``max_tokens`` reduced by the tokens already produced. So
-nothing is sent twice and nothing is skipped, and with greedy sampling the client's
-text equals an uninterrupted run's.
+router did not ask for), the request continues on another healthy decode worker: one
+of the same compatibility hash if there is one, else, when the continuation computes
+everything itself (no KV to load), one serving the same model in another dtype or
+block size (a drained bf16 worker's stream goes on on a float32 one: a valid
+continuation, bit-identical only within one dtype). The continuation's prompt is the
+original prompt plus every token already sent, computed there as a local prefill
+(decode alone, as the ``local`` route runs), with ``max_tokens`` reduced by the tokens
+already produced. So nothing is sent twice and nothing is skipped, and with greedy
+sampling the client's text equals an uninterrupted run's.
 
 What carries over and what does not:
 - Stop strings are matched by the router over the whole text, stop token ids by the
@@ -138,13 +141,13 @@ class RequestMigration:
         if self.num_migrations >= self._config.max_migrations:
             self._metrics.failed.labels("max_migrations").inc()
             raise MigrationRefused(f"max migrations ({self.num_migrations}) reached")
-        worker = self._pick(failed, candidates)
+        keeps_kv = self._sent_this_call == 0 and request.kv_handle is not None
+        worker = self._pick(failed, candidates, same_model=not keeps_kv)
         if worker is None:
             self._metrics.failed.labels("no_worker").inc()
             raise MigrationRefused("no other compatible healthy decode worker")
         self.num_migrations += 1
         self._metrics.migrations.labels(reason).inc()
-        keeps_kv = self._sent_this_call == 0 and request.kv_handle is not None
         self._sent_this_call = 0
         if keeps_kv:
             return Continuation(worker, _pull_instead(request), True)
@@ -152,13 +155,17 @@ class RequestMigration:
         return Continuation(worker, PhaseRequest(
             request.request_id, "decode", (*self._prompt, *self._sent), sampling), False)
 
-    def _pick(self, failed: Worker, candidates: Sequence[Worker]) -> Worker | None:
-        """The least busy healthy worker of ``failed``'s compatibility hash that has
-        not failed this request."""
-        compat = failed.snapshot().compatibility_hash
+    def _pick(self, failed: Worker, candidates: Sequence[Worker],
+              same_model: bool) -> Worker | None:
+        """The least busy healthy worker that has not failed this request: of
+        ``failed``'s compatibility hash, else (``same_model``: nothing to load) of its
+        model."""
+        was = failed.snapshot()
         states = [(w, w.snapshot()) for w in candidates if w not in self._failed]
-        ok = [(s.num_assigned, i, w) for i, (w, s) in enumerate(states)
-              if s.healthy and s.compatibility_hash == compat]
+        healthy = [(s.num_assigned, i, w, s) for i, (w, s) in enumerate(states) if s.healthy]
+        ok = [t for t in healthy if t[3].compatibility_hash == was.compatibility_hash]
+        if not ok and same_model and was.model:
+            ok = [t for t in healthy if t[3].model == was.model]
         return min(ok, key=lambda t: t[:2])[2] if ok else None
 
 

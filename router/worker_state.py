@@ -34,6 +34,7 @@ class WorkerState:
     member_id: str = ""
     worker_id: str = ""
     compatibility_hash: str = ""
+    model: str = ""  # the served model the worker reports (its Health)
     max_model_len: int = 0
     # KV endpoint, and whether the worker sends/accepts layer-wise push.
     kv_host: str = ""

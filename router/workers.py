@@ -149,7 +149,7 @@ class Worker:
             logger.info("%s worker %s at %s is healthy", self._reported.role, health.worker_id,
                         self._reported.endpoint)
         self._report(healthy=health.ready, worker_id=health.worker_id,
-                     compatibility_hash=health.compatibility_hash,
+                     compatibility_hash=health.compatibility_hash, model=health.model,
                      max_model_len=health.max_model_len, kv_host=health.kv_host,
                      kv_port=health.kv_port, kv_push=health.kv_push, load=_placement_load(load))
 
@@ -181,8 +181,9 @@ class Worker:
         self._snapshot = WorkerState(
             endpoint=r.endpoint, role=r.role, healthy=r.healthy and not self._ejected,
             member_id=r.member_id, worker_id=r.worker_id,
-            compatibility_hash=r.compatibility_hash, max_model_len=r.max_model_len,
-            kv_host=r.kv_host, kv_port=r.kv_port, kv_push=r.kv_push, load=r.load,
+            compatibility_hash=r.compatibility_hash, model=r.model,
+            max_model_len=r.max_model_len, kv_host=r.kv_host, kv_port=r.kv_port,
+            kv_push=r.kv_push, load=r.load,
             num_assigned=inflight.num_assigned,
             num_assigned_tokens=inflight.num_assigned_tokens)
 

@@ -59,6 +59,7 @@ class WorkerScript:
     fail_after_tokens: int = 0
     tokens_from_context: bool = False
     compatibility_hash: str = "compat-a"
+    model: str = "fake"  # the served model its Health reports
     # Advertise layer-wise KV push, with this KV port.
     kv_push: bool = False
     kv_port: int = 0
@@ -184,7 +185,7 @@ class FakeWorkerServicer:
     def health(self) -> WorkerHealth:
         return WorkerHealth(
             ready=True, role=self.role,
-            worker_id=f"fake-{self.role}-{id(self):x}", model="fake", dtype="float32",
+            worker_id=f"fake-{self.role}-{id(self):x}", model=self.script.model, dtype="float32",
             block_size=128, max_model_len=4096, transport="tcp",
             compatibility_hash=self.script.compatibility_hash, kv_host="127.0.0.1",
             kv_port=self.script.kv_port, kv_push=self.script.kv_push)

@@ -186,6 +186,48 @@ async def test_the_timeline_counts_the_migration_and_drops_the_handoff(
     assert "handoff" not in line["phases_ms"] and "decode_queue" in line["phases_ms"]
 
 
+@pytest.mark.parametrize("model", ["fake", "another-model"])
+async def test_a_recomputing_continuation_may_change_dtype_never_model(
+    pd2: Cluster, model: str
+) -> None:
+    """The only other decode worker has another compatibility hash (a bf16 worker beside
+    float32 ones): a continuation that computes everything goes there if it serves the
+    same model, never if it serves another."""
+    d1, d2 = servicers(pd2)
+    d2.script.compatibility_hash, d2.script.model = "compat-b", model
+    await pd2.pool.refresh_all()
+    d1.script.fail_code = grpc.StatusCode.UNAVAILABLE
+    d1.script.fail_after_tokens = 4
+    chunks = pd2.dispatcher.generate("r1", PROMPT, spec(MAX_TOKENS))
+    if model == "fake":
+        assert tokens(await collect(chunks)) == greedy_answer(PROMPT, MAX_TOKENS)
+        (moved,) = d2.generates
+        assert moved.kv_handle is None and migrations(pd2, "unavailable") == 1
+    else:
+        assert tokens(await take(chunks, 5)) == greedy_answer(PROMPT, 5)
+        with pytest.raises(WorkerFailedError, match="no other compatible healthy decode"):
+            await asyncio.wait_for(anext(chunks), WAIT_S)
+        assert d2.generates == [] and refused(pd2, "no_worker") == 1
+    await eventually(lambda: d1.aborts == ["r1"] and pd2.p.aborts == ["r1"], WAIT_S,
+                     "abort on the failed decode and on prefill")
+
+
+async def test_a_continuation_that_loads_kv_needs_the_same_hash(pd2: Cluster) -> None:
+    """Failed before its first token, the request still loads prefill's KV: a worker of
+    another hash cannot, however it is named."""
+    d1, d2 = servicers(pd2)
+    d2.script.compatibility_hash = "compat-b"
+    await pd2.pool.refresh_all()
+    d1.script.fail_code = grpc.StatusCode.UNAVAILABLE
+    chunks = pd2.dispatcher.generate("r1", PROMPT, spec(MAX_TOKENS))
+    assert tokens(await take(chunks, 1)) == greedy_answer(PROMPT, 1)  # prefill's
+    with pytest.raises(WorkerFailedError, match="no other compatible healthy decode"):
+        await asyncio.wait_for(anext(chunks), WAIT_S)
+    assert d2.generates == [] and refused(pd2, "no_worker") == 1
+    await eventually(lambda: d1.aborts == ["r1"] and pd2.p.aborts == ["r1"], WAIT_S,
+                     "abort on the failed decode and on prefill")
+
+
 # ---- when it must not, or cannot, migrate ---------------------------------------------------
 
 
