@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,18 +34,32 @@ def tokenizer(model_path: Path):
 
 
 @pytest.fixture(scope="session")
-def references(model_path: Path, tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
-               ) -> list[list[int]]:
-    """Aggregated vLLM's greedy output for each of CASES, then KILL_CASE (one engine run)."""
-    tmp = tmp_path_factory.mktemp("reference")
-    requests = [{"prompt_token_ids": prompt_ids(tokenizer, c), "max_tokens": c.max_tokens}
-                for c in [*CASES, KILL_CASE]]
-    (tmp / "in.json").write_text(json.dumps(requests))
-    script = Path(__file__).with_name("reference_engine.py")
-    subprocess.run([sys.executable, str(script), str(model_path), str(tmp / "in.json"),
-                    str(tmp / "out.json")], check=True, timeout=600,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return json.loads((tmp / "out.json").read_text())
+def reference_runs(model_path: Path, tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Callable[[str], list[list[int]]]:
+    """Aggregated vLLM's greedy output for each of CASES, then KILL_CASE, in a dtype
+    (one engine run per dtype, the first time it is asked for)."""
+    runs: dict[str, list[list[int]]] = {}
+
+    def run(dtype: str) -> list[list[int]]:
+        if dtype not in runs:
+            tmp = tmp_path_factory.mktemp(f"reference-{dtype}")
+            requests = [{"prompt_token_ids": prompt_ids(tokenizer, c),
+                         "max_tokens": c.max_tokens} for c in [*CASES, KILL_CASE]]
+            (tmp / "in.json").write_text(json.dumps(requests))
+            script = Path(__file__).with_name("reference_engine.py")
+            subprocess.run([sys.executable, str(script), str(model_path), str(tmp / "in.json"),
+                            str(tmp / "out.json"), dtype], check=True, timeout=600,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            runs[dtype] = json.loads((tmp / "out.json").read_text())
+        return runs[dtype]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def references(reference_runs: Callable[[str], list[list[int]]]) -> list[list[int]]:
+    """The float32 ones: the exact-equality oracle."""
+    return reference_runs("float32")
 
 
 @pytest.fixture(scope="session")
@@ -57,19 +71,20 @@ def reference(references: list[list[int]]) -> list[list[int]]:
 def pd_server(model_path: Path, request: pytest.FixtureRequest,
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The P/D cluster, over ``--transport tcp`` unless a test parametrizes it
-    indirectly with ``"<transport>"``, ``"<transport>:<MiB/s>"`` (KV sends paced
-    by ``--kv-throttle-mib-s``) or ``"<transport>:<MiB/s>:<disagg>"``. The tcp cluster
-    runs ``--disagg auto`` (CASES' short prompts on decode alone, the long ones P → D);
-    the others ``--disagg always``: they test their transport on every case. One
-    cluster at a time: pytest tears the previous one down first. Transfers are
+    indirectly with ``"<transport>[:<MiB/s>[:<disagg>[:<dtype>]]]"`` (KV sends paced
+    by ``--kv-throttle-mib-s``; dtype float32 unless given, e.g. ``auto``). The tcp
+    cluster runs ``--disagg auto`` (CASES' short prompts on decode alone, the long ones
+    P → D); the others ``--disagg always``: they test their transport on every case.
+    One cluster at a time: pytest tears the previous one down first. Transfers are
     checksummed."""
     transport, _, rest = str(getattr(request, "param", "tcp")).partition(":")
-    throttle, _, disagg = rest.partition(":")
+    throttle, _, rest = rest.partition(":")
+    disagg, _, dtype = rest.partition(":")
     disagg = disagg or ("auto" if transport == "tcp" else "always")
     env = dict(os.environ, HF_HUB_OFFLINE="1",
                PDSERVE_CACHE=os.environ.get("PDSERVE_CACHE", str(model_path.parents[1])))
     server = launch_up(
-        ["--dtype", "float32", "--port", str(free_port()), "--kv-cache-gib", "1",
+        ["--dtype", dtype or "float32", "--port", str(free_port()), "--kv-cache-gib", "1",
          "--max-model-len", "4096", "--transport", transport, "--kv-checksum", "--kv-push",
          "--kv-throttle-mib-s", throttle or "0", "--disagg", disagg,
          "--local-prefill-max-tokens", str(LOCAL_PREFILL_MAX_TOKENS)], env, STARTUP_TIMEOUT_S,

