@@ -210,6 +210,13 @@ class Server:
         (worker,) = self.workers(role)
         return probe_load(worker["endpoint"], timeout_s=5, secret=self.secret)
 
+    def holding(self) -> dict[str, dict[str, float]]:
+        """What each worker holds now (for the message of a failed idle wait)."""
+        fields = ("num_inflight_reqs", "num_running_reqs", "num_waiting_reqs",
+                  "num_pending_transfers", "kv_cache_usage", "kv_leases_held")
+        return {role: {f: getattr(self.load(role), f) for f in fields}
+                for role in ("prefill", "decode")}
+
     def idle(self, endpoints: dict[str, str] | None = None) -> bool:
         """Neither worker holds a request, a KV block or a pending transfer. The
         workers are found through the router unless ``endpoints`` (role -> gRPC

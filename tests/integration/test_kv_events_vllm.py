@@ -45,7 +45,9 @@ async def test_missed_vllm_events_are_replayed_in_order() -> None:
     try:
         for i in range(3):  # nobody listens yet: seq 0-2 reach no subscriber
             pub.publish(stored(i))
-        await asyncio.sleep(0.3)
+        # Sent (and buffered for replay) before anyone subscribes, however slow the
+        # publisher's thread is: its queue's items are marked done once sent.
+        await asyncio.wait_for(asyncio.to_thread(pub._event_queue.join), 30)
         source.start()
         i = 3
         while len(mirror) < 3 and i < 30:  # live batches until the subscriber is connected

@@ -24,7 +24,7 @@ from integration.pd_cases import (
     prompt_ids,
     run_case,
 )
-from pdserve_testing import Server, read_events, stream_timed, wait_until
+from pdserve_testing import Server, read_events, router_metric, stream_timed, wait_until
 
 from pdserve.types import WorkerLoadReport
 
@@ -131,7 +131,8 @@ def test_prefill_holds_no_blocks_and_no_transfer_is_pending_after_requests(
                                   temperature=0)
     assert wait_until(settled, timeout_s=15)
     prefill, decode = pd_server.load("prefill"), pd_server.load("decode")
-    assert decode.kv_loads - d0.kv_loads >= 3 and prefill.kv_leases_expired == 0
+    assert decode.kv_loads - d0.kv_loads >= 3
+    assert prefill.kv_leases_expired == p0.kv_leases_expired
     # Every load ended the prefill's lease: pulled, or taken from the push inbox.
     assert (prefill.kv_transfers_completed - p0.kv_transfers_completed
             + decode.kv_push_loads - d0.kv_push_loads) >= 3
@@ -182,7 +183,8 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(
 ) -> None:
     url = pd_server.base_url.removesuffix("/v1") + path
     if isinstance(body, bytes):
-        resp = httpx.post(url, content=body, headers={"content-type": "application/json"})
+        resp = httpx.post(url, content=body, headers={"content-type": "application/json"},
+                          timeout=30)
     else:
         resp = httpx.post(url, json=body, timeout=30)
     assert resp.status_code == status, resp.text
@@ -195,19 +197,26 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(
     assert ok.status_code == 200
 
 
+def generated_on_decode(server: Server) -> float:
+    """The decode engine's own count of tokens it generated (vllm:generation_tokens)."""
+    url = server.metrics_targets["decode-0"]
+    return router_metric(url.removesuffix("/metrics"), "vllm:generation_tokens_total")
+
+
 def test_client_disconnect_mid_stream_aborts_on_both_workers(pd_server: Server) -> None:
     body = {"model": MODEL, "prompt": "Count: " + LONG, "max_tokens": 1000, "temperature": 0,
             "ignore_eos": True, "stream": True}
+    generated = generated_on_decode(pd_server)
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", pd_server.base_url + "/completions", json=body) as resp:
             assert resp.status_code == 200
             lines = resp.iter_lines()  # held: a dropped iterator closes the response
             read_events(lines, 3)
             assert pd_server.load("decode").num_inflight_reqs == 1
-    started = time.monotonic()
-    assert wait_until(pd_server.idle, timeout_s=10), "request still running after the client left"
-    # 1000 tokens at ~25 tok/s would take 40 s: it was aborted, not finished.
-    assert time.monotonic() - started < 10
+    assert wait_until(pd_server.idle, timeout_s=60), "request still running after the client left"
+    # Aborted, not finished: the engine stopped far short of the 1000 tokens, however
+    # fast this machine generates them.
+    assert generated_on_decode(pd_server) - generated < 500
 
 
 def deadline_mid_decode(server: Server, body: dict[str, Any]) -> float:

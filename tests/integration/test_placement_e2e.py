@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from pdserve.router.worker_client import probe_load
 from pdserve_testing import Server, launch_up, stop_up, wait_until
@@ -108,6 +110,44 @@ async def _flood(server: Server, prompts: list[str]) -> None:
     assert all(r.status_code == 200 for r in resps), [r.text for r in resps if r.status_code]
 
 
+def _engines(server: Server, role: str) -> list[psutil.Process]:
+    """The engine processes (EngineCore, Worker) of ``up``'s ``role`` workers."""
+    out = []
+    for child in psutil.Process(server.proc.pid).children():
+        argv = child.cmdline()
+        if argv[3:4] == [role]:
+            out += child.children(recursive=True)
+    return out
+
+
+def _placed_at_once(server: Server, prompts: list[str]) -> None:
+    """Send ``prompts`` at once with the prefill engines paused until the router has
+    placed every one, so placement sees the whole flood queued however fast this
+    machine would have finished the first ones (its workers keep answering probes)."""
+    engines = _engines(server, "prefill")
+    assert engines
+    for e in engines:
+        e.suspend()
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            asyncio.run(_flood(server, prompts))
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the test
+            errors.append(exc)
+
+    flood = threading.Thread(target=send)
+    try:
+        flood.start()
+        assert wait_until(lambda: sum(int(w["num_assigned"]) for w in server.workers("prefill"))
+                          == len(prompts), 30, 0.05)
+    finally:
+        for e in engines:
+            e.resume()
+    flood.join(300)
+    assert not flood.is_alive() and not errors, errors
+
+
 def test_flood_of_one_prefix_spills_to_the_other_worker(cluster: Server) -> None:
     prefix = _prefix(2)
     before = _prefill_loads(cluster)
@@ -118,7 +158,7 @@ def test_flood_of_one_prefix_spills_to_the_other_worker(cluster: Server) -> None
     assert wait_until(lambda: _index(cluster)["blocks"].get(holder, 0)
                       >= num_prompt // BLOCK_SIZE, 10)
     before = _prefill_loads(cluster)
-    asyncio.run(_flood(cluster, [prefix + f"\nRequest {i}: go." for i in range(16)]))
+    _placed_at_once(cluster, [prefix + f"\nRequest {i}: go." for i in range(16)])
     after = _prefill_loads(cluster)
     hits = _delta(after, before, "prompt_tokens_local_cache_hit")
     computed = _delta(after, before, "prompt_tokens_computed")
