@@ -28,6 +28,12 @@ stalls seen on an AMD EPYC with native bf16. ``reliable_notify`` has the writer 
 its mailbox (``getsockopt(EVENTS)``) right before each ping, so a ping is dropped only
 while the previous one is still queued on the writer's side, i.e. not yet seen by the
 reader, which it will still wake.
+
+As a bound on whatever wake-up might still go missing (the I/O thread may hold a ping
+it has taken from the pipe but not yet credited), ``reliable_notify`` also caps the
+idle reader's recheck (``SHM_READER_RECHECK_INTERVAL_MS``, 5 s in vLLM) at
+``RECHECK_MS``: a lost ping then costs at most that, never 5 s. An idle reader wakes
+~10 times a second to look at its queue: microseconds of CPU.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ logger = logging.getLogger("vllm.pdserve_plugin")
 SPIN_ENV = "PDSERVE_VLLM_SHM_SPIN_S"
 # Microseconds NIXL's progress thread (vLLM's NixlConnector) waits between polls; unset: 0.
 NIXL_DELAY_ENV = "PDSERVE_NIXL_PROGRESS_DELAY_US"
+# The longest an idle shared-memory reader sleeps before it looks at its queue again.
+RECHECK_MS = 100
 
 
 def register() -> None:
@@ -69,9 +77,13 @@ def register() -> None:
 
 def reliable_notify() -> None:
     """Every ``SpinCondition`` writer processes its socket's pending commands before it
-    pings, so a ping the reader may need is never dropped (module docstring)."""
+    pings, so a ping the reader may need is never dropped, and an idle reader rechecks
+    its queue every ``RECHECK_MS`` at the latest (module docstring)."""
     import zmq
     from vllm.distributed.device_communicators import shm_broadcast
+
+    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = min(
+        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS, RECHECK_MS)
 
     cls = shm_broadcast.SpinCondition
     original = getattr(cls.notify, "__pdserve_original__", cls.notify)

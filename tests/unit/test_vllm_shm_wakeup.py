@@ -82,6 +82,21 @@ def test_the_plugin_writer_never_drops_a_ping(pair: tuple[Any, Any]) -> None:
     assert lost_second_pings(*pair, notify) == 0
 
 
+def test_the_plugin_bounds_an_idle_readers_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever wake-up might still go missing costs at most ``RECHECK_MS``: the idle
+    reader's poll timeout (vLLM's 5 s recheck) is capped, never raised."""
+    from pdserve.worker import vllm_plugin
+
+    monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", 5000)
+    vllm_plugin.reliable_notify()
+    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == vllm_plugin.RECHECK_MS <= 100
+    timeout = shm_broadcast.MessageQueue.ReadTimeoutWithWarnings(None, should_warn=False)
+    assert timeout.timeout_ms() == vllm_plugin.RECHECK_MS
+    monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", 20)
+    vllm_plugin.reliable_notify()
+    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 20
+
+
 def test_the_plugin_patches_the_writer_only_where_pdserve_asks(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``register`` applies the spin and the wake-up fix under ``PDSERVE_VLLM_SHM_SPIN_S``
@@ -93,10 +108,13 @@ def test_the_plugin_patches_the_writer_only_where_pdserve_asks(
     stock_init = getattr(cls.__init__, "__pdserve_original__", cls.__init__)
     monkeypatch.setattr(cls, "notify", stock_notify)
     monkeypatch.setattr(cls, "__init__", stock_init)
+    monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", 5000)
     monkeypatch.delenv(vllm_plugin.SPIN_ENV, raising=False)
     vllm_plugin.register()
     assert (cls.notify, cls.__init__) == (stock_notify, stock_init)
+    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 5000
     monkeypatch.setenv(vllm_plugin.SPIN_ENV, "0")
     vllm_plugin.register()
     assert cls.notify.__pdserve_original__ is stock_notify
     assert cls.__init__.__pdserve_original__ is stock_init
+    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == vllm_plugin.RECHECK_MS
