@@ -31,6 +31,7 @@ def test_each_request_reports_its_largest_gap_and_its_stalls() -> None:
     assert rows[1]["median_gap_s"] == pytest.approx((0.1 + 5.04) / 2)
     s = gaps.summary(rows)
     assert (s["num_ok"], s["num_stalled"], s["max_gap_s"]) == (2, 1, 5.05)
+    assert s["ttft_max_s"] == 0.1
 
 
 def test_a_failed_request_is_counted_not_measured() -> None:
@@ -57,6 +58,7 @@ def test_the_markdown_marks_stalls_and_gives_ratios_to_the_baseline() -> None:
     md = gaps.markdown(report([[0.1, 0.2]], [[0.1, 5.0]]))
     (row,) = [line for line in md.splitlines() if line.startswith("| pd | short |")]
     assert row.endswith("| 1 | 25.00x |")  # one stalled request; 5.0 / 0.2
+    assert row.startswith("| pd | short | 1 | 0.100 | 0.100 | 5.000 |")  # TTFT p50, max
     assert "| 0 | 0.200 | 5.000 **stall** |" in md
     assert "| pd | long | failed: bench run exited 2: x |" in md
 
