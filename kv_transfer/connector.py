@@ -128,6 +128,12 @@ class PdserveConnector(KVConnectorBase_V1):
         assert isinstance(meta, PdserveConnectorMetadata)
         self._worker.start_step(meta)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata,
+                                                   PdserveConnectorMetadata):
+            self._worker.begin_forward(connector_metadata)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Loads (pulled, or pushed layer by layer into the inbox) complete before
         # the request is scheduled: a step never waits on the network.
@@ -146,7 +152,9 @@ class PdserveConnector(KVConnectorBase_V1):
         self._worker.save_layer(layer_name, meta)
 
     def wait_for_save(self) -> None:
-        return
+        # Called once per step, right after the forward pass.
+        if self._worker is not None:
+            self._worker.steps.end()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None

@@ -48,3 +48,7 @@ class PdserveConnectorMetadata(KVConnectorMetadata):
     push_cancels: list[PushTarget] = field(default_factory=list)
     # Nothing is scheduled this step: the engine only steps to learn about transfers.
     idle: bool = False
+    # What this step computes (for the step-time fit): sequences decoding one token,
+    # and prompt tokens computed.
+    num_decode_seqs: int = 0
+    num_prefill_tokens: int = 0

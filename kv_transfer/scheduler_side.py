@@ -112,6 +112,8 @@ class SchedulerSide:
     def build_connector_meta(self, so: SchedulerOutput) -> PdserveConnectorMetadata:
         meta, self._meta = self._meta, PdserveConnectorMetadata()
         meta.idle = so.total_num_scheduled_tokens == 0
+        meta.num_decode_seqs = sum(n == 1 for n in so.num_scheduled_tokens.values())
+        meta.num_prefill_tokens = so.total_num_scheduled_tokens - meta.num_decode_seqs
         if self._push.num_tracked or so.scheduled_new_reqs:
             meta.pushes = self._push.plan(so)
         return meta

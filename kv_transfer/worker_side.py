@@ -22,6 +22,7 @@ from .leases import LeaseTable
 from .metadata import KVHandle, LoadSpec, PdserveConnectorMetadata
 from .push_inbox import PushInbox
 from .push_sender import PushSender
+from .step_model import StepTimer
 from .threads import unpin_current_thread
 from .wire import TransferError
 
@@ -62,6 +63,7 @@ class WorkerSide:
         self._load_stats = dict.fromkeys(
             ("loads", "load_time_ns", "push_loads", "push_fallbacks"), 0)
         self._load_lock = threading.Lock()
+        self.steps = StepTimer()  # the engine's step times (the status op shows the fit)
         self.port = 0  # the KV endpoint's port, once registered
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -70,7 +72,7 @@ class WorkerSide:
         port = self._config.kv_port + self._tp_rank if self._config.kv_port else 0
         self._kv = list(kv_caches.values())
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
-        self._transport.add_status(self._status_extra)
+        self._transport.add_status(self._status)
         channel = self._transport.push_channel()
         if channel is not None:
             # The sender idles until a request's params ask for a push; the inbox
@@ -94,6 +96,11 @@ class WorkerSide:
             self._config.transport, self._config.kv_bind_host, bound, len(layout.layers),
             layout.describe(),
         )
+
+    def begin_forward(self, meta: PdserveConnectorMetadata) -> None:
+        """The engine binds this step's metadata: its forward pass starts."""
+        if not meta.idle:
+            self.steps.begin(meta.num_decode_seqs, meta.num_prefill_tokens)
 
     def start_step(self, meta: PdserveConnectorMetadata) -> None:
         self._idle = meta.idle
@@ -149,6 +156,10 @@ class WorkerSide:
         delta = {k: v - self._last_stats.get(k, 0) for k, v in now.items()}
         self._last_stats = now
         return delta if any(delta.values()) else None
+
+    def _status(self) -> dict[str, int]:
+        """The status op's extra fields: load counters and the step-time fit."""
+        return dict(self._status_extra(), **self.steps.estimate().to_status())
 
     def _status_extra(self) -> dict[str, int]:
         with self._load_lock:

@@ -130,6 +130,12 @@ class WorkerLoadReport:
     num_cached_blocks: int = 0
     kv_leases_held: int = 0
     kv_push_inbox_bytes: int = 0
+    # The engine's fitted step time (GetLoad's step_* fields).
+    step_base_us: int = 0
+    step_per_seq_us: int = 0
+    step_per_token_ns: int = 0
+    step_decode_samples: int = 0
+    step_prefill_samples: int = 0
 
 
 @dataclass(frozen=True)

@@ -196,7 +196,11 @@ def load_report(c: EngineCounters, status: dict[str, Any], num_inflight: int,
             kv_load_time_ns=stat("load_time_ns"), kv_push_loads=stat("push_loads"),
             kv_push_fallbacks=stat("push_fallbacks"), kv_layers_pushed=stat("layers_pushed"),
             kv_pushes_failed=stat("pushes_failed"), num_cached_blocks=num_cached_blocks,
-            kv_leases_held=stat("num_leases"), kv_push_inbox_bytes=stat("push_inbox_bytes"))
+            kv_leases_held=stat("num_leases"), kv_push_inbox_bytes=stat("push_inbox_bytes"),
+            step_base_us=stat("step_base_us"), step_per_seq_us=stat("step_per_seq_us"),
+            step_per_token_ns=stat("step_per_token_ns"),
+            step_decode_samples=stat("step_decode_samples"),
+            step_prefill_samples=stat("step_prefill_samples"))
 
 
 def _timing(request: PhaseRequest, step: EngineStep, clock: PhaseClock) -> PhaseTiming:

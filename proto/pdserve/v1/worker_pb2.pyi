@@ -187,7 +187,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "num_pending_transfers", "prompt_tokens_computed", "prompt_tokens_local_cache_hit", "prompt_tokens_external", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_completed", "kv_transfers_failed", "kv_transfer_time_ns", "num_inflight_reqs", "kv_leases_expired", "kv_loads", "kv_load_time_ns", "kv_push_loads", "kv_push_fallbacks", "kv_layers_pushed", "kv_pushes_failed", "kv_leases_held", "kv_push_inbox_bytes", "num_cached_blocks")
+    __slots__ = ("num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "num_pending_transfers", "prompt_tokens_computed", "prompt_tokens_local_cache_hit", "prompt_tokens_external", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_completed", "kv_transfers_failed", "kv_transfer_time_ns", "num_inflight_reqs", "kv_leases_expired", "kv_loads", "kv_load_time_ns", "kv_push_loads", "kv_push_fallbacks", "kv_layers_pushed", "kv_pushes_failed", "kv_leases_held", "kv_push_inbox_bytes", "num_cached_blocks", "step_base_us", "step_per_seq_us", "step_per_token_ns", "step_decode_samples", "step_prefill_samples")
     NUM_RUNNING_REQS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +211,11 @@ class GetLoadResponse(_message.Message):
     KV_LEASES_HELD_FIELD_NUMBER: _ClassVar[int]
     KV_PUSH_INBOX_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STEP_BASE_US_FIELD_NUMBER: _ClassVar[int]
+    STEP_PER_SEQ_US_FIELD_NUMBER: _ClassVar[int]
+    STEP_PER_TOKEN_NS_FIELD_NUMBER: _ClassVar[int]
+    STEP_DECODE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    STEP_PREFILL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     num_running_reqs: int
     num_waiting_reqs: int
     kv_cache_usage: float
@@ -234,7 +239,12 @@ class GetLoadResponse(_message.Message):
     kv_leases_held: int
     kv_push_inbox_bytes: int
     num_cached_blocks: int
-    def __init__(self, num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_pending_transfers: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_local_cache_hit: _Optional[int] = ..., prompt_tokens_external: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_completed: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_time_ns: _Optional[int] = ..., num_inflight_reqs: _Optional[int] = ..., kv_leases_expired: _Optional[int] = ..., kv_loads: _Optional[int] = ..., kv_load_time_ns: _Optional[int] = ..., kv_push_loads: _Optional[int] = ..., kv_push_fallbacks: _Optional[int] = ..., kv_layers_pushed: _Optional[int] = ..., kv_pushes_failed: _Optional[int] = ..., kv_leases_held: _Optional[int] = ..., kv_push_inbox_bytes: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+    step_base_us: int
+    step_per_seq_us: int
+    step_per_token_ns: int
+    step_decode_samples: int
+    step_prefill_samples: int
+    def __init__(self, num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_pending_transfers: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_local_cache_hit: _Optional[int] = ..., prompt_tokens_external: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_completed: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_time_ns: _Optional[int] = ..., num_inflight_reqs: _Optional[int] = ..., kv_leases_expired: _Optional[int] = ..., kv_loads: _Optional[int] = ..., kv_load_time_ns: _Optional[int] = ..., kv_push_loads: _Optional[int] = ..., kv_push_fallbacks: _Optional[int] = ..., kv_layers_pushed: _Optional[int] = ..., kv_pushes_failed: _Optional[int] = ..., kv_leases_held: _Optional[int] = ..., kv_push_inbox_bytes: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., step_base_us: _Optional[int] = ..., step_per_seq_us: _Optional[int] = ..., step_per_token_ns: _Optional[int] = ..., step_decode_samples: _Optional[int] = ..., step_prefill_samples: _Optional[int] = ...) -> None: ...
 
 class KvEventsRequest(_message.Message):
     __slots__ = ()
