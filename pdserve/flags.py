@@ -243,8 +243,9 @@ FLAGS = _flags(
     Flag("placement", "prefill/decode placement policy", DEFAULT_PLACEMENT,
          choices=sorted(PLACEMENTS)),
     Flag("disagg", "per request: prefill remotely and hand the KV to decode (always), let "
-         "decode prefill the prompt itself (never), or decide from the uncached prompt "
-         "length and the workers' load (auto)", DEFAULT_DISAGG_MODE, choices=DISAGG_MODES),
+         "decode prefill the prompt itself (never), decide from the uncached prompt "
+         "length and the workers' load (auto), or from the engines' measured step times "
+         "against --slo-ttft-ms / --slo-itl-ms (slo)", DEFAULT_DISAGG_MODE, choices=DISAGG_MODES),
     Flag("local-prefill-max-tokens", "auto: a prompt with at most this many tokens outside "
          "the prefill worker's prefix cache is prefilled on decode",
          DEFAULT_LOCAL_PREFILL_MAX_TOKENS, parse_int(0)),
@@ -254,6 +255,12 @@ FLAGS = _flags(
     Flag("local-decode-max-running", "auto: a decode with at most this many running or "
          "queued requests counts as lightly loaded", DEFAULT_LOCAL_DECODE_MAX_RUNNING,
          parse_int(0)),
+    Flag("slo-ttft-ms", "slo: the time-to-first-token objective the per-request choice "
+         "(prefill on decode, or hand off) aims at, from the engines' measured step times; "
+         "0: 3x this prompt's unloaded prefill", 0.0, parse_float(0)),
+    Flag("slo-itl-ms", "slo: the inter-token objective; a prompt is prefilled on decode "
+         "only if the step carrying it stays within it; 0: 2x an unloaded decode step",
+         0.0, parse_float(0)),
     Flag("max-migrations", "a request whose decode worker fails mid-stream continues on "
          "another compatible decode worker (prompt + tokens sent, recomputed there) at most "
          "this many times; 0: a failed decode fails the request", DEFAULT_MAX_MIGRATIONS,

@@ -19,13 +19,21 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .placement import PlacementRequest
+from .slo import SloConfig, SloEstimate, choose_by_slo
 from .worker_state import WorkerState
 
-DisaggMode = Literal["always", "never", "auto"]
+DisaggMode = Literal["always", "never", "auto", "slo"]
 Decision = Literal["local", "remote"]
 Reason = Literal["always", "never", "no_prefill", "short_prompt", "decode_cached",
-                 "prefill_busy", "long_prompt"]
-DISAGG_MODES: tuple[DisaggMode, ...] = ("auto", "always", "never")
+                 "prefill_busy", "long_prompt", "slo_local", "slo_remote", "slo_missed_local",
+                 "slo_missed_remote"]
+DISAGG_MODES: tuple[DisaggMode, ...] = ("auto", "always", "never", "slo")
+# Every (decision, reason) the rules can give (metric label sets known up front).
+DECISION_REASONS: tuple[tuple[Decision, Reason], ...] = (
+    ("remote", "always"), ("local", "never"), ("local", "no_prefill"),
+    ("local", "short_prompt"), ("local", "decode_cached"), ("local", "prefill_busy"),
+    ("remote", "long_prompt"), ("local", "slo_local"), ("remote", "slo_remote"),
+    ("local", "slo_missed_local"), ("remote", "slo_missed_remote"))
 DEFAULT_DISAGG_MODE: DisaggMode = "auto"
 
 # Two of vLLM's CPU KV blocks (128 tokens each). A prompt that short fits in one engine
@@ -46,12 +54,16 @@ DEFAULT_LOCAL_DECODE_MAX_RUNNING = 4
 @dataclass(frozen=True)
 class DisaggConfig:
     """``always``: every request goes prefill → decode (the handoff); ``never``: every
-    request runs on decode alone; ``auto``: the rules of ``choose_disagg``."""
+    request runs on decode alone; ``auto``: the static rules of ``choose_disagg``;
+    ``slo``: the SLO rule on the engines' measured costs (``router/slo.py``), the static
+    rules only until both engines have measured their steps."""
 
     mode: DisaggMode = DEFAULT_DISAGG_MODE
     local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
     local_prefill_max_queued_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_QUEUED_TOKENS
     local_decode_max_running: int = DEFAULT_LOCAL_DECODE_MAX_RUNNING
+    # ``slo``'s objectives (router/slo.py; 0: derived from the measurements).
+    slo: SloConfig = SloConfig()
 
     def __post_init__(self) -> None:
         if self.mode not in DISAGG_MODES:
@@ -67,7 +79,8 @@ class DisaggConfig:
         """From the ``--disagg`` / ``--local-*`` flags (``router`` and ``up``)."""
         return cls(mode=args.disagg, local_prefill_max_tokens=args.local_prefill_max_tokens,
                    local_prefill_max_queued_tokens=args.local_prefill_max_queued_tokens,
-                   local_decode_max_running=args.local_decode_max_running)
+                   local_decode_max_running=args.local_decode_max_running,
+                   slo=SloConfig(args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3))
 
     def flags(self) -> list[str]:
         """The router flags that give this config back (``pdserve up`` hands them to its
@@ -75,7 +88,9 @@ class DisaggConfig:
         return ["--disagg", self.mode,
                 "--local-prefill-max-tokens", str(self.local_prefill_max_tokens),
                 "--local-prefill-max-queued-tokens", str(self.local_prefill_max_queued_tokens),
-                "--local-decode-max-running", str(self.local_decode_max_running)]
+                "--local-decode-max-running", str(self.local_decode_max_running),
+                "--slo-ttft-ms", repr(self.slo.ttft_s * 1e3),
+                "--slo-itl-ms", repr(self.slo.itl_s * 1e3)]
 
 
 @dataclass(frozen=True)
@@ -85,6 +100,7 @@ class DisaggDecision:
 
     decision: Decision
     reason: Reason
+    estimate: SloEstimate | None = None  # what an SLO decision weighed
 
     @property
     def remote(self) -> bool:
@@ -101,9 +117,11 @@ def choose_disagg(
     """Remote or local for one request, given the pair placement chose.
 
     ``prefill`` is None when placement found no healthy prefill worker compatible with
-    ``decode``: then the prompt is computed on decode, whatever the mode. In ``auto``,
-    the first rule that holds decides (``local tokens`` = the prompt tokens outside
-    decode's own prefix cache, ``decode_cached_tokens``: what decode computes if local):
+    ``decode``: then the prompt is computed on decode, whatever the mode. In ``slo``, the
+    SLO rule decides (``router/slo.py``) once both engines have measured their steps.
+    In ``auto``, and in ``slo`` until then (start-up), the first static rule that holds
+    (``local tokens`` = the prompt tokens outside decode's own prefix cache,
+    ``decode_cached_tokens``: what decode computes if local):
 
     - ``short_prompt``: the prompt has at most ``local_prefill_max_tokens`` tokens → local;
     - ``decode_cached``: the local tokens are that few (decode holds the rest) → local;
@@ -125,6 +143,10 @@ def choose_disagg(
         return DisaggDecision("remote", "always")
     if config.mode == "never":
         return DisaggDecision("local", "never")
+    if config.mode == "slo":
+        by_slo = choose_by_slo(config.slo, request, prefill, decode, decode_cached_tokens)
+        if by_slo is not None:
+            return DisaggDecision(by_slo.decision, by_slo.reason, by_slo.estimate)
     if request.num_prompt_tokens <= config.local_prefill_max_tokens:
         return DisaggDecision("local", "short_prompt")
     local_tokens = request.num_prompt_tokens - decode_cached_tokens

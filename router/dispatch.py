@@ -124,7 +124,7 @@ class PDDispatcher:
         # TODO(issue 10): pass decode_cached_tokens once decode workers publish KV events
         # (today only prefill workers do, and the prefix index holds only theirs).
         disagg = choose_disagg(self._disagg, request, p_state, d_state)
-        self._metrics.disagg_decisions.labels(disagg.decision, disagg.reason).inc()
+        self._metrics.on_decision(disagg)
         self._metrics.placements.on_placed(d_state)
         if choice.prefill is None or p_state is None or not disagg.remote:
             return _Route(None, decode[choice.decode], disagg)
@@ -173,7 +173,7 @@ class PDDispatcher:
             stream = self._decode(route.decode, _decode_request(
                 request_id, prompt_token_ids, sampling, first),
                 route.disagg if first is None else None, involved, timeline, migration,
-                deadline)
+                deadline)  # no first token: decode computes the prompt
             async with contextlib.aclosing(stream):  # closing us closes the decode call now
                 async for chunk in stream:
                     if chunk.finish_reason is not None:
@@ -226,11 +226,18 @@ class PDDispatcher:
             failure: str | None = None
             ended = False  # the finish went out: a failure after it loses nothing
             timeout_s = self._time_left(deadline, "decode")
-            worker.on_sent()
+            # Prompt tokens decode computes before its first token (none with a KV handle):
+            # queued local prefill, which the SLO decisions weigh, until that token.
+            prefill_tokens = 0 if request.kv_handle is not None else len(
+                request.prompt_token_ids)
+            worker.on_sent(prefill_tokens)
             try:
                 async with contextlib.aclosing(
                         worker.client.generate(request, timeout_s)) as outs:
                     async for out in outs:
+                        if prefill_tokens:
+                            worker.on_prefilled(prefill_tokens)
+                            prefill_tokens = 0
                         if (failure := failure_of_output(out)) is not None:
                             break
                         timeline.on_decode(out)
@@ -249,7 +256,7 @@ class PDDispatcher:
                 if (failure := failure_of_error(exc)) is None:
                     raise WorkerFailedError(f"decode worker failed: {exc.details}") from exc
             finally:
-                worker.on_finished()
+                worker.on_finished(prefill_tokens)
             if failure is None:
                 return
             step = self._migrate(worker, failure, request, involved, migration)

@@ -8,8 +8,12 @@ from prometheus_client import CollectorRegistry, Counter
 
 from pdserve.types import PHASES
 
-from .metrics import PREFIX, NullMetric, counter
+from .disagg import DECISION_REASONS, DisaggDecision
+from .metrics import PREFIX, NullMetric, counter, gauge
 from .worker_state import WorkerState
+
+# pdserve:slo_estimate_seconds{what}: the last SLO decision's inputs.
+SLO_ESTIMATES = ("local_ttft", "local_step", "remote_ttft", "ttft_objective", "itl_objective")
 
 
 class DispatchMetrics:
@@ -35,10 +39,28 @@ class DispatchMetrics:
         self.ejections = counter(r, f"{PREFIX}worker_ejections", "Workers ejected from "
                                  "placement by their circuit breaker (repeated failed calls), "
                                  "by role.", ["role"])
+        self.slo_estimates = gauge(
+            r, f"{PREFIX}slo_estimate_seconds", "The last SLO-driven disaggregation "
+            "decision's estimates: decode's TTFT and step with the prompt prefilled there "
+            "(local), the prefill worker's queue + compute (remote), and the objectives.",
+            ["what"])
         self.placements = PlacementCounts(registry, policy)
         for role in PHASES:  # bounded label sets exist from the start (0, not absent)
             self.deadlines_exceeded.labels(role)
             self.ejections.labels(role)
+        for decision, reason in DECISION_REASONS:
+            self.disagg_decisions.labels(decision, reason)
+        for what in SLO_ESTIMATES:
+            self.slo_estimates.labels(what)
+
+    def on_decision(self, disagg: DisaggDecision) -> None:
+        self.disagg_decisions.labels(disagg.decision, disagg.reason).inc()
+        est = disagg.estimate
+        if est is not None:
+            for what, value in zip(SLO_ESTIMATES, (est.local_ttft_s, est.local_step_s,
+                                                   est.remote_ttft_s, est.ttft_slo_s,
+                                                   est.itl_slo_s), strict=True):
+                self.slo_estimates.labels(what).set(value)
 
 
 class PlacementCounts:

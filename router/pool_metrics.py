@@ -7,6 +7,7 @@ work on the request path, and a worker that left the view leaves the output with
   pdserve:worker_assigned_requests{role,worker}    requests this router sent and has not
                                                    seen finish, per current member
   pdserve:membership_changes_total{role,change}    members joined / left the view
+  pdserve:worker_step_seconds{role,worker,term}    the engine's measured step time fit
 """
 
 from __future__ import annotations
@@ -48,6 +49,22 @@ class PoolCollector(Collector):
             workers.add_metric([role, state_name], n)
         yield workers
         yield assigned
+        yield self._steps()
+
+    def _steps(self) -> GaugeMetricFamily:
+        steps = GaugeMetricFamily(
+            f"{PREFIX}worker_step_seconds", "Each worker engine's measured step time: "
+            "base + per_seq x sequences decoding + per_token x prompt tokens computed "
+            "(what the SLO-driven decisions read); absent until it has measured a step.",
+            labels=["role", "worker", "term"])
+        for worker in self._pool.all:
+            state = worker.snapshot()
+            cost = state.load.step
+            if cost is not None:
+                for term, value in (("base", cost.base_s), ("per_seq", cost.per_seq_s),
+                                    ("per_token", cost.per_token_s)):
+                    steps.add_metric([state.role, state.member_id, term], value)
+        return steps
 
 
 def register_pool_metrics(pool: WorkerPool, registry: CollectorRegistry) -> None:

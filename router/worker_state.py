@@ -13,6 +13,24 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
+class StepCost:
+    """A worker engine's step time as it measured it (``GetLoad``'s step fit):
+    ``base_s + per_seq_s * sequences decoding + per_token_s * prompt tokens``.
+    ``decode_measured`` / ``prefill_measured``: the engine has run such steps (else
+    that term is only the fit's prior)."""
+
+    base_s: float
+    per_seq_s: float
+    per_token_s: float
+    decode_measured: bool = False
+    prefill_measured: bool = False
+
+    def seconds(self, num_decode_seqs: int, num_prefill_tokens: int) -> float:
+        return (self.base_s + self.per_seq_s * num_decode_seqs
+                + self.per_token_s * num_prefill_tokens)
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerLoad:
     """The part of a worker's ``GetLoad`` report that placement uses."""
 
@@ -20,6 +38,7 @@ class WorkerLoad:
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
     num_inflight_reqs: int = 0
+    step: StepCost | None = None  # None until the engine has measured a step
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +62,9 @@ class WorkerState:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     # Requests this router has sent and not seen finish (fresher than GetLoad).
     num_assigned: int = 0
-    # Prompt tokens not in the worker's prefix cache, summed over the prefills
-    # this router has sent it and not seen finish (queued prefill work).
+    # Prompt tokens this router has sent the worker to compute and not seen computed
+    # (queued prefill work): a prefill worker's uncached tokens until the prefill
+    # ends; a decode worker's local prefills until their first token.
     num_assigned_tokens: int = 0
 
 
@@ -60,6 +80,9 @@ class InFlight:
     def on_sent(self, uncached_tokens: int) -> None:
         self.num_assigned += 1
         self.num_assigned_tokens += uncached_tokens
+
+    def on_prefilled(self, uncached_tokens: int) -> None:
+        self.num_assigned_tokens -= uncached_tokens
 
     def on_finished(self, uncached_tokens: int) -> None:
         self.num_assigned -= 1

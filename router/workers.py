@@ -31,7 +31,7 @@ from pdserve.types import WorkerHealth, WorkerLoadReport
 
 from .breaker import DEFAULT_BREAKER, BreakerConfig, CircuitBreaker
 from .worker_client import DEADLINE_EXCEEDED, WorkerCallError, WorkerClient
-from .worker_state import InFlight, WorkerLoad, WorkerState
+from .worker_state import InFlight, StepCost, WorkerLoad, WorkerState
 
 logger = logging.getLogger("pdserve.router.workers")
 
@@ -116,6 +116,12 @@ class Worker:
         self._inflight.on_sent(uncached_tokens)
         self._publish()
 
+    def on_prefilled(self, uncached_tokens: int) -> None:
+        """A request sent with ``on_sent(uncached_tokens)`` has its prompt computed (its
+        first token came); it stays assigned, its tokens no longer queued."""
+        self._inflight.on_prefilled(uncached_tokens)
+        self._publish()
+
     def on_finished(self, uncached_tokens: int = 0) -> None:
         """A request sent with ``on_sent(uncached_tokens)`` ended, however it ended."""
         self._inflight.on_finished(uncached_tokens)
@@ -193,7 +199,16 @@ class Worker:
 
 def _placement_load(report: WorkerLoadReport) -> WorkerLoad:
     return WorkerLoad(report.num_running_reqs, report.num_waiting_reqs, report.kv_cache_usage,
-                      report.num_inflight_reqs)
+                      report.num_inflight_reqs, step_cost(report))
+
+
+def step_cost(report: WorkerLoadReport) -> StepCost | None:
+    """The engine's step fit from its report; None before it has measured any step."""
+    if not (report.step_decode_samples or report.step_prefill_samples):
+        return None
+    return StepCost(report.step_base_us / 1e6, report.step_per_seq_us / 1e6,
+                    report.step_per_token_ns / 1e9, report.step_decode_samples > 0,
+                    report.step_prefill_samples > 0)
 
 
 Listener = Callable[[WorkerState], None]
