@@ -8,10 +8,11 @@ only after its hello was accepted. What each op does is the transport's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pdserve.cluster_secret import ClusterSecret, warn_if_open
@@ -44,6 +45,8 @@ class ControlServer:
         self._stop = stop
         self._secret = secret
         self._listener: socket.socket | None = None
+        self._conns: set[socket.socket] = set()  # served now; shut down by close()
+        self._conns_lock = threading.Lock()
 
     def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0: any free port); returns the bound port."""
@@ -56,8 +59,15 @@ class ControlServer:
         return int(listener.getsockname()[1])
 
     def close(self) -> None:
+        """Stop listening and end every connection being served: a closed transport
+        answers nothing more, as a dead process would not (clients see EOF at once)."""
         if self._listener is not None:
             self._listener.close()
+        with self._conns_lock:
+            conns, self._conns = self._conns, set()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
     def _accept_loop(self, listener: socket.socket) -> None:
         unpin_current_thread()
@@ -77,7 +87,7 @@ class ControlServer:
     def _serve_conn(self, conn: socket.socket, peer: str = "?") -> None:
         unpin_current_thread()
         verified = False
-        with conn:
+        with conn, self._tracked(conn):
             if self._secret is not None and not authenticate_client(conn, self._secret, peer):
                 return
             try:
@@ -99,6 +109,18 @@ class ControlServer:
                         send_msg(conn, {"ok": False, "error": f"unknown op {op!r}"})
             except (OSError, TransferError, ValueError) as exc:  # incl. idle timeout
                 logger.debug("KV connection closed: %s", exc)
+
+
+    @contextlib.contextmanager
+    def _tracked(self, conn: socket.socket) -> Iterator[None]:
+        """``conn`` is served (``close`` ends it) for the duration of the block."""
+        with self._conns_lock:
+            self._conns.add(conn)
+        try:
+            yield
+        finally:
+            with self._conns_lock:
+                self._conns.discard(conn)
 
 
 def _address(addr: Any) -> str:

@@ -24,8 +24,9 @@ from .wire import (
 
 class ConnectionPool:
     """Idle connections per peer; one is reused for at most ``max_idle_s`` of idleness
-    (the server drops idle ones later than that). A connection that failed is
-    closed by its user, never checked back in."""
+    (the server drops idle ones later than that) and only while the peer has not closed
+    it (a restarted peer on the same address). A connection that failed is closed by its
+    user, never checked back in."""
 
     def __init__(self, max_idle_s: float, secret: ClusterSecret | None = None) -> None:
         self._max_idle_s = max_idle_s
@@ -42,7 +43,7 @@ class ConnectionPool:
             idle = self._idle.get(peer, [])
             while idle:
                 conn, last_used = idle.pop()
-                if time.monotonic() - last_used < self._max_idle_s:
+                if time.monotonic() - last_used < self._max_idle_s and not dropped(conn):
                     return conn
                 conn.close()  # the peer may have dropped it already
         remaining = deadline - time.monotonic()
@@ -80,3 +81,19 @@ class ConnectionPool:
                 for conn, _ in conns:
                     conn.close()
             self._idle.clear()
+
+
+def dropped(conn: socket.socket) -> bool:
+    """The peer closed (or reset) this idle connection, so it cannot be reused. An idle
+    control connection has nothing to read: EOF, an error or stray bytes all mean dead."""
+    timeout = conn.gettimeout()
+    conn.setblocking(False)
+    try:
+        conn.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return False  # nothing to read: alive
+    except OSError:
+        return True
+    finally:
+        conn.settimeout(timeout)
+    return True

@@ -50,14 +50,16 @@ def compat(dtype: torch.dtype) -> dict[str, object]:
 
 
 def start_transport(name: str, caches: dict[str, torch.Tensor], leases: LeaseTable,
-                    options: TransportOptions | None = None) -> tuple[KVTransport, int]:
-    """A transport over ``caches``, serving on 127.0.0.1, as the worker side starts it."""
+                    options: TransportOptions | None = None, port: int = 0
+                    ) -> tuple[KVTransport, int]:
+    """A transport over ``caches``, serving on 127.0.0.1 (``port``; 0: any free one), as
+    the worker side starts it."""
     dtype = next(iter(caches.values())).dtype
     layout = KVLayout.from_kv_caches(caches, NUM_BLOCKS, 16)
     transport = create_transport(name, options)
     port = transport.start(kv_caches=list(caches.values()), layout=layout, leases=leases,
                            compat=dict(compat(dtype), layout=layout.describe()),
-                           host="127.0.0.1", port=0)
+                           host="127.0.0.1", port=port)
     return transport, port
 
 

@@ -5,6 +5,7 @@ Transfers between processes, per transport, are in test_kv_transports.py."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.integrity import checksum
 from pdserve.kv_transfer.leases import LeaseError, LeaseTable
 from pdserve.kv_transfer.wire import TransferError, request_once
-from pdserve_testing import make_caches, start_transport
+from pdserve_testing import make_caches, start_transport, wait_until
 
 
 def test_release_and_status_without_transfer() -> None:
@@ -31,6 +32,38 @@ def test_release_and_status_without_transfer() -> None:
     assert request_once("127.0.0.1", port, {"op": "status"}, 5)["num_leases"] == 1
     assert table.take_done() == {"r1"}
     transport.close()
+
+
+def test_a_peer_restarted_on_its_address_gets_the_next_release() -> None:
+    """A pooled control connection to a peer that died is not reused: the release after
+    the peer's restart (same port) reaches the new one, not a dead socket (seen: a
+    prefill worker SIGKILLed and restarted kept a decode's release from arriving, so its
+    lease held the blocks until expiry)."""
+    old_leases, new_leases = LeaseTable(), LeaseTable()
+    old_leases.add("r1", [1], time.time() + 30)
+    new_leases.add("r2", [2], time.time() + 30)
+    caches = make_caches(1, torch.float32)
+    client, _ = start_transport("tcp", caches, LeaseTable())
+    old, port = start_transport("tcp", caches, old_leases)
+    peer = PeerAddress("127.0.0.1", port)
+    client.release(peer, "r1", time.monotonic() + 5)  # leaves a pooled connection
+    assert old_leases.take_done() == {"r1"}
+    old.close()  # its accept thread lets go of the port within its poll interval
+    new = wait_until(lambda: _start_on(caches, new_leases, port), 5.0, interval_s=0.05)
+    assert new, f"port {port} never came free"
+    try:
+        client.release(peer, "r2", time.monotonic() + 5)
+        assert new_leases.take_done() == {"r2"}
+    finally:
+        new.close()
+        client.close()
+
+
+def _start_on(caches: dict[str, torch.Tensor], leases: LeaseTable, port: int) -> Any:
+    try:
+        return start_transport("tcp", caches, leases, port=port)[0]
+    except OSError:
+        return None
 
 
 @pytest.mark.parametrize("name", ["tcp", "ucx", "torch"])
