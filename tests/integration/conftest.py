@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from integration.pd_cases import CASES, KILL_CASE, LOCAL_PREFILL_MAX_TOKENS, prompt_ids
+from integration.pd_cases import (
+    CASES,
+    KILL_CASE,
+    LOCAL_PREFILL_MAX_TOKENS,
+    TopLogprobs,
+    prompt_ids,
+)
 from pdserve_testing import Server, launch_up, stop_up
 
 from pdserve.model import prepare_default_model
@@ -34,13 +40,15 @@ def tokenizer(model_path: Path):
 
 
 @pytest.fixture(scope="session")
-def reference_runs(model_path: Path, tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
-                   ) -> Callable[[str], list[list[int]]]:
-    """Aggregated vLLM's greedy output for each of CASES, then KILL_CASE, in a dtype
-    (one engine run per dtype, the first time it is asked for)."""
-    runs: dict[str, list[list[int]]] = {}
+def reference_engine_runs(model_path: Path, tokenizer: Any,
+                          tmp_path_factory: pytest.TempPathFactory
+                          ) -> Callable[[str], tuple[list[list[int]], list[list[TopLogprobs]]]]:
+    """Aggregated vLLM's greedy output for each of CASES, then KILL_CASE, in a dtype, with
+    each position's top-5 logprobs (one engine run per dtype, the first time it is asked
+    for)."""
+    runs: dict[str, tuple[list[list[int]], list[list[TopLogprobs]]]] = {}
 
-    def run(dtype: str) -> list[list[int]]:
+    def run(dtype: str) -> tuple[list[list[int]], list[list[TopLogprobs]]]:
         if dtype not in runs:
             tmp = tmp_path_factory.mktemp(f"reference-{dtype}")
             requests = [{"prompt_token_ids": prompt_ids(tokenizer, c),
@@ -50,10 +58,20 @@ def reference_runs(model_path: Path, tokenizer: Any, tmp_path_factory: pytest.Te
             subprocess.run([sys.executable, str(script), str(model_path), str(tmp / "in.json"),
                             str(tmp / "out.json"), dtype], check=True, timeout=600,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            runs[dtype] = json.loads((tmp / "out.json").read_text())
+            tops = json.loads((tmp / "out.json.top.json").read_text())
+            runs[dtype] = (json.loads((tmp / "out.json").read_text()),
+                           [[{int(t): lp for t, lp in pos.items()} for pos in req]
+                            for req in tops])
         return runs[dtype]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def reference_runs(reference_engine_runs: Callable[[str], tuple[list[list[int]], Any]]
+                   ) -> Callable[[str], list[list[int]]]:
+    """The reference token ids in a dtype."""
+    return lambda dtype: reference_engine_runs(dtype)[0]
 
 
 @pytest.fixture(scope="session")

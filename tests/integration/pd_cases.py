@@ -49,6 +49,33 @@ def prompt_ids(tokenizer: Any, case: Case) -> list[int]:
 
 
 # Sent only to the cluster whose prefill engine is killed mid-transfer.
+# One output position's top candidates in the reference engine: token id -> logprob.
+TopLogprobs = dict[int, float]
+# bf16 (DESIGN.md, correctness oracle): decode recomputes t1 with another kernel and
+# batch, so a greedy choice between two candidates this close (nats, in the reference)
+# may flip; everything before the flip must be equal.
+BF16_TIE_NATS = 0.5
+
+
+def near_tie_divergence(got: list[int], want: list[int], tops: list[TopLogprobs],
+                        tie_nats: float = BF16_TIE_NATS) -> str | None:
+    """None when ``got`` equals ``want`` up to a first difference that the reference
+    itself scored as a near-tie (``got``'s token in its top candidates, within
+    ``tie_nats`` of its own pick); else what is wrong. After a flip the contexts differ,
+    so nothing later can be compared."""
+    i = next((k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+    if i is None:
+        return None if len(got) == len(want) else (
+            f"same tokens, but {len(got)} of them where the reference has {len(want)}")
+    top = tops[i]
+    if got[i] not in top:
+        return f"position {i}: token {got[i]} is not among the reference's {sorted(top)}"
+    gap = top[want[i]] - top[got[i]]
+    if gap > tie_nats:
+        return f"position {i}: token {got[i]} scored {gap:.3f} nats below {want[i]}"
+    return None
+
+
 KILL_CASE = Case("completion", "Recount every fact. " + LONG * 3 + "\nSummary:", False, 16)
 
 

@@ -3,7 +3,9 @@
 Run as ``python reference_engine.py MODEL IN.json OUT.json [DTYPE]`` (default
 float32): IN holds
 ``[{"prompt_token_ids": [...], "max_tokens": N}, ...]``; OUT gets the output token
-ids of each. A separate process, since vLLM spawns engine processes.
+ids of each, and ``OUT.top.json`` each output position's top-5 candidates
+(``{token id: logprob}``), so a bf16 comparison can tell a near-tie flip from an error.
+A separate process, since vLLM spawns engine processes.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+
+TOP_K = 5
 
 
 def main(model: str, in_path: str, out_path: str, dtype: str = "float32") -> None:
@@ -25,10 +29,14 @@ def main(model: str, in_path: str, out_path: str, dtype: str = "float32") -> Non
               enable_prefix_caching=False)
     outputs = llm.generate(
         [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests],
-        [SamplingParams(temperature=0, max_tokens=r["max_tokens"]) for r in requests],
+        [SamplingParams(temperature=0, max_tokens=r["max_tokens"], logprobs=TOP_K)
+         for r in requests],
     )
     with open(out_path, "w") as f:
         json.dump([list(o.outputs[0].token_ids) for o in outputs], f)
+    with open(out_path + ".top.json", "w") as f:
+        json.dump([[{str(t): lp.logprob for t, lp in pos.items()}
+                    for pos in o.outputs[0].logprobs or []] for o in outputs], f)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """P/D end to end over the ucx and torch transports (tcp is ``test_pd_e2e.py``):
 the same equality with aggregated vLLM, and a prefill engine killed mid-transfer. The
 ucx cluster runs ``--dtype auto`` (this machine's native dtype: bfloat16 where the CPU
-has it, else float32) and is checked against one engine in that same dtype."""
+has it, else float32) and is checked against one engine in that same dtype: exactly in
+float32, and in bf16 up to a first difference the engine itself scores as a near-tie
+(decode recomputes the first token with another kernel; DESIGN.md's oracle)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from integration.pd_cases import (
     BLOCK_SIZE,
     CASES,
     KILL_CASE,
+    TopLogprobs,
+    near_tie_divergence,
     prompt_ids,
     run_case,
 )
@@ -36,14 +40,15 @@ UCX_NATIVE_DTYPE = "ucx:0:always:auto"
 
 @pytest.mark.parametrize("pd_server", [UCX_NATIVE_DTYPE, TORCH_THROTTLED], indirect=True)
 def test_greedy_pd_equals_aggregated_vllm_over_each_transport(
-    pd_server: Server, tokenizer: Any, reference_runs: Callable[[str], list[list[int]]],
+    pd_server: Server, tokenizer: Any,
+    reference_engine_runs: Callable[[str], tuple[list[list[int]], list[list[TopLogprobs]]]],
     request: pytest.FixtureRequest
 ) -> None:
     """The same equality and counters with the KV over ucx and torch (gloo on CPU), each
     against one engine in the cluster's dtype; tcp is the default cluster above."""
     param = request.node.callspec.params["pd_server"].split(":")
     dtype = resolve_dtype(param[3] if len(param) > 3 else "float32").dtype
-    reference = reference_runs(dtype)[: len(CASES)]
+    reference, tops = (r[: len(CASES)] for r in reference_engine_runs(dtype))
     for role in ("prefill", "decode"):
         (worker,) = pd_server.workers(role)
         health = probe_health(worker["endpoint"], timeout_s=5, secret=pd_server.secret)
@@ -51,10 +56,14 @@ def test_greedy_pd_equals_aggregated_vllm_over_each_transport(
     client = openai.OpenAI(base_url=pd_server.base_url, api_key="none", timeout=120)
     before = pd_server.load("decode")
     num_decoded = 0
-    for case, want in zip(CASES, reference, strict=True):
+    for case, want, top in zip(CASES, reference, tops, strict=True):
         text, ids = run_case(client, case)
-        assert ids == want, f"{case.kind} stream={case.stream}: P/D diverged from vLLM"
-        assert text == tokenizer.decode(want, skip_special_tokens=True)
+        assert text == tokenizer.decode(ids, skip_special_tokens=True)
+        if dtype == "float32":
+            assert ids == want, f"{case.kind} stream={case.stream}: P/D diverged from vLLM"
+        else:
+            wrong = near_tie_divergence(ids, want, top)
+            assert wrong is None, f"{case.kind} stream={case.stream}: {dtype}: {wrong}"
         num_decoded += len(want) >= 2
     # Every request went through prefill (none fell back to decode computing it),
     # and the KV came over this transport: decode loaded it for each.
