@@ -53,11 +53,15 @@ class SloConfig:
 class SloEstimate:
     """What one decision weighed (seconds); the router exports the latest."""
 
-    local_ttft_s: float
     local_step_s: float  # decode's step with this prompt's prefill in it
     remote_ttft_s: float
     ttft_slo_s: float
     itl_slo_s: float
+
+    @property
+    def local_ttft_s(self) -> float:
+        """Prefilled on decode, the first token comes at the end of that one step."""
+        return self.local_step_s
 
     @property
     def local_fits(self) -> bool:
@@ -85,7 +89,7 @@ def estimate(slo: SloConfig, request: PlacementRequest, prefill: WorkerState,
     remote_ttft = p.seconds(0, prefill.num_assigned_tokens + remote_tokens)
     ttft_slo = slo.ttft_s or DERIVED_TTFT_FACTOR * p.seconds(0, remote_tokens)
     itl_slo = slo.itl_s or DERIVED_ITL_FACTOR * d.seconds(1, 0)
-    return SloEstimate(local_step, local_step, remote_ttft, ttft_slo, itl_slo)
+    return SloEstimate(local_step, remote_ttft, ttft_slo, itl_slo)
 
 
 def choose_by_slo(slo: SloConfig, request: PlacementRequest, prefill: WorkerState,
