@@ -173,7 +173,7 @@ class PDDispatcher:
             stream = self._decode(route.decode, _decode_request(
                 request_id, prompt_token_ids, sampling, first),
                 route.disagg if first is None else None, involved, timeline, migration,
-                deadline)  # no first token: decode computes the prompt
+                deadline)
             async with contextlib.aclosing(stream):  # closing us closes the decode call now
                 async for chunk in stream:
                     if chunk.finish_reason is not None:
