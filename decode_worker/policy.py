@@ -35,10 +35,16 @@ class DecodePolicy:
     async def release(self, request_id: str) -> bool:
         return False
 
+    async def release_all(self) -> int:
+        return 0
+
     def prune(self, now_ns: int) -> None:
         return
 
     def start(self, block_size: int, loop: asyncio.AbstractEventLoop) -> None:
+        return
+
+    def stop(self) -> None:
         return
 
     def close(self) -> None:

@@ -162,3 +162,14 @@ class KvSnapshot:
     block_hashes: tuple[int, ...]
     block_size: int
     worker_id: str
+
+
+@dataclass(frozen=True)
+class RoleSwitch:
+    """What a worker's role switch (``SetRole``) did."""
+
+    role: Role  # the role it serves now
+    changed: bool  # False: it served that role already
+    num_aborted: int = 0  # requests in flight past the drain timeout, aborted
+    num_leases_released: int = 0  # KV leases past the drain timeout, released
+    switch_ns: int = 0  # admission to serving the new role

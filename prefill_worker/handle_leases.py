@@ -32,6 +32,9 @@ class HandleLeases:
     def hold(self, request_id: str, handle: KVHandle) -> None:
         self._handles[request_id] = handle
 
+    def request_ids(self) -> list[str]:
+        return list(self._handles)
+
     def pop(self, request_id: str) -> KVHandle | None:
         return self._handles.pop(request_id, None)
 

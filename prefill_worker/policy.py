@@ -63,6 +63,12 @@ class PrefillPolicy:
         await asyncio.to_thread(self._release, handle)
         return True
 
+    async def release_all(self) -> int:
+        request_ids = self.leases.request_ids()
+        for request_id in request_ids:
+            await self.release(request_id)
+        return len(request_ids)
+
     def prune(self, now_ns: int) -> None:
         self.leases.prune(now_ns)
 
@@ -70,10 +76,13 @@ class PrefillPolicy:
         if self._events is not None and self._mirroring is None:
             self._mirroring = KvEventMirroring.start(self._events, block_size, loop)
 
-    def close(self) -> None:
+    def stop(self) -> None:
         if self._mirroring is not None:
             self._mirroring.close()
             self._mirroring = None
+
+    def close(self) -> None:
+        self.stop()
         if self._events is not None:
             self._events.remove_files()
 

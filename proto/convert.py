@@ -23,6 +23,7 @@ from pdserve.types import (
     PhaseRequest,
     PhaseTiming,
     Role,
+    RoleSwitch,
     SamplingSpec,
     WorkerHealth,
     WorkerLoadReport,
@@ -42,6 +43,13 @@ FINISH_TO_PB: dict[FinishReason | None, pb.FinishReason] = {
 FINISH_FROM_PB: dict[pb.FinishReason, FinishReason | None] = {
     v: k for k, v in FINISH_TO_PB.items()}
 _LOAD_FIELDS = tuple(f.name for f in fields(WorkerLoadReport))
+
+
+def role_from_pb(value: pb.Role) -> Role:
+    try:
+        return ROLE_FROM_PB[value]
+    except KeyError:
+        raise ValueError("role must be ROLE_PREFILL or ROLE_DECODE") from None
 
 
 def phase_from_pb(value: pb.Phase) -> Phase:
@@ -194,3 +202,26 @@ def kv_snapshot_to_pb(snap: KvSnapshot) -> pb.KvSnapshot:
 def kv_snapshot_from_pb(msg: pb.KvSnapshot) -> KvSnapshot:
     return KvSnapshot(seq=msg.seq, block_hashes=tuple(msg.block_hashes),
                       block_size=msg.block_size, worker_id=msg.worker_id)
+
+
+# ---- role switch ---------------------------------------------------------------------
+
+
+def set_role_to_pb(role: Role, drain_timeout_s: float) -> pb.SetRoleRequest:
+    return pb.SetRoleRequest(role=ROLE_TO_PB[role],
+                             drain_timeout_ns=int(max(drain_timeout_s, 0.0) * 1e9))
+
+
+def set_role_from_pb(msg: pb.SetRoleRequest) -> tuple[Role, float]:
+    """(role, drain timeout in seconds); raises ``ValueError`` on no known role."""
+    return role_from_pb(msg.role), msg.drain_timeout_ns / 1e9
+
+
+def role_switch_to_pb(result: RoleSwitch) -> pb.SetRoleResponse:
+    return pb.SetRoleResponse(**dict(asdict(result), role=ROLE_TO_PB[result.role]))
+
+
+def role_switch_from_pb(msg: pb.SetRoleResponse) -> RoleSwitch:
+    return RoleSwitch(role=role_from_pb(msg.role), changed=msg.changed,
+                      num_aborted=msg.num_aborted,
+                      num_leases_released=msg.num_leases_released, switch_ns=msg.switch_ns)

@@ -33,6 +33,7 @@ class EdgeConfig:
     api_keys: tuple[str, ...] = ()  # empty: no client authentication
     admin_host: str = "127.0.0.1"
     admin_port: int = 0  # 0: no admin listener
+    admin_keys: tuple[str, ...] = ()  # the admin actions' keys; empty: api_keys
     max_concurrent: int = DEFAULT_MAX_CONCURRENT
     max_queued: int = DEFAULT_MAX_QUEUED
     max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S
@@ -44,7 +45,7 @@ class EdgeConfig:
             raise ValueError("need max_concurrent >= 1, max_queued >= 0, max_body_bytes >= 1")
         if self.max_queue_wait_s < 0 or self.drain_timeout_s < 0:
             raise ValueError("max_queue_wait_s and drain_timeout_s must be >= 0")
-        for key in self.api_keys:
+        for key in (*self.api_keys, *self.admin_keys):
             check_api_key(key)
 
     @classmethod
@@ -54,7 +55,9 @@ class EdgeConfig:
         if args.api_key_file:
             keys += read_api_key_file(Path(args.api_key_file))
         return cls(api_keys=tuple(dict.fromkeys(keys)), admin_host=args.admin_host,
-                   admin_port=args.admin_port, max_concurrent=args.max_concurrent_requests,
+                   admin_port=args.admin_port,
+                   admin_keys=tuple(dict.fromkeys(args.admin_key or ())),
+                   max_concurrent=args.max_concurrent_requests,
                    max_queued=args.max_queued_requests,
                    max_queue_wait_s=args.max_queue_wait_s,
                    max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout_s)
@@ -71,7 +74,15 @@ class EdgeConfig:
                 "--drain-timeout-s", str(self.drain_timeout_s)]
 
     def env(self) -> dict[str, str]:
-        return {"PDSERVE_API_KEY": ",".join(self.api_keys)} if self.api_keys else {}
+        env = {"PDSERVE_API_KEY": ",".join(self.api_keys)} if self.api_keys else {}
+        if self.admin_keys:
+            env["PDSERVE_ADMIN_KEY"] = ",".join(self.admin_keys)
+        return env
+
+    @property
+    def admin_action_keys(self) -> tuple[str, ...]:
+        """Who may call the admin actions (``router/admin.py``)."""
+        return self.admin_keys or self.api_keys
 
     def probe_headers(self) -> dict[str, str]:
         """What a probe of the main port's admin views sends (``pdserve up``'s)."""

@@ -92,6 +92,11 @@ class AuthenticationError(APIError):
     error_type = "authentication_error"
 
 
+class PermissionDeniedError(APIError):
+    status_code = 403
+    error_type = "permission_error"
+
+
 class ConflictError(APIError):
     status_code = 409
     error_type = "invalid_request_error"

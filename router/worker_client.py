@@ -36,6 +36,8 @@ from pdserve.types import (
     KvSnapshot,
     PhaseOutput,
     PhaseRequest,
+    Role,
+    RoleSwitch,
     WorkerHealth,
     WorkerLoadReport,
 )
@@ -104,6 +106,13 @@ class WorkerClient:
     async def kv_snapshot(self, timeout_s: float) -> KvSnapshot:
         return convert.kv_snapshot_from_pb(
             await _unary(self._stub.GetKvSnapshot, pb.KvSnapshotRequest(), timeout_s))
+
+    async def set_role(self, role: Role, drain_timeout_s: float, timeout_s: float
+                       ) -> RoleSwitch:
+        """Switch the worker to ``role`` (``SetRole``); ``timeout_s`` must leave room for
+        the drain."""
+        return convert.role_switch_from_pb(await _unary(
+            self._stub.SetRole, convert.set_role_to_pb(role, drain_timeout_s), timeout_s))
 
     async def close(self, grace_s: float | None = None) -> None:
         await self._channel.close(grace_s)

@@ -51,8 +51,12 @@ class Worker:
 
     def __init__(self, info: WorkerInfo, secret: ClusterSecret | None = None,
                  tls: GrpcTls | None = None, keepalive_s: float = DEFAULT_KEEPALIVE_S,
-                 breaker: BreakerConfig = DEFAULT_BREAKER) -> None:
+                 breaker: BreakerConfig = DEFAULT_BREAKER,
+                 on_role_changed: Callable[[Worker, str], None] | None = None) -> None:
+        """``on_role_changed(worker, old_role)``: the worker now reports another role
+        (a role switch); its pool files it under the new one."""
         self.info = info
+        self._on_role_changed = on_role_changed
         # Registered members must answer with the id they registered (a stale record
         # may point at a port another worker now uses). Static members, whose id is
         # their endpoint until Health tells, learn it.
@@ -73,10 +77,44 @@ class Worker:
         self._slow_probes = 0
         self._breaker = CircuitBreaker(breaker)
         self._ejected = False  # the breaker was open at the last publish
+        self._switching = False  # this router is switching its role: place nothing here
 
     @property
     def member_id(self) -> str:
         return self.info.member_id
+
+    @property
+    def role(self) -> str:
+        """The role it serves now: registered, then as its Health says (roles are
+        state: ``POST /admin/workers/{id}/role`` switches them)."""
+        return self._reported.role
+
+    @property
+    def switching(self) -> bool:
+        return self._switching
+
+    def begin_switch(self) -> None:
+        """A role switch starts: place nothing new here until ``end_switch``."""
+        self._switching = True
+        self._publish()
+
+    def end_switch(self, role: str | None) -> None:
+        """The switch ended, in ``role`` (None: it failed; the worker kept its role)."""
+        self._switching = False
+        if role is not None:
+            self._adopt_role(role)
+        self._publish()
+
+    def _adopt_role(self, role: str) -> None:
+        old = self._reported.role
+        if role == old:
+            return
+        logger.info("worker %s at %s now serves %s (was %s)", self._reported.worker_id,
+                    self._reported.endpoint, role, old)
+        self._reported = replace(self._reported, role=role)
+        self._publish()
+        if self._on_role_changed is not None:
+            self._on_role_changed(self, old)
 
     @property
     def ejected(self) -> bool:
@@ -151,6 +189,7 @@ class Worker:
             return
         self._slow_probes = 0
         self.metrics_endpoint = health.metrics_endpoint
+        self._adopt_role(health.role)
         if not self._reported.healthy and health.ready:
             logger.info("%s worker %s at %s is healthy", self._reported.role, health.worker_id,
                         self._reported.endpoint)
@@ -161,8 +200,6 @@ class Worker:
 
     def _check_identity(self, health: WorkerHealth) -> None:
         endpoint = self._reported.endpoint
-        if health.role != self._reported.role:
-            raise RuntimeError(f"{endpoint} is a {health.role} worker")
         if self._expected_id is not None and health.worker_id != self._expected_id:
             raise RuntimeError(f"{endpoint} is worker {health.worker_id!r}, "
                                f"not the registered {self._expected_id!r}")
@@ -185,7 +222,8 @@ class Worker:
         # Built field by field: twice per request per worker, and ``replace`` costs 2x.
         r, inflight = self._reported, self._inflight
         self._snapshot = WorkerState(
-            endpoint=r.endpoint, role=r.role, healthy=r.healthy and not self._ejected,
+            endpoint=r.endpoint, role=r.role,
+            healthy=r.healthy and not self._ejected and not self._switching,
             member_id=r.member_id, worker_id=r.worker_id,
             compatibility_hash=r.compatibility_hash, model=r.model,
             max_model_len=r.max_model_len, kv_host=r.kv_host, kv_port=r.kv_port,
@@ -257,7 +295,7 @@ class WorkerPool:
         """The current view, for ``GET /workers``."""
         return [
             {"id": s.worker_id, "role": s.role, "endpoint": s.endpoint,
-             "healthy": s.healthy, "ejected": w.ejected,
+             "healthy": s.healthy, "ejected": w.ejected, "switching": w.switching,
              "compatibility_hash": s.compatibility_hash,
              "load": asdict(s.load), "num_assigned": s.num_assigned,
              "metrics_endpoint": w.metrics_endpoint}
@@ -287,7 +325,23 @@ class WorkerPool:
             self._remove(member_id)
 
     def _worker(self, info: WorkerInfo) -> Worker:
-        return Worker(info, self._secret, self._tls, self._keepalive_s, self._breaker)
+        return Worker(info, self._secret, self._tls, self._keepalive_s, self._breaker,
+                      self._role_changed)
+
+    def _role_changed(self, worker: Worker, old_role: str) -> None:
+        """A member switched role: filed under the new one; listeners see it leave the
+        old role and join the new (the prefix index follows prefill workers only)."""
+        self._rebuild()
+        self._notify(self._removed, replace(worker.snapshot(), role=old_role))
+        self._notify(self._added, worker.snapshot())
+
+    def find(self, worker_id: str) -> Worker | None:
+        """A member by the id it reports, its registered id, or its member id."""
+        for worker in self.all:
+            if worker_id in (worker.snapshot().worker_id, worker.info.worker_id,
+                             worker.member_id):
+                return worker
+        return None
 
     def _add(self, worker: Worker) -> None:
         self._members[worker.member_id] = worker
@@ -313,8 +367,8 @@ class WorkerPool:
 
     def _rebuild(self) -> None:
         members = sorted(self._members.values(), key=lambda w: w.member_id)
-        self.prefill = [w for w in members if w.info.role == "prefill"]
-        self.decode = [w for w in members if w.info.role == "decode"]
+        self.prefill = [w for w in members if w.role == "prefill"]
+        self.decode = [w for w in members if w.role == "decode"]
 
     @staticmethod
     def _notify(listeners: list[Listener], state: WorkerState) -> None:

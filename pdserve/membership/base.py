@@ -140,4 +140,10 @@ class Registrar(Protocol):
 
     async def start(self, info: WorkerInfo) -> None: ...
 
+    async def update(self, info: WorkerInfo) -> None:
+        """Replace the published info (a role switch: the key moves to the new role's
+        prefix). Like ``start``, never raises for a store outage: the background work
+        publishes it once the store answers."""
+        ...
+
     async def close(self) -> None: ...

@@ -53,6 +53,18 @@ class EtcdRegistrar:
         await self._tick()
         self._task = asyncio.create_task(self._keepalive_loop(), name="pdserve-registrar")
 
+    async def update(self, info: WorkerInfo) -> None:
+        """The old key goes with its lease (revoked: the routers drop it at once), the
+        new one is written under a new lease; during an outage the old lease expires
+        and the keepalive loop writes the new key once etcd answers."""
+        old_lease, self.lease_id = self.lease_id, None
+        self._info = info
+        self._key = worker_key(self._cluster, info.role, info.worker_id)
+        if old_lease is not None:
+            with contextlib.suppress(*ETCD_ERRORS):
+                await self._call(self._client.revoke_lease(old_lease))
+        await self._tick()
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()

@@ -53,5 +53,9 @@ class NullRegistrar:
     async def start(self, info: WorkerInfo) -> None:
         return None
 
+    async def update(self, info: WorkerInfo) -> None:
+        """The routers learn a switched role from the worker's Health."""
+        return None
+
     async def close(self) -> None:
         return None

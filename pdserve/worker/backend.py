@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from pdserve.types import PhaseOutput, PhaseRequest, WorkerHealth, WorkerLoadReport
+from pdserve.types import PhaseOutput, PhaseRequest, Role, WorkerHealth, WorkerLoadReport
 
 if TYPE_CHECKING:
     from pdserve.prefill_worker.kv_mirror import KvCacheMirror
@@ -57,4 +57,16 @@ class WorkerBackend(Protocol):
     def kv_mirror(self) -> KvCacheMirror | None:
         """The prefix-cache mirror its KV events come from; None when this worker
         publishes none. Raises ``WorkerError("unavailable")`` while it cannot say yet."""
+        ...
+
+    def set_role(self, role: Role) -> None:
+        """Serve ``role`` from now on with the same engine. The servicer calls it only
+        once nothing is in flight and no KV lease is held (``ServingState.switch_role``
+        drains first). Raises ``WorkerError("unimplemented")`` where the role is fixed."""
+        ...
+
+    async def end_role_work(self) -> tuple[int, int]:
+        """A role switch's drain ran out: abort every request in flight (a decode's
+        stream ends ``abort``; the router continues it on another worker) and release
+        every KV lease; (requests aborted, leases released)."""
         ...

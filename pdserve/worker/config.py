@@ -57,7 +57,7 @@ class WorkerConfig:
         )
         engine = EngineConfig(
             model_path=str(model.path), served_model_name=model.served_name, role=role,
-            kv_events=_kv_event_endpoints(worker_id) if role == "prefill" else None,
+            kv_events=_kv_event_endpoints(worker_id),
             connector=connector, dtype=args.dtype, max_model_len=args.max_model_len,
             kv_cache_gib=args.kv_cache_gib, cpu_threads_bind=args.cpu_cores,
             enforce_eager=not args.compile, num_kv_blocks=args.num_kv_blocks or None,

@@ -42,7 +42,8 @@ class EngineConfig:
     enforce_eager: bool = True
     # KV cache size in blocks; overrides kv_cache_gib (vLLM's num_gpu_blocks_override).
     num_kv_blocks: int | None = None
-    # Prefill: publish vLLM's KV cache events on these ZMQ endpoints (pub, replay).
+    # Publish vLLM's KV cache events on these ZMQ endpoints (pub, replay); the prefill
+    # role mirrors them (every role's engine publishes: a decode may become a prefill).
     kv_events: tuple[str, str] | None = None
     # vLLM's shared-memory readers' busy-wait (pdserve.worker.vllm_plugin); None: 0 on
     # CPU (or PDSERVE_VLLM_SHM_SPIN_S), vLLM's own on GPU.
@@ -190,7 +191,10 @@ def build_engine(config: EngineConfig, counters: EngineCounters) -> AsyncLLM:
     kv_config = KVTransferConfig(
         kv_connector="PdserveConnector",
         kv_connector_module_path=CONNECTOR_MODULE,
-        kv_role="kv_producer" if config.role == "prefill" else "kv_consumer",
+        # Both directions in every engine: a role is the worker's state, switched at
+        # run time without a restart (``EngineHost.set_role``); the connector decides
+        # per request from its kv_transfer_params, never from kv_role.
+        kv_role="kv_both",
         engine_id=config.connector.engine_id,
         kv_connector_extra_config=config.connector.to_extra_config(),
         kv_load_failure_policy="recompute",

@@ -11,6 +11,8 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
+from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdserve.kv_transfer.wire import TransferError, request_once
@@ -19,6 +21,7 @@ from pdserve.types import (
     PhaseOutput,
     PhaseRequest,
     PhaseTiming,
+    Role,
     WorkerHealth,
     WorkerLoadReport,
 )
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pdserve.worker")
 EngineFactory = Callable[[EngineConfig, EngineCounters], Engine]
+PolicyFactory = Callable[[Role], RolePolicy]
 _FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort", "error")
 
 
@@ -43,11 +47,12 @@ class EngineHost:
     """``engine_factory`` starts the engine (``VllmEngine.start`` in a worker, a
     fake in tests); ``kv_push`` says whether this worker sends (prefill) or
     accepts (decode) layer-wise push; ``metrics_endpoint`` is where its ``/metrics``
-    listener is reached ("" when off), as its Health says."""
+    listener is reached ("" when off), as its Health says. ``policy_for`` builds a
+    role's policy for a role switch (``set_role``); None: the role is fixed."""
 
     def __init__(self, config: EngineConfig, worker_id: str, policy: RolePolicy,
                  engine_factory: EngineFactory, kv_push: bool = False,
-                 metrics_endpoint: str = "") -> None:
+                 metrics_endpoint: str = "", policy_for: PolicyFactory | None = None) -> None:
         if policy.role != config.role:
             raise ValueError(f"a {policy.role} policy cannot host a {config.role} engine")
         self.config = config
@@ -58,6 +63,8 @@ class EngineHost:
         self.counters = EngineCounters()
         self.engine: Engine | None = None
         self._engine_factory = engine_factory
+        self._policy_for = policy_for
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._inflight: set[str] = set()
         # Fixed while the engine runs; the servicer checks every Generate against it.
         self._health: WorkerHealth | None = None
@@ -80,16 +87,52 @@ class EngineHost:
 
     def start_role(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the role's services (call on the event loop once the engine runs)."""
+        self._loop = loop
         if self.engine is not None:
             self.policy.start(self.engine.block_size, loop)
+
+    def set_role(self, role: Role) -> None:
+        """Serve ``role`` with the same engine (weights and prefix cache stay): the old
+        role's services stop, the new one's start. Only with nothing in flight (the
+        servicer drains first); the KV connector serves both directions in every engine."""
+        if role == self.policy.role:
+            return
+        if self._policy_for is None:
+            raise WorkerError("unimplemented", f"this {self.policy.role} worker's role is fixed")
+        if self._inflight:
+            raise WorkerError("failed_precondition",
+                              f"{len(self._inflight)} requests in flight; drain first")
+        policy = self._policy_for(role)
+        self.policy.stop()
+        self.policy = policy
+        self.config = replace(self.config, role=role)
+        self._health = None
+        if self.engine is not None and self._loop is not None:
+            policy.start(self.engine.block_size, self._loop)
+        logger.info("worker %s now serves %s", self.worker_id, role)
+
+    async def end_role_work(self) -> tuple[int, int]:
+        """A role switch's drain ran out: abort what is in flight (a decode's stream then
+        ends ``abort`` and the router continues it elsewhere) and release the KV leases
+        the role holds; (requests aborted, leases the connector held)."""
+        aborted = list(self._inflight)
+        for request_id in aborted:
+            await self.abort(request_id)
+        held = int((await asyncio.to_thread(self.kv_status)).get("num_leases", 0))
+        await self.policy.release_all()
+        return len(aborted), held
 
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
             self._health = None
-        # After the engine: the policy removes what the engine had bound (KV-event sockets).
+        # After the engine: the policy removes what the engine had bound (KV-event sockets),
+        # and so does the host, whichever role the engine ended in (every engine publishes).
         self.policy.close()
+        for endpoint in self.config.kv_events or ():
+            if endpoint.startswith("ipc://"):
+                Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
 
     def health(self) -> WorkerHealth:
         """What this worker says about itself; built once per engine lifetime."""
@@ -106,7 +149,7 @@ class EngineHost:
                   "transport": conn.transport}
         digest = hashlib.sha256(json.dumps(compat, sort_keys=True).encode()).hexdigest()[:16]
         return WorkerHealth(
-            ready=self.ready, role=cfg.role, worker_id=self.worker_id,
+            ready=self.ready, role=self.policy.role, worker_id=self.worker_id,
             model=cfg.served_model_name, dtype=dtype, block_size=block_size,
             max_model_len=cfg.max_model_len, transport=conn.transport,
             compatibility_hash=digest, kv_host=conn.kv_host, kv_port=conn.kv_port,

@@ -7,6 +7,12 @@ orchestrators) and not ready (``WorkerService.Health``, which the router's healt
 reads, so it places nothing new there), refuses a new ``Generate`` with UNAVAILABLE
 (the router places it elsewhere), and finishes what it has: the calls in flight, and a
 prefill's KV that a decode has still to load. Its channels stay open meanwhile.
+
+A role switch (``switch_role``) is a drain that ends in the other role instead of an
+exit: new requests are refused and health says not ready while the old role's work
+ends (past the drain timeout it is ended: requests aborted, leases released), then
+the backend switches, the worker re-announces itself (``on_role_changed``: its
+membership registration), and serves again.
 """
 
 from __future__ import annotations
@@ -15,13 +21,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import OVERALL_HEALTH
 from grpc_health.v1.health import aio as health_aio
 
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
+from pdserve.types import Role, RoleSwitch
 from pdserve.worker.backend import WorkerBackend, WorkerError
 
 logger = logging.getLogger("pdserve.worker")
@@ -29,6 +36,8 @@ logger = logging.getLogger("pdserve.worker")
 WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
 _SERVICES = (OVERALL_HEALTH, WORKER_SERVICE)
 _DRAIN_POLL_S = 0.1
+# After the drain timeout's aborts and releases: how long their ends may take to land.
+_END_WORK_GRACE_S = 10.0
 
 
 class Admission:
@@ -36,13 +45,21 @@ class Admission:
 
     def __init__(self) -> None:
         self.draining = False
+        self.switching = False  # a role switch is draining the old role
         self.num_calls = 0
+
+    @property
+    def closed(self) -> bool:
+        return self.draining or self.switching
 
     @contextlib.contextmanager
     def call(self) -> Iterator[None]:
-        """One ``Generate``; raises ``WorkerError("unavailable")`` while draining."""
+        """One ``Generate``; raises ``WorkerError("unavailable")`` while draining or
+        switching role."""
         if self.draining:
             raise WorkerError("unavailable", "worker is draining")
+        if self.switching:
+            raise WorkerError("unavailable", "worker is switching role")
         self.num_calls += 1
         try:
             yield
@@ -58,14 +75,22 @@ class ServingState:
         self.admission = Admission()
         self.health = health_aio.HealthServicer()
         self._backend = backend
+        self._switch = asyncio.Lock()
+        # Re-announce the worker after a role switch (its membership registration).
+        self.on_role_changed: Callable[[], Awaitable[None]] | None = None
 
     @property
     def draining(self) -> bool:
         return self.admission.draining
 
+    @property
+    def closed(self) -> bool:
+        """Takes no new requests: draining, or switching role."""
+        return self.admission.closed
+
     async def update(self) -> None:
         """Publish SERVING or NOT_SERVING: call when the engine becomes ready."""
-        serving = self._backend.health().ready and not self.draining
+        serving = self._backend.health().ready and not self.closed
         status = (health_pb2.HealthCheckResponse.SERVING if serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for service in _SERVICES:
@@ -75,6 +100,40 @@ class ServingState:
         """Take no new requests from now on, and say so."""
         self.admission.draining = True
         await self.update()
+
+    async def switch_role(self, role: Role, drain_timeout_s: float) -> RoleSwitch:
+        """Drain the old role's work (at most ``drain_timeout_s``, then end it), switch
+        the backend to ``role``, re-announce, serve again. Raises ``WorkerError``:
+        unavailable while loading or draining, failed_precondition while another
+        switch runs (the worker keeps its role when the switch fails)."""
+        health = self._backend.health()
+        if not health.ready or self.draining:
+            raise WorkerError("unavailable", "worker is loading or draining")
+        if health.role == role:
+            return RoleSwitch(role=role, changed=False)
+        if self._switch.locked():
+            raise WorkerError("failed_precondition", "a role switch is already running")
+        async with self._switch:
+            started = time.monotonic_ns()
+            self.admission.switching = True
+            await self.update()
+            try:
+                aborted = released = 0
+                if not await self.wait_idle(drain_timeout_s):
+                    aborted, released = await self._backend.end_role_work()
+                    if not await self.wait_idle(_END_WORK_GRACE_S):
+                        raise WorkerError("unavailable", "the old role's work did not end")
+                self._backend.set_role(role)
+                logger.info("role switched to %s in %.2f s (%d aborted, %d leases released)",
+                            role, (time.monotonic_ns() - started) / 1e9, aborted, released)
+            finally:
+                self.admission.switching = False
+                await self.update()
+            if self.on_role_changed is not None:
+                await self.on_role_changed()
+            return RoleSwitch(role=role, changed=True, num_aborted=aborted,
+                              num_leases_released=released,
+                              switch_ns=time.monotonic_ns() - started)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Until nothing is in flight and no KV waits for a decode to load it, or

@@ -115,6 +115,7 @@ class WorkerSample:
 
     ready: bool
     load: WorkerLoadReport
+    role: str = ""  # the role it serves at the sample (a role switch changes it)
 
 
 Sampler = Callable[[], Awaitable[WorkerSample]]
@@ -124,8 +125,9 @@ def backend_sampler(backend: WorkerBackend, state: ServingState) -> Sampler:
     """A sample of ``backend`` as ``GetLoad`` and the standard health answer see it."""
 
     async def sample() -> WorkerSample:
-        ready = backend.health().ready and not state.draining
-        return WorkerSample(ready, await backend.load())
+        health = backend.health()
+        return WorkerSample(health.ready and not state.closed, await backend.load(),
+                            health.role)
 
     return sample
 
@@ -145,7 +147,7 @@ class WorkerCollector(Collector):
         self._sampler = sampler
         self._loop = loop
         self._deadline_s = deadline_s
-        self._last = WorkerSample(False, WorkerLoadReport())
+        self._last = WorkerSample(False, WorkerLoadReport(), health.role)
 
     def sample(self) -> WorkerSample:
         try:
@@ -166,6 +168,8 @@ class WorkerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         sample = self.sample()
+        if sample.role and sample.role != self._info["role"]:  # its role was switched
+            self._info["role"] = self._labels[1] = sample.role
         info = GaugeMetricFamily("pdserve:worker_info", "This worker process (value 1)",
                                  labels=list(self._info))
         info.add_metric(list(self._info.values()), 1)

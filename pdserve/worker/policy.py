@@ -44,6 +44,11 @@ class RolePolicy(Protocol):
         (may block on the network, off the loop); True if it held anything."""
         ...
 
+    async def release_all(self) -> int:
+        """A role switch's drain ran out: free everything this role still holds (off
+        the loop where it blocks); how many requests held anything."""
+        ...
+
     def prune(self, now_ns: int) -> None:
         """Forget what expired by ``now_ns`` (unix ns); called on every GetLoad."""
         ...
@@ -52,8 +57,14 @@ class RolePolicy(Protocol):
         """The engine runs: start the role's own services."""
         ...
 
+    def stop(self) -> None:
+        """Stop them, leaving what the engine bound (a role switch: the engine stays;
+        idempotent)."""
+        ...
+
     def close(self) -> None:
-        """Stop them (idempotent; after the engine is gone)."""
+        """Stop them and remove what the engine bound (idempotent; after the engine is
+        gone)."""
         ...
 
     @property

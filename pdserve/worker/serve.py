@@ -20,6 +20,7 @@ from pdserve.membership import Registrar, WorkerInfo
 from pdserve.membership.static import NullRegistrar
 from pdserve.prefill_worker.handle_leases import release_over_control
 from pdserve.prefill_worker.policy import PrefillPolicy
+from pdserve.types import Role
 from pdserve.worker.engine import EngineConfig
 from pdserve.worker.host import EngineHost
 from pdserve.worker.metrics import MetricsListener, start_worker_metrics
@@ -36,8 +37,9 @@ def kv_push_enabled(connector: ConnectorConfig) -> bool:
     return connector.push and connector.transport in push_transport_names()
 
 
-def role_policy(config: EngineConfig, kv_push: bool) -> RolePolicy:
-    if config.role == "prefill":
+def role_policy(config: EngineConfig, kv_push: bool, role: Role | None = None) -> RolePolicy:
+    """``role``'s policy (default: the configured one) for this worker's engine."""
+    if (role or config.role) == "prefill":
         release = functools.partial(release_over_control, secret=config.connector.cluster_secret())
         return PrefillPolicy(kv_push=kv_push, kv_events=config.kv_events, release=release)
     return DecodePolicy()
@@ -48,7 +50,8 @@ def engine_host(config: EngineConfig, worker_id: str, metrics_endpoint: str = ""
     """The vLLM engine host for ``config``'s role (the engine starts on ``start``)."""
     kv_push = kv_push_enabled(config.connector)
     return EngineHost(config, worker_id, role_policy(config, kv_push), VllmEngine.start,
-                      kv_push=kv_push, metrics_endpoint=metrics_endpoint)
+                      kv_push=kv_push, metrics_endpoint=metrics_endpoint,
+                      policy_for=functools.partial(role_policy, config, kv_push))
 
 
 def worker_info(host: EngineHost, advertise_host: str, grpc_port: int) -> WorkerInfo:
@@ -61,7 +64,8 @@ def worker_info(host: EngineHost, advertise_host: str, grpc_port: int) -> Worker
         capacity["num_kv_blocks"] = host.engine.num_kv_blocks
     conn = cfg.connector
     return WorkerInfo(
-        worker_id=host.worker_id, role=cfg.role, grpc_endpoint=f"{advertise_host}:{grpc_port}",
+        worker_id=host.worker_id, role=host.policy.role,
+        grpc_endpoint=f"{advertise_host}:{grpc_port}",
         kv_endpoints={conn.transport: f"{conn.kv_host}:{conn.kv_port}"},
         model=cfg.served_model_name, dtype=health.dtype, block_size=health.block_size,
         compatibility_hash=health.compatibility_hash, max_model_len=cfg.max_model_len,
@@ -103,7 +107,13 @@ async def serve_worker(config: EngineConfig, worker_id: str, host: str, port: in
             await worker.state.update()  # SERVING
             logger.info("%s worker %s ready (KV %s on port %d)", config.role, worker_id,
                         config.connector.transport, config.connector.kv_port)
-            await registrar.start(worker_info(backend, advertise_host or host, bound))
+            announce = functools.partial(worker_info, backend, advertise_host or host, bound)
+            await registrar.start(announce())
+
+            async def reannounce() -> None:  # after a role switch (POST .../role)
+                await registrar.update(announce())
+
+            worker.state.on_role_changed = reannounce
             await stopped
     finally:
         logger.info("%s worker %s draining (up to %.0f s)", config.role, worker_id,

@@ -79,9 +79,22 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
     ) -> pb.HealthResponse:
         health = self._backend.health()
-        if self._state.draining:  # the router's health loop stops placing here
+        if self._state.closed:  # the router's health loop stops placing here
             health = replace(health, ready=False)
         return convert.health_to_pb(health)
+
+    async def SetRole(  # noqa: N802 - gRPC method name
+        self, request: pb.SetRoleRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetRoleResponse:
+        try:
+            role, drain_timeout_s = convert.set_role_from_pb(request)
+            switch = await self._state.switch_role(role, drain_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status for the router
+            if not isinstance(exc, (WorkerError, ValueError)):
+                logger.exception("role switch to %s failed", request.role)
+            await context.abort(*status_of(exc))
+            raise  # abort raises; this says so to the reader and the type checker
+        return convert.role_switch_to_pb(switch)
 
     async def GetLoad(  # noqa: N802 - gRPC method name
         self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext

@@ -64,7 +64,7 @@ class Cluster:
 
     def assert_no_abort(self) -> None:
         """Checked right after the iterator ended: an abort would be a task by now."""
-        assert not self.new_tasks()
+        assert not self.new_tasks(), self.new_tasks()
         assert self.p.aborts == [] and self.d.aborts == []
 
 

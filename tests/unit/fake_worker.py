@@ -65,6 +65,8 @@ class WorkerScript:
     kv_port: int = 0
     # Sent on the last output of each call, as a worker that measures its phases does.
     timing: PhaseTiming | None = None
+    # Prefill: report the leases it holds as pending transfers (a drain waits for them).
+    leases_pending: bool = False
 
 STOP_TIMEOUT_S = 5.0
 
@@ -107,6 +109,15 @@ class FakeWorkerServicer:
     inflight: set[str] = field(default_factory=set)
     # Prefill only: request id -> transfer id of the KV handle it holds until Abort.
     leases: dict[str, str] = field(default_factory=dict)
+    # Its id, fixed at creation (a role switch keeps it).
+    worker_id: str = ""
+    # Roles it was switched to (``set_role``), and whether a drain ran out (its gated
+    # decodes then end ``abort``, its leases are released).
+    role_switches: list[Role] = field(default_factory=list)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.worker_id = self.worker_id or f"fake-{self.role}-{id(self):x}"
 
     def phases(self) -> list[str]:
         return [g.phase for g in self.generates]
@@ -163,7 +174,14 @@ class FakeWorkerServicer:
         n = request.sampling.max_tokens
         context = list(request.prompt_token_ids)
         if self.script.decode_gate is not None:
-            await self.script.decode_gate.wait()
+            gate, ended = (asyncio.ensure_future(e.wait())
+                           for e in (self.script.decode_gate, self.ended))
+            await asyncio.wait([gate, ended], return_when=asyncio.FIRST_COMPLETED)
+            gate.cancel()
+            ended.cancel()
+            if self.ended.is_set():
+                yield PhaseOutput(token_ids=(), finish_reason="abort")
+                return
         for i in range(n):
             await asyncio.sleep(self.script.token_delay_s)
             last = i == n - 1
@@ -185,16 +203,29 @@ class FakeWorkerServicer:
     def health(self) -> WorkerHealth:
         return WorkerHealth(
             ready=True, role=self.role,
-            worker_id=f"fake-{self.role}-{id(self):x}", model=self.script.model, dtype="float32",
+            worker_id=self.worker_id, model=self.script.model, dtype="float32",
             block_size=128, max_model_len=4096, transport="tcp",
             compatibility_hash=self.script.compatibility_hash, kv_host="127.0.0.1",
             kv_port=self.script.kv_port, kv_push=self.script.kv_push)
 
     async def load(self) -> WorkerLoadReport:
-        return WorkerLoadReport()
+        return WorkerLoadReport(num_pending_transfers=len(self.leases)
+                                if self.script.leases_pending else 0)
 
     def kv_mirror(self) -> KvCacheMirror | None:
         return None
+
+    def set_role(self, role: Role) -> None:
+        self.role_switches.append(role)
+        self.role = role
+
+    async def end_role_work(self) -> tuple[int, int]:
+        self.ended.set()  # gated decodes end ``abort``
+        aborted = sorted(self.inflight)
+        self.aborts += aborted
+        released = len(self.leases)
+        self.leases.clear()
+        return len(aborted), released
 
 
 @dataclass

@@ -214,7 +214,8 @@ def test_decode_worker_config_advertises_and_registers() -> None:
         "--etcd", "http://e:2379", "--cluster", "blue", "--compile"])
     config = WorkerConfig.from_args(args, MODEL)
     assert config.worker_id.startswith("decode-") and config.port == 50061
-    assert config.engine.kv_events is None and not config.engine.enforce_eager
+    # Every engine publishes KV events: a decode may be switched to prefill.
+    assert config.engine.kv_events is not None and not config.engine.enforce_eager
     assert (config.engine.connector.kv_host, config.engine.connector.kv_port) == (
         "10.0.0.5", 7100)
     assert (config.membership.kind, config.membership.cluster) == ("etcd", "blue")

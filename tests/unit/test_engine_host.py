@@ -283,3 +283,55 @@ def test_kv_mirror_is_loading_until_the_role_starts_it() -> None:
                       lambda c, n: FakeEngine()).kv_mirror() is None
     assert EngineHost(config("prefill"), "w2", PrefillPolicy(),
                       lambda c, n: FakeEngine()).kv_mirror() is None
+
+
+# ---- a role switch ------------------------------------------------------------------------
+
+
+async def test_a_role_switch_keeps_the_engine_and_hands_the_requests_to_the_new_policy(
+        ) -> None:
+    held = handle("r1")
+    engine = FakeEngine(steps=[EngineStep((7,), finished=True, finish_reason="length",
+                                          kv_transfer_params=held.to_params())])
+    released = Released()
+    policies: dict[Role, RolePolicy] = {"prefill": PrefillPolicy(release=released),
+                                        "decode": DecodePolicy()}
+    host = EngineHost(config("prefill"), "w0", policies["prefill"], lambda c, n: engine,
+                      policy_for=policies.__getitem__)
+    host.start()
+    host.start_role(asyncio.get_running_loop())
+    (out,) = await run(host, request("prefill"))
+    assert out.kv_handle is not None
+    # The drain ran out: the lease still held is released.
+    assert (await host.end_role_work())[0] == 0 and released.handles == [held]
+    host.set_role("decode")
+    assert (host.health().role, host.config.role, host.policy) == ("decode", "decode",
+                                                                   policies["decode"])
+    assert host.engine is engine and not engine.is_shut_down  # no reload
+    await run(host, request("decode", kv_handle=handle("r2")))
+    assert engine.calls[-1][3].kv_transfer_params["do_remote_prefill"] is True  # type: ignore[index]
+    host.set_role("decode")  # the same role: nothing happens
+    assert host.policy is policies["decode"]
+
+
+async def test_a_role_switch_needs_a_policy_factory_and_nothing_in_flight() -> None:
+    fixed = started("decode", DecodePolicy(), FakeEngine())
+    with pytest.raises(WorkerError) as err:
+        fixed.set_role("prefill")
+    assert err.value.kind == "unimplemented"
+    gate = asyncio.Event()
+    engine = FakeEngine(steps=[EngineStep((1,), finished=True, finish_reason="length")],
+                        gate=gate)
+    host = EngineHost(config("decode"), "w0", DecodePolicy(), lambda c, n: engine,
+                      policy_for=lambda role: PrefillPolicy() if role == "prefill"
+                      else DecodePolicy())
+    host.start()
+    stream = asyncio.create_task(run(host, request("decode")))
+    await asyncio.sleep(0)
+    with pytest.raises(WorkerError) as busy:
+        host.set_role("prefill")
+    assert busy.value.kind == "failed_precondition"
+    assert await host.end_role_work() == (1, 0)  # aborted: the stream ends ``abort``
+    assert (await stream)[-1].finish_reason == "abort"
+    host.set_role("prefill")
+    assert host.health().role == "prefill"

@@ -9,12 +9,14 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 
 import pytest
 import pytest_asyncio
 from pdserve.router.placement import LeastLoadedPlacement, Placement, RoundRobinPlacement
 from pdserve.router.worker_state import WorkerState
 from pdserve.router.workers import WorkerPool
+from pdserve_testing import etcd_keys
 from prometheus_client import CollectorRegistry
 from unit.fake_worker import FakeWorker, WorkerScript, eventually, start_fake_worker
 
@@ -226,3 +228,33 @@ def choose(policy: Placement, pool: WorkerPool, cursor: int) -> tuple[str, str]:
     assert choice is not None
     p = prefill[choice.prefill].compatibility_hash if choice.prefill is not None else "none"
     return p, decode[choice.decode].compatibility_hash
+
+
+async def test_a_role_switch_moves_the_key_and_the_view_follows(
+        etcd: LocalEtcd, view: View) -> None:
+    """The worker's re-announcement (``Registrar.update``) after ``SetRole``: its key
+    moves to the new role's prefix at once (the old lease is revoked), and a router fed
+    by etcd files it under the new role, once."""
+    worker = await start_fake_worker("decode")
+    cluster = view.membership.describe()["cluster"]
+    registrar = EtcdRegistrar(etcd.url, cluster, ttl_s=REVOKE_TTL_S)
+    info = info_of(worker, "decode")
+    assert worker.serving is not None
+
+    async def reannounce() -> None:
+        await registrar.update(replace(info, role=worker.servicer.health().role))
+
+    worker.serving.state.on_role_changed = reannounce
+    try:
+        await registrar.start(info)
+        await eventually(lambda: info.worker_id in view.healthy_ids(), SETTLE_S, "routable")
+        result = await worker.serving.state.switch_role("prefill", 1.0)
+        assert result.changed
+        prefix = f"/pdserve/{cluster}/workers/"
+        assert list(etcd_keys(etcd.url, prefix)) == [f"{prefix}prefill/{info.worker_id}"]
+        await eventually(lambda: [w.snapshot().worker_id for w in view.pool.prefill
+                                  if w.snapshot().healthy] == [info.worker_id]
+                         and not view.pool.decode, SETTLE_S, "filed under prefill")
+    finally:
+        await registrar.close()
+        await worker.stop()

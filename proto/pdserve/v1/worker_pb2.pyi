@@ -277,3 +277,25 @@ class KvSnapshot(_message.Message):
     block_size: int
     worker_id: str
     def __init__(self, seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class SetRoleRequest(_message.Message):
+    __slots__ = ("role", "drain_timeout_ns")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_NS_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    drain_timeout_ns: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., drain_timeout_ns: _Optional[int] = ...) -> None: ...
+
+class SetRoleResponse(_message.Message):
+    __slots__ = ("role", "changed", "num_aborted", "num_leases_released", "switch_ns")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    NUM_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASES_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_NS_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    changed: bool
+    num_aborted: int
+    num_leases_released: int
+    switch_ns: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., changed: _Optional[bool] = ..., num_aborted: _Optional[int] = ..., num_leases_released: _Optional[int] = ..., switch_ns: _Optional[int] = ...) -> None: ...

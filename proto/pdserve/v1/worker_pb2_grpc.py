@@ -64,6 +64,11 @@ class WorkerServiceStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.KvSnapshotRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.KvSnapshot.FromString,
                 _registered_method=True)
+        self.SetRole = channel.unary_unary(
+                '/pdserve.v1.WorkerService/SetRole',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.SetRoleResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -113,6 +118,15 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRole(self, request, context):
+        """Serve another role (prefill <-> decode) with the same engine. FAILED_PRECONDITION
+        while another switch runs; UNAVAILABLE while loading or draining; UNIMPLEMENTED
+        where roles are fixed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +159,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.GetKvSnapshot,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.KvSnapshotRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.KvSnapshot.SerializeToString,
+            ),
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.SetRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +328,33 @@ class WorkerService:
             '/pdserve.v1.WorkerService/GetKvSnapshot',
             pdserve_dot_v1_dot_worker__pb2.KvSnapshotRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.KvSnapshot.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.WorkerService/SetRole',
+            pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.SetRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,
