@@ -28,9 +28,11 @@ WORKER = ("host", "port", "advertise-host", "kv-port", "kv-host", "cpu-cores", "
           "worker-id", "compile", "grpc-keepalive-s", "drain-timeout-s", "metrics-port",
           "metrics-host")
 DISAGG = ("disagg", "local-prefill-max-tokens", "local-prefill-max-queued-tokens",
-          "local-decode-max-running", "slo-ttft-ms", "slo-itl-ms")
-EDGE = ("api-key", "api-key-file", "admin-port", "admin-host", "max-concurrent-requests",
-        "max-queued-requests", "max-queue-wait-s", "max-body-bytes", "drain-timeout-s")
+          "local-decode-max-running", "slo-ttft-ms", "slo-itl-ms", "planner",
+          "planner-interval-s", "planner-window-s", "planner-hold-s", "planner-cooldown-s")
+EDGE = ("api-key", "api-key-file", "admin-port", "admin-host", "admin-key",
+        "max-concurrent-requests", "max-queued-requests", "max-queue-wait-s", "max-body-bytes",
+        "drain-timeout-s")
 ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement",
           "served-model-name", "log-timeline", "disable-metrics", "max-migrations",
           "request-timeout-s", "grpc-keepalive-s") + DISAGG + EDGE

@@ -261,6 +261,18 @@ FLAGS = _flags(
     Flag("slo-itl-ms", "slo: the inter-token objective; a prompt is prefilled on decode "
          "only if the step carrying it stays within it; 0: 2x an unloaded decode step",
          0.0, parse_float(0)),
+    Flag("planner", "on: the router picks how many workers prefill and how many decode "
+         "from the load it measures, flipping roles at run time (one at a time, with "
+         "hysteresis), and exports pdserve:planner_desired_replicas; off: fixed roles",
+         "off", choices=("off", "on")),
+    Flag("planner-interval-s", "planner: how often it decides", 5.0,
+         parse_float(0, strict=True)),
+    Flag("planner-window-s", "planner: how much of the past load it plans for", 60.0,
+         parse_float(0, strict=True)),
+    Flag("planner-hold-s", "planner: how long a better split must stay better before a "
+         "worker is switched", 20.0, parse_float(0)),
+    Flag("planner-cooldown-s", "planner: after a switch, no other for this long", 60.0,
+         parse_float(0)),
     Flag("max-migrations", "a request whose decode worker fails mid-stream continues on "
          "another compatible decode worker (prompt + tokens sent, recomputed there) at most "
          "this many times; 0: a failed decode fails the request", DEFAULT_MAX_MIGRATIONS,
@@ -287,7 +299,12 @@ FLAGS = _flags(
     Flag("api-key-file", "API keys, one per line (blank lines and # comments skipped), "
          "added to --api-key", metavar="PATH"),
     Flag("admin-port", "serve /metrics, /workers, /prefix_index and /health without a key "
-         "on this port (0: no admin listener)", 0, parse_port),
+         "on this port (0: no admin listener), and the admin actions (POST "
+         "/admin/workers/{id}/role) with --admin-key", 0, parse_port),
+    Flag("admin-key", "require `Authorization: Bearer <key>` on the admin actions; "
+         "repeatable (default: the --api-key keys; with no key at all, actions are served "
+         "only on a loopback --admin-host)", None, parse_api_keys, repeat=True,
+         metavar="KEY"),
     Flag("admin-host", "the admin listener's bind address", "127.0.0.1"),
     Flag("max-concurrent-requests", "generation requests running at once; more wait in "
          "the queue", 256, parse_int(1)),

@@ -26,7 +26,7 @@ from pdserve.membership import Registrar, WorkerInfo
 from pdserve.membership.static import NullRegistrar
 from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 from pdserve.sim_engine import SimConfig, SimEngine
-from pdserve.types import PhaseOutput, PhaseRequest, WorkerHealth, WorkerLoadReport
+from pdserve.types import PhaseOutput, PhaseRequest, Role, WorkerHealth, WorkerLoadReport
 from pdserve.worker.metrics import MetricsListener, start_worker_metrics
 from pdserve.worker.servicer import WorkerServer, start_worker_server
 from pdserve.worker.timing import PhaseClock
@@ -41,13 +41,14 @@ class SimHost:
     def __init__(self, engine: SimEngine, metrics_endpoint: str = "") -> None:
         self.engine = engine
         self.metrics_endpoint = metrics_endpoint
+        self.role: Role = engine.config.role  # switched by ``set_role``
         self._inflight: set[str] = set()
 
     async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         self._inflight.add(request.request_id)
         clock = PhaseClock()
         try:
-            if self.engine.config.role == "prefill":
+            if self.role == "prefill":
                 yield await self._prefill(request, clock)
                 return
             async for out in self._decode(request, clock):
@@ -98,21 +99,33 @@ class SimHost:
     def health(self) -> WorkerHealth:
         cfg = self.engine.config
         return WorkerHealth(
-            ready=True, role=cfg.role, worker_id=cfg.worker_id, model="sim", dtype="sim",
+            ready=True, role=self.role, worker_id=cfg.worker_id, model="sim", dtype="sim",
             block_size=cfg.block_size, max_model_len=cfg.max_model_len, transport="sim",
             compatibility_hash=f"sim-{cfg.block_size}", metrics_endpoint=self.metrics_endpoint)
 
     async def load(self) -> WorkerLoadReport:
-        c = self.engine.counters
+        c, cfg = self.engine.counters, self.engine.config
         return WorkerLoadReport(
             num_running_reqs=c.num_running_reqs, num_waiting_reqs=c.num_waiting_reqs,
             kv_cache_usage=self.engine.kv_cache_usage,
             prompt_tokens_computed=c.prompt_tokens_computed,
             prompt_tokens_local_cache_hit=c.prompt_tokens_local_cache_hit,
-            num_inflight_reqs=len(self._inflight), num_cached_blocks=len(self.engine.mirror))
+            num_inflight_reqs=len(self._inflight), num_cached_blocks=len(self.engine.mirror),
+            # Its cost model as an engine's measured step fit (streams decode side by
+            # side: a sequence adds nothing to a step).
+            step_base_us=round(cfg.decode_s_per_token * 1e6), step_per_seq_us=0,
+            step_per_token_ns=round(cfg.prefill_s_per_token * 1e9), step_decode_samples=1,
+            step_prefill_samples=1)
 
     def kv_mirror(self) -> KvCacheMirror | None:
-        return self.engine.mirror if self.engine.config.role == "prefill" else None
+        return self.engine.mirror if self.role == "prefill" else None
+
+    def set_role(self, role: Role) -> None:
+        self.role = role
+
+    async def end_role_work(self) -> tuple[int, int]:
+        """A simulated decode stream cannot be cut: the drain waits for it."""
+        return 0, 0
 
 
 async def start_sim_worker(config: SimConfig, host: str = "127.0.0.1", port: int = 0,

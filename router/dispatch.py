@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.types import PhaseOutput, PhaseRequest, SamplingSpec
 
 from .deadline import Deadline
+from .demand import DemandWindow
 from .disagg import DisaggConfig, DisaggDecision, choose_disagg
 from .dispatch_metrics import DispatchMetrics
 from .migration import (
@@ -90,8 +91,12 @@ class PDDispatcher:
         self, pool: WorkerPool, placement: Placement, registry: CollectorRegistry | None,
         request_timeout_s: float = 600.0, prefix: PrefixRouting | None = None,
         disagg: DisaggConfig | None = None, migration: MigrationConfig | None = None,
+        demand: DemandWindow | None = None,
     ) -> None:
+        """``demand``: where each request's prompt and output tokens are counted (the
+        planner's measure of the offered load)."""
         self._pool = pool
+        self._demand = demand
         self._placement = placement
         self._prefix = prefix
         self._disagg = disagg or DisaggConfig()
@@ -126,6 +131,9 @@ class PDDispatcher:
         disagg = choose_disagg(self._disagg, request, p_state, d_state)
         self._metrics.on_decision(disagg)
         self._metrics.placements.on_placed(d_state)
+        if self._demand is not None:
+            self._demand.on_arrival(request.uncached_tokens(p_state) if p_state is not None
+                                    else request.num_prompt_tokens)
         if choice.prefill is None or p_state is None or not disagg.remote:
             return _Route(None, decode[choice.decode], disagg)
         self._metrics.placements.on_placed(p_state)
@@ -144,6 +152,7 @@ class PDDispatcher:
         timeline.on_placed()
         involved: list[Worker] = []
         finished = False
+        num_tokens = 0
         try:
             first: PhaseOutput | None = None
             if route.prefill is not None:
@@ -158,6 +167,7 @@ class PDDispatcher:
                 timeline.on_prefill(first)
                 done = first.finish_reason in ("stop", "abort", "error") or (
                     sampling.max_tokens <= 1)
+                num_tokens += len(first.token_ids)
                 yield TokenChunk(first.token_ids, first.finish_reason if done else None,
                                  first.num_cached_tokens, route.disagg)
                 if done:  # nothing is held: prefill keeps KV only for a decode to come
@@ -176,6 +186,7 @@ class PDDispatcher:
                 deadline)
             async with contextlib.aclosing(stream):  # closing us closes the decode call now
                 async for chunk in stream:
+                    num_tokens += len(chunk.token_ids)
                     if chunk.finish_reason is not None:
                         finished = True
                     yield chunk
@@ -184,6 +195,8 @@ class PDDispatcher:
                 self._timelines.record(timeline)
             else:
                 self._abort_later(request_id, involved)
+            if self._demand is not None:
+                self._demand.on_finished(num_tokens)
 
     async def _prefill(self, worker: Worker, request: PhaseRequest, deadline: Deadline,
                        uncached_tokens: int, pending: PendingPrefix | None = None

@@ -21,7 +21,9 @@ from pdserve.grpc_tls import TlsFiles
 from pdserve.membership import Membership, MembershipConfig, create_membership
 from pdserve.model import ResolvedModel
 
+from .admin import AdminAuth, admin_actions
 from .app import create_admin_app, create_app
+from .demand import DemandWindow
 from .disagg import DisaggConfig
 from .dispatch import PDDispatcher
 from .drain import DrainingServer
@@ -30,9 +32,12 @@ from .kv_feed import KvIndexFeeder
 from .migration import MigrationConfig
 from .openapi import ERROR_RESPONSES
 from .placement import DEFAULT_PLACEMENT, create_placement
+from .planner import PlannerConfig
+from .planner_loop import PlannerLoop
 from .pool_metrics import register_pool_metrics
 from .prefix_index import PrefixIndex
 from .prefix_routing import PrefixRouting
+from .roles import RoleSwitcher
 from .workers import WorkerPool
 
 logger = logging.getLogger("pdserve.router")
@@ -61,6 +66,7 @@ class RouterConfig:
     # The cluster secret's file: calls to workers carry its token. None: unauthenticated.
     cluster_secret_file: str | None = None
     tls: TlsFiles = TlsFiles()  # gRPC to workers over TLS when set
+    planner: PlannerConfig = PlannerConfig()  # roles that follow the load (router/planner.py)
 
     def __post_init__(self) -> None:
         static = self.membership.kind == "static"
@@ -89,6 +95,7 @@ class RouterConfig:
             membership=MembershipConfig.from_flags(
                 args.etcd, args.cluster, args.etcd_ttl_s, prefill, decode, args.workers_file),
             cluster_secret_file=args.cluster_secret_file, tls=TlsFiles.from_args(args),
+            planner=PlannerConfig.from_args(args),
         )
 
 
@@ -107,12 +114,16 @@ class Router:
     membership: Membership
     views: APIRouter  # /workers and /prefix_index, also for the admin listener
     registry: CollectorRegistry | None  # None with metrics off
+    switcher: RoleSwitcher  # runtime role switches (admin action, planner)
+    planner: PlannerLoop
 
     async def start(self) -> None:
         await self.pool.start(self.membership)
         await self.feeder.start()
+        self.planner.start()
 
     async def close(self) -> None:
+        await self.planner.close()
         await self.feeder.close()
         await self.pool.close()
 
@@ -131,16 +142,19 @@ def build_router(config: RouterConfig, tokenizer: Any) -> Router:
     feeder = KvIndexFeeder(lambda: pool.prefill, index, registry)
     pool.on_worker_added(lambda _: feeder.sync())
     pool.on_worker_removed(lambda _: feeder.sync())  # its index entries go at once
+    demand = DemandWindow(config.planner.window_s)
     dispatcher = PDDispatcher(pool, create_placement(config.placement), registry,
                               config.request_timeout_s, PrefixRouting(index, registry),
-                              config.disagg, config.migration)
+                              config.disagg, config.migration, demand)
+    switcher = RoleSwitcher(pool, registry)
+    planner = PlannerLoop(config.planner, pool, switcher, demand, config.disagg.slo, registry)
     app = create_app(served_model_name=config.served_model_name,
                      max_model_len=config.max_model_len, tokenizer=tokenizer,
                      dispatcher=dispatcher, registry=registry, edge=config.edge,
                      request_timeout_s=config.request_timeout_s, metrics_enabled=config.metrics)
     views = _cluster_views(pool, membership, index, feeder)
     app.include_router(views)
-    return Router(app, pool, feeder, membership, views, registry)
+    return Router(app, pool, feeder, membership, views, registry, switcher, planner)
 
 
 async def serve_router(config: RouterConfig) -> None:
@@ -153,8 +167,11 @@ async def serve_router(config: RouterConfig) -> None:
     app = router.app
     admin: list[uvicorn.Server] = []
     if config.edge.admin_port:
+        actions = admin_actions(router.switcher, AdminAuth(config.edge.admin_action_keys,
+                                                            config.edge.admin_host))
         admin.append(_QuietServer(uvicorn.Config(
-            create_admin_app(router.registry, router.views), host=config.edge.admin_host,
+            create_admin_app(router.registry, router.views, actions),
+            host=config.edge.admin_host,
             port=config.edge.admin_port, log_level="warning", lifespan="off")))
     server = DrainingServer(
         uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
@@ -162,9 +179,9 @@ async def serve_router(config: RouterConfig) -> None:
         app.state.admission, config.edge.drain_timeout_s, companions=admin)
     await router.start()
     logger.info("router on http://%s:%d/v1: %s membership, placement %s, disagg %s, "
-                "%s, at most %d running + %d queued requests%s%s",
+                "planner %s, %s, at most %d running + %d queued requests%s%s",
                 config.host, config.port, router.membership.name, config.placement,
-                config.disagg.mode,
+                config.disagg.mode, config.planner.mode,
                 f"{len(config.edge.api_keys)} API key(s)" if config.edge.api_keys
                 else "no API keys", config.edge.max_concurrent, config.edge.max_queued,
                 f", admin on http://{config.edge.admin_host}:{config.edge.admin_port}"

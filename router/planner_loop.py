@@ -1,0 +1,159 @@
+"""Runs the planner (``planner.py``) in the router: measures the demand, decides every
+``interval_s``, flips one worker's role through the ``RoleSwitcher`` when the decision
+says so, and exports what it aims at (``pdserve:planner_desired_replicas{role}``: on
+Kubernetes the chart's autoscaler reads it; on one machine the flips are the action).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry
+
+from pdserve.types import Role
+
+from .demand import DemandWindow
+from .errors import APIError
+from .metrics import PREFIX, counter, gauge
+from .planner import (
+    Demand,
+    PlannerConfig,
+    PlannerDecision,
+    PlannerInputs,
+    PlannerState,
+    Split,
+    SplitLoad,
+    median_cost,
+    plan,
+)
+from .roles import RoleSwitcher
+from .slo import DERIVED_ITL_FACTOR, SloConfig
+from .worker_state import StepCost
+from .workers import Worker, WorkerPool
+
+logger = logging.getLogger("pdserve.router.planner")
+Clock = Callable[[], float]
+
+
+class PlannerMetrics:
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self.desired = gauge(
+            registry, f"{PREFIX}planner_desired_replicas", "Workers per role the planner "
+            "aims at (for an autoscaler; on one machine it flips roles to get there)",
+            ["role"])
+        self.utilization = gauge(
+            registry, f"{PREFIX}planner_estimated_utilization", "The planner's estimate "
+            "of each role's utilisation under the current split (1: saturated)", ["role"])
+        self.moves = counter(
+            registry, f"{PREFIX}planner_role_switches", "Role switches the planner made, "
+            "by the role a worker was switched to", ["role"])
+        for role in ("prefill", "decode"):
+            self.desired.labels(role)
+            self.utilization.labels(role)
+            self.moves.labels(role)
+
+    def on_decision(self, decision: PlannerDecision) -> None:
+        self.desired.labels("prefill").set(decision.desired.num_prefill)
+        self.desired.labels("decode").set(decision.desired.num_decode)
+        if decision.current_load is not None:
+            self.utilization.labels("prefill").set(decision.current_load.prefill)
+            self.utilization.labels("decode").set(decision.current_load.decode)
+
+
+class PlannerLoop:
+    """``start`` runs the loop (mode ``on``); ``step`` is one decision (tests drive it
+    with their own clock)."""
+
+    def __init__(self, config: PlannerConfig, pool: WorkerPool, switcher: RoleSwitcher,
+                 demand: DemandWindow, slo: SloConfig | None = None,
+                 registry: CollectorRegistry | None = None, clock: Clock = time.monotonic
+                 ) -> None:
+        self.config = config
+        self._pool = pool
+        self._switcher = switcher
+        self.demand = demand
+        self._slo = slo or SloConfig()
+        self._clock = clock
+        self._metrics = PlannerMetrics(registry)
+        self._state = PlannerState()
+        self._task: asyncio.Task[None] | None = None
+        self.last: PlannerDecision | None = None
+
+    def inputs(self) -> PlannerInputs:
+        placeable = [w for w in self._pool.all if w.snapshot().healthy]
+        current = Split(sum(w.role == "prefill" for w in placeable),
+                        sum(w.role == "decode" for w in placeable))
+        costs = [s.load.step for s in (w.snapshot() for w in placeable)
+                 if s.load.step is not None]
+        cost = median_cost(costs)
+        if cost is None:
+            return PlannerInputs(current, Demand(), None)
+        batch = max(self.demand.num_inflight / max(current.num_decode, 1), 1.0)
+        itl_s = self._slo.itl_s or DERIVED_ITL_FACTOR * cost.seconds(1, 0)
+        return PlannerInputs(current, self.demand.demand(_too_long(cost, batch, itl_s)), cost,
+                             itl_s)
+
+    async def step(self) -> PlannerDecision:
+        decision, self._state = plan(self.config, self._state, self.inputs(), self._clock())
+        self.last = decision
+        self._metrics.on_decision(decision)
+        if decision.move is not None:
+            await self._move(decision)
+        return decision
+
+    async def _move(self, decision: PlannerDecision) -> None:
+        to: Role = "prefill" if decision.move == "to_prefill" else "decode"
+        worker = self._pick(to)
+        if worker is None:
+            return
+        worker_id = worker.snapshot().worker_id
+        logger.info("planner: %s -> %s (estimated utilisation now %s, then %s)", worker_id,
+                    to, _fmt(decision.current_load), _fmt(decision.desired_load))
+        try:
+            await self._switcher.switch(worker_id, to, self.config.drain_timeout_s)
+        except APIError as exc:
+            logger.warning("planner: switching %s to %s failed: %s", worker_id, to,
+                           exc.message)
+            return
+        self._metrics.moves.labels(to).inc()
+
+    def _pick(self, to: Role) -> Worker | None:
+        """The least busy healthy worker of the other role."""
+        source = self._pool.decode if to == "prefill" else self._pool.prefill
+        candidates = [w for w in source if w.snapshot().healthy]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda w: (w.snapshot().num_assigned,
+                                              w.snapshot().num_assigned_tokens))
+
+    def start(self) -> None:
+        if self.config.enabled and self._task is None:
+            self._task = asyncio.create_task(self._run(), name="pdserve-planner")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.interval_s)
+            try:
+                await self.step()
+            except Exception:  # noqa: BLE001 - the planner must outlive a bad sample
+                logger.exception("planner step failed")
+
+
+def _too_long(cost: StepCost, batch: float, itl_s: float) -> Callable[[int], bool]:
+    """A prompt is long when decode's step carrying it would break the ITL objective."""
+    def is_long(tokens: int) -> bool:
+        return cost.base_s + cost.per_seq_s * batch + cost.per_token_s * tokens > itl_s
+    return is_long
+
+
+def _fmt(load: SplitLoad | None) -> str:
+    return "-" if load is None else f"prefill {load.prefill:.2f} / decode {load.decode:.2f}"
