@@ -115,7 +115,9 @@ class RoleSwitcher:
                            exc.details)
             raise _api_error(exc) from None
         worker.end_switch(result.role)
-        await worker.refresh(2.0)  # placeable in its new role now, not at the next probe
+        # Placeable in its new role now, not at the next probe. etcd membership may
+        # have replaced the member already (its key moved): refresh whoever it is now.
+        await (self._pool.find(worker_id) or worker).refresh(2.0)
         self._switches.labels(role, "switched" if result.changed else "unchanged").inc()
         outcome = RoleSwitchOutcome(worker.snapshot().worker_id, previous, result,
                                     time.monotonic() - started)

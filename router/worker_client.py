@@ -132,6 +132,8 @@ async def _unary(method: Any, request: Any, timeout_s: float) -> Any:
         return await method(request, timeout=timeout_s)
     except grpc.aio.AioRpcError as exc:
         raise WorkerCallError.from_rpc(exc) from exc
+    except grpc.aio.UsageError as exc:  # the channel was closed (the worker left the view)
+        raise WorkerCallError("UNAVAILABLE", f"channel closed: {exc}") from exc
 
 
 async def _stream(call: Any) -> AsyncIterator[Any]:

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,6 +123,7 @@ class Cluster:
     procs: dict[str, subprocess.Popen[bytes]]
     endpoints: dict[str, str]
     timeline: Timeline
+    admin_url: str = ""  # the router's admin listener (role switches)
     survivor: str = "decode-0"  # the decode worker left after the SIGKILL test
     _reference: Answer | None = None
 
@@ -157,6 +158,14 @@ class Cluster:
     def signal(self, worker_id: str, sig: int) -> None:
         os.killpg(self.procs[worker_id].pid, sig)
 
+    def switch_role(self, worker_id: str, role: str, drain_timeout_s: float = 30.0
+                    ) -> dict[str, Any]:
+        """``POST /admin/workers/{id}/role`` on the router's admin listener."""
+        r = httpx.post(f"{self.admin_url}/admin/workers/{worker_id}/role",
+                       json={"role": role, "drain_timeout_s": drain_timeout_s}, timeout=120)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
     def idle(self, worker_id: str) -> bool:
         """Nothing in flight, running or held in the KV cache."""
         load = self.load(worker_id)
@@ -172,10 +181,14 @@ class Cluster:
         return self._reference
 
     def stream(self, act_after: int | None = None, sig: int = _SIGKILL,
-               body: dict[str, Any] = MIGRATION_BODY) -> tuple[list[int], dict[str, Any], str]:
+               body: dict[str, Any] = MIGRATION_BODY,
+               act: Callable[[str], None] | None = None
+               ) -> tuple[list[int], dict[str, Any], str]:
         """The migration stream's (or ``body``'s) token ids and usage; after
         ``act_after`` tokens have reached the client, ``sig`` goes to the decode worker
-        serving it (its id is returned)."""
+        serving it (its id is returned), or ``act(its id)`` runs in a thread beside
+        the stream (joined before this returns)."""
+        acting: list[threading.Thread] = []
         ids: list[int] = []
         usage: dict[str, Any] = {}
         serving = hit = ""
@@ -197,7 +210,13 @@ class Cluster:
                                   if self.load(w).num_inflight_reqs]
                 if serving and not hit and len(ids) >= (act_after or 0):
                     hit = serving
-                    self.signal(hit, sig)
+                    if act is None:
+                        self.signal(hit, sig)
+                    else:
+                        acting.append(threading.Thread(target=act, args=(hit,)))
+                        acting[-1].start()
+        for thread in acting:
+            thread.join(timeout=300)
         return ids, usage, hit
 
 
@@ -228,19 +247,21 @@ def cluster(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     _MODEL_CACHE = model_path.parents[1]
     log_dir = tmp_path_factory.mktemp("etcd-cluster")
     etcd = LocalEtcd(log_path=log_dir / "etcd.log").start()
-    port = free_port()
+    port, admin_port = free_port(), free_port()
     router_url = f"http://127.0.0.1:{port}"
     procs: dict[str, subprocess.Popen[bytes]] = {
         # round_robin: these tests count which worker served; cache_aware would send
         # nothing to a decode worker no prefill can pair with. --disagg always: their
         # short prompts would otherwise skip prefill.
         "router": _spawn(["router", "--etcd", etcd.url, "--cluster", CLUSTER, "--port",
-                          str(port), "--placement", "round_robin", "--disagg", "always"],
+                          str(port), "--placement", "round_robin", "--disagg", "always",
+                          "--admin-port", str(admin_port)],
                          log_dir / "router.log")}
     timeline = Timeline(etcd.url, router_url)
     observer = threading.Thread(target=timeline.run, daemon=True)
     observer.start()
-    c = Cluster(etcd, router_url, log_dir, procs, {}, timeline)
+    c = Cluster(etcd, router_url, log_dir, procs, {}, timeline,
+                admin_url=f"http://127.0.0.1:{admin_port}")
     try:
         for worker_id, (role, dtype) in WORKERS.items():  # engines load in parallel
             c.start_worker(worker_id, role, dtype)
@@ -283,6 +304,52 @@ def test_requests_spread_over_two_prefill_and_two_decode(cluster: Cluster) -> No
     for worker_id in ("decode-0", "decode-1"):  # KV from P
         assert (after[worker_id].prompt_tokens_external
                 > before[worker_id].prompt_tokens_external), worker_id
+
+
+def test_decode_switches_role_mid_stream_the_stream_is_uncut_then_it_serves_prefill(
+        cluster: Cluster) -> None:
+    """``POST /admin/workers/{id}/role`` on the decode worker serving a greedy stream,
+    with no drain time: its stream is aborted there and continues on the other decode
+    worker (migration), the client's text is the uninterrupted one (which equals one
+    aggregated engine's: tests/integration/test_pd_e2e.py), the same process and engine
+    then serves prefill (its key moved in etcd), and no worker holds a block. It is
+    switched back to decode after (drained), for the tests after this one."""
+    want = cluster.reference_answer()
+    before = cluster.metric("pdserve:migrations_total", 'reason="')
+    switched: list[dict[str, Any]] = []
+    got, usage, serving = cluster.stream(
+        act_after=KILL_AFTER_TOKENS,
+        act=lambda w: switched.append(cluster.switch_role(w, "prefill", drain_timeout_s=0)))
+    assert serving and switched, "the stream ended before the switch"
+    (result,) = switched
+    assert got == want.ids, "the answer through the switch differs from the uninterrupted one"
+    assert usage["completion_tokens"] == MIGRATION_TOKENS
+    assert (result["role"], result["previous_role"], result["changed"]) == (
+        "prefill", "decode", True)
+    if result["num_aborted"]:  # cut there, continued on the other decode worker
+        assert cluster.metric("pdserve:migrations_total", 'reason="') == before + 1
+    other = "decode-1" if serving == "decode-0" else "decode-0"
+    pid = cluster.procs[serving].pid
+    try:
+        keys = etcd_keys(cluster.etcd.url, PREFIX)
+        assert PREFIX + f"prefill/{serving}" in keys and PREFIX + f"decode/{serving}" not in keys
+        assert wait_until(lambda: cluster.view().get(serving, {}).get("role") == "prefill"
+                          and cluster.view()[serving]["healthy"], ROUTABLE_S)
+        computed = cluster.load(serving).prompt_tokens_computed
+        for i in range(6):  # round robin over three prefill workers now
+            cluster.complete(100 + i)
+        assert cluster.load(serving).prompt_tokens_computed > computed, "it never prefilled"
+        assert cluster.load(other).prompt_tokens_external > 0  # and decode loaded its KV
+        assert cluster.procs[serving].poll() is None and cluster.procs[serving].pid == pid
+    finally:
+        back = cluster.switch_role(serving, "decode")
+        assert back["role"] == "decode" and back["num_aborted"] == 0
+        assert wait_until(lambda: {w for w, v in cluster.view().items() if v["healthy"]
+                                   and v["role"] == "decode"} >= {"decode-0", "decode-1"},
+                          ROUTABLE_S + ETCD_SLACK_S)
+    # Nothing leaked: no request in flight or running, no block held, no lease left.
+    assert wait_until(lambda: all(cluster.idle(w) and not cluster.load(w).kv_leases_held
+                                  for w in WORKERS), 30.0)
 
 
 def test_decode_paused_mid_stream_the_stream_moves_and_the_answer_is_unchanged(
