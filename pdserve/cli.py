@@ -21,7 +21,7 @@ from pdserve.model import DEFAULT_MODEL_NAME, ResolvedModel
 
 # Flags by concern; a subcommand takes the groups it needs.
 COMMON = ("model", "max-model-len", "log-level", "log-format")
-ENGINE = ("dtype", "kv-cache-gib", "num-kv-blocks", "shm-spin-s")
+ENGINE = ("dtype", "kv-cache-gib", "num-kv-blocks", "shm-spin-s", "prefill-chunk-tokens")
 TRANSPORT = ("transport", "kv-checksum", "kv-throttle-mib-s", "kv-push")
 MEMBERSHIP = ("etcd", "cluster", "etcd-ttl-s")
 WORKER = ("host", "port", "advertise-host", "kv-port", "kv-host", "cpu-cores", "lease-s",

@@ -159,6 +159,13 @@ def parse_float(low: float, *, strict: bool = False) -> Parse:
 parse_port = parse_int(0, 65535)
 
 
+def parse_chunk_tokens(text: str) -> int:
+    value = parse_int(0)(text)
+    if 0 < value < 16:
+        raise ValueError("expected 0 (no cap) or at least 16")
+    return int(value)
+
+
 def parse_api_keys(text: str) -> tuple[str, ...]:
     """Comma-separated keys (one per ``--api-key``; the environment may hold several)."""
     keys = tuple(k.strip() for k in text.split(",") if k.strip())
@@ -227,6 +234,11 @@ FLAGS = _flags(
     Flag("cpu-cores", "cores for the engine's compute threads, e.g. 0 or 0-3 (CPU only)"),
     Flag("lease-s", "how long prefill keeps a request's KV for its decode", 30.0,
          parse_float(0, strict=True)),
+    Flag("prefill-chunk-tokens", "the most prompt tokens one request computes in an "
+         "engine step while other requests run (vLLM's chunked prefill): a long prompt "
+         "prefilled on a decode worker is spread over steps, so its streams' gaps stay "
+         "short (the router's slo decision counts it); alone, a prompt is not cut. "
+         "Default: 256 on CPU, no cap on GPU; 0: no cap", None, parse_chunk_tokens),
     Flag("shm-spin-s", "how long the engine's processes busy-wait for the next message "
          "on vLLM's shared-memory queues before they sleep (seconds; default: 0 on CPU, "
          "where the compute threads need the cores, vLLM's own 1 on GPU)", None,

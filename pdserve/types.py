@@ -101,6 +101,8 @@ class WorkerHealth:
     kv_port: int = 0
     kv_push: bool = False
     metrics_endpoint: str = ""  # host:port of its /metrics listener; "" when off
+    # Prompt tokens one request computes per step beside others (0: no cap).
+    prefill_chunk_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,7 @@ class UpConfig:
     etcd_ttl_s: int = 10
     num_kv_blocks: int | None = None  # prefill workers' KV blocks (overrides kv_cache_gib)
     shm_spin_s: float | None = None  # every engine's (None: the workers' default)
+    prefill_chunk_tokens: int | None = None  # every engine's (None: the workers' default)
     disagg: DisaggConfig = DisaggConfig()  # handed to the router as its flags
     planner: PlannerConfig = PlannerConfig()  # the router's too
     # Supervision: a child failing more than max_restarts times within the window is
@@ -120,7 +121,7 @@ class UpConfig:
             kv_throttle_mib_s=args.kv_throttle_mib_s, kv_push=args.kv_push,
             etcd=args.etcd or "", with_etcd=args.with_etcd, cluster=args.cluster,
             etcd_ttl_s=args.etcd_ttl_s, num_kv_blocks=args.num_kv_blocks or None,
-            shm_spin_s=args.shm_spin_s,
+            shm_spin_s=args.shm_spin_s, prefill_chunk_tokens=args.prefill_chunk_tokens,
             disagg=DisaggConfig.from_args(args), planner=PlannerConfig.from_args(args),
             max_restarts=args.max_restarts,
             restart_window_s=args.restart_window_s, simulated=args.simulated,
@@ -196,6 +197,8 @@ def _engine_flags(cfg: UpConfig, role: str, cores: str) -> list[str]:
              "--kv-throttle-mib-s", str(cfg.kv_throttle_mib_s)]
     if cfg.shm_spin_s is not None:
         argv += ["--shm-spin-s", repr(cfg.shm_spin_s)]
+    if cfg.prefill_chunk_tokens is not None:
+        argv += ["--prefill-chunk-tokens", str(cfg.prefill_chunk_tokens)]
     if role == "prefill" and cfg.num_kv_blocks:
         argv += ["--num-kv-blocks", str(cfg.num_kv_blocks)]
     return argv

@@ -170,7 +170,8 @@ def health_from_pb(msg: pb.HealthResponse) -> WorkerHealth:
         ready=msg.ready, role=role, worker_id=msg.worker_id, model=msg.model, dtype=msg.dtype,
         block_size=msg.block_size, max_model_len=msg.max_model_len, transport=msg.transport,
         compatibility_hash=msg.compatibility_hash, kv_host=msg.kv_host, kv_port=msg.kv_port,
-        kv_push=msg.kv_push, metrics_endpoint=msg.metrics_endpoint)
+        kv_push=msg.kv_push, metrics_endpoint=msg.metrics_endpoint,
+        prefill_chunk_tokens=msg.prefill_chunk_tokens)
 
 
 def load_to_pb(load: WorkerLoadReport) -> pb.GetLoadResponse:

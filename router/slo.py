@@ -9,9 +9,12 @@ queued on each side by this router (``num_assigned_tokens``). ``choose_by_slo`` 
 pure function of them (placement's snapshots); it returns None while an engine has not
 measured the steps it needs (start-up): the caller then keeps the static rules.
 
-- Local costs decode one step carrying this prompt's prefill (and the local prefills
-  queued before it) beside its running sequences. It *fits* when that step stays
-  within the ITL objective: no running stream sees a longer gap than the SLO allows.
+- Local costs decode the steps carrying this prompt's prefill (and the local prefills
+  queued before it) beside its running sequences: one step, or, where the engine
+  caps a request's prompt tokens per step (``prefill_chunk_tokens``: chunked prefill),
+  one step per chunk. It *fits* when each such step stays within the ITL objective
+  (no running stream sees a longer gap than the SLO allows) and the last one ends
+  within the TTFT objective.
 - Remote costs the prefill worker's queue plus this prompt's compute: its TTFT.
 - The rule: local when it fits the ITL objective and meets the TTFT one (one cheap
   step, no handoff); else remote when it meets TTFT; else the cheaper TTFT of the two.
@@ -53,15 +56,13 @@ class SloConfig:
 class SloEstimate:
     """What one decision weighed (seconds); the router exports the latest."""
 
-    local_step_s: float  # decode's step with this prompt's prefill in it
+    local_step_s: float  # decode's longest step with this prompt's prefill in it
     remote_ttft_s: float
     ttft_slo_s: float
     itl_slo_s: float
-
-    @property
-    def local_ttft_s(self) -> float:
-        """Prefilled on decode, the first token comes at the end of that one step."""
-        return self.local_step_s
+    # Prefilled on decode, the first token comes at the end of the last step carrying
+    # the prompt (with no chunking: that one step).
+    local_ttft_s: float
 
     @property
     def local_fits(self) -> bool:
@@ -84,12 +85,17 @@ def estimate(slo: SloConfig, request: PlacementRequest, prefill: WorkerState,
         return None
     local_tokens = max(request.num_prompt_tokens - decode_cached_tokens, 1)
     running = max(decode.num_assigned, decode.load.num_running_reqs)
-    local_step = _per_token(d, p).seconds(running + 1, decode.num_assigned_tokens + local_tokens)
+    queued = decode.num_assigned_tokens + local_tokens
+    chunk = decode.prefill_chunk_tokens or queued
+    cost = _per_token(d, p)
+    local_step = cost.seconds(running + 1, min(queued, chunk))
+    local_ttft = (-(-queued // chunk) - 1) * local_step + cost.seconds(
+        running + 1, queued - (-(-queued // chunk) - 1) * chunk)
     remote_tokens = request.uncached_tokens(prefill)
     remote_ttft = p.seconds(0, prefill.num_assigned_tokens + remote_tokens)
     ttft_slo = slo.ttft_s or DERIVED_TTFT_FACTOR * p.seconds(0, remote_tokens)
     itl_slo = slo.itl_s or DERIVED_ITL_FACTOR * d.seconds(1, 0)
-    return SloEstimate(local_step, remote_ttft, ttft_slo, itl_slo)
+    return SloEstimate(local_step, remote_ttft, ttft_slo, itl_slo, local_ttft)
 
 
 def choose_by_slo(slo: SloConfig, request: PlacementRequest, prefill: WorkerState,

@@ -59,6 +59,8 @@ class WorkerState:
     kv_host: str = ""
     kv_port: int = 0
     kv_push: bool = False
+    # Prompt tokens one request computes per engine step beside others (0: no cap).
+    prefill_chunk_tokens: int = 0
     load: WorkerLoad = field(default_factory=WorkerLoad)
     # Requests this router has sent and not seen finish (fresher than GetLoad).
     num_assigned: int = 0

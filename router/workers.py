@@ -196,7 +196,9 @@ class Worker:
         self._report(healthy=health.ready, worker_id=health.worker_id,
                      compatibility_hash=health.compatibility_hash, model=health.model,
                      max_model_len=health.max_model_len, kv_host=health.kv_host,
-                     kv_port=health.kv_port, kv_push=health.kv_push, load=_placement_load(load))
+                     kv_port=health.kv_port, kv_push=health.kv_push,
+                     prefill_chunk_tokens=health.prefill_chunk_tokens,
+                     load=_placement_load(load))
 
     def _check_identity(self, health: WorkerHealth) -> None:
         endpoint = self._reported.endpoint
@@ -227,7 +229,7 @@ class Worker:
             member_id=r.member_id, worker_id=r.worker_id,
             compatibility_hash=r.compatibility_hash, model=r.model,
             max_model_len=r.max_model_len, kv_host=r.kv_host, kv_port=r.kv_port,
-            kv_push=r.kv_push, load=r.load,
+            kv_push=r.kv_push, prefill_chunk_tokens=r.prefill_chunk_tokens, load=r.load,
             num_assigned=inflight.num_assigned,
             num_assigned_tokens=inflight.num_assigned_tokens)
 
@@ -331,6 +333,8 @@ class WorkerPool:
     def _role_changed(self, worker: Worker, old_role: str) -> None:
         """A member switched role: filed under the new one; listeners see it leave the
         old role and join the new (the prefix index follows prefill workers only)."""
+        if self._members.get(worker.member_id) is not worker:
+            return  # already replaced (etcd moved its key before the switch returned)
         self._rebuild()
         self._notify(self._removed, replace(worker.snapshot(), role=old_role))
         self._notify(self._added, worker.snapshot())

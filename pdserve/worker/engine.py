@@ -48,6 +48,12 @@ class EngineConfig:
     # vLLM's shared-memory readers' busy-wait (pdserve.worker.vllm_plugin); None: 0 on
     # CPU (or PDSERVE_VLLM_SHM_SPIN_S), vLLM's own on GPU.
     shm_spin_s: float | None = None
+    # The per-step prefill-token budget of one request while others run (vLLM's
+    # long_prefill_token_threshold; chunked prefill): a long prompt prefilled beside
+    # decoding streams takes several steps of at most this many tokens, so no stream
+    # waits for the whole prompt. Alone in the engine (a prefill worker's usual case)
+    # a prompt is not cut. 0: no cap.
+    prefill_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -60,6 +66,8 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 2")
         if self.shm_spin_s is not None and self.shm_spin_s < 0:
             raise ValueError("shm_spin_s must be >= 0")
+        if self.prefill_chunk_tokens < 0 or 0 < self.prefill_chunk_tokens < 16:
+            raise ValueError("prefill_chunk_tokens must be 0 (no cap) or >= 16")
 
 
 @dataclass(frozen=True)
@@ -209,6 +217,7 @@ def build_engine(config: EngineConfig, counters: EngineCounters) -> AsyncLLM:
         max_num_seqs=config.max_num_seqs,
         enforce_eager=config.enforce_eager,
         num_gpu_blocks_override=config.num_kv_blocks,
+        long_prefill_token_threshold=config.prefill_chunk_tokens,
         kv_events_config=None if config.kv_events is None else KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=config.kv_events[0],
             replay_endpoint=config.kv_events[1]),

@@ -153,7 +153,8 @@ class EngineHost:
             model=cfg.served_model_name, dtype=dtype, block_size=block_size,
             max_model_len=cfg.max_model_len, transport=conn.transport,
             compatibility_hash=digest, kv_host=conn.kv_host, kv_port=conn.kv_port,
-            kv_push=self.kv_push, metrics_endpoint=self.metrics_endpoint)
+            kv_push=self.kv_push, metrics_endpoint=self.metrics_endpoint,
+            prefill_chunk_tokens=cfg.prefill_chunk_tokens)
 
     async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         engine = self.engine

@@ -20,7 +20,7 @@ from pdserve.model import ResolvedModel
 from pdserve.sim_engine import SimConfig
 from pdserve.sim_worker import sim_config_from_args
 from pdserve.up import UpConfig, plan
-from pdserve.worker.config import WorkerConfig
+from pdserve.worker.config import WorkerConfig, prefill_chunk_default
 from pdserve.worker.engine import EngineConfig
 
 MODEL = ResolvedModel(Path("/models/tiny"), "tiny")
@@ -184,7 +184,8 @@ def test_worker_config_from_args(monkeypatch: pytest.MonkeyPatch) -> None:
     assert engine == EngineConfig(
         model_path="/models/tiny", served_model_name="tiny", role="prefill",
         connector=engine.connector, dtype="float32", cpu_threads_bind="0-1",
-        num_kv_blocks=32, kv_events=engine.kv_events)
+        num_kv_blocks=32, kv_events=engine.kv_events,
+        prefill_chunk_tokens=prefill_chunk_default(None))  # 256 on CPU, no cap on a GPU
     assert config.role == "prefill"
 
 

@@ -15,6 +15,7 @@ from pdserve.router.demand import DemandWindow
 from pdserve.router.planner import (
     Demand,
     PlannerConfig,
+    PlannerDecision,
     PlannerInputs,
     PlannerState,
     Split,
@@ -41,9 +42,11 @@ LONG_HEAVY = Demand(long_tokens_per_s=700, short_tokens_per_s=40, output_tokens_
                     max_long_tokens=1500)
 
 
-def decide(current: Split, demand: Demand, state: PlannerState = PlannerState(),
-           now: float = 100.0, cost: StepCost | None = COST):
-    return plan(CONFIG, state, PlannerInputs(current, demand, cost, ITL_S), now)
+def decide(current: Split, demand: Demand, state: PlannerState | None = None,
+           now: float = 100.0, cost: StepCost | None = COST
+           ) -> tuple[PlannerDecision, PlannerState]:
+    return plan(CONFIG, state or PlannerState(), PlannerInputs(current, demand, cost, ITL_S),
+                now)
 
 
 # ---- the decision on constructed inputs ----------------------------------------------

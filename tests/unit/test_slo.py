@@ -131,3 +131,19 @@ def test_slo_mode_uses_the_slo_rule_and_the_decision_carries_its_estimate() -> N
 def test_objectives_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match=">= 0"):
         SloConfig(ttft_s=-1)
+
+
+def test_a_decode_engine_that_chunks_prefill_spreads_a_long_prompt_over_steps() -> None:
+    """With 128 prompt tokens per step (``prefill_chunk_tokens``), a 1,200-token prompt
+    takes 10 steps of at most 0.173 s: within the ITL objective; its first token comes
+    after all 10 (1.245 s + 9 step bases), within TTFT: prefilled on decode, where the
+    same engine without chunking would break every stream's ITL."""
+    chunked = dataclasses.replace(decode(), prefill_chunk_tokens=128)
+    est = estimate(SLO, PlacementRequest(1200), prefill(queued_tokens=5000), chunked)
+    assert est is not None
+    assert est.local_step_s == pytest.approx(0.040 + 0.005 + 0.128)
+    assert est.local_ttft_s == pytest.approx(9 * 0.173 + 0.040 + 0.005 + 0.048)
+    choice = choose_by_slo(SLO, PlacementRequest(1200), prefill(queued_tokens=5000), chunked)
+    assert choice is not None and (choice.decision, choice.reason) == ("local", "slo_local")
+    whole = choose_by_slo(SLO, PlacementRequest(1200), prefill(queued_tokens=5000), decode())
+    assert whole is not None and whole.reason == "slo_missed_local"
