@@ -38,6 +38,8 @@ from pdserve.bench.report import (
 from pdserve.bench.systems import SystemSpec, pdserve_up, vllm_aggregated, vllm_disagg
 
 __all__ = ["add_parser", "main", "run_compare"]
+# Every ratio is to aggregated vLLM tuned as pdserve's engines are (systems.py).
+BASELINE = "vllm-tuned"
 
 
 def main(args: argparse.Namespace) -> int:
@@ -67,7 +69,9 @@ def build_systems(cfg: CompareConfig) -> list[SystemSpec]:
 
     systems = []
     if cfg.with_vllm:
-        systems.append(vllm_aggregated(cfg.settings, free_port()))
+        systems.append(vllm_aggregated(cfg.settings, free_port(), BASELINE, tuned=True))
+        if cfg.with_vllm_stock:
+            systems.append(vllm_aggregated(cfg.settings, free_port()))
     if cfg.with_vllm_disagg:
         systems.append(vllm_disagg(cfg.settings, free_port(), (free_port(), free_port()),
                                    (free_port(), free_port())))
@@ -85,7 +89,8 @@ def run_compare(cfg: CompareConfig) -> CompareReport:
         results = [run_system(spec, cfg, tmp) for spec in build_systems(cfg)]
         report = CompareReport(
             settings=settings_json(cfg), machine=machine_info(), versions=versions(),
-            rates=list(cfg.rates), systems=results, baseline="vllm" if cfg.with_vllm else None,
+            rates=list(cfg.rates), systems=results,
+            baseline=BASELINE if cfg.with_vllm else None,
             started_at=started, finished_at=datetime.now(UTC).isoformat(timespec="seconds"))
         write_report(report, tmp)
         if cfg.output_dir.exists():

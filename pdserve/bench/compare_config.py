@@ -48,6 +48,7 @@ class CompareConfig:
     run_timeout_s: float
     stop_timeout_s: float
     dtype: DtypeChoice  # how settings.dtype was chosen (printed, and in the report)
+    with_vllm_stock: bool = True  # stock vllm serve beside the tuned baseline
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -67,7 +68,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--with-vllm-disagg", action="store_true",
                    help="also run vLLM's own disaggregated serving (NixlConnector)")
     p.add_argument("--no-vllm", action="store_true",
-                   help="skip the aggregated vLLM baseline (no ratios then)")
+                   help="skip aggregated vLLM, tuned (the baseline) and stock (no ratios then)")
+    p.add_argument("--no-vllm-stock", action="store_true",
+                   help="skip stock vllm serve (the tuned baseline still runs)")
     p.add_argument("--output-dir", type=Path, default=None,
                    help="where the report goes (must not exist or be empty; default "
                    "bench/results/compare-<time>)")
@@ -125,7 +128,7 @@ def config_from_args(args: argparse.Namespace) -> CompareConfig:
     if min(args.startup_timeout_s, args.run_timeout_s, args.stop_timeout_s) <= 0:
         raise ValueError("--startup-timeout-s, --run-timeout-s and --stop-timeout-s must "
                          "be > 0")
-    entries = pdserve_entries(args.pdserve, ("vllm", "vllm-disagg"))
+    entries = pdserve_entries(args.pdserve, ("vllm", "vllm-tuned", "vllm-disagg"))
     check_workload(workload_args(args))
     if args.with_vllm_disagg:
         check_vllm_disagg()
@@ -134,7 +137,7 @@ def config_from_args(args: argparse.Namespace) -> CompareConfig:
     return CompareConfig(
         settings, rates, entries, not args.no_vllm, args.with_vllm_disagg,
         tuple(workload_args(args)), args.seed, args.slo, out, args.startup_timeout_s,
-        args.run_timeout_s, args.stop_timeout_s, dtype)
+        args.run_timeout_s, args.stop_timeout_s, dtype, not args.no_vllm_stock)
 
 
 def pdserve_entries(given: list[str] | None, reserved: tuple[str, ...]

@@ -4,10 +4,14 @@ Every system gets the same engine settings (``EngineSettings``: model, dtype, KV
 size, max-model-len, eager, batch cap) and the same cores; only how the engines are
 arranged differs:
 
-- ``vllm``: one aggregated ``vllm serve`` with its compute threads on every core.
+- ``vllm-tuned``: one aggregated ``vllm serve`` with its compute threads on every core
+  and the tuning pdserve's engines get: no shared-memory spin (pdserve's vLLM plugin,
+  with its wake-up fix) and the same per-step prefill cap. The baseline of every ratio.
+- ``vllm``: the same, stock (vLLM spins its readers 1 s after each message, no cap).
 - ``vllm-disagg``: vLLM's own P/D: a prefill and a decode ``vllm serve`` with the
   NixlConnector (prefill on the first half of the cores, decode on the rest, like
-  ``pdserve up --cpu-layout split``) behind ``pdserve.bench.disagg_proxy``.
+  ``pdserve up --cpu-layout split``) behind vLLM's own P/D router (``vllm-router``,
+  round robin), or ``pdserve.bench.disagg_proxy`` where it is not installed.
 - ``pdserve``: ``pdserve up`` with the user's flags.
 
 Building a spec starts nothing (the unit tests check these command lines).
@@ -105,10 +109,19 @@ def _vllm_env(s: EngineSettings, cores: str) -> dict[str, str]:
             "HF_HUB_OFFLINE": "1"}
 
 
-def vllm_aggregated(s: EngineSettings, port: int, name: str = "vllm") -> SystemSpec:
-    """One ``vllm serve`` on every core: the baseline."""
-    proc = ProcSpec("vllm", tuple(_vllm_argv(s, port)), _vllm_env(s, s.all_cores))
-    return SystemSpec(name, "vllm", port, (proc,), {"engine": s.all_cores})
+def vllm_aggregated(s: EngineSettings, port: int, name: str = "vllm", tuned: bool = False
+                    ) -> SystemSpec:
+    """One ``vllm serve`` on every core; ``tuned``: as pdserve tunes its own engines."""
+    argv, env = _vllm_argv(s, port), _vllm_env(s, s.all_cores)
+    if tuned:
+        from pdserve.worker.config import prefill_chunk_default
+        from pdserve.worker.vllm_plugin import SPIN_ENV
+
+        argv += ["--long-prefill-token-threshold", str(prefill_chunk_default(None))]
+        env[SPIN_ENV] = "0"
+    proc = ProcSpec("vllm", tuple(argv), env)
+    return SystemSpec(name, "vllm", port, (proc,), {"engine": s.all_cores},
+                      "tuned" if tuned else "")
 
 
 def vllm_disagg(s: EngineSettings, port: int, engine_ports: tuple[int, int],
@@ -133,12 +146,26 @@ def vllm_disagg(s: EngineSettings, port: int, engine_ports: tuple[int, int],
                    **{NIXL_DELAY_ENV: str(NIXL_DELAY_US)})
         argv = _vllm_argv(s, eport) + ["--kv-transfer-config", json.dumps(kv)]
         procs.append(ProcSpec(role, tuple(argv), env))
-    proxy = [sys.executable, "-m", "pdserve.bench.disagg_proxy", "--port", str(port),
-             "--prefill", f"http://127.0.0.1:{engine_ports[0]}",
-             "--decode", f"http://127.0.0.1:{engine_ports[1]}"]
-    procs.append(ProcSpec("proxy", tuple(proxy)))
+    prefill_url, decode_url = (f"http://127.0.0.1:{p}" for p in engine_ports)
+    if has_vllm_router():
+        proxy = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation",
+                 "--prefill", prefill_url, "--decode", decode_url, "--policy", "round_robin",
+                 "--host", "127.0.0.1", "--port", str(port), "--request-timeout-secs", "1800",
+                 "--max-concurrent-requests", "1024", "--queue-size", "1024"]
+        procs.append(ProcSpec("vllm-router", tuple(proxy)))
+    else:
+        proxy = [sys.executable, "-m", "pdserve.bench.disagg_proxy", "--port", str(port),
+                 "--prefill", prefill_url, "--decode", decode_url]
+        procs.append(ProcSpec("proxy", tuple(proxy)))
     return SystemSpec(name, "vllm-disagg", port, tuple(procs),
                       {"prefill": p_cores, "decode": d_cores})
+
+
+def has_vllm_router() -> bool:
+    """vLLM's own P/D router (``pip install vllm-router``) is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm_router") is not None
 
 
 def parse_pdserve_entry(entry: str) -> tuple[str, str]:

@@ -314,3 +314,27 @@ def test_the_vllm_plugin_gives_nixl_progress_threads_a_poll_delay(
     assert config.pthrDelay == 1000
     config.pthrDelay = 5  # any other value is left alone
     assert config.pthrDelay == 5
+
+
+def test_the_tuned_baseline_gets_pdserves_engine_tuning_and_stock_does_not() -> None:
+    from pdserve.worker.config import prefill_chunk_default
+    from pdserve.worker.vllm_plugin import SPIN_ENV
+
+    tuned = vllm_aggregated(SETTINGS, 9000, "vllm-tuned", tuned=True).procs[0]
+    stock = vllm_aggregated(SETTINGS, 9001).procs[0]
+    assert tuned.env[SPIN_ENV] == "0" and SPIN_ENV not in stock.env
+    assert _flag(tuned.argv, "--long-prefill-token-threshold") == str(prefill_chunk_default(None))
+    assert "--long-prefill-token-threshold" not in stock.argv
+    assert _flag(tuned.argv, "--max-num-seqs") == _flag(stock.argv, "--max-num-seqs")
+
+
+def test_vllm_disagg_uses_vllms_own_pd_router_when_installed(monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    from pdserve.bench import systems
+
+    for installed, module in ((True, "vllm_router.launch_router"),
+                              (False, "pdserve.bench.disagg_proxy")):
+        monkeypatch.setattr(systems, "has_vllm_router", lambda i=installed: i)
+        router = vllm_disagg(SETTINGS, 9001, (9002, 9003), (9004, 9005)).procs[-1]
+        assert router.argv[2] == module and _flag(router.argv, "--port") == "9001"
+        assert _flag(router.argv, "--prefill") == "http://127.0.0.1:9002"
