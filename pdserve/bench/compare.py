@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -30,6 +31,8 @@ from pdserve.bench.report import (
     CompareReport,
     RateRun,
     SystemResult,
+    add_derived_goodput,
+    derive_slo,
     machine_info,
     rate_label,
     versions,
@@ -87,11 +90,13 @@ def run_compare(cfg: CompareConfig) -> CompareReport:
     tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.output_dir.name}-", dir=parent))
     try:
         results = [run_system(spec, cfg, tmp) for spec in build_systems(cfg)]
+        derived = derived_slos(results)
         report = CompareReport(
             settings=settings_json(cfg), machine=machine_info(), versions=versions(),
             rates=list(cfg.rates), systems=results,
             baseline=BASELINE if cfg.with_vllm else None,
-            started_at=started, finished_at=datetime.now(UTC).isoformat(timespec="seconds"))
+            started_at=started, finished_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            derived_slo=derived)
         write_report(report, tmp)
         if cfg.output_dir.exists():
             cfg.output_dir.rmdir()  # checked empty up front
@@ -100,6 +105,22 @@ def run_compare(cfg: CompareConfig) -> CompareReport:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return report
+
+
+def derived_slos(results: list[SystemResult]) -> dict[str, float] | None:
+    """The SLOs derived from the baseline's unloaded run, and every run's goodput under
+    them (``goodput_derived``); None without that run."""
+    base = next((r for r in results if r.name == BASELINE and r.unloaded is not None), None)
+    if base is None or base.unloaded is None or base.unloaded.result is None:
+        return None
+    slo = derive_slo(base.unloaded.result)
+    if slo is None:
+        return None
+    for system in results:
+        for run in system.runs:
+            if run.result is not None:
+                add_derived_goodput(run.result, slo)
+    return slo
 
 
 def settings_json(cfg: CompareConfig) -> dict[str, Any]:
@@ -130,6 +151,8 @@ def run_system(spec: SystemSpec, cfg: CompareConfig, tmp: Path) -> SystemResult:
             _say(f"{spec.name}: failed to start: {exc}")
         else:
             _say(f"{spec.name}: ready in {result.startup_s:.1f} s")
+            if spec.name == BASELINE:
+                result.unloaded = unloaded_run(spec, cfg, tmp)
             for index, rate in enumerate(cfg.rates):
                 gone = running.exited()
                 run = (RateRun(rate, error=gone) if gone
@@ -144,6 +167,26 @@ def run_system(spec: SystemSpec, cfg: CompareConfig, tmp: Path) -> SystemResult:
     _say(f"{spec.name}: stopped " + ("cleanly" if stop.clean else f"with SIGKILL "
                                       f"({len(stop.killed)} processes)"))
     return result
+
+
+UNLOADED_REQUESTS = 8
+
+
+def unloaded_run(spec: SystemSpec, cfg: CompareConfig, tmp: Path) -> RateRun:
+    """Lone requests of the workload, one at a time: the unloaded TTFT and ITL the
+    derived SLOs come from."""
+    out = tmp / "runs" / spec.name / "unloaded.json"
+    args = rate_workload_args(cfg, len(cfg.rates))
+    for flag in ("--num-requests", "--duration-s", "--max-concurrency"):
+        while flag in args:
+            at = args.index(flag)
+            del args[at:at + 2]
+    argv = bench_argv(spec, math.inf, len(cfg.rates), cfg, out)
+    argv = argv[:argv.index("--no-progress") + 1] + args + [
+        "--num-requests", str(UNLOADED_REQUESTS), "--max-concurrency", "1"]
+    result, error = run_bench(argv, out, cfg.run_timeout_s)
+    _say(f"{spec.name} unloaded: " + (f"failed: {error}" if error else "done"))
+    return RateRun(math.inf, result=result, error=error)
 
 
 def rate_workload_args(cfg: CompareConfig, index: int) -> list[str]:

@@ -43,6 +43,10 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="random, chat-mix: lengths uniform within +-ratio")
     w.add_argument("--mix", default=DEFAULT_MIX,
                    help="chat-mix: SHARE:INPUT:OUTPUT,... (default %(default)s)")
+    w.add_argument("--mix-then", help="chat-mix: a second mix the load shifts to at "
+                   "--mix-shift-at (a load that changes under the system)")
+    w.add_argument("--mix-shift-at", type=int, help="chat-mix with --mix-then: the index "
+                   "of the first request drawn from it (default: half of --num-requests)")
     w.add_argument("--num-system-prompts", type=int, default=2)
     w.add_argument("--system-prompt-len", type=int, default=512)
     w.add_argument("--num-users", type=int, default=4)

@@ -41,6 +41,9 @@ class SystemResult:
     error: str | None = None  # set when the system did not start
     startup_s: float | None = None
     stop: dict[str, Any] | None = None  # StopReport.to_json()
+    # The baseline only: lone requests of the same workload, one at a time (the
+    # unloaded values the derived SLOs come from).
+    unloaded: RateRun | None = None
 
     def run_at(self, rate: float) -> RateRun | None:
         return next((r for r in self.runs if r.rate == rate), None)
@@ -56,6 +59,9 @@ class CompareReport:
     baseline: str | None  # the aggregated system's name; None when it was not run
     started_at: str = ""
     finished_at: str = ""
+    # SLOs derived from the baseline's unloaded run: {"ttft_s": 3x its TTFT p50,
+    # "tpot_s": 2x its ITL p50}; each run's goodput under them is "goodput_derived".
+    derived_slo: dict[str, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = {"schema": SCHEMA, **asdict(self)}
@@ -83,6 +89,7 @@ METRICS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("ITL p50 ms", ("itl_s", "p50"), "ms"),
     ("ITL p99 ms", ("itl_s", "p99"), "ms"),
     ("E2E p50 s", ("e2e_s", "p50"), "{:.3f}"),
+    ("goodput* req/s", ("goodput_derived",), "{:.3f}"),
 )
 
 
@@ -124,6 +131,12 @@ def render_markdown(report: CompareReport) -> str:
              f"Machine: {report.machine.get('cpu_model')}, cores "
              f"{report.machine.get('cores')}; {_flags(report.machine.get('cpu_flags', {}))}. "
              f"Versions: {', '.join(f'{k} {v}' for k, v in report.versions.items())}.", ""]
+    if report.derived_slo:
+        d = report.derived_slo
+        lines += [f"goodput*: requests/s meeting SLOs derived from `{report.baseline}` "
+                  f"unloaded (one request at a time) in this run: TTFT <= {d['ttft_s']:.3f} s "
+                  f"(3x its p50) and TPOT <= {d['tpot_s'] * 1e3:.1f} ms (2x its ITL p50).",
+                  ""]
     lines += _systems_section(report)
     base = next((x for x in report.systems if x.name == report.baseline), None)
     for rate in report.rates:
@@ -232,3 +245,29 @@ def versions() -> dict[str, str]:
         else:
             out[name] = "not installed"
     return out
+
+
+DERIVED_TTFT_FACTOR = 3.0
+DERIVED_ITL_FACTOR = 2.0
+
+
+def derive_slo(unloaded: dict[str, Any]) -> dict[str, float] | None:
+    """The SLOs from an unloaded run: TTFT 3x its p50, TPOT 2x its ITL p50."""
+    ttft, itl = metric(unloaded, ("ttft_s", "p50")), metric(unloaded, ("itl_s", "p50"))
+    if ttft is None or itl is None:
+        return None
+    return {"ttft_s": DERIVED_TTFT_FACTOR * ttft, "tpot_s": DERIVED_ITL_FACTOR * itl}
+
+
+def add_derived_goodput(result: dict[str, Any], slo: dict[str, float]) -> None:
+    """``goodput_derived``: the run's completed requests meeting ``slo``, per second of
+    the run (its duration is what its request throughput was counted over)."""
+    done = [r for r in result.get("requests", []) if not r.get("error")]
+    throughput = result.get("request_throughput") or 0.0
+    if not done or not throughput:
+        result["goodput_derived"] = 0.0
+        return
+    duration = len(done) / throughput
+    good = sum(1 for r in done if r.get("ttft_s") is not None
+               and r["ttft_s"] <= slo["ttft_s"] and (r.get("tpot_s") or 0.0) <= slo["tpot_s"])
+    result["goodput_derived"] = good / duration

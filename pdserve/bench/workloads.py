@@ -68,16 +68,20 @@ class MixWorkload:
     """``random`` (one class) and ``chat-mix``."""
 
     def __init__(self, encoder: PromptEncoder, classes: list[LengthClass],
-                 range_ratio: float, seed: int) -> None:
+                 range_ratio: float, seed: int, then: list[LengthClass] | None = None,
+                 shift_at: int = 0) -> None:
+        """``then``: from request ``shift_at`` on, draw from these classes instead."""
         if not 0 <= range_ratio < 1:
             raise ValueError(f"--range-ratio must be in [0, 1), not {range_ratio}")
         self.encoder, self.classes, self.range_ratio, self.seed = (
             encoder, classes, range_ratio, seed)
+        self.then, self.shift_at = then, shift_at
 
     def request(self, index: int) -> BenchRequest:
         rng = random.Random(f"{self.seed}:{index}")
-        pick, cls = rng.random(), self.classes[-1]
-        for c in self.classes:
+        classes = self.then if self.then and index >= self.shift_at else self.classes
+        pick, cls = rng.random(), classes[-1]
+        for c in classes:
             if pick < c.share:
                 cls = c
                 break
@@ -163,6 +167,9 @@ def check_workload_flags(args: argparse.Namespace) -> ShareGptData | None:
                          f"{', '.join(WORKLOADS)}")
     if args.workload == "chat-mix":
         parse_mix(args.mix)
+        _mix_shift(args)
+    elif getattr(args, "mix_then", None):
+        raise ValueError("--mix-then needs --workload chat-mix")
     if args.workload == "shared-prefix":
         SharedPrefixShape(args.num_system_prompts, args.system_prompt_len, args.num_users,
                           args.num_turns, args.turn_input_len, _output_len(args))
@@ -173,6 +180,21 @@ def check_workload_flags(args: argparse.Namespace) -> ShareGptData | None:
     return None
 
 
+def _mix_shift(args: argparse.Namespace) -> tuple[list[LengthClass] | None, int]:
+    """``--mix-then`` and where the load shifts to it (``--mix-shift-at``)."""
+    if not getattr(args, "mix_then", None):
+        return None, 0
+    then = parse_mix(args.mix_then)
+    shift_at = args.mix_shift_at
+    if shift_at is None:
+        if not args.num_requests:
+            raise ValueError("--mix-then without --num-requests needs --mix-shift-at")
+        shift_at = args.num_requests // 2
+    if shift_at < 0:
+        raise ValueError("--mix-shift-at must be >= 0")
+    return then, shift_at
+
+
 def make_workload(args: argparse.Namespace, encoder: PromptEncoder, seed: int,
                   dataset: ShareGptData | None = None) -> Workload:
     """The workload ``args.workload`` names (flags as ``pdserve bench run`` defines them);
@@ -181,7 +203,9 @@ def make_workload(args: argparse.Namespace, encoder: PromptEncoder, seed: int,
         return MixWorkload(encoder, [LengthClass(1.0, args.input_len, _output_len(args))],
                            args.range_ratio, seed)
     if args.workload == "chat-mix":
-        return MixWorkload(encoder, parse_mix(args.mix), args.range_ratio, seed)
+        then, shift_at = _mix_shift(args)
+        return MixWorkload(encoder, parse_mix(args.mix), args.range_ratio, seed, then,
+                           shift_at)
     if args.workload == "shared-prefix":
         shape = SharedPrefixShape(args.num_system_prompts, args.system_prompt_len,
                                   args.num_users, args.num_turns, args.turn_input_len,

@@ -338,3 +338,17 @@ def test_vllm_disagg_uses_vllms_own_pd_router_when_installed(monkeypatch: pytest
         router = vllm_disagg(SETTINGS, 9001, (9002, 9003), (9004, 9005)).procs[-1]
         assert router.argv[2] == module and _flag(router.argv, "--port") == "9001"
         assert _flag(router.argv, "--prefill") == "http://127.0.0.1:9002"
+
+
+def test_goodput_under_slos_derived_from_the_baselines_unloaded_run() -> None:
+    from pdserve.bench.report import add_derived_goodput, derive_slo
+
+    unloaded = run_json([0.2, 0.2, 0.2], 0.050, 0.5, 40.0)
+    slo = derive_slo(unloaded)
+    assert slo == pytest.approx({"ttft_s": 0.6, "tpot_s": 2 * unloaded["itl_s"]["p50"]})
+    loaded = run_json([0.3, 0.5, 0.9], 0.050, 0.5, 40.0)
+    for r, tpot in zip(loaded["requests"], (0.05, 0.2, 0.05), strict=True):
+        r["tpot_s"] = tpot
+    add_derived_goodput(loaded, slo)  # only the first meets both: 1 of 3 over 6 s
+    assert loaded["goodput_derived"] == pytest.approx(1 / (3 / loaded["request_throughput"]))
+    assert derive_slo({"ttft_s": {"p50": None}, "itl_s": {"p50": 0.1}}) is None

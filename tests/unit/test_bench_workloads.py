@@ -99,6 +99,24 @@ def test_chat_mix_draws_its_classes_in_their_shares(tokenizer: Any) -> None:
     assert 0.6 <= len(short) / len(requests) <= 0.8  # 140 expected, sd ~6.5
 
 
+def test_chat_mix_shifts_to_its_second_mix_half_way(tokenizer: Any) -> None:
+    encoder = PromptEncoder(tokenizer, "chat")
+    args = _args("--workload", "chat-mix", "--mix", "1:50:9", "--mix-then", "1:90:3",
+                 "--num-requests", "10")
+    requests = list(itertools.islice(make_workload(args, encoder, seed=0), 10))
+    assert [r.output_tokens for r in requests] == [9] * 5 + [3] * 5
+    assert {r.prompt_tokens for r in requests[5:]} == {90}
+    at = _args("--workload", "chat-mix", "--mix", "1:50:9", "--mix-then", "1:90:3",
+               "--mix-shift-at", "2", "--duration-s", "5")
+    assert [r.output_tokens for r in itertools.islice(make_workload(at, encoder, 0), 4)] == [
+        9, 9, 3, 3]
+    with pytest.raises(ValueError, match="--mix-shift-at"):
+        check_workload_flags(_args("--workload", "chat-mix", "--mix-then", "1:90:3",
+                                   "--duration-s", "5"))
+    with pytest.raises(ValueError, match="chat-mix"):
+        check_workload_flags(_args("--mix-then", "1:90:3"))
+
+
 def test_shared_prefix_turns_extend_their_users_conversation(tokenizer: Any) -> None:
     encoder = PromptEncoder(tokenizer, "chat")
     args = _args("--workload", "shared-prefix", "--num-system-prompts", "2",
