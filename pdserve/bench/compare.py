@@ -38,6 +38,7 @@ from pdserve.bench.report import (
     versions,
     write_report,
 )
+from pdserve.bench.roles_sampler import RoleSampler
 from pdserve.bench.systems import SystemSpec, pdserve_up, vllm_aggregated, vllm_disagg
 
 __all__ = ["add_parser", "main", "run_compare"]
@@ -212,7 +213,16 @@ def bench_run(spec: SystemSpec, rate: float, index: int, cfg: CompareConfig,
               tmp: Path) -> RateRun:
     """One ``pdserve bench run`` at ``rate``."""
     out = tmp / "runs" / spec.name / f"rate-{rate_label(rate)}.json"
-    result, error = run_bench(bench_argv(spec, rate, index, cfg, out), out, cfg.run_timeout_s)
+    if spec.kind != "pdserve":
+        result, error = run_bench(bench_argv(spec, rate, index, cfg, out), out,
+                                  cfg.run_timeout_s)
+        return RateRun(rate, result=result, error=error)
+    # pdserve: the roles its workers serve while the load runs (the planner's doing).
+    with RoleSampler(spec.base_url) as roles:
+        result, error = run_bench(bench_argv(spec, rate, index, cfg, out), out,
+                                  cfg.run_timeout_s)
+    if result is not None:
+        result["roles_timeline"] = roles.samples
     return RateRun(rate, result=result, error=error)
 
 

@@ -4,6 +4,11 @@
   requests' TTFTs / every inter-token gap.
 - ``latency_vs_rate.png``: TTFT, TPOT, ITL and E2E p50 (solid) and p99 (dashed).
 - ``throughput_vs_rate.png``: request throughput and goodput, output tokens/s.
+- ``timeline-<system>-<rate>.png``: for a pdserve run whose workers changed role (a
+  planner) or whose load shifted (``--mix-then``): over the run, the roles its workers
+  served, each request's TTFT at its start, and the ITL p99 of each 10 s window. The
+  roles' clock starts when the bench run is launched, its requests' after its one
+  warm-up request: they may differ by that request's time.
 """
 
 from __future__ import annotations
@@ -35,7 +40,48 @@ def write_plots(report: CompareReport, out_dir: Path) -> list[Path]:
                       [("TTFT (s)", "ttft_s", 1.0), ("TPOT (ms)", "tpot_s", 1e3),
                        ("ITL (ms)", "itl_s", 1e3), ("E2E (s)", "e2e_s", 1.0)]),
              _throughput(report, out_dir / "throughput_vs_rate.png")]
+    shifting = "--mix-then" in str(report.settings.get("workload_args", ""))
+    for system in _measured(report):
+        for run in system.runs:
+            roles = (run.result or {}).get("roles_timeline") or []
+            if roles and (shifting or len({(p, d) for _, p, d in roles}) > 1):
+                name = f"timeline-{system.name}-{rate_label(run.rate)}.png"
+                paths.append(_timeline(system.name, run.rate, run.result or {},
+                                       out_dir / name))
     return paths
+
+
+WINDOW_S = 10.0
+
+
+def _timeline(name: str, rate: float, result: dict[str, Any], path: Path) -> Path:
+    fig, (roles_ax, ttft_ax, itl_ax) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    t, prefill, decode = (list(col) for col in zip(*result["roles_timeline"], strict=True))
+    roles_ax.step(t, prefill, where="post", label="prefill")
+    roles_ax.step(t, decode, where="post", label="decode")
+    roles_ax.set_ylabel("workers")
+    roles_ax.set_title(f"{name} at {rate_label(rate)} req/s: roles, TTFT, ITL over the run")
+    _legend(roles_ax)
+    done = [r for r in result.get("requests", []) if not r.get("error")]
+    ttft_ax.scatter([r["start_s"] for r in done if r.get("ttft_s") is not None],
+                    [r["ttft_s"] for r in done if r.get("ttft_s") is not None], s=8)
+    ttft_ax.set_ylabel("TTFT (s)")
+    gaps: list[tuple[float, float]] = []  # (when, gap)
+    for r in done:
+        at = r["start_s"] + (r.get("ttft_s") or 0.0)
+        for gap in r.get("itls_s") or []:
+            at += gap
+            gaps.append((at, gap))
+    if gaps:
+        end = max(a for a, _ in gaps)
+        edges = np.arange(0.0, end + WINDOW_S, WINDOW_S)
+        p99 = [float(np.percentile(w, 99)) * 1e3 if (w := [g for a, g in gaps
+                                                           if lo <= a < lo + WINDOW_S])
+               else np.nan for lo in edges[:-1]]
+        itl_ax.step(edges[:-1], p99, where="post")
+    itl_ax.set_ylabel(f"ITL p99 (ms, {WINDOW_S:.0f} s windows)")
+    itl_ax.set_xlabel("seconds into the run")
+    return _save(fig, path)
 
 
 def _samples(result: dict[str, Any], kind: str) -> list[float]:

@@ -352,3 +352,50 @@ def test_goodput_under_slos_derived_from_the_baselines_unloaded_run() -> None:
     add_derived_goodput(loaded, slo)  # only the first meets both: 1 of 3 over 6 s
     assert loaded["goodput_derived"] == pytest.approx(1 / (3 / loaded["request_throughput"]))
     assert derive_slo({"ttft_s": {"p50": None}, "itl_s": {"p50": 0.1}}) is None
+
+
+def test_a_run_whose_roles_changed_gets_a_timeline_plot(tmp_path: Path) -> None:
+    report = constructed_report()
+    split = report.systems[1]
+    assert split.runs[0].result is not None
+    split.runs[0].result["roles_timeline"] = [[0.0, 1, 1], [5.0, 1, 1], [6.0, 0, 2],
+                                              [12.0, 0, 2]]
+    base_run = report.systems[0].runs[0].result
+    assert base_run is not None
+    base_run["roles_timeline"] = []  # not a pdserve system: never sampled
+    files = write_report(report, tmp_path)
+    (timeline,) = [f for f in files if f.name.startswith("timeline-")]
+    assert timeline.name == "timeline-split-0.5.png"
+    pixels = matplotlib.image.imread(timeline)
+    assert float(pixels[..., :3].std()) > 0.05
+
+
+def test_role_sampler_counts_placeable_workers_by_role() -> None:
+    import http.server
+    import threading
+
+    from pdserve.bench.roles_sampler import RoleSampler
+
+    class Workers(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = json.dumps({"workers": [
+                {"role": "prefill", "healthy": True}, {"role": "decode", "healthy": True},
+                {"role": "decode", "healthy": False}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            return
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Workers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with RoleSampler(f"http://127.0.0.1:{server.server_address[1]}", 0.05) as roles:
+            deadline = time.monotonic() + 5
+            while len(roles.samples) < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+        assert [s[1:] for s in roles.samples[:2]] == [[1, 1], [1, 1]]
+    finally:
+        server.shutdown()
