@@ -97,7 +97,13 @@ class PlannerLoop:
                              itl_s)
 
     async def step(self) -> PlannerDecision:
-        decision, self._state = plan(self.config, self._state, self.inputs(), self._clock())
+        inputs = self.inputs()
+        decision, self._state = plan(self.config, self._state, inputs, self._clock())
+        if self.last is None or decision.reason != self.last.reason:
+            logger.info("planner: %s (current %s, desired %s; estimated load %s; demand "
+                        "%s)", decision.reason, _fmt_split(inputs.current),
+                        _fmt_split(decision.desired), _fmt(decision.current_load),
+                        _fmt_demand(inputs))
         self.last = decision
         self._metrics.on_decision(decision)
         if decision.move is not None:
@@ -153,6 +159,16 @@ def _too_long(cost: StepCost, batch: float, itl_s: float) -> Callable[[int], boo
     def is_long(tokens: int) -> bool:
         return cost.base_s + cost.per_seq_s * batch + cost.per_token_s * tokens > itl_s
     return is_long
+
+
+def _fmt_split(split: Split) -> str:
+    return f"{split.num_prefill}P{split.num_decode}D"
+
+
+def _fmt_demand(inputs: PlannerInputs) -> str:
+    d = inputs.demand
+    return (f"long {d.long_tokens_per_s:.0f} + short {d.short_tokens_per_s:.0f} prompt tok/s, "
+            f"{d.output_tokens_per_s:.0f} out tok/s, itl {inputs.itl_s * 1e3:.0f} ms")
 
 
 def _fmt(load: SplitLoad | None) -> str:
