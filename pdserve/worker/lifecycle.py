@@ -129,7 +129,8 @@ class ServingState:
             finally:
                 self.admission.switching = False
                 await self.update()
-            if self.on_role_changed is not None:
+            # A SIGTERM during the switch: the drain withdraws the worker; do not undo it.
+            if self.on_role_changed is not None and not self.draining:
                 await self.on_role_changed()
             return RoleSwitch(role=role, changed=True, num_aborted=aborted,
                               num_leases_released=released,
