@@ -16,8 +16,9 @@ Model (each term measured, never assumed):
   of its time goes to prefill, and by Little's law its batch settles at ``b = r x
   step``, so the gap between tokens is ``base / (1 - u_d)`` with ``u_d = p + r x
   per-seq s``. The ITL objective holds while ``u_d <= 1 - base / itl``. With no prefill
-  worker, long prompts are prefilled on decode too, and each breaks the ITL once: that
-  side's load is then at least the longest one's step over the objective.
+  worker, long prompts are prefilled on decode too, and each stretches the steps it is
+  in: that side's load is then at least the step carrying the longest one (a chunk of it,
+  where the engines cap a request's prompt tokens per step) over the objective.
 - A split *holds the SLOs* when both sides are within their limits and no long prompt
   is prefilled on decode. The best split holds them with the most headroom (the lowest
   of the two sides' utilisation over its limit: the highest throughput at the
@@ -121,7 +122,8 @@ class SplitLoad:
 
 
 def split_load(split: Split, demand: Demand, cost: StepCost, itl_s: float,
-               max_utilization: float) -> SplitLoad:
+               max_utilization: float, chunk_tokens: int = 0) -> SplitLoad:
+    """``chunk_tokens``: the decode engines' per-step prompt-token cap (0: none)."""
     long_tokens = demand.long_tokens_per_s
     local_tokens = demand.short_tokens_per_s + (0.0 if split.num_prefill else long_tokens)
     prefill = (long_tokens * cost.per_token_s / split.num_prefill if split.num_prefill
@@ -131,19 +133,21 @@ def split_load(split: Split, demand: Demand, cost: StepCost, itl_s: float,
     decode_limit = max(1.0 - cost.base_s / itl_s, 1e-3) if itl_s > 0 else 1.0
     decode /= min(decode_limit, max_utilization)
     if not split.num_prefill and long_tokens and itl_s > 0:
-        # A long prompt's step on decode: every stream there waits that long once.
-        decode = max(decode, cost.seconds(1, demand.max_long_tokens) / itl_s)
+        # A long prompt's step on decode (at most a chunk of it, where decode engines cap
+        # a request's prompt tokens per step): every stream there waits that long.
+        step_tokens = min(demand.max_long_tokens, chunk_tokens or demand.max_long_tokens)
+        decode = max(decode, cost.seconds(1, step_tokens) / itl_s)
     load = SplitLoad(split, prefill / max_utilization, decode, holds_slos=False)
-    holds = load.bottleneck <= 1.0 and (split.num_prefill > 0 or long_tokens == 0)
+    holds = load.bottleneck <= 1.0
     return replace(load, holds_slos=holds)
 
 
 def best_split(num_workers: int, demand: Demand, cost: StepCost, itl_s: float,
-               config: PlannerConfig) -> SplitLoad:
+               config: PlannerConfig, chunk_tokens: int = 0) -> SplitLoad:
     """The split of ``num_workers`` that holds the SLOs with the most headroom (else
     the lowest bottleneck); ties go to more decode workers."""
     loads = [split_load(Split(p, num_workers - p), demand, cost, itl_s,
-                        config.max_utilization)
+                        config.max_utilization, chunk_tokens)
              for p in range(0, num_workers - config.min_decode + 1)]
     return min(loads, key=lambda s: (not s.holds_slos, round(s.bottleneck, 6),
                                      s.split.num_prefill))
@@ -164,6 +168,7 @@ class PlannerInputs:
     demand: Demand
     cost: StepCost | None  # None until an engine has measured its steps
     itl_s: float = 0.0  # the ITL objective (0: none)
+    chunk_tokens: int = 0  # the decode engines' per-step prompt-token cap (0: none)
 
 
 @dataclass(frozen=True)
@@ -185,8 +190,9 @@ def plan(config: PlannerConfig, state: PlannerState, inputs: PlannerInputs, now_
                else "no load" if inputs.demand.idle else "too few workers to split")
         return PlannerDecision(current, None, why), replace(state, pending=None)
     now_load = split_load(current, inputs.demand, inputs.cost, inputs.itl_s,
-                          config.max_utilization)
-    best = best_split(total, inputs.demand, inputs.cost, inputs.itl_s, config)
+                          config.max_utilization, inputs.chunk_tokens)
+    best = best_split(total, inputs.demand, inputs.cost, inputs.itl_s, config,
+                      inputs.chunk_tokens)
     better = best.split != current and (
         (best.holds_slos and not now_load.holds_slos)
         or best.bottleneck < now_load.bottleneck * (1 - config.min_gain))

@@ -93,8 +93,10 @@ class PlannerLoop:
             return PlannerInputs(current, Demand(), None)
         batch = max(self.demand.num_inflight / max(current.num_decode, 1), 1.0)
         itl_s = self._slo.itl_s or DERIVED_ITL_FACTOR * cost.seconds(1, 0)
-        return PlannerInputs(current, self.demand.demand(_too_long(cost, batch, itl_s)), cost,
-                             itl_s)
+        caps = [w.snapshot().prefill_chunk_tokens for w in placeable]
+        chunk = 0 if not caps or 0 in caps else min(caps)
+        demand = self.demand.demand(_too_long(cost, batch, itl_s, chunk))
+        return PlannerInputs(current, demand, cost, itl_s, chunk)
 
     async def step(self) -> PlannerDecision:
         inputs = self.inputs()
@@ -154,10 +156,13 @@ class PlannerLoop:
                 logger.exception("planner step failed")
 
 
-def _too_long(cost: StepCost, batch: float, itl_s: float) -> Callable[[int], bool]:
-    """A prompt is long when decode's step carrying it would break the ITL objective."""
+def _too_long(cost: StepCost, batch: float, itl_s: float, chunk: int = 0
+              ) -> Callable[[int], bool]:
+    """A prompt is long when decode's step carrying it (a chunk of it, where the engines
+    cap a request's prompt tokens per step) would break the ITL objective."""
     def is_long(tokens: int) -> bool:
-        return cost.base_s + cost.per_seq_s * batch + cost.per_token_s * tokens > itl_s
+        step_tokens = min(tokens, chunk) if chunk else tokens
+        return cost.base_s + cost.per_seq_s * batch + cost.per_token_s * step_tokens > itl_s
     return is_long
 
 

@@ -72,6 +72,17 @@ def test_short_heavy_load_wants_every_worker_decoding_long_heavy_wants_a_prefill
     assert wide.split == Split(0, 3) and wide.holds_slos
 
 
+def test_decode_engines_that_chunk_prefill_can_take_long_prompts_within_the_itl() -> None:
+    # Whole, a 1,500-token prompt is one 1.54 s step on decode: 7.7x the ITL objective.
+    whole = best_split(2, LONG_HEAVY, COST, ITL_S, CONFIG)
+    assert whole.split == Split(1, 1)
+    # In chunks of 100 tokens, each step is 0.141 s: within it, and two decode workers
+    # share the prompts with more headroom than one prefill worker has.
+    chunked = best_split(2, LONG_HEAVY, COST, ITL_S, CONFIG, chunk_tokens=100)
+    assert chunked.split == Split(0, 2) and chunked.holds_slos
+    assert chunked.decode == pytest.approx(COST.seconds(1, 100) / ITL_S)
+
+
 def test_a_better_split_must_hold_before_a_worker_moves_then_the_cooldown_applies() -> None:
     first, state = decide(Split(1, 1), SHORT_HEAVY, now=100)
     assert (first.move, first.desired, first.reason) == (None, Split(0, 2), "holding")
