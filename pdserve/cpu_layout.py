@@ -20,6 +20,21 @@ DEFAULT_CPU_LAYOUT = "auto"
 # OpenMP threads on the same cores and each step waits for the other's: goodput
 # (SLOs 3x the aggregated engine's unloaded TTFT/TPOT) was 0.21/0.00/0.00 req/s shared
 # vs 0.32/0.08/0.01 split. A server is sized for load, so ``auto`` splits.
+#
+# Engine granularity, measured (``bench/results/compare-epyc-planner``: AMD EPYC with
+# AVX512_BF16, bf16, chat mix 70 % ~80 x 96 / 30 % ~1,200 x 16, 40 requests per rate, one
+# run): aggregated, one engine on both cores (``vllm-tuned``) against two single-core
+# engines behind pdserve's router (``--num-prefill 0 --num-decode 2 --disagg never``):
+#   rate      one 2-core engine: req/s / TTFT p50 / ITL p99     two 1-core: the same
+#   0.5 /s    0.484 / 0.11 s / 261 ms                           0.481 / 0.17 s / 167 ms
+#   1.0 /s    0.938 / 0.45 s / 534 ms                           0.901 / 1.04 s / 778 ms
+#   2.0 /s    1.518 / 1.13 s / 946 ms                           1.407 / 1.73 s / 1348 ms
+# One engine on both cores serves more and sooner: two engines halve each prompt's
+# compute threads, and a long prompt then holds one core alone. So where roles allow,
+# fewer engines with more cores are better; ``pdserve up`` needs one engine per role
+# (and the planner flips roles between engines), so ``auto`` still gives each engine its
+# own cores, and an aggregated deployment on one small machine is best served by one
+# engine (``--num-prefill 0 --num-decode 1``: it gets every core).
 
 
 
