@@ -74,8 +74,10 @@ class RunningSystem:
         return None
 
     def wait_ready(self, timeout_s: float) -> float:
-        """Until ``/v1/models`` lists the model and one short chat request completes.
-        Returns the seconds it took; raises ``StartupError`` at the deadline."""
+        """Until ``/v1/models`` lists the model and one short chat request completes (and
+        for pdserve, its router sees every worker healthy: a prefill worker still loading
+        would leave the first requests to decode alone). Returns the seconds it took;
+        raises ``StartupError`` at the deadline."""
         started = time.monotonic()
         deadline = started + timeout_s
         last = "no answer yet"
@@ -85,7 +87,8 @@ class RunningSystem:
                 if gone:
                     raise StartupError(gone)
                 try:
-                    last = _probe(client, deadline)
+                    last = _probe(client, deadline) or (
+                        _all_workers_healthy(client) if self.spec.kind == "pdserve" else "")
                     if not last:
                         return time.monotonic() - started
                 except httpx.HTTPError as exc:
@@ -146,6 +149,19 @@ def _probe(client: httpx.Client, deadline: float) -> str:
         "model": ids[0], "max_tokens": 2, "temperature": 0,
         "messages": [{"role": "user", "content": WARM_PROMPT}]})
     return "" if warm.status_code == 200 else f"warm request: HTTP {warm.status_code}"
+
+
+def _all_workers_healthy(client: httpx.Client) -> str:
+    """'' once the router's ``/workers`` lists workers, all healthy; else who is not."""
+    reply = client.get("/workers")
+    try:
+        workers = reply.json().get("workers", []) if reply.status_code == 200 else []
+    except ValueError:
+        workers = []
+    waiting = [str(w.get("id")) for w in workers if not w.get("healthy")]
+    if not workers:
+        return "/workers lists no worker"
+    return f"workers not healthy yet: {', '.join(waiting)}" if waiting else ""
 
 
 def port_free(port: int) -> bool:
