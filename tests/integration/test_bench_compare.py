@@ -55,7 +55,7 @@ def _run_watching_children(argv: list[str], timeout_s: float
 def test_compare_writes_the_report_and_leaves_nothing_behind(tmp_path: Path) -> None:
     out = tmp_path / "report"
     argv = [sys.executable, "-m", "pdserve.cli", "bench", "compare",
-            "--pdserve", "default=--simulated", "--request-rates", "2",
+            "--pdserve", "default=--simulated", "--request-rates", "2", "--no-vllm-stock",
             "--num-requests", str(NUM_REQUESTS),
             "--workload", "random", "--input-len", "64", "--output-len", "8",
             "--max-model-len", "512", "--kv-cache-gib", "1", "--seed", "1",
@@ -71,8 +71,11 @@ def test_compare_writes_the_report_and_leaves_nothing_behind(tmp_path: Path) -> 
     assert left == [], f"left behind: {left}"
 
     report = json.loads((out / "report.json").read_text())
-    assert report["schema"] == "pdserve.bench.compare/v1" and report["baseline"] == "vllm"
-    assert [s["name"] for s in report["systems"]] == ["vllm", "default"]
+    assert (report["schema"], report["baseline"]) == ("pdserve.bench.compare/v1", "vllm-tuned")
+    assert [s["name"] for s in report["systems"]] == ["vllm-tuned", "default"]
+    # SLOs derived from the baseline's unloaded run; every run's goodput under them.
+    assert report["derived_slo"]["ttft_s"] > 0 and report["derived_slo"]["tpot_s"] > 0
+    assert report["systems"][0]["unloaded"]["result"]["completed"] == 8
     assert report["settings"]["kv_cache_gib"] == 1 and report["settings"]["seed"] == 1
     assert report["versions"]["vllm"] and report["machine"]["cores"]
     for system in report["systems"]:
@@ -85,12 +88,13 @@ def test_compare_writes_the_report_and_leaves_nothing_behind(tmp_path: Path) -> 
         assert (result["completed"], result["failed"]) == (NUM_REQUESTS, 0)
         assert result["config"]["seed"] == 1
         assert result["ttft_s"]["p50"] > 0 and result["output_tokens"] == NUM_REQUESTS * 8
+        assert result["goodput_derived"] >= 0
         assert port_free(system["spec"]["port"])
 
     md = (out / "report.md").read_text()
     row = next(line for line in md.split("## 2 req/s")[1].splitlines()
                if line.startswith("| default |"))
-    assert row.count("×") == 10  # every metric has its ratio to vllm
+    assert row.count("×") >= 10  # every metric has its ratio to vllm-tuned (goodput*: unless 0)
     for name in ("ttft_cdf", "itl_cdf", "latency_vs_rate", "throughput_vs_rate"):
         data = (out / f"{name}.png").read_bytes()
         assert data[:8] == PNG_SIGNATURE and len(data) > 10_000
