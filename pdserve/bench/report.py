@@ -69,6 +69,8 @@ class CompareReport:
         for system in out["systems"]:
             for run in system["runs"]:
                 run["rate"] = _rate_json(run["rate"])
+            if system.get("unloaded"):
+                system["unloaded"]["rate"] = _rate_json(system["unloaded"]["rate"])
         return out
 
 
