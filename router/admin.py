@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 
 from .auth import ApiKeys
 from .errors import PermissionDeniedError
@@ -48,12 +48,13 @@ class AdminAuth:
 def admin_actions(switcher: RoleSwitcher, auth: AdminAuth) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/admin/workers/{worker_id}/role", responses=ERROR_RESPONSES)
-    async def switch_role(worker_id: str, body: RoleSwitchBody, request: Request
-                          ) -> dict[str, Any]:
+    # A dependency: checked before the body is read, so a caller without the key learns
+    # nothing about what the body should be.
+    @router.post("/admin/workers/{worker_id}/role", responses=ERROR_RESPONSES,
+                 dependencies=[Depends(auth.check)])
+    async def switch_role(worker_id: str, body: RoleSwitchBody) -> dict[str, Any]:
         """Switch a worker between prefill and decode without restarting it; answers
         once it serves the new role."""
-        auth.check(request)
         outcome = await switcher.switch(worker_id, body.role, body.drain_timeout_s,
                                         body.force)
         return outcome.body()

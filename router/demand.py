@@ -27,21 +27,30 @@ class DemandWindow:
         self.num_inflight = 0
 
     def on_arrival(self, uncached_tokens: int) -> None:
-        self._prompts.append((self._clock(), uncached_tokens))
+        now = self._clock()
+        self._prompts.append((now, uncached_tokens))
         self.num_inflight += 1
+        self._forget(now)
 
     def on_finished(self, output_tokens: int) -> None:
         """A request counted by ``on_arrival`` ended (however it ended)."""
-        self._outputs.append((self._clock(), output_tokens))
+        now = self._clock()
+        self._outputs.append((now, output_tokens))
         self.num_inflight -= 1
+        self._forget(now)
+
+    def _forget(self, now: float) -> None:
+        """Entries older than the window go (on every change: memory stays bounded by
+        the window's requests whether or not a planner reads it)."""
+        for entries in (self._prompts, self._outputs):
+            while entries and entries[0][0] < now - self._window_s:
+                entries.popleft()
 
     def demand(self, is_long: Callable[[int], bool]) -> Demand:
         """Per second over the window (or since start, if shorter); ``is_long`` says
         which prompts belong on a prefill worker."""
         now = self._clock()
-        for entries in (self._prompts, self._outputs):
-            while entries and entries[0][0] < now - self._window_s:
-                entries.popleft()
+        self._forget(now)
         span = max(min(self._window_s, now - self._started_s), 1e-3)
         longs = [n for _, n in self._prompts if is_long(n)]
         long_tokens = sum(longs)

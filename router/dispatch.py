@@ -210,6 +210,12 @@ class PDDispatcher:
                 async for out in outs:
                     last = out
             worker.on_call_succeeded()
+            if last is not None and last.finish_reason == "abort":
+                # Not this router's abort (that closes the call): the worker ended it (a
+                # role switch past its drain). Decode computes the prompt instead.
+                logger.warning("prefill of %s aborted on %s; decode prefills it",
+                               request.request_id, worker.client.endpoint)
+                return None
             if last is not None and self._prefix is not None:
                 self._prefix.on_prefilled(last.num_cached_tokens)
             return last

@@ -33,6 +33,7 @@ for ``hold_s`` before one worker is switched, and after a switch nothing moves f
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -124,6 +125,8 @@ class SplitLoad:
 def split_load(split: Split, demand: Demand, cost: StepCost, itl_s: float,
                max_utilization: float, chunk_tokens: int = 0) -> SplitLoad:
     """``chunk_tokens``: the decode engines' per-step prompt-token cap (0: none)."""
+    if split.num_decode < 1:  # nothing decodes: no load it could hold
+        return SplitLoad(split, math.inf, math.inf, holds_slos=False)
     long_tokens = demand.long_tokens_per_s
     local_tokens = demand.short_tokens_per_s + (0.0 if split.num_prefill else long_tokens)
     prefill = (long_tokens * cost.per_token_s / split.num_prefill if split.num_prefill
@@ -193,8 +196,12 @@ def plan(config: PlannerConfig, state: PlannerState, inputs: PlannerInputs, now_
                           config.max_utilization, inputs.chunk_tokens)
     best = best_split(total, inputs.demand, inputs.cost, inputs.itl_s, config,
                       inputs.chunk_tokens)
+    # A better split must win by ``min_gain`` in every case: restoring the SLOs too
+    # (it must then hold them with that much headroom), or noise near a boundary flips
+    # the roles back and forth.
     better = best.split != current and (
-        (best.holds_slos and not now_load.holds_slos)
+        (best.holds_slos and not now_load.holds_slos
+         and best.bottleneck <= 1 - config.min_gain)
         or best.bottleneck < now_load.bottleneck * (1 - config.min_gain))
     if not better:
         return (PlannerDecision(current, None, "current split is best", now_load, now_load),

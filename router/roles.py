@@ -105,16 +105,18 @@ class RoleSwitcher:
             return RoleSwitchOutcome(worker.snapshot().worker_id, previous,
                                      RoleSwitch(role=role, changed=False), 0.0)
         worker.begin_switch()
+        ended_in: str | None = None  # the role it serves after the call (None: unknown)
         try:
             result = await worker.client.set_role(role, drain_timeout_s,
                                                   drain_timeout_s + self._call_slack_s)
+            ended_in = result.role
         except WorkerCallError as exc:
-            worker.end_switch(None)
             self._switches.labels(role, "failed").inc()
             logger.warning("role switch of %s to %s failed: %s %s", worker_id, role, exc.code,
                            exc.details)
             raise _api_error(exc) from None
-        worker.end_switch(result.role)
+        finally:  # cancelled too: never leave the worker out of placement
+            worker.end_switch(ended_in)
         # Placeable in its new role now, not at the next probe. etcd membership may
         # have replaced the member already (its key moved): refresh whoever it is now.
         await (self._pool.find(worker_id) or worker).refresh(2.0)

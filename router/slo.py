@@ -85,12 +85,20 @@ def estimate(slo: SloConfig, request: PlacementRequest, prefill: WorkerState,
         return None
     local_tokens = max(request.num_prompt_tokens - decode_cached_tokens, 1)
     running = max(decode.num_assigned, decode.load.num_running_reqs)
-    queued = decode.num_assigned_tokens + local_tokens
-    chunk = decode.prefill_chunk_tokens or queued
+    before = decode.num_assigned_tokens  # local prefills queued ahead of this one
     cost = _per_token(d, p)
-    local_step = cost.seconds(running + 1, min(queued, chunk))
-    local_ttft = (-(-queued // chunk) - 1) * local_step + cost.seconds(
-        running + 1, queued - (-(-queued // chunk) - 1) * chunk)
+    chunk = decode.prefill_chunk_tokens
+    if not chunk or local_tokens <= chunk:
+        # One step carries this prompt, and (at most) everything queued before it.
+        local_step = cost.seconds(running + 1, before + local_tokens)
+        local_ttft = local_step
+    else:
+        # The engine caps each request's prompt tokens per step, not the step: the queued
+        # prompts' chunks ride in the same steps as this one's (at most all of them).
+        steps = -(-local_tokens // chunk)
+        local_step = cost.seconds(running + 1, before + chunk)
+        local_ttft = (steps - 1) * local_step + cost.seconds(
+            running + 1, before + local_tokens - (steps - 1) * chunk)
     remote_tokens = request.uncached_tokens(prefill)
     remote_ttft = p.seconds(0, prefill.num_assigned_tokens + remote_tokens)
     ttft_slo = slo.ttft_s or DERIVED_TTFT_FACTOR * p.seconds(0, remote_tokens)

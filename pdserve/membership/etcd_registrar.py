@@ -46,30 +46,40 @@ class EtcdRegistrar:
         self.num_registrations = 0
         self._outage_logged = False
         self._task: asyncio.Task[None] | None = None
+        # One change of the registration at a time (the keepalive loop, a role switch's
+        # update, close); none after close.
+        self._lock = asyncio.Lock()
+        self._closed = False
 
     async def start(self, info: WorkerInfo) -> None:
         self._info = info
         self._key = worker_key(self._cluster, info.role, info.worker_id)
-        await self._tick()
+        async with self._lock:
+            await self._tick()
         self._task = asyncio.create_task(self._keepalive_loop(), name="pdserve-registrar")
 
     async def update(self, info: WorkerInfo) -> None:
         """The old key goes with its lease (revoked: the routers drop it at once), the
         new one is written under a new lease; during an outage the old lease expires
         and the keepalive loop writes the new key once etcd answers."""
-        old_lease, self.lease_id = self.lease_id, None
-        self._info = info
-        self._key = worker_key(self._cluster, info.role, info.worker_id)
-        if old_lease is not None:
-            with contextlib.suppress(*ETCD_ERRORS):
-                await self._call(self._client.revoke_lease(old_lease))
-        await self._tick()
+        async with self._lock:
+            if self._closed:
+                return
+            old_lease, self.lease_id = self.lease_id, None
+            self._info = info
+            self._key = worker_key(self._cluster, info.role, info.worker_id)
+            if old_lease is not None:
+                with contextlib.suppress(*ETCD_ERRORS):
+                    await self._call(self._client.revoke_lease(old_lease))
+            await self._tick()
 
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        async with self._lock:
+            self._closed = True
         if self.lease_id is not None:
             with contextlib.suppress(*ETCD_ERRORS):
                 await self._call(self._client.revoke_lease(self.lease_id))
@@ -80,7 +90,8 @@ class EtcdRegistrar:
     async def _keepalive_loop(self) -> None:
         while True:
             await asyncio.sleep(self.ttl_s / 3)
-            await self._tick()
+            async with self._lock:
+                await self._tick()
 
     async def _tick(self) -> None:
         """Keep the lease alive, or register anew; never raises for an etcd outage."""

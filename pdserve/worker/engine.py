@@ -217,7 +217,8 @@ def build_engine(config: EngineConfig, counters: EngineCounters) -> AsyncLLM:
         max_num_seqs=config.max_num_seqs,
         enforce_eager=config.enforce_eager,
         num_gpu_blocks_override=config.num_kv_blocks,
-        long_prefill_token_threshold=config.prefill_chunk_tokens,
+        # vLLM refuses a threshold above max_model_len (no prompt is longer anyway).
+        long_prefill_token_threshold=min(config.prefill_chunk_tokens, config.max_model_len),
         kv_events_config=None if config.kv_events is None else KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=config.kv_events[0],
             replay_endpoint=config.kv_events[1]),

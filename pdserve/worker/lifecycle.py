@@ -109,17 +109,20 @@ class ServingState:
         health = self._backend.health()
         if not health.ready or self.draining:
             raise WorkerError("unavailable", "worker is loading or draining")
-        if health.role == role:
-            return RoleSwitch(role=role, changed=False)
         if self._switch.locked():
             raise WorkerError("failed_precondition", "a role switch is already running")
+        if health.role == role:
+            return RoleSwitch(role=role, changed=False)
         async with self._switch:
             started = time.monotonic_ns()
             self.admission.switching = True
             await self.update()
             try:
                 aborted = released = 0
-                if not await self.wait_idle(drain_timeout_s):
+                idle = await self.wait_idle(drain_timeout_s)
+                if self.draining:  # SIGTERM meanwhile: its drain decides, in the old role
+                    raise WorkerError("unavailable", "worker is draining")
+                if not idle:
                     aborted, released = await self._backend.end_role_work()
                     if not await self.wait_idle(_END_WORK_GRACE_S):
                         raise WorkerError("unavailable", "the old role's work did not end")

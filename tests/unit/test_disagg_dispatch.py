@@ -92,3 +92,16 @@ async def test_decision_header_usage_and_metric_through_the_app(
     assert usage["pdserve_disagg"] == "local"
     assert 'pdserve:disagg_decisions_total{decision="local",reason="short_prompt"} 1.0' in metrics
     assert 'pdserve:disagg_decisions_total{decision="remote",reason="long_prompt"} 1.0' in metrics
+
+
+async def test_a_prefill_the_worker_aborted_falls_back_to_decode() -> None:
+    """A prefill worker that ends a prefill ``abort`` itself (a role switch past its drain
+    timeout) does not fail the request: decode computes the prompt, as after any failed
+    prefill."""
+    async with running_cluster() as c:
+        c.p.script.fail_finish = "abort"
+        chunks = await collect(c.dispatcher.generate("r-ab", (1, 2, 3, 4), spec(3)))
+        assert tokens(chunks) == [100, 101, 102]
+        (d,) = c.d.generates
+        assert d.kv_handle is None and d.prompt_token_ids == (1, 2, 3, 4)
+        assert c.fallbacks() == 1

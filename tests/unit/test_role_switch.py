@@ -273,6 +273,8 @@ async def test_admin_action_needs_a_key_when_one_is_set_or_off_loopback() -> Non
     async with admin_client(keys=("admin-secret-1",)) as (http, workers):
         url = f"/admin/workers/{workers[2].servicer.worker_id}/role"
         missing = await http.post(url, json={"role": "prefill"})
+        unread = await http.post(url, json={"role": "both"})  # the key first, then the body
+        assert unread.status_code == 401
         wrong = await http.post(url, json={"role": "prefill"},
                                 headers={"Authorization": "Bearer not-the-key"})
         assert (missing.status_code, wrong.status_code) == (401, 401)
