@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import queue
 import re
 import subprocess
@@ -422,14 +423,22 @@ COMPOSE_FILE = Path(__file__).resolve().parents[1] / "deploy" / "compose" / "doc
 
 def compose_services(path: Path = COMPOSE_FILE) -> dict[str, dict[str, Any]]:
     """deploy/compose's services as compose reads them (YAML anchors and ``<<`` merges
-    resolved); environment values as strings."""
+    resolved); environment values as strings, ``${VAR:-default}`` interpolated from this
+    process's environment as compose does."""
     import yaml
 
     services: dict[str, dict[str, Any]] = yaml.safe_load(path.read_text())["services"]
     for service in services.values():
         env = service.get("environment") or {}
-        service["environment"] = {k: str(v) for k, v in env.items()}
+        service["environment"] = {k: _interpolate(str(v)) for k, v in env.items()}
     return services
+
+
+_DEFAULTED = re.compile(r"\$\{(\w+):-([^}]*)\}")
+
+
+def _interpolate(value: str) -> str:
+    return _DEFAULTED.sub(lambda m: os.environ.get(m[1]) or m[2], value)
 
 
 # PromQL words that look like metric names: keywords, and what ``by (...)`` etc. hold.
