@@ -16,12 +16,35 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 PHASES: tuple[Phase, ...] = ("prefill", "decode")
 
 
+StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar",
+                         "structural_tag"]
+STRUCTURED_KINDS: tuple[StructuredKind, ...] = ("json", "json_object", "regex", "choice",
+                                                "grammar", "structural_tag")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """The grammar an output follows (vLLM's structured outputs). ``spec``: a JSON schema
+    (JSON text) for ``json``, a regular expression, a JSON list of strings for ``choice``,
+    an EBNF/Lark grammar, an xgrammar structural tag (JSON text, from vLLM's tool parsers);
+    empty for ``json_object``."""
+
+    kind: StructuredKind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}")
+
+
 @dataclass(frozen=True)
 class SamplingSpec:
     """Validated sampling parameters for one request (token-level only).
 
     Stop *strings* are not here: the router detokenizes and matches them itself,
     then closes the chunk iterator, which aborts the request on every worker.
+    ``logprobs``: the sampled token's logprob and the top-k per output token (None:
+    none); ``prompt_logprobs`` the same over the prompt, computed where it is computed.
     """
 
     max_tokens: int
@@ -31,6 +54,24 @@ class SamplingSpec:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position's logprobs: the token there and the candidates the engine reported,
+    ``(token_id, logprob, rank)`` in its order (the token first, then the top-k by rank;
+    rank 1 is the most likely). A prompt's first position has no entries."""
+
+    token_id: int
+    entries: tuple[tuple[int, float, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -50,6 +91,10 @@ class PhaseRequest:
     sampling: SamplingSpec
     kv_handle: KVHandle | None = None
     push_target: PushTarget | None = None
+    # The last this-many prompt tokens are output the request already produced (prefill's
+    # first token; what was sent before a migration): the engine counts them as output
+    # for penalties, min_tokens and the grammar, so the call continues the request.
+    num_output_in_prompt: int = 0
     # On the worker: the time its caller gave the call (the gRPC deadline, which is
     # the router's request deadline), None without one. Not sent: the call carries it.
     timeout_s: float | None = None
@@ -82,6 +127,8 @@ class PhaseOutput:
     num_cached_tokens: int = 0
     num_prompt_tokens: int = 0
     timing: PhaseTiming | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token of token_ids, when asked
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # the first output's, when asked
 
 
 @dataclass(frozen=True)

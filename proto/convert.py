@@ -25,6 +25,9 @@ from pdserve.types import (
     Role,
     RoleSwitch,
     SamplingSpec,
+    StructuredKind,
+    StructuredOutput,
+    TokenLogprobs,
     WorkerHealth,
     WorkerLoadReport,
 )
@@ -42,6 +45,13 @@ FINISH_TO_PB: dict[FinishReason | None, pb.FinishReason] = {
 }
 FINISH_FROM_PB: dict[pb.FinishReason, FinishReason | None] = {
     v: k for k, v in FINISH_TO_PB.items()}
+_KIND = pb.StructuredOutput.Kind
+STRUCTURED_TO_PB: dict[StructuredKind, pb.StructuredOutput.Kind.ValueType] = {
+    "json": _KIND.KIND_JSON, "json_object": _KIND.KIND_JSON_OBJECT, "regex": _KIND.KIND_REGEX,
+    "choice": _KIND.KIND_CHOICE, "grammar": _KIND.KIND_GRAMMAR,
+    "structural_tag": _KIND.KIND_STRUCTURAL_TAG,
+}
+STRUCTURED_FROM_PB = {v: k for k, v in STRUCTURED_TO_PB.items()}
 _LOAD_FIELDS = tuple(f.name for f in fields(WorkerLoadReport))
 
 
@@ -65,9 +75,19 @@ def phase_from_pb(value: pb.Phase) -> Phase:
 def sampling_to_pb(spec: SamplingSpec) -> pb.SamplingParams:
     msg = pb.SamplingParams(
         max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
-        top_k=spec.top_k, stop_token_ids=spec.stop_token_ids, ignore_eos=spec.ignore_eos)
+        top_k=spec.top_k, stop_token_ids=spec.stop_token_ids, ignore_eos=spec.ignore_eos,
+        presence_penalty=spec.presence_penalty, frequency_penalty=spec.frequency_penalty,
+        repetition_penalty=spec.repetition_penalty, min_tokens=spec.min_tokens,
+        logit_bias=[pb.LogitBias(token_id=t, bias=b) for t, b in spec.logit_bias])
     if spec.seed is not None:
         msg.seed = spec.seed
+    if spec.logprobs is not None:
+        msg.logprobs = spec.logprobs
+    if spec.prompt_logprobs is not None:
+        msg.prompt_logprobs = spec.prompt_logprobs
+    if spec.structured is not None:
+        msg.structured_output.CopyFrom(pb.StructuredOutput(
+            kind=STRUCTURED_TO_PB[spec.structured.kind], spec=spec.structured.spec))
     return msg
 
 
@@ -75,7 +95,34 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingSpec:
     return SamplingSpec(
         max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p or 1.0,
         top_k=max(msg.top_k, 0), seed=msg.seed if msg.HasField("seed") else None,
-        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos)
+        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0, min_tokens=msg.min_tokens,
+        logit_bias=tuple((b.token_id, b.bias) for b in msg.logit_bias),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        structured=_structured_from_pb(msg))
+
+
+def _structured_from_pb(msg: pb.SamplingParams) -> StructuredOutput | None:
+    if not msg.HasField("structured_output"):
+        return None
+    kind = STRUCTURED_FROM_PB.get(msg.structured_output.kind)
+    if kind is None:
+        raise ValueError("structured_output.kind must be set")
+    return StructuredOutput(kind, msg.structured_output.spec)
+
+
+def logprobs_to_pb(positions: tuple[TokenLogprobs, ...]) -> list[pb.TokenLogprobs]:
+    return [pb.TokenLogprobs(token_id=p.token_id, entries=[
+        pb.LogprobEntry(token_id=t, logprob=lp, rank=r) for t, lp, r in p.entries])
+        for p in positions]
+
+
+def logprobs_from_pb(positions: object) -> tuple[TokenLogprobs, ...]:
+    return tuple(TokenLogprobs(p.token_id, tuple((e.token_id, e.logprob, e.rank)
+                                                 for e in p.entries))
+                 for p in positions)  # type: ignore[attr-defined]
 
 
 def handle_to_pb(h: KVHandle) -> pb.KvHandle:
@@ -100,7 +147,8 @@ def handle_from_pb(h: pb.KvHandle) -> KVHandle:
 def phase_request_to_pb(req: PhaseRequest) -> pb.GenerateRequest:
     msg = pb.GenerateRequest(
         request_id=req.request_id, phase=PHASE_TO_PB[req.phase],
-        prompt_token_ids=req.prompt_token_ids, sampling=sampling_to_pb(req.sampling))
+        prompt_token_ids=req.prompt_token_ids, sampling=sampling_to_pb(req.sampling),
+        num_output_in_prompt=req.num_output_in_prompt)
     if req.kv_handle is not None:
         msg.kv_handle.CopyFrom(handle_to_pb(req.kv_handle))
     if req.push_target is not None:
@@ -119,13 +167,21 @@ def phase_request_from_pb(msg: pb.GenerateRequest) -> PhaseRequest:
         request_id=msg.request_id, phase=phase_from_pb(msg.phase),
         prompt_token_ids=tuple(msg.prompt_token_ids), sampling=sampling_from_pb(msg.sampling),
         kv_handle=handle_from_pb(msg.kv_handle) if msg.HasField("kv_handle") else None,
-        push_target=push)
+        push_target=push, num_output_in_prompt=_num_output_in_prompt(msg))
+
+
+def _num_output_in_prompt(msg: pb.GenerateRequest) -> int:
+    if msg.num_output_in_prompt >= len(msg.prompt_token_ids) > 0:
+        raise ValueError("num_output_in_prompt must leave at least one prompt token")
+    return msg.num_output_in_prompt
 
 
 def phase_output_to_pb(out: PhaseOutput) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(
         token_ids=out.token_ids, finish_reason=FINISH_TO_PB[out.finish_reason],
-        num_cached_tokens=out.num_cached_tokens, num_prompt_tokens=out.num_prompt_tokens)
+        num_cached_tokens=out.num_cached_tokens, num_prompt_tokens=out.num_prompt_tokens,
+        logprobs=logprobs_to_pb(out.logprobs),
+        prompt_logprobs=logprobs_to_pb(out.prompt_logprobs))
     if out.kv_handle is not None:
         msg.kv_handle.CopyFrom(handle_to_pb(out.kv_handle))
     if out.timing is not None:
@@ -139,13 +195,16 @@ def phase_output_from_pb(msg: pb.GenerateResponse) -> PhaseOutput:
     the short path."""
     token_ids = tuple(msg.token_ids)
     finish = FINISH_FROM_PB.get(msg.finish_reason)
-    if not (msg.HasField("kv_handle") or msg.HasField("timing")):
+    if not (msg.HasField("kv_handle") or msg.HasField("timing") or msg.logprobs
+            or msg.prompt_logprobs):
         return PhaseOutput(token_ids, finish, None, msg.num_cached_tokens, msg.num_prompt_tokens)
     return PhaseOutput(
         token_ids=token_ids, finish_reason=finish,
         kv_handle=handle_from_pb(msg.kv_handle) if msg.HasField("kv_handle") else None,
         num_cached_tokens=msg.num_cached_tokens, num_prompt_tokens=msg.num_prompt_tokens,
-        timing=timing_from_pb(msg.timing) if msg.HasField("timing") else None)
+        timing=timing_from_pb(msg.timing) if msg.HasField("timing") else None,
+        logprobs=logprobs_from_pb(msg.logprobs),
+        prompt_logprobs=logprobs_from_pb(msg.prompt_logprobs))
 
 
 def timing_from_pb(msg: pb.PhaseTiming) -> PhaseTiming:
