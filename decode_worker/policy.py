@@ -26,7 +26,12 @@ class DecodePolicy:
     def engine_params(self, request: PhaseRequest) -> EngineParams:
         handle = request.kv_handle
         params = None if handle is None else dict(handle.to_params(), do_remote_prefill=True)
-        return EngineParams(max_tokens=request.sampling.max_tokens, kv_transfer_params=params)
+        # Prompt logprobs only where the prompt is computed here: with a handle, prefill
+        # returned them (and asking would make vLLM skip the loaded KV).
+        return EngineParams(
+            max_tokens=request.sampling.max_tokens, kv_transfer_params=params,
+            num_output_in_prompt=request.num_output_in_prompt,
+            prompt_logprobs=request.sampling.prompt_logprobs if handle is None else None)
 
     def on_finished(self, request: PhaseRequest,
                     kv_transfer_params: dict[str, Any] | None) -> KVHandle | None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.request import RequestStatus
 
 from .config import ConnectorConfig
+from .continuation import OUTPUT_IN_PROMPT
 from .metadata import KVHandle, LeaseSpec, LoadSpec, PdserveConnectorMetadata
 from .push_plan import PushPlanner
 
@@ -34,12 +35,14 @@ class SchedulerSide:
         self._block_size = block_size
         self._meta = PdserveConnectorMetadata()
         self._push = PushPlanner(block_size)
+        self._continued: set[str] = set()  # requests whose grammar took their prior output
 
     # ---- decode ----------------------------------------------------------------
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
+        self._continue_grammar(request)
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return 0, False
@@ -74,11 +77,36 @@ class SchedulerSide:
             handle, tuple(src), tuple(dst), first_position=num_local
         )
 
+    def _continue_grammar(self, request: Request) -> None:
+        """A call that continues a request (its prompt ends with output already produced:
+        prefill's first token, tokens sent before a migration) resumes the structured-
+        output grammar after that output, as one engine would be, not at its start.
+
+        vLLM calls this hook for a waiting request once its grammar is compiled and
+        before its first step, again after a preemption: the tokens are taken once. The
+        grammar is the request's own (``accept_tokens`` is what vLLM's scheduler calls
+        after each step); nothing of vLLM is patched. No reasoning parser runs in a
+        pdserve engine, so the grammar applies from the first output token on."""
+        if not request.use_structured_output or request.request_id in self._continued:
+            return
+        prior = (request.sampling_params.extra_args or {}).get(OUTPUT_IN_PROMPT)
+        structured = request.structured_output_request
+        if not prior or structured is None:
+            return
+        self._continued.add(request.request_id)
+        grammar = structured.grammar
+        if grammar is None or isinstance(grammar, Exception):
+            return  # vLLM fails the request itself
+        if not grammar.accept_tokens(request.request_id, [int(t) for t in prior]):
+            logger.warning("%s: the grammar refused the output it continues from",
+                           request.request_id)
+
     # ---- prefill ---------------------------------------------------------------
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self._continued.discard(request.request_id)
         params = request.kv_transfer_params
         pushed_to = self._push.forget(request.request_id)
         if not params:

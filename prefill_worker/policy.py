@@ -46,7 +46,8 @@ class PrefillPolicy:
             params = {"do_remote_decode": True}
             if request.push_target is not None and self.kv_push:
                 params["push"] = request.push_target.to_params()
-        return EngineParams(max_tokens=1, kv_transfer_params=params)
+        return EngineParams(max_tokens=1, kv_transfer_params=params,
+                            prompt_logprobs=request.sampling.prompt_logprobs)
 
     def on_finished(self, request: PhaseRequest,
                     kv_transfer_params: dict[str, Any] | None) -> KVHandle | None:

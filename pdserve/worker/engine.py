@@ -14,7 +14,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.dtype import resolve_dtype
 from pdserve.kv_transfer.config import ConnectorConfig
-from pdserve.types import Role, SamplingSpec
+from pdserve.types import Role, SamplingSpec, TokenLogprobs
+
+# ``pdserve.worker.output_in_prompt:OutputInPromptPenalties``, named here so that the
+# frontend does not import it (it imports torch); vLLM loads it in the engine.
+OUTPUT_IN_PROMPT_PROCESSOR = "pdserve.worker.output_in_prompt:OutputInPromptPenalties"
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -76,6 +80,10 @@ class EngineParams:
 
     max_tokens: int
     kv_transfer_params: dict[str, Any] | None = None
+    # The last this-many prompt tokens are output already produced (PhaseRequest's).
+    num_output_in_prompt: int = 0
+    # Prompt logprobs to compute (top-k per position), where this call computes the prompt.
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,8 @@ class EngineStep:
     # queued -> first scheduled, and first scheduled -> first token.
     queue_ns: int = 0
     compute_ns: int = 0
+    logprobs: tuple[TokenLogprobs, ...] = ()  # per token of token_ids, when asked
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # on the first step, when asked
 
 
 class Engine(Protocol):
@@ -222,5 +232,7 @@ def build_engine(config: EngineConfig, counters: EngineCounters) -> AsyncLLM:
         kv_events_config=None if config.kv_events is None else KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=config.kv_events[0],
             replay_endpoint=config.kv_events[1]),
+        # Penalties count the output a decode call gets inside its prompt.
+        logits_processors=[OUTPUT_IN_PROMPT_PROCESSOR],
     )
     return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(counters)])

@@ -177,12 +177,14 @@ class EngineHost:
                 ) -> PhaseOutput:
         if not step.finished:
             return PhaseOutput(step.token_ids, None, None, step.num_cached_tokens,
-                               len(request.prompt_token_ids))
+                               len(request.prompt_token_ids), logprobs=step.logprobs,
+                               prompt_logprobs=step.prompt_logprobs)
         return PhaseOutput(
             token_ids=step.token_ids, finish_reason=_finish_reason(step.finish_reason),
             kv_handle=self.policy.on_finished(request, step.kv_transfer_params),
             num_cached_tokens=step.num_cached_tokens,
-            num_prompt_tokens=len(request.prompt_token_ids), timing=_timing(request, step, clock))
+            num_prompt_tokens=len(request.prompt_token_ids), timing=_timing(request, step, clock),
+            logprobs=step.logprobs, prompt_logprobs=step.prompt_logprobs)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a running request and release whatever its role holds for it."""

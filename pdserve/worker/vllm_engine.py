@@ -8,7 +8,7 @@ import contextlib
 from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pdserve.types import SamplingSpec
+from pdserve.types import SamplingSpec, StructuredOutput, TokenLogprobs
 from pdserve.worker.engine import (
     EngineConfig,
     EngineCounters,
@@ -22,10 +22,21 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
 
-def to_sampling_params(sampling: SamplingSpec, params: EngineParams) -> SamplingParams:
+def to_sampling_params(sampling: SamplingSpec, params: EngineParams,
+                       prompt_token_ids: Sequence[int] = ()) -> SamplingParams:
+    """vLLM's parameters for one call. The last ``params.num_output_in_prompt`` prompt
+    tokens are output already produced: ``min_tokens`` counts them, and they go in
+    ``extra_args`` for the penalties (``output_in_prompt.py``) and the grammar (the
+    connector's scheduler side)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    from pdserve.worker.output_in_prompt import output_in_prompt_args
+
+    extra: dict[str, Any] = output_in_prompt_args(prompt_token_ids,
+                                                  params.num_output_in_prompt)
+    if params.kv_transfer_params:
+        extra["kv_transfer_params"] = params.kv_transfer_params
     return SamplingParams(
         max_tokens=params.max_tokens,
         temperature=sampling.temperature,
@@ -34,10 +45,40 @@ def to_sampling_params(sampling: SamplingSpec, params: EngineParams) -> Sampling
         seed=sampling.seed,
         stop_token_ids=list(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+        min_tokens=max(sampling.min_tokens - params.num_output_in_prompt, 0),
+        logit_bias=dict(sampling.logit_bias) or None,
+        logprobs=sampling.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
+        structured_outputs=_structured(sampling.structured),
         output_kind=RequestOutputKind.DELTA,
-        extra_args=({"kv_transfer_params": params.kv_transfer_params}
-                    if params.kv_transfer_params else None),
+        extra_args=extra or None,
     )
+
+
+def _structured(spec: StructuredOutput | None) -> Any:
+    if spec is None:
+        return None
+    import json
+
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if spec.kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if spec.kind == "choice":
+        return StructuredOutputsParams(choice=json.loads(spec.spec))
+    return StructuredOutputsParams(**{spec.kind: spec.spec})
+
+
+def _logprobs(token_ids: Sequence[int], positions: Any) -> tuple[TokenLogprobs, ...]:
+    """vLLM's per-position ``{token id: Logprob}`` (None: nothing, the prompt's first)."""
+    if not positions:
+        return ()
+    return tuple(TokenLogprobs(int(t), () if d is None else tuple(
+        (int(i), float(lp.logprob), int(lp.rank)) for i, lp in d.items()))
+        for t, d in zip(token_ids, positions, strict=False))
 
 
 def _phase_ns(stats: Any) -> dict[str, int]:
@@ -82,16 +123,20 @@ class VllmEngine:
         from vllm.inputs import TokensPrompt
 
         stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
-                                    to_sampling_params(sampling, params), request_id)
+                                    to_sampling_params(sampling, params, prompt_token_ids),
+                                    request_id)
         # Closing vLLM's stream (our caller went away) aborts the request in the engine.
         async with contextlib.aclosing(stream):
             async for out in stream:
                 completion = out.outputs[0]
+                token_ids = tuple(completion.token_ids)
                 yield EngineStep(
-                    token_ids=tuple(completion.token_ids), finished=out.finished,
+                    token_ids=token_ids, finished=out.finished,
                     finish_reason=completion.finish_reason,
                     kv_transfer_params=out.kv_transfer_params,
                     num_cached_tokens=out.num_cached_tokens or 0,
+                    logprobs=_logprobs(token_ids, completion.logprobs),
+                    prompt_logprobs=_logprobs(prompt_token_ids, out.prompt_logprobs),
                     **(_phase_ns(out.metrics) if out.finished else {}))
 
     async def abort(self, request_id: str) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.kv_transfer.continuation import OUTPUT_IN_PROMPT
 from pdserve.kv_transfer.metadata import KVHandle, LeaseSpec, LoadSpec
 from pdserve.kv_transfer.scheduler_side import SchedulerSide
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -36,7 +37,7 @@ def _decode_request(num_prompt: int = 300, handle: KVHandle | None = None) -> An
     params = dict((handle or _handle(num_prompt)).to_params(), do_remote_prefill=True)
     # The decode's prompt is the prefill's prompt + its first token.
     return SimpleNamespace(request_id="d-req", kv_transfer_params=params,
-                           num_tokens=num_prompt + 1)
+                           num_tokens=num_prompt + 1, use_structured_output=False)
 
 
 def _blocks(hit: list[int], new: list[int]) -> KVCacheBlocks:
@@ -59,7 +60,8 @@ def _step(side: SchedulerSide, num_scheduled: int = 1) -> Any:
 
 def test_a_request_without_remote_prefill_loads_nothing() -> None:
     side = SchedulerSide(CONFIG, BS)
-    plain = SimpleNamespace(request_id="r", kv_transfer_params=None, num_tokens=50)
+    plain = SimpleNamespace(request_id="r", kv_transfer_params=None, num_tokens=50,
+                            use_structured_output=False)
     assert side.get_num_new_matched_tokens(plain, 0) == (0, False)  # type: ignore[arg-type]
 
 
@@ -228,3 +230,36 @@ def test_a_pushed_prefill_that_stopped_cancels_the_push() -> None:
     meta = _step(side)
     assert meta.leases == {}
     assert [t.transfer_id for t in meta.push_cancels] == ["push-1"]
+
+
+# ---- a continued request resumes its grammar -----------------------------------------
+
+class _Grammar:
+    def __init__(self) -> None:
+        self.accepted: list[int] = []
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        self.accepted += tokens
+        return True
+
+
+def _continued(prior: list[int] | None, grammar: Any) -> Any:
+    extra = {} if prior is None else {OUTPUT_IN_PROMPT: prior}
+    return SimpleNamespace(
+        request_id="c-req", kv_transfer_params=None, num_tokens=10,
+        use_structured_output=grammar is not None,
+        structured_output_request=SimpleNamespace(grammar=grammar),
+        sampling_params=SimpleNamespace(extra_args=extra))
+
+
+def test_a_continued_request_resumes_its_grammar_after_its_output_once() -> None:
+    side = SchedulerSide(CONFIG, BS)
+    grammar = _Grammar()
+    request = _continued([7, 8], grammar)
+    side.get_num_new_matched_tokens(request, 0)
+    side.get_num_new_matched_tokens(request, 0)  # again, as after a preemption
+    assert grammar.accepted == [7, 8]
+    side.request_finished(request, [])
+    fresh = _Grammar()
+    side.get_num_new_matched_tokens(_continued(None, fresh), 0)  # a request that starts
+    assert fresh.accepted == []
