@@ -26,13 +26,14 @@ DisaggMode = Literal["always", "never", "auto", "slo"]
 Decision = Literal["local", "remote"]
 Reason = Literal["always", "never", "no_prefill", "short_prompt", "decode_cached",
                  "prefill_busy", "long_prompt", "slo_local", "slo_remote", "slo_missed_local",
-                 "slo_missed_remote"]
+                 "slo_missed_remote", "sibling"]
 DISAGG_MODES: tuple[DisaggMode, ...] = ("auto", "always", "never", "slo")
 # Every (decision, reason) the rules can give (metric label sets known up front).
 DECISION_REASONS: tuple[tuple[Decision, Reason], ...] = (
     ("remote", "always"), ("local", "never"), ("local", "no_prefill"),
     ("local", "short_prompt"), ("local", "decode_cached"), ("local", "prefill_busy"),
     ("remote", "long_prompt"), ("local", "slo_local"), ("remote", "slo_remote"),
+    ("local", "sibling"),
     ("local", "slo_missed_local"), ("remote", "slo_missed_remote"))
 DEFAULT_DISAGG_MODE: DisaggMode = "auto"
 

@@ -82,8 +82,9 @@ def _decode_request(request_id: str, prompt: Sequence[int], sampling: SamplingSp
         return PhaseRequest(request_id, "decode", tuple(prompt), sampling)
     return PhaseRequest(
         request_id, "decode", (*prompt, *first.token_ids),
-        replace(sampling, max_tokens=sampling.max_tokens - len(first.token_ids)),
-        kv_handle=first.kv_handle)
+        replace(sampling, max_tokens=sampling.max_tokens - len(first.token_ids),
+                prompt_logprobs=None),  # prefill computed the prompt and returned them
+        kv_handle=first.kv_handle, num_output_in_prompt=len(first.token_ids))
 
 
 class PDDispatcher:
@@ -111,6 +112,19 @@ class PDDispatcher:
 
     def is_ready(self) -> bool:
         return any(w.snapshot().healthy for w in self._pool.decode)
+
+    def _follow(self, affinity: str | None, prompt: Sequence[int]) -> _Route | None:
+        """The route to the decode worker ``affinity`` names, while it is healthy."""
+        for worker in self._pool.decode if affinity else ():
+            state = worker.snapshot()
+            if state.worker_id == affinity and state.healthy:
+                disagg = DisaggDecision("local", "sibling")
+                self._metrics.on_decision(disagg)
+                self._metrics.placements.on_placed(state)
+                if self._demand is not None:
+                    self._demand.on_arrival(len(prompt))
+                return _Route(None, worker, disagg)
+        return None
 
     def _choose(self, prompt: Sequence[int]) -> _Route:
         """Placement, then the disaggregation decision, over one snapshot of every
@@ -145,10 +159,11 @@ class PDDispatcher:
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
         timeline: RequestTimeline | None = None, deadline: Deadline | None = None,
+        affinity: str | None = None,
     ) -> AsyncIterator[TokenChunk]:
         timeline = timeline or RequestTimeline(request_id)
         deadline = deadline or Deadline.after(self._timeout)
-        route = self._choose(prompt_token_ids)
+        route = self._follow(affinity, prompt_token_ids) or self._choose(prompt_token_ids)
         timeline.on_placed()
         involved: list[Worker] = []
         finished = False
@@ -169,7 +184,8 @@ class PDDispatcher:
                     sampling.max_tokens <= 1)
                 num_tokens += len(first.token_ids)
                 yield TokenChunk(first.token_ids, first.finish_reason if done else None,
-                                 first.num_cached_tokens, route.disagg)
+                                 first.num_cached_tokens, route.disagg, first.logprobs,
+                                 first.prompt_logprobs)
                 if done:  # nothing is held: prefill keeps KV only for a decode to come
                     finished = True
                     return
@@ -250,6 +266,7 @@ class PDDispatcher:
             prefill_tokens = 0 if request.kv_handle is not None else len(
                 request.prompt_token_ids)
             worker.on_sent(prefill_tokens)
+            worker_id = worker.snapshot().worker_id
             try:
                 async with contextlib.aclosing(
                         worker.client.generate(request, timeout_s)) as outs:
@@ -262,7 +279,8 @@ class PDDispatcher:
                         timeline.on_decode(out)
                         migration.on_sent(out)
                         cached = out.num_cached_tokens if opening is not None else None
-                        chunk = TokenChunk(out.token_ids, out.finish_reason, cached, opening)
+                        chunk = TokenChunk(out.token_ids, out.finish_reason, cached, opening,
+                                           out.logprobs, out.prompt_logprobs, worker_id)
                         opening, ended = None, out.finish_reason is not None
                         yield chunk
                 worker.on_call_succeeded()

@@ -151,9 +151,10 @@ class RequestMigration:
         self._sent_this_call = 0
         if keeps_kv:
             return Continuation(worker, _pull_instead(request), True)
-        sampling = replace(request.sampling, max_tokens=remaining)
+        sampling = replace(request.sampling, max_tokens=remaining, prompt_logprobs=None)
         return Continuation(worker, PhaseRequest(
-            request.request_id, "decode", (*self._prompt, *self._sent), sampling), False)
+            request.request_id, "decode", (*self._prompt, *self._sent), sampling,
+            num_output_in_prompt=len(self._sent)), False)
 
     def _pick(self, failed: Worker, candidates: Sequence[Worker],
               same_model: bool) -> Worker | None:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from pdserve.types import FinishReason, SamplingSpec
+from pdserve.types import FinishReason, SamplingSpec, TokenLogprobs
 
 from .disagg import DisaggDecision
 
@@ -35,6 +35,9 @@ class TokenChunk:
     finish_reason: FinishReason | None = None
     num_cached_tokens: int | None = None
     disagg: DisaggDecision | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # per token of token_ids, when asked
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # on the first chunk, when asked
+    decode_worker_id: str | None = None  # on decode's chunks: the worker generating
 
 
 class NoWorkerAvailableError(RuntimeError):
@@ -65,11 +68,14 @@ class Dispatcher(Protocol):
     def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
         timeline: RequestTimeline | None = None, deadline: Deadline | None = None,
+        affinity: str | None = None,
     ) -> AsyncIterator[TokenChunk]:
         """``timeline`` (started when the request arrived) is marked as the request goes
         and recorded when it finishes; without one the dispatcher starts its own.
         ``deadline`` (fixed when the request arrived) bounds every worker call; without
-        one the dispatcher's own request timeout starts now."""
+        one the dispatcher's own request timeout starts now. ``affinity``: a decode
+        worker's id (a sibling's ``decode_worker_id``) that computes this prompt itself,
+        from the KV its prefix cache holds, while it is healthy (else placement decides)."""
         ...
 
     def is_ready(self) -> bool:

@@ -93,6 +93,8 @@ class GenerateRecord:
     max_tokens: int
     kv_push_target: PushTarget | None = None
     timeout_s: float | None = None  # the call's gRPC deadline, as time left on arrival
+    num_output_in_prompt: int = 0
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -126,7 +128,8 @@ class FakeWorkerServicer:
         rid, phase = request.request_id, request.phase
         self.generates.append(GenerateRecord(
             rid, phase, request.prompt_token_ids, request.kv_handle,
-            request.sampling.max_tokens, request.push_target, request.timeout_s))
+            request.sampling.max_tokens, request.push_target, request.timeout_s,
+            request.num_output_in_prompt, request.sampling.prompt_logprobs))
         self.inflight.add(rid)
         try:
             steps = self._prefill(request) if phase == "prefill" else self._decode(request)

@@ -6,12 +6,21 @@ placement policies in ``test_placement_policies.py``."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import grpc
 import pytest
 from pdserve.router.disagg import DisaggDecision
 from pdserve.router.types import NoWorkerAvailableError, TokenChunk, WorkerFailedError
-from unit.dispatch_cluster import PROMPT, WAIT_S, Cluster, collect, spec, tokens
+from unit.dispatch_cluster import (
+    PROMPT,
+    WAIT_S,
+    Cluster,
+    collect,
+    running_cluster,
+    spec,
+    tokens,
+)
 from unit.fake_worker import eventually
 
 # ---- the P/D flow ------------------------------------------------------------------------
@@ -147,3 +156,28 @@ async def test_incompatible_pair_falls_back_to_decode_alone(cluster: Cluster) ->
     assert cluster.decisions("local", "no_prefill") == 1
     assert chunks[0].disagg == DisaggDecision("local", "no_prefill")
     assert cluster.pool.prefill[0].snapshot().healthy  # not a failure of the prefill worker
+
+
+async def test_decode_continues_the_request_prefill_started(cluster: Cluster) -> None:
+    """Decode's prompt ends with prefill's token: it is marked as output (penalties,
+    min_tokens, the grammar), and the prompt's logprobs come from prefill alone."""
+    sampling = replace(spec(4), prompt_logprobs=1, logprobs=0)
+    await collect(cluster.dispatcher.generate("r-cont", PROMPT, sampling))
+    prefill, decode = cluster.p.generates[0], cluster.d.generates[0]
+    assert (prefill.prompt_logprobs, prefill.num_output_in_prompt) == (1, 0)
+    assert (decode.prompt_logprobs, decode.num_output_in_prompt) == (None, 1)
+    assert decode.prompt_token_ids[:-1] == PROMPT
+
+
+async def test_a_sibling_follows_the_decode_worker_it_names() -> None:
+    async with running_cluster(num_decode=2) as c:
+        target = c.decodes[1].servicer
+        chunks = await collect(c.dispatcher.generate(
+            "r-sib", PROMPT, spec(3), affinity=target.worker_id))
+        assert [g.phase for g in target.generates] == ["decode"]
+        assert c.p.generates == [] and c.decodes[0].servicer.generates == []
+        assert chunks[0].disagg is not None and chunks[0].disagg.reason == "sibling"
+        assert {ch.decode_worker_id for ch in chunks} == {target.worker_id}
+        # An unknown or unhealthy worker: placement decides as usual.
+        await collect(c.dispatcher.generate("r-any", PROMPT, spec(3), affinity="gone"))
+        assert c.p.generates[0].request_id == "r-any"
