@@ -33,13 +33,10 @@ from .openapi import ERROR_RESPONSES, stream_responses, without_422
 from .outcome import outcome_of
 from .preprocess import OffLoop, Preprocessor, Tokenizer
 from .request_ids import RequestIdMiddleware, arrival_of, request_id_of
-from .schemas import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-)
+from .response_schemas import ChatCompletionResponse, CompletionResponse
+from .schemas import ChatCompletionRequest, CompletionRequest
 from .serving import OpenAIServing
+from .tools import ToolCalling
 from .types import Dispatcher
 
 COMPLETIONS_PATH = "/v1/completions"
@@ -59,6 +56,8 @@ def create_app(
     edge: EdgeConfig | None = None,
     request_timeout_s: float = 600.0,
     metrics_enabled: bool = True,
+    tool_calling: ToolCalling | None = None,
+    eos_token_ids: frozenset[int] | None = None,
 ) -> FastAPI:
     """Build the router app. ``tokenizer`` is a Hugging Face tokenizer (see
     ``preprocess.Tokenizer``). Pass the dispatcher's ``registry`` so ``/metrics`` serves both;
@@ -67,7 +66,9 @@ def create_app(
     request gets (``deadline.py``). ``metrics_enabled=False``: no metric work per request,
     and ``/metrics`` answers 404 (``metrics.py``). ``app.state`` holds ``metrics`` (the
     ``RouterMetrics``), ``registry`` (None with metrics off), ``admission`` (drain it with
-    ``start_drain()``)."""
+    ``start_drain()``). ``tool_calling``: vLLM's tool parser (``tools.py``); None: tool
+    choices other than ``none`` are refused. ``eos_token_ids``: the ids the engines end a
+    sequence on (default: the tokenizer's end of sequence)."""
     edge = edge or EdgeConfig()
     if not metrics_enabled:
         registry = None
@@ -80,6 +81,8 @@ def create_app(
         served_model_name=served_model_name,
         max_model_len=max_model_len,
         tokenizer=typed_tokenizer,
+        tool_calling=tool_calling,
+        eos_token_ids=eos_token_ids,
     )
     serving = OpenAIServing(dispatcher=dispatcher, decoder=typed_tokenizer, metrics=metrics,
                             request_timeout_s=request_timeout_s)

@@ -91,6 +91,7 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self._decoded: list[str] = []  # what the decoder emitted, before stop handling
         self.token_ids: list[int] = []  # ids consumed, up to the one completing a stop
+        self._num_silent = 0  # 1 once the stop token that ended the output is in token_ids
 
     @property
     def stopped(self) -> bool:
@@ -101,14 +102,21 @@ class IncrementalDetokenizer:
     def matched_stop(self) -> str | None:
         return self._matcher.matched
 
-    def add(self, token_ids: Sequence[int]) -> str:
-        """Consume ids (stopping early at a stop string) and return the safe text delta."""
+    def add(self, token_ids: Sequence[int], *, last_stops: bool = False) -> str:
+        """Consume ids (stopping early at a stop string) and return the safe text delta.
+        ``last_stops``: the last id is the stop token that ended the output (end of
+        sequence, or one of ``stop_token_ids``): it is counted, but its text is not part
+        of the output, as in vLLM (whatever ``skip_special_tokens`` says)."""
         pieces: list[str] = []
-        for token_id in token_ids:
+        texted = token_ids[:-1] if last_stops else token_ids
+        for token_id in texted:
             if self.stopped:
                 break
             self.token_ids.append(token_id)
             pieces.append(self._matcher.feed(self._decode_next()))
+        if last_stops and token_ids and not self.stopped:
+            self.token_ids.append(token_ids[-1])
+            self._num_silent = 1
         return "".join(pieces)
 
     def finish(self) -> str:
@@ -116,7 +124,7 @@ class IncrementalDetokenizer:
         end, a would-be stop prefix). May still complete a stop string; check ``stopped``."""
         if self.stopped:
             return ""
-        full = self._decode(self.token_ids)
+        full = self._decode(self.token_ids[:len(self.token_ids) - self._num_silent])
         done = "".join(self._decoded)
         tail = full[len(done) :] if full.startswith(done) else ""
         text = self._matcher.feed(tail)

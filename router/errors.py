@@ -239,6 +239,8 @@ def _from_validation_errors(errors: Sequence[Any]) -> InvalidRequestError:
     if loc and loc[0] == "body":
         loc = loc[1:]
     message = str(chosen.get("msg", "invalid value")).removeprefix("Value error, ")
+    if not loc and isinstance(param := (chosen.get("ctx") or {}).get("param"), str):
+        return InvalidRequestError(message, param=param)  # a cross-field check naming it
     if not loc:
         return InvalidRequestError(f"Invalid request body: {message}")
     param = str(loc[0])

@@ -1,4 +1,5 @@
-"""OpenAI request and response models for ``/v1/completions`` and ``/v1/chat/completions``.
+"""OpenAI request models for ``/v1/completions`` and ``/v1/chat/completions`` (the
+responses are in ``response_schemas.py``).
 
 Requests are validated here, field by field, so that every rejection names the offending
 field (it becomes ``error.param``). Cross-field checks that need the tokenizer (context
@@ -8,19 +9,20 @@ send extras this server does not know.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SerializationInfo,
-    SerializerFunctionWrapHandler,
     ValidationInfo,
     field_validator,
-    model_serializer,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
+
+from .structured import ResponseFormat, StructuredOutputsParam
+from .tools import MessageToolCall, NamedToolChoice, Tool, ToolChoice, check_tool_choice
 
 MAX_STOP_STRINGS = 4
 
@@ -33,18 +35,14 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Parameters this server does not implement, with the values that mean "not used".
 # Anything else is rejected with the parameter's name rather than silently ignored.
 _UNSUPPORTED_DEFAULTS: dict[str, tuple[object, ...]] = {
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
-    "logit_bias": (None, {}),
+    # vLLM 0.32's V1 engine has no best_of (``vllm serve`` ignores it): refused, not
+    # ignored, so a client never believes it got the best of several samples.
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "response_format": (None, {"type": "text"}),
 }
-
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs, and OpenAI's top_logprobs limit
+MAX_N = 128
+LOGIT_BIAS_LIMIT = 100.0
 
 def _is_default(value: object, defaults: tuple[object, ...]) -> bool:
     # Compare types too: in Python 1 == True and 0 == False.
@@ -63,27 +61,27 @@ class _SamplingRequest(BaseModel):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    min_tokens: int = Field(default=0, ge=0, le=UINT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, le=INT32_MAX)
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int | None = 1
+    n: int | None = Field(default=1, ge=1, le=MAX_N)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = False
     user: str | None = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    echo: Any = None
-    logit_bias: Any = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParam | None = None
     best_of: Any = None
     suffix: Any = None
-    tools: Any = None
-    response_format: Any = None
 
     @field_validator(*_UNSUPPORTED_DEFAULTS)
     @classmethod
@@ -109,12 +107,31 @@ class _SamplingRequest(BaseModel):
             raise ValueError("stop strings must not be empty")
         return value
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _check_n(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError("only n=1 is supported")
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.lstrip("-").isdigit() or int(key) < 0:
+                raise ValueError(f"keys must be token ids, not {key!r}")
+        # Biases beyond +-LOGIT_BIAS_LIMIT are clamped (preprocess.py), as vLLM does.
         return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, value: list[int] | None) -> list[int] | None:
+        if any(t < 0 or t > UINT32_MAX for t in value or []):
+            raise ValueError("token ids must be >= 0")
+        return value
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> _SamplingRequest:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _field_error("min_tokens", "must not exceed max_tokens")
+        if self.response_format is not None and self.structured_outputs is not None and (
+                self.response_format.type != "text"):
+            raise _field_error("structured_outputs",
+                               "give response_format or structured_outputs, not both")
+        return self
 
     @field_validator("stream_options")
     @classmethod
@@ -137,9 +154,13 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    """``prompt`` is one string or one list of token ids (a one-string list is unwrapped)."""
+    """``prompt`` is one string or one list of token ids (a one-string list is unwrapped).
+    ``logprobs``: the top-k per token (0: the sampled token's alone); with ``echo``, the
+    prompt's too."""
 
     prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -169,152 +190,90 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """A message; an assistant's may carry ``tool_calls`` (and no content), a tool's
+    answers the call named by ``tool_call_id``."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant's message with "
+                             "tool_calls may omit it)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         # Same flattening as vLLM's "string" content format: parts joined by newlines.
         return "\n".join(part.text or "" for part in self.content)
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (tool calls' arguments as objects, as
+        vLLM hands them to templates)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        return message
+
 
 class ChatCompletionRequest(_SamplingRequest):
+    """``logprobs`` with ``top_logprobs`` candidates per token; ``tools`` and
+    ``tool_choice`` as OpenAI defines them (``tools.py`` validates the pair)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    echo: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator("echo")
+    @classmethod
+    def _no_chat_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("not supported by this server on chat completions")
+        return value
+
+    @model_validator(mode="after")
+    def _check_chat_fields(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise _field_error("top_logprobs",
+                               "when using `top_logprobs`, `logprobs` must be set to true.")
+        try:
+            check_tool_choice(self.tools, self.tool_choice)
+        except ValueError as exc:
+            raise _field_error("tool_choice" if self.tools else "tools", str(exc)) from None
+        if isinstance(self.tool_choice, NamedToolChoice) and (
+                self.structured_outputs is not None or self.response_format is not None
+                and self.response_format.type != "text"):
+            raise _field_error("tool_choice", "You can only either use constraints for "
+                               "structured outputs or tools, not both.")
+        return self
 
     @property
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` (the current OpenAI name) wins over ``max_tokens``."""
         return self.max_completion_tokens or self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
 
 
-# --- responses ---------------------------------------------------------------------------
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI's error body, for every error status (``errors.py`` renders it)."""
-
-    error: ErrorDetail
-
-
-class _Response(BaseModel):
-    """Fields in ``_omit_unless_set`` appear only when explicitly given (``usage: null`` in
-    chunks with ``include_usage``, the ``return_token_ids`` extension, chat deltas)."""
-
-    _omit_unless_set: ClassVar[frozenset[str]] = frozenset()
-
-    @model_serializer(mode="wrap")
-    def _omit(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> Any:
-        data = handler(self)
-        for name in self._omit_unless_set - self.model_fields_set:
-            data.pop(name, None)
-        return data
-
-
-class Usage(_Response):
-    """OpenAI's usage, plus pdserve's extension ``pdserve_disagg`` ("local": decode
-    computed the prompt; "remote": a prefill worker did and handed over the KV), present
-    only when the dispatcher reported it."""
-
-    _omit_unless_set = frozenset({"pdserve_disagg"})
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: dict[str, int]
-    pdserve_disagg: str | None = None
-
-    @classmethod
-    def of(cls, num_prompt: int, num_completion: int, num_cached: int,
-           disagg: str | None = None) -> Usage:
-        extension = {} if disagg is None else {"pdserve_disagg": disagg}
-        return cls(
-            prompt_tokens=num_prompt,
-            completion_tokens=num_completion,
-            total_tokens=num_prompt + num_completion,
-            prompt_tokens_details={"cached_tokens": num_cached},
-            **extension,
-        )
-
-
-class CompletionChoice(_Response):
-    _omit_unless_set = frozenset({"token_ids"})
-    index: int = 0
-    text: str
-    finish_reason: str | None = None
-    logprobs: None = None
-    token_ids: list[int] | None = None
-
-
-class AssistantMessage(_Response):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(_Response):
-    _omit_unless_set = frozenset({"token_ids"})
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: str | None = None
-    logprobs: None = None
-    token_ids: list[int] | None = None
-
-
-class ChatDelta(_Response):
-    _omit_unless_set = frozenset({"role", "content"})
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatStreamChoice(_Response):
-    _omit_unless_set = frozenset({"token_ids"})
-    index: int = 0
-    delta: ChatDelta
-    finish_reason: str | None = None
-    logprobs: None = None
-    token_ids: list[int] | None = None
-
-
-class Envelope(_Response):
-    """Top level of every response and chunk; subclasses narrow ``object`` and ``choices``
-    (overriding keeps this field order in the JSON)."""
-
-    _omit_unless_set = frozenset({"usage", "prompt_token_ids"})
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[Any]
-    usage: Usage | None = None
-    prompt_token_ids: list[int] | None = None
-
-
-class CompletionResponse(Envelope):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-
-
-class ChatCompletionResponse(Envelope):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-
-
-class CompletionChunk(Envelope):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-
-
-class ChatCompletionChunk(Envelope):
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChatStreamChoice]
+def _field_error(param: str, message: str) -> PydanticCustomError:
+    """A cross-field error that names ``param`` (``errors.py`` makes it ``error.param``)."""
+    return PydanticCustomError("value_error", "{param}: {message}",
+                               {"param": param, "message": message})

@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -38,6 +40,7 @@ from .pool_metrics import register_pool_metrics
 from .prefix_index import PrefixIndex
 from .prefix_routing import PrefixRouting
 from .roles import RoleSwitcher
+from .tools import ToolCalling, ToolConfig
 from .workers import WorkerPool
 
 logger = logging.getLogger("pdserve.router")
@@ -67,6 +70,7 @@ class RouterConfig:
     cluster_secret_file: str | None = None
     tls: TlsFiles = TlsFiles()  # gRPC to workers over TLS when set
     planner: PlannerConfig = PlannerConfig()  # roles that follow the load (router/planner.py)
+    tools: ToolConfig = ToolConfig()  # tool calling with vLLM's parser (router/tools.py)
 
     def __post_init__(self) -> None:
         static = self.membership.kind == "static"
@@ -95,8 +99,19 @@ class RouterConfig:
             membership=MembershipConfig.from_flags(
                 args.etcd, args.cluster, args.etcd_ttl_s, prefill, decode, args.workers_file),
             cluster_secret_file=args.cluster_secret_file, tls=TlsFiles.from_args(args),
-            planner=PlannerConfig.from_args(args),
+            planner=PlannerConfig.from_args(args), tools=ToolConfig.from_args(args),
         )
+
+
+def model_eos_token_ids(model_path: str, tokenizer: Any) -> frozenset[int]:
+    """The ids vLLM ends a sequence on: the generation config's ``eos_token_id`` (one or
+    a list) and the tokenizer's."""
+    ids = {tokenizer.eos_token_id} if isinstance(tokenizer.eos_token_id, int) else set()
+    path = Path(model_path) / "generation_config.json"
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        ids.update(t for t in (eos if isinstance(eos, list) else [eos]) if isinstance(t, int))
+    return frozenset(ids)
 
 
 def _endpoints(value: str) -> tuple[str, ...]:
@@ -151,7 +166,9 @@ def build_router(config: RouterConfig, tokenizer: Any) -> Router:
     app = create_app(served_model_name=config.served_model_name,
                      max_model_len=config.max_model_len, tokenizer=tokenizer,
                      dispatcher=dispatcher, registry=registry, edge=config.edge,
-                     request_timeout_s=config.request_timeout_s, metrics_enabled=config.metrics)
+                     request_timeout_s=config.request_timeout_s, metrics_enabled=config.metrics,
+                     tool_calling=ToolCalling.load(config.tools, tokenizer),
+                     eos_token_ids=model_eos_token_ids(config.model_path, tokenizer))
     views = _cluster_views(pool, membership, index, feeder)
     app.include_router(views)
     return Router(app, pool, feeder, membership, views, registry, switcher, planner)

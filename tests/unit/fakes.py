@@ -23,7 +23,7 @@ from pdserve.router.types import Dispatcher, NoWorkerAvailableError, TokenChunk,
 from prometheus_client import CollectorRegistry
 
 from pdserve.model import DEFAULT_MODEL_NAME
-from pdserve.types import FinishReason, SamplingSpec
+from pdserve.types import FinishReason, SamplingSpec, TokenLogprobs
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,6 +42,7 @@ class DispatchCall:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingSpec
     deadline: Any = None  # the router.deadline.Deadline the HTTP layer fixed
+    affinity: str | None = None  # the decode worker a later choice (n > 1) follows
 
 
 @dataclass
@@ -68,6 +69,11 @@ class FakeDispatcher:
     fail_after_chunks: int | None = None
     gate: asyncio.Event | None = None
     ready: bool = True
+    # Chunks carry this decode worker id (what a later choice of n > 1 follows), and
+    # per token the logprobs ``fake_logprobs`` makes (the prompt's on the first chunk).
+    decode_worker_id: str | None = None
+    logprobs: bool = False
+    end_token: int | None = None  # appended to a "stop" output, as an engine's end of text
     calls: list[DispatchCall] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -78,10 +84,10 @@ class FakeDispatcher:
 
     def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
-        timeline: object = None, deadline: Any = None,
+        timeline: object = None, deadline: Any = None, affinity: str | None = None,
     ) -> AsyncIterator[TokenChunk]:
         self.calls.append(DispatchCall(request_id, tuple(prompt_token_ids), sampling,
-                                       deadline))
+                                       deadline, affinity))
         if self.error_on_call is not None:
             raise self.error_on_call
         return self._run(request_id, sampling)
@@ -103,6 +109,8 @@ class FakeDispatcher:
             raise self.error_before_first
         ids = list(self.output_ids)[: sampling.max_tokens]
         finish = "length" if len(self.output_ids) > sampling.max_tokens else self.finish_reason
+        if finish == "stop" and self.end_token is not None and len(ids) < sampling.max_tokens:
+            ids.append(self.end_token)  # an engine stops on a stop token
         step = self.tokens_per_chunk
         pieces = [tuple(ids[i : i + step]) for i in range(0, len(ids), step)] or [()]
         for index, piece in enumerate(pieces):
@@ -117,7 +125,25 @@ class FakeDispatcher:
                 token_ids=piece,
                 finish_reason=finish if last else None,
                 num_cached_tokens=self.num_cached_tokens if index == 0 else None,
+                logprobs=tuple(fake_logprobs(t) for t in piece) if self.logprobs else (),
+                prompt_logprobs=self._prompt_logprobs(sampling) if index == 0 else (),
+                decode_worker_id=self.decode_worker_id,
             )
+
+    def _prompt_logprobs(self, sampling: SamplingSpec) -> tuple[TokenLogprobs, ...]:
+        if sampling.prompt_logprobs is None or not self.calls:
+            return ()
+        prompt = self.calls[-1].prompt_token_ids
+        return (TokenLogprobs(prompt[0]), *(fake_logprobs(t) for t in prompt[1:]))
+
+
+END_OF_TEXT = 2  # SmolLM2's <|im_end|>, its end of sequence
+
+
+def fake_logprobs(token_id: int) -> TokenLogprobs:
+    """The token (rank 2), a likelier neighbour, and an impossible one (-inf)."""
+    return TokenLogprobs(token_id, ((token_id, -0.75, 2), (token_id + 1, -0.5, 1),
+                                    (token_id + 2, float("-inf"), 3)))
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:

@@ -1,5 +1,6 @@
 """SSE framing (``router/responses.py``): the cached envelope of later chunks gives the
-same bytes as serializing each whole chunk with pydantic."""
+same bytes as serializing each whole chunk with pydantic. (Two formatters: a formatter
+keeps per-choice state from chunk to chunk.)"""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import itertools
 
 import pytest
 from pdserve.router.preprocess import GenerationRequest
-from pdserve.router.responses import formatter_for, sse_event
+from pdserve.router.responses import OutputDelta, formatter_for, sse_event
 
 from pdserve.types import SamplingSpec
 
@@ -25,8 +26,10 @@ def request(endpoint: str, include_usage: bool, return_token_ids: bool) -> Gener
 def test_later_chunks_encode_as_pydantic_does(endpoint: str, include_usage: bool,
                                               return_token_ids: bool) -> None:
     formatter = formatter_for(request(endpoint, include_usage, return_token_ids))
+    reference = formatter_for(request(endpoint, include_usage, return_token_ids))
     for text, ids, finish, first in [("héllo\n\t\"x\" \x01 ✓", [5, 6], None, True),
                                      (" wörld\\", [7], None, False), ("", [], "length", False),
                                      ("", [8], None, False), ("😀", [9], "stop", False)]:
-        want = b"".join(sse_event(e) for e in formatter.stream_events(text, ids, finish, first))
-        assert formatter.encode_stream(text, ids, finish, first) == want
+        delta = OutputDelta(text, ids, finish)
+        want = b"".join(sse_event(e) for e in reference.stream_events(delta, first))
+        assert formatter.encode_stream(delta, first) == want

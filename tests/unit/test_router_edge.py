@@ -65,7 +65,8 @@ async def test_body_over_the_limit_is_413_by_length_and_by_count(tokenizer: Any)
 
 @pytest.mark.parametrize(("field", "value"), [
     ("top_k", 2**31), ("seed", 2**63), ("seed", -(2**63) - 1), ("max_tokens", 2**32),
-    ("max_tokens", 0), ("n", 2), ("logprobs", 5), ("top_logprobs", 3), ("temperature", 3),
+    ("max_tokens", 0), ("n", 0), ("logprobs", 21), ("presence_penalty", 5),
+    ("min_tokens", -1), ("n", 129), ("temperature", 3),
     ("top_p", 0), ("best_of", 2**70), ("max_tokens", 1.5), ("seed", "7x")])
 async def test_out_of_range_numbers_are_400_naming_the_field(
         tokenizer: Any, field: str, value: Any) -> None:
