@@ -30,15 +30,16 @@ WORKER = ("host", "port", "advertise-host", "kv-port", "kv-host", "cpu-cores", "
 DISAGG = ("disagg", "local-prefill-max-tokens", "local-prefill-max-queued-tokens",
           "local-decode-max-running", "slo-ttft-ms", "slo-itl-ms", "planner",
           "planner-interval-s", "planner-window-s", "planner-hold-s", "planner-cooldown-s")
+OPENAI = ("tool-call-parser", "enable-auto-tool-choice")
 EDGE = ("api-key", "api-key-file", "admin-port", "admin-host", "admin-key",
         "max-concurrent-requests", "max-queued-requests", "max-queue-wait-s", "max-body-bytes",
         "drain-timeout-s")
 ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement",
           "served-model-name", "log-timeline", "disable-metrics", "max-migrations",
-          "request-timeout-s", "grpc-keepalive-s") + DISAGG + EDGE
+          "request-timeout-s", "grpc-keepalive-s") + DISAGG + EDGE + OPENAI
 UP = ("host", "port", "num-prefill", "num-decode", "placement", "cpu-layout", "with-etcd",
       "startup-timeout-s", "max-restarts", "restart-window-s", "simulated", "worker-metrics",
-      "metrics-targets-file") + DISAGG + EDGE
+      "metrics-targets-file") + DISAGG + EDGE + OPENAI
 # The cluster secret: the router, every worker and up (which hands it to its children).
 SECURITY = ("cluster-secret-file", "tls-cert", "tls-key", "tls-ca")
 SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",

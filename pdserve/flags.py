@@ -300,6 +300,13 @@ FLAGS = _flags(
     Flag("log-timeline", "log each finished request's timeline (its phases' times) as one "
          "JSON line on logger pdserve.timeline (also on at --log-level DEBUG)", False,
          parse_bool, switch=True),
+    Flag("tool-call-parser", "the model's tool-call format, by the name of vLLM's parser "
+         "for it (hermes, llama3_json, mistral, ...), as vllm serve takes it: the router "
+         "loads vLLM's parser (slower start), which constrains tool_choice required and "
+         "named and reads tool calls out of the output"),
+    Flag("enable-auto-tool-choice", "allow tool_choice auto (the default with tools): the "
+         "model decides whether to call a tool (needs --tool-call-parser)", False,
+         parse_bool, switch=True),
     Flag("disable-metrics", "turn the router's metrics off: no metric work per request or "
          "chunk, and /metrics answers 404 (to measure their cost, or where nothing scrapes)",
          False, parse_bool, switch=True),

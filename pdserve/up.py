@@ -30,6 +30,7 @@ from pdserve.ports import free_port
 from pdserve.router.disagg import DisaggConfig
 from pdserve.router.edge_config import EdgeConfig
 from pdserve.router.planner import PlannerConfig
+from pdserve.router.tools import ToolConfig
 from pdserve.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S, RestartPolicy
 from pdserve.up_children import (  # Child and the fail-fast helpers: re-exported for bench/
     STOP_GRACE_S,
@@ -74,6 +75,7 @@ class UpConfig:
     prefill_chunk_tokens: int | None = None  # every engine's (None: the workers' default)
     disagg: DisaggConfig = DisaggConfig()  # handed to the router as its flags
     planner: PlannerConfig = PlannerConfig()  # the router's too
+    tools: ToolConfig = ToolConfig()  # and its tool parser
     # Supervision: a child failing more than max_restarts times within the window is
     # given up on.
     max_restarts: int = DEFAULT_MAX_RESTARTS
@@ -123,6 +125,7 @@ class UpConfig:
             etcd_ttl_s=args.etcd_ttl_s, num_kv_blocks=args.num_kv_blocks or None,
             shm_spin_s=args.shm_spin_s, prefill_chunk_tokens=args.prefill_chunk_tokens,
             disagg=DisaggConfig.from_args(args), planner=PlannerConfig.from_args(args),
+            tools=ToolConfig.from_args(args),
             max_restarts=args.max_restarts,
             restart_window_s=args.restart_window_s, simulated=args.simulated,
             cluster_secret_file=args.cluster_secret_file, tls=TlsFiles.from_args(args),
@@ -176,7 +179,7 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
                              "--decode", ",".join(endpoints["decode"])]
     router_argv = py + ["router", *common, "--host", cfg.host, "--port", str(cfg.port),
                         *workers, "--placement", cfg.placement, *cfg.disagg.flags(),
-                        *cfg.planner.flags(), *cfg.edge.flags()]
+                        *cfg.planner.flags(), *cfg.edge.flags(), *cfg.tools.flags()]
     probe_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     # Ready once the router itself sees every worker healthy: a worker's own Health
     # turns ready up to one router health interval before the router places on it,
