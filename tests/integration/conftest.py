@@ -16,10 +16,11 @@ from integration.pd_cases import (
     CASES,
     KILL_CASE,
     LOCAL_PREFILL_MAX_TOKENS,
+    MODEL,
     TopLogprobs,
     prompt_ids,
 )
-from pdserve_testing import Server, launch_up, stop_up
+from pdserve_testing import Server, launch_up, stop_up, wait_until
 
 from pdserve.model import prepare_default_model
 from pdserve.up import free_port
@@ -105,9 +106,44 @@ def pd_server(model_path: Path, request: pytest.FixtureRequest,
         ["--dtype", dtype or "float32", "--port", str(free_port()), "--kv-cache-gib", "1",
          "--max-model-len", "4096", "--transport", transport, "--kv-checksum", "--kv-push",
          "--kv-throttle-mib-s", throttle or "0", "--disagg", disagg,
-         "--local-prefill-max-tokens", str(LOCAL_PREFILL_MAX_TOKENS)], env, STARTUP_TIMEOUT_S,
+         "--local-prefill-max-tokens", str(LOCAL_PREFILL_MAX_TOKENS),
+         "--tool-call-parser", "hermes", "--enable-auto-tool-choice"], env, STARTUP_TIMEOUT_S,
         log_path=tmp_path_factory.mktemp(f"up-{transport}") / "up.log")
     try:
         yield server
     finally:
         stop_up(server.proc)
+
+
+@pytest.fixture(scope="session")
+def vllm_openai(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One aggregated ``vllm serve`` (vLLM's own OpenAI server) of the model, float32,
+    with the hermes tool parser: the reference for the OpenAI surface. Its base URL
+    (``.../v1``, as ``Server.base_url``)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm-serve") / "vllm.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+            str(model_path), "--served-model-name", MODEL, "--dtype", "float32",
+            "--max-model-len", "4096", "--enforce-eager", "--host", "127.0.0.1", "--port",
+            str(port), "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _healthy(url) or proc.poll() is not None, STARTUP_TIMEOUT_S, 1.0)
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited: {log.read_text()[-2000:]}")
+        yield f"{url}/v1"
+    finally:
+        stop_up(proc)  # type: ignore[arg-type]
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
