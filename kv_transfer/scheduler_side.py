@@ -93,10 +93,10 @@ class SchedulerSide:
         structured = request.structured_output_request
         if not prior or structured is None:
             return
-        self._continued.add(request.request_id)
         grammar = structured.grammar
         if grammar is None or isinstance(grammar, Exception):
-            return  # vLLM fails the request itself
+            return  # not compiled yet (asked again next step), or vLLM fails the request
+        self._continued.add(request.request_id)
         if not grammar.accept_tokens(request.request_id, [int(t) for t in prior]):
             logger.warning("%s: the grammar refused the output it continues from",
                            request.request_id)

@@ -9,6 +9,7 @@ unspecified phase or role); the servicer maps that to ``INVALID_ARGUMENT``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, fields
 
 from pdserve.kv_transfer.handle import KVHandle, PushTarget
@@ -119,10 +120,10 @@ def logprobs_to_pb(positions: tuple[TokenLogprobs, ...]) -> list[pb.TokenLogprob
         for p in positions]
 
 
-def logprobs_from_pb(positions: object) -> tuple[TokenLogprobs, ...]:
+def logprobs_from_pb(positions: Iterable[pb.TokenLogprobs]) -> tuple[TokenLogprobs, ...]:
     return tuple(TokenLogprobs(p.token_id, tuple((e.token_id, e.logprob, e.rank)
                                                  for e in p.entries))
-                 for p in positions)  # type: ignore[attr-defined]
+                 for p in positions)
 
 
 def handle_to_pb(h: KVHandle) -> pb.KvHandle:

@@ -75,8 +75,15 @@ class ClosingStreamingResponse(StreamingResponse):
     and so the workers' abort, at once.
     """
 
+    def __init__(self, content: Any, *args: Any, source: Any = None, **kwargs: Any) -> None:
+        """``source``: the iterator the body reads; closed too, in case the body never
+        started (a disconnect before the first write) and so never closed it itself."""
+        super().__init__(content, *args, **kwargs)
+        self._source = source
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await close_now(self.body_iterator)
+            await close_now(self._source)

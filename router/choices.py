@@ -38,7 +38,7 @@ class ChoiceStreams:
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._ended: set[int] = set()
         self._siblings_started = n == 1
-        self._spawn(0, None)
+        self._started = False  # sequence 0 starts on the first read: nothing runs unread
 
     def _spawn(self, index: int, affinity: str | None) -> None:
         self._tasks[index] = asyncio.create_task(self._pump(index, affinity))
@@ -61,6 +61,9 @@ class ChoiceStreams:
 
     async def next(self) -> tuple[int, TokenChunk] | None:
         """The next chunk of any sequence; None once every sequence has ended."""
+        if not self._started:
+            self._started = True
+            self._spawn(0, None)
         while len(self._ended) < self._n:
             index, item = await self._queue.get()
             if index in self._ended:
@@ -83,9 +86,8 @@ class ChoiceStreams:
             self._start_siblings(None)
         task = self._tasks.get(index)
         if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            task.cancel()  # its stream closes: the dispatcher aborts it on the workers
+            await asyncio.wait({task})
 
     async def aclose(self) -> None:
         """Stop every sequence still running; shielded so that the aborts go out even

@@ -5,7 +5,8 @@ they arrive. Deltas never end inside a multi-byte character and never contain te
 could still turn out to be the start of a stop string. When a stop string appears, the
 text before it is the last delta and no further ids are consumed. Without a stop match,
 the deltas concatenated (including ``finish()``) equal
-``tokenizer.decode(all_ids, skip_special_tokens=True)``.
+``tokenizer.decode(ids, skip_special_tokens=...)``, where ``ids`` leaves out a last
+stop token (``add(..., last_stops=True)``), as vLLM does.
 """
 
 from __future__ import annotations

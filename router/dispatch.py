@@ -43,7 +43,13 @@ from .migration import (
 from .placement import Choice, Placement, PlacementRequest
 from .prefix_routing import PendingPrefix, PrefixRouting
 from .timeline import RequestTimeline, TimelineRecorder
-from .types import DeadlineExceededError, NoWorkerAvailableError, TokenChunk, WorkerFailedError
+from .types import (
+    DeadlineExceededError,
+    NoWorkerAvailableError,
+    RequestRejectedError,
+    TokenChunk,
+    WorkerFailedError,
+)
 from .worker_client import DEADLINE_EXCEEDED, INVALID_ARGUMENT, UNAVAILABLE, WorkerCallError
 from .worker_state import WorkerState
 from .workers import Worker, WorkerPool
@@ -240,7 +246,7 @@ class PDDispatcher:
             if exc.code == DEADLINE_EXCEEDED:
                 raise self._expired(deadline, "prefill") from exc
             if exc.code == INVALID_ARGUMENT:
-                raise WorkerFailedError(f"prefill rejected the request: {exc.details}") from exc
+                raise RequestRejectedError(exc.details) from exc
             return None
         finally:
             worker.on_finished(uncached_tokens)
@@ -290,6 +296,8 @@ class PDDispatcher:
                     return
                 if exc.code == DEADLINE_EXCEEDED:
                     raise self._expired(deadline, "decode") from exc
+                if exc.code == INVALID_ARGUMENT:
+                    raise RequestRejectedError(exc.details) from exc
                 if (failure := failure_of_error(exc)) is None:
                     raise WorkerFailedError(f"decode worker failed: {exc.details}") from exc
             finally:

@@ -19,7 +19,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Scope, Send
 
 from .outcome import outcome_reason, record_outcome
-from .types import DeadlineExceededError, NoWorkerAvailableError, WorkerFailedError
+from .types import (
+    DeadlineExceededError,
+    NoWorkerAvailableError,
+    RequestRejectedError,
+    WorkerFailedError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +146,7 @@ _EXPECTED = (
     NoWorkerAvailableError,
     WorkerFailedError,
     DeadlineExceededError,
+    RequestRejectedError,
     RequestValidationError,
     ValidationError,
     StarletteHTTPException,
@@ -159,6 +165,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return GatewayTimeoutError(str(exc) or "request timed out", code="timeout")
     if isinstance(exc, WorkerFailedError):
         return ServerError(str(exc) or "worker failed", code="worker_failed")
+    if isinstance(exc, RequestRejectedError):
+        return InvalidRequestError(str(exc) or "the request was refused")
     if isinstance(exc, RequestValidationError | ValidationError):
         return _from_validation_errors(exc.errors())
     if isinstance(exc, StarletteHTTPException):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from pdserve.types import TokenLogprobs
 
@@ -22,30 +22,37 @@ from .response_schemas import CompletionLogprobs, LogprobContent, TopLogprob
 
 LOGPROB_FLOOR = -9999.0  # vLLM's stand-in for -inf
 _INCOMPLETE = "\ufffd"
-_CONTEXT = 4  # preceding tokens enough to complete any UTF-8 character
+CONTEXT_TOKENS = 4  # preceding tokens enough to complete any UTF-8 character
+
+
+class PieceTokenizer(TokenDecoder, Protocol):
+    """The part of a Hugging Face tokenizer logprob texts need."""
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]: ...
 
 
 class LogprobText:
     """Token ids to the strings vLLM reports in logprobs."""
 
-    def __init__(self, tokenizer: TokenDecoder) -> None:
+    def __init__(self, tokenizer: PieceTokenizer) -> None:
         self._tokenizer = tokenizer
         self._marker = _leading_space_marker(tokenizer)
 
     def texts(self, ids: Sequence[int], context: Sequence[int]) -> list[str]:
         """The strings of one position's candidates; ``context``: the tokens before it."""
         texts = [self._piece(i) for i in ids]
-        return [self._complete(i, list(context[-_CONTEXT:])) if t.endswith(_INCOMPLETE) else t
+        return [self._complete(i, list(context[-CONTEXT_TOKENS:])) if t.endswith(_INCOMPLETE) else t
                 for i, t in zip(ids, texts, strict=True)]
 
-    def _decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
+        """As vLLM decodes logprob tokens: special tokens written out."""
         return self._tokenizer.decode(ids, skip_special_tokens=False)
 
     def _piece(self, token_id: int) -> str:
-        text = self._decode([token_id]) or ""
+        text = self.decode([token_id]) or ""
         if self._marker is None:
             return text
-        raw = self._tokenizer.convert_ids_to_tokens([token_id])[0]  # type: ignore[attr-defined]
+        raw = self._tokenizer.convert_ids_to_tokens([token_id])[0]
         markers = len(raw) - len(raw.lstrip(self._marker))
         missing = markers - (len(text) - len(text.lstrip(" ")))
         return " " * missing + text if missing > 0 else text
@@ -55,15 +62,15 @@ class LogprobText:
         fewest preceding tokens that make it whole."""
         for num in range(1, len(context) + 1):
             before = context[-num:]
-            full = self._decode([*before, token_id])
+            full = self.decode([*before, token_id])
             if full.endswith(_INCOMPLETE):
                 continue
             clean_end = len(before)
             for j in range(len(before) - 1, -1, -1):
-                if not self._decode([before[j]]).endswith(_INCOMPLETE):
+                if not self.decode([before[j]]).endswith(_INCOMPLETE):
                     break
                 clean_end = j
-            prefix = self._decode(before[:clean_end]) if clean_end > 0 else ""
+            prefix = self.decode(before[:clean_end]) if clean_end > 0 else ""
             if full.startswith(prefix):
                 return full[len(prefix):]
             common = 0
@@ -131,7 +138,7 @@ def completion_logprobs(text: LogprobText, positions: Sequence[TokenLogprobs],
     before = list(context)
     for position in positions:
         if not position.entries:
-            token = text._decode([position.token_id])
+            token = text.decode([position.token_id])
             result.tokens.append(token)
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)

@@ -151,7 +151,10 @@ class RequestMigration:
         self._sent_this_call = 0
         if keeps_kv:
             return Continuation(worker, _pull_instead(request), True)
-        sampling = replace(request.sampling, max_tokens=remaining, prompt_logprobs=None)
+        # Prompt logprobs went out with the first token: ask again only if none did.
+        prompt_logprobs = request.sampling.prompt_logprobs if not self._sent else None
+        sampling = replace(request.sampling, max_tokens=remaining,
+                           prompt_logprobs=prompt_logprobs)
         return Continuation(worker, PhaseRequest(
             request.request_id, "decode", (*self._prompt, *self._sent), sampling,
             num_output_in_prompt=len(self._sent)), False)

@@ -38,6 +38,9 @@ class Tokenizer(TokenDecoder, Protocol):
 
     def __len__(self) -> int: ...
 
+    @property
+    def eos_token_id(self) -> int | None: ...
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -189,7 +192,7 @@ class Preprocessor:
             echo_text=echo_text,
             tools=tools,
             skip_special_tokens=(tools.skip_special_tokens if tools is not None
-                                 else getattr(body, "skip_special_tokens", True)),
+                                 else body.skip_special_tokens),
             stop_token_set=self._eos_token_ids | frozenset(sampling.stop_token_ids),
         )
 
@@ -229,8 +232,8 @@ class OffLoop:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _tokenizer_eos(tokenizer: Any) -> frozenset[int]:
-    eos = getattr(tokenizer, "eos_token_id", None)
+def _tokenizer_eos(tokenizer: Tokenizer) -> frozenset[int]:
+    eos = tokenizer.eos_token_id
     return frozenset([eos]) if isinstance(eos, int) else frozenset()
 
 

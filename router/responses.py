@@ -171,12 +171,15 @@ class CompletionFormatter(ResponseFormatter):
         super().__init__(request, logprob_text)
         self._offsets: dict[int, int] = {}  # per choice: text offset of its next token
         self._started: set[int] = set()
+        # The prompt's logprobs (echo), from choice 0, which computed the prompt: the
+        # other choices reuse its KV and echo the same prompt.
+        self._prompt_logprobs: Sequence[TokenLogprobs] = ()
 
     def response(self, output: FinalOutput) -> CompletionResponse:
         echo = self.request.echo_text or ""
         choices = [CompletionChoice(
             index=c.index, text=echo + c.text, finish_reason=c.finish_reason,
-            logprobs=self._logprobs(c.index, c.prompt_logprobs, c.logprobs, ()),
+            logprobs=self._logprobs(c.index, output.choices[0].prompt_logprobs, c.logprobs, ()),
             **self._token_ids(c.token_ids)) for c in output.choices]
         fields = self._envelope(first=True)
         fields["usage"] = self.usage(output.completion_tokens, output.num_cached_tokens,
@@ -193,7 +196,9 @@ class CompletionFormatter(ResponseFormatter):
         # on it.
         if not (opening or delta.finish_reason or self._has_news(text, delta.token_ids)):
             return []
-        prompt = delta.prompt_logprobs if opening else ()
+        if delta.prompt_logprobs:
+            self._prompt_logprobs = delta.prompt_logprobs
+        prompt = self._prompt_logprobs if opening else ()
         choice = CompletionChoice(
             index=delta.index, text=text, finish_reason=delta.finish_reason,
             logprobs=self._logprobs(delta.index, prompt, delta.logprobs, delta.context),
@@ -240,6 +245,7 @@ class ChatFormatter(ResponseFormatter):
         super().__init__(request, logprob_text)
         self._parsers: dict[int, ChoiceToolParser] = {}  # per choice, with tools
         self._opened: set[int] = set()  # choices whose role chunk went out
+        self._prompt_ids = list(request.prompt_token_ids) if request.tools else []
 
     def response(self, output: FinalOutput) -> ChatCompletionResponse:
         choices = [self._choice(c) for c in output.choices]
@@ -294,8 +300,7 @@ class ChatFormatter(ResponseFormatter):
     def _message(self, delta: OutputDelta, parser: ChoiceToolParser | None
                  ) -> ChatDelta | None:
         if parser is not None:
-            fields = parser.delta(delta.text, list(delta.token_ids),
-                                  list(self.request.prompt_token_ids),
+            fields = parser.delta(delta.text, list(delta.token_ids), self._prompt_ids,
                                   finished=delta.finish_reason is not None)
             return None if fields is None else ChatDelta(**fields)
         if self._has_news(delta.text, delta.token_ids):

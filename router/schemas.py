@@ -77,6 +77,7 @@ class _SamplingRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = False
+    skip_special_tokens: bool = True  # vLLM's: special tokens' text is not output
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParam | None = None
@@ -239,7 +240,6 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = True
     echo: bool = False
-    skip_special_tokens: bool = True
 
     @field_validator("echo")
     @classmethod

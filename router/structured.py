@@ -58,6 +58,8 @@ class StructuredOutputsParam(BaseModel):
                  if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError("give exactly one of json, regex, choice, grammar, json_object")
+        if self.regex == "" or self.grammar == "" or self.choice is not None and "" in self.choice:
+            raise ValueError("a regex, a grammar or a choice must not be empty")
         if self.regex is not None:
             try:
                 re.compile(self.regex)
@@ -91,11 +93,7 @@ def structured_output(response_format: ResponseFormat | None,
         return structured_outputs.to_spec()
     if response_format is None or response_format.type == "text":
         return None
-    if response_format.type == "json_object":
-        return StructuredOutput("json_object")
-    assert response_format.json_schema is not None  # the validator checked it
+    if response_format.type == "json_object" or response_format.json_schema is None:
+        return StructuredOutput("json_object")  # (json_schema always has one: validated)
     return StructuredOutput("json", json.dumps(response_format.json_schema.schema_))
 
-
-def json_schema_spec(schema: dict[str, Any]) -> StructuredOutput:
-    return StructuredOutput("json", json.dumps(schema))

@@ -263,8 +263,8 @@ class ChoiceToolParser:
         return delta or None
 
     def finish_reason(self, engine_reason: str, found_calls: bool) -> str:
-        """vLLM's: ``tool_calls`` when calls were made on ``auto``, or ``required``
-        ended normally; a named choice keeps the engine's reason."""
+        """vLLM's: ``tool_calls`` when an output that ended normally made calls (on
+        ``auto`` or ``required``); a named choice keeps the engine's reason."""
         if engine_reason == "stop" and found_calls and not self._session.named:
             return "tool_calls"
         return engine_reason

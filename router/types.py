@@ -49,6 +49,11 @@ class WorkerFailedError(RuntimeError):
     or an error event when the stream has already started)."""
 
 
+class RequestRejectedError(ValueError):
+    """A worker refused the request itself as invalid (a grammar its engine cannot
+    compile, ...): HTTP 400, the worker's words; no other worker would take it."""
+
+
 class DeadlineExceededError(RuntimeError):
     """The request's deadline passed before it finished (HTTP 504, or an error event
     when the stream has already started); every worker involved was told to abort."""
@@ -62,7 +67,8 @@ class Dispatcher(Protocol):
     on every worker involved and frees their KV blocks; the dispatcher owns
     that cleanup. It raises ``NoWorkerAvailableError`` before the first chunk
     when no worker can serve, ``WorkerFailedError`` when a worker fails, and
-    ``DeadlineExceededError`` when ``deadline`` passes.
+    ``DeadlineExceededError`` when ``deadline`` passes, ``RequestRejectedError`` when a
+    worker refuses the request as invalid.
     """
 
     def generate(

@@ -106,8 +106,9 @@ class EngineStep:
 
 class Engine(Protocol):
     """A running engine as ``EngineHost`` drives it. ``generate`` streams one
-    request and aborts it in the engine when closed early; ``abort`` stops one
-    by id (a no-op for an unknown id)."""
+    request and aborts it in the engine when closed early, and raises ``ValueError`` for
+    a request the engine refuses as invalid (the servicer answers INVALID_ARGUMENT);
+    ``abort`` stops one by id (a no-op for an unknown id)."""
 
     @property
     def block_size(self) -> int: ...

@@ -66,7 +66,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             # handler then): closing the outputs aborted the request and freed its KV.
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status for the router
-            if not isinstance(exc, WorkerError):
+            if isinstance(exc, ValueError):  # the request's fault (the engine refused it)
+                logger.warning("request %s refused: %s", request.request_id, exc)
+            elif not isinstance(exc, WorkerError):
                 logger.exception("request %s failed", request.request_id)
             await context.abort(*status_of(exc))
 

@@ -48,7 +48,9 @@ def to_sampling_params(sampling: SamplingSpec, params: EngineParams,
         presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty,
         repetition_penalty=sampling.repetition_penalty,
-        min_tokens=max(sampling.min_tokens - params.num_output_in_prompt, 0),
+        # Within this call's budget (a prefill's is one token): vLLM refuses more.
+        min_tokens=min(max(sampling.min_tokens - params.num_output_in_prompt, 0),
+                       params.max_tokens),
         logit_bias=dict(sampling.logit_bias) or None,
         logprobs=sampling.logprobs,
         prompt_logprobs=params.prompt_logprobs,
@@ -120,6 +122,7 @@ class VllmEngine:
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                        sampling: SamplingSpec, params: EngineParams
                        ) -> AsyncGenerator[EngineStep, None]:
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
         stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
@@ -127,17 +130,20 @@ class VllmEngine:
                                     request_id)
         # Closing vLLM's stream (our caller went away) aborts the request in the engine.
         async with contextlib.aclosing(stream):
-            async for out in stream:
-                completion = out.outputs[0]
-                token_ids = tuple(completion.token_ids)
-                yield EngineStep(
-                    token_ids=token_ids, finished=out.finished,
-                    finish_reason=completion.finish_reason,
-                    kv_transfer_params=out.kv_transfer_params,
-                    num_cached_tokens=out.num_cached_tokens or 0,
-                    logprobs=_logprobs(token_ids, completion.logprobs),
-                    prompt_logprobs=_logprobs(prompt_token_ids, out.prompt_logprobs),
-                    **(_phase_ns(out.metrics) if out.finished else {}))
+            try:
+                async for out in stream:
+                    completion = out.outputs[0]
+                    token_ids = tuple(completion.token_ids)
+                    yield EngineStep(
+                        token_ids=token_ids, finished=out.finished,
+                        finish_reason=completion.finish_reason,
+                        kv_transfer_params=out.kv_transfer_params,
+                        num_cached_tokens=out.num_cached_tokens or 0,
+                        logprobs=_logprobs(token_ids, completion.logprobs),
+                        prompt_logprobs=_logprobs(prompt_token_ids, out.prompt_logprobs),
+                        **(_phase_ns(out.metrics) if out.finished else {}))
+            except VLLMClientError as exc:  # vLLM refused the request (a grammar it cannot
+                raise ValueError(str(exc)) from exc  # compile, ...): INVALID_ARGUMENT
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)

@@ -69,11 +69,17 @@ def stream(base_url: str, route: str, body: dict[str, Any]) -> tuple[list[dict[s
     return chunks, header
 
 
+FALLBACKS = "pdserve:prefill_fallbacks_total"
+
+
 def both(pd: Server, vllm: str, route: str, body: dict[str, Any], path: str
          ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """pdserve's answer (which took ``path``) and vLLM's, to the same request."""
+    """pdserve's answer (which took ``path``: a remote one was prefilled remotely, not
+    after a failed prefill) and vLLM's, to the same request."""
+    fallbacks = pd.metric(FALLBACKS)
     ours, header = post(pd.base_url, route, body)
     assert header.startswith(path), header
+    assert pd.metric(FALLBACKS) == fallbacks, pd.log_lines("refused", "prefill of")
     theirs, _ = post(vllm, route, body)
     return ours, theirs
 
@@ -238,3 +244,16 @@ def test_the_openai_clients_tools_and_parse_calls_work(pd_server: Server, path: 
         response_format=Person, max_tokens=256, temperature=0)
     person = parsed.choices[0].message.parsed
     assert isinstance(person, Person)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_grammar_the_engine_refuses_is_a_400_and_no_worker_is_blamed(
+        pd_server: Server, path: str) -> None:
+    fallbacks = pd_server.metric(FALLBACKS)
+    reply = httpx.post(f"{pd_server.base_url}/completions", timeout=120, json={
+        "model": MODEL, "prompt": prompt_for(path), "max_tokens": 8,
+        "structured_outputs": {"grammar": "root ::= ( \"a\""}})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["type"] == "invalid_request_error"
+    assert pd_server.metric(FALLBACKS) == fallbacks
+    assert all(w["healthy"] for role in ("prefill", "decode") for w in pd_server.workers(role))

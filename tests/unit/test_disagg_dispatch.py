@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 from pdserve.router.app import create_app
 from pdserve.router.disagg import DisaggConfig, DisaggDecision
-from pdserve.router.serving import DISAGG_HEADER
+from pdserve.router.request_output import DISAGG_HEADER
 from unit.dispatch_cluster import Cluster, collect, running_cluster, spec, tokens
 from unit.fakes import ROUTER_MODEL, asgi_http_client, chat_body, cmpl_body, sse_payloads
 

@@ -11,7 +11,11 @@ from dataclasses import replace
 import grpc
 import pytest
 from pdserve.router.disagg import DisaggDecision
-from pdserve.router.types import NoWorkerAvailableError, TokenChunk, WorkerFailedError
+from pdserve.router.types import (
+    NoWorkerAvailableError,
+    RequestRejectedError,
+    TokenChunk,
+)
 from unit.dispatch_cluster import (
     PROMPT,
     WAIT_S,
@@ -117,8 +121,9 @@ async def test_prefill_unreachable_falls_back_to_decode(cluster: Cluster, how: s
 
 
 async def test_prefill_invalid_argument_fails_the_request(cluster: Cluster) -> None:
+    """The request is at fault (HTTP 400), not the worker: no fallback, no ejection."""
     cluster.p.script.fail_code = grpc.StatusCode.INVALID_ARGUMENT
-    with pytest.raises(WorkerFailedError, match="prefill rejected"):
+    with pytest.raises(RequestRejectedError):
         await collect(cluster.dispatcher.generate("r1", PROMPT, spec(4)))
     assert cluster.d.generates == []
     assert cluster.fallbacks() == 0
@@ -181,3 +186,4 @@ async def test_a_sibling_follows_the_decode_worker_it_names() -> None:
         # An unknown or unhealthy worker: placement decides as usual.
         await collect(c.dispatcher.generate("r-any", PROMPT, spec(3), affinity="gone"))
         assert c.p.generates[0].request_id == "r-any"
+

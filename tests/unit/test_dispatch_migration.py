@@ -19,7 +19,7 @@ import pytest_asyncio
 from pdserve.router.app import create_app
 from pdserve.router.migration import MigrationConfig
 from pdserve.router.timeline import RequestTimeline
-from pdserve.router.types import WorkerFailedError
+from pdserve.router.types import RequestRejectedError, WorkerFailedError
 from unit.dispatch_cluster import (
     PROMPT,
     WAIT_S,
@@ -269,7 +269,7 @@ async def test_invalid_argument_does_not_migrate(pd2: Cluster) -> None:
     d1.script.fail_code = grpc.StatusCode.INVALID_ARGUMENT
     d1.script.fail_after_tokens = 2
 
-    with pytest.raises(WorkerFailedError, match="decode worker failed"):
+    with pytest.raises(RequestRejectedError):  # the request's fault: HTTP 400
         await collect(pd2.dispatcher.generate("r1", PROMPT, spec(MAX_TOKENS)))
     assert d2.generates == [] and migrations(pd2) == 0
     await eventually(lambda: d1.aborts == ["r1"], WAIT_S, "abort on the decode")

@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 import pytest
+from pdserve.router.types import RequestRejectedError
 from unit.fakes import (
     CHAT_COMPLETIONS as CHAT,
 )
@@ -154,3 +155,33 @@ async def test_the_stop_token_that_ends_an_output_counts_but_is_not_text(tokeniz
     fake = FakeDispatcher(output_ids=OUTPUT)
     reply = await post(tokenizer, fake, COMPLETIONS, cmpl_body(stop_token_ids=[OUTPUT[-1]]))
     assert reply["choices"][0]["text"] == tokenizer.decode(OUTPUT[:-1])
+
+
+async def test_every_choice_echoes_the_prompt_whose_logprobs_the_first_computed(
+        tokenizer: Any) -> None:
+    fake = FakeDispatcher(output_ids=OUTPUT, logprobs=True, decode_worker_id="d")
+    body = cmpl_body(prompt="The river", echo=True, logprobs=0, max_tokens=4, n=2)
+    reply = await post(tokenizer, fake, COMPLETIONS, body)
+    calls = sorted(fake.calls, key=lambda c: c.request_id)
+    assert [c.sampling.prompt_logprobs for c in calls] == [0, None]
+    first, second = (c["logprobs"] for c in reply["choices"])
+    assert first == second and first["token_logprobs"][0] is None
+    streamed = await events(tokenizer, fake, COMPLETIONS, body)
+    openings = {}
+    for chunk in streamed:
+        for choice in chunk["choices"]:
+            openings.setdefault(choice["index"], choice)
+    assert all(c["text"].startswith("The river") for c in openings.values())
+    assert all(c["logprobs"]["token_logprobs"][0] is None for c in openings.values())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_request_the_engine_refuses_is_a_400_not_a_worker_fault(
+        tokenizer: Any, stream: bool) -> None:
+    fake = FakeDispatcher(output_ids=OUTPUT,
+                          error_before_first=RequestRejectedError("grammar: bad rule"))
+    async with asgi_http_client(make_router_app(tokenizer, fake)) as http:
+        reply = await http.post(COMPLETIONS, json=cmpl_body(
+            stream=stream, structured_outputs={"grammar": "root ::= ("}))
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["message"] == "grammar: bad rule"

@@ -144,6 +144,8 @@ BAD_INPUTS = [
     ("structured_outputs_two", "POST", C,
      cmpl_body(structured_outputs={"regex": "a+", "choice": ["a"]}), 400,
      {"param": "structured_outputs"}),
+    ("structured_outputs_empty_grammar", "POST", C, cmpl_body(structured_outputs={"grammar": ""}),
+     400, {"param": "structured_outputs"}),
     ("structured_outputs_bad_regex", "POST", C, cmpl_body(structured_outputs={"regex": "("}),
      400, {"param": "structured_outputs"}),
     (
