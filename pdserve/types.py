@@ -62,6 +62,7 @@ class SamplingSpec:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None
+    min_p: float = 0.0
 
 
 @dataclass(frozen=True)

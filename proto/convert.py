@@ -76,7 +76,8 @@ def phase_from_pb(value: pb.Phase) -> Phase:
 def sampling_to_pb(spec: SamplingSpec) -> pb.SamplingParams:
     msg = pb.SamplingParams(
         max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
-        top_k=spec.top_k, stop_token_ids=spec.stop_token_ids, ignore_eos=spec.ignore_eos,
+        top_k=spec.top_k, min_p=spec.min_p, stop_token_ids=spec.stop_token_ids,
+        ignore_eos=spec.ignore_eos,
         presence_penalty=spec.presence_penalty, frequency_penalty=spec.frequency_penalty,
         repetition_penalty=spec.repetition_penalty, min_tokens=spec.min_tokens,
         logit_bias=[pb.LogitBias(token_id=t, bias=b) for t, b in spec.logit_bias])
@@ -95,7 +96,8 @@ def sampling_to_pb(spec: SamplingSpec) -> pb.SamplingParams:
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingSpec:
     return SamplingSpec(
         max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p or 1.0,
-        top_k=max(msg.top_k, 0), seed=msg.seed if msg.HasField("seed") else None,
+        top_k=max(msg.top_k, 0), min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
         stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty or 1.0, min_tokens=msg.min_tokens,

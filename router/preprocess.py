@@ -261,6 +261,7 @@ def _sampling_spec(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=max(top_k, 0),  # -1 and 0 both mean "off"
+        min_p=body.min_p or 0.0,
         seed=None if body.seed == -1 else body.seed,  # vLLM: -1 is "no seed"
         stop_token_ids=tuple(dict.fromkeys(body.stop_token_ids or ())),
         ignore_eos=body.ignore_eos,

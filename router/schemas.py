@@ -39,6 +39,20 @@ _UNSUPPORTED_DEFAULTS: dict[str, tuple[object, ...]] = {
     # ignored, so a client never believes it got the best of several samples.
     "best_of": (None, 1),
     "suffix": (None, ""),
+    # vLLM's extensions that pdserve does not carry (yet): refused by name.
+    "use_beam_search": (None, False),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None, []),
+    "include_stop_str_in_output": (None, False),
+    "spaces_between_special_tokens": (None, True),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    # vLLM removed them (its structured_outputs replaces them); it ignores them with a
+    # warning, which would silently drop the constraint: refused here.
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
 }
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs, and OpenAI's top_logprobs limit
 MAX_N = 128
@@ -65,6 +79,7 @@ class _SamplingRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, le=INT32_MAX)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -83,6 +98,17 @@ class _SamplingRequest(BaseModel):
     structured_outputs: StructuredOutputsParam | None = None
     best_of: Any = None
     suffix: Any = None
+    use_beam_search: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    include_stop_str_in_output: Any = None
+    spaces_between_special_tokens: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @field_validator(*_UNSUPPORTED_DEFAULTS)
     @classmethod

@@ -18,6 +18,11 @@ HANDLE = KVHandle("p0", "r1-x", (3, 4), 4, "tcp", "127.0.0.1", 7001, "x-1", 123,
     t.PhaseRequest("r1", "decode", (1, 2, 3), t.SamplingSpec(4, 0.5, 0.75, 5, 7, (2,), True),
                  kv_handle=HANDLE, push_target=PushTarget("h", 1, "t")),
     t.PhaseRequest("r2", "prefill", (9,), t.SamplingSpec(1)),
+    t.PhaseRequest("r3", "decode", (1, 2, 3), t.SamplingSpec(
+        4, presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.25,
+        min_tokens=2, logit_bias=((3, 1.5), (9, -100.0)), logprobs=0, prompt_logprobs=3,
+        structured=t.StructuredOutput("regex", "[a-z]+"), min_p=0.125),
+        num_output_in_prompt=1),
 ])
 def test_phase_request_round_trips(value: t.PhaseRequest) -> None:
     assert convert.phase_request_from_pb(convert.phase_request_to_pb(value)) == value
@@ -66,3 +71,17 @@ def test_every_enum_value_has_one_mapping() -> None:
     assert set(convert.PHASE_FROM_PB) == set(pb.Phase.values()) - {pb.PHASE_UNSPECIFIED}
     assert set(convert.ROLE_FROM_PB) == set(pb.Role.values()) - {pb.ROLE_UNSPECIFIED}
     assert set(convert.FINISH_FROM_PB) == set(pb.FinishReason.values())
+
+
+def test_logprobs_round_trip_and_a_prompts_first_position_has_none() -> None:
+    out = t.PhaseOutput((5, 6), logprobs=(t.TokenLogprobs(5, ((5, -0.5, 1), (7, -1.25, 2))),
+                                          t.TokenLogprobs(6, ((6, float("-inf"), 9),))),
+                        prompt_logprobs=(t.TokenLogprobs(1), t.TokenLogprobs(2, ((2, -3.0, 4),))))
+    assert convert.phase_output_from_pb(convert.phase_output_to_pb(out)) == out
+
+
+def test_a_decode_call_keeps_a_prompt_token_of_its_own() -> None:
+    msg = convert.phase_request_to_pb(t.PhaseRequest("r", "decode", (1, 2), t.SamplingSpec(2)))
+    msg.num_output_in_prompt = 2
+    with pytest.raises(ValueError, match="num_output_in_prompt"):
+        convert.phase_request_from_pb(msg)

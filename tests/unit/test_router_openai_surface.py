@@ -48,10 +48,12 @@ async def test_sampling_parameters_reach_the_workers(tokenizer: Any) -> None:
     fake = FakeDispatcher(output_ids=OUTPUT)
     await post(tokenizer, fake, COMPLETIONS, cmpl_body(
         presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.1, min_tokens=2,
+        min_p=0.05, bad_words=[], spaces_between_special_tokens=True,
         max_tokens=4, logit_bias={"42": 3.5, "7": -200}, stop_token_ids=[5, 5, 9], seed=-1))
     s = fake.calls[0].sampling
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -0.25, 1.1)
     assert s.min_tokens == 2 and s.stop_token_ids == (5, 9) and s.seed is None
+    assert s.min_p == 0.05
     assert s.logit_bias == ((42, 3.5), (7, -100.0))  # clamped as vLLM clamps it
 
 
