@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.preprocess import GenerationRequest
-from pdserve.router.serving import RequestOutput
+from pdserve.router.request_output import RequestOutput
 from pdserve.router.types import TokenChunk
 from prometheus_client import CollectorRegistry
 from router_cost import gaps, pct, via_router
