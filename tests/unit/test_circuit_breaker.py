@@ -11,7 +11,7 @@ from pdserve.router.breaker import BreakerConfig, CircuitBreaker
 from pdserve.router.disagg import DisaggConfig
 from pdserve.router.dispatch import PDDispatcher
 from pdserve.router.placement import RoundRobinPlacement
-from pdserve.router.types import WorkerFailedError
+from pdserve.router.types import RequestRejectedError, WorkerFailedError
 from pdserve.router.workers import WorkerPool
 from prometheus_client import CollectorRegistry
 from unit.dispatch_cluster import PROMPT, collect, spec
@@ -100,7 +100,7 @@ async def test_invalid_requests_never_eject_a_worker() -> None:
     try:
         await pool.refresh_all()
         for i in range(4):
-            with pytest.raises(WorkerFailedError):
+            with pytest.raises(RequestRejectedError):  # the request's fault: HTTP 400
                 await collect(dispatcher.generate(f"r{i}", PROMPT, spec(2)))
         assert pool.decode[0].snapshot().healthy and not pool.decode[0].ejected
     finally:
