@@ -9,7 +9,7 @@ send extras this server does not know.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -96,26 +96,19 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParam | None = None
-    best_of: Any = None
-    suffix: Any = None
-    use_beam_search: Any = None
-    bad_words: Any = None
-    allowed_token_ids: Any = None
-    include_stop_str_in_output: Any = None
-    spaces_between_special_tokens: Any = None
-    prompt_logprobs: Any = None
-    truncate_prompt_tokens: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
+    # Parameters this endpoint does not implement (``_reject_unsupported``).
+    unsupported_fields: ClassVar[dict[str, tuple[object, ...]]] = _UNSUPPORTED_DEFAULTS
 
-    @field_validator(*_UNSUPPORTED_DEFAULTS)
+    @model_validator(mode="before")
     @classmethod
-    def _reject_unsupported(cls, value: object, info: ValidationInfo) -> object:
-        if not _is_default(value, _UNSUPPORTED_DEFAULTS[str(info.field_name)]):
-            raise ValueError("not supported by this server")
-        return value
+    def _reject_unsupported(cls, data: Any) -> Any:
+        """A parameter this server does not implement, given a value other than one that
+        means "not used", is refused by name rather than silently ignored."""
+        if isinstance(data, dict):
+            for name, defaults in cls.unsupported_fields.items():
+                if name in data and not _is_default(data[name], defaults):
+                    raise _field_error(name, "not supported by this server")
+        return data
 
     @field_validator("top_k")
     @classmethod
@@ -138,7 +131,7 @@ class _SamplingRequest(BaseModel):
     @classmethod
     def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
-            if not key.lstrip("-").isdigit() or int(key) < 0:
+            if not key.isdecimal():
                 raise ValueError(f"keys must be token ids, not {key!r}")
         # Biases beyond +-LOGIT_BIAS_LIMIT are clamped (preprocess.py), as vLLM does.
         return value
@@ -265,14 +258,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = True
-    echo: bool = False
-
-    @field_validator("echo")
-    @classmethod
-    def _no_chat_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("not supported by this server on chat completions")
-        return value
+    # vLLM's chat echo (the last message's content before the answer) is not served.
+    unsupported_fields = {**_UNSUPPORTED_DEFAULTS, "echo": (None, False)}
 
     @model_validator(mode="after")
     def _check_chat_fields(self) -> ChatCompletionRequest:
