@@ -128,14 +128,15 @@ def chat_entries(text: LogprobText, positions: Sequence[TokenLogprobs],
     return out
 
 
-def completion_logprobs(text: LogprobText, positions: Sequence[TokenLogprobs],
-                        context: Sequence[int], top_k: int, offset: int,
-                        first_in_prompt: bool = False) -> CompletionLogprobs:
-    """The legacy endpoint's logprobs for ``positions`` (the text starting at ``offset``).
-    A position with no candidates is the prompt's first (no logprob). The prompt's
-    context skips its first token, as vLLM's does (``first_in_prompt``)."""
-    result = CompletionLogprobs()
+def completion_logprobs(result: CompletionLogprobs, text: LogprobText,
+                        positions: Sequence[TokenLogprobs], context: Sequence[int],
+                        top_k: int, offset: int, first_in_prompt: bool = False) -> int:
+    """Append the legacy endpoint's logprobs for ``positions`` (the text starting at
+    ``offset``) to ``result``; the offset after them. A position with no candidates is the
+    prompt's first (no logprob). The prompt's context skips its first token, as vLLM's
+    does (``first_in_prompt``)."""
     before = list(context)
+    skip = 1 if first_in_prompt else 0
     for position in positions:
         if not position.entries:
             token = text.decode([position.token_id])
@@ -143,7 +144,7 @@ def completion_logprobs(text: LogprobText, positions: Sequence[TokenLogprobs],
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
         else:
-            usable = before[1:] if first_in_prompt else before
+            usable = before[max(len(before) - CONTEXT_TOKENS, skip):]
             strings = text.texts([e[0] for e in position.entries], usable)
             token = strings[0]
             result.tokens.append(token)
@@ -153,4 +154,4 @@ def completion_logprobs(text: LogprobText, positions: Sequence[TokenLogprobs],
         result.text_offset.append(offset)
         offset += len(token)
         before.append(position.token_id)
-    return result
+    return offset

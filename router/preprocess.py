@@ -137,9 +137,11 @@ class Preprocessor:
         if model != self.served_model_name:
             raise ModelNotFoundError(model)
 
+    def _out_of_vocab(self, token_ids: Sequence[int]) -> list[int]:
+        return [t for t in token_ids if not 0 <= t < self._vocab_size]
+
     def _check_token_ids(self, token_ids: Sequence[int]) -> list[int]:
-        bad = [t for t in token_ids if not 0 <= t < self._vocab_size]
-        if bad:
+        if bad := self._out_of_vocab(token_ids):
             raise InvalidRequestError(
                 f"prompt token id {bad[0]} is out of the vocabulary [0, {self._vocab_size})",
                 param="prompt",
@@ -148,8 +150,7 @@ class Preprocessor:
 
     def _check_vocab(self, param: str, token_ids: Sequence[int]) -> None:
         """vLLM's check of ``logit_bias`` and ``stop_token_ids`` ids, with its words."""
-        bad = [t for t in token_ids if not 0 <= t < self._vocab_size]
-        if bad:
+        if bad := self._out_of_vocab(token_ids):
             raise InvalidRequestError(
                 f"token_id(s) {bad} in {param} contain out-of-vocab token ids. "
                 f"Vocabulary size: {self._vocab_size}", param=param)
@@ -174,7 +175,8 @@ class Preprocessor:
                 max_model_len=self.max_model_len,
             )
         sampling = _sampling_spec(body, max_tokens, _structured(body, tools))
-        self._check_sampling(body, sampling)
+        n = body.n or 1
+        self._check_sampling(n, sampling)
         prefix = "cmpl" if endpoint == "completions" else "chatcmpl"
         return GenerationRequest(
             request_id=f"{prefix}-{request_id or uuid.uuid4().hex}",
@@ -188,7 +190,7 @@ class Preprocessor:
             return_token_ids=bool(body.return_token_ids),
             created=int(time.time()),
             arrival_s=arrival_s,
-            n=body.n or 1,
+            n=n,
             echo_text=echo_text,
             tools=tools,
             skip_special_tokens=(tools.skip_special_tokens if tools is not None
@@ -196,15 +198,13 @@ class Preprocessor:
             stop_token_set=self._eos_token_ids | frozenset(sampling.stop_token_ids),
         )
 
-    def _check_sampling(self, body: CompletionRequest | ChatCompletionRequest,
-                        sampling: SamplingSpec) -> None:
+    def _check_sampling(self, n: int, sampling: SamplingSpec) -> None:
         self._check_vocab("logit_bias", [t for t, _ in sampling.logit_bias])
         self._check_vocab("stop_token_ids", sampling.stop_token_ids)
         if sampling.min_tokens > sampling.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens must be less than or equal to max_tokens={sampling.max_tokens}, "
                 f"got {sampling.min_tokens}.", param="min_tokens")
-        n = body.n or 1
         if n > 1 and sampling.temperature < GREEDY_TEMPERATURE:
             raise InvalidRequestError(f"n must be 1 when using greedy sampling, got {n}.",
                                       param="n")

@@ -5,7 +5,7 @@ its choices (``Choices``: OpenAI's ``n``)."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from starlette.types import Scope
 
@@ -54,10 +54,6 @@ class RequestOutput:
     @property
     def stopped_by_string(self) -> bool:
         return self.detokenizer.stopped
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
 
     def consume(self, chunk: TokenChunk) -> OutputDelta:
         """Add a chunk; chunks after the end (there should be none) add nothing."""
@@ -135,10 +131,6 @@ class Choices:
     def first(self) -> RequestOutput:
         return self.outputs[0]
 
-    @property
-    def done(self) -> bool:
-        return all(o.done for o in self.outputs)
-
     def consume(self, index: int, chunk: TokenChunk) -> OutputDelta:
         return self.outputs[index].consume(chunk)
 
@@ -161,7 +153,11 @@ class Choices:
 
     @property
     def num_completion_tokens(self) -> int:
-        return sum(len(o.token_ids) for o in self.outputs)
+        return completion_tokens(self.outputs)
+
+
+def completion_tokens(outputs: Sequence[RequestOutput]) -> int:
+    return sum(len(o.token_ids) for o in outputs)
 
 
 def decision_of(output: RequestOutput) -> str | None:

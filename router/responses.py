@@ -216,25 +216,12 @@ class CompletionFormatter(ResponseFormatter):
         text = self._text()
         offset = self._offsets.get(index, 0)
         result = CompletionLogprobs()
-        parts = []
         if self.request.echo_text is not None and prompt:
-            parts.append(completion_logprobs(text, prompt, (), top_k, offset,
-                                             first_in_prompt=True))
-            offset = _next_offset(parts[-1], offset)
-        parts.append(completion_logprobs(text, positions, context, top_k, offset))
-        for part in parts:
-            result.text_offset += part.text_offset
-            result.token_logprobs += part.token_logprobs
-            result.tokens += part.tokens
-            result.top_logprobs += part.top_logprobs
-        self._offsets[index] = _next_offset(result, offset)
+            offset = completion_logprobs(result, text, prompt, (), top_k, offset,
+                                         first_in_prompt=True)
+        self._offsets[index] = completion_logprobs(result, text, positions, context, top_k,
+                                                   offset)
         return result
-
-
-def _next_offset(logprobs: CompletionLogprobs, default: int) -> int:
-    if not logprobs.tokens:
-        return default
-    return logprobs.text_offset[-1] + len(logprobs.tokens[-1])
 
 
 class ChatFormatter(ResponseFormatter):

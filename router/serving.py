@@ -34,7 +34,7 @@ from .logprobs import LogprobText
 from .metrics import RouterMetrics
 from .outcome import CLIENT_CLOSED, outcome_reason, record_outcome
 from .preprocess import GenerationRequest
-from .request_output import Choices, RequestOutput, decision_of
+from .request_output import Choices, RequestOutput, completion_tokens, decision_of
 from .responses import (
     SSE_DONE,
     OutputDelta,
@@ -196,7 +196,7 @@ class OpenAIServing:
             output.request.request_id,
             status,
             len(output.request.prompt_token_ids),
-            sum(len(o.token_ids) for o in outputs),
+            completion_tokens(outputs),
             output.num_cached_tokens,
             ",".join(str(o.finish_reason) for o in outputs),
             latency_s,

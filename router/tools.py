@@ -155,8 +155,7 @@ class ToolCalling:
 
     def check(self, choice: ToolChoice) -> None:
         if choice == "auto" and not self.config.enable_auto:
-            raise InvalidRequestError('"auto" tool choice requires --enable-auto-tool-choice '
-                                      "and --tool-call-parser to be set", param="tool_choice")
+            raise no_tool_parser_error(choice)
 
     def session(self, body: dict[str, Any]) -> ToolSession:
         """The request as vLLM's own request object, adjusted by its parser (the output

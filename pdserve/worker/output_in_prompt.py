@@ -83,8 +83,8 @@ class OutputInPromptPenalties(LogitsProcessor):
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         for index, row in self._rows.items():
-            logits[index, row.token_ids.to(logits.device)] = self._adjusted(
-                logits[index, row.token_ids.to(logits.device)], row)
+            ids = row.token_ids.to(logits.device)
+            logits[index, ids] = self._adjusted(logits[index, ids], row)
         return logits
 
     @staticmethod
