@@ -48,10 +48,10 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-# Regenerate the gRPC stubs from proto/pdserve/v1/worker.proto.
+# Regenerate the gRPC stubs from pdserve/proto/pdserve/v1/worker.proto.
 proto: | $(BIN)/python
-	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=proto --grpc_python_out=proto --pyi_out=proto proto/pdserve/v1/worker.proto
-	sed -i 's/^from pdserve\.v1 import worker_pb2/from . import worker_pb2/' proto/pdserve/v1/worker_pb2_grpc.py
+	$(BIN)/python -m grpc_tools.protoc -I pdserve/proto --python_out=pdserve/proto --grpc_python_out=pdserve/proto --pyi_out=pdserve/proto pdserve/proto/pdserve/v1/worker.proto
+	sed -i 's/^from pdserve\.v1 import worker_pb2/from . import worker_pb2/' pdserve/proto/pdserve/v1/worker_pb2_grpc.py
 
 lint:
 	$(BIN)/ruff check .

@@ -43,13 +43,13 @@ from typing import Any
 
 import httpx
 import psutil
-from pdserve.router.worker_client import WorkerCallError, probe_load
 from rich.console import Console
 from rich.table import Table
 
 from pdserve.cluster_secret import ClusterSecret, load_cluster_secret, write_cluster_secret
 from pdserve.model import cache_dir
 from pdserve.ports import free_port
+from pdserve.router.worker_client import WorkerCallError, probe_load
 
 FAULTS = ("kill-prefill", "kill-decode", "stop-decode", "kill-etcd", "restart-router")
 PROMPTS = ("Name three colours.", "What is two plus two?", "Say hello in French.",

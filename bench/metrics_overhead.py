@@ -35,13 +35,13 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client import CollectorRegistry
+from router_cost import gaps, pct, via_router
+
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.preprocess import GenerationRequest
 from pdserve.router.request_output import RequestOutput
 from pdserve.router.types import TokenChunk
-from prometheus_client import CollectorRegistry
-from router_cost import gaps, pct, via_router
-
 from pdserve.types import SamplingSpec
 from pdserve.up import Child, free_port, start_children, stop_children, wait_ready
 

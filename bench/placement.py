@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import httpx
+
 from pdserve.router.worker_client import probe_load
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -20,15 +20,15 @@ import random
 import statistics
 import time
 
+from prometheus_client import CollectorRegistry
+
+from pdserve.block_hash import chain_hashes
+from pdserve.membership.static import static_infos
 from pdserve.router.placement import PLACEMENTS, PlacementRequest, create_placement
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.prefix_routing import PrefixRouting
 from pdserve.router.worker_state import WorkerLoad, WorkerState
 from pdserve.router.workers import Worker
-from prometheus_client import CollectorRegistry
-
-from pdserve.block_hash import chain_hashes
-from pdserve.membership.static import static_infos
 
 BLOCK_SIZE = 128
 TARGET_P99_US = 200.0

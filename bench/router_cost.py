@@ -31,8 +31,8 @@ from pathlib import Path
 
 import httpx
 import psutil
-from pdserve.router.worker_client import WorkerClient
 
+from pdserve.router.worker_client import WorkerClient
 from pdserve.types import PhaseRequest, SamplingSpec
 from pdserve.up import Child, free_port, start_children, stop_children, wait_ready
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from pdserve.kv_transfer.base import PeerAddress, TransportOptions, create_transport
 from pdserve.kv_transfer.layout import KVLayout, as_bytes
 from pdserve.kv_transfer.leases import LeaseTable

@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from openai import OpenAI
-from pdserve.router.worker_client import probe_load
 from rich.console import Console
 from rich.table import Table
 
 from pdserve.model import cache_dir, prepare_default_model
+from pdserve.router.worker_client import probe_load
 from pdserve.types import WorkerLoadReport
 from pdserve.up import Child, start_children, stop_children, wait_ready
 

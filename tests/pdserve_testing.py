@@ -17,13 +17,13 @@ from typing import Any, TypeVar
 
 import httpx
 import torch
+
+from pdserve.cluster_secret import ClusterSecret, load_cluster_secret, write_cluster_secret
 from pdserve.kv_transfer.base import KVTransport, PeerAddress, TransportOptions, create_transport
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.wire import TransferError
 from pdserve.router.worker_client import probe_load
-
-from pdserve.cluster_secret import ClusterSecret, load_cluster_secret, write_cluster_secret
 from pdserve.types import WorkerLoadReport
 
 T = TypeVar("T")

@@ -9,11 +9,11 @@ import time
 import uuid
 
 import pytest
-from pdserve.prefill_worker.kv_mirror import KvCacheMirror
-from pdserve.prefill_worker.vllm_kv_events import KvEventEndpoints, ZmqKvEventSource
 from pdserve_testing import wait_until_async
 
 from pdserve.block_hash import chain_hashes
+from pdserve.prefill_worker.kv_mirror import KvCacheMirror
+from pdserve.prefill_worker.vllm_kv_events import KvEventEndpoints, ZmqKvEventSource
 
 pytestmark = pytest.mark.integration
 BS = 16

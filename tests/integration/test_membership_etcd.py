@@ -30,10 +30,10 @@ from typing import Any
 import httpx
 import pytest
 from integration.pd_cases import LONG, MODEL
-from pdserve.router.worker_client import probe_load
 from pdserve_testing import etcd_keys, router_metric, wait_until
 
 from pdserve.membership.local_etcd import LocalEtcd
+from pdserve.router.worker_client import probe_load
 from pdserve.types import WorkerLoadReport
 from pdserve.up import free_port
 

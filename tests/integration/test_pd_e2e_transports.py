@@ -23,11 +23,11 @@ from integration.pd_cases import (
     prompt_ids,
     run_case,
 )
-from pdserve.kv_transfer.wire import request_once
-from pdserve.router.worker_client import probe_health
 from pdserve_testing import Server, wait_until
 
 from pdserve.dtype import resolve_dtype
+from pdserve.kv_transfer.wire import request_once
+from pdserve.router.worker_client import probe_health
 from pdserve.types import WorkerLoadReport
 
 pytestmark = pytest.mark.integration

@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from pdserve.router.worker_client import probe_load
 from pdserve_testing import Server, launch_up, stop_up, wait_until
 
+from pdserve.router.worker_client import probe_load
 from pdserve.types import WorkerLoadReport
 
 pytestmark = pytest.mark.integration

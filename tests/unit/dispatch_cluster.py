@@ -12,15 +12,15 @@ import types
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry
+from unit.fake_worker import FakeWorker, FakeWorkerServicer, eventually, start_fake_worker
+
 from pdserve.router.disagg import DisaggConfig
 from pdserve.router.dispatch import PDDispatcher
 from pdserve.router.migration import MigrationConfig
 from pdserve.router.placement import RoundRobinPlacement
 from pdserve.router.types import TokenChunk
 from pdserve.router.workers import WorkerPool
-from prometheus_client import CollectorRegistry
-from unit.fake_worker import FakeWorker, FakeWorkerServicer, eventually, start_fake_worker
-
 from pdserve.types import SamplingSpec
 
 PROMPT = (11, 12, 13, 14)

@@ -24,10 +24,10 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from pdserve.kv_transfer.handle import KVHandle, PushTarget
-from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 
 from pdserve.deadline import bounded
+from pdserve.kv_transfer.handle import KVHandle, PushTarget
+from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 from pdserve.types import (
     FinishReason,
     PhaseOutput,

@@ -17,12 +17,12 @@ import httpx
 import openai
 import uvicorn
 from fastapi import FastAPI
-from pdserve.router.app import create_app
-from pdserve.router.edge_config import EdgeConfig
-from pdserve.router.types import Dispatcher, NoWorkerAvailableError, TokenChunk, WorkerFailedError
 from prometheus_client import CollectorRegistry
 
 from pdserve.model import DEFAULT_MODEL_NAME
+from pdserve.router.app import create_app
+from pdserve.router.edge_config import EdgeConfig
+from pdserve.router.types import Dispatcher, NoWorkerAvailableError, TokenChunk, WorkerFailedError
 from pdserve.types import FinishReason, SamplingSpec, TokenLogprobs
 
 

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest_asyncio
+from pdserve_testing import wait_until_async
+from prometheus_client import CollectorRegistry
+
+from pdserve.block_hash import chain_hashes
 from pdserve.router.disagg import DisaggConfig
 from pdserve.router.dispatch import PDDispatcher
 from pdserve.router.kv_feed import KvIndexFeeder
@@ -19,10 +23,6 @@ from pdserve.router.placement import create_placement
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.prefix_routing import PrefixRouting
 from pdserve.router.workers import WorkerPool
-from pdserve_testing import wait_until_async
-from prometheus_client import CollectorRegistry
-
-from pdserve.block_hash import chain_hashes
 from pdserve.sim_engine import SimConfig
 from pdserve.sim_worker import start_sim_worker
 from pdserve.types import SamplingSpec

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
+from unit.dispatch_cluster import PROMPT, collect, spec
+from unit.fake_worker import WorkerScript, start_fake_worker
+
 from pdserve.router.breaker import BreakerConfig, CircuitBreaker
 from pdserve.router.disagg import DisaggConfig
 from pdserve.router.dispatch import PDDispatcher
 from pdserve.router.placement import RoundRobinPlacement
 from pdserve.router.types import RequestRejectedError, WorkerFailedError
 from pdserve.router.workers import WorkerPool
-from prometheus_client import CollectorRegistry
-from unit.dispatch_cluster import PROMPT, collect, spec
-from unit.fake_worker import WorkerScript, start_fake_worker
 
 EJECTIONS = "pdserve:worker_ejections_total"
 

@@ -9,14 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from pdserve.kv_transfer.config import ConnectorConfig
-from pdserve.router.disagg import DisaggConfig
-from pdserve.router.server import RouterConfig
 
 from pdserve.cli import build_parser, main
 from pdserve.dtype import resolve_dtype
+from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.membership import MembershipConfig
 from pdserve.model import ResolvedModel
+from pdserve.router.disagg import DisaggConfig
+from pdserve.router.server import RouterConfig
 from pdserve.sim_engine import SimConfig
 from pdserve.sim_worker import sim_config_from_args
 from pdserve.up import UpConfig, plan

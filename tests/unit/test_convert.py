@@ -5,11 +5,11 @@ test of the protobuf edge itself, so it builds messages.)"""
 from __future__ import annotations
 
 import pytest
+
+from pdserve import types as t
 from pdserve.kv_transfer.handle import KVHandle, PushTarget
 from pdserve.proto import convert
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
-
-from pdserve import types as t
 
 HANDLE = KVHandle("p0", "r1-x", (3, 4), 4, "tcp", "127.0.0.1", 7001, "x-1", 123, pushed=True)
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from pdserve.router.disagg import DisaggConfig
-from pdserve.router.server import RouterConfig, build_router
 from pdserve_testing import dashboard_exprs, dashboard_metric_names
 from unit.fake_worker import eventually
 from unit.fakes import COMPLETIONS, ROUTER_MODEL, asgi_http_client, cmpl_body
 
+from pdserve.router.disagg import DisaggConfig
+from pdserve.router.server import RouterConfig, build_router
 from pdserve.sim_engine import SimConfig
 from pdserve.sim_worker import start_sim_worker
 

@@ -5,6 +5,7 @@ constructed worker snapshots."""
 from __future__ import annotations
 
 import pytest
+
 from pdserve.router.disagg import DisaggConfig, DisaggDecision, choose_disagg
 from pdserve.router.placement import PlacementRequest
 from pdserve.router.worker_state import WorkerLoad, WorkerState

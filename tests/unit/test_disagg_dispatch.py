@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from unit.dispatch_cluster import Cluster, collect, running_cluster, spec, tokens
+from unit.fakes import ROUTER_MODEL, asgi_http_client, chat_body, cmpl_body, sse_payloads
+
 from pdserve.router.app import create_app
 from pdserve.router.disagg import DisaggConfig, DisaggDecision
 from pdserve.router.request_output import DISAGG_HEADER
-from unit.dispatch_cluster import Cluster, collect, running_cluster, spec, tokens
-from unit.fakes import ROUTER_MODEL, asgi_http_client, chat_body, cmpl_body, sse_payloads
 
 AUTO = DisaggConfig(mode="auto", local_prefill_max_tokens=64)
 SHORT = tuple(range(11, 21))

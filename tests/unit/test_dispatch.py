@@ -10,12 +10,6 @@ from dataclasses import replace
 
 import grpc
 import pytest
-from pdserve.router.disagg import DisaggDecision
-from pdserve.router.types import (
-    NoWorkerAvailableError,
-    RequestRejectedError,
-    TokenChunk,
-)
 from unit.dispatch_cluster import (
     PROMPT,
     WAIT_S,
@@ -26,6 +20,13 @@ from unit.dispatch_cluster import (
     tokens,
 )
 from unit.fake_worker import eventually
+
+from pdserve.router.disagg import DisaggDecision
+from pdserve.router.types import (
+    NoWorkerAvailableError,
+    RequestRejectedError,
+    TokenChunk,
+)
 
 # ---- the P/D flow ------------------------------------------------------------------------
 

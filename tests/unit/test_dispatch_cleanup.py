@@ -8,9 +8,10 @@ import asyncio
 
 import grpc
 import pytest
-from pdserve.router.types import WorkerFailedError
 from unit.dispatch_cluster import PROMPT, WAIT_S, Cluster, spec, take, tokens
 from unit.fake_worker import eventually
+
+from pdserve.router.types import WorkerFailedError
 
 # ---- decode failures and cleanup -------------------------------------------------------------
 

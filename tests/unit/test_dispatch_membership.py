@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 
+from prometheus_client import CollectorRegistry
+from unit.fake_worker import start_fake_worker
+
 from pdserve.router.disagg import DisaggConfig
 from pdserve.router.dispatch import PDDispatcher
 from pdserve.router.placement import RoundRobinPlacement
 from pdserve.router.workers import WorkerPool
-from prometheus_client import CollectorRegistry
-from unit.fake_worker import start_fake_worker
-
 from pdserve.types import SamplingSpec
 
 PROMPT = (11, 12, 13, 14)

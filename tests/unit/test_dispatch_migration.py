@@ -16,10 +16,6 @@ from typing import Any
 import grpc
 import pytest
 import pytest_asyncio
-from pdserve.router.app import create_app
-from pdserve.router.migration import MigrationConfig
-from pdserve.router.timeline import RequestTimeline
-from pdserve.router.types import RequestRejectedError, WorkerFailedError
 from unit.dispatch_cluster import (
     PROMPT,
     WAIT_S,
@@ -33,6 +29,10 @@ from unit.dispatch_cluster import (
 from unit.fake_worker import FakeWorkerServicer, eventually, greedy_answer
 from unit.fakes import ROUTER_MODEL, asgi_http_client, cmpl_body, sse_payloads
 
+from pdserve.router.app import create_app
+from pdserve.router.migration import MigrationConfig
+from pdserve.router.timeline import RequestTimeline
+from pdserve.router.types import RequestRejectedError, WorkerFailedError
 from pdserve.types import PhaseTiming
 
 MIGRATIONS = "pdserve:migrations_total"

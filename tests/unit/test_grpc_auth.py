@@ -12,12 +12,12 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
-from pdserve.router.server import RouterConfig
-from pdserve.router.worker_client import WorkerCallError, WorkerClient, probe_health
-from pdserve.router.workers import WorkerPool
 
 from pdserve.cluster_secret import ClusterSecret, num_refusals, write_cluster_secret
 from pdserve.grpc_auth import server_interceptors
+from pdserve.router.server import RouterConfig
+from pdserve.router.worker_client import WorkerCallError, WorkerClient, probe_health
+from pdserve.router.workers import WorkerPool
 from pdserve.sim_engine import SimConfig
 from pdserve.sim_worker import start_sim_worker
 from pdserve.types import PhaseRequest, SamplingSpec

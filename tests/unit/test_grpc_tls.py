@@ -9,10 +9,10 @@ import ipaddress
 from pathlib import Path
 
 import pytest
-from pdserve.router.worker_client import WorkerCallError, WorkerClient, probe_health
 
 from pdserve.cluster_secret import ClusterSecret
 from pdserve.grpc_tls import GrpcTls, TlsFiles
+from pdserve.router.worker_client import WorkerCallError, WorkerClient, probe_health
 from pdserve.sim_engine import SimConfig
 from pdserve.sim_worker import start_sim_worker
 

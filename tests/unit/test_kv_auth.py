@@ -13,13 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from pdserve.kv_transfer.auth import AuthError, authenticate_to_server
-from pdserve.kv_transfer.base import KVTransport, PeerAddress, TransportOptions, create_transport
-from pdserve.kv_transfer.config import ConnectorConfig
-from pdserve.kv_transfer.layout import KVLayout
-from pdserve.kv_transfer.leases import LeaseTable
-from pdserve.kv_transfer.push_inbox import PushInbox
-from pdserve.kv_transfer.wire import TransferError, recv_msg, request_once, send_msg
 from pdserve_testing import NUM_BLOCKS, compat, make_caches, start_transport
 
 from pdserve.cluster_secret import (
@@ -29,6 +22,13 @@ from pdserve.cluster_secret import (
     num_refusals,
     write_cluster_secret,
 )
+from pdserve.kv_transfer.auth import AuthError, authenticate_to_server
+from pdserve.kv_transfer.base import KVTransport, PeerAddress, TransportOptions, create_transport
+from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.leases import LeaseTable
+from pdserve.kv_transfer.push_inbox import PushInbox
+from pdserve.kv_transfer.wire import TransferError, recv_msg, request_once, send_msg
 
 RIGHT = ClusterSecret(b"the-cluster-secret-0123456789")
 WRONG = ClusterSecret(b"another-cluster-secret-98765")

@@ -9,16 +9,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest_asyncio
-from pdserve.prefill_worker.kv_mirror import KvCacheMirror
-from pdserve.prefill_worker.vllm_kv_events import VllmEventTranslator
-from pdserve.router.kv_feed import KvIndexFeeder
-from pdserve.router.prefix_index import PrefixIndex
-from pdserve.router.workers import Worker
 from pdserve_testing import wait_until_async
 from prometheus_client import CollectorRegistry
 
 from pdserve.block_hash import chain_hashes
 from pdserve.membership.static import static_infos
+from pdserve.prefill_worker.kv_mirror import KvCacheMirror
+from pdserve.prefill_worker.vllm_kv_events import VllmEventTranslator
+from pdserve.router.kv_feed import KvIndexFeeder
+from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.workers import Worker
 from pdserve.sim_engine import SimConfig
 from pdserve.sim_worker import start_sim_worker
 

@@ -9,13 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from pdserve_testing import NUM_BLOCKS, compat, make_caches, push_kv
+
 from pdserve.kv_transfer.base import create_transport, transport_names
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.push_inbox import PushInbox
 from pdserve.kv_transfer.push_plan import PUSH_TRANSPORTS, PushPlanner
 from pdserve.kv_transfer.wire import TransferError
-from pdserve_testing import NUM_BLOCKS, compat, make_caches, push_kv
 
 BS = 16
 

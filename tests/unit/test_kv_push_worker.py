@@ -7,6 +7,8 @@ import time
 
 import pytest
 import torch
+from pdserve_testing import NUM_BLOCKS, compat, make_caches
+
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.metadata import (
     KVHandle,
@@ -17,7 +19,6 @@ from pdserve.kv_transfer.metadata import (
     PushTarget,
 )
 from pdserve.kv_transfer.worker_side import WorkerSide
-from pdserve_testing import NUM_BLOCKS, compat, make_caches
 
 BS = 16
 

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+from pdserve_testing import make_caches, start_transport, wait_until
+
 from pdserve.kv_transfer.base import (
     PeerAddress,
     TransportOptions,
@@ -19,7 +21,6 @@ from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.integrity import checksum
 from pdserve.kv_transfer.leases import LeaseError, LeaseTable
 from pdserve.kv_transfer.wire import TransferError, request_once
-from pdserve_testing import make_caches, start_transport, wait_until
 
 
 def test_release_and_status_without_transfer() -> None:

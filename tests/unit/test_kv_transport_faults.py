@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 import torch
+from pdserve_testing import NUM_BLOCKS, KVPeer, make_caches, pull_main, start_transport, wait_until
+
 from pdserve.kv_transfer.base import PeerAddress, TransportOptions
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.wire import TransferError, request_once
-from pdserve_testing import NUM_BLOCKS, KVPeer, make_caches, pull_main, start_transport, wait_until
 
 TRANSPORTS = ["tcp", "ucx", "torch"]
 KEY = (0, "float32")

@@ -14,9 +14,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pdserve.kv_transfer.base import KVTransport, PeerAddress, TransportOptions
-from pdserve.kv_transfer.leases import LeaseTable
-from pdserve.kv_transfer.wire import IncompatiblePeerError, TransferError
 from pdserve_testing import (
     CORRUPT_KEY,
     KV_KEYS,
@@ -27,6 +24,10 @@ from pdserve_testing import (
     start_transport,
     wait_until,
 )
+
+from pdserve.kv_transfer.base import KVTransport, PeerAddress, TransportOptions
+from pdserve.kv_transfer.leases import LeaseTable
+from pdserve.kv_transfer.wire import IncompatiblePeerError, TransferError
 
 TRANSPORTS = ["tcp", "ucx", "torch"]
 Key = tuple[int, str]

@@ -10,10 +10,11 @@ import time
 
 import pytest
 import torch
+from pdserve_testing import CORRUPT_KEY, KVPeer, kv_seed, make_caches, start_transport
+
 from pdserve.kv_transfer.base import PeerAddress, TransportOptions
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.wire import TransferError
-from pdserve_testing import CORRUPT_KEY, KVPeer, kv_seed, make_caches, start_transport
 
 pytestmark = [
     pytest.mark.gpu,

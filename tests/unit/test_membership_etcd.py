@@ -13,9 +13,6 @@ from dataclasses import replace
 
 import pytest
 import pytest_asyncio
-from pdserve.router.placement import LeastLoadedPlacement, Placement, RoundRobinPlacement
-from pdserve.router.worker_state import WorkerState
-from pdserve.router.workers import WorkerPool
 from pdserve_testing import etcd_keys
 from prometheus_client import CollectorRegistry
 from unit.fake_worker import FakeWorker, WorkerScript, eventually, start_fake_worker
@@ -25,6 +22,9 @@ from pdserve.membership.etcd import EtcdMembership
 from pdserve.membership.etcd_registrar import EtcdRegistrar
 from pdserve.membership.local_etcd import LocalEtcd
 from pdserve.membership.static import load_workers_file
+from pdserve.router.placement import LeastLoadedPlacement, Placement, RoundRobinPlacement
+from pdserve.router.worker_state import WorkerState
+from pdserve.router.workers import WorkerPool
 
 CLUSTER = "unit"
 TTL_S = 2

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import torch
-from pdserve.kv_transfer.continuation import OUTPUT_IN_PROMPT
 from vllm.model_executor.layers.utils import apply_penalties
 from vllm.v1.sample.logits_processor import BatchUpdate
 
+from pdserve.kv_transfer.continuation import OUTPUT_IN_PROMPT
 from pdserve.worker.output_in_prompt import OutputInPromptPenalties, output_in_prompt_args
 
 VOCAB = 12

@@ -7,6 +7,9 @@ from __future__ import annotations
 import copy
 
 import pytest
+from prometheus_client import CollectorRegistry
+
+from pdserve.block_hash import chain_hashes
 from pdserve.router.placement import (
     PLACEMENTS,
     CacheAwareConfig,
@@ -20,9 +23,6 @@ from pdserve.router.placement import (
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.prefix_routing import PrefixRouting
 from pdserve.router.worker_state import WorkerLoad, WorkerState
-from prometheus_client import CollectorRegistry
-
-from pdserve.block_hash import chain_hashes
 
 BS = 16
 PROMPT = list(range(1000, 1000 + 10 * BS + 5))  # 10 full blocks + 5 tokens

@@ -4,6 +4,7 @@ policy registry (``cache_aware`` and the prefix index are in ``test_placement.py
 from __future__ import annotations
 
 import pytest
+
 from pdserve.router.placement import (
     Choice,
     LeastLoadedPlacement,

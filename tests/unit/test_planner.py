@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
+from prometheus_client import CollectorRegistry
+
 from pdserve.router.demand import DemandWindow
 from pdserve.router.planner import (
     Demand,
@@ -28,8 +30,6 @@ from pdserve.router.roles import RoleSwitcher
 from pdserve.router.slo import SloConfig
 from pdserve.router.worker_state import StepCost
 from pdserve.router.workers import WorkerPool
-from prometheus_client import CollectorRegistry
-
 from pdserve.sim_engine import SimConfig
 from pdserve.sim_worker import start_sim_worker
 

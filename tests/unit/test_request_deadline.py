@@ -12,9 +12,6 @@ from typing import Any
 
 import pytest
 from fastapi import FastAPI
-from pdserve.router.app import create_app
-from pdserve.router.deadline import Deadline
-from pdserve.router.types import DeadlineExceededError
 from unit.dispatch_cluster import PROMPT, Cluster, collect, spec
 from unit.fake_worker import eventually
 from unit.fakes import (
@@ -25,6 +22,10 @@ from unit.fakes import (
     cmpl_body,
     sse_payloads,
 )
+
+from pdserve.router.app import create_app
+from pdserve.router.deadline import Deadline
+from pdserve.router.types import DeadlineExceededError
 
 MAX_TIMEOUT_S = 30.0
 DEADLINES = "pdserve:deadline_exceeded_total"

@@ -7,9 +7,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from pdserve.router.preprocess import GenerationRequest
 from pdserve.router.responses import OutputDelta, formatter_for, sse_event
-
 from pdserve.types import SamplingSpec
 
 

@@ -13,15 +13,15 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
+from unit.fake_worker import FakeWorker, WorkerScript, eventually, start_fake_worker
+
 from pdserve.router.admin import AdminAuth, admin_actions
 from pdserve.router.app import create_admin_app
 from pdserve.router.errors import APIError
 from pdserve.router.roles import RoleSwitcher
 from pdserve.router.worker_client import WorkerCallError, WorkerClient
 from pdserve.router.workers import WorkerPool
-from prometheus_client import CollectorRegistry
-from unit.fake_worker import FakeWorker, WorkerScript, eventually, start_fake_worker
-
 from pdserve.types import PhaseOutput, PhaseRequest, SamplingSpec
 
 CALL_S = 10.0

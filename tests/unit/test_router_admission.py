@@ -12,10 +12,6 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from pdserve.router.admission import Admission
-from pdserve.router.drain import DrainingServer
-from pdserve.router.edge_config import EdgeConfig
-from pdserve.router.errors import TooManyRequestsError
 from unit.dispatch_cluster import Cluster
 from unit.fake_worker import eventually
 from unit.fakes import (
@@ -27,6 +23,11 @@ from unit.fakes import (
     make_router_app,
     sse_payloads,
 )
+
+from pdserve.router.admission import Admission
+from pdserve.router.drain import DrainingServer
+from pdserve.router.edge_config import EdgeConfig
+from pdserve.router.errors import TooManyRequestsError
 
 BURST = 20
 

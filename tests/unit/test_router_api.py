@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pdserve.router.types import NoWorkerAvailableError
 from unit.fakes import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -21,6 +20,8 @@ from unit.fakes import (
     make_router_app,
     sse_payloads,
 )
+
+from pdserve.router.types import NoWorkerAvailableError
 
 ANSWER = " Paris is the capital of France. It is known for the Eiffel Tower."
 MULTIBYTE = " 你好，世界！🙂 Emoji 👍🏽 and 日本語のテキスト."

@@ -11,16 +11,16 @@ import httpx
 import pytest
 import pytest_asyncio
 from fastapi import FastAPI
-from pdserve.router.app import create_admin_app
-from pdserve.router.edge_config import EdgeConfig
-from pdserve.router.kv_feed import KvIndexFeeder
-from pdserve.router.prefix_index import PrefixIndex
-from pdserve.router.server import _cluster_views
 from unit.dispatch_cluster import Cluster, running_cluster
 from unit.fakes import COMPLETIONS, asgi_http_client, cmpl_body, make_router_app
 
 from pdserve.cli import build_parser
 from pdserve.membership.static import StaticMembership
+from pdserve.router.app import create_admin_app
+from pdserve.router.edge_config import EdgeConfig
+from pdserve.router.kv_feed import KvIndexFeeder
+from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.server import _cluster_views
 
 KEYS = ("key-one-1234", "key-two-5678")
 GETS = ("/v1/models", "/metrics", "/workers", "/prefix_index")

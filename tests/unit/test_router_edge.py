@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from pdserve.router.edge_config import EdgeConfig
 from unit.dispatch_cluster import Cluster
 from unit.fakes import (
     CHAT_COMPLETIONS,
@@ -26,6 +25,7 @@ from unit.fakes import (
 )
 
 from pdserve.logs import make_handler
+from pdserve.router.edge_config import EdgeConfig
 
 OUTPUT = list(range(100, 108))
 

@@ -8,10 +8,6 @@ import logging
 from typing import Any
 
 import pytest
-from pdserve.router.app import create_app
-from pdserve.router.dispatch import PDDispatcher
-from pdserve.router.placement import RoundRobinPlacement
-from pdserve.router.pool_metrics import register_pool_metrics
 from prometheus_client import CollectorRegistry
 from unit.dispatch_cluster import ALWAYS, PROMPT, Cluster, collect, spec
 from unit.fakes import (
@@ -26,6 +22,10 @@ from unit.fakes import (
 
 from pdserve.cli import build_parser
 from pdserve.logs import setup_logging
+from pdserve.router.app import create_app
+from pdserve.router.dispatch import PDDispatcher
+from pdserve.router.placement import RoundRobinPlacement
+from pdserve.router.pool_metrics import register_pool_metrics
 from pdserve.types import PhaseTiming
 
 PLACED = "pdserve:placement_decisions_total"

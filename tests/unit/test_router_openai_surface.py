@@ -9,7 +9,6 @@ import json
 from typing import Any
 
 import pytest
-from pdserve.router.types import RequestRejectedError
 from unit.fakes import (
     CHAT_COMPLETIONS as CHAT,
 )
@@ -22,6 +21,7 @@ from unit.fakes import (
     make_router_app,
 )
 
+from pdserve.router.types import RequestRejectedError
 from pdserve.types import StructuredOutput
 
 OUTPUT = [28120, 905, 314, 253]

@@ -14,13 +14,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.request import RequestStatus
+
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.continuation import OUTPUT_IN_PROMPT
 from pdserve.kv_transfer.metadata import KVHandle, LeaseSpec, LoadSpec
 from pdserve.kv_transfer.scheduler_side import SchedulerSide
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
-from vllm.v1.request import RequestStatus
 
 BS = 128  # vLLM's CPU block size
 CONFIG = ConnectorConfig(engine_id="prefill-0", kv_host="10.0.0.1", kv_port=7000, lease_s=30.0)

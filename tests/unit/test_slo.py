@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from pdserve.router.disagg import DisaggConfig, choose_disagg
 from pdserve.router.placement import PlacementRequest
 from pdserve.router.slo import SloConfig, choose_by_slo, estimate

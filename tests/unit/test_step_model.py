@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from pdserve.kv_transfer.step_model import StepModel, StepTimer
 
 

@@ -9,9 +9,9 @@ import logging
 import time
 
 import pytest
-from pdserve.router.timeline import PHASES, RequestTimeline
 from unit.dispatch_cluster import PROMPT, Cluster, collect, spec
 
+from pdserve.router.timeline import PHASES, RequestTimeline
 from pdserve.types import PhaseOutput, PhaseTiming
 
 MS = 1_000_000

@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 
 import pytest
+
+from pdserve.ports import free_port
 from pdserve.router.worker_client import (
     UNAVAILABLE,
     WorkerCallError,
@@ -15,8 +17,6 @@ from pdserve.router.worker_client import (
     probe_health,
     probe_load,
 )
-
-from pdserve.ports import free_port
 from pdserve.sim_engine import SimConfig
 from pdserve.sim_worker import start_sim_worker
 from pdserve.types import PhaseRequest, SamplingSpec, WorkerHealth, WorkerLoadReport

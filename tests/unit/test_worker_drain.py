@@ -17,11 +17,11 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pdserve.router.worker_client import UNAVAILABLE, WorkerCallError, WorkerClient
-from pdserve.router.workers import WorkerPool
 from unit.fake_worker import FakeWorker, WorkerScript, eventually, start_fake_worker
 
 from pdserve.ports import free_port
+from pdserve.router.worker_client import UNAVAILABLE, WorkerCallError, WorkerClient
+from pdserve.router.workers import WorkerPool
 from pdserve.types import PhaseOutput, PhaseRequest, SamplingSpec
 from pdserve.worker.lifecycle import WORKER_SERVICE
 from pdserve.worker.servicer import _STOP_GRACE_S

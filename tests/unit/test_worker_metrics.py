@@ -18,18 +18,18 @@ from pathlib import Path
 import httpx
 import psutil
 import torch
-from pdserve.kv_transfer.base import PeerAddress
-from pdserve.kv_transfer.config import ConnectorConfig
-from pdserve.kv_transfer.leases import LeaseTable
-from pdserve.prefill_worker.policy import PrefillPolicy
-from pdserve.router.worker_client import WorkerClient
 from pdserve_testing import launch_up, make_caches, start_transport, stop_up
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cli import build_parser
+from pdserve.kv_transfer.base import PeerAddress
+from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.membership import WorkerInfo
 from pdserve.model import ResolvedModel
 from pdserve.ports import free_port
+from pdserve.prefill_worker.policy import PrefillPolicy
+from pdserve.router.worker_client import WorkerClient
 from pdserve.sim_engine import SimConfig, SimEngine
 from pdserve.sim_worker import SimHost
 from pdserve.types import PhaseRequest, SamplingSpec

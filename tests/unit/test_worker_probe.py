@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from pdserve.membership import WorkerInfo
 from pdserve.router.worker_client import DEADLINE_EXCEEDED, UNAVAILABLE, WorkerCallError
 from pdserve.router.workers import MAX_SLOW_PROBES, Worker
-
-from pdserve.membership import WorkerInfo
 from pdserve.types import WorkerHealth, WorkerLoadReport
 
 

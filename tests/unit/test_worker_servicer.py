@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 import pytest_asyncio
+
 from pdserve.kv_transfer.handle import KVHandle, PushTarget
 from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 from pdserve.router.worker_client import WorkerCallError, WorkerClient
-
 from pdserve.types import (
     KvChange,
     KvSnapshot,

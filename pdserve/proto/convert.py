@@ -14,7 +14,6 @@ from dataclasses import asdict, fields
 
 from pdserve.kv_transfer.handle import KVHandle, PushTarget
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
-
 from pdserve.types import (
     FinishReason,
     KvChange,

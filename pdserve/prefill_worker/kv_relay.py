@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from pdserve.prefill_worker.kv_mirror import KvCacheMirror
-
 from pdserve.types import KvChange, KvSnapshot
 
 HEARTBEAT_S = 2.0

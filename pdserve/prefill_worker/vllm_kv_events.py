@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.prefill_worker.kv_mirror import KvCacheMirror
-
 from pdserve.block_hash import ROOT_HASH, chain_hashes
+from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 
 logger = logging.getLogger("pdserve.worker.kv_events")
 _END_SEQ = -1

@@ -23,14 +23,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
-from pdserve.proto import convert
-from pdserve.proto.pdserve.v1 import worker_pb2 as pb
-from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
 
 from pdserve.cluster_secret import ClusterSecret
 from pdserve.grpc_auth import aio_channel, sync_channel
 from pdserve.grpc_options import DEFAULT_KEEPALIVE_S, client_options
 from pdserve.grpc_tls import GrpcTls
+from pdserve.proto import convert
+from pdserve.proto.pdserve.v1 import worker_pb2 as pb
+from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.types import (
     KvChange,
     KvSnapshot,

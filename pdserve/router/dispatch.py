@@ -22,9 +22,9 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
-from pdserve.kv_transfer.handle import PushTarget
 from prometheus_client import CollectorRegistry
 
+from pdserve.kv_transfer.handle import PushTarget
 from pdserve.types import PhaseOutput, PhaseRequest, SamplingSpec
 
 from .deadline import Deadline

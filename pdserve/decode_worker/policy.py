@@ -10,7 +10,6 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from pdserve.kv_transfer.handle import KVHandle
-
 from pdserve.types import PhaseRequest, Role
 from pdserve.worker.engine import EngineParams
 

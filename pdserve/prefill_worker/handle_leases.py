@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import logging
 
+from pdserve.cluster_secret import ClusterSecret
 from pdserve.kv_transfer.handle import KVHandle
 from pdserve.kv_transfer.wire import TransferError, request_once
-
-from pdserve.cluster_secret import ClusterSecret
 
 logger = logging.getLogger("pdserve.worker")
 _CONTROL_TIMEOUT_S = 10.0

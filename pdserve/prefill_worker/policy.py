@@ -13,7 +13,6 @@ from pdserve.kv_transfer.handle import KVHandle
 from pdserve.prefill_worker.handle_leases import HandleLeases, release_over_control
 from pdserve.prefill_worker.kv_mirror import KvCacheMirror
 from pdserve.prefill_worker.vllm_kv_events import KvEventEndpoints, KvEventMirroring
-
 from pdserve.types import PhaseRequest, Role
 from pdserve.worker.engine import EngineParams
 
