@@ -46,10 +46,10 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from pdserve.cluster_secret import ClusterSecret, load_cluster_secret, write_cluster_secret
-from pdserve.model import cache_dir
-from pdserve.ports import free_port
-from pdserve.router.worker_client import WorkerCallError, probe_load
+from pdserve.core.cluster_secret import ClusterSecret, load_cluster_secret, write_cluster_secret
+from pdserve.core.model import cache_dir
+from pdserve.core.ports import free_port
+from pdserve.router.dispatch.worker_client import WorkerCallError, probe_load
 
 FAULTS = ("kill-prefill", "kill-decode", "stop-decode", "kill-etcd", "restart-router")
 PROMPTS = ("Name three colours.", "What is two plus two?", "Say hello in French.",
@@ -86,7 +86,7 @@ class Cluster:
         self.secret: ClusterSecret | None = None  # to probe the workers (--cluster-secret-file)
         with open(log, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pdserve.cli", "up", *argv], stdout=subprocess.PIPE,
+                [sys.executable, "-m", "pdserve.cli.main", "up", *argv], stdout=subprocess.PIPE,
                 stderr=err, text=True, start_new_session=True,
                 env=dict(os.environ, HF_HUB_OFFLINE="1"))
         self.base_url = self._endpoint(timeout_s)

@@ -38,12 +38,12 @@ import httpx
 from prometheus_client import CollectorRegistry
 from router_cost import gaps, pct, via_router
 
+from pdserve.core.types import SamplingSpec
+from pdserve.launch.up import Child, free_port, start_children, stop_children, wait_ready
+from pdserve.router.dispatch.base import TokenChunk
+from pdserve.router.http.preprocess import GenerationRequest
+from pdserve.router.http.request_output import RequestOutput
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.preprocess import GenerationRequest
-from pdserve.router.request_output import RequestOutput
-from pdserve.router.types import TokenChunk
-from pdserve.types import SamplingSpec
-from pdserve.up import Child, free_port, start_children, stop_children, wait_ready
 
 TARGET_CHUNK_US = 50.0
 MODES = ("on", "off")
@@ -52,7 +52,7 @@ MODES = ("on", "off")
 def children(log_dir: Path, control: bool = False) -> tuple[list[Child], dict[str, str]]:
     """Sim prefill + sim decode + two routers in front of both (metrics on / off; both
     on with ``control``)."""
-    py = [sys.executable, "-m", "pdserve.cli"]
+    py = [sys.executable, "-m", "pdserve.cli.main"]
     ports = {name: free_port() for name in ("prefill", "decode", *MODES)}
     procs = [Child(role, py + ["sim-worker", "--role", role, "--port", str(ports[role]),
                                 "--prefill-us-per-token", "0", "--decode-ms-per-token", "0",

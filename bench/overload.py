@@ -34,8 +34,8 @@ from faults import Cluster  # the same `pdserve up` handle as the fault matrix
 from rich.console import Console
 from rich.table import Table
 
-from pdserve.model import cache_dir
-from pdserve.ports import free_port
+from pdserve.core.model import cache_dir
+from pdserve.core.ports import free_port
 
 console = Console()
 

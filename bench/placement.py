@@ -29,13 +29,13 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.router.worker_client import probe_load
+from pdserve.router.dispatch.worker_client import probe_load
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from placement_workload import Workload, run_workload  # noqa: E402
 
-from pdserve.model import cache_dir, prepare_default_model  # noqa: E402
-from pdserve.up import Child, free_port, start_children, stop_children, wait_ready  # noqa: E402
+from pdserve.core.model import cache_dir, prepare_default_model  # noqa: E402
+from pdserve.launch.up import Child, free_port, start_children, stop_children, wait_ready  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 POLICIES = ("round_robin", "cache_aware")
@@ -43,7 +43,7 @@ POLICIES = ("round_robin", "cache_aware")
 
 def worker_children(args: argparse.Namespace, log_dir: Path) -> tuple[list[Child], list[str],
                                                                       str]:
-    py = [sys.executable, "-m", "pdserve.cli"]
+    py = [sys.executable, "-m", "pdserve.cli.main"]
     common = ["--max-model-len", str(args.max_model_len), "--dtype", args.dtype]
     children, prefill = [], []
     for i, role in enumerate(["prefill", "prefill", "decode"]):
@@ -74,7 +74,7 @@ def run_phase(args: argparse.Namespace, name: str, policy: str, workload: Worklo
               prefill: list[str], decode: str, log_dir: Path) -> dict[str, float]:
     port = free_port()
     router = Child(f"router-{name}-{policy}", [
-        sys.executable, "-m", "pdserve.cli", "router", "--port", str(port), "--placement",
+        sys.executable, "-m", "pdserve.cli.main", "router", "--port", str(port), "--placement",
         policy, "--prefill", ",".join(prefill), "--decode", decode, "--max-model-len",
         str(args.max_model_len), "--disagg", "always"],  # prefill placement is measured
         log_dir / f"router-{name}-{policy}.log",

@@ -22,13 +22,13 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from pdserve.block_hash import chain_hashes
+from pdserve.core.block_hash import chain_hashes
 from pdserve.membership.static import static_infos
-from pdserve.router.placement import PLACEMENTS, PlacementRequest, create_placement
-from pdserve.router.prefix_index import PrefixIndex
-from pdserve.router.prefix_routing import PrefixRouting
-from pdserve.router.worker_state import WorkerLoad, WorkerState
-from pdserve.router.workers import Worker
+from pdserve.router.dispatch.placement import PLACEMENTS, PlacementRequest, create_placement
+from pdserve.router.dispatch.prefix_index import PrefixIndex
+from pdserve.router.dispatch.prefix_routing import PrefixRouting
+from pdserve.router.dispatch.worker_state import WorkerLoad, WorkerState
+from pdserve.router.dispatch.workers import Worker
 
 BLOCK_SIZE = 128
 TARGET_P99_US = 200.0

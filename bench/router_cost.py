@@ -32,9 +32,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-from pdserve.router.worker_client import WorkerClient
-from pdserve.types import PhaseRequest, SamplingSpec
-from pdserve.up import Child, free_port, start_children, stop_children, wait_ready
+from pdserve.core.types import PhaseRequest, SamplingSpec
+from pdserve.launch.up import Child, free_port, start_children, stop_children, wait_ready
+from pdserve.router.dispatch.worker_client import WorkerClient
 
 PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. " * 4
 TARGET_REQUEST_S = 1e-3
@@ -43,7 +43,7 @@ TARGET_CHUNK_S = 50e-6
 
 def children(log_dir: Path) -> tuple[list[Child], str, str, str]:
     """Sim prefill + sim decode (no modelled compute) + a router in front of them."""
-    py = [sys.executable, "-m", "pdserve.cli"]
+    py = [sys.executable, "-m", "pdserve.cli.main"]
     ports = {name: free_port() for name in ("prefill", "decode", "router")}
     sims = [Child(role, py + ["sim-worker", "--role", role, "--port", str(ports[role]),
                                "--prefill-us-per-token", "0", "--decode-ms-per-token", "0",

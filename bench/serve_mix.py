@@ -43,8 +43,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from pdserve.model import cache_dir, prepare_default_model
-from pdserve.up import free_port
+from pdserve.core.model import cache_dir, prepare_default_model
+from pdserve.launch.up import free_port
 
 MODEL = "SmolLM2-135M-Instruct"
 STARTUP_TIMEOUT_S = 600
@@ -212,7 +212,7 @@ def launch(system: str, port: int, log: Path, dtype: str) -> subprocess.Popen[by
                 "--port", str(port), "--host", "127.0.0.1"]
     else:
         mode, _, layout = system.removeprefix("pd-").partition("@")
-        argv = [sys.executable, "-m", "pdserve.cli", "up", "--dtype", dtype,
+        argv = [sys.executable, "-m", "pdserve.cli.main", "up", "--dtype", dtype,
                 "--port", str(port), "--disagg", mode]
         if layout:
             argv += ["--cpu-layout", layout]

@@ -31,8 +31,8 @@ from rich.console import Console
 from rich.table import Table
 from ttft import build_prompts, get_load
 
-from pdserve.model import cache_dir, prepare_default_model
-from pdserve.up import Child, start_children, stop_children, wait_ready
+from pdserve.core.model import cache_dir, prepare_default_model
+from pdserve.launch.up import Child, start_children, stop_children, wait_ready
 
 SHARE_TARGET = 0.10  # transfer ≤ 10 % of TTFT for a 1k-token prompt
 CUT_TARGET = 0.5  # push cuts the visible share by ≥ 50 %
@@ -58,7 +58,7 @@ class ModeResult:
 
 
 def plan(mode: str, dtype: str, port_base: int, log_dir: Path) -> list[Child]:
-    py = [sys.executable, "-m", "pdserve.cli"]
+    py = [sys.executable, "-m", "pdserve.cli.main"]
     cores = f"0-{(os.cpu_count() or 1) - 1}"  # pdserve up's default layout: shared cores
     push = ["--kv-push"] if mode == "push" else ["--no-kv-push"]
     children = []

@@ -29,10 +29,10 @@ from openai import OpenAI
 from rich.console import Console
 from rich.table import Table
 
-from pdserve.model import cache_dir, prepare_default_model
-from pdserve.router.worker_client import probe_load
-from pdserve.types import WorkerLoadReport
-from pdserve.up import Child, start_children, stop_children, wait_ready
+from pdserve.core.model import cache_dir, prepare_default_model
+from pdserve.core.types import WorkerLoadReport
+from pdserve.launch.up import Child, start_children, stop_children, wait_ready
+from pdserve.router.dispatch.worker_client import probe_load
 
 TTFT_RATIO_TARGET = 1.1
 STARTUP_TIMEOUT_S = 300.0
@@ -97,7 +97,7 @@ def build_prompts(num_prompts: int, num_tokens: int) -> list[str]:
 
 
 def plan_setup(setup: Setup, dtype: str, port_base: int, log_dir: Path) -> list[Child]:
-    py = [sys.executable, "-m", "pdserve.cli"]
+    py = [sys.executable, "-m", "pdserve.cli.main"]
     children: list[Child] = []
     endpoints: dict[str, str] = {"prefill": "", "decode": ""}
     roles = [("prefill", setup.prefill_cores, 1), ("decode", setup.decode_cores, 3)]

@@ -18,13 +18,13 @@ from typing import Any, TypeVar
 import httpx
 import torch
 
-from pdserve.cluster_secret import ClusterSecret, load_cluster_secret, write_cluster_secret
+from pdserve.core.cluster_secret import ClusterSecret, load_cluster_secret, write_cluster_secret
+from pdserve.core.types import WorkerLoadReport
 from pdserve.kv_transfer.base import KVTransport, PeerAddress, TransportOptions, create_transport
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.wire import TransferError
-from pdserve.router.worker_client import probe_load
-from pdserve.types import WorkerLoadReport
+from pdserve.router.dispatch.worker_client import probe_load
 
 T = TypeVar("T")
 
@@ -358,7 +358,7 @@ def launch_up(args: list[str], env: dict[str, str], timeout_s: float = 600,
 
     log = open(log_path, "w") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", *args],
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli.main", "up", *args],
                                 stdout=subprocess.PIPE, stderr=log, text=True,
                                 env=env, start_new_session=True)
     finally:

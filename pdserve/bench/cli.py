@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from . import compare, gaps, run, sweep
+from pdserve.bench import compare, gaps, run, sweep
 
 SUBCOMMANDS: list[ModuleType] = [run, sweep, compare, gaps]
 DESCRIPTION = "Load-generator benchmarks against any OpenAI-compatible endpoint."

@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 
-from .metrics import RequestRecord
-from .prompts import BenchRequest, PromptEncoder
+from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.prompts import BenchRequest, PromptEncoder
 
 
 @dataclass(frozen=True)

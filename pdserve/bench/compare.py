@@ -69,7 +69,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def build_systems(cfg: CompareConfig) -> list[SystemSpec]:
-    from pdserve.ports import free_port
+    from pdserve.core.ports import free_port
 
     systems = []
     if cfg.with_vllm:
@@ -203,7 +203,7 @@ def rate_workload_args(cfg: CompareConfig, index: int) -> list[str]:
 
 def bench_argv(spec: SystemSpec, rate: float, index: int, cfg: CompareConfig,
                out: Path) -> list[str]:
-    return [sys.executable, "-m", "pdserve.cli", "bench", "run", "--base-url", spec.base_url,
+    return [sys.executable, "-m", "pdserve.cli.main", "bench", "run", "--base-url", spec.base_url,
             "--model", cfg.settings.served_name, "--tokenizer", cfg.settings.model_path,
             "--request-rate", rate_label(rate), "--result-json", str(out), "--no-progress",
             *rate_workload_args(cfg, index)]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.systems import EngineSettings, check_up_flags, parse_pdserve_entry
-from pdserve.dtype import DTYPES, DtypeChoice
+from pdserve.core.dtype import DTYPES, DtypeChoice
 
 DEFAULT_RATES = "0.5,1,1.5"
 # Workload flags handed to every `pdserve bench run` as given (its contract's flags).
@@ -167,8 +167,8 @@ def engine_settings(args: argparse.Namespace) -> tuple[EngineSettings, DtypeChoi
     """What every system's engines share (``--model``, ``--dtype`` resolved once,
     ``--kv-cache-gib``, ``--max-model-len``, this process's cores), and how the dtype
     was chosen."""
-    from pdserve.dtype import resolve_dtype
-    from pdserve.model import resolve_model
+    from pdserve.core.dtype import resolve_dtype
+    from pdserve.core.model import resolve_model
 
     model = resolve_model(args.model)
     dtype = resolve_dtype(args.dtype, model_path=model.path)

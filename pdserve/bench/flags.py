@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .workloads import WORKLOADS
+from pdserve.bench.workloads import WORKLOADS
 
 DEFAULT_MIX = "0.7:80:96,0.3:1200:16"
 

@@ -31,7 +31,7 @@ from pdserve.bench.compare_config import (
 from pdserve.bench.launch import RunningSystem, StartupError
 from pdserve.bench.report import machine_info, versions
 from pdserve.bench.systems import EngineSettings, SystemSpec, pdserve_up, vllm_aggregated
-from pdserve.dtype import DtypeChoice
+from pdserve.core.dtype import DtypeChoice
 
 SCHEMA = "pdserve.bench.gaps/v1"
 # kind -> (prompt tokens, output tokens): a chat turn, and a long document prompt.
@@ -107,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def systems(cfg: GapsConfig) -> list[SystemSpec]:
-    from pdserve.ports import free_port
+    from pdserve.core.ports import free_port
 
     specs = [vllm_aggregated(cfg.settings, free_port())] if cfg.with_vllm else []
     return specs + [pdserve_up(cfg.settings, free_port(), n, f) for n, f in cfg.pdserve]
@@ -148,7 +148,7 @@ def run_system(spec: SystemSpec, cfg: GapsConfig) -> dict[str, Any]:
 
 def lone_argv(spec: SystemSpec, kind: str, cfg: GapsConfig, out: Path) -> list[str]:
     prompt, output = KINDS[kind]
-    return [sys.executable, "-m", "pdserve.cli", "bench", "run", "--base-url", spec.base_url,
+    return [sys.executable, "-m", "pdserve.cli.main", "bench", "run", "--base-url", spec.base_url,
             "--model", cfg.settings.served_name, "--tokenizer", cfg.settings.model_path,
             "--endpoint", "completions", "--workload", "random", "--input-len", str(prompt),
             "--output-len", str(output), "--ignore-eos", "--max-concurrency", "1",

@@ -18,7 +18,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from pdserve.hardware import Hardware
+from pdserve.core.hardware import Hardware
 
 SCHEMA = "pdserve.bench.compare/v1"
 

@@ -9,8 +9,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .flags import add_run_flags
-from .session import Session, schedule, write_json
+from pdserve.bench.flags import add_run_flags
+from pdserve.bench.session import Session, schedule, write_json
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

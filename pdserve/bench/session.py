@@ -18,11 +18,18 @@ from typing import Any
 
 import httpx
 
-from .client import Endpoint
-from .metrics import Slo, summarize
-from .prompts import PromptEncoder
-from .runner import WARMUP_SEED_OFFSET, Outcome, Runner, Schedule, check_model, list_models
-from .workloads import check_workload_flags, make_workload, workload_info
+from pdserve.bench.client import Endpoint
+from pdserve.bench.metrics import Slo, summarize
+from pdserve.bench.prompts import PromptEncoder
+from pdserve.bench.runner import (
+    WARMUP_SEED_OFFSET,
+    Outcome,
+    Runner,
+    Schedule,
+    check_model,
+    list_models,
+)
+from pdserve.bench.workloads import check_workload_flags, make_workload, workload_info
 
 RUN_SCHEMA = "pdserve.bench.run/v1"
 DEFAULT_NUM_REQUESTS = 100
@@ -37,7 +44,7 @@ def schedule(args: argparse.Namespace) -> Schedule:
 
 
 def _tokenizer_path(args: argparse.Namespace) -> Path:
-    from pdserve.model import DEFAULT_MODEL_NAME, cache_dir
+    from pdserve.core.model import DEFAULT_MODEL_NAME, cache_dir
 
     if args.tokenizer:
         path = Path(args.tokenizer).expanduser()
@@ -67,7 +74,7 @@ def _json_safe(value: Any) -> Any:
 
 
 def _versions() -> dict[str, str]:
-    from pdserve.cli import _version
+    from pdserve.cli.main import _version
 
     return {"pdserve": _version(), "python": platform.python_version(),
             "httpx": httpx.__version__}
@@ -76,7 +83,7 @@ def _versions() -> dict[str, str]:
 def _machine() -> dict[str, Any]:
     """This machine's CPU, and what ``--dtype auto`` runs on it (what a server started
     here with ``auto`` runs): results from different machines are not comparable."""
-    from pdserve.dtype import resolve_dtype
+    from pdserve.core.dtype import resolve_dtype
 
     choice = resolve_dtype("auto")
     return {"cpu_model": choice.hardware.cpu_model, "cores": list(choice.hardware.cores),

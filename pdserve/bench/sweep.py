@@ -13,9 +13,9 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from .flags import add_sweep_flags, parse_list
-from .run import print_summary
-from .session import Session, schedule, write_json
+from pdserve.bench.flags import add_sweep_flags, parse_list
+from pdserve.bench.run import print_summary
+from pdserve.bench.session import Session, schedule, write_json
 
 SWEEP_SCHEMA = "pdserve.bench.sweep/v1"
 

@@ -24,7 +24,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 
-from pdserve.cpu_layout import core_sets
+from pdserve.launch.cpu_layout import core_sets
 
 # Flags compare owns for every system; a --pdserve entry may not set them.
 OWNED_UP_FLAGS = ("--model", "--dtype", "--kv-cache-gib", "--max-model-len", "--host",
@@ -191,7 +191,7 @@ def check_up_flags(name: str, flags: str) -> None:
     import contextlib
     import io
 
-    from pdserve.cli import build_parser
+    from pdserve.cli.main import build_parser
 
     err = io.StringIO()
     try:
@@ -205,7 +205,7 @@ def check_up_flags(name: str, flags: str) -> None:
 
 def pdserve_up(s: EngineSettings, port: int, name: str, flags: str) -> SystemSpec:
     """``pdserve up`` with the shared engine settings plus the user's flags."""
-    argv = [sys.executable, "-m", "pdserve.cli", "up", "--model", s.model_path,
+    argv = [sys.executable, "-m", "pdserve.cli.main", "up", "--model", s.model_path,
             "--dtype", s.dtype, "--kv-cache-gib", str(s.kv_cache_gib),
             "--max-model-len", str(s.max_model_len), "--host", "127.0.0.1",
             "--port", str(port), *shlex.split(flags)]

@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .prompts import BenchRequest, Messages, PromptEncoder
-from .sharegpt import ShareGptData, load_sharegpt
+from pdserve.bench.prompts import BenchRequest, Messages, PromptEncoder
+from pdserve.bench.sharegpt import ShareGptData, load_sharegpt
 
 WORKLOADS = ("random", "chat-mix", "shared-prefix", "sharegpt")
 DEFAULT_OUTPUT_LEN = 128  # synthetic workloads; sharegpt takes the reference completion's

@@ -28,9 +28,8 @@ import socket
 import time
 from typing import Any
 
-from pdserve.cluster_secret import ClusterSecret, note_refusal
-
-from .wire import TransferError, recv_msg, send_msg, set_deadline
+from pdserve.core.cluster_secret import ClusterSecret, note_refusal
+from pdserve.kv_transfer.wire import TransferError, recv_msg, send_msg, set_deadline
 
 VERSION = 1
 NONCE_BYTES = 16

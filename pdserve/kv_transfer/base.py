@@ -16,11 +16,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 if TYPE_CHECKING:  # kept out of import time: the CLI lists transports without torch
     import torch
 
-    from pdserve.cluster_secret import ClusterSecret
-
-    from .layout import KVLayout
-    from .leases import LeaseTable
-    from .push_inbox import PushInbox
+    from pdserve.core.cluster_secret import ClusterSecret
+    from pdserve.kv_transfer.layout import KVLayout
+    from pdserve.kv_transfer.leases import LeaseTable
+    from pdserve.kv_transfer.push_inbox import PushInbox
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pdserve.cluster_secret import ClusterSecret, optional_secret
-
-from .base import TransportOptions, transport_names
+from pdserve.core.cluster_secret import ClusterSecret, optional_secret
+from pdserve.kv_transfer.base import TransportOptions, transport_names
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from .config import ConnectorConfig
-from .metadata import PdserveConnectorMetadata
-from .scheduler_side import SchedulerSide
-from .worker_side import WorkerSide
+from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.kv_transfer.metadata import PdserveConnectorMetadata
+from pdserve.kv_transfer.scheduler_side import SchedulerSide
+from pdserve.kv_transfer.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -16,14 +16,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from pdserve.cluster_secret import num_refusals
-
-from .base import PeerAddress, PushChannel, TransportOptions
-from .control_server import IDLE_TIMEOUT_S, ControlServer, Handler
-from .layout import KVLayout
-from .leases import LeaseTable
-from .pool import ConnectionPool
-from .wire import (
+from pdserve.core.cluster_secret import num_refusals
+from pdserve.kv_transfer.base import PeerAddress, PushChannel, TransportOptions
+from pdserve.kv_transfer.control_server import IDLE_TIMEOUT_S, ControlServer, Handler
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.leases import LeaseTable
+from pdserve.kv_transfer.pool import ConnectionPool
+from pdserve.kv_transfer.wire import (
     PROTOCOL_VERSION,
     TransferError,
     check_reply,

@@ -15,11 +15,10 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pdserve.cluster_secret import ClusterSecret, warn_if_open
-
-from .auth import authenticate_client
-from .threads import unpin_current_thread
-from .wire import TransferError, recv_msg, send_msg, tune
+from pdserve.core.cluster_secret import ClusterSecret, warn_if_open
+from pdserve.kv_transfer.auth import authenticate_client
+from pdserve.kv_transfer.threads import unpin_current_thread
+from pdserve.kv_transfer.wire import TransferError, recv_msg, send_msg, tune
 
 logger = logging.getLogger("pdserve.kv_transfer.control")
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .layout import as_bytes
+from pdserve.kv_transfer.layout import as_bytes
 
 KINDS = ("crc32", "wsum64")
 _MASK64 = (1 << 64) - 1

@@ -7,11 +7,10 @@ import threading
 import time
 from typing import Any
 
-from pdserve.cluster_secret import ClusterSecret
-
-from .auth import AuthError, authenticate_to_server
-from .base import PeerAddress
-from .wire import (
+from pdserve.core.cluster_secret import ClusterSecret
+from pdserve.kv_transfer.auth import AuthError, authenticate_to_server
+from pdserve.kv_transfer.base import PeerAddress
+from pdserve.kv_transfer.wire import (
     IncompatiblePeerError,
     TransferError,
     check_reply,

@@ -21,12 +21,12 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from .base import PeerAddress
-from .control import LEASE_WAIT_S, ControlledTransport, Handler
-from .integrity import checksum, natural_kind
-from .layout import chunk_views, paired_runs
-from .leases import LeaseError
-from .wire import TransferError, check_reply, recv_msg, send_msg, set_deadline
+from pdserve.kv_transfer.base import PeerAddress
+from pdserve.kv_transfer.control import LEASE_WAIT_S, ControlledTransport, Handler
+from pdserve.kv_transfer.integrity import checksum, natural_kind
+from pdserve.kv_transfer.layout import chunk_views, paired_runs
+from pdserve.kv_transfer.leases import LeaseError
+from pdserve.kv_transfer.wire import TransferError, check_reply, recv_msg, send_msg, set_deadline
 
 logger = logging.getLogger("pdserve.kv_transfer.control")
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .integrity import checksum
-from .layout import KVLayout, as_bytes, paired_runs
-from .wire import TransferError
+from pdserve.kv_transfer.integrity import checksum
+from pdserve.kv_transfer.layout import KVLayout, as_bytes, paired_runs
+from pdserve.kv_transfer.wire import TransferError
 
 
 @dataclass

@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .base import push_transport_names
-from .handle import PushTarget
-from .push_spec import PushSpec
+from pdserve.core.handle import PushTarget
+from pdserve.kv_transfer.base import push_transport_names
+from pdserve.kv_transfer.push_spec import PushSpec
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

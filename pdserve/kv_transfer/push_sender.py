@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import PeerAddress, PushChannel
-from .handle import PushTarget
-from .push_spec import PushSpec
-from .threads import unpin_current_thread
-from .wire import TransferError
+from pdserve.core.handle import PushTarget
+from pdserve.kv_transfer.base import PeerAddress, PushChannel
+from pdserve.kv_transfer.push_spec import PushSpec
+from pdserve.kv_transfer.threads import unpin_current_thread
+from pdserve.kv_transfer.wire import TransferError
 
 logger = logging.getLogger("pdserve.kv_transfer.push")
 # A failed transfer id is remembered this long so its later layers are skipped.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .handle import PushTarget
+from pdserve.core.handle import PushTarget
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from .integrity import checksum
-from .layout import LayerLayout, as_bytes, paired_runs
-from .push_inbox import PushInbox
-from .wire import TransferError, check_reply, recv_into_exact, recv_msg, send_msg
+from pdserve.kv_transfer.integrity import checksum
+from pdserve.kv_transfer.layout import LayerLayout, as_bytes, paired_runs
+from pdserve.kv_transfer.push_inbox import PushInbox
+from pdserve.kv_transfer.wire import TransferError, check_reply, recv_into_exact, recv_msg, send_msg
 
 _DRAIN = 1 << 20
 

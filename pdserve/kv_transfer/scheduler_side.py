@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
-from .config import ConnectorConfig
-from .continuation import OUTPUT_IN_PROMPT
-from .metadata import KVHandle, LeaseSpec, LoadSpec, PdserveConnectorMetadata
-from .push_plan import PushPlanner
+from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.kv_transfer.continuation import OUTPUT_IN_PROMPT
+from pdserve.kv_transfer.metadata import KVHandle, LeaseSpec, LoadSpec, PdserveConnectorMetadata
+from pdserve.kv_transfer.push_plan import PushPlanner
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

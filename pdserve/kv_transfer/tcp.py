@@ -13,13 +13,20 @@ from typing import Any, ClassVar
 
 import torch
 
-from .base import PeerAddress, PushChannel, TransportOptions
-from .control import Handler
-from .layout import as_bytes
-from .pull import PullTransport
-from .push_inbox import PushInbox
-from .push_wire import layer_chunks, send_push, serve_push, serve_push_abort
-from .wire import TransferError, check_reply, recv_into_exact, recv_msg, send_msg, set_deadline
+from pdserve.kv_transfer.base import PeerAddress, PushChannel, TransportOptions
+from pdserve.kv_transfer.control import Handler
+from pdserve.kv_transfer.layout import as_bytes
+from pdserve.kv_transfer.pull import PullTransport
+from pdserve.kv_transfer.push_inbox import PushInbox
+from pdserve.kv_transfer.push_wire import layer_chunks, send_push, serve_push, serve_push_abort
+from pdserve.kv_transfer.wire import (
+    TransferError,
+    check_reply,
+    recv_into_exact,
+    recv_msg,
+    send_msg,
+    set_deadline,
+)
 
 # Device memory is staged through host memory in pieces of at most this many bytes.
 STAGE_BYTES = 4 << 20

@@ -27,10 +27,10 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from .base import PeerAddress
-from .control import Handler
-from .pull import PullTransport
-from .wire import TransferError, check_reply, recv_msg, send_msg, set_deadline
+from pdserve.kv_transfer.base import PeerAddress
+from pdserve.kv_transfer.control import Handler
+from pdserve.kv_transfer.pull import PullTransport
+from pdserve.kv_transfer.wire import TransferError, check_reply, recv_msg, send_msg, set_deadline
 
 logger = logging.getLogger("pdserve.kv_transfer.torch")
 

@@ -32,11 +32,18 @@ from typing import Any, ClassVar
 
 import torch
 
-from .base import PeerAddress, TransportOptions
-from .control import Handler
-from .layout import as_bytes
-from .pull import PullTransport
-from .wire import TransferError, check_reply, recv_msg, send_msg, set_deadline, wait_done
+from pdserve.kv_transfer.base import PeerAddress, TransportOptions
+from pdserve.kv_transfer.control import Handler
+from pdserve.kv_transfer.layout import as_bytes
+from pdserve.kv_transfer.pull import PullTransport
+from pdserve.kv_transfer.wire import (
+    TransferError,
+    check_reply,
+    recv_msg,
+    send_msg,
+    set_deadline,
+    wait_done,
+)
 
 logger = logging.getLogger("pdserve.kv_transfer.ucx")
 

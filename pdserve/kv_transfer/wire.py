@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pdserve.cluster_secret import ClusterSecret
+    from pdserve.core.cluster_secret import ClusterSecret
 
 # 2: every pull ends with a trailer message (bytes, optional checksum).
 PROTOCOL_VERSION = 2
@@ -115,7 +115,7 @@ def request_once(host: str, port: int, msg: dict[str, Any], timeout_s: float,
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
             if secret is not None:
-                from .auth import authenticate_to_server
+                from pdserve.kv_transfer.auth import authenticate_to_server
 
                 authenticate_to_server(sock, secret, deadline, f"{host}:{port}")
             set_deadline(sock, deadline)

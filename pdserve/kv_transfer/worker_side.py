@@ -15,16 +15,16 @@ from typing import Any
 
 import torch
 
-from .base import KVTransport, PeerAddress, create_transport
-from .config import ConnectorConfig
-from .layout import KVLayout
-from .leases import LeaseTable
-from .metadata import KVHandle, LoadSpec, PdserveConnectorMetadata
-from .push_inbox import PushInbox
-from .push_sender import PushSender
-from .step_model import StepTimer
-from .threads import unpin_current_thread
-from .wire import TransferError
+from pdserve.kv_transfer.base import KVTransport, PeerAddress, create_transport
+from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.leases import LeaseTable
+from pdserve.kv_transfer.metadata import KVHandle, LoadSpec, PdserveConnectorMetadata
+from pdserve.kv_transfer.push_inbox import PushInbox
+from pdserve.kv_transfer.push_sender import PushSender
+from pdserve.kv_transfer.step_model import StepTimer
+from pdserve.kv_transfer.threads import unpin_current_thread
+from pdserve.kv_transfer.wire import TransferError
 
 logger = logging.getLogger("pdserve.kv_transfer.worker")
 

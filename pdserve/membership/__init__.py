@@ -11,10 +11,17 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from .base import Membership, MembershipSink, Registrar, WorkerInfo, check_name, worker_key
-from .etcd import EtcdMembership, parse_etcd_url
-from .etcd_registrar import DEFAULT_TTL_S, EtcdRegistrar
-from .static import NullRegistrar, StaticMembership, load_workers_file
+from pdserve.membership.base import (
+    Membership,
+    MembershipSink,
+    Registrar,
+    WorkerInfo,
+    check_name,
+    worker_key,
+)
+from pdserve.membership.etcd import EtcdMembership, parse_etcd_url
+from pdserve.membership.etcd_registrar import DEFAULT_TTL_S, EtcdRegistrar
+from pdserve.membership.static import NullRegistrar, StaticMembership, load_workers_file
 
 MEMBERSHIPS = ("static", "etcd")
 

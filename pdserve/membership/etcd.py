@@ -21,9 +21,8 @@ from aetcd import exceptions as aetcd_exceptions
 from aetcd import rpc as aetcd_rpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from pdserve.deadline import bounded
-
-from .base import MembershipSink, WorkerInfo, workers_prefix
+from pdserve.core.bounded import bounded
+from pdserve.membership.base import MembershipSink, WorkerInfo, workers_prefix
 
 logger = logging.getLogger("pdserve.membership.etcd")
 

@@ -14,10 +14,9 @@ import asyncio
 import contextlib
 import logging
 
-from pdserve.deadline import bounded
-
-from .base import WorkerInfo, worker_key
-from .etcd import (
+from pdserve.core.bounded import bounded
+from pdserve.membership.base import WorkerInfo, worker_key
+from pdserve.membership.etcd import (
     DEFAULT_CALL_TIMEOUT_S,
     ETCD_ERRORS,
     close_client,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.ports import free_port
+from pdserve.core.ports import free_port
 
 START_TIMEOUT_S = 30.0
 

@@ -8,7 +8,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from .base import ROLES, MembershipSink, WorkerInfo
+from pdserve.membership.base import ROLES, MembershipSink, WorkerInfo
 
 
 def static_infos(prefill: Sequence[str], decode: Sequence[str]) -> list[WorkerInfo]:

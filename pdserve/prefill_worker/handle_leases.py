@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from pdserve.cluster_secret import ClusterSecret
-from pdserve.kv_transfer.handle import KVHandle
+from pdserve.core.cluster_secret import ClusterSecret
+from pdserve.core.handle import KVHandle
 from pdserve.kv_transfer.wire import TransferError, request_once
 
 logger = logging.getLogger("pdserve.worker")

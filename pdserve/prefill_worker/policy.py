@@ -9,12 +9,12 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from pdserve.kv_transfer.handle import KVHandle
+from pdserve.core.handle import KVHandle
+from pdserve.core.types import PhaseRequest, Role
 from pdserve.prefill_worker.handle_leases import HandleLeases, release_over_control
-from pdserve.prefill_worker.kv_mirror import KvCacheMirror
-from pdserve.prefill_worker.vllm_kv_events import KvEventEndpoints, KvEventMirroring
-from pdserve.types import PhaseRequest, Role
 from pdserve.worker.engine import EngineParams
+from pdserve.worker.kv_mirror import KvCacheMirror
+from pdserve.worker.vllm_kv_events import KvEventEndpoints, KvEventMirroring
 
 
 class PrefillPolicy:

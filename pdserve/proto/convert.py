@@ -1,5 +1,5 @@
 """The one conversion layer between the generated protobuf messages and
-pdserve's own types (``pdserve.types``). Only the two gRPC adapters (the
+pdserve's own types (``pdserve.core.types``). Only the two gRPC adapters (the
 router's worker client and the workers' servicer) call it; everything else
 works on the plain types. Every enum map is written here, once.
 
@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, fields
 
-from pdserve.kv_transfer.handle import KVHandle, PushTarget
-from pdserve.proto.pdserve.v1 import worker_pb2 as pb
-from pdserve.types import (
+from pdserve.core.handle import KVHandle, PushTarget
+from pdserve.core.types import (
     FinishReason,
     KvChange,
     KvSnapshot,
@@ -31,6 +30,7 @@ from pdserve.types import (
     WorkerHealth,
     WorkerLoadReport,
 )
+from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 
 PHASE_TO_PB: dict[Phase, pb.Phase] = {"prefill": pb.PHASE_PREFILL, "decode": pb.PHASE_DECODE}
 PHASE_FROM_PB: dict[pb.Phase, Phase] = {v: k for k, v in PHASE_TO_PB.items()}

@@ -13,12 +13,9 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
-from pdserve.types import Role
-
-from .demand import DemandWindow
-from .errors import APIError
-from .metrics import PREFIX, counter, gauge
-from .planner import (
+from pdserve.core.types import Role
+from pdserve.router.dispatch.demand import DemandWindow
+from pdserve.router.dispatch.planner import (
     Demand,
     PlannerConfig,
     PlannerDecision,
@@ -29,12 +26,14 @@ from .planner import (
     median_cost,
     plan,
 )
-from .roles import RoleSwitcher
-from .slo import DERIVED_ITL_FACTOR, SloConfig
-from .worker_state import StepCost
-from .workers import Worker, WorkerPool
+from pdserve.router.dispatch.slo import DERIVED_ITL_FACTOR, SloConfig
+from pdserve.router.dispatch.worker_state import StepCost
+from pdserve.router.dispatch.workers import Worker, WorkerPool
+from pdserve.router.http.errors import APIError
+from pdserve.router.http.roles import RoleSwitcher
+from pdserve.router.metrics import PREFIX, counter, gauge
 
-logger = logging.getLogger("pdserve.router.planner")
+logger = logging.getLogger("pdserve.router.dispatch.planner")
 Clock = Callable[[], float]
 
 

@@ -17,31 +17,30 @@ import uvicorn
 from fastapi import APIRouter, FastAPI
 from prometheus_client import CollectorRegistry
 
-from pdserve.cluster_secret import optional_secret
-from pdserve.grpc_options import DEFAULT_KEEPALIVE_S
-from pdserve.grpc_tls import TlsFiles
+from pdserve.core.cluster_secret import optional_secret
+from pdserve.core.grpc_options import DEFAULT_KEEPALIVE_S
+from pdserve.core.grpc_tls import TlsFiles
+from pdserve.core.model import ResolvedModel
 from pdserve.membership import Membership, MembershipConfig, create_membership
-from pdserve.model import ResolvedModel
-
-from .admin import AdminAuth, admin_actions
-from .app import create_admin_app, create_app
-from .demand import DemandWindow
-from .disagg import DisaggConfig
-from .dispatch import PDDispatcher
-from .drain import DrainingServer
-from .edge_config import EdgeConfig
-from .kv_feed import KvIndexFeeder
-from .migration import MigrationConfig
-from .openapi import ERROR_RESPONSES
-from .placement import DEFAULT_PLACEMENT, create_placement
-from .planner import PlannerConfig
-from .planner_loop import PlannerLoop
-from .pool_metrics import register_pool_metrics
-from .prefix_index import PrefixIndex
-from .prefix_routing import PrefixRouting
-from .roles import RoleSwitcher
-from .tools import ToolCalling, ToolConfig
-from .workers import WorkerPool
+from pdserve.router.dispatch.demand import DemandWindow
+from pdserve.router.dispatch.disagg import DisaggConfig
+from pdserve.router.dispatch.dispatch import PDDispatcher
+from pdserve.router.dispatch.kv_feed import KvIndexFeeder
+from pdserve.router.dispatch.migration import MigrationConfig
+from pdserve.router.dispatch.placement import DEFAULT_PLACEMENT, create_placement
+from pdserve.router.dispatch.planner import PlannerConfig
+from pdserve.router.dispatch.pool_metrics import register_pool_metrics
+from pdserve.router.dispatch.prefix_index import PrefixIndex
+from pdserve.router.dispatch.prefix_routing import PrefixRouting
+from pdserve.router.dispatch.workers import WorkerPool
+from pdserve.router.http.admin import AdminAuth, admin_actions
+from pdserve.router.http.app import create_admin_app, create_app
+from pdserve.router.http.drain import DrainingServer
+from pdserve.router.http.edge_config import EdgeConfig
+from pdserve.router.http.openapi import ERROR_RESPONSES
+from pdserve.router.http.roles import RoleSwitcher
+from pdserve.router.http.tools import ToolCalling, ToolConfig
+from pdserve.router.planner_loop import PlannerLoop
 
 logger = logging.getLogger("pdserve.router")
 
@@ -57,8 +56,8 @@ class RouterConfig:
     max_model_len: int = 4096
     placement: str = DEFAULT_PLACEMENT
     health_interval_s: float = 2.0
-    request_timeout_s: float = 600.0  # the longest a request may take; see deadline.py
-    grpc_keepalive_s: float = DEFAULT_KEEPALIVE_S  # see pdserve.grpc_options
+    request_timeout_s: float = 600.0  # the longest a request may take; see Deadline
+    grpc_keepalive_s: float = DEFAULT_KEEPALIVE_S  # see pdserve.core.grpc_options
     disagg: DisaggConfig = DisaggConfig()  # remote/local per request (router/disagg.py)
     log_timeline: bool = False
     metrics: bool = True  # False (--disable-metrics): no metric work, /metrics answers 404

@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from pdserve.types import PhaseOutput, PhaseRequest, Role, WorkerHealth, WorkerLoadReport
+from pdserve.core.types import PhaseOutput, PhaseRequest, Role, WorkerHealth, WorkerLoadReport
 
 if TYPE_CHECKING:
-    from pdserve.prefill_worker.kv_mirror import KvCacheMirror
+    from pdserve.worker.kv_mirror import KvCacheMirror
 
 ErrorKind = Literal[
     "invalid_argument", "failed_precondition", "unavailable", "unimplemented", "internal"]

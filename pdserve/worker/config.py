@@ -13,11 +13,11 @@ import socket
 import uuid
 from dataclasses import dataclass
 
-from pdserve.grpc_options import DEFAULT_KEEPALIVE_S
-from pdserve.grpc_tls import TlsFiles
+from pdserve.core.grpc_options import DEFAULT_KEEPALIVE_S
+from pdserve.core.grpc_tls import TlsFiles
+from pdserve.core.model import ResolvedModel
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.membership import MembershipConfig, check_name
-from pdserve.model import ResolvedModel
 from pdserve.worker.engine import EngineConfig, Role
 from pdserve.worker.metrics import MetricsListener
 
@@ -32,7 +32,7 @@ class WorkerConfig:
     advertise_host: str  # where the router and peers reach this worker
     membership: MembershipConfig
     engine: EngineConfig
-    grpc_keepalive_s: float = DEFAULT_KEEPALIVE_S  # see pdserve.grpc_options
+    grpc_keepalive_s: float = DEFAULT_KEEPALIVE_S  # see pdserve.core.grpc_options
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may take
     tls: TlsFiles = TlsFiles()  # gRPC TLS (the cluster secret is the connector's)
     metrics: MetricsListener = MetricsListener("127.0.0.1", 0, "127.0.0.1")  # port 0: off
@@ -86,7 +86,7 @@ def default_advertise_host(host: str) -> str:
 
 
 def _kv_event_endpoints(worker_id: str) -> tuple[str, str]:
-    from pdserve.prefill_worker.vllm_kv_events import KvEventEndpoints
+    from pdserve.worker.vllm_kv_events import KvEventEndpoints
 
     # Socket files live in the shared temp dir: two workers of one id (two `pdserve up`
     # on a machine) must not share them.

@@ -12,9 +12,9 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pdserve.dtype import resolve_dtype
+from pdserve.core.dtype import resolve_dtype
+from pdserve.core.types import Role, SamplingSpec, TokenLogprobs
 from pdserve.kv_transfer.config import ConnectorConfig
-from pdserve.types import Role, SamplingSpec, TokenLogprobs
 
 # ``pdserve.worker.output_in_prompt:OutputInPromptPenalties``, named here so that the
 # frontend does not import it (it imports torch); vLLM loads it in the engine.
@@ -185,7 +185,7 @@ def _quiet_shm_spin(spin_s: float | None) -> None:
     variable and the plugin applies it there."""
     from vllm.platforms import current_platform
 
-    from .vllm_plugin import SPIN_ENV, register
+    from pdserve.worker.vllm_plugin import SPIN_ENV, register
 
     if spin_s is not None:
         os.environ[SPIN_ENV] = repr(spin_s)

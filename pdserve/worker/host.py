@@ -15,8 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.kv_transfer.wire import TransferError, request_once
-from pdserve.types import (
+from pdserve.core.types import (
     FinishReason,
     PhaseOutput,
     PhaseRequest,
@@ -25,13 +24,14 @@ from pdserve.types import (
     WorkerHealth,
     WorkerLoadReport,
 )
+from pdserve.kv_transfer.wire import TransferError, request_once
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import Engine, EngineConfig, EngineCounters, EngineStep
 from pdserve.worker.policy import RolePolicy
 from pdserve.worker.timing import PhaseClock
 
 if TYPE_CHECKING:
-    from pdserve.prefill_worker.kv_mirror import KvCacheMirror
+    from pdserve.worker.kv_mirror import KvCacheMirror
 
 logger = logging.getLogger("pdserve.worker")
 EngineFactory = Callable[[EngineConfig, EngineCounters], Engine]

@@ -27,8 +27,8 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import OVERALL_HEALTH
 from grpc_health.v1.health import aio as health_aio
 
+from pdserve.core.types import Role, RoleSwitch
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
-from pdserve.types import Role, RoleSwitch
 from pdserve.worker.backend import WorkerBackend, WorkerError
 
 logger = logging.getLogger("pdserve.worker")

@@ -27,7 +27,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdserve.types import WorkerHealth, WorkerLoadReport
+from pdserve.core.types import WorkerHealth, WorkerLoadReport
 from pdserve.worker.backend import WorkerBackend
 from pdserve.worker.lifecycle import ServingState
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pdserve.kv_transfer.handle import KVHandle
-from pdserve.types import PhaseRequest, Role
+from pdserve.core.handle import KVHandle
+from pdserve.core.types import PhaseRequest, Role
 from pdserve.worker.engine import EngineParams
 
 if TYPE_CHECKING:
-    from pdserve.prefill_worker.kv_mirror import KvCacheMirror
+    from pdserve.worker.kv_mirror import KvCacheMirror
 
 
 class RolePolicy(Protocol):

@@ -19,17 +19,17 @@ from dataclasses import dataclass, replace
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from pdserve.cluster_secret import ClusterSecret, warn_if_open
-from pdserve.grpc_auth import server_interceptors
-from pdserve.grpc_options import DEFAULT_KEEPALIVE_S, server_options
-from pdserve.grpc_tls import GrpcTls
-from pdserve.prefill_worker.kv_mirror import KvCacheMirror
-from pdserve.prefill_worker.kv_relay import kv_changes, kv_snapshot
+from pdserve.core.cluster_secret import ClusterSecret, warn_if_open
+from pdserve.core.grpc_auth import server_interceptors
+from pdserve.core.grpc_options import DEFAULT_KEEPALIVE_S, server_options
+from pdserve.core.grpc_tls import GrpcTls
+from pdserve.core.types import PhaseRequest, WorkerHealth
 from pdserve.proto import convert
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
-from pdserve.types import PhaseRequest, WorkerHealth
 from pdserve.worker.backend import ErrorKind, WorkerBackend, WorkerError
+from pdserve.worker.kv_mirror import KvCacheMirror
+from pdserve.worker.kv_relay import kv_changes, kv_snapshot
 from pdserve.worker.lifecycle import ServingState
 
 logger = logging.getLogger("pdserve.worker")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from pdserve.types import PhaseTiming
+from pdserve.core.types import PhaseTiming
 
 
 class PhaseClock:

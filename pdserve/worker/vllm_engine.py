@@ -8,7 +8,7 @@ import contextlib
 from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pdserve.types import SamplingSpec, StructuredOutput, TokenLogprobs
+from pdserve.core.types import SamplingSpec, StructuredOutput, TokenLogprobs
 from pdserve.worker.engine import (
     EngineConfig,
     EngineCounters,

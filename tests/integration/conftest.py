@@ -22,8 +22,8 @@ from integration.pd_cases import (
 )
 from pdserve_testing import Server, launch_up, stop_up, wait_until
 
-from pdserve.model import prepare_default_model
-from pdserve.up import free_port
+from pdserve.core.model import prepare_default_model
+from pdserve.launch.up import free_port
 
 STARTUP_TIMEOUT_S = 600
 

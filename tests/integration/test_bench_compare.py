@@ -54,7 +54,7 @@ def _run_watching_children(argv: list[str], timeout_s: float
 
 def test_compare_writes_the_report_and_leaves_nothing_behind(tmp_path: Path) -> None:
     out = tmp_path / "report"
-    argv = [sys.executable, "-m", "pdserve.cli", "bench", "compare",
+    argv = [sys.executable, "-m", "pdserve.cli.main", "bench", "compare",
             "--pdserve", "default=--simulated", "--request-rates", "2", "--no-vllm-stock",
             "--num-requests", str(NUM_REQUESTS),
             "--workload", "random", "--input-len", "64", "--output-len", "8",

@@ -30,9 +30,9 @@ import httpx
 import pytest
 from pdserve_testing import COMPOSE_FILE, compose_services, wait_until
 
-from pdserve.cluster_secret import load_cluster_secret, write_cluster_secret
-from pdserve.ports import free_port
-from pdserve.router.worker_client import probe_load
+from pdserve.core.cluster_secret import load_cluster_secret, write_cluster_secret
+from pdserve.core.ports import free_port
+from pdserve.router.dispatch.worker_client import probe_load
 
 pytestmark = pytest.mark.integration
 

@@ -11,9 +11,9 @@ import uuid
 import pytest
 from pdserve_testing import wait_until_async
 
-from pdserve.block_hash import chain_hashes
-from pdserve.prefill_worker.kv_mirror import KvCacheMirror
-from pdserve.prefill_worker.vllm_kv_events import KvEventEndpoints, ZmqKvEventSource
+from pdserve.core.block_hash import chain_hashes
+from pdserve.worker.kv_mirror import KvCacheMirror
+from pdserve.worker.vllm_kv_events import KvEventEndpoints, ZmqKvEventSource
 
 pytestmark = pytest.mark.integration
 BS = 16

@@ -32,10 +32,10 @@ import pytest
 from integration.pd_cases import LONG, MODEL
 from pdserve_testing import etcd_keys, router_metric, wait_until
 
+from pdserve.core.types import WorkerLoadReport
+from pdserve.launch.up import free_port
 from pdserve.membership.local_etcd import LocalEtcd
-from pdserve.router.worker_client import probe_load
-from pdserve.types import WorkerLoadReport
-from pdserve.up import free_port
+from pdserve.router.dispatch.worker_client import probe_load
 
 pytestmark = pytest.mark.integration
 TTL_S = 3
@@ -224,7 +224,7 @@ def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.setdefault("PDSERVE_CACHE", str(_MODEL_CACHE))
     with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], stdout=out,
+        return subprocess.Popen([sys.executable, "-m", "pdserve.cli.main", *args], stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True)
 

@@ -26,7 +26,7 @@ from integration.pd_cases import (
 )
 from pdserve_testing import Server, read_events, router_metric, stream_timed, wait_until
 
-from pdserve.types import WorkerLoadReport
+from pdserve.core.types import WorkerLoadReport
 
 pytestmark = pytest.mark.integration
 

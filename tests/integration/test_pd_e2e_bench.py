@@ -42,7 +42,7 @@ def test_bench_run_counts_match_the_routers_counters(pd_server: Server, model_pa
     before = _counters(pd_server)
     # Short prompts stay on decode (--disagg auto), the 300-token ones go P -> D.
     proc = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "bench", "run", "--base-url", pd_server.base_url,
+        [sys.executable, "-m", "pdserve.cli.main", "bench", "run", "--base-url", pd_server.base_url,
          "--model", "SmolLM2-135M-Instruct", "--tokenizer", str(model_path),
          "--workload", "chat-mix", "--mix", "0.5:60:8,0.5:300:4", "--num-requests", "6",
          "--request-rate", "4", "--num-warmup", "0", "--seed", "1", "--slo", "ttft=60s",

@@ -25,10 +25,10 @@ from integration.pd_cases import (
 )
 from pdserve_testing import Server, wait_until
 
-from pdserve.dtype import resolve_dtype
+from pdserve.core.dtype import resolve_dtype
+from pdserve.core.types import WorkerLoadReport
 from pdserve.kv_transfer.wire import request_once
-from pdserve.router.worker_client import probe_health
-from pdserve.types import WorkerLoadReport
+from pdserve.router.dispatch.worker_client import probe_health
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,8 @@ import psutil
 import pytest
 from pdserve_testing import Server, launch_up, stop_up, wait_until
 
-from pdserve.router.worker_client import probe_load
-from pdserve.types import WorkerLoadReport
+from pdserve.core.types import WorkerLoadReport
+from pdserve.router.dispatch.worker_client import probe_load
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +44,7 @@ def cluster(model_path: Path) -> Iterator[Server]:
 
 
 def _free_port() -> int:
-    from pdserve.up import free_port
+    from pdserve.launch.up import free_port
 
     return free_port()
 

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 from unit.fake_worker import FakeWorker, FakeWorkerServicer, eventually, start_fake_worker
 
-from pdserve.router.disagg import DisaggConfig
-from pdserve.router.dispatch import PDDispatcher
-from pdserve.router.migration import MigrationConfig
-from pdserve.router.placement import RoundRobinPlacement
-from pdserve.router.types import TokenChunk
-from pdserve.router.workers import WorkerPool
-from pdserve.types import SamplingSpec
+from pdserve.core.types import SamplingSpec
+from pdserve.router.dispatch.base import TokenChunk
+from pdserve.router.dispatch.disagg import DisaggConfig
+from pdserve.router.dispatch.dispatch import PDDispatcher
+from pdserve.router.dispatch.migration import MigrationConfig
+from pdserve.router.dispatch.placement import RoundRobinPlacement
+from pdserve.router.dispatch.workers import WorkerPool
 
 PROMPT = (11, 12, 13, 14)
 FALLBACKS = "pdserve:prefill_fallbacks_total"

@@ -25,10 +25,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.deadline import bounded
-from pdserve.kv_transfer.handle import KVHandle, PushTarget
-from pdserve.prefill_worker.kv_mirror import KvCacheMirror
-from pdserve.types import (
+from pdserve.core.bounded import bounded
+from pdserve.core.handle import KVHandle, PushTarget
+from pdserve.core.types import (
     FinishReason,
     PhaseOutput,
     PhaseRequest,
@@ -38,6 +37,7 @@ from pdserve.types import (
     WorkerLoadReport,
 )
 from pdserve.worker.backend import WorkerError
+from pdserve.worker.kv_mirror import KvCacheMirror
 from pdserve.worker.servicer import STATUS_OF_KIND, WorkerServer, start_worker_server
 
 _KIND_OF_STATUS = {code: kind for kind, code in STATUS_OF_KIND.items()}

@@ -9,7 +9,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,11 +19,16 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from pdserve.model import DEFAULT_MODEL_NAME
-from pdserve.router.app import create_app
-from pdserve.router.edge_config import EdgeConfig
-from pdserve.router.types import Dispatcher, NoWorkerAvailableError, TokenChunk, WorkerFailedError
-from pdserve.types import FinishReason, SamplingSpec, TokenLogprobs
+from pdserve.core.model import DEFAULT_MODEL_NAME
+from pdserve.core.types import FinishReason, SamplingSpec, TokenLogprobs
+from pdserve.router.dispatch.base import (
+    Dispatcher,
+    NoWorkerAvailableError,
+    TokenChunk,
+    WorkerFailedError,
+)
+from pdserve.router.http.app import create_app
+from pdserve.router.http.edge_config import EdgeConfig
 
 
 @functools.lru_cache(maxsize=1)
@@ -31,7 +36,7 @@ def default_tokenizer() -> Any:
     """The default model's real tokenizer, loaded once per process."""
     from transformers import AutoTokenizer
 
-    from pdserve.model import prepare_default_model
+    from pdserve.core.model import prepare_default_model
 
     return AutoTokenizer.from_pretrained(prepare_default_model())
 
@@ -85,14 +90,15 @@ class FakeDispatcher:
     def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
         timeline: object = None, deadline: Any = None, affinity: str | None = None,
-    ) -> AsyncIterator[TokenChunk]:
+    ) -> AsyncGenerator[TokenChunk, None]:
         self.calls.append(DispatchCall(request_id, tuple(prompt_token_ids), sampling,
                                        deadline, affinity))
         if self.error_on_call is not None:
             raise self.error_on_call
         return self._run(request_id, sampling)
 
-    async def _run(self, request_id: str, sampling: SamplingSpec) -> AsyncIterator[TokenChunk]:
+    async def _run(self, request_id: str, sampling: SamplingSpec
+                   ) -> AsyncGenerator[TokenChunk, None]:
         outcome = self.aborted
         try:
             async for chunk in self._chunks(sampling):
@@ -104,7 +110,7 @@ class FakeDispatcher:
         finally:
             outcome.append(request_id)
 
-    async def _chunks(self, sampling: SamplingSpec) -> AsyncIterator[TokenChunk]:
+    async def _chunks(self, sampling: SamplingSpec) -> AsyncGenerator[TokenChunk, None]:
         if self.error_before_first is not None:
             raise self.error_before_first
         ids = list(self.output_ids)[: sampling.max_tokens]

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from pdserve_testing import Server, launch_up, router_metric, stop_up
 
-from pdserve.ports import free_port
+from pdserve.core.ports import free_port
 
 STARTUP_TIMEOUT_S = 90  # the router imports transformers: ~20 s on two busy cores
 RUN_TIMEOUT_S = 120
@@ -25,7 +25,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 def bench(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", *argv],
+    return subprocess.run([sys.executable, "-m", "pdserve.cli.main", "bench", *argv],
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
 

@@ -30,7 +30,7 @@ from pdserve.bench.systems import (
     vllm_aggregated,
     vllm_disagg,
 )
-from pdserve.cpu_layout import core_sets
+from pdserve.launch.cpu_layout import core_sets
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SETTINGS = EngineSettings("/models/m", "m", "float32", 3, 1024, (0, 1))
@@ -243,7 +243,7 @@ def test_sigterm_mid_run_stops_the_system_and_writes_no_report(tmp_path: Path) -
     SIGTERMed during the run, stops it (no process of its tree left, port free) and
     leaves neither a report nor its temporary folder."""
     out = tmp_path / "report"
-    argv = [sys.executable, "-m", "pdserve.cli", "bench", "compare", "--no-vllm",
+    argv = [sys.executable, "-m", "pdserve.cli.main", "bench", "compare", "--no-vllm",
             "--pdserve", "sim=--simulated --drain-timeout-s 2", "--request-rates", "0.2",
             "--num-requests", "50", "--workload", "random", "--input-len", "64",
             "--output-len", "4", "--startup-timeout-s", "120", "--output-dir", str(out)]

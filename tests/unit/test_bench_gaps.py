@@ -83,7 +83,7 @@ def test_bad_input_fails_before_any_start(argv: list[str], message: str) -> None
 def test_a_run_on_simulated_workers_writes_both_kinds(tmp_path: Path) -> None:
     out = tmp_path / "gaps"
     proc = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "bench", "gaps", "--no-vllm", "--pdserve",
+        [sys.executable, "-m", "pdserve.cli.main", "bench", "gaps", "--no-vllm", "--pdserve",
          "sim=--simulated", "--num-requests", "2", "--output-dir", str(out),
          "--startup-timeout-s", "120"], capture_output=True, text=True, timeout=300,
         env=dict(os.environ, HF_HUB_OFFLINE="1"))

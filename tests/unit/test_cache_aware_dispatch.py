@@ -15,17 +15,17 @@ import pytest_asyncio
 from pdserve_testing import wait_until_async
 from prometheus_client import CollectorRegistry
 
-from pdserve.block_hash import chain_hashes
-from pdserve.router.disagg import DisaggConfig
-from pdserve.router.dispatch import PDDispatcher
-from pdserve.router.kv_feed import KvIndexFeeder
-from pdserve.router.placement import create_placement
-from pdserve.router.prefix_index import PrefixIndex
-from pdserve.router.prefix_routing import PrefixRouting
-from pdserve.router.workers import WorkerPool
-from pdserve.sim_engine import SimConfig
-from pdserve.sim_worker import start_sim_worker
-from pdserve.types import SamplingSpec
+from pdserve.core.block_hash import chain_hashes
+from pdserve.core.types import SamplingSpec
+from pdserve.launch.sim_worker import start_sim_worker
+from pdserve.router.dispatch.disagg import DisaggConfig
+from pdserve.router.dispatch.dispatch import PDDispatcher
+from pdserve.router.dispatch.kv_feed import KvIndexFeeder
+from pdserve.router.dispatch.placement import create_placement
+from pdserve.router.dispatch.prefix_index import PrefixIndex
+from pdserve.router.dispatch.prefix_routing import PrefixRouting
+from pdserve.router.dispatch.workers import WorkerPool
+from pdserve.worker.sim_engine import SimConfig
 
 BS = 16
 # Placement of prefills is under test: every request goes to a prefill worker.

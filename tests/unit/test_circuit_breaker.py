@@ -11,12 +11,12 @@ from prometheus_client import CollectorRegistry
 from unit.dispatch_cluster import PROMPT, collect, spec
 from unit.fake_worker import WorkerScript, start_fake_worker
 
-from pdserve.router.breaker import BreakerConfig, CircuitBreaker
-from pdserve.router.disagg import DisaggConfig
-from pdserve.router.dispatch import PDDispatcher
-from pdserve.router.placement import RoundRobinPlacement
-from pdserve.router.types import RequestRejectedError, WorkerFailedError
-from pdserve.router.workers import WorkerPool
+from pdserve.router.dispatch.base import RequestRejectedError, WorkerFailedError
+from pdserve.router.dispatch.breaker import BreakerConfig, CircuitBreaker
+from pdserve.router.dispatch.disagg import DisaggConfig
+from pdserve.router.dispatch.dispatch import PDDispatcher
+from pdserve.router.dispatch.placement import RoundRobinPlacement
+from pdserve.router.dispatch.workers import WorkerPool
 
 EJECTIONS = "pdserve:worker_ejections_total"
 

@@ -10,18 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cli import build_parser, main
-from pdserve.dtype import resolve_dtype
+from pdserve.cli.main import build_parser, main
+from pdserve.core.dtype import resolve_dtype
+from pdserve.core.model import ResolvedModel
 from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.launch.sim_worker import sim_config_from_args
+from pdserve.launch.up import UpConfig, plan
 from pdserve.membership import MembershipConfig
-from pdserve.model import ResolvedModel
-from pdserve.router.disagg import DisaggConfig
+from pdserve.router.dispatch.disagg import DisaggConfig
 from pdserve.router.server import RouterConfig
-from pdserve.sim_engine import SimConfig
-from pdserve.sim_worker import sim_config_from_args
-from pdserve.up import UpConfig, plan
 from pdserve.worker.config import WorkerConfig, prefill_chunk_default
 from pdserve.worker.engine import EngineConfig
+from pdserve.worker.sim_engine import SimConfig
 
 MODEL = ResolvedModel(Path("/models/tiny"), "tiny")
 
@@ -78,7 +78,7 @@ def test_env_values_are_parsed_like_flags(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_bad_env_in_a_subprocess_has_no_traceback() -> None:
     env = dict(os.environ, PDSERVE_PORT="abc")
-    done = subprocess.run([sys.executable, "-m", "pdserve.cli", "router"], env=env,
+    done = subprocess.run([sys.executable, "-m", "pdserve.cli.main", "router"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.splitlines() == [done.stderr.strip()]

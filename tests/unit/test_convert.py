@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve import types as t
-from pdserve.kv_transfer.handle import KVHandle, PushTarget
+from pdserve.core import types as t
+from pdserve.core.handle import KVHandle, PushTarget
 from pdserve.proto import convert
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve import cpu_layout
+from pdserve.launch import cpu_layout
 
 
 @pytest.mark.parametrize(("cores", "layout", "want"), [

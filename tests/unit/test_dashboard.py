@@ -18,10 +18,10 @@ from pdserve_testing import dashboard_exprs, dashboard_metric_names
 from unit.fake_worker import eventually
 from unit.fakes import COMPLETIONS, ROUTER_MODEL, asgi_http_client, cmpl_body
 
-from pdserve.router.disagg import DisaggConfig
+from pdserve.launch.sim_worker import start_sim_worker
+from pdserve.router.dispatch.disagg import DisaggConfig
 from pdserve.router.server import RouterConfig, build_router
-from pdserve.sim_engine import SimConfig
-from pdserve.sim_worker import start_sim_worker
+from pdserve.worker.sim_engine import SimConfig
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "pdserve.json"
 # What a worker's /metrics exports besides vLLM's (pdserve/worker, the connector's).

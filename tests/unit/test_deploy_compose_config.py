@@ -14,9 +14,9 @@ import pytest
 import yaml
 from pdserve_testing import COMPOSE_FILE, compose_services
 
-from pdserve.cli import build_parser
-from pdserve.flags import FLAGS
-from pdserve.health import HealthTarget
+from pdserve.cli.flags import FLAGS
+from pdserve.cli.health import HealthTarget
+from pdserve.cli.main import build_parser
 
 COMPOSE_DIR = COMPOSE_FILE.parent
 ROOT = COMPOSE_DIR.parents[1]

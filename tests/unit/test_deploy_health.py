@@ -12,12 +12,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.cli import main
-from pdserve.cluster_secret import ClusterSecret
-from pdserve.health import HealthTarget, probe
-from pdserve.sim_engine import SimConfig, SimEngine
-from pdserve.sim_worker import SimHost
+from pdserve.cli.health import HealthTarget, probe
+from pdserve.cli.main import main
+from pdserve.core.cluster_secret import ClusterSecret
+from pdserve.launch.sim_worker import SimHost
 from pdserve.worker.servicer import start_worker_server
+from pdserve.worker.sim_engine import SimConfig, SimEngine
 
 
 class _Server(http.server.ThreadingHTTPServer):

@@ -13,12 +13,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pdserve.cli import build_parser
-from pdserve.flags import FLAGS
+from pdserve.cli.flags import FLAGS
+from pdserve.cli.main import build_parser
+from pdserve.core.logs import LOG_FORMATS
 from pdserve.kv_transfer.base import transport_names
-from pdserve.logs import LOG_FORMATS
-from pdserve.router.disagg import DISAGG_MODES
-from pdserve.router.placement import PLACEMENTS
+from pdserve.router.dispatch.disagg import DISAGG_MODES
+from pdserve.router.dispatch.placement import PLACEMENTS
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "pdserve"
 KUBE_VERSION = "1.33.0"  # a version kubernetes-validate ships schemas for

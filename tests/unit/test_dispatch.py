@@ -21,12 +21,12 @@ from unit.dispatch_cluster import (
 )
 from unit.fake_worker import eventually
 
-from pdserve.router.disagg import DisaggDecision
-from pdserve.router.types import (
+from pdserve.router.dispatch.base import (
     NoWorkerAvailableError,
     RequestRejectedError,
     TokenChunk,
 )
+from pdserve.router.dispatch.disagg import DisaggDecision
 
 # ---- the P/D flow ------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ import pytest
 from unit.dispatch_cluster import PROMPT, WAIT_S, Cluster, spec, take, tokens
 from unit.fake_worker import eventually
 
-from pdserve.router.types import WorkerFailedError
+from pdserve.router.dispatch.base import WorkerFailedError
 
 # ---- decode failures and cleanup -------------------------------------------------------------
 

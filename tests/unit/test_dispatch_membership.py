@@ -9,11 +9,11 @@ import asyncio
 from prometheus_client import CollectorRegistry
 from unit.fake_worker import start_fake_worker
 
-from pdserve.router.disagg import DisaggConfig
-from pdserve.router.dispatch import PDDispatcher
-from pdserve.router.placement import RoundRobinPlacement
-from pdserve.router.workers import WorkerPool
-from pdserve.types import SamplingSpec
+from pdserve.core.types import SamplingSpec
+from pdserve.router.dispatch.disagg import DisaggConfig
+from pdserve.router.dispatch.dispatch import PDDispatcher
+from pdserve.router.dispatch.placement import RoundRobinPlacement
+from pdserve.router.dispatch.workers import WorkerPool
 
 PROMPT = (11, 12, 13, 14)
 ALWAYS = DisaggConfig(mode="always")  # these tests are about the P/D handoff

@@ -29,11 +29,11 @@ from unit.dispatch_cluster import (
 from unit.fake_worker import FakeWorkerServicer, eventually, greedy_answer
 from unit.fakes import ROUTER_MODEL, asgi_http_client, cmpl_body, sse_payloads
 
-from pdserve.router.app import create_app
-from pdserve.router.migration import MigrationConfig
-from pdserve.router.timeline import RequestTimeline
-from pdserve.router.types import RequestRejectedError, WorkerFailedError
-from pdserve.types import PhaseTiming
+from pdserve.core.types import PhaseTiming
+from pdserve.router.dispatch.base import RequestRejectedError, WorkerFailedError
+from pdserve.router.dispatch.migration import MigrationConfig
+from pdserve.router.dispatch.timeline import RequestTimeline
+from pdserve.router.http.app import create_app
 
 MIGRATIONS = "pdserve:migrations_total"
 REFUSED = "pdserve:migrations_failed_total"

@@ -1,4 +1,4 @@
-"""``--dtype auto`` resolved in one place (``pdserve.dtype``) from the machine's CPU flags,
+"""``--dtype auto`` resolved in one place (``pdserve.core.dtype``) from the machine's CPU flags,
 for every command: fake ``/proc/cpuinfo`` of an AVX2-only, an AVX512_BF16 and an AMX CPU,
 and ``bench compare``'s engine settings built on each."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import hardware
 from pdserve.bench import compare, compare_config
-from pdserve.dtype import resolve_dtype
-from pdserve.hardware import Hardware
+from pdserve.core import hardware
+from pdserve.core.dtype import resolve_dtype
+from pdserve.core.hardware import Hardware
 
 # The first processor's lines as each CPU's /proc/cpuinfo has them (flags abridged).
 BASE_FLAGS = "fpu vme de pse tsc msr pae sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2"
@@ -99,7 +99,7 @@ def test_an_unknown_dtype_names_the_valid_ones() -> None:
 
 def test_pdserve_machine_prints_the_cpu_and_the_dtype_auto_runs(
         fake_cpu: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from pdserve.cli import main
+    from pdserve.cli.main import main
 
     assert main(["machine"]) == 0
     out = capsys.readouterr().out

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
+from pdserve.core.handle import KVHandle, PushTarget
+from pdserve.core.types import PhaseOutput, PhaseRequest, Role, SamplingSpec
 from pdserve.decode_worker.policy import DecodePolicy
 from pdserve.kv_transfer.config import ConnectorConfig
-from pdserve.kv_transfer.handle import KVHandle, PushTarget
 from pdserve.prefill_worker.policy import PrefillPolicy
-from pdserve.types import PhaseOutput, PhaseRequest, Role, SamplingSpec
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import EngineConfig, EngineCounters, EngineParams, EngineStep
 from pdserve.worker.host import EngineHost

@@ -1,4 +1,4 @@
-"""Cluster authentication of router→worker gRPC (``pdserve/grpc_auth.py``): the real
+"""Cluster authentication of router→worker gRPC (``pdserve/core/grpc_auth.py``): the real
 ``WorkerService`` servicer in front of a simulated worker, called through the router's
 own client (``router/worker_client.py``), its blocking probes and its worker pool."""
 
@@ -13,15 +13,15 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from pdserve.cluster_secret import ClusterSecret, num_refusals, write_cluster_secret
-from pdserve.grpc_auth import server_interceptors
+from pdserve.core.cluster_secret import ClusterSecret, num_refusals, write_cluster_secret
+from pdserve.core.grpc_auth import server_interceptors
+from pdserve.core.types import PhaseRequest, SamplingSpec
+from pdserve.launch.sim_worker import start_sim_worker
+from pdserve.launch.up import UpConfig, plan
+from pdserve.router.dispatch.worker_client import WorkerCallError, WorkerClient, probe_health
+from pdserve.router.dispatch.workers import WorkerPool
 from pdserve.router.server import RouterConfig
-from pdserve.router.worker_client import WorkerCallError, WorkerClient, probe_health
-from pdserve.router.workers import WorkerPool
-from pdserve.sim_engine import SimConfig
-from pdserve.sim_worker import start_sim_worker
-from pdserve.types import PhaseRequest, SamplingSpec
-from pdserve.up import UpConfig, plan
+from pdserve.worker.sim_engine import SimConfig
 
 RIGHT = ClusterSecret(b"the-cluster-secret-0123456789")
 WRONG = ClusterSecret(b"another-cluster-secret-98765")

@@ -1,4 +1,4 @@
-"""gRPC TLS between the router and workers (``pdserve/grpc_tls.py``): a simulated
+"""gRPC TLS between the router and workers (``pdserve/core/grpc_tls.py``): a simulated
 worker serving mutual TLS with the cluster token, a throwaway CA made here."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cluster_secret import ClusterSecret
-from pdserve.grpc_tls import GrpcTls, TlsFiles
-from pdserve.router.worker_client import WorkerCallError, WorkerClient, probe_health
-from pdserve.sim_engine import SimConfig
-from pdserve.sim_worker import start_sim_worker
+from pdserve.core.cluster_secret import ClusterSecret
+from pdserve.core.grpc_tls import GrpcTls, TlsFiles
+from pdserve.launch.sim_worker import start_sim_worker
+from pdserve.router.dispatch.worker_client import WorkerCallError, WorkerClient, probe_health
+from pdserve.worker.sim_engine import SimConfig
 
 x509 = pytest.importorskip("cryptography.x509")
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402

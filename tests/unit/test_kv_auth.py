@@ -15,7 +15,7 @@ import pytest
 import torch
 from pdserve_testing import NUM_BLOCKS, compat, make_caches, start_transport
 
-from pdserve.cluster_secret import (
+from pdserve.core.cluster_secret import (
     ClusterSecret,
     load_cluster_secret,
     note_refusal,

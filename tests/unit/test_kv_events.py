@@ -12,15 +12,15 @@ import pytest_asyncio
 from pdserve_testing import wait_until_async
 from prometheus_client import CollectorRegistry
 
-from pdserve.block_hash import chain_hashes
+from pdserve.core.block_hash import chain_hashes
+from pdserve.launch.sim_worker import start_sim_worker
 from pdserve.membership.static import static_infos
-from pdserve.prefill_worker.kv_mirror import KvCacheMirror
-from pdserve.prefill_worker.vllm_kv_events import VllmEventTranslator
-from pdserve.router.kv_feed import KvIndexFeeder
-from pdserve.router.prefix_index import PrefixIndex
-from pdserve.router.workers import Worker
-from pdserve.sim_engine import SimConfig
-from pdserve.sim_worker import start_sim_worker
+from pdserve.router.dispatch.kv_feed import KvIndexFeeder
+from pdserve.router.dispatch.prefix_index import PrefixIndex
+from pdserve.router.dispatch.workers import Worker
+from pdserve.worker.kv_mirror import KvCacheMirror
+from pdserve.worker.sim_engine import SimConfig
+from pdserve.worker.vllm_kv_events import VllmEventTranslator
 
 BS = 4
 TOKENS = list(range(100, 100 + 6 * BS))

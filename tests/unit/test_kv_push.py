@@ -218,7 +218,7 @@ def test_layers_pushed_from_device_kv_land_in_device_kv(dtype) -> None:
     """GPU path end to end: a prefill's PushSender reads CUDA blocks (after the layer's
     event) and pushes them over tcp, CRC-checked, into a decode inbox over CUDA blocks
     (split K/V layout: two chunks per block)."""
-    from pdserve.kv_transfer.handle import PushTarget
+    from pdserve.core.handle import PushTarget
     from pdserve.kv_transfer.push_sender import PushSender
     from pdserve.kv_transfer.push_spec import PushSpec
 

@@ -108,7 +108,7 @@ def test_device_kv_moves_only_with_the_cluster_secret(name: str) -> None:
     the blocks bit-exact; a wrong one is refused before any block moves."""
     if name == "ucx":
         pytest.importorskip("ucxx")
-    from pdserve.cluster_secret import ClusterSecret
+    from pdserve.core.cluster_secret import ClusterSecret
 
     right = ClusterSecret(b"gpu-cluster-secret-0123456789")
     server_dev, client_dev = _devices(name)

@@ -22,9 +22,9 @@ from pdserve.membership.etcd import EtcdMembership
 from pdserve.membership.etcd_registrar import EtcdRegistrar
 from pdserve.membership.local_etcd import LocalEtcd
 from pdserve.membership.static import load_workers_file
-from pdserve.router.placement import LeastLoadedPlacement, Placement, RoundRobinPlacement
-from pdserve.router.worker_state import WorkerState
-from pdserve.router.workers import WorkerPool
+from pdserve.router.dispatch.placement import LeastLoadedPlacement, Placement, RoundRobinPlacement
+from pdserve.router.dispatch.worker_state import WorkerState
+from pdserve.router.dispatch.workers import WorkerPool
 
 CLUSTER = "unit"
 TTL_S = 2

@@ -1,4 +1,4 @@
-"""Unit tests for pdserve.model: model resolution and the one-time GGUF conversion.
+"""Unit tests for pdserve.core.model: model resolution and the one-time GGUF conversion.
 
 The real GGUF conversion takes about a minute on CPU, so it runs once per module (fixture
 `converted`); the other tests swap in a fake or fast `_convert`/`_load_gguf` and exercise the
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve import model as pdmodel
+from pdserve.core import model as pdmodel
 
 NAME = pdmodel.DEFAULT_MODEL_NAME
 
@@ -131,7 +131,7 @@ def test_second_call_does_not_reconvert(converted: Path, monkeypatch: pytest.Mon
 
 
 def test_fast_path_imports_no_torch(converted: Path) -> None:
-    code = "import sys, pdserve.model as m; print(m.prepare_default_model()); "
+    code = "import sys, pdserve.core.model as m; print(m.prepare_default_model()); "
     code += "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     env = {**os.environ, "PDSERVE_CACHE": str(converted.parent.parent)}
     out = subprocess.run(
@@ -246,7 +246,7 @@ def test_concurrent_processes_convert_once(cache: Path) -> None:
         f"""
         import os, time
         from pathlib import Path
-        import pdserve.model as m
+        import pdserve.core.model as m
 
         def slow(source, dest):
             with open({str(log)!r}, "a") as fh:

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdserve.router.demand import DemandWindow
-from pdserve.router.planner import (
+from pdserve.launch.sim_worker import start_sim_worker
+from pdserve.router.dispatch.demand import DemandWindow
+from pdserve.router.dispatch.planner import (
     Demand,
     PlannerConfig,
     PlannerDecision,
@@ -25,13 +26,12 @@ from pdserve.router.planner import (
     median_cost,
     plan,
 )
+from pdserve.router.dispatch.slo import SloConfig
+from pdserve.router.dispatch.worker_state import StepCost
+from pdserve.router.dispatch.workers import WorkerPool
+from pdserve.router.http.roles import RoleSwitcher
 from pdserve.router.planner_loop import PlannerLoop
-from pdserve.router.roles import RoleSwitcher
-from pdserve.router.slo import SloConfig
-from pdserve.router.worker_state import StepCost
-from pdserve.router.workers import WorkerPool
-from pdserve.sim_engine import SimConfig
-from pdserve.sim_worker import start_sim_worker
+from pdserve.worker.sim_engine import SimConfig
 
 # A CPU engine's shape: 40 ms decode step, +1 ms per sequence, 1 ms per prompt token.
 COST = StepCost(0.040, 0.001, 0.001, True, True)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdserve.block_hash import chain_hashes
-from pdserve.router.placement import CacheAwarePlacement, Choice, PlacementRequest
-from pdserve.router.prefix_index import PrefixIndex, PrefixMatch
-from pdserve.router.prefix_pending import PendingConfig
-from pdserve.router.prefix_routing import PrefixRouting
-from pdserve.router.worker_state import WorkerState
+from pdserve.core.block_hash import chain_hashes
+from pdserve.router.dispatch.placement import CacheAwarePlacement, Choice, PlacementRequest
+from pdserve.router.dispatch.prefix_index import PrefixIndex, PrefixMatch
+from pdserve.router.dispatch.prefix_pending import PendingConfig
+from pdserve.router.dispatch.prefix_routing import PrefixRouting
+from pdserve.router.dispatch.worker_state import WorkerState
 
 BS = 16
 PROMPT = list(range(5000, 5000 + 10 * BS + 5))  # 10 full blocks + 5 tokens

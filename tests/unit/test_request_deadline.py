@@ -23,9 +23,8 @@ from unit.fakes import (
     sse_payloads,
 )
 
-from pdserve.router.app import create_app
-from pdserve.router.deadline import Deadline
-from pdserve.router.types import DeadlineExceededError
+from pdserve.router.dispatch.base import Deadline, DeadlineExceededError
+from pdserve.router.http.app import create_app
 
 MAX_TIMEOUT_S = 30.0
 DEADLINES = "pdserve:deadline_exceeded_total"

@@ -8,9 +8,9 @@ import itertools
 
 import pytest
 
-from pdserve.router.preprocess import GenerationRequest
-from pdserve.router.responses import OutputDelta, formatter_for, sse_event
-from pdserve.types import SamplingSpec
+from pdserve.core.types import SamplingSpec
+from pdserve.router.http.preprocess import GenerationRequest
+from pdserve.router.http.responses import OutputDelta, formatter_for, sse_event
 
 
 def request(endpoint: str, include_usage: bool, return_token_ids: bool) -> GenerationRequest:

@@ -16,13 +16,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 from unit.fake_worker import FakeWorker, WorkerScript, eventually, start_fake_worker
 
-from pdserve.router.admin import AdminAuth, admin_actions
-from pdserve.router.app import create_admin_app
-from pdserve.router.errors import APIError
-from pdserve.router.roles import RoleSwitcher
-from pdserve.router.worker_client import WorkerCallError, WorkerClient
-from pdserve.router.workers import WorkerPool
-from pdserve.types import PhaseOutput, PhaseRequest, SamplingSpec
+from pdserve.core.types import PhaseOutput, PhaseRequest, SamplingSpec
+from pdserve.router.dispatch.worker_client import WorkerCallError, WorkerClient
+from pdserve.router.dispatch.workers import WorkerPool
+from pdserve.router.http.admin import AdminAuth, admin_actions
+from pdserve.router.http.app import create_admin_app
+from pdserve.router.http.errors import APIError
+from pdserve.router.http.roles import RoleSwitcher
 
 CALL_S = 10.0
 

@@ -24,10 +24,10 @@ from unit.fakes import (
     sse_payloads,
 )
 
-from pdserve.router.admission import Admission
-from pdserve.router.drain import DrainingServer
-from pdserve.router.edge_config import EdgeConfig
-from pdserve.router.errors import TooManyRequestsError
+from pdserve.router.http.admission import Admission
+from pdserve.router.http.drain import DrainingServer
+from pdserve.router.http.edge_config import EdgeConfig
+from pdserve.router.http.errors import TooManyRequestsError
 
 BURST = 20
 

@@ -21,7 +21,7 @@ from unit.fakes import (
     sse_payloads,
 )
 
-from pdserve.router.types import NoWorkerAvailableError
+from pdserve.router.dispatch.base import NoWorkerAvailableError
 
 ANSWER = " Paris is the capital of France. It is known for the Eiffel Tower."
 MULTIBYTE = " 你好，世界！🙂 Emoji 👍🏽 and 日本語のテキスト."

@@ -14,12 +14,12 @@ from fastapi import FastAPI
 from unit.dispatch_cluster import Cluster, running_cluster
 from unit.fakes import COMPLETIONS, asgi_http_client, cmpl_body, make_router_app
 
-from pdserve.cli import build_parser
+from pdserve.cli.main import build_parser
 from pdserve.membership.static import StaticMembership
-from pdserve.router.app import create_admin_app
-from pdserve.router.edge_config import EdgeConfig
-from pdserve.router.kv_feed import KvIndexFeeder
-from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.dispatch.kv_feed import KvIndexFeeder
+from pdserve.router.dispatch.prefix_index import PrefixIndex
+from pdserve.router.http.app import create_admin_app
+from pdserve.router.http.edge_config import EdgeConfig
 from pdserve.router.server import _cluster_views
 
 KEYS = ("key-one-1234", "key-two-5678")
@@ -129,7 +129,7 @@ def test_keys_from_flags_environment_and_file(tmp_path: Path,
 
 def test_up_hands_the_edge_flags_to_its_router_and_keys_only_in_its_environment(
         tmp_path: Path) -> None:
-    from pdserve.up import UpConfig, plan
+    from pdserve.launch.up import UpConfig, plan
 
     edge = EdgeConfig(api_keys=KEYS, admin_port=9100, max_concurrent=8, max_queued=3,
                       max_queue_wait_s=2.5, max_body_bytes=1000, drain_timeout_s=7.0)

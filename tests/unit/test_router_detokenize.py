@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.router.detokenize import IncrementalDetokenizer, StopStringMatcher
+from pdserve.router.http.detokenize import IncrementalDetokenizer, StopStringMatcher
 
 TEXTS = [
     "Plain ASCII, with punctuation: done.",

@@ -24,8 +24,8 @@ from unit.fakes import (
     sse_payloads,
 )
 
-from pdserve.logs import make_handler
-from pdserve.router.edge_config import EdgeConfig
+from pdserve.core.logs import make_handler
+from pdserve.router.http.edge_config import EdgeConfig
 
 OUTPUT = list(range(100, 108))
 

@@ -20,13 +20,13 @@ from unit.fakes import (
     make_router_app,
 )
 
-from pdserve.cli import build_parser
-from pdserve.logs import setup_logging
-from pdserve.router.app import create_app
-from pdserve.router.dispatch import PDDispatcher
-from pdserve.router.placement import RoundRobinPlacement
-from pdserve.router.pool_metrics import register_pool_metrics
-from pdserve.types import PhaseTiming
+from pdserve.cli.main import build_parser
+from pdserve.core.logs import setup_logging
+from pdserve.core.types import PhaseTiming
+from pdserve.router.dispatch.dispatch import PDDispatcher
+from pdserve.router.dispatch.placement import RoundRobinPlacement
+from pdserve.router.dispatch.pool_metrics import register_pool_metrics
+from pdserve.router.http.app import create_app
 
 PLACED = "pdserve:placement_decisions_total"
 

@@ -21,8 +21,8 @@ from unit.fakes import (
     make_router_app,
 )
 
-from pdserve.router.types import RequestRejectedError
-from pdserve.types import StructuredOutput
+from pdserve.core.types import StructuredOutput
+from pdserve.router.dispatch.base import RequestRejectedError
 
 OUTPUT = [28120, 905, 314, 253]
 

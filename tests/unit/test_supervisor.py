@@ -1,4 +1,4 @@
-"""The supervisor behind ``pdserve up`` (``pdserve/supervisor.py``) with cheap child
+"""The supervisor behind ``pdserve up`` (``pdserve/launch/supervisor.py``) with cheap child
 processes: a SIGKILLed child comes back after its back-off and is counted, one that
 keeps failing is given up on, and neither a restart nor ``stop`` leaves a process
 of a child's group behind."""
@@ -15,7 +15,7 @@ import psutil
 import pytest
 from pdserve_testing import wait_until
 
-from pdserve.supervisor import ChildEvent, ChildSpec, RestartPolicy, Supervisor
+from pdserve.launch.supervisor import ChildEvent, ChildSpec, RestartPolicy, Supervisor
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 # A leader that spawns a grandchild into its own process group, as a worker spawns

@@ -11,8 +11,8 @@ import time
 import pytest
 from unit.dispatch_cluster import PROMPT, Cluster, collect, spec
 
-from pdserve.router.timeline import PHASES, RequestTimeline
-from pdserve.types import PhaseOutput, PhaseTiming
+from pdserve.core.types import PhaseOutput, PhaseTiming
+from pdserve.router.dispatch.timeline import PHASES, RequestTimeline
 
 MS = 1_000_000
 T0 = 1_700_000_000 * 10**9

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.launch.up import UpConfig, plan
 from pdserve.membership.local_etcd import LocalEtcd
-from pdserve.up import UpConfig, plan
 
 
 def test_up_with_etcd_url_passes_it_to_every_child(tmp_path: Path) -> None:

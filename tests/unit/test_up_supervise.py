@@ -16,10 +16,10 @@ import psutil
 import pytest
 from pdserve_testing import launch_up, stop_up, wait_until
 
-from pdserve.cli import build_parser
-from pdserve.model import ResolvedModel
-from pdserve.ports import free_port
-from pdserve.up import UpConfig, plan
+from pdserve.cli.main import build_parser
+from pdserve.core.model import ResolvedModel
+from pdserve.core.ports import free_port
+from pdserve.launch.up import UpConfig, plan
 
 # The router imports transformers for its tokenizer: ~20 s on two busy cores.
 STARTUP_TIMEOUT_S = 90

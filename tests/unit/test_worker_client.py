@@ -9,17 +9,17 @@ import contextlib
 
 import pytest
 
-from pdserve.ports import free_port
-from pdserve.router.worker_client import (
+from pdserve.core.ports import free_port
+from pdserve.core.types import PhaseRequest, SamplingSpec, WorkerHealth, WorkerLoadReport
+from pdserve.launch.sim_worker import start_sim_worker
+from pdserve.router.dispatch.worker_client import (
     UNAVAILABLE,
     WorkerCallError,
     WorkerClient,
     probe_health,
     probe_load,
 )
-from pdserve.sim_engine import SimConfig
-from pdserve.sim_worker import start_sim_worker
-from pdserve.types import PhaseRequest, SamplingSpec, WorkerHealth, WorkerLoadReport
+from pdserve.worker.sim_engine import SimConfig
 
 
 async def test_client_speaks_domain_types() -> None:

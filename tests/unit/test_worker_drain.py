@@ -19,10 +19,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from unit.fake_worker import FakeWorker, WorkerScript, eventually, start_fake_worker
 
-from pdserve.ports import free_port
-from pdserve.router.worker_client import UNAVAILABLE, WorkerCallError, WorkerClient
-from pdserve.router.workers import WorkerPool
-from pdserve.types import PhaseOutput, PhaseRequest, SamplingSpec
+from pdserve.core.ports import free_port
+from pdserve.core.types import PhaseOutput, PhaseRequest, SamplingSpec
+from pdserve.router.dispatch.worker_client import UNAVAILABLE, WorkerCallError, WorkerClient
+from pdserve.router.dispatch.workers import WorkerPool
 from pdserve.worker.lifecycle import WORKER_SERVICE
 from pdserve.worker.servicer import _STOP_GRACE_S
 
@@ -119,7 +119,7 @@ def sim_worker(*flags: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """A ``pdserve sim-worker`` process (decode) on a free port; killed at the end."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "sim-worker", "--role", "decode", "--port",
+        [sys.executable, "-m", "pdserve.cli.main", "sim-worker", "--role", "decode", "--port",
          str(port), "--log-level", "WARNING", *flags],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

@@ -21,25 +21,25 @@ import torch
 from pdserve_testing import launch_up, make_caches, start_transport, stop_up
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.cli import build_parser
+from pdserve.cli.main import build_parser
+from pdserve.core.model import ResolvedModel
+from pdserve.core.ports import free_port
+from pdserve.core.types import PhaseRequest, SamplingSpec
 from pdserve.kv_transfer.base import PeerAddress
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.leases import LeaseTable
+from pdserve.launch.sim_worker import SimHost
+from pdserve.launch.up import UpConfig, plan
+from pdserve.launch.up_targets import scrape_targets
 from pdserve.membership import WorkerInfo
-from pdserve.model import ResolvedModel
-from pdserve.ports import free_port
 from pdserve.prefill_worker.policy import PrefillPolicy
-from pdserve.router.worker_client import WorkerClient
-from pdserve.sim_engine import SimConfig, SimEngine
-from pdserve.sim_worker import SimHost
-from pdserve.types import PhaseRequest, SamplingSpec
-from pdserve.up import UpConfig, plan
-from pdserve.up_targets import scrape_targets
+from pdserve.router.dispatch.worker_client import WorkerClient
 from pdserve.worker.backend import WorkerBackend
 from pdserve.worker.engine import EngineConfig
 from pdserve.worker.host import EngineHost
 from pdserve.worker.metrics import MetricsListener, MetricsServer, start_worker_metrics
 from pdserve.worker.servicer import WorkerServer, start_worker_server
+from pdserve.worker.sim_engine import SimConfig, SimEngine
 
 COUNTERS = ("kv_transfers_completed", "kv_transfers_failed", "kv_transfer_bytes_sent",
             "kv_transfer_bytes_received", "kv_transfer_seconds", "kv_loads", "kv_load_seconds",

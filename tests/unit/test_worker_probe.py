@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from pdserve.core.types import WorkerHealth, WorkerLoadReport
 from pdserve.membership import WorkerInfo
-from pdserve.router.worker_client import DEADLINE_EXCEEDED, UNAVAILABLE, WorkerCallError
-from pdserve.router.workers import MAX_SLOW_PROBES, Worker
-from pdserve.types import WorkerHealth, WorkerLoadReport
+from pdserve.router.dispatch.worker_client import DEADLINE_EXCEEDED, UNAVAILABLE, WorkerCallError
+from pdserve.router.dispatch.workers import MAX_SLOW_PROBES, Worker
 
 
 class ScriptedClient:

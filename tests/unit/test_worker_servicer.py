@@ -14,10 +14,8 @@ from dataclasses import dataclass, field, replace
 import pytest
 import pytest_asyncio
 
-from pdserve.kv_transfer.handle import KVHandle, PushTarget
-from pdserve.prefill_worker.kv_mirror import KvCacheMirror
-from pdserve.router.worker_client import WorkerCallError, WorkerClient
-from pdserve.types import (
+from pdserve.core.handle import KVHandle, PushTarget
+from pdserve.core.types import (
     KvChange,
     KvSnapshot,
     PhaseOutput,
@@ -26,7 +24,9 @@ from pdserve.types import (
     WorkerHealth,
     WorkerLoadReport,
 )
+from pdserve.router.dispatch.worker_client import WorkerCallError, WorkerClient
 from pdserve.worker.backend import WorkerError
+from pdserve.worker.kv_mirror import KvCacheMirror
 from pdserve.worker.servicer import start_server
 
 HANDLE = KVHandle("p0", "r1-x", (3, 4), 4, "tcp", "127.0.0.1", 7001, "x-1", 123, pushed=True)

@@ -1,0 +1,382 @@
+"""Command-line flags, each declared once, and the parser that reports bad ones.
+
+Every flag also reads ``PDSERVE_<FLAG>`` from the environment (``--kv-port`` →
+``PDSERVE_KV_PORT``); a flag on the command line wins. An environment value is
+parsed and checked exactly like the flag's own value, and only when it is used,
+so ``PDSERVE_PORT=abc`` is the same one-line error as ``--port abc``, naming
+the variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, NoReturn
+
+from pdserve.cli.health import DEFAULT_TARGET, HealthTarget
+from pdserve.core.grpc_options import DEFAULT_KEEPALIVE_S, MIN_KEEPALIVE_S
+from pdserve.core.logs import DEFAULT_LOG_FORMAT, LOG_FORMATS
+from pdserve.kv_transfer.base import transport_names
+from pdserve.launch.cpu_layout import CPU_LAYOUTS
+from pdserve.launch.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S
+from pdserve.membership import DEFAULT_TTL_S
+from pdserve.router.dispatch.disagg import (
+    DEFAULT_DISAGG_MODE,
+    DEFAULT_LOCAL_DECODE_MAX_RUNNING,
+    DEFAULT_LOCAL_PREFILL_MAX_QUEUED_TOKENS,
+    DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
+    DISAGG_MODES,
+)
+from pdserve.router.dispatch.migration import DEFAULT_MAX_MIGRATIONS
+from pdserve.router.dispatch.placement import DEFAULT_PLACEMENT, PLACEMENTS
+from pdserve.router.http.edge_config import check_api_key
+
+Parse = Callable[[str], Any]
+
+
+class FlagParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line (no usage block): scripts
+    and container logs show the cause, and ``--help`` shows the rest."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default (its environment value when that is set)."""
+
+
+class _EnvValue(str):
+    """A default taken from the environment; remembers the variable for errors."""
+
+    env: str
+
+    def __new__(cls, value: str, env: str) -> _EnvValue:
+        obj = super().__new__(cls, value)
+        obj.env = env
+        return obj
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str  # without the leading dashes: "max-model-len"
+    help: str
+    default: Any = None
+    parse: Parse = str
+    choices: Sequence[str] | None = None
+    switch: bool = False  # --name / --no-name
+    metavar: str | None = None
+    repeat: bool = False  # may be given several times; ``parse`` returns a tuple to add up
+
+    @property
+    def env(self) -> str:
+        return "PDSERVE_" + self.name.upper().replace("-", "_")
+
+    def add_to(self, parser: argparse.ArgumentParser, **override: Any) -> None:
+        """Add this flag to ``parser``; ``override`` changes fields for this use only
+        (a subcommand's own default port, a more specific help text)."""
+        flag = replace(self, **override) if override else self
+        raw = os.environ.get(flag.env)
+        # A string default goes through ``type`` when the flag is not given, so a
+        # bad environment value is reported by argparse like a bad flag value.
+        default = flag.default if raw is None else _EnvValue(raw, flag.env)
+        kwargs: dict[str, Any] = dict(default=default, type=flag._convert,
+                                      help=f"{flag.help} [env {flag.env}]")
+        if flag.switch:
+            parser.add_argument(f"--{flag.name}", action=argparse.BooleanOptionalAction,
+                                **kwargs)
+        elif flag.repeat:
+            parser.add_argument(f"--{flag.name}", action=_Repeated, metavar=flag.metavar,
+                                **kwargs)
+        else:
+            parser.add_argument(f"--{flag.name}", choices=flag.choices,
+                                metavar=flag.metavar, **kwargs)
+
+    def _convert(self, text: str) -> Any:
+        source = f" from {text.env}" if isinstance(text, _EnvValue) else ""
+        try:
+            value = self.parse(str(text))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(
+                f"invalid value {str(text)!r}{source}: {exc}") from None
+        if self.choices is not None and value not in self.choices:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice {str(text)!r}{source} (choose from "
+                f"{', '.join(self.choices)})")
+        return value
+
+
+class _Repeated(argparse.Action):
+    """A flag given several times: its values (tuples) add up, and the first one on the
+    command line replaces the default (the environment's), as every flag's does."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        current = getattr(namespace, self.dest, None)
+        if current is None or current is self.default:
+            current = ()
+        setattr(namespace, self.dest, (*current, *values))
+
+
+# ---- value parsers: ValueError says what was expected --------------------------------
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true/false, yes/no, on/off or 1/0")
+
+
+def parse_int(low: int, high: int | None = None) -> Parse:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError("expected an integer") from None
+        if value < low or (high is not None and value > high):
+            raise ValueError(f"expected an integer >= {low}" if high is None
+                             else f"expected an integer from {low} to {high}")
+        return value
+    return parse
+
+
+def parse_float(low: float, *, strict: bool = False) -> Parse:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError("expected a number") from None
+        if value < low or (strict and value == low) or value != value:
+            raise ValueError(f"expected a number {'>' if strict else '>='} {low:g}")
+        return value
+    return parse
+
+
+parse_port = parse_int(0, 65535)
+
+
+def parse_chunk_tokens(text: str) -> int:
+    value = parse_int(0)(text)
+    if 0 < value < 16:
+        raise ValueError("expected 0 (no cap) or at least 16")
+    return int(value)
+
+
+def parse_api_keys(text: str) -> tuple[str, ...]:
+    """Comma-separated keys (one per ``--api-key``; the environment may hold several)."""
+    keys = tuple(k.strip() for k in text.split(",") if k.strip())
+    for key in keys:
+        check_api_key(key)
+    return keys
+
+
+# ---- the table ------------------------------------------------------------------------
+
+def _log_level(text: str) -> str:
+    return text.upper()
+
+
+def _flags(*flags: Flag) -> dict[str, Flag]:
+    return {f.name: f for f in flags}
+
+
+FLAGS = _flags(
+    # common
+    Flag("model", "local HF model folder (default: the bundled SmolLM2-135M-Instruct, "
+         "converted once)", metavar="PATH"),
+    Flag("max-model-len", "longest prompt + output in tokens", 4096, parse_int(16)),
+    Flag("log-level", "log level", "INFO", _log_level,
+         choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")),
+    Flag("log-format", "log lines as text, or one JSON object per line (json); both carry "
+         "the request id of lines about a request", DEFAULT_LOG_FORMAT, choices=LOG_FORMATS),
+    Flag("host", "bind address", "127.0.0.1"),
+    Flag("port", "port", 8000, parse_port),
+    Flag("worker-id", "this worker's id (default: <role>-<random>)"),
+    Flag("grpc-keepalive-s", "gRPC keepalive between router and workers: ping every this "
+         "many seconds, give up on a peer that leaves a ping unanswered as long (a hung "
+         "worker fails its calls with UNAVAILABLE in about twice this)", DEFAULT_KEEPALIVE_S,
+         parse_float(MIN_KEEPALIVE_S)),
+    # engine (workers and up)
+    Flag("dtype", "model and KV dtype (float32 for exact P/D equality)", "auto",
+         choices=("auto", "float32", "bfloat16", "float16")),
+    Flag("kv-cache-gib", "KV cache size per worker in GiB", 2, parse_int(1)),
+    Flag("num-kv-blocks", "KV cache size in blocks (overrides --kv-cache-gib; 0: unset)",
+         None, parse_int(0)),
+    # KV transport
+    Flag("transport", "KV transport: tcp, ucx (UCX via ucxx; UCX_* env vars apply), torch "
+         "(torch.distributed p2p: NCCL/RCCL on GPU, gloo on CPU)", "tcp",
+         choices=transport_names()),
+    Flag("kv-checksum", "checksum every KV transfer; a mismatch fails the load and decode "
+         "recomputes the prompt", False, parse_bool, switch=True),
+    Flag("kv-throttle-mib-s", "pace KV sends to this many MiB/s (0: off); emulates a slow "
+         "link", 0.0, parse_float(0)),
+    Flag("kv-push", "prefill pushes KV layer by layer (tcp transport) to the decode while "
+         "computing; --no-kv-push: decode pulls after prefill (default: push on CUDA, pull "
+         "on CPU, where the sender competes with prefill for cores)", None, parse_bool,
+         switch=True),
+    # membership
+    Flag("etcd", "etcd endpoint http://HOST:PORT for membership (default: static)",
+         metavar="URL"),
+    Flag("cluster", "cluster name: etcd keys live under /pdserve/<cluster>/workers/",
+         "default"),
+    Flag("etcd-ttl-s", "lease TTL of a worker's registration (keepalive every TTL/3)",
+         DEFAULT_TTL_S, parse_int(1)),
+    # worker
+    Flag("advertise-host", "address the router and peers use to reach this worker "
+         "(default: --host; when --host is 0.0.0.0, the address this machine's hostname "
+         "resolves to, e.g. a container's own IP, else 127.0.0.1)"),
+    Flag("kv-port", "KV transfer port (0: gRPC port + 1000)", 0, parse_port),
+    Flag("kv-host", "address peers use to reach the KV port (default: --advertise-host)"),
+    Flag("cpu-cores", "cores for the engine's compute threads, e.g. 0 or 0-3 (CPU only)"),
+    Flag("lease-s", "how long prefill keeps a request's KV for its decode", 30.0,
+         parse_float(0, strict=True)),
+    Flag("prefill-chunk-tokens", "the most prompt tokens one request computes in an "
+         "engine step while other requests run (vLLM's chunked prefill): a long prompt "
+         "prefilled on a decode worker is spread over steps, so its streams' gaps stay "
+         "short (the router's slo decision counts it); alone, a prompt is not cut. "
+         "Default: 256 on CPU, no cap on GPU; 0: no cap", None, parse_chunk_tokens),
+    Flag("shm-spin-s", "how long the engine's processes busy-wait for the next message "
+         "on vLLM's shared-memory queues before they sleep (seconds; default: 0 on CPU, "
+         "where the compute threads need the cores, vLLM's own 1 on GPU)", None,
+         parse_float(0)),
+    Flag("compile", "use torch.compile (slow start on CPU; default: eager)", False,
+         parse_bool, switch=True),
+    Flag("metrics-port", "serve Prometheus /metrics over HTTP on this port: the engine's "
+         "vllm:* metrics and the worker's pdserve:* ones (0: off)", 0, parse_port),
+    Flag("metrics-host", "the /metrics listener's bind address (default: --host)"),
+    Flag("drain-timeout-s", "on SIGTERM: stop taking requests (router: 503; worker: "
+         "NOT_SERVING, leaves membership) and give the requests in flight this long to "
+         "finish before exiting", 30.0, parse_float(0)),
+    # router and up
+    Flag("placement", "prefill/decode placement policy", DEFAULT_PLACEMENT,
+         choices=sorted(PLACEMENTS)),
+    Flag("disagg", "per request: prefill remotely and hand the KV to decode (always), let "
+         "decode prefill the prompt itself (never), decide from the uncached prompt "
+         "length and the workers' load (auto), or from the engines' measured step times "
+         "against --slo-ttft-ms / --slo-itl-ms (slo)", DEFAULT_DISAGG_MODE, choices=DISAGG_MODES),
+    Flag("local-prefill-max-tokens", "auto: a prompt with at most this many tokens outside "
+         "the prefill worker's prefix cache is prefilled on decode",
+         DEFAULT_LOCAL_PREFILL_MAX_TOKENS, parse_int(0)),
+    Flag("local-prefill-max-queued-tokens", "auto: beyond this many uncached prompt tokens "
+         "queued on the prefill worker, a prompt up to this size is prefilled on a lightly "
+         "loaded decode", DEFAULT_LOCAL_PREFILL_MAX_QUEUED_TOKENS, parse_int(0)),
+    Flag("local-decode-max-running", "auto: a decode with at most this many running or "
+         "queued requests counts as lightly loaded", DEFAULT_LOCAL_DECODE_MAX_RUNNING,
+         parse_int(0)),
+    Flag("slo-ttft-ms", "slo: the time-to-first-token objective the per-request choice "
+         "(prefill on decode, or hand off) aims at, from the engines' measured step times; "
+         "0: 3x this prompt's unloaded prefill", 0.0, parse_float(0)),
+    Flag("slo-itl-ms", "slo: the inter-token objective; a prompt is prefilled on decode "
+         "only if the step carrying it stays within it; 0: 2x an unloaded decode step",
+         0.0, parse_float(0)),
+    Flag("planner", "on: the router picks how many workers prefill and how many decode "
+         "from the load it measures, flipping roles at run time (one at a time, with "
+         "hysteresis), and exports pdserve:planner_desired_replicas; off: fixed roles",
+         "off", choices=("off", "on")),
+    Flag("planner-interval-s", "planner: how often it decides", 5.0,
+         parse_float(0, strict=True)),
+    Flag("planner-window-s", "planner: how much of the past load it plans for", 60.0,
+         parse_float(0, strict=True)),
+    Flag("planner-hold-s", "planner: how long a better split must stay better before a "
+         "worker is switched", 20.0, parse_float(0)),
+    Flag("planner-cooldown-s", "planner: after a switch, no other for this long", 60.0,
+         parse_float(0)),
+    Flag("max-migrations", "a request whose decode worker fails mid-stream continues on "
+         "another compatible decode worker (prompt + tokens sent, recomputed there) at most "
+         "this many times; 0: a failed decode fails the request", DEFAULT_MAX_MIGRATIONS,
+         parse_int(0)),
+    Flag("prefill", "comma-separated prefill worker gRPC endpoints host:port", ""),
+    Flag("decode", "comma-separated decode worker gRPC endpoints host:port", ""),
+    Flag("workers-file", 'static workers from JSON {"prefill": [...], "decode": [...]}',
+         metavar="PATH"),
+    Flag("served-model-name", "model name in the OpenAI API (default: the model's)"),
+    Flag("request-timeout-s", "each request's deadline, end to end (both worker calls "
+         "included); a request's X-Request-Timeout header may shorten it; past it the "
+         "client gets 504", 600.0, parse_float(0, strict=True)),
+    Flag("log-timeline", "log each finished request's timeline (its phases' times) as one "
+         "JSON line on logger pdserve.timeline (also on at --log-level DEBUG)", False,
+         parse_bool, switch=True),
+    Flag("tool-call-parser", "the model's tool-call format, by the name of vLLM's parser "
+         "for it (hermes, llama3_json, mistral, ...), as vllm serve takes it: the router "
+         "loads vLLM's parser (slower start), which constrains tool_choice required and "
+         "named and reads tool calls out of the output"),
+    Flag("enable-auto-tool-choice", "allow tool_choice auto (the default with tools): the "
+         "model decides whether to call a tool (needs --tool-call-parser)", False,
+         parse_bool, switch=True),
+    Flag("disable-metrics", "turn the router's metrics off: no metric work per request or "
+         "chunk, and /metrics answers 404 (to measure their cost, or where nothing scrapes)",
+         False, parse_bool, switch=True),
+    # the router's HTTP edge (router/edge_config.py)
+    Flag("api-key", "require `Authorization: Bearer <key>` on /v1/* (and on /metrics, "
+         "/workers, /prefix_index of the main port); repeatable; the environment variable "
+         "may hold several, comma-separated", None, parse_api_keys, repeat=True,
+         metavar="KEY"),
+    Flag("api-key-file", "API keys, one per line (blank lines and # comments skipped), "
+         "added to --api-key", metavar="PATH"),
+    Flag("admin-port", "serve /metrics, /workers, /prefix_index and /health without a key "
+         "on this port (0: no admin listener), and the admin actions (POST "
+         "/admin/workers/{id}/role) with --admin-key", 0, parse_port),
+    Flag("admin-key", "require `Authorization: Bearer <key>` on the admin actions; "
+         "repeatable (default: the --api-key keys; with no key at all, actions are served "
+         "only on a loopback --admin-host)", None, parse_api_keys, repeat=True,
+         metavar="KEY"),
+    Flag("admin-host", "the admin listener's bind address", "127.0.0.1"),
+    Flag("max-concurrent-requests", "generation requests running at once; more wait in "
+         "the queue", 256, parse_int(1)),
+    Flag("max-queued-requests", "generation requests waiting for a slot; beyond: 429 "
+         "with Retry-After", 1024, parse_int(0)),
+    Flag("max-queue-wait-s", "how long a request may wait for a slot before its 429",
+         30.0, parse_float(0)),
+    Flag("max-body-bytes", "largest request body; larger: 413 before it is parsed",
+         4 * 1024 * 1024, parse_int(1)),
+    Flag("num-prefill", "prefill workers to start", 1, parse_int(0)),
+    Flag("num-decode", "decode workers to start", 1, parse_int(1)),
+    Flag("cpu-layout", "CPU only: engines share every core, or split them (prefill on the "
+         "first half, decode on the rest); auto: split on 2+ cores, measured best under load",
+         "auto",
+         choices=CPU_LAYOUTS),
+    Flag("worker-metrics", "give every worker a /metrics port (a free one) and print the "
+         "scrape targets once ready; --no-worker-metrics: the router's only", True,
+         parse_bool, switch=True),
+    Flag("metrics-targets-file", "write the scrape targets (router and workers) to this "
+         "file as Prometheus file_sd JSON once ready", metavar="PATH"),
+    Flag("with-etcd", "start a local etcd (the `etcd` binary) for membership", False,
+         parse_bool, switch=True),
+    Flag("startup-timeout-s", "fail the start if no decode worker is ready after this many "
+         "seconds (workers still starting then keep being supervised)", 600.0,
+         parse_float(0, strict=True)),
+    # security
+    Flag("cluster-secret-file", "file holding the cluster's shared secret (at least 16 bytes; "
+         "mode 600): router->worker gRPC calls and every KV connection must prove it "
+         "(default: unauthenticated; up: a fresh random secret for its own cluster)",
+         metavar="PATH"),
+    Flag("tls-cert", "PEM certificate: a worker serves gRPC over TLS with it; the router "
+         "presents it as its client certificate (with --tls-key)", metavar="PATH"),
+    Flag("tls-key", "PEM private key of --tls-cert", metavar="PATH"),
+    Flag("tls-ca", "PEM CA bundle: the router verifies workers against it (and uses TLS); "
+         "a worker then requires client certificates it signed (mutual TLS)", metavar="PATH"),
+    Flag("max-restarts", "a child (worker or router) that exits is restarted with back-off "
+         "(1 s doubling to 30 s); after this many restarts within --restart-window-s it is "
+         "given up on (up exits once the router or every decode worker is)",
+         DEFAULT_MAX_RESTARTS, parse_int(0)),
+    Flag("restart-window-s", "the window --max-restarts counts restarts in",
+         DEFAULT_RESTART_WINDOW_S, parse_float(0, strict=True)),
+    Flag("simulated", "start simulated workers (sim-worker: made-up tokens, modelled times, "
+         "no vLLM) instead of vLLM ones: for router and fault tests only", False, parse_bool,
+         switch=True),
+    # health (container health checks)
+    Flag("healthcheck", "what `pdserve health` asks: http://HOST:PORT/PATH (GET, healthy on "
+         "200; the router's /health) or grpc://HOST:PORT (grpc.health.v1, healthy on "
+         "SERVING; a worker)", DEFAULT_TARGET, HealthTarget.parse, metavar="URL"),
+    Flag("health-timeout-s", "the probe's deadline", 5.0, parse_float(0, strict=True)),
+    # simulated worker
+    Flag("role", "the simulated worker's role", "prefill", choices=("prefill", "decode")),
+    Flag("block-size", "tokens per KV block", 16, parse_int(1)),
+    Flag("num-blocks", "simulated prefix-cache capacity in blocks", 1024, parse_int(1)),
+    Flag("prefill-us-per-token", "modelled prefill time per token (µs)", 20.0, parse_float(0)),
+    Flag("decode-ms-per-token", "modelled decode time per token (ms)", 2.0, parse_float(0)),
+)

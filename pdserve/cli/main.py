@@ -1,0 +1,195 @@
+"""The ``pdserve`` command: ``up``, ``router``, ``prefill``, ``decode``, ``prepare-model``,
+``health``, ``machine``, ``bench`` (a load generator: ``pdserve.bench.cli``).
+
+Every flag also reads a ``PDSERVE_<FLAG>`` environment variable (e.g.
+``PDSERVE_PORT``); flags win. Flags are declared once (``flags.py``); each
+component builds its own config from the parsed flags (``from_args``); this
+module only picks the subcommand's flags and dispatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from pdserve.cli.flags import FLAGS, FlagParser, HelpFormatter
+from pdserve.core.logs import setup_logging
+from pdserve.core.model import DEFAULT_MODEL_NAME, ResolvedModel
+
+# Flags by concern; a subcommand takes the groups it needs.
+COMMON = ("model", "max-model-len", "log-level", "log-format")
+ENGINE = ("dtype", "kv-cache-gib", "num-kv-blocks", "shm-spin-s", "prefill-chunk-tokens")
+TRANSPORT = ("transport", "kv-checksum", "kv-throttle-mib-s", "kv-push")
+MEMBERSHIP = ("etcd", "cluster", "etcd-ttl-s")
+WORKER = ("host", "port", "advertise-host", "kv-port", "kv-host", "cpu-cores", "lease-s",
+          "worker-id", "compile", "grpc-keepalive-s", "drain-timeout-s", "metrics-port",
+          "metrics-host")
+DISAGG = ("disagg", "local-prefill-max-tokens", "local-prefill-max-queued-tokens",
+          "local-decode-max-running", "slo-ttft-ms", "slo-itl-ms", "planner",
+          "planner-interval-s", "planner-window-s", "planner-hold-s", "planner-cooldown-s")
+OPENAI = ("tool-call-parser", "enable-auto-tool-choice")
+EDGE = ("api-key", "api-key-file", "admin-port", "admin-host", "admin-key",
+        "max-concurrent-requests", "max-queued-requests", "max-queue-wait-s", "max-body-bytes",
+        "drain-timeout-s")
+ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement",
+          "served-model-name", "log-timeline", "disable-metrics", "max-migrations",
+          "request-timeout-s", "grpc-keepalive-s") + DISAGG + EDGE + OPENAI
+UP = ("host", "port", "num-prefill", "num-decode", "placement", "cpu-layout", "with-etcd",
+      "startup-timeout-s", "max-restarts", "restart-window-s", "simulated", "worker-metrics",
+      "metrics-targets-file") + DISAGG + EDGE + OPENAI
+# The cluster secret: the router, every worker and up (which hands it to its children).
+SECURITY = ("cluster-secret-file", "tls-cert", "tls-key", "tls-ca")
+SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",
+       "prefill-us-per-token", "decode-ms-per-token", "log-level", "log-format",
+       "grpc-keepalive-s", "drain-timeout-s", "metrics-port", "metrics-host") + MEMBERSHIP
+
+_HTTP = {"host": {"help": "the router's HTTP bind address"},
+         "port": {"help": "the router's HTTP port"}}
+_GRPC = {"host": {"help": "gRPC bind address"}}
+
+
+def _version() -> str:
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def _command(sub: Any, name: str, help: str, names: Sequence[str],
+             overrides: dict[str, dict[str, Any]] | None = None) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name, help=help, description=help, formatter_class=HelpFormatter)
+    for flag in dict.fromkeys(names):  # a name in two groups is added once
+        FLAGS[flag].add_to(parser, **(overrides or {}).get(flag, {}))
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = FlagParser(prog="pdserve", description=__doc__.splitlines()[0],
+                        formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _command(sub, "up", "router + prefill + decode workers on this machine",
+             COMMON + ENGINE + TRANSPORT + MEMBERSHIP + UP + SECURITY,
+             dict(_HTTP, **{"num-kv-blocks": {"help": "KV blocks per prefill worker "
+                                              "(overrides --kv-cache-gib; 0: unset)"}}))
+    _command(sub, "router", "the OpenAI-compatible HTTP router",
+             COMMON + ROUTER + MEMBERSHIP + SECURITY, _HTTP)
+    for role, port in (("prefill", 50051), ("decode", 50061)):
+        _command(sub, role, f"a {role} worker (vLLM engine + gRPC)",
+                 COMMON + ENGINE + TRANSPORT + MEMBERSHIP + WORKER + SECURITY,
+                 dict(_GRPC, port={"default": port, "help": "gRPC port"}))
+    # Parsed by pdserve.bench.cli (its own flags; no PDSERVE_* environment): listed here
+    # for --help, dispatched in main() before this parser sees the arguments.
+    sub.add_parser("bench", help="load-generator benchmarks against any OpenAI-compatible "
+                   "endpoint (run, sweep); see `pdserve bench --help`", add_help=False)
+    sub.add_parser("prepare-model", help=f"convert the default model ({DEFAULT_MODEL_NAME}) once")
+    _command(sub, "health", "probe a router (HTTP /health) or a worker (gRPC health) once: "
+             "exit 0 when healthy, 1 when not (container health checks)",
+             ("healthcheck", "health-timeout-s"))
+    _command(sub, "machine", "this machine's CPU, cores and the flags that decide the "
+             "engines' speed, and the dtype --dtype resolves to here", ("dtype",))
+    _command(sub, "sim-worker", "a simulated worker (same gRPC service; modelled times and "
+             "prefix cache) for router-scale tests", SIM + SECURITY,
+             dict(_GRPC, port={"default": 50051, "help": "gRPC port"}))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        from pdserve.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    setup_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
+    try:
+        return _run(args)
+    except ValueError as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pdserve.core.model import prepare_default_model, resolve_model
+
+    if args.command == "prepare-model":
+        print(prepare_default_model())
+        return 0
+    if args.command == "sim-worker":
+        return _run_sim_worker(args)
+    if args.command == "health":
+        return _run_health(args)
+    if args.command == "machine":
+        from pdserve.core.dtype import resolve_dtype
+
+        print(resolve_dtype(args.dtype).describe())
+        return 0
+    runners: dict[str, Callable[[argparse.Namespace, ResolvedModel], int]] = {
+        "prefill": _run_worker, "decode": _run_worker, "router": _run_router, "up": _run_up}
+    return runners[args.command](args, resolve_model(args.model))
+
+
+def _run_worker(args: argparse.Namespace, model: ResolvedModel) -> int:
+    import asyncio
+
+    from pdserve.launch.serve_worker import serve_worker
+    from pdserve.membership import create_registrar
+    from pdserve.worker.config import WorkerConfig
+
+    config = WorkerConfig.from_args(args, model)
+    asyncio.run(serve_worker(config.engine, config.worker_id, config.host, config.port,
+                             create_registrar(config.membership), config.advertise_host,
+                             config.grpc_keepalive_s, config.drain_timeout_s,
+                             tls=config.tls.load(), metrics=config.metrics))
+    return 0
+
+
+def _run_router(args: argparse.Namespace, model: ResolvedModel) -> int:
+    from pdserve.router.server import RouterConfig, run_router
+
+    run_router(RouterConfig.from_args(args, model))
+    return 0
+
+
+def _run_up(args: argparse.Namespace, model: ResolvedModel) -> int:
+    from pdserve.launch.up import UpConfig, run_up
+
+    return run_up(UpConfig.from_args(args, model))
+
+
+def _run_health(args: argparse.Namespace) -> int:
+    from pdserve.cli.health import probe
+
+    result = probe(args.healthcheck, args.health_timeout_s)
+    print(result.detail, file=sys.stdout if result.healthy else sys.stderr)
+    return 0 if result.healthy else 1
+
+
+def _run_sim_worker(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pdserve.core.cluster_secret import optional_secret
+    from pdserve.core.grpc_tls import TlsFiles
+    from pdserve.launch.sim_worker import serve_sim_worker, sim_advertise_host, sim_config_from_args
+    from pdserve.membership import MembershipConfig, create_registrar
+    from pdserve.worker.metrics import MetricsListener
+
+    membership = MembershipConfig.from_flags(args.etcd, args.cluster, args.etcd_ttl_s)
+    metrics = MetricsListener.from_flags(args.metrics_host, args.metrics_port, args.host,
+                                         sim_advertise_host(args.host))
+    asyncio.run(serve_sim_worker(sim_config_from_args(args), args.host, args.port,
+                                 create_registrar(membership),
+                                 optional_secret(args.cluster_secret_file),
+                                 TlsFiles.from_args(args).load(),
+                                 args.grpc_keepalive_s, args.drain_timeout_s, metrics))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""``pdserve up``: router + prefill + decode workers on one machine, static membership.
+
+Each component is a child process in its own session (so its vLLM engine
+processes go with it), supervised: one that exits is restarted with back-off
+while the rest keep serving (``up_watch.py``). Ctrl-C / SIGTERM stops every
+child, SIGKILL after a grace period. Logs go to one file per component; startup
+shows progress and the endpoint is printed once the cluster can serve.
+``--simulated`` starts simulated workers (``sim-worker``: made-up tokens,
+modelled times) instead of vLLM ones, for fast router and fault tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from pdserve.core.cluster_secret import optional_secret, write_cluster_secret
+from pdserve.core.dtype import DtypeChoice, resolve_dtype
+from pdserve.core.grpc_tls import TlsFiles
+from pdserve.core.model import ResolvedModel, cache_dir
+from pdserve.core.ports import free_port
+from pdserve.kv_transfer.base import transport_names
+from pdserve.launch.cpu_layout import CPU_LAYOUTS, DEFAULT_CPU_LAYOUT, core_sets, resolve_layout
+from pdserve.launch.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S, RestartPolicy
+from pdserve.launch.up_children import (  # Child and the fail-fast helpers: re-exported for bench/
+    STOP_GRACE_S,
+    Child,
+    console,
+    start_children,
+    stop_children,
+    wait_ready,
+)
+from pdserve.launch.up_targets import METRICS_KEY, scrape_targets, targets_line, write_file_sd
+from pdserve.launch.up_watch import ClusterWatch
+from pdserve.membership.local_etcd import LocalEtcd
+from pdserve.router.dispatch.disagg import DisaggConfig
+from pdserve.router.dispatch.planner import PlannerConfig
+from pdserve.router.http.edge_config import EdgeConfig
+from pdserve.router.http.tools import ToolConfig
+
+__all__ = ["Child", "UpConfig", "free_port", "plan", "run_up", "start_children",
+           "stop_children", "wait_ready"]
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    model: str
+    dtype: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    num_prefill: int = 1
+    num_decode: int = 1
+    transport: str = "tcp"
+    max_model_len: int = 4096
+    kv_cache_gib: int = 2
+    placement: str = "cache_aware"
+    startup_timeout_s: float = 600.0
+    log_level: str = "INFO"
+    cpu_layout: str = DEFAULT_CPU_LAYOUT
+    kv_push: bool | None = None  # None: each worker's default (push on CUDA only)
+    kv_checksum: bool = False
+    kv_throttle_mib_s: float = 0.0
+    # Membership: static (default), an etcd at ``etcd``, or a local one (``with_etcd``).
+    etcd: str = ""
+    with_etcd: bool = False
+    cluster: str = "default"
+    etcd_ttl_s: int = 10
+    num_kv_blocks: int | None = None  # prefill workers' KV blocks (overrides kv_cache_gib)
+    shm_spin_s: float | None = None  # every engine's (None: the workers' default)
+    prefill_chunk_tokens: int | None = None  # every engine's (None: the workers' default)
+    disagg: DisaggConfig = DisaggConfig()  # handed to the router as its flags
+    planner: PlannerConfig = PlannerConfig()  # the router's too
+    tools: ToolConfig = ToolConfig()  # and its tool parser
+    # Supervision: a child failing more than max_restarts times within the window is
+    # given up on.
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    restart_window_s: float = DEFAULT_RESTART_WINDOW_S
+    simulated: bool = False  # sim-worker processes instead of vLLM workers
+    # The cluster secret's file, handed to every child; None: ``run_up`` makes one.
+    cluster_secret_file: str | None = None
+    tls: TlsFiles = TlsFiles()  # gRPC TLS files, handed to every child
+    log_format: str = "text"
+    edge: EdgeConfig = EdgeConfig()  # the router's too (its keys in its environment)
+    worker_metrics: bool = True  # each worker gets a free /metrics port
+    metrics_targets_file: str = ""  # Prometheus file_sd JSON, written once ready
+    # How ``dtype`` was resolved (printed at start-up).
+    dtype_choice: DtypeChoice | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.etcd and self.with_etcd:
+            raise ValueError("give --etcd URL or --with-etcd, not both")
+        if self.num_decode < 1 or self.num_prefill < 0:
+            raise ValueError("need --num-decode >= 1 and --num-prefill >= 0")
+        if self.cpu_layout not in CPU_LAYOUTS:
+            raise ValueError(f"cpu_layout must be one of {', '.join(CPU_LAYOUTS)}")
+        if self.transport not in transport_names():
+            raise ValueError(f"unknown KV transport {self.transport!r}; valid transports: "
+                             f"{', '.join(transport_names())}")
+        if self.metrics_targets_file and not Path(self.metrics_targets_file).parent.is_dir():
+            raise ValueError(f"--metrics-targets-file {self.metrics_targets_file}: no such "
+                             "directory")
+        optional_secret(self.cluster_secret_file)  # a bad secret file fails before any child
+        self.tls.load()
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
+        """From the ``up`` subcommand's flags; ``--dtype auto`` resolved here, once, for
+        every engine (simulated workers have no dtype)."""
+        dtype = None if args.simulated else resolve_dtype(args.dtype, model_path=model.path)
+        return cls(
+            model=str(model.path), dtype=dtype.dtype if dtype else args.dtype,
+            dtype_choice=dtype, host=args.host, port=args.port,
+            num_prefill=args.num_prefill, num_decode=args.num_decode,
+            transport=args.transport, max_model_len=args.max_model_len,
+            kv_cache_gib=args.kv_cache_gib, placement=args.placement,
+            startup_timeout_s=args.startup_timeout_s, log_level=args.log_level,
+            cpu_layout=args.cpu_layout, kv_checksum=args.kv_checksum,
+            kv_throttle_mib_s=args.kv_throttle_mib_s, kv_push=args.kv_push,
+            etcd=args.etcd or "", with_etcd=args.with_etcd, cluster=args.cluster,
+            etcd_ttl_s=args.etcd_ttl_s, num_kv_blocks=args.num_kv_blocks or None,
+            shm_spin_s=args.shm_spin_s, prefill_chunk_tokens=args.prefill_chunk_tokens,
+            disagg=DisaggConfig.from_args(args), planner=PlannerConfig.from_args(args),
+            tools=ToolConfig.from_args(args),
+            max_restarts=args.max_restarts,
+            restart_window_s=args.restart_window_s, simulated=args.simulated,
+            cluster_secret_file=args.cluster_secret_file, tls=TlsFiles.from_args(args),
+            log_format=args.log_format, edge=EdgeConfig.from_args(args),
+            worker_metrics=args.worker_metrics,
+            metrics_targets_file=args.metrics_targets_file or "",
+        )
+
+    @property
+    def restart_policy(self) -> RestartPolicy:
+        return RestartPolicy(self.max_restarts, self.restart_window_s)
+
+
+def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
+    py = [sys.executable, "-m", "pdserve.cli.main"]
+    common = ["--model", cfg.model, "--max-model-len", str(cfg.max_model_len),
+              "--log-level", cfg.log_level, "--log-format", cfg.log_format]
+    security = (["--cluster-secret-file", cfg.cluster_secret_file]  # a path: the secret
+                if cfg.cluster_secret_file else [])  # itself never shows in `ps`
+    security += cfg.tls.flags()  # certificates must name 127.0.0.1, where up probes
+    common += security
+    membership = (["--etcd", cfg.etcd, "--cluster", cfg.cluster, "--etcd-ttl-s",
+                   str(cfg.etcd_ttl_s)] if cfg.etcd else [])
+    p_cores, d_cores = core_sets(cfg.num_prefill, cfg.num_decode, cfg.cpu_layout)
+    children: list[Child] = []
+    endpoints: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for role, n, cores in (("prefill", cfg.num_prefill, p_cores),
+                           ("decode", cfg.num_decode, d_cores)):
+        for i in range(n):
+            port, kv_port = free_port(), free_port()
+            metrics_port = free_port() if cfg.worker_metrics else 0
+            core = "" if cfg.simulated else cores[i]
+            if cfg.simulated:  # no engine: no cores, KV or engine flags
+                argv = py + ["sim-worker", "--role", role, "--port", str(port),
+                             "--worker-id", f"{role}-{i}", "--log-level", cfg.log_level,
+                             "--log-format", cfg.log_format, *membership, *security]
+            else:
+                argv = py + [role, *common, "--dtype", cfg.dtype, "--port", str(port),
+                             "--kv-port", str(kv_port), "--transport", cfg.transport,
+                             "--kv-cache-gib", str(cfg.kv_cache_gib),
+                             "--worker-id", f"{role}-{i}", *membership]
+                argv += _engine_flags(cfg, role, core)
+            argv += ["--metrics-port", str(metrics_port)]
+            endpoints[role].append(f"127.0.0.1:{port}")
+            extra = {"cores": core} if core else {}
+            if metrics_port:
+                extra[METRICS_KEY] = f"127.0.0.1:{metrics_port}"
+            children.append(Child(f"{role}-{i}", argv, log_dir / f"{role}-{i}.log",
+                                  f"grpc:127.0.0.1:{port}", extra=extra))
+    workers = membership or ["--prefill", ",".join(endpoints["prefill"]),
+                             "--decode", ",".join(endpoints["decode"])]
+    router_argv = py + ["router", *common, "--host", cfg.host, "--port", str(cfg.port),
+                        *workers, "--placement", cfg.placement, *cfg.disagg.flags(),
+                        *cfg.planner.flags(), *cfg.edge.flags(), *cfg.tools.flags()]
+    probe_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+    # Ready once the router itself sees every worker healthy: a worker's own Health
+    # turns ready up to one router health interval before the router places on it,
+    # and a request in between would skip a prefill worker that is up.
+    children.append(Child("router", router_argv, log_dir / "router.log",
+                          f"http://{probe_host}:{cfg.port}/workers",
+                          extra={"num_workers": str(cfg.num_prefill + cfg.num_decode),
+                                 METRICS_KEY: router_metrics_endpoint(cfg, probe_host)},
+                          env=cfg.edge.env(), probe_headers=cfg.edge.probe_headers()))
+    return children
+
+
+def _engine_flags(cfg: UpConfig, role: str, cores: str) -> list[str]:
+    argv = ["--cpu-cores", cores] if cores else []
+    if cfg.kv_push is not None:
+        argv += ["--kv-push" if cfg.kv_push else "--no-kv-push"]
+    argv += ["--kv-checksum" if cfg.kv_checksum else "--no-kv-checksum",
+             "--kv-throttle-mib-s", str(cfg.kv_throttle_mib_s)]
+    if cfg.shm_spin_s is not None:
+        argv += ["--shm-spin-s", repr(cfg.shm_spin_s)]
+    if cfg.prefill_chunk_tokens is not None:
+        argv += ["--prefill-chunk-tokens", str(cfg.prefill_chunk_tokens)]
+    if role == "prefill" and cfg.num_kv_blocks:
+        argv += ["--num-kv-blocks", str(cfg.num_kv_blocks)]
+    return argv
+
+
+def run_up(cfg: UpConfig) -> int:
+    log_dir = cache_dir() / "logs" / time.strftime("%Y%m%d-%H%M%S")
+    etcd: LocalEtcd | None = None
+    own_secret: tempfile.TemporaryDirectory[str] | None = None
+    if not cfg.cluster_secret_file:  # this cluster's own, gone with it
+        own_secret = tempfile.TemporaryDirectory(prefix="pdserve-up-")
+        path = write_cluster_secret(Path(own_secret.name) / "cluster-secret")
+        cfg = replace(cfg, cluster_secret_file=str(path))
+        console.print(f"cluster secret {path} (tools calling workers: --cluster-secret-file)")
+    if cfg.with_etcd:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        etcd = LocalEtcd(log_path=log_dir / "etcd.log").start()  # fails clearly without one
+        console.print(f"local etcd at {etcd.url} (data {etcd.data_dir})")
+        cfg = replace(cfg, etcd=etcd.url, with_etcd=False)
+    try:
+        return _run_children(cfg, log_dir, etcd)
+    finally:
+        if etcd is not None:
+            etcd.stop()
+        if own_secret is not None:
+            own_secret.cleanup()
+
+
+def _print_layout(cfg: UpConfig, children: list[Child]) -> None:
+    """Say which cores each engine got, and why (``--cpu-layout auto``: measured under
+    load, see ``pdserve/launch/cpu_layout.py``)."""
+    layout = resolve_layout(cfg.cpu_layout)
+    why = " (auto: split measured best under load)" if cfg.cpu_layout == "auto" else ""
+    cores = ", ".join(f"{c.name} on {c.extra['cores']}" for c in children if "cores" in c.extra)
+    if cores:
+        console.print(f"cpu layout {layout}{why}: {cores}")
+
+
+def router_metrics_endpoint(cfg: UpConfig, probe_host: str) -> str:
+    """Where the router's /metrics is open: its admin listener if it has one (the main
+    port's needs the API key when keys are set)."""
+    if cfg.edge.admin_port:
+        admin = cfg.edge.admin_host
+        return f"{'127.0.0.1' if admin in ('0.0.0.0', '::') else admin}:{cfg.edge.admin_port}"
+    return f"{probe_host}:{cfg.port}"
+
+
+def _announce_targets(cfg: UpConfig, children: list[Child]) -> None:
+    """Print the scrape targets after the endpoint line (never starting with http://:
+    tools take the first such line as the endpoint), and write them as file_sd JSON."""
+    targets = scrape_targets(children)
+    print(targets_line(targets), flush=True)
+    if cfg.metrics_targets_file:
+        path = write_file_sd(Path(cfg.metrics_targets_file), targets)
+        console.print(f"scrape targets (Prometheus file_sd) in {path}")
+
+
+def _run_children(cfg: UpConfig, log_dir: Path, etcd: LocalEtcd | None = None) -> int:
+    watch = ClusterWatch(plan(cfg, log_dir), cfg.restart_policy, etcd,
+                         optional_secret(cfg.cluster_secret_file), cfg.tls.load())
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        if cfg.dtype_choice is not None:
+            console.print(cfg.dtype_choice.describe())
+        _print_layout(cfg, list(watch.children.values()))
+        if cfg.simulated:
+            console.print("[yellow]simulated workers[/]: made-up tokens, modelled times "
+                          "(no vLLM engine)")
+        watch.start()
+        watch.wait_servable(cfg.startup_timeout_s)
+        console.print(f"[bold green]pdserve ready[/]: http://{cfg.host}:{cfg.port}/v1  "
+                      f"(model {Path(cfg.model).name}, logs {log_dir})")
+        print(f"http://{cfg.host}:{cfg.port}/v1", flush=True)
+        _announce_targets(cfg, list(watch.children.values()))
+        return watch.serve()
+    except KeyboardInterrupt:
+        console.print("stopping pdserve...")
+        return 0
+    except RuntimeError as exc:
+        console.print(f"[red]pdserve failed to start[/]: {exc}")
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        watch.stop(STOP_GRACE_S)

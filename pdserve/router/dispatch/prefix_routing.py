@@ -1,0 +1,119 @@
+"""What the dispatcher asks of the prefix index: a ``PlacementRequest`` for a
+prompt (its block hashes matched against every worker), the hit metrics, and the
+pending blocks of prefills in flight (recorded at placement, released when the
+prefill fails)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from pdserve.core.block_hash import chain_hashes
+from pdserve.router.dispatch.placement import PlacementRequest
+from pdserve.router.dispatch.prefix_index import PrefixIndex
+from pdserve.router.dispatch.worker_state import WorkerState
+from pdserve.router.metrics import PREFIX, counter, gauge
+
+
+class PrefixMetrics:
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        r = registry
+        self.prompt_tokens = counter(r, f"{PREFIX}placement_prompt_tokens", "Prompt tokens of "
+                                     "requests placed on a prefill worker.")
+        self.matched_tokens = counter(r, f"{PREFIX}placement_matched_tokens", "Prompt tokens "
+                                      "the prefix index said the chosen prefill worker held.")
+        self.cached_tokens = counter(r, f"{PREFIX}placement_cached_tokens", "Prompt tokens the "
+                                     "chosen prefill engine reported served from its prefix "
+                                     "cache.")
+        self.hit_ratio = gauge(r, f"{PREFIX}prefix_cache_hit_ratio", "Prefix cache hit ratio "
+                               "of prefills (engine-reported cached / prompt tokens, since "
+                               "start).")
+        self.predicted_ratio = gauge(r, f"{PREFIX}prefix_index_hit_ratio", "Prefix-index "
+                                     "predicted hit ratio of prefills (matched / prompt tokens, "
+                                     "since start).")
+        self.indexed_blocks = gauge(r, f"{PREFIX}prefix_index_blocks", "(worker, block) "
+                                    "entries in the prefix index.")
+        self.pending_blocks = gauge(r, f"{PREFIX}prefix_pending_blocks", "(worker, block) "
+                                    "entries pending in the prefix index: placed prefills "
+                                    "computing them, no KV event yet.")
+        self.pending_expired = counter(r, f"{PREFIX}prefix_pending_expired", "Pending (worker, "
+                                       "block) entries that no KV event confirmed in time, or "
+                                       "evicted over the cap.")
+
+
+@dataclass(frozen=True)
+class PendingPrefix:
+    """The blocks one placed prefill made pending on its worker (to release on failure)."""
+
+    worker_id: str
+    block_hashes: tuple[int, ...]
+
+
+class PrefixRouting:
+    def __init__(self, index: PrefixIndex, registry: CollectorRegistry | None) -> None:
+        self.index = index
+        self.metrics = PrefixMetrics(registry)
+        # Totals since start, for the ratio gauges.
+        self.num_prompt_tokens = self.num_matched_tokens = self.num_cached_tokens = 0
+        self._num_expired = 0  # pending entries expired or evicted, as last exported
+
+    def request(self, prompt_token_ids: Sequence[int]) -> PlacementRequest:
+        """The prompt matched against every indexed worker, in tokens (blocks being
+        computed by a prefill in flight there count as held)."""
+        matched: dict[str, int] = {}
+        pending: dict[str, int] = {}
+        hashed: dict[int, Sequence[int]] = {}
+        for block_size in self.index.block_sizes():
+            hashes = hashed[block_size] = chain_hashes(prompt_token_ids, block_size)
+            found = self.index.match_blocks(hashes)
+            for worker_id, blocks in found.num_blocks.items():
+                if self.index.block_size(worker_id) == block_size:
+                    matched[worker_id] = blocks * block_size
+                    if worker_id in found.num_pending:
+                        pending[worker_id] = found.num_pending[worker_id] * block_size
+        return PlacementRequest(len(prompt_token_ids), matched, pending, hashed)
+
+    def on_placed(self, request: PlacementRequest, worker: WorkerState) -> PendingPrefix | None:
+        """A prefill was placed on ``worker``: its prompt's blocks are pending there
+        (returned, for ``on_prefill_failed``; None where the worker is not indexed)."""
+        placed = self._record_pending(request, worker)
+        m = self.metrics
+        matched = request.matched_tokens.get(worker.worker_id, 0)
+        self.num_prompt_tokens += request.num_prompt_tokens
+        self.num_matched_tokens += matched
+        m.prompt_tokens.inc(request.num_prompt_tokens)
+        m.matched_tokens.inc(matched)
+        m.predicted_ratio.set(self.num_matched_tokens / max(self.num_prompt_tokens, 1))
+        m.indexed_blocks.set(self.index.num_blocks)
+        self._export_pending()
+        return placed
+
+    def on_prefill_failed(self, pending: PendingPrefix | None) -> None:
+        """The placed prefill failed or was aborted: it will not compute its blocks."""
+        if pending is not None:
+            self.index.release_pending(pending.worker_id, pending.block_hashes)
+            self._export_pending()
+
+    def _record_pending(self, request: PlacementRequest, worker: WorkerState
+                        ) -> PendingPrefix | None:
+        block_size = self.index.block_size(worker.worker_id) if worker.worker_id else None
+        hashes = request.block_hashes.get(block_size or 0)
+        if not hashes:
+            return None
+        return PendingPrefix(worker.worker_id, self.index.add_pending(worker.worker_id, hashes))
+
+    def _export_pending(self) -> None:
+        pending = self.index.pending
+        num_expired = pending.num_expired + pending.num_evicted
+        if num_expired != self._num_expired:
+            self.metrics.pending_expired.inc(num_expired - self._num_expired)
+            self._num_expired = num_expired
+        self.metrics.pending_blocks.set(len(pending))
+
+    def on_prefilled(self, num_cached_tokens: int) -> None:
+        """The placed prefill finished; its engine served ``num_cached_tokens`` from cache."""
+        self.num_cached_tokens += num_cached_tokens
+        self.metrics.cached_tokens.inc(num_cached_tokens)
+        self.metrics.hit_ratio.set(self.num_cached_tokens / max(self.num_prompt_tokens, 1))

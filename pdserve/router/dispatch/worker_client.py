@@ -1,0 +1,175 @@
+"""The router's one gRPC adapter to a worker: a channel and its stub, speaking
+pdserve's own types (``pdserve.core.types``) in and out. Protobuf is converted in
+``pdserve.proto.convert``; nothing above this module sees a message or a grpc
+exception.
+
+Every failed call raises ``WorkerCallError`` carrying the gRPC status code's
+name (``"UNAVAILABLE"``, ``"INVALID_ARGUMENT"``, ``"UNIMPLEMENTED"``, ...), which
+is all the dispatcher needs to choose between fallback, retry and failure.
+Streams (``generate``, ``kv_events``) cancel their call when closed: callers
+close them (``contextlib.aclosing``) as soon as they stop reading.
+
+``probe_health`` / ``probe_load`` are blocking one-shot calls for tools (the
+launcher, tests, benchmarks).
+
+Channels are made in one place (``open_channel``, ``_probe``) with the options of
+``pdserve.core.grpc_options``: keepalive pings turn a hung worker into UNAVAILABLE within
+seconds, whatever the calls' deadlines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from pdserve.core.cluster_secret import ClusterSecret
+from pdserve.core.grpc_auth import aio_channel, sync_channel
+from pdserve.core.grpc_options import DEFAULT_KEEPALIVE_S, client_options
+from pdserve.core.grpc_tls import GrpcTls
+from pdserve.core.types import (
+    KvChange,
+    KvSnapshot,
+    PhaseOutput,
+    PhaseRequest,
+    Role,
+    RoleSwitch,
+    WorkerHealth,
+    WorkerLoadReport,
+)
+from pdserve.proto import convert
+from pdserve.proto.pdserve.v1 import worker_pb2 as pb
+from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
+
+UNAVAILABLE = "UNAVAILABLE"
+INVALID_ARGUMENT = "INVALID_ARGUMENT"
+UNIMPLEMENTED = "UNIMPLEMENTED"
+DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+CANCELLED = "CANCELLED"
+
+
+class WorkerCallError(RuntimeError):
+    """A call to a worker failed; ``code`` is the gRPC status code's name."""
+
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code = code
+        self.details = details
+
+    @classmethod
+    def from_rpc(cls, exc: grpc.RpcError) -> WorkerCallError:
+        """From an ``AioRpcError`` or a blocking call's error (both are ``grpc.Call``s)."""
+        if isinstance(exc, grpc.aio.AioRpcError | grpc.Call):
+            return cls(exc.code().name, exc.details() or "")
+        return cls("UNKNOWN", str(exc))
+
+
+class WorkerClient:
+    """One worker's gRPC endpoint. Every call but ``kv_events`` takes its deadline in
+    seconds (the time the request has left)."""
+
+    def __init__(self, endpoint: str, secret: ClusterSecret | None = None, *,
+                 tls: GrpcTls | None = None, keepalive_s: float = DEFAULT_KEEPALIVE_S) -> None:
+        self.endpoint = endpoint
+        # Every call carries the cluster token with a ``secret``; TLS with ``tls``.
+        self._channel = open_channel(endpoint, keepalive_s, secret, tls)
+        self._stub = pb_grpc.WorkerServiceStub(self._channel)
+
+    async def generate(self, request: PhaseRequest, timeout_s: float
+                       ) -> AsyncIterator[PhaseOutput]:
+        """The phase's outputs as the worker streams them; closing this cancels the call."""
+        call = self._stub.Generate(convert.phase_request_to_pb(request), timeout=timeout_s)
+        async for msg in _stream(call):
+            yield convert.phase_output_from_pb(msg)
+
+    async def abort(self, request_id: str, timeout_s: float) -> bool:
+        """Whether the worker had the request (running, or holding its KV)."""
+        reply = await _unary(self._stub.Abort, pb.AbortRequest(request_id=request_id),
+                             timeout_s)
+        return reply.found
+
+    async def health(self, timeout_s: float) -> WorkerHealth:
+        """Raises ``ValueError`` if the worker names no known role."""
+        return convert.health_from_pb(
+            await _unary(self._stub.Health, pb.HealthRequest(), timeout_s))
+
+    async def load(self, timeout_s: float) -> WorkerLoadReport:
+        return convert.load_from_pb(
+            await _unary(self._stub.GetLoad, pb.GetLoadRequest(), timeout_s))
+
+    async def kv_events(self) -> AsyncIterator[KvChange]:
+        """The worker's prefix-cache changes, until it or the caller ends the stream."""
+        async for msg in _stream(self._stub.StreamKvEvents(pb.KvEventsRequest())):
+            yield convert.kv_change_from_pb(msg)
+
+    async def kv_snapshot(self, timeout_s: float) -> KvSnapshot:
+        return convert.kv_snapshot_from_pb(
+            await _unary(self._stub.GetKvSnapshot, pb.KvSnapshotRequest(), timeout_s))
+
+    async def set_role(self, role: Role, drain_timeout_s: float, timeout_s: float
+                       ) -> RoleSwitch:
+        """Switch the worker to ``role`` (``SetRole``); ``timeout_s`` must leave room for
+        the drain."""
+        return convert.role_switch_from_pb(await _unary(
+            self._stub.SetRole, convert.set_role_to_pb(role, drain_timeout_s), timeout_s))
+
+    async def close(self, grace_s: float | None = None) -> None:
+        await self._channel.close(grace_s)
+
+
+def open_channel(endpoint: str, keepalive_s: float = DEFAULT_KEEPALIVE_S,
+                 secret: ClusterSecret | None = None, tls: GrpcTls | None = None
+                 ) -> grpc.aio.Channel:
+    """The router's channel to one worker: every option it needs, set here only (the
+    cluster token on every call with a ``secret``, TLS with ``tls``)."""
+    return aio_channel(endpoint, client_options(keepalive_s), secret, tls)
+
+
+async def _unary(method: Any, request: Any, timeout_s: float) -> Any:
+    """One unary call, its failure as a ``WorkerCallError``."""
+    try:
+        return await method(request, timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        raise WorkerCallError.from_rpc(exc) from exc
+    except grpc.aio.UsageError as exc:  # the channel was closed (the worker left the view)
+        raise WorkerCallError("UNAVAILABLE", f"channel closed: {exc}") from exc
+
+
+async def _stream(call: Any) -> AsyncIterator[Any]:
+    """A streaming call's messages; its failure as a ``WorkerCallError``; cancelled
+    when the caller stops reading."""
+    try:
+        async for msg in call:
+            yield msg
+    except grpc.aio.AioRpcError as exc:
+        raise WorkerCallError.from_rpc(exc) from exc
+    finally:
+        call.cancel()
+
+
+def probe_health(endpoint: str, timeout_s: float, secret: ClusterSecret | None = None,
+                 tls: GrpcTls | None = None) -> WorkerHealth:
+    """One blocking ``Health`` call; raises ``WorkerCallError`` (or ``ValueError``
+    for a worker that names no known role)."""
+    return convert.health_from_pb(_probe(endpoint, lambda stub: stub.Health, pb.HealthRequest(),
+                                         timeout_s, secret, tls))
+
+
+def probe_load(endpoint: str, timeout_s: float, secret: ClusterSecret | None = None,
+               tls: GrpcTls | None = None) -> WorkerLoadReport:
+    """One blocking ``GetLoad`` call; raises ``WorkerCallError``."""
+    return convert.load_from_pb(_probe(endpoint, lambda stub: stub.GetLoad, pb.GetLoadRequest(),
+                                       timeout_s, secret, tls))
+
+
+def _probe(endpoint: str, method: Callable[[pb_grpc.WorkerServiceStub], Any], request: Any,
+           timeout_s: float, secret: ClusterSecret | None, tls: GrpcTls | None) -> Any:
+    """One blocking unary call (``method`` picks it from the stub) on a channel of its own,
+    carrying the cluster token when there is a ``secret``, over TLS with ``tls``."""
+    with sync_channel(endpoint, secret, tls, client_options()) as channel:
+        call = method(pb_grpc.WorkerServiceStub(channel))
+        try:
+            return call(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise WorkerCallError.from_rpc(exc) from exc

@@ -1,0 +1,235 @@
+"""The router's OpenAI-compatible HTTP layer: a thin FastAPI adapter.
+
+Validation lives in ``schemas.py``, tokenization in ``preprocess.py``, running requests
+in ``serving.py``, error rendering in ``errors.py``. The edge in front of the routes is
+one ASGI middleware per concern, outermost first: metrics (``RequestMetricsMiddleware``),
+request ids (``request_ids.py``), client keys (``auth.py``), the body limit
+(``body_limit.py``), admission (``admission.py``). This module wires them to routes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pdserve.router.dispatch.base import Dispatcher
+from pdserve.router.http.admission import Admission, AdmissionMiddleware, draining_error
+from pdserve.router.http.auth import ApiKeyMiddleware, ApiKeys
+from pdserve.router.http.body_limit import BodyLimitMiddleware
+from pdserve.router.http.edge_config import EdgeConfig
+from pdserve.router.http.errors import (
+    RouteNotFoundError,
+    ServiceUnavailableError,
+    error_response,
+    install_error_handlers,
+)
+from pdserve.router.http.openapi import ERROR_RESPONSES, stream_responses, without_422
+from pdserve.router.http.outcome import outcome_of
+from pdserve.router.http.preprocess import OffLoop, Preprocessor, Tokenizer
+from pdserve.router.http.request_ids import RequestIdMiddleware, arrival_of, request_id_of
+from pdserve.router.http.response_schemas import ChatCompletionResponse, CompletionResponse
+from pdserve.router.http.schemas import ChatCompletionRequest, CompletionRequest
+from pdserve.router.http.serving import OpenAIServing
+from pdserve.router.http.tools import ToolCalling
+from pdserve.router.metrics import METRICS_DISABLED_ENV, RouterMetrics
+
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+_GENERATION_PATHS = frozenset({COMPLETIONS_PATH, CHAT_COMPLETIONS_PATH})
+_KNOWN_PATHS = _GENERATION_PATHS | {"/v1/models", "/health", "/metrics", "/workers",
+                                    "/prefix_index"}
+
+
+def create_app(
+    *,
+    served_model_name: str,
+    max_model_len: int,
+    tokenizer: Any,
+    dispatcher: Dispatcher,
+    registry: CollectorRegistry | None = None,
+    edge: EdgeConfig | None = None,
+    request_timeout_s: float = 600.0,
+    metrics_enabled: bool = True,
+    tool_calling: ToolCalling | None = None,
+    eos_token_ids: frozenset[int] | None = None,
+) -> FastAPI:
+    """Build the router app. ``tokenizer`` is a Hugging Face tokenizer (see
+    ``preprocess.Tokenizer``). Pass the dispatcher's ``registry`` so ``/metrics`` serves both;
+    without one the app gets a fresh registry. ``edge``: keys, admission and body limits
+    (default: ``EdgeConfig()``, no keys). ``request_timeout_s`` is the longest deadline a
+    request gets (``Deadline``). ``metrics_enabled=False``: no metric work per request,
+    and ``/metrics`` answers 404 (``metrics.py``). ``app.state`` holds ``metrics`` (the
+    ``RouterMetrics``), ``registry`` (None with metrics off), ``admission`` (drain it with
+    ``start_drain()``). ``tool_calling``: vLLM's tool parser (``tools.py``); None: tool
+    choices other than ``none`` are refused. ``eos_token_ids``: the ids the engines end a
+    sequence on (default: the tokenizer's end of sequence)."""
+    edge = edge or EdgeConfig()
+    if not metrics_enabled:
+        registry = None
+    elif registry is None:
+        registry = CollectorRegistry()
+    admission = Admission(edge.max_concurrent, edge.max_queued, edge.max_queue_wait_s)
+    metrics = RouterMetrics(registry, served_model_name, admission)
+    typed_tokenizer: Tokenizer = tokenizer
+    preprocessor = Preprocessor(
+        served_model_name=served_model_name,
+        max_model_len=max_model_len,
+        tokenizer=typed_tokenizer,
+        tool_calling=tool_calling,
+        eos_token_ids=eos_token_ids,
+    )
+    serving = OpenAIServing(dispatcher=dispatcher, decoder=typed_tokenizer, metrics=metrics,
+                            request_timeout_s=request_timeout_s)
+
+    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None)
+    app.state.metrics = metrics
+    app.state.registry = registry
+    app.state.admission = admission
+    install_error_handlers(app)
+    app.add_middleware(AdmissionMiddleware, admission=admission, paths=_GENERATION_PATHS)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=edge.max_body_bytes)
+    app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(edge.api_keys))
+    app.add_middleware(RequestIdMiddleware, unique_paths=_GENERATION_PATHS)
+    if metrics.enabled:
+        app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    app.include_router(_openai_routes(preprocessor, serving, OffLoop()))
+    app.include_router(_operations_routes(preprocessor, dispatcher, admission))
+    app.include_router(admin_routes(registry))
+    without_422(app)
+    return app
+
+
+def create_admin_app(registry: CollectorRegistry | None, *routers: APIRouter) -> FastAPI:
+    """The admin listener's app: ``/metrics`` (404 with metrics off: ``registry`` None)
+    and ``routers`` (the cluster views), without keys; bind it to a private address
+    (``--admin-host``)."""
+    app = FastAPI(title="pdserve router admin", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.include_router(admin_routes(registry))
+    for router in routers:
+        app.include_router(router)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app
+
+
+def _openai_routes(preprocessor: Preprocessor, serving: OpenAIServing,
+                   off_loop: OffLoop) -> APIRouter:
+    router = APIRouter()
+
+    @router.post(COMPLETIONS_PATH, response_model=None,
+                 responses=stream_responses(CompletionResponse))
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        generation = await off_loop.run(preprocessor.completion, body,
+                                        request_id_of(request.scope), arrival_of(request.scope))
+        return await serving.serve(generation, request)
+
+    @router.post(CHAT_COMPLETIONS_PATH, response_model=None,
+                 responses=stream_responses(ChatCompletionResponse))
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        generation = await off_loop.run(preprocessor.chat, body,
+                                        request_id_of(request.scope), arrival_of(request.scope))
+        return await serving.serve(generation, request)
+
+    return router
+
+
+def _operations_routes(
+    preprocessor: Preprocessor, dispatcher: Dispatcher, admission: Admission
+) -> APIRouter:
+    router = APIRouter()
+    created = int(time.time())
+
+    @router.get("/v1/models", responses=ERROR_RESPONSES)
+    async def models() -> dict[str, Any]:
+        """The model only while a healthy decode worker serves it (every worker of this
+        router serves its one model): a client polling this waits for servable."""
+        if not dispatcher.is_ready():
+            return {"object": "list", "data": []}
+        card = {
+            "id": preprocessor.served_model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "pdserve",
+            "max_model_len": preprocessor.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @router.get("/health", responses=ERROR_RESPONSES)
+    async def health() -> Response:
+        if admission.draining:
+            return error_response(draining_error())
+        if dispatcher.is_ready():
+            return JSONResponse({"status": "ok"})
+        return error_response(
+            ServiceUnavailableError("no healthy worker route", code="no_worker_available")
+        )
+
+    return router
+
+
+def admin_routes(registry: CollectorRegistry | None) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/metrics", response_class=Response, responses=ERROR_RESPONSES)
+    async def prometheus_metrics() -> Response:
+        if registry is None:
+            return error_response(RouteNotFoundError(
+                "metrics are disabled on this router (--disable-metrics / "
+                f"{METRICS_DISABLED_ENV})", code="metrics_disabled"))
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+class RequestMetricsMiddleware:
+    """Counts requests by endpoint and final status, failed generation requests by
+    reason, and generation requests in flight.
+
+    The final status is the recorded outcome (``outcome.py``) when there is one: a
+    stream that failed after its 200 counts with its error's status, not as a 200.
+    Pure ASGI (not ``BaseHTTPMiddleware``) so streaming responses pass through untouched
+    and the in-flight gauge covers the whole stream.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: RouterMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        status = 500  # if the app raises before answering, ServerErrorMiddleware sends a 500
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        tracked = path in _GENERATION_PATHS
+        if tracked:
+            self.metrics.requests_in_flight.inc()
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            if tracked:
+                self.metrics.requests_in_flight.dec()
+            endpoint = path if path in _KNOWN_PATHS else "other"
+            outcome = outcome_of(scope)
+            final = outcome.status if outcome is not None else status
+            self.metrics.requests.labels(endpoint, str(final)).inc()
+            if tracked and final != 200:
+                reason = outcome.reason if outcome is not None else f"http_{final}"
+                self.metrics.request_failures.labels(endpoint, reason).inc()

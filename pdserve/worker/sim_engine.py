@@ -1,0 +1,140 @@
+"""A simulated engine for router-scale tests and benchmarks (never instead of vLLM).
+
+It models what placement cares about: a prefix cache of ``num_blocks`` blocks
+with LRU eviction (named by pdserve's chained hashes, so its KV events are the
+same shape as a vLLM worker's), prefill time proportional to the uncached
+prompt tokens (one prefill at a time, like one engine's compute), and decode time
+per token. Its cache changes go through a ``KvCacheMirror``, i.e. through the
+same relay a vLLM worker uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from pdserve.core.block_hash import chain_hashes
+from pdserve.core.types import Role
+from pdserve.worker.kv_mirror import KvCacheMirror
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    role: Role
+    worker_id: str
+    block_size: int = 16
+    num_blocks: int = 1024
+    prefill_s_per_token: float = 20e-6
+    step_overhead_s: float = 2e-3
+    decode_s_per_token: float = 2e-3
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', not {self.role!r}")
+        if self.block_size < 1 or self.num_blocks < 1:
+            raise ValueError("block_size and num_blocks must be >= 1")
+        if min(self.prefill_s_per_token, self.step_overhead_s, self.decode_s_per_token) < 0:
+            raise ValueError("modelled times must be >= 0")
+
+
+@dataclass(frozen=True)
+class SimPrefill:
+    num_cached_tokens: int
+    queue_ns: int
+    compute_ns: int
+
+
+@dataclass
+class SimCounters:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    prompt_tokens_computed: int = 0
+    prompt_tokens_local_cache_hit: int = 0
+
+
+class SimEngine:
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.counters = SimCounters()
+        self.mirror = KvCacheMirror(config.block_size)
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._compute = asyncio.Lock()
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return len(self._lru) / self.config.num_blocks
+
+    def cached_prefix_blocks(self, hashes: Sequence[int]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self._lru:
+                break
+            n += 1
+        return n
+
+    async def prefill(self, prompt: Sequence[int]) -> int:
+        """Compute the prompt (modelled time); returns the prompt tokens served from cache."""
+        return (await self.prefill_timed(prompt)).num_cached_tokens
+
+    async def prefill_timed(self, prompt: Sequence[int]) -> SimPrefill:
+        """``prefill``, with its time in the queue (waiting for the compute) and computing."""
+        queued = time.perf_counter_ns()
+        scheduled = await self._prefill_locked(prompt, queued)
+        return SimPrefill(scheduled[0], scheduled[1] - queued,
+                          time.perf_counter_ns() - scheduled[1])
+
+    async def _prefill_locked(self, prompt: Sequence[int], queued: int) -> tuple[int, int]:
+        """(cached tokens, when the compute began)."""
+        c, cfg = self.counters, self.config
+        c.num_waiting_reqs += 1
+        async with self._compute:
+            scheduled = time.perf_counter_ns()
+            c.num_waiting_reqs -= 1
+            c.num_running_reqs += 1
+            try:
+                hashes = chain_hashes(prompt, cfg.block_size)
+                hit = self.cached_prefix_blocks(hashes)
+                cached = min(hit * cfg.block_size, len(prompt) - 1)  # vLLM recomputes >= 1
+                for h in hashes[:hit]:
+                    self._lru.move_to_end(h)
+                await asyncio.sleep(cfg.step_overhead_s
+                                    + (len(prompt) - cached) * cfg.prefill_s_per_token)
+                self._store(hashes[hit:])
+                c.prompt_tokens_computed += len(prompt) - cached
+                c.prompt_tokens_local_cache_hit += cached
+                return cached, scheduled
+            finally:
+                c.num_running_reqs -= 1
+
+    async def decode(self, prompt: Sequence[int], max_tokens: int, first_index: int = 0
+                     ) -> AsyncIterator[int]:
+        """Output tokens ``first_index`` onwards of ``prompt``'s answer: a function of
+        the prompt alone, as a greedy engine's is, whichever worker made the first."""
+        self.counters.num_running_reqs += 1
+        try:
+            seed = sum(prompt)
+            for i in range(first_index, first_index + max_tokens):
+                await asyncio.sleep(self.config.decode_s_per_token)
+                yield 10 + (seed + i) % 1000
+        finally:
+            self.counters.num_running_reqs -= 1
+
+    def _store(self, new: Sequence[int]) -> None:
+        stored: list[int] = []
+        for h in new:
+            if h in self._lru:
+                self._lru.move_to_end(h)
+            else:
+                self._lru[h] = None
+                stored.append(h)
+        evicted = [self._lru.popitem(last=False)[0]
+                   for _ in range(max(0, len(self._lru) - self.config.num_blocks))]
+        self.mirror.apply(False, stored, evicted)
+
+    def clear(self) -> None:
+        self._lru.clear()
+        self.mirror.apply(True, (), ())

@@ -1,0 +1,195 @@
+"""vLLM's KV cache events -> the worker's ``KvCacheMirror``.
+
+The prefill engine publishes ``BlockStored`` / ``BlockRemoved`` /
+``AllBlocksCleared`` batches on a ZMQ PUB socket (EngineCore process) with
+sequence numbers and a replay ROUTER socket. ``ZmqKvEventSource`` subscribes from
+the worker's own process on a thread, replays missed batches on a seq gap, and
+hands translated changes to the event loop. ``VllmEventTranslator`` turns vLLM's
+block hashes into pdserve chained hashes, computed from the token ids the events
+carry (vLLM's removal events name blocks by vLLM hash only, hence the map).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+import threading
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.core.block_hash import ROOT_HASH, chain_hashes
+from pdserve.worker.kv_mirror import KvCacheMirror
+
+logger = logging.getLogger("pdserve.worker.kv_events")
+_END_SEQ = -1
+_REPLAY_TIMEOUT_MS = 2000
+
+Change = tuple[bool, list[int], list[int]]  # (cleared, stored, removed)
+
+
+@dataclass(frozen=True)
+class KvEventEndpoints:
+    """ZMQ endpoints of one engine's publisher (ipc: sockets in the temp dir)."""
+
+    pub: str
+    replay: str
+
+    @classmethod
+    def for_worker(cls, worker_id: str) -> KvEventEndpoints:
+        base = Path(tempfile.gettempdir()) / f"pdserve-kvev-{worker_id}"
+        return cls(pub=f"ipc://{base}.pub", replay=f"ipc://{base}.replay")
+
+    def remove_files(self) -> None:
+        """Delete the ipc socket files (after the engine, which bound them, is gone)."""
+        for endpoint in (self.pub, self.replay):
+            if endpoint.startswith("ipc://"):
+                Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
+
+
+class VllmEventTranslator:
+    """Keeps vLLM hash -> pdserve hash for the blocks vLLM holds."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._ours: dict[Hashable, int] = {}
+        self.num_unchained = 0  # stored events whose parent block was unknown
+
+    def translate(self, events: Iterable[Any]) -> Change:
+        cleared = False
+        stored: list[int] = []
+        removed: list[int] = []
+        for ev in events:
+            kind = type(ev).__name__
+            if kind == "AllBlocksCleared":
+                self._ours.clear()
+                cleared, stored, removed = True, [], []
+            elif kind == "BlockStored":
+                stored += self._stored(ev)
+            elif kind == "BlockRemoved":
+                removed += [h for vh in ev.block_hashes
+                            if (h := self._ours.pop(_key(vh), None)) is not None]
+        return cleared, stored, removed
+
+    def _stored(self, ev: Any) -> list[int]:
+        n = len(ev.block_hashes)
+        if ev.block_size != self.block_size or len(ev.token_ids) != n * self.block_size:
+            return []  # a partial block: vLLM's prefix matching ignores those too
+        parent = ROOT_HASH
+        if ev.parent_block_hash is not None:
+            known = self._ours.get(_key(ev.parent_block_hash))
+            if known is None:
+                self.num_unchained += 1
+                return []
+            parent = known
+        ours = chain_hashes(ev.token_ids, self.block_size, parent)
+        for vh, h in zip(ev.block_hashes, ours, strict=True):
+            self._ours[_key(vh)] = h
+        return ours
+
+
+def _key(vllm_hash: Any) -> Hashable:
+    return bytes(vllm_hash) if isinstance(vllm_hash, bytearray | memoryview) else vllm_hash
+
+
+class ZmqKvEventSource:
+    """Subscribes to one engine's KV events on a daemon thread; calls ``sink`` on
+    the event loop with each translated change, in order."""
+
+    def __init__(self, endpoints: KvEventEndpoints, block_size: int,
+                 sink: Callable[[bool, list[int], list[int]], object],
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self._endpoints = endpoints
+        self._translator = VllmEventTranslator(block_size)
+        self._sink = sink
+        self._loop = loop
+        self._stop = threading.Event()
+        self._next_seq = 0
+        self.num_replayed = 0
+        self.num_lost = 0
+        self._thread = threading.Thread(target=self._run, name="pdserve-kv-events", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        ctx = zmq.Context.instance()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(self._endpoints.pub)
+        try:
+            while not self._stop.is_set():
+                if not sub.poll(200):
+                    continue
+                _topic, seq_bytes, payload = sub.recv_multipart()
+                seq = int.from_bytes(seq_bytes, "big", signed=True)
+                if seq > self._next_seq:
+                    self._replay(ctx, decoder, seq)
+                if seq >= self._next_seq:
+                    self._deliver(seq, decoder.decode(payload))
+        except Exception:  # noqa: BLE001 - a dead source must say why, once
+            logger.exception("KV event subscriber stopped")
+        finally:
+            sub.close(linger=0)
+
+    def _replay(self, ctx: Any, decoder: Any, upto: int) -> None:
+        """Fetch batches [next_seq, upto) from the publisher's replay buffer."""
+        import zmq
+
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(self._endpoints.replay)
+        try:
+            sock.send_multipart([b"", self._next_seq.to_bytes(8, "big")])
+            while sock.poll(_REPLAY_TIMEOUT_MS):
+                _, _topic, seq_bytes, payload = sock.recv_multipart()
+                seq = int.from_bytes(seq_bytes, "big", signed=True)
+                if seq == _END_SEQ:
+                    break
+                if self._next_seq <= seq < upto:
+                    self._deliver(seq, decoder.decode(payload))
+                    self.num_replayed += 1
+        finally:
+            sock.close(linger=0)
+        if self._next_seq < upto:
+            self.num_lost += upto - self._next_seq
+            logger.error("KV events %d..%d lost (not in the replay buffer); the prefix "
+                         "index may be stale until blocks are stored again",
+                         self._next_seq, upto - 1)
+            self._next_seq = upto
+
+    def _deliver(self, seq: int, batch: Any) -> None:
+        self._next_seq = seq + 1
+        cleared, stored, removed = self._translator.translate(batch.events)
+        if cleared or stored or removed:
+            self._loop.call_soon_threadsafe(self._sink, cleared, stored, removed)
+
+
+@dataclass
+class KvEventMirroring:
+    """A running engine's KV events, kept in ``mirror`` (the prefill worker's)."""
+
+    mirror: KvCacheMirror
+    source: ZmqKvEventSource
+
+    @classmethod
+    def start(cls, endpoints: KvEventEndpoints, block_size: int,
+              loop: asyncio.AbstractEventLoop) -> KvEventMirroring:
+        """Subscribe (call on the event loop ``loop`` once the engine runs)."""
+        mirror = KvCacheMirror(block_size)
+        source = ZmqKvEventSource(endpoints, block_size, mirror.apply, loop)
+        source.start()
+        return cls(mirror, source)
+
+    def close(self) -> None:
+        self.source.close()
