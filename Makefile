@@ -18,6 +18,7 @@ serve: install
 test: install etcd
 	@$(BIN)/pdserve machine
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
 	HF_HUB_OFFLINE=1 $(BIN)/pdserve prepare-model
 	HF_HUB_OFFLINE=1 $(BIN)/pytest --durations=25 $(PYTEST_ARGS)
 
@@ -55,6 +56,7 @@ proto: | $(BIN)/python
 
 lint:
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -29,7 +29,7 @@ from pdserve.router.dispatch.planner import (
 from pdserve.router.dispatch.slo import DERIVED_ITL_FACTOR, SloConfig
 from pdserve.router.dispatch.worker_state import StepCost
 from pdserve.router.dispatch.workers import Worker, WorkerPool
-from pdserve.router.http.errors import APIError
+from pdserve.router.http.base import APIError
 from pdserve.router.http.roles import RoleSwitcher
 from pdserve.router.metrics import PREFIX, counter, gauge
 

@@ -90,8 +90,8 @@ def test_engine_build_arg_picks_the_variant() -> None:
 
 def test_build_context_holds_every_installed_source_folder() -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    folders = {path.split("/")[0]
-               for path in pyproject["tool"]["setuptools"]["package-dir"].values()}
+    folders = {pattern.rstrip("*") for pattern
+               in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
     allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
                if line.startswith("!")}
     assert folders | {"pyproject.toml", "README.md"} <= allowed

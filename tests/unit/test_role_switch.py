@@ -21,7 +21,7 @@ from pdserve.router.dispatch.worker_client import WorkerCallError, WorkerClient
 from pdserve.router.dispatch.workers import WorkerPool
 from pdserve.router.http.admin import AdminAuth, admin_actions
 from pdserve.router.http.app import create_admin_app
-from pdserve.router.http.errors import APIError
+from pdserve.router.http.base import APIError
 from pdserve.router.http.roles import RoleSwitcher
 
 CALL_S = 10.0

@@ -12,15 +12,10 @@ stop token (``add(..., last_stops=True)``), as vLLM does.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+
+from pdserve.router.http.base import TokenDecoder
 
 _INCOMPLETE = "\ufffd"  # what a decoder returns for a truncated UTF-8 sequence
-
-
-class TokenDecoder(Protocol):
-    """The part of a Hugging Face tokenizer the detokenizer needs."""
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
 class StopStringMatcher:

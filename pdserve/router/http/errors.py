@@ -24,35 +24,13 @@ from pdserve.router.dispatch.base import (
     RequestRejectedError,
     WorkerFailedError,
 )
+from pdserve.router.http.base import APIError
 from pdserve.router.http.outcome import outcome_reason, record_outcome
 
 logger = logging.getLogger(__name__)
 
 # Pydantic puts union member names into error locations; they are not field names.
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
-
-
-class APIError(Exception):
-    """An error with its OpenAI rendering; subclasses fix status and type."""
-
-    status_code = 500
-    error_type = "server_error"
-
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.error_type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
 
 
 class InvalidRequestError(APIError):

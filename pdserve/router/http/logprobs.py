@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from pdserve.core.types import TokenLogprobs
-from pdserve.router.http.detokenize import TokenDecoder
+from pdserve.router.http.base import TokenDecoder
 from pdserve.router.http.response_schemas import CompletionLogprobs, LogprobContent, TopLogprob
 
 LOGPROB_FLOOR = -9999.0  # vLLM's stand-in for -inf

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from starlette.types import Scope
 
 if TYPE_CHECKING:
-    from pdserve.router.http.errors import APIError
+    from pdserve.router.http.base import APIError
 
 _KEY = "pdserve.outcome"
 CLIENT_CLOSED = "client_closed"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
 
 from pdserve.core.types import SamplingSpec, StructuredOutput
-from pdserve.router.http.detokenize import TokenDecoder
+from pdserve.router.http.base import TokenDecoder
 from pdserve.router.http.errors import (
     ContextLengthExceededError,
     InvalidRequestError,

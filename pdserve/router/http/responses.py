@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pdserve.core.types import TokenLogprobs
-from pdserve.router.http.errors import APIError
+from pdserve.router.http.base import APIError
 from pdserve.router.http.logprobs import LogprobText, chat_entries, completion_logprobs
 from pdserve.router.http.preprocess import GenerationRequest
 from pdserve.router.http.response_schemas import (

@@ -29,6 +29,7 @@ from pdserve.router.dispatch.base import (
     WorkerFailedError,
 )
 from pdserve.router.dispatch.timeline import RequestTimeline
+from pdserve.router.http.base import APIError, TokenDecoder
 from pdserve.router.http.cancellation import (
     ClientDisconnectedError,
     ClosingStreamingResponse,
@@ -37,8 +38,7 @@ from pdserve.router.http.cancellation import (
     until_disconnect,
 )
 from pdserve.router.http.choices import ChoiceStreams, fan_in, single_choice
-from pdserve.router.http.detokenize import TokenDecoder
-from pdserve.router.http.errors import APIError, to_api_error
+from pdserve.router.http.errors import to_api_error
 from pdserve.router.http.logprobs import LogprobText
 from pdserve.router.http.outcome import CLIENT_CLOSED, outcome_reason, record_outcome
 from pdserve.router.http.preprocess import GenerationRequest
