@@ -6,18 +6,15 @@ connector itself; nothing here holds KV past the request."""
 
 from __future__ import annotations
 
-import asyncio
-from typing import TYPE_CHECKING, Any
-
-from pdserve.core.handle import KVHandle
 from pdserve.core.types import PhaseRequest, Role
 from pdserve.worker.engine import EngineParams
-
-if TYPE_CHECKING:
-    from pdserve.worker.kv_mirror import KvCacheMirror
+from pdserve.worker.policy import RolePolicy
 
 
-class DecodePolicy:
+class DecodePolicy(RolePolicy):
+    """Holds nothing past a request and runs nothing beside the engine: every other
+    method is ``RolePolicy``'s default."""
+
     @property
     def role(self) -> Role:
         return "decode"
@@ -31,32 +28,3 @@ class DecodePolicy:
             max_tokens=request.sampling.max_tokens, kv_transfer_params=params,
             num_output_in_prompt=request.num_output_in_prompt,
             prompt_logprobs=request.sampling.prompt_logprobs if handle is None else None)
-
-    def on_finished(self, request: PhaseRequest,
-                    kv_transfer_params: dict[str, Any] | None) -> KVHandle | None:
-        return None
-
-    async def release(self, request_id: str) -> bool:
-        return False
-
-    async def release_all(self) -> int:
-        return 0
-
-    def prune(self, now_ns: int) -> None:
-        return
-
-    def start(self, block_size: int, loop: asyncio.AbstractEventLoop) -> None:
-        return
-
-    def stop(self) -> None:
-        return
-
-    def close(self) -> None:
-        return
-
-    @property
-    def publishes_kv_events(self) -> bool:
-        return False
-
-    def kv_mirror(self) -> KvCacheMirror | None:
-        return None

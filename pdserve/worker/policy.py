@@ -23,7 +23,9 @@ class RolePolicy(Protocol):
     ``kv_transfer_params``), what a finished request leaves behind (prefill: a KV
     handle under a lease, held until released or expired), how an abort frees it,
     and role services that run beside the engine (prefill: the KV-event mirror).
-    Every method runs on the worker's event loop.
+    Every method runs on the worker's event loop. A role that holds nothing past a
+    request and runs nothing beside the engine (decode) subclasses this and inherits
+    the defaults below; ``role`` and ``engine_params`` every role decides.
     """
 
     @property
@@ -37,41 +39,37 @@ class RolePolicy(Protocol):
                     kv_transfer_params: dict[str, Any] | None) -> KVHandle | None:
         """``request``'s last output came with these params from the connector;
         returns the KV handle to hand back (recording its lease), if any."""
-        ...
+        return None
 
     async def release(self, request_id: str) -> bool:
         """The router aborted ``request_id``: free what this role holds for it
         (may block on the network, off the loop); True if it held anything."""
-        ...
+        return False
 
     async def release_all(self) -> int:
         """A role switch's drain ran out: free everything this role still holds (off
         the loop where it blocks); how many requests held anything."""
-        ...
+        return 0
 
     def prune(self, now_ns: int) -> None:
         """Forget what expired by ``now_ns`` (unix ns); called on every GetLoad."""
-        ...
 
     def start(self, block_size: int, loop: asyncio.AbstractEventLoop) -> None:
         """The engine runs: start the role's own services."""
-        ...
 
     def stop(self) -> None:
         """Stop them, leaving what the engine bound (a role switch: the engine stays;
         idempotent)."""
-        ...
 
     def close(self) -> None:
         """Stop them and remove what the engine bound (idempotent; after the engine is
         gone)."""
-        ...
 
     @property
     def publishes_kv_events(self) -> bool:
         """Whether this worker mirrors its engine's KV events (prefill with events on)."""
-        ...
+        return False
 
     def kv_mirror(self) -> KvCacheMirror | None:
         """The KV-event mirror once ``start`` ran; None before, or when it publishes none."""
-        ...
+        return None
