@@ -3,8 +3,8 @@
 
 Every flag also reads a ``PDSERVE_<FLAG>`` environment variable (e.g.
 ``PDSERVE_PORT``); flags win. Flags are declared once (``flags.py``); each
-component builds its own config from the parsed flags (``from_args``); this
-module only picks the subcommand's flags and dispatches.
+component's frozen config is built from the parsed flags in one place
+(``configs.py``); this module only picks the subcommand's flags and dispatches.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from pdserve.cli.flags import FLAGS, FlagParser, HelpFormatter
 from pdserve.core.logs import setup_logging
 from pdserve.core.model import DEFAULT_MODEL_NAME, ResolvedModel
+from pdserve.core.version import version
 
 # Flags by concern; a subcommand takes the groups it needs.
 COMMON = ("model", "max-model-len", "log-level", "log-format")
@@ -51,13 +51,6 @@ _HTTP = {"host": {"help": "the router's HTTP bind address"},
 _GRPC = {"host": {"help": "gRPC bind address"}}
 
 
-def _version() -> str:
-    try:
-        return version("pdserve")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown"
-
-
 def _command(sub: Any, name: str, help: str, names: Sequence[str],
              overrides: dict[str, dict[str, Any]] | None = None) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = sub.add_parser(
@@ -70,7 +63,7 @@ def _command(sub: Any, name: str, help: str, names: Sequence[str],
 def build_parser() -> argparse.ArgumentParser:
     parser = FlagParser(prog="pdserve", description=__doc__.splitlines()[0],
                         formatter_class=HelpFormatter)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _command(sub, "up", "router + prefill + decode workers on this machine",
              COMMON + ENGINE + TRANSPORT + MEMBERSHIP + UP + SECURITY,
@@ -101,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
-        from pdserve.bench.cli import main as bench_main
+        from pdserve.cli.bench import main as bench_main
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
@@ -138,11 +131,11 @@ def _run(args: argparse.Namespace) -> int:
 def _run_worker(args: argparse.Namespace, model: ResolvedModel) -> int:
     import asyncio
 
+    from pdserve.cli.configs import worker_config
     from pdserve.launch.serve_worker import serve_worker
     from pdserve.membership import create_registrar
-    from pdserve.worker.config import WorkerConfig
 
-    config = WorkerConfig.from_args(args, model)
+    config = worker_config(args, model)
     asyncio.run(serve_worker(config.engine, config.worker_id, config.host, config.port,
                              create_registrar(config.membership), config.advertise_host,
                              config.grpc_keepalive_s, config.drain_timeout_s,
@@ -151,16 +144,18 @@ def _run_worker(args: argparse.Namespace, model: ResolvedModel) -> int:
 
 
 def _run_router(args: argparse.Namespace, model: ResolvedModel) -> int:
-    from pdserve.router.server import RouterConfig, run_router
+    from pdserve.cli.configs import router_config
+    from pdserve.router.server import run_router
 
-    run_router(RouterConfig.from_args(args, model))
+    run_router(router_config(args, model))
     return 0
 
 
 def _run_up(args: argparse.Namespace, model: ResolvedModel) -> int:
-    from pdserve.launch.up import UpConfig, run_up
+    from pdserve.cli.configs import up_config
+    from pdserve.launch.up import run_up
 
-    return run_up(UpConfig.from_args(args, model))
+    return run_up(up_config(args, model))
 
 
 def _run_health(args: argparse.Namespace) -> int:
@@ -174,19 +169,17 @@ def _run_health(args: argparse.Namespace) -> int:
 def _run_sim_worker(args: argparse.Namespace) -> int:
     import asyncio
 
+    from pdserve.cli.configs import metrics_listener, sim_config, tls_files, worker_membership
     from pdserve.core.cluster_secret import optional_secret
-    from pdserve.core.grpc_tls import TlsFiles
-    from pdserve.launch.sim_worker import serve_sim_worker, sim_advertise_host, sim_config_from_args
-    from pdserve.membership import MembershipConfig, create_registrar
-    from pdserve.worker.metrics import MetricsListener
+    from pdserve.launch.sim_worker import serve_sim_worker, sim_advertise_host
+    from pdserve.membership import create_registrar
 
-    membership = MembershipConfig.from_flags(args.etcd, args.cluster, args.etcd_ttl_s)
-    metrics = MetricsListener.from_flags(args.metrics_host, args.metrics_port, args.host,
-                                         sim_advertise_host(args.host))
-    asyncio.run(serve_sim_worker(sim_config_from_args(args), args.host, args.port,
+    membership = worker_membership(args)
+    metrics = metrics_listener(args, sim_advertise_host(args.host))
+    asyncio.run(serve_sim_worker(sim_config(args), args.host, args.port,
                                  create_registrar(membership),
                                  optional_secret(args.cluster_secret_file),
-                                 TlsFiles.from_args(args).load(),
+                                 tls_files(args).load(),
                                  args.grpc_keepalive_s, args.drain_timeout_s, metrics))
     return 0
 

@@ -14,7 +14,6 @@ whose certificate the CA signed. One set of flags serves both ends:
 
 from __future__ import annotations
 
-import argparse
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,10 +36,6 @@ class TlsFiles:
     @property
     def enabled(self) -> bool:
         return bool(self.cert or self.ca)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> TlsFiles:
-        return cls(args.tls_cert, args.tls_key, args.tls_ca)
 
     def flags(self) -> list[str]:
         """The same files as flags, for a child process."""

@@ -1,19 +1,16 @@
 """The simulated worker: a ``SimEngine`` behind the same gRPC ``WorkerService``
 (``pdserve.worker.servicer``) a vLLM worker runs.
 
-``pdserve sim-worker --role prefill --port 50051`` (or ``python -m
-pdserve.launch.sim_worker``). Tokens are made up; timing, prefix caching and KV events
+``pdserve sim-worker --role prefill --port 50051`` (its config is built by
+``pdserve.cli.configs.sim_config``). Tokens are made up; timing, prefix caching and KV events
 are modelled. For router-scale tests and benchmarks only.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
-import sys
-import uuid
 from collections.abc import AsyncGenerator
 
 import grpc
@@ -183,18 +180,3 @@ def sim_worker_info(host_backend: SimHost, host: str, port: int) -> WorkerInfo:
 
 def sim_advertise_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::") else host
-
-
-def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
-    """From the ``sim-worker`` subcommand's flags."""
-    return SimConfig(
-        role=args.role, worker_id=args.worker_id or f"sim-{args.role}-{uuid.uuid4().hex[:8]}",
-        block_size=args.block_size, num_blocks=args.num_blocks,
-        prefill_s_per_token=args.prefill_us_per_token * 1e-6,
-        decode_s_per_token=args.decode_ms_per_token * 1e-3)
-
-
-if __name__ == "__main__":
-    from pdserve.cli.main import main
-
-    sys.exit(main(["sim-worker", *sys.argv[1:]]))

@@ -11,7 +11,6 @@ modelled times) instead of vLLM ones, for fast router and fault tests.
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 import tempfile
@@ -20,9 +19,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pdserve.core.cluster_secret import optional_secret, write_cluster_secret
-from pdserve.core.dtype import DtypeChoice, resolve_dtype
+from pdserve.core.dtype import DtypeChoice
 from pdserve.core.grpc_tls import TlsFiles
-from pdserve.core.model import ResolvedModel, cache_dir
+from pdserve.core.model import cache_dir
 from pdserve.core.ports import free_port
 from pdserve.kv_transfer.base import transport_names
 from pdserve.launch.cpu_layout import CPU_LAYOUTS, DEFAULT_CPU_LAYOUT, core_sets, resolve_layout
@@ -106,33 +105,6 @@ class UpConfig:
                              "directory")
         optional_secret(self.cluster_secret_file)  # a bad secret file fails before any child
         self.tls.load()
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
-        """From the ``up`` subcommand's flags; ``--dtype auto`` resolved here, once, for
-        every engine (simulated workers have no dtype)."""
-        dtype = None if args.simulated else resolve_dtype(args.dtype, model_path=model.path)
-        return cls(
-            model=str(model.path), dtype=dtype.dtype if dtype else args.dtype,
-            dtype_choice=dtype, host=args.host, port=args.port,
-            num_prefill=args.num_prefill, num_decode=args.num_decode,
-            transport=args.transport, max_model_len=args.max_model_len,
-            kv_cache_gib=args.kv_cache_gib, placement=args.placement,
-            startup_timeout_s=args.startup_timeout_s, log_level=args.log_level,
-            cpu_layout=args.cpu_layout, kv_checksum=args.kv_checksum,
-            kv_throttle_mib_s=args.kv_throttle_mib_s, kv_push=args.kv_push,
-            etcd=args.etcd or "", with_etcd=args.with_etcd, cluster=args.cluster,
-            etcd_ttl_s=args.etcd_ttl_s, num_kv_blocks=args.num_kv_blocks or None,
-            shm_spin_s=args.shm_spin_s, prefill_chunk_tokens=args.prefill_chunk_tokens,
-            disagg=DisaggConfig.from_args(args), planner=PlannerConfig.from_args(args),
-            tools=ToolConfig.from_args(args),
-            max_restarts=args.max_restarts,
-            restart_window_s=args.restart_window_s, simulated=args.simulated,
-            cluster_secret_file=args.cluster_secret_file, tls=TlsFiles.from_args(args),
-            log_format=args.log_format, edge=EdgeConfig.from_args(args),
-            worker_metrics=args.worker_metrics,
-            metrics_targets_file=args.metrics_targets_file or "",
-        )
 
     @property
     def restart_policy(self) -> RestartPolicy:

@@ -3,7 +3,6 @@ the OpenAI HTTP app under uvicorn."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -20,7 +19,6 @@ from prometheus_client import CollectorRegistry
 from pdserve.core.cluster_secret import optional_secret
 from pdserve.core.grpc_options import DEFAULT_KEEPALIVE_S
 from pdserve.core.grpc_tls import TlsFiles
-from pdserve.core.model import ResolvedModel
 from pdserve.membership import Membership, MembershipConfig, create_membership
 from pdserve.router.dispatch.demand import DemandWindow
 from pdserve.router.dispatch.disagg import DisaggConfig
@@ -80,27 +78,6 @@ class RouterConfig:
         optional_secret(self.cluster_secret_file)  # a bad secret file fails here, in one line
         self.tls.load()  # and an unreadable TLS file
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, model: ResolvedModel) -> RouterConfig:
-        """From the ``router`` subcommand's flags."""
-        prefill, decode = _endpoints(args.prefill), _endpoints(args.decode)
-        return cls(
-            model_path=str(model.path),
-            served_model_name=args.served_model_name or model.served_name,
-            prefill=prefill, decode=decode, host=args.host, port=args.port,
-            max_model_len=args.max_model_len, placement=args.placement,
-            disagg=DisaggConfig.from_args(args),
-            log_timeline=args.log_timeline, metrics=not args.disable_metrics,
-            request_timeout_s=args.request_timeout_s,
-            grpc_keepalive_s=args.grpc_keepalive_s,
-            migration=MigrationConfig(max_migrations=args.max_migrations),
-            edge=EdgeConfig.from_args(args),
-            membership=MembershipConfig.from_flags(
-                args.etcd, args.cluster, args.etcd_ttl_s, prefill, decode, args.workers_file),
-            cluster_secret_file=args.cluster_secret_file, tls=TlsFiles.from_args(args),
-            planner=PlannerConfig.from_args(args), tools=ToolConfig.from_args(args),
-        )
-
 
 def model_eos_token_ids(model_path: str, tokenizer: Any) -> frozenset[int]:
     """The ids vLLM ends a sequence on: the generation config's ``eos_token_id`` (one or
@@ -111,10 +88,6 @@ def model_eos_token_ids(model_path: str, tokenizer: Any) -> frozenset[int]:
         eos = json.loads(path.read_text()).get("eos_token_id")
         ids.update(t for t in (eos if isinstance(eos, list) else [eos]) if isinstance(t, int))
     return frozenset(ids)
-
-
-def _endpoints(value: str) -> tuple[str, ...]:
-    return tuple(e.strip() for e in value.split(",") if e.strip())
 
 
 @dataclass

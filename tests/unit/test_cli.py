@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.cli.configs import disagg_config, router_config, sim_config, up_config, worker_config
 from pdserve.cli.main import build_parser, main
 from pdserve.core.dtype import resolve_dtype
 from pdserve.core.model import ResolvedModel
 from pdserve.kv_transfer.config import ConnectorConfig
-from pdserve.launch.sim_worker import sim_config_from_args
 from pdserve.launch.up import UpConfig, plan
 from pdserve.membership import MembershipConfig
 from pdserve.router.dispatch.disagg import DisaggConfig
 from pdserve.router.server import RouterConfig
-from pdserve.worker.config import WorkerConfig, prefill_chunk_default
+from pdserve.worker.config import prefill_chunk_default
 from pdserve.worker.engine import EngineConfig
 from pdserve.worker.sim_engine import SimConfig
 
@@ -117,13 +117,13 @@ def test_router_config_from_args() -> None:
     args = build_parser().parse_args([
         "router", "--port", "8100", "--prefill", "a:1, b:2", "--decode", "c:3",
         "--placement", "least_loaded", "--max-model-len", "2048"])
-    assert RouterConfig.from_args(args, MODEL) == RouterConfig(
+    assert router_config(args, MODEL) == RouterConfig(
         model_path="/models/tiny", served_model_name="tiny", prefill=("a:1", "b:2"),
         decode=("c:3",), port=8100, max_model_len=2048, placement="least_loaded",
         membership=MembershipConfig("static", prefill=("a:1", "b:2"), decode=("c:3",)))
     named = build_parser().parse_args(["router", "--etcd", "http://e:2379",
                                        "--served-model-name", "chat"])
-    config = RouterConfig.from_args(named, MODEL)
+    config = router_config(named, MODEL)
     assert (config.served_model_name, config.membership.kind) == ("chat", "etcd")
 
 
@@ -131,33 +131,33 @@ def test_up_config_from_args() -> None:
     args = build_parser().parse_args([
         "up", "--dtype", "float32", "--num-prefill", "2", "--transport", "ucx", "--no-kv-push",
         "--with-etcd", "--num-kv-blocks", "64", "--cpu-layout", "split"])
-    assert UpConfig.from_args(args, MODEL) == UpConfig(
+    assert up_config(args, MODEL) == UpConfig(
         model="/models/tiny", dtype="float32", num_prefill=2, transport="ucx", kv_push=False,
         with_etcd=True, num_kv_blocks=64, cpu_layout="split")
-    auto = UpConfig.from_args(build_parser().parse_args(["up"]), MODEL)
+    auto = up_config(build_parser().parse_args(["up"]), MODEL)
     assert auto == UpConfig(model="/models/tiny", dtype=resolve_dtype("auto").dtype)
     assert auto.dtype_choice == resolve_dtype("auto")  # what up prints
-    simulated = UpConfig.from_args(build_parser().parse_args(["up", "--simulated"]), MODEL)
+    simulated = up_config(build_parser().parse_args(["up", "--simulated"]), MODEL)
     assert (simulated.dtype, simulated.dtype_choice) == ("auto", None)  # no engine
 
 
 def test_disagg_flags_reach_the_router_and_up_passes_them_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert RouterConfig.from_args(build_parser().parse_args(["router", "--decode", "c:3"]),
-                                  MODEL).disagg == DisaggConfig()  # auto by default
+    assert router_config(build_parser().parse_args(["router", "--decode", "c:3"]),
+                         MODEL).disagg == DisaggConfig()  # auto by default
     monkeypatch.setenv("PDSERVE_LOCAL_DECODE_MAX_RUNNING", "2")
     argv = ["--disagg", "never", "--local-prefill-max-tokens", "128",
             "--local-prefill-max-queued-tokens", "1000"]
     expected = DisaggConfig("never", 128, 1000, 2)
-    router = RouterConfig.from_args(build_parser().parse_args(
+    router = router_config(build_parser().parse_args(
         ["router", "--decode", "c:3", *argv]), MODEL)
     assert router.disagg == expected
-    up = UpConfig.from_args(build_parser().parse_args(["up", *argv]), MODEL)
+    up = up_config(build_parser().parse_args(["up", *argv]), MODEL)
     assert up.disagg == expected
     (router_argv,) = [c.argv for c in plan(up, tmp_path) if c.name == "router"]
     child = build_parser().parse_args(router_argv[router_argv.index("router"):])
-    assert DisaggConfig.from_args(child) == expected
+    assert disagg_config(child) == expected
 
 
 def test_a_bad_disagg_mode_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -172,7 +172,7 @@ def test_worker_config_from_args(monkeypatch: pytest.MonkeyPatch) -> None:
         "prefill", "--host", "0.0.0.0", "--port", "6000", "--worker-id", "p-1",
         "--dtype", "float32", "--kv-push", "--kv-checksum", "--lease-s", "5",
         "--cpu-cores", "0-1", "--num-kv-blocks", "32"])
-    config = WorkerConfig.from_args(args, MODEL)
+    config = worker_config(args, MODEL)
     assert (config.worker_id, config.host, config.port, config.advertise_host) == (
         "p-1", "0.0.0.0", 6000, "127.0.0.1")
     assert config.membership == MembershipConfig("static")
@@ -200,11 +200,11 @@ def test_a_worker_on_every_interface_advertises_its_hostname_address(
         return resolved
 
     monkeypatch.setattr("socket.gethostbyname", gethostbyname)
-    config = WorkerConfig.from_args(
+    config = worker_config(
         build_parser().parse_args(["decode", "--host", "0.0.0.0"]), MODEL)
     expected = resolved or "127.0.0.1"
     assert (config.advertise_host, config.engine.connector.kv_host) == (expected, expected)
-    bound = WorkerConfig.from_args(
+    bound = worker_config(
         build_parser().parse_args(["decode", "--host", "10.9.9.9"]), MODEL)
     assert bound.advertise_host == "10.9.9.9"
 
@@ -213,7 +213,7 @@ def test_decode_worker_config_advertises_and_registers() -> None:
     args = build_parser().parse_args([
         "decode", "--advertise-host", "10.0.0.5", "--kv-port", "7100", "--no-kv-push",
         "--etcd", "http://e:2379", "--cluster", "blue", "--compile"])
-    config = WorkerConfig.from_args(args, MODEL)
+    config = worker_config(args, MODEL)
     assert config.worker_id.startswith("decode-") and config.port == 50061
     # Every engine publishes KV events: a decode may be switched to prefill.
     assert config.engine.kv_events is not None and not config.engine.enforce_eager
@@ -226,7 +226,7 @@ def test_sim_config_from_args() -> None:
     args = build_parser().parse_args([
         "sim-worker", "--role", "decode", "--worker-id", "s-1", "--block-size", "32",
         "--prefill-us-per-token", "10", "--decode-ms-per-token", "4"])
-    config = sim_config_from_args(args)
+    config = sim_config(args)
     assert config == SimConfig(
         role="decode", worker_id="s-1", block_size=32,
         prefill_s_per_token=config.prefill_s_per_token, decode_s_per_token=4e-3)
@@ -236,12 +236,12 @@ def test_sim_config_from_args() -> None:
 def test_shm_spin_reaches_every_engine_from_up(tmp_path: Path) -> None:
     """``--shm-spin-s`` (unset: each worker's own default) goes to every engine up starts."""
     args = build_parser().parse_args(["up", "--shm-spin-s", "1", "--num-prefill", "1"])
-    cfg = UpConfig.from_args(args, MODEL)
+    cfg = up_config(args, MODEL)
     workers = [c for c in plan(cfg, tmp_path) if c.name != "router"]
     assert cfg.shm_spin_s == 1.0 and len(workers) == 2
     for child in workers:
         assert child.argv[child.argv.index("--shm-spin-s") + 1] == "1.0"
         worker_args = build_parser().parse_args(child.argv[3:])
-        assert WorkerConfig.from_args(worker_args, MODEL).engine.shm_spin_s == 1.0
-    default = UpConfig.from_args(build_parser().parse_args(["up"]), MODEL)
+        assert worker_config(worker_args, MODEL).engine.shm_spin_s == 1.0
+    default = up_config(build_parser().parse_args(["up"]), MODEL)
     assert all("--shm-spin-s" not in c.argv for c in plan(default, tmp_path))

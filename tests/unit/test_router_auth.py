@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from unit.dispatch_cluster import Cluster, running_cluster
 from unit.fakes import COMPLETIONS, asgi_http_client, cmpl_body, make_router_app
 
+from pdserve.cli.configs import edge_config
 from pdserve.cli.main import build_parser
 from pdserve.membership.static import StaticMembership
 from pdserve.router.dispatch.kv_feed import KvIndexFeeder
@@ -113,18 +114,18 @@ def test_keys_from_flags_environment_and_file(tmp_path: Path,
     key_file.write_text("# ops keys\nfile-key-0001\n\n  file-key-0002  \n")
     args = build_parser().parse_args(["router", "--api-key", "flag-key-001", "--api-key",
                                       "flag-key-002", "--api-key-file", str(key_file)])
-    assert EdgeConfig.from_args(args).api_keys == (
+    assert edge_config(args).api_keys == (
         "flag-key-001", "flag-key-002", "file-key-0001", "file-key-0002")
     monkeypatch.setenv("PDSERVE_API_KEY", "env-key-0001,env-key-0002")
-    assert EdgeConfig.from_args(build_parser().parse_args(["router"])).api_keys == (
+    assert edge_config(build_parser().parse_args(["router"])).api_keys == (
         "env-key-0001", "env-key-0002")
     # A flag on the command line wins over the environment, as for every flag.
     flagged = build_parser().parse_args(["router", "--api-key", "flag-key-001"])
-    assert EdgeConfig.from_args(flagged).api_keys == ("flag-key-001",)
+    assert edge_config(flagged).api_keys == ("flag-key-001",)
     key_file.write_text("has space in it\n")
     with pytest.raises(ValueError, match="api-key-file"):
-        EdgeConfig.from_args(build_parser().parse_args(["router", "--api-key-file",
-                                                        str(key_file)]))
+        edge_config(build_parser().parse_args(["router", "--api-key-file",
+                                                str(key_file)]))
 
 
 def test_up_hands_the_edge_flags_to_its_router_and_keys_only_in_its_environment(
@@ -140,4 +141,4 @@ def test_up_hands_the_edge_flags_to_its_router_and_keys_only_in_its_environment(
     argv = router.argv[router.argv.index("router"):]
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PDSERVE_API_KEY", router.env["PDSERVE_API_KEY"])
-        assert EdgeConfig.from_args(build_parser().parse_args(argv)) == edge
+        assert edge_config(build_parser().parse_args(argv)) == edge

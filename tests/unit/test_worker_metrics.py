@@ -21,6 +21,7 @@ import torch
 from pdserve_testing import launch_up, make_caches, start_transport, stop_up
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.cli.configs import up_config
 from pdserve.cli.main import build_parser
 from pdserve.core.model import ResolvedModel
 from pdserve.core.ports import free_port
@@ -29,7 +30,7 @@ from pdserve.kv_transfer.base import PeerAddress
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.launch.sim_worker import SimHost
-from pdserve.launch.up import UpConfig, plan
+from pdserve.launch.up import plan
 from pdserve.launch.up_targets import scrape_targets
 from pdserve.membership import WorkerInfo
 from pdserve.prefill_worker.policy import PrefillPolicy
@@ -198,14 +199,14 @@ def test_registration_carries_the_metrics_endpoint_and_old_ones_still_parse() ->
 
 def test_up_plans_a_metrics_port_per_worker_unless_off(tmp_path: Path) -> None:
     model = ResolvedModel(Path("/m"), "m")
-    on = plan(UpConfig.from_args(build_parser().parse_args(["up", "--simulated"]), model),
+    on = plan(up_config(build_parser().parse_args(["up", "--simulated"]), model),
               tmp_path)
     targets = scrape_targets(on)
     assert list(targets) == ["router", "prefill-0", "decode-0"]
     for child in on[:-1]:
         port = child.argv[child.argv.index("--metrics-port") + 1]
         assert targets[child.name] == f"127.0.0.1:{port}"
-    off = plan(UpConfig.from_args(build_parser().parse_args(
+    off = plan(up_config(build_parser().parse_args(
         ["up", "--simulated", "--no-worker-metrics"]), model), tmp_path)
     assert list(scrape_targets(off)) == ["router"]
 

@@ -14,7 +14,6 @@ it is counted by the dispatcher's ``pdserve:prefill_fallbacks`` alone.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from typing import Literal
 
@@ -75,17 +74,9 @@ class DisaggConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> DisaggConfig:
-        """From the ``--disagg`` / ``--local-*`` flags (``router`` and ``up``)."""
-        return cls(mode=args.disagg, local_prefill_max_tokens=args.local_prefill_max_tokens,
-                   local_prefill_max_queued_tokens=args.local_prefill_max_queued_tokens,
-                   local_decode_max_running=args.local_decode_max_running,
-                   slo=SloConfig(args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3))
-
     def flags(self) -> list[str]:
         """The router flags that give this config back (``pdserve up`` hands them to its
-        router child), the inverse of ``from_args``."""
+        router child), the inverse of ``pdserve.cli.configs.disagg_config``."""
         return ["--disagg", self.mode,
                 "--local-prefill-max-tokens", str(self.local_prefill_max_tokens),
                 "--local-prefill-max-queued-tokens", str(self.local_prefill_max_queued_tokens),

@@ -32,7 +32,6 @@ for ``hold_s`` before one worker is switched, and after a switch nothing moves f
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -72,12 +71,6 @@ class PlannerConfig:
     @property
     def enabled(self) -> bool:
         return self.mode == "on"
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> PlannerConfig:
-        return cls(mode=args.planner, interval_s=args.planner_interval_s,
-                   window_s=args.planner_window_s, hold_s=args.planner_hold_s,
-                   cooldown_s=args.planner_cooldown_s)
 
     def flags(self) -> list[str]:
         """The router flags that give this config back (``pdserve up``'s router)."""

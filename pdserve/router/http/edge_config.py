@@ -1,5 +1,6 @@
 """``EdgeConfig``: what the router's HTTP edge enforces before a request reaches the
-dispatcher (client keys, admission, body size, drain), built once from the flags.
+dispatcher (client keys, admission, body size, drain), built once from the flags
+(``pdserve.cli.configs.edge_config``).
 
 Defaults, and why:
 
@@ -17,7 +18,6 @@ Defaults, and why:
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,20 +47,6 @@ class EdgeConfig:
             raise ValueError("max_queue_wait_s and drain_timeout_s must be >= 0")
         for key in (*self.api_keys, *self.admin_keys):
             check_api_key(key)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> EdgeConfig:
-        """From the router's (and ``up``'s) edge flags; reads ``--api-key-file``."""
-        keys = tuple(args.api_key or ())
-        if args.api_key_file:
-            keys += read_api_key_file(Path(args.api_key_file))
-        return cls(api_keys=tuple(dict.fromkeys(keys)), admin_host=args.admin_host,
-                   admin_port=args.admin_port,
-                   admin_keys=tuple(dict.fromkeys(args.admin_key or ())),
-                   max_concurrent=args.max_concurrent_requests,
-                   max_queued=args.max_queued_requests,
-                   max_queue_wait_s=args.max_queue_wait_s,
-                   max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout_s)
 
     def flags(self) -> list[str]:
         """The router flags that give this config back, but the keys: ``pdserve up``

@@ -115,11 +115,6 @@ class ToolConfig:
         if self.enable_auto and not self.parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
-    @classmethod
-    def from_args(cls, args: Any) -> ToolConfig:
-        return cls(parser=args.tool_call_parser or None,
-                   enable_auto=bool(args.enable_auto_tool_choice))
-
     def flags(self) -> list[str]:
         """The router flags that give this config back (``pdserve up`` to its router)."""
         flags = ["--tool-call-parser", self.parser] if self.parser else []

@@ -1,0 +1,216 @@
+"""Every component's frozen config, built from the parsed command line in one place.
+
+Each flag also reads its ``PDSERVE_<FLAG>`` environment variable (``flags.py``), so
+the parsed ``argparse.Namespace`` is the whole of what the user asked for; one small
+builder per config turns it into that component's frozen config, and no component
+below the CLI ever sees argparse. Configs whose modules are slow to import (the
+router's web stack, ``up``'s supervisor, the worker's engine) are imported by their
+builder, so one subcommand does not load every other one's dependencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pdserve.core.grpc_tls import TlsFiles
+from pdserve.core.model import ResolvedModel
+from pdserve.membership import MembershipConfig
+from pdserve.router.dispatch.disagg import DisaggConfig
+from pdserve.router.dispatch.planner import PlannerConfig
+from pdserve.router.dispatch.slo import SloConfig
+from pdserve.router.http.edge_config import EdgeConfig, read_api_key_file
+
+if TYPE_CHECKING:
+    from pdserve.kv_transfer.config import ConnectorConfig
+    from pdserve.launch.up import UpConfig
+    from pdserve.router.http.tools import ToolConfig
+    from pdserve.router.server import RouterConfig
+    from pdserve.worker.config import WorkerConfig
+    from pdserve.worker.engine import EngineConfig, Role
+    from pdserve.worker.metrics import MetricsListener
+    from pdserve.worker.sim_engine import SimConfig
+
+
+# ---- shared by several subcommands ----------------------------------------------------
+
+def tls_files(args: argparse.Namespace) -> TlsFiles:
+    """``--tls-cert``, ``--tls-key``, ``--tls-ca`` (router, workers, ``up``)."""
+    return TlsFiles(args.tls_cert, args.tls_key, args.tls_ca)
+
+
+def worker_membership(args: argparse.Namespace) -> MembershipConfig:
+    """A worker's registration (vLLM or simulated): etcd with ``--etcd``, else static."""
+    return MembershipConfig.from_flags(args.etcd, args.cluster, args.etcd_ttl_s)
+
+
+def metrics_listener(args: argparse.Namespace, advertise_host: str) -> MetricsListener:
+    """A worker's ``/metrics`` listener (``--metrics-host``, ``--metrics-port``)."""
+    from pdserve.worker.metrics import MetricsListener
+
+    return MetricsListener.from_flags(args.metrics_host, args.metrics_port, args.host,
+                                      advertise_host)
+
+
+# ---- the router's parts (``router``, and ``up`` hands them to its router) --------------
+
+def disagg_config(args: argparse.Namespace) -> DisaggConfig:
+    """From the ``--disagg`` / ``--local-*`` / ``--slo-*`` flags."""
+    return DisaggConfig(mode=args.disagg, local_prefill_max_tokens=args.local_prefill_max_tokens,
+                        local_prefill_max_queued_tokens=args.local_prefill_max_queued_tokens,
+                        local_decode_max_running=args.local_decode_max_running,
+                        slo=SloConfig(args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3))
+
+
+def planner_config(args: argparse.Namespace) -> PlannerConfig:
+    """From the ``--planner*`` flags."""
+    return PlannerConfig(mode=args.planner, interval_s=args.planner_interval_s,
+                         window_s=args.planner_window_s, hold_s=args.planner_hold_s,
+                         cooldown_s=args.planner_cooldown_s)
+
+
+def tool_config(args: argparse.Namespace) -> ToolConfig:
+    """From ``--tool-call-parser`` and ``--enable-auto-tool-choice``."""
+    from pdserve.router.http.tools import ToolConfig
+
+    return ToolConfig(parser=args.tool_call_parser or None,
+                      enable_auto=bool(args.enable_auto_tool_choice))
+
+
+def edge_config(args: argparse.Namespace) -> EdgeConfig:
+    """From the edge flags (keys, admin listener, admission, body size, drain); reads
+    ``--api-key-file``."""
+    keys = tuple(args.api_key or ())
+    if args.api_key_file:
+        keys += read_api_key_file(Path(args.api_key_file))
+    return EdgeConfig(api_keys=tuple(dict.fromkeys(keys)), admin_host=args.admin_host,
+                      admin_port=args.admin_port,
+                      admin_keys=tuple(dict.fromkeys(args.admin_key or ())),
+                      max_concurrent=args.max_concurrent_requests,
+                      max_queued=args.max_queued_requests,
+                      max_queue_wait_s=args.max_queue_wait_s,
+                      max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout_s)
+
+
+def router_config(args: argparse.Namespace, model: ResolvedModel) -> RouterConfig:
+    """From the ``router`` subcommand's flags."""
+    from pdserve.router.dispatch.migration import MigrationConfig
+    from pdserve.router.server import RouterConfig
+
+    prefill, decode = _endpoints(args.prefill), _endpoints(args.decode)
+    return RouterConfig(
+        model_path=str(model.path),
+        served_model_name=args.served_model_name or model.served_name,
+        prefill=prefill, decode=decode, host=args.host, port=args.port,
+        max_model_len=args.max_model_len, placement=args.placement,
+        disagg=disagg_config(args),
+        log_timeline=args.log_timeline, metrics=not args.disable_metrics,
+        request_timeout_s=args.request_timeout_s,
+        grpc_keepalive_s=args.grpc_keepalive_s,
+        migration=MigrationConfig(max_migrations=args.max_migrations),
+        edge=edge_config(args),
+        membership=MembershipConfig.from_flags(
+            args.etcd, args.cluster, args.etcd_ttl_s, prefill, decode, args.workers_file),
+        cluster_secret_file=args.cluster_secret_file, tls=tls_files(args),
+        planner=planner_config(args), tools=tool_config(args),
+    )
+
+
+def _endpoints(value: str) -> tuple[str, ...]:
+    """``--prefill``/``--decode``: comma-separated HOST:PORT."""
+    return tuple(e.strip() for e in value.split(",") if e.strip())
+
+
+# ---- a worker (``prefill``/``decode``) ------------------------------------------------
+
+def connector_config(args: argparse.Namespace, worker_id: str,
+                     advertise_host: str) -> ConnectorConfig:
+    """The KV connector's settings: its endpoint is advertised where the worker is."""
+    from pdserve.kv_transfer.config import ConnectorConfig
+    from pdserve.worker.config import kv_push_default
+
+    return ConnectorConfig(
+        engine_id=worker_id, transport=args.transport,
+        kv_host=args.kv_host or advertise_host,
+        kv_port=args.kv_port or args.port + 1000, kv_bind_host=args.host,
+        lease_s=args.lease_s, kv_checksum=args.kv_checksum,
+        kv_throttle_mib_s=args.kv_throttle_mib_s, push=kv_push_default(args.kv_push),
+        cluster_secret_file=args.cluster_secret_file,
+    )
+
+
+def engine_config(args: argparse.Namespace, model: ResolvedModel, role: Role,
+                  worker_id: str, connector: ConnectorConfig) -> EngineConfig:
+    """The worker's vLLM engine, from the engine flags."""
+    from pdserve.worker.config import kv_event_endpoints, prefill_chunk_default
+    from pdserve.worker.engine import EngineConfig
+
+    return EngineConfig(
+        model_path=str(model.path), served_model_name=model.served_name, role=role,
+        kv_events=kv_event_endpoints(worker_id),
+        connector=connector, dtype=args.dtype, max_model_len=args.max_model_len,
+        kv_cache_gib=args.kv_cache_gib, cpu_threads_bind=args.cpu_cores,
+        enforce_eager=not args.compile, num_kv_blocks=args.num_kv_blocks or None,
+        shm_spin_s=args.shm_spin_s,
+        prefill_chunk_tokens=prefill_chunk_default(args.prefill_chunk_tokens),
+    )
+
+
+def worker_config(args: argparse.Namespace, model: ResolvedModel) -> WorkerConfig:
+    """From the ``prefill``/``decode`` subcommand's flags (``args.command`` is the role)."""
+    from pdserve.membership import check_name
+    from pdserve.worker.config import WorkerConfig, default_advertise_host
+
+    role: Role = args.command
+    worker_id = check_name("worker id", args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}")
+    advertise = args.advertise_host or default_advertise_host(args.host)
+    engine = engine_config(args, model, role, worker_id,
+                           connector_config(args, worker_id, advertise))
+    return WorkerConfig(worker_id, args.host, args.port, advertise, worker_membership(args),
+                        engine, args.grpc_keepalive_s, args.drain_timeout_s, tls_files(args),
+                        metrics_listener(args, advertise))
+
+
+def sim_config(args: argparse.Namespace) -> SimConfig:
+    """From the ``sim-worker`` subcommand's flags."""
+    from pdserve.worker.sim_engine import SimConfig
+
+    return SimConfig(
+        role=args.role, worker_id=args.worker_id or f"sim-{args.role}-{uuid.uuid4().hex[:8]}",
+        block_size=args.block_size, num_blocks=args.num_blocks,
+        prefill_s_per_token=args.prefill_us_per_token * 1e-6,
+        decode_s_per_token=args.decode_ms_per_token * 1e-3)
+
+
+# ---- ``up`` ---------------------------------------------------------------------------
+
+def up_config(args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
+    """From the ``up`` subcommand's flags; ``--dtype auto`` resolved here, once, for
+    every engine (simulated workers have no dtype)."""
+    from pdserve.core.dtype import resolve_dtype
+    from pdserve.launch.up import UpConfig
+
+    dtype = None if args.simulated else resolve_dtype(args.dtype, model_path=model.path)
+    return UpConfig(
+        model=str(model.path), dtype=dtype.dtype if dtype else args.dtype,
+        dtype_choice=dtype, host=args.host, port=args.port,
+        num_prefill=args.num_prefill, num_decode=args.num_decode,
+        transport=args.transport, max_model_len=args.max_model_len,
+        kv_cache_gib=args.kv_cache_gib, placement=args.placement,
+        startup_timeout_s=args.startup_timeout_s, log_level=args.log_level,
+        cpu_layout=args.cpu_layout, kv_checksum=args.kv_checksum,
+        kv_throttle_mib_s=args.kv_throttle_mib_s, kv_push=args.kv_push,
+        etcd=args.etcd or "", with_etcd=args.with_etcd, cluster=args.cluster,
+        etcd_ttl_s=args.etcd_ttl_s, num_kv_blocks=args.num_kv_blocks or None,
+        shm_spin_s=args.shm_spin_s, prefill_chunk_tokens=args.prefill_chunk_tokens,
+        disagg=disagg_config(args), planner=planner_config(args),
+        tools=tool_config(args),
+        max_restarts=args.max_restarts,
+        restart_window_s=args.restart_window_s, simulated=args.simulated,
+        cluster_secret_file=args.cluster_secret_file, tls=tls_files(args),
+        log_format=args.log_format, edge=edge_config(args),
+        worker_metrics=args.worker_metrics,
+        metrics_targets_file=args.metrics_targets_file or "",
+    )
