@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import httpx
 import torch
 
+from pdserve.core import process
 from pdserve.core.cluster_secret import ClusterSecret, load_cluster_secret, write_cluster_secret
 from pdserve.core.types import WorkerLoadReport
 from pdserve.kv_transfer.base import KVTransport, PeerAddress, TransportOptions, create_transport
@@ -189,7 +190,7 @@ def push_kv(seed: int, dtype_name: str, port: int, transfer_id: str,
 @dataclass
 class Server:
     base_url: str
-    proc: subprocess.Popen[str]
+    proc: subprocess.Popen[bytes]
     log_path: Path | None = None  # where ``pdserve up`` logs (stderr), if kept
     secret: ClusterSecret | None = None  # the cluster's: direct calls to workers need it
     # up's scrape targets (name -> /metrics URL), from the line after the endpoint's.
@@ -356,20 +357,16 @@ def launch_up(args: list[str], env: dict[str, str], timeout_s: float = 600,
         args = [*args, "--cluster-secret-file", str(write_cluster_secret(path))]
     secret = load_cluster_secret(args[args.index("--cluster-secret-file") + 1])
 
-    log = open(log_path, "w") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
-    try:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli.main", "up", *args],
-                                stdout=subprocess.PIPE, stderr=log, text=True,
-                                env=env, start_new_session=True)
-    finally:
-        if log_path is not None:
-            log.close()  # type: ignore[union-attr]
+    if log_path is not None:
+        log_path.write_bytes(b"")  # fresh: spawn appends
+    proc = process.spawn([sys.executable, "-m", "pdserve.cli.main", "up", *args],
+                         log_path=log_path, base_env=env, pipe_stdout=True)
     lines: queue.Queue[str] = queue.Queue()
 
     def pump() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
-            lines.put(line)
+            lines.put(line.decode(errors="replace"))
 
     threading.Thread(target=pump, daemon=True).start()
     deadline = time.monotonic() + timeout_s
@@ -401,21 +398,10 @@ def _targets(lines: queue.Queue[str]) -> dict[str, str]:
     return dict(item.split("=", 1) for item in line.removeprefix("metrics: ").split())
 
 
-def stop_up(proc: subprocess.Popen[str]) -> None:
-    """SIGTERM, then SIGKILL the whole process group (engines included)."""
-    import os
-    import signal
-
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def stop_up(proc: subprocess.Popen[bytes]) -> process.StopReport:
+    """SIGTERM ``pdserve up``'s group, then SIGKILL what is left of it and every
+    descendant (workers in their own sessions, engines) after 40 s; reaped on return."""
+    return process.stop([proc], grace_s=40)
 
 
 COMPOSE_FILE = Path(__file__).resolve().parents[1] / "deploy" / "compose" / "docker-compose.yml"

@@ -31,16 +31,21 @@ class NotReadyError(RuntimeError):
 
 
 def spawn(argv: Sequence[str], *, log_path: Path | None = None,
-          env: Mapping[str, str] | None = None, cwd: Path | None = None
+          env: Mapping[str, str] | None = None, cwd: Path | None = None,
+          base_env: Mapping[str, str] | None = None, pipe_stdout: bool = False
           ) -> subprocess.Popen[bytes]:
     """Start ``argv`` in a session of its own (its pid is its group's id), stdin
-    closed, stdout and stderr to ``log_path`` (appended) or discarded. ``env`` is added
-    to this process's environment. The caller owns the process: ``stop`` it."""
+    closed, stdout and stderr to ``log_path`` (appended) or discarded; with
+    ``pipe_stdout`` stdout is a pipe the caller reads (``proc.stdout``) and only stderr
+    goes to the log. ``env`` is added to ``base_env`` (this process's environment by
+    default). The caller owns the process: ``stop`` it."""
     out = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
+    base = os.environ if base_env is None else base_env
     try:
-        return subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT,
+        return subprocess.Popen(list(argv), stdout=subprocess.PIPE if pipe_stdout else out,
+                                stderr=out if pipe_stdout else subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, cwd=cwd,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
+                                env={**base, **(env or {})}, start_new_session=True)
     finally:
         if log_path is not None:
             out.close()  # the child holds its own copy
@@ -54,21 +59,23 @@ def signal_group(pid: int, sig: int) -> None:
 
 def wait_ready(probe: Callable[[], str], timeout_s: float, *,
                exited: Callable[[], str | None] = lambda: None, interval_s: float = 0.5,
+               retry_on: tuple[type[Exception], ...] = (Exception,),
                clock: Callable[[], float] = time.monotonic,
                sleep: Callable[[float], None] = time.sleep) -> float:
-    """Poll ``probe`` (``''`` once ready, else what is missing; an exception counts as
-    not ready and names itself) until it is ready; returns the seconds it took.
-    ``exited`` says why the process can no longer become ready (``None`` while it can).
-    Raises ``NotReadyError`` past ``timeout_s`` or once ``exited`` answers."""
+    """Poll ``probe`` (``''`` once ready, else what is missing; an exception of
+    ``retry_on`` counts as not ready and names itself, any other propagates) until it
+    is ready; returns the seconds it took. ``exited`` says why the process can no
+    longer become ready (``None`` while it can). Raises ``NotReadyError`` past
+    ``timeout_s`` or once ``exited`` answers."""
     start = clock()
     last = "no answer yet"
     while True:
         gone = exited()
         if gone is not None:
-            raise NotReadyError(f"exited before it was ready: {gone} ({last})")
+            raise NotReadyError(f"exited before it was ready ({last}): {gone}")
         try:
             last = probe()
-        except Exception as exc:  # noqa: BLE001 - not ready yet, and why
+        except retry_on as exc:
             last = f"{type(exc).__name__}: {exc}"
         if not last:
             return clock() - start
@@ -86,14 +93,15 @@ class StopReport:
     left_behind: list[str] = field(default_factory=list)  # alive even after SIGKILL
 
 
-def stop(procs: Sequence[subprocess.Popen[bytes]], grace_s: float) -> StopReport:
-    """SIGTERM every process's group (in the order given), SIGKILL whatever of them or
-    their descendants is alive after ``grace_s``, then reap them. Returns what needed
-    the SIGKILL and what survived it."""
+def stop(procs: Sequence[subprocess.Popen[bytes]], grace_s: float,
+         sig: int = signal.SIGTERM) -> StopReport:
+    """``sig`` (SIGTERM) to every process's group, in the order given; SIGKILL whatever
+    of them or their descendants (in any session) is alive after ``grace_s``, then reap
+    them. Returns what needed the SIGKILL and what survived it; never raises."""
     report = StopReport()
     tree = descendants_and_self(procs)
     for proc in procs:
-        signal_group(proc.pid, signal.SIGTERM)
+        signal_group(proc.pid, sig)
     _wait_gone(procs, tree, time.monotonic() + grace_s)
     report.killed = [_describe(p) for p in tree if _alive(p)]
     report.clean = not report.killed

@@ -9,7 +9,8 @@ is given up on; the caller decides whether what remains can still serve.
 Each child runs in its own session, so its process group holds what it spawned
 (a worker's vLLM engine processes). When the leader dies, its group is SIGKILLed
 before the restart: an orphaned engine would keep the KV port and its memory.
-``stop`` SIGTERMs every group, then SIGKILLs what is left after a grace period.
+``stop`` SIGTERMs every group, then SIGKILLs what is left after a grace period
+(``pdserve.core.process``: the one spawn and stop of every launcher).
 
 The supervisor never sleeps or probes: the caller calls ``poll`` on its own
 schedule (``pdserve up`` every half second) and acts on the events it returns.
@@ -27,11 +28,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.core import process
+
 logger = logging.getLogger("pdserve.launch.supervisor")
 
 DEFAULT_MAX_RESTARTS = 5
 DEFAULT_RESTART_WINDOW_S = 600.0
-_REAP_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,7 @@ class Supervisor:
     def _on_exit(self, child: SupervisedChild, now: float) -> ChildEvent:
         assert child.proc is not None
         child.returncode = child.proc.returncode
-        _kill_group(child.proc.pid, signal.SIGKILL)  # what it left behind, e.g. an engine
+        process.signal_group(child.proc.pid, signal.SIGKILL)  # what it left, e.g. an engine
         child.failures.append(now)
         while child.failures and now - child.failures[0] > self.policy.window_s:
             child.failures.popleft()
@@ -148,44 +150,27 @@ class Supervisor:
     def _spawn(self, child: SupervisedChild, *, first: bool) -> None:
         spec = child.spec
         spec.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(spec.log, "wb" if first else "ab") as log:
-            if not first:
-                child.num_restarts += 1
+        if first:
+            spec.log.write_bytes(b"")
+        else:
+            child.num_restarts += 1
+            with open(spec.log, "ab") as log:
                 log.write(f"\n--- pdserve: restart {child.num_restarts} of {spec.name} "
                           f"(last exit {child.returncode}) ---\n".encode())
-                log.flush()
-            child.proc = subprocess.Popen(list(spec.argv), stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, env={**self._env, **spec.env},
-                                          start_new_session=True)
+        child.proc = process.spawn(spec.argv, log_path=spec.log, env=spec.env,
+                                   base_env=self._env)
         child.restart_at = None
         if not first:
             logger.info("%s restarted (restart %d, pid %d)", spec.name, child.num_restarts,
                         child.proc.pid)
 
-    def stop(self, grace_s: float) -> None:
+    def stop(self, grace_s: float) -> process.StopReport:
         """SIGTERM every child's group (last started first: the router before its
-        workers), then SIGKILL every group still there after ``grace_s``."""
+        workers), then SIGKILL what is left of them and their descendants after
+        ``grace_s`` (``pdserve.core.process.stop``); they are reaped on return."""
         self._stopping = True
         procs = [c.proc for c in self.children.values() if c.proc is not None]
-        for proc in reversed(procs):
-            if proc.poll() is None:
-                _kill_group(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for proc in procs:  # the groups too: engine processes outlive their worker
-            _kill_group(proc.pid, signal.SIGKILL)
-            try:
-                proc.wait(timeout=_REAP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                logger.error("pid %d did not die after SIGKILL", proc.pid)
-
-
-def _kill_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+        report = process.stop(procs[::-1], grace_s)
+        for left in report.left_behind:
+            logger.error("%s did not die after SIGKILL", left)
+        return report

@@ -7,7 +7,6 @@ fail-fast start/stop that the benchmarks use for fixed sets of processes
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from pdserve.core import process
 from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.grpc_tls import GrpcTls
 from pdserve.router.dispatch.worker_client import WorkerCallError, probe_health
@@ -84,61 +84,45 @@ def _table(children: list[Child], started: float) -> Table:
 
 
 def start_children(children: list[Child]) -> None:
+    """Spawn every child in its own session (``pdserve.core.process``), its log fresh."""
     env = child_env()
     for child in children:
         child.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(child.log, "wb") as log:
-            child.proc = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, env={**env, **child.env},
-                                          start_new_session=True)
+        child.log.write_bytes(b"")
+        child.proc = process.spawn(child.argv, log_path=child.log, env=child.env, base_env=env)
 
 
-def stop_children(children: list[Child], grace_s: float = STOP_GRACE_S) -> None:
-    """SIGTERM every child's process group, then SIGKILL what is left after ``grace_s``."""
-    live = [c for c in children if c.proc is not None]
-    for c in reversed(live):  # router first: no new requests while workers drain
-        _signal_group(c, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for c in live:
-        assert c.proc is not None
-        try:
-            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for c in live:
-        _signal_group(c, signal.SIGKILL)  # the group: engine processes included
-        assert c.proc is not None
-        c.proc.wait(timeout=10)
-
-
-def _signal_group(child: Child, sig: int) -> None:
-    assert child.proc is not None
-    try:
-        os.killpg(child.proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+def stop_children(children: list[Child], grace_s: float = STOP_GRACE_S) -> process.StopReport:
+    """SIGTERM every child's process group (the router first: no new requests while
+    workers drain), SIGKILL what is left of them and their descendants after
+    ``grace_s``, reap them."""
+    return process.stop([c.proc for c in reversed(children) if c.proc is not None], grace_s)
 
 
 def wait_ready(children: list[Child], timeout_s: float,
                secret: ClusterSecret | None = None, tls: GrpcTls | None = None) -> None:
+    """Until every child is ready (``probe_child``), showing their states.
+    ``NotReadyError`` (a ``RuntimeError``) once one exits, or after ``timeout_s``."""
     started = time.monotonic()
     with Live(_table(children, started), console=console, refresh_per_second=2) as live:
-        while True:
+
+        def exited() -> str | None:
             for child in children:
                 assert child.proc is not None
                 if child.proc.poll() is not None:
                     child.state = f"exited ({child.proc.returncode})"
                     live.update(_table(children, started))
-                    raise RuntimeError(f"{child.name} exited during startup; see {child.log}:\n"
-                                       + tail(child.log))
+                    return f"{child.name} {child.state}; see {child.log}:\n{tail(child.log)}"
+            return None
+
+        def probe() -> str:
+            for child in children:
                 if child.state != "ready":
                     probe_child(child, secret, tls)
             live.update(_table(children, started))
-            if all(c.state == "ready" for c in children):
-                return
-            if time.monotonic() - started > timeout_s:
-                raise RuntimeError(f"not ready after {timeout_s:.0f}s")
-            time.sleep(0.5)
+            return ", ".join(f"{c.name} {c.state}" for c in children if c.state != "ready")
+
+        process.wait_ready(probe, timeout_s, exited=exited, interval_s=0.5)
 
 
 def tail(path: Path, lines: int = 30) -> str:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from rich.live import Live
 from rich.table import Table
 
+from pdserve.core import process
 from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.grpc_tls import GrpcTls
 from pdserve.launch.supervisor import ChildEvent, ChildSpec, RestartPolicy, Supervisor
@@ -55,27 +56,34 @@ class ClusterWatch:
 
     def wait_servable(self, timeout_s: float) -> None:
         """Until every child still supervised is ready; after ``timeout_s``, until the
-        router is up with a healthy decode worker. ``RuntimeError`` if neither."""
+        router is up with a healthy decode worker. ``RuntimeError`` if neither, or
+        once nothing can serve (``fatal``). Polled by ``pdserve.core.process.wait_ready``."""
         started = time.monotonic()
         with Live(self.table("starting", started), console=console,
                   refresh_per_second=2) as live:
-            while True:
+
+            def probe() -> str:
                 self.step()
                 live.update(self.table("starting", started))
+                return self.fatal() or ", ".join(self._not_ready())  # fatal: never ready
+
+            try:
+                process.wait_ready(probe, timeout_s, exited=self.fatal, interval_s=_POLL_S,
+                                   retry_on=())  # a failing step is no "not ready yet"
+                return
+            except process.NotReadyError:
                 fatal = self.fatal()
                 if fatal:
-                    raise RuntimeError(fatal)
-                live_children = [c for c in self.children.values() if not self._gave_up(c)]
-                if all(c.state == "ready" for c in live_children):
-                    return
-                if time.monotonic() - started > timeout_s:
-                    if self._router().num_healthy_decode > 0:
-                        late = [c.name for c in live_children if c.state != "ready"]
-                        console.print(f"[yellow]not ready after {timeout_s:.0f}s[/]: "
-                                      f"{', '.join(late)}; serving with the rest")
-                        return
-                    raise RuntimeError(f"no decode worker ready after {timeout_s:.0f}s")
-                time.sleep(_POLL_S)
+                    raise RuntimeError(fatal) from None
+                if self._router().num_healthy_decode == 0:
+                    raise RuntimeError(f"no decode worker ready after {timeout_s:.0f}s") from None
+            console.print(f"[yellow]not ready after {timeout_s:.0f}s[/]: "
+                          f"{', '.join(self._not_ready())}; serving with the rest")
+
+    def _not_ready(self) -> list[str]:
+        """The children still supervised that are not ready."""
+        return [c.name for c in self.children.values()
+                if not self._gave_up(c) and c.state != "ready"]
 
     def serve(self) -> int:
         """Supervise until a stop signal (``KeyboardInterrupt``, raised by the caller's

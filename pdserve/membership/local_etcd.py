@@ -11,11 +11,11 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 
+from pdserve.core import process
 from pdserve.core.ports import free_port
 
 START_TIMEOUT_S = 30.0
@@ -48,40 +48,34 @@ class LocalEtcd:
                 "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"pdserve={peer}"]
-        log = open(self._log_path, "ab") if self._log_path else subprocess.DEVNULL  # noqa: SIM115
-        try:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-        finally:
-            if self._log_path:
-                log.close()  # type: ignore[union-attr]
+        self.proc = process.spawn(argv, log_path=self._log_path)
         self._wait_healthy(timeout_s)
         return self
 
     def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode} at start "
-                                   f"(data dir {self.data_dir})")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).json().get("health") == "true":
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"etcd not healthy after {timeout_s:.0f}s")
+        """``RuntimeError`` (``NotReadyError``) if etcd exits first, or is not healthy
+        within ``timeout_s`` (then it is stopped)."""
+        try:
+            process.wait_ready(self._health, timeout_s, exited=self._exited, interval_s=0.1)
+        except process.NotReadyError as exc:
+            if self.proc is not None and self.proc.poll() is None:
+                self.stop()
+            raise process.NotReadyError(f"etcd {exc}") from None
+
+    def _health(self) -> str:
+        reply = httpx.get(self.url + "/health", timeout=1).json()
+        return "" if reply.get("health") == "true" else f"health {reply}"
+
+    def _exited(self) -> str | None:
+        assert self.proc is not None
+        rc = self.proc.poll()
+        return None if rc is None else f"exit code {rc} (data dir {self.data_dir})"
 
     def stop(self, *, keep_data: bool = False, sig: int = signal.SIGKILL) -> None:
+        """``sig`` (SIGKILL: as if it crashed) to etcd's group, SIGKILL after 10 s; the
+        data directory is removed unless ``keep_data``."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+            process.stop([self.proc], grace_s=10, sig=sig)
         self.proc = None
         if not keep_data:
             shutil.rmtree(self.data_dir, ignore_errors=True)

@@ -20,7 +20,6 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
@@ -28,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pdserve.core.types import WorkerHealth, WorkerLoadReport
+from pdserve.core.version import version
 from pdserve.worker.backend import WorkerBackend
 from pdserve.worker.lifecycle import ServingState
 
@@ -77,13 +77,6 @@ _GAUGES: tuple[tuple[str, str, Callable[[WorkerLoadReport], float]], ...] = (
     ("pdserve:worker_inflight_requests", "Requests in the worker's gRPC service",
      lambda r: r.num_inflight_reqs),
 )
-
-
-def package_version() -> str:
-    try:
-        return version("pdserve")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown"
 
 
 @dataclass(frozen=True)
@@ -143,7 +136,7 @@ class WorkerCollector(Collector):
         self._labels = [health.model, health.role, health.transport]
         self._info = {"worker_id": health.worker_id, "role": health.role,
                       "model_name": health.model, "transport": health.transport,
-                      "version": package_version()}
+                      "version": version()}
         self._sampler = sampler
         self._loop = loop
         self._deadline_s = deadline_s

@@ -20,8 +20,9 @@ from integration.pd_cases import (
     TopLogprobs,
     prompt_ids,
 )
-from pdserve_testing import Server, launch_up, stop_up, wait_until
+from pdserve_testing import Server, launch_up, stop_up
 
+from pdserve.core import process
 from pdserve.core.model import prepare_default_model
 from pdserve.launch.up import free_port
 
@@ -127,17 +128,18 @@ def vllm_openai(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             str(model_path), "--served-model-name", MODEL, "--dtype", "float32",
             "--max-model-len", "4096", "--enforce-eager", "--host", "127.0.0.1", "--port",
             str(port), "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+    proc = process.spawn(argv, log_path=log, base_env=env)
     url = f"http://127.0.0.1:{port}"
+
+    def exited() -> str | None:
+        return None if proc.poll() is None else f"vllm serve: {log.read_text()[-2000:]}"
+
     try:
-        wait_until(lambda: _healthy(url) or proc.poll() is not None, STARTUP_TIMEOUT_S, 1.0)
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited: {log.read_text()[-2000:]}")
+        process.wait_ready(lambda: "" if _healthy(url) else "no /health yet", STARTUP_TIMEOUT_S,
+                           exited=exited, interval_s=1.0)
         yield f"{url}/v1"
     finally:
-        stop_up(proc)  # type: ignore[arg-type]
+        stop_up(proc)
 
 
 def _healthy(url: str) -> bool:

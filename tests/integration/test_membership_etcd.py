@@ -32,6 +32,7 @@ import pytest
 from integration.pd_cases import LONG, MODEL
 from pdserve_testing import etcd_keys, router_metric, wait_until
 
+from pdserve.core import process
 from pdserve.core.types import WorkerLoadReport
 from pdserve.launch.up import free_port
 from pdserve.membership.local_etcd import LocalEtcd
@@ -223,19 +224,16 @@ class Cluster:
 def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.setdefault("PDSERVE_CACHE", str(_MODEL_CACHE))
-    with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "pdserve.cli.main", *args], stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
+    log.write_bytes(b"")
+    return process.spawn([sys.executable, "-m", "pdserve.cli.main", *args], log_path=log,
+                         base_env=env)
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    for sig in (signal.SIGCONT, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=30)
+def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGKILL every group (a SIGSTOPped one too) and what they started; reaped."""
+    for proc in procs:
+        process.signal_group(proc.pid, signal.SIGCONT)
+    process.stop(procs, grace_s=0, sig=signal.SIGKILL)
 
 
 _MODEL_CACHE = Path()
@@ -271,8 +269,7 @@ def cluster(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield c
     finally:
         timeline.stop.set()
-        for proc in procs.values():
-            _kill(proc)
+        _kill(list(procs.values()))
         etcd.stop()
         observer.join(timeout=5)
 

@@ -16,10 +16,11 @@ import psutil
 import pytest
 from pdserve_testing import launch_up, stop_up, wait_until
 
+from pdserve.cli.configs import up_config
 from pdserve.cli.main import build_parser
 from pdserve.core.model import ResolvedModel
 from pdserve.core.ports import free_port
-from pdserve.launch.up import UpConfig, plan
+from pdserve.launch.up import plan
 
 # The router imports transformers for its tokenizer: ~20 s on two busy cores.
 STARTUP_TIMEOUT_S = 90
@@ -28,7 +29,7 @@ STARTUP_TIMEOUT_S = 90
 def test_up_flags_reach_the_config_and_simulated_plans_sim_workers(tmp_path: Path) -> None:
     args = build_parser().parse_args(["up", "--simulated", "--num-decode", "2",
                                       "--max-restarts", "2", "--restart-window-s", "30"])
-    cfg = UpConfig.from_args(args, ResolvedModel(Path("/m"), "m"))
+    cfg = up_config(args, ResolvedModel(Path("/m"), "m"))
     assert (cfg.simulated, cfg.max_restarts, cfg.restart_window_s) == (True, 2, 30.0)
     assert cfg.restart_policy.max_restarts == 2 and cfg.restart_policy.window_s == 30.0
     children = {c.name: c.argv for c in plan(cfg, tmp_path)}
@@ -120,7 +121,7 @@ def test_sigkilled_decode_is_restarted_and_rejoins_while_requests_keep_succeedin
         client.join(15)
         up = psutil.Process(server.proc.pid)
         tree = [up, *up.children(recursive=True)]
-        stop_up(server.proc)
+        stopped = stop_up(server.proc)
     after = [o for o in outcomes if o.started > killed]
     failed = [o.detail for o in after if not o.ok]
     # Only a request in flight on decode-1 when it died may fail; every later one
@@ -129,6 +130,8 @@ def test_sigkilled_decode_is_restarted_and_rejoins_while_requests_keep_succeedin
     assert server.proc.returncode == 0
     left = [p.pid for p in tree if _alive(p)]
     assert not left, "processes left after stopping pdserve up"
+    # up stopped its own children within the grace: nothing needed the SIGKILL
+    assert stopped.clean, stopped.killed
 
 
 @pytest.mark.parametrize("flag", ["--max-restarts", "--restart-window-s"])

@@ -19,6 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from unit.fake_worker import FakeWorker, WorkerScript, eventually, start_fake_worker
 
+from pdserve.core import process
 from pdserve.core.ports import free_port
 from pdserve.core.types import PhaseOutput, PhaseRequest, SamplingSpec
 from pdserve.router.dispatch.worker_client import UNAVAILABLE, WorkerCallError, WorkerClient
@@ -118,19 +119,13 @@ async def test_drain_cancels_what_is_left_at_its_timeout() -> None:
 def sim_worker(*flags: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """A ``pdserve sim-worker`` process (decode) on a free port; killed at the end."""
     port = free_port()
-    proc = subprocess.Popen(
+    proc = process.spawn(
         [sys.executable, "-m", "pdserve.cli.main", "sim-worker", "--role", "decode", "--port",
-         str(port), "--log-level", "WARNING", *flags],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+         str(port), "--log-level", "WARNING", *flags])
     try:
         yield proc, f"127.0.0.1:{port}"
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)
-            proc.kill()
-        proc.wait(10)
-        assert proc.stderr is not None
-        proc.stderr.close()
+        process.stop([proc], grace_s=0, sig=signal.SIGKILL)  # a SIGSTOPped one too
 
 
 async def wait_health(endpoint: str, status: int, timeout_s: float = 10.0) -> None:
