@@ -12,7 +12,6 @@ into place only when complete; bad input fails before anything starts.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shutil
@@ -25,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.compare_config import CompareConfig, add_parser, config_from_args
+from pdserve.bench.compare_config import CompareConfig
 from pdserve.bench.launch import RunningSystem, StartupError
 from pdserve.bench.report import (
     CompareReport,
@@ -40,18 +39,16 @@ from pdserve.bench.report import (
 )
 from pdserve.bench.roles_sampler import RoleSampler
 from pdserve.bench.systems import SystemSpec, pdserve_up, vllm_aggregated, vllm_disagg
+from pdserve.core import process
 
-__all__ = ["add_parser", "main", "run_compare"]
+__all__ = ["main", "run_compare"]
 # Every ratio is to aggregated vLLM tuned as pdserve's engines are (systems.py).
 BASELINE = "vllm-tuned"
 
 
-def main(args: argparse.Namespace) -> int:
-    try:
-        cfg = config_from_args(args)
-    except ValueError as exc:
-        print(f"pdserve bench: error: {exc}", file=sys.stderr)
-        return 2
+def main(cfg: CompareConfig) -> int:
+    """Run ``cfg`` (checked when built: the CLI's ``compare_config``) and print where the
+    report is."""
     _say(cfg.dtype.describe())
     previous = signal.signal(signal.SIGTERM, _interrupt)  # stop the systems, then exit
     try:
@@ -78,9 +75,10 @@ def build_systems(cfg: CompareConfig) -> list[SystemSpec]:
             systems.append(vllm_aggregated(cfg.settings, free_port()))
     if cfg.with_vllm_disagg:
         systems.append(vllm_disagg(cfg.settings, free_port(), (free_port(), free_port()),
-                                   (free_port(), free_port())))
+                                   (free_port(), free_port()), command=cfg.pdserve_command))
     for name, flags in cfg.pdserve:
-        systems.append(pdserve_up(cfg.settings, free_port(), name, flags))
+        systems.append(pdserve_up(cfg.settings, free_port(), name, flags,
+                                  cfg.pdserve_command))
     return systems
 
 
@@ -171,6 +169,8 @@ def run_system(spec: SystemSpec, cfg: CompareConfig, tmp: Path) -> SystemResult:
 
 
 UNLOADED_REQUESTS = 8
+# A bench run past its deadline (or interrupted) gets this long after SIGTERM.
+BENCH_STOP_GRACE_S = 5.0
 
 
 def unloaded_run(spec: SystemSpec, cfg: CompareConfig, tmp: Path) -> RateRun:
@@ -203,7 +203,7 @@ def rate_workload_args(cfg: CompareConfig, index: int) -> list[str]:
 
 def bench_argv(spec: SystemSpec, rate: float, index: int, cfg: CompareConfig,
                out: Path) -> list[str]:
-    return [sys.executable, "-m", "pdserve.cli.main", "bench", "run", "--base-url", spec.base_url,
+    return [*cfg.pdserve_command, "bench", "run", "--base-url", spec.base_url,
             "--model", cfg.settings.served_name, "--tokenizer", cfg.settings.model_path,
             "--request-rate", rate_label(rate), "--result-json", str(out), "--no-progress",
             *rate_workload_args(cfg, index)]
@@ -229,16 +229,21 @@ def bench_run(spec: SystemSpec, rate: float, index: int, cfg: CompareConfig,
 def run_bench(argv: list[str], out: Path, timeout_s: float
               ) -> tuple[dict[str, Any] | None, str | None]:
     """``argv`` (a ``pdserve bench run`` writing ``out``; a subprocess: its CLI is the
-    contract), its log beside ``out``: the result JSON, or why there is none."""
+    contract), its log beside ``out``: the result JSON, or why there is none. Stopped
+    (``pdserve.core.process.stop``) past ``timeout_s`` or when this process is
+    interrupted."""
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.with_suffix(".log")
+    log.write_bytes(b"")
+    proc = process.spawn(argv, log_path=log)
     try:
-        with open(log, "w") as log_file:
-            proc = subprocess.run(argv, stdout=log_file, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL, timeout=timeout_s)
+        returncode = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return None, f"bench run past --run-timeout-s {timeout_s:g}"
-    if proc.returncode != 0 or not out.is_file():
+    finally:
+        if proc.poll() is None:
+            process.stop([proc], BENCH_STOP_GRACE_S)
+    if returncode != 0 or not out.is_file():
         lines = log.read_text(errors="replace").strip().splitlines()
-        return None, f"bench run exited {proc.returncode}: {lines[-1] if lines else 'no output'}"
+        return None, f"bench run exited {returncode}: {lines[-1] if lines else 'no output'}"
     return json.loads(out.read_text()), None

@@ -6,12 +6,11 @@ and ``kv_transfer_params.do_remote_decode`` (the engine keeps the prompt's KV bl
 answers where to read them), then, with those ``kv_transfer_params``, to the decode
 engine, which reads the KV over NIXL and streams the answer back through here.
 
-    python -m pdserve.bench.disagg_proxy --port 8000 --prefill URL --decode URL
+    pdserve bench disagg-proxy --port 8000 --prefill URL --decode URL
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -98,16 +97,6 @@ def build_app(prefill: str, decode: str, timeout_s: float = 900.0,
     return app
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--prefill", required=True, help="the prefill engine's base URL")
-    parser.add_argument("--decode", required=True, help="the decode engine's base URL")
-    args = parser.parse_args()
-    uvicorn.run(build_app(args.prefill, args.decode), host=args.host, port=args.port,
-                log_level="warning")
-
-
-if __name__ == "__main__":
-    main()
+def serve(prefill: str, decode: str, port: int, host: str = "127.0.0.1") -> None:
+    """Run the proxy until stopped (``pdserve bench disagg-proxy``)."""
+    uvicorn.run(build_app(prefill, decode), host=host, port=port, log_level="warning")

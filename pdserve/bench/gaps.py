@@ -13,24 +13,23 @@ the first token shows there, beside the baseline's for the same prompts).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pdserve.bench.compare import run_bench
-from pdserve.bench.compare_config import (
-    add_engine_flags,
-    engine_settings,
-    output_dir,
-    pdserve_entries,
-)
 from pdserve.bench.launch import RunningSystem, StartupError
 from pdserve.bench.report import machine_info, versions
-from pdserve.bench.systems import EngineSettings, SystemSpec, pdserve_up, vllm_aggregated
+from pdserve.bench.systems import (
+    EngineSettings,
+    SystemSpec,
+    pdserve_command,
+    pdserve_up,
+    vllm_aggregated,
+)
 from pdserve.core.dtype import DtypeChoice
 
 SCHEMA = "pdserve.bench.gaps/v1"
@@ -51,51 +50,17 @@ class GapsConfig:
     startup_timeout_s: float
     run_timeout_s: float
     stop_timeout_s: float
+    # How to run pdserve itself (`pdserve up`, `pdserve bench run`).
+    pdserve_command: tuple[str, ...] = field(default_factory=pdserve_command)
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p: argparse.ArgumentParser = subparsers.add_parser(
-        "gaps", help="lone short and long requests: each one's TTFT and largest token gap, "
-        "aggregated vLLM vs pdserve",
-        description="Lone requests (one at a time, idle system), short and long, against "
-        "one aggregated vLLM and pdserve configurations on the same cores; per request "
-        "TTFT, the largest gap between two tokens and the total. A gap >= --stall-s is a "
-        "stall.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_engine_flags(p)
-    p.add_argument("--pdserve", action="append", metavar="NAME='FLAGS'",
-                   help="a pdserve configuration (pdserve up flags); repeatable "
-                   "(default: default='')")
-    p.add_argument("--no-vllm", action="store_true", help="skip the aggregated baseline")
-    p.add_argument("--num-requests", type=int, default=6, help="lone requests per kind")
-    p.add_argument("--stall-s", type=float, default=1.0,
-                   help="a gap this long between two tokens counts as a stall")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-dir", type=Path, default=None,
-                   help="where the report goes (absent or empty; default "
-                   "bench/results/gaps-<time>)")
-    p.add_argument("--startup-timeout-s", type=float, default=600.0)
-    p.add_argument("--run-timeout-s", type=float, default=900.0,
-                   help="deadline of one kind's requests against one system")
-    p.add_argument("--stop-timeout-s", type=float, default=60.0)
-    return p
-
-
-def config_from_args(args: argparse.Namespace) -> GapsConfig:
-    if args.num_requests < 1 or args.stall_s <= 0:
+def check_requests(num_requests: int, stall_s: float) -> None:
+    if num_requests < 1 or stall_s <= 0:
         raise ValueError("need --num-requests >= 1 and --stall-s > 0")
-    if min(args.startup_timeout_s, args.run_timeout_s, args.stop_timeout_s) <= 0:
-        raise ValueError("--startup-timeout-s, --run-timeout-s and --stop-timeout-s must "
-                         "be > 0")
-    entries = pdserve_entries(args.pdserve, ("vllm",))
-    out = output_dir(args.output_dir, "gaps")
-    settings, dtype = engine_settings(args)
-    return GapsConfig(settings, dtype, entries, not args.no_vllm, args.num_requests,
-                      args.stall_s, args.seed, out, args.startup_timeout_s,
-                      args.run_timeout_s, args.stop_timeout_s)
 
 
-def main(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
+def main(cfg: GapsConfig) -> int:
+    """Run ``cfg`` (checked when built: the CLI's ``gaps_config``), write the report."""
     _say(cfg.dtype.describe())
     report = run_gaps(cfg)
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
@@ -110,7 +75,8 @@ def systems(cfg: GapsConfig) -> list[SystemSpec]:
     from pdserve.core.ports import free_port
 
     specs = [vllm_aggregated(cfg.settings, free_port())] if cfg.with_vllm else []
-    return specs + [pdserve_up(cfg.settings, free_port(), n, f) for n, f in cfg.pdserve]
+    return specs + [pdserve_up(cfg.settings, free_port(), n, f, cfg.pdserve_command)
+                    for n, f in cfg.pdserve]
 
 
 def run_gaps(cfg: GapsConfig) -> dict[str, Any]:
@@ -148,7 +114,7 @@ def run_system(spec: SystemSpec, cfg: GapsConfig) -> dict[str, Any]:
 
 def lone_argv(spec: SystemSpec, kind: str, cfg: GapsConfig, out: Path) -> list[str]:
     prompt, output = KINDS[kind]
-    return [sys.executable, "-m", "pdserve.cli.main", "bench", "run", "--base-url", spec.base_url,
+    return [*cfg.pdserve_command, "bench", "run", "--base-url", spec.base_url,
             "--model", cfg.settings.served_name, "--tokenizer", cfg.settings.model_path,
             "--endpoint", "completions", "--workload", "random", "--input-len", str(prompt),
             "--output-len", str(output), "--ignore-eos", "--max-concurrency", "1",

@@ -1,17 +1,14 @@
 """Start a ``SystemSpec``'s processes, wait until it serves, stop it and prove it gone.
 
-Each process runs in its own session, so a stop reaches everything it started
-(vLLM's EngineCore, pdserve up's workers: up stops its own, which run in their
-sessions): SIGTERM to the group, a deadline, SIGKILL. Every process seen in the
-system's trees before the stop is then checked with psutil; any still alive is
-killed and reported as left behind, and the system's port must be free again.
+Processes are started, polled and stopped the one way pdserve does it
+(``pdserve.core.process``): each in its own session, so a stop reaches everything it
+started (vLLM's EngineCore, pdserve up's workers, which run in sessions of their own):
+SIGTERM to the group, a deadline, SIGKILL; any process of the system's trees still alive
+after that is reported as left behind, and the system's port must be free again.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import socket
 import subprocess
 import time
@@ -19,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import psutil
 
 from pdserve.bench.systems import SystemSpec
+from pdserve.core import process
 
 WARM_PROMPT = "Say hello."
 
@@ -32,12 +29,17 @@ class StartupError(RuntimeError):
 
 @dataclass
 class StopReport:
-    """How a system went away: cleanly (every process gone after SIGTERM), or not."""
+    """How a system went away: cleanly (every process gone after SIGTERM), or not
+    (``pdserve.core.process.StopReport``), and whether its port is free again."""
 
     clean: bool = True
     killed: list[str] = field(default_factory=list)  # needed SIGKILL after the grace
     left_behind: list[str] = field(default_factory=list)  # alive even after SIGKILL
     port_free: bool = True
+
+    @classmethod
+    def of(cls, report: process.StopReport, port_free: bool) -> StopReport:
+        return cls(report.clean, list(report.killed), list(report.left_behind), port_free)
 
     def to_json(self) -> dict[str, object]:
         return {"clean": self.clean, "killed": self.killed, "left_behind": self.left_behind,
@@ -45,7 +47,10 @@ class StopReport:
 
 
 class RunningSystem:
-    """A started system. Use as a context manager: it is always stopped on exit."""
+    """A started system. Use as a context manager: it is always stopped on exit.
+
+    ``with RunningSystem(spec, log_dir) as running: running.wait_ready(600)`` ... then
+    ``running.stop()`` (done on exit; a second call returns the first's report)."""
 
     def __init__(self, spec: SystemSpec, log_dir: Path, stop_grace_s: float = 60.0) -> None:
         self.spec = spec
@@ -55,16 +60,19 @@ class RunningSystem:
         self.stop_report: StopReport | None = None
 
     def __enter__(self) -> RunningSystem:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        for p in self.spec.procs:
-            with open(self.log_dir / f"{p.name}.log", "wb") as log:
-                self.procs[p.name] = subprocess.Popen(
-                    p.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env={**os.environ, **p.env}, start_new_session=True)
+        self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def start(self) -> None:
+        """Each process of the spec, its output to ``log_dir/<name>.log``."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for p in self.spec.procs:
+            log = self.log_dir / f"{p.name}.log"
+            log.write_bytes(b"")  # a fresh log per start
+            self.procs[p.name] = process.spawn(p.argv, log_path=log, env=p.env)
 
     def exited(self) -> str | None:
         """A description of the first process that has exited, or None."""
@@ -77,63 +85,38 @@ class RunningSystem:
         """Until ``/v1/models`` lists the model and one short chat request completes (and
         for pdserve, its router sees every worker healthy: a prefill worker still loading
         would leave the first requests to decode alone). Returns the seconds it took;
-        raises ``StartupError`` at the deadline."""
-        started = time.monotonic()
-        deadline = started + timeout_s
+        raises ``StartupError`` at the deadline or once a process exits."""
+        deadline = time.monotonic() + timeout_s
         last = "no answer yet"
+
+        def exited() -> str | None:
+            gone = self.exited()
+            if gone:
+                raise StartupError(gone)
+            return None
+
+        def probe() -> str:
+            nonlocal last
+            try:
+                last = _probe(client, deadline) or (
+                    _all_workers_healthy(client) if self.spec.kind == "pdserve" else "")
+            except Exception as exc:  # noqa: BLE001 - not serving yet, and why
+                last = f"{type(exc).__name__}: {exc}"
+            return last
+
         with httpx.Client(base_url=self.spec.base_url, timeout=10.0) as client:
-            while time.monotonic() < deadline:
-                gone = self.exited()
-                if gone:
-                    raise StartupError(gone)
-                try:
-                    last = _probe(client, deadline) or (
-                        _all_workers_healthy(client) if self.spec.kind == "pdserve" else "")
-                    if not last:
-                        return time.monotonic() - started
-                except httpx.HTTPError as exc:
-                    last = f"{type(exc).__name__}: {exc}"
-                time.sleep(1.0)
-        raise StartupError(f"not serving after {timeout_s:.0f} s ({last})")
+            try:
+                return process.wait_ready(probe, timeout_s, exited=exited, interval_s=1.0)
+            except process.NotReadyError:
+                raise StartupError(f"not serving after {timeout_s:.0f} s ({last})") from None
 
     def stop(self) -> StopReport:
-        if self.stop_report is not None:
-            return self.stop_report
-        report = StopReport()
-        tree = self._tree()
-        for proc in self.procs.values():
-            _signal_group(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_grace_s
-        _wait_gone(tree, deadline)
-        for p in tree:
-            if _alive(p):
-                report.clean = False
-                report.killed.append(_describe(p))
-        for proc in self.procs.values():
-            _signal_group(proc.pid, signal.SIGKILL)
-        for p in tree:
-            if _alive(p):
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    p.kill()
-        _wait_gone(tree, time.monotonic() + 10.0)
-        for proc in self.procs.values():
-            proc.wait(timeout=10.0)  # reaped: a zombie holds no port but psutil sees it
-        report.left_behind = [_describe(p) for p in tree if _alive(p)]
-        report.port_free = port_free(self.spec.port)
-        self.stop_report = report
-        return report
-
-    def _tree(self) -> list[psutil.Process]:
-        """Every live process of the system: each started process and its descendants
-        (``pdserve up``'s workers too: they are up's children, in their own sessions)."""
-        tree: list[psutil.Process] = []
-        for proc in self.procs.values():
-            try:
-                root = psutil.Process(proc.pid)
-                tree += [root, *root.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                continue
-        return tree
+        """Stop every process (``pdserve.core.process.stop``, ``stop_grace_s``) and check
+        the port is free; once."""
+        if self.stop_report is None:
+            report = process.stop(list(self.procs.values()), self.stop_grace_s)
+            self.stop_report = StopReport.of(report, port_free(self.spec.port))
+        return self.stop_report
 
 
 def _probe(client: httpx.Client, deadline: float) -> str:
@@ -172,29 +155,3 @@ def port_free(port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _wait_gone(tree: list[psutil.Process], deadline: float) -> None:
-    while any(_alive(p) for p in tree) and time.monotonic() < deadline:
-        time.sleep(0.2)
-
-
-def _describe(p: psutil.Process) -> str:
-    try:
-        return f"pid {p.pid} {' '.join(p.cmdline()[:6])}"
-    except psutil.Error:
-        return f"pid {p.pid}"

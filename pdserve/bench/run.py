@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from pdserve.bench.flags import add_run_flags
+from pdserve.bench.config import RunConfig
 from pdserve.bench.session import Session, schedule, write_json
-
-
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p: argparse.ArgumentParser = sub.add_parser(
-        "run", help="drive an OpenAI-compatible endpoint with a seeded workload",
-        description="Drive an OpenAI-compatible endpoint with a seeded workload (open loop "
-        "at --request-rate, or closed loop at --max-concurrency) and report TTFT, TPOT, ITL, "
-        "E2E, throughput and goodput as vllm bench serve defines them.")
-    add_run_flags(p)
-    return p
 
 
 def _ms(stats: dict[str, float | None], key: str) -> str:
@@ -52,12 +41,12 @@ def print_summary(results: list[dict[str, Any]], title: str) -> None:
             console.print(f"[red]{r['errors'][kind]} x {kind}[/]: {detail}", markup=True)
 
 
-def main(args: argparse.Namespace) -> int:
-    session = Session(args)
-    sched = schedule(args)
+def main(cfg: RunConfig) -> int:
+    session = Session(cfg)
+    sched = schedule(cfg)
     (result,) = asyncio.run(session.run([sched]))
-    print_summary([result], f"pdserve bench run: {args.workload} on {result['config']['model']}")
-    if args.result_json:
-        write_json(args.result_json, result)
-        print(f"wrote {args.result_json}")
+    print_summary([result], f"pdserve bench run: {cfg.workload} on {result['config']['model']}")
+    if cfg.result_json:
+        write_json(cfg.result_json, result)
+        print(f"wrote {cfg.result_json}")
     return 0

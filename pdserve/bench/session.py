@@ -4,7 +4,6 @@ into a ``pdserve.bench.run/v1`` result."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime as dt
 import json
@@ -12,6 +11,7 @@ import math
 import os
 import platform
 import tempfile
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from pdserve.bench.client import Endpoint
+from pdserve.bench.config import RunConfig
 from pdserve.bench.metrics import Slo, summarize
 from pdserve.bench.prompts import PromptEncoder
 from pdserve.bench.runner import (
@@ -35,21 +36,21 @@ RUN_SCHEMA = "pdserve.bench.run/v1"
 DEFAULT_NUM_REQUESTS = 100
 
 
-def schedule(args: argparse.Namespace) -> Schedule:
-    num = args.num_requests
-    if num is None and args.duration_s is None:
+def schedule(cfg: RunConfig) -> Schedule:
+    num = cfg.num_requests
+    if num is None and cfg.duration_s is None:
         num = DEFAULT_NUM_REQUESTS
-    return Schedule(num, args.duration_s, args.request_rate, args.burstiness,
-                    args.max_concurrency, args.seed)
+    return Schedule(num, cfg.duration_s, cfg.request_rate, cfg.burstiness,
+                    cfg.max_concurrency, cfg.seed)
 
 
-def _tokenizer_path(args: argparse.Namespace) -> Path:
+def _tokenizer_path(cfg: RunConfig) -> Path:
     from pdserve.core.model import DEFAULT_MODEL_NAME, cache_dir
 
-    if args.tokenizer:
-        path = Path(args.tokenizer).expanduser()
-    elif args.model and Path(args.model).expanduser().is_dir():
-        path = Path(args.model).expanduser()
+    if cfg.tokenizer:
+        path = Path(cfg.tokenizer).expanduser()
+    elif cfg.model and Path(cfg.model).expanduser().is_dir():
+        path = Path(cfg.model).expanduser()
     else:
         path = cache_dir() / "models" / DEFAULT_MODEL_NAME
     if not (path / "tokenizer_config.json").is_file() and not (path / "tokenizer.json").is_file():
@@ -74,9 +75,9 @@ def _json_safe(value: Any) -> Any:
 
 
 def _versions() -> dict[str, str]:
-    from pdserve.cli.main import _version
+    from pdserve.core.version import version
 
-    return {"pdserve": _version(), "python": platform.python_version(),
+    return {"pdserve": version(), "python": platform.python_version(),
             "httpx": httpx.__version__}
 
 
@@ -102,40 +103,43 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
 
 
 class Session:
-    def __init__(self, args: argparse.Namespace) -> None:
-        """Checks that need neither a server nor a tokenizer: they fail in milliseconds."""
-        self.args = args
-        self.slo = Slo.parse(args.slo)
-        self.dataset = check_workload_flags(args)
-        if args.max_model_len is not None and args.max_model_len < 1:
+    def __init__(self, cfg: RunConfig, recorded: Mapping[str, Any] | None = None) -> None:
+        """Checks that need neither a server nor a tokenizer: they fail in milliseconds.
+        ``recorded``: the command's config as each result's ``config`` records it
+        (default: ``cfg.recorded()``)."""
+        self.cfg = cfg
+        self.recorded = dict(cfg.recorded() if recorded is None else recorded)
+        self.slo = Slo.parse(cfg.slo)
+        self.dataset = check_workload_flags(cfg)
+        if cfg.max_model_len is not None and cfg.max_model_len < 1:
             raise ValueError("--max-model-len must be >= 1")
-        if args.num_warmup < 0 or not args.request_timeout_s > 0:
+        if cfg.num_warmup < 0 or not cfg.request_timeout_s > 0:
             raise ValueError("--num-warmup must be >= 0 and --request-timeout-s > 0")
-        self.base_url = Endpoint.normalize(args.base_url)
-        self.ignore_eos = (args.workload != "sharegpt" if args.ignore_eos is None
-                           else args.ignore_eos)
+        self.base_url = Endpoint.normalize(cfg.base_url)
+        self.ignore_eos = (cfg.workload != "sharegpt" if cfg.ignore_eos is None
+                           else cfg.ignore_eos)
 
     async def run(self, schedules: list[Schedule]) -> list[dict[str, Any]]:
-        args = self.args
+        cfg = self.cfg
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        async with httpx.AsyncClient(timeout=args.request_timeout_s, limits=limits) as client:
-            ep = Endpoint(self.base_url, args.model or "", args.endpoint, args.api_key,
-                          self.ignore_eos, args.request_timeout_s)
+        async with httpx.AsyncClient(timeout=cfg.request_timeout_s, limits=limits) as client:
+            ep = Endpoint(self.base_url, cfg.model or "", cfg.endpoint, cfg.api_key,
+                          self.ignore_eos, cfg.request_timeout_s)
             cards = await list_models(client, ep)
-            if not args.model:
+            if not cfg.model:
                 if not cards:
                     raise ValueError(f"no --model given and {ep.base_url}/models names none")
                 ep = replace(ep, model=next(iter(cards)))
-            max_len = check_model(cards, ep) or args.max_model_len
-            tokenizer_path = _tokenizer_path(args)
+            max_len = check_model(cards, ep) or cfg.max_model_len
+            tokenizer_path = _tokenizer_path(cfg)
             encoder = PromptEncoder(await asyncio.to_thread(_load_tokenizer, tokenizer_path),
-                                    args.endpoint)
-            runner = Runner(client, ep, encoder, max_len, not args.no_progress)
-            await runner.warm_up(make_workload(args, encoder, args.seed + WARMUP_SEED_OFFSET,
-                                               self.dataset), args.num_warmup)
+                                    cfg.endpoint)
+            runner = Runner(client, ep, encoder, max_len, not cfg.no_progress)
+            await runner.warm_up(make_workload(cfg, encoder, cfg.seed + WARMUP_SEED_OFFSET,
+                                               self.dataset), cfg.num_warmup)
             results = []
             for sched in schedules:
-                workload = make_workload(args, encoder, args.seed, self.dataset)
+                workload = make_workload(cfg, encoder, cfg.seed, self.dataset)
                 started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
                 outcome = await runner.run(workload, sched)
                 config = self._config(ep, sched, tokenizer_path, max_len)
@@ -144,7 +148,7 @@ class Session:
 
     def _config(self, ep: Endpoint, sched: Schedule, tokenizer: Path,
                 max_len: int | None) -> dict[str, Any]:
-        config = {k: _json_safe(v) for k, v in vars(self.args).items() if k != "func"}
+        config = {k: _json_safe(v) for k, v in self.recorded.items()}
         config.update(base_url=ep.base_url, model=ep.model, tokenizer=str(tokenizer),
                       ignore_eos=ep.ignore_eos, max_model_len=max_len,
                       api_key="<set>" if ep.api_key else None,

@@ -11,18 +11,24 @@ arranged differs:
 - ``vllm-disagg``: vLLM's own P/D: a prefill and a decode ``vllm serve`` with the
   NixlConnector (prefill on the first half of the cores, decode on the rest, like
   ``pdserve up --cpu-layout split``) behind vLLM's own P/D router (``vllm-router``,
-  round robin), or ``pdserve.bench.disagg_proxy`` where it is not installed.
+  round robin), or ``pdserve bench disagg-proxy`` (``pdserve.bench.disagg_proxy``) where
+  it is not installed.
 - ``pdserve``: ``pdserve up`` with the user's flags.
 
-Building a spec starts nothing (the unit tests check these command lines).
+Building a spec starts nothing (the unit tests check these command lines). pdserve's own
+processes (``pdserve up``, the proxy) run as ``command`` says: the CLI passes how it was
+itself started; the default is the ``pdserve`` command beside this interpreter.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pdserve.launch.cpu_layout import core_sets
 
@@ -36,6 +42,12 @@ MAX_NUM_SEQS = 64
 # core (pdserve's vLLM plugin; see pdserve/worker/vllm_plugin.py).
 NIXL_DELAY_ENV = "PDSERVE_NIXL_PROGRESS_DELAY_US"
 NIXL_DELAY_US = 1000
+
+
+def pdserve_command() -> tuple[str, ...]:
+    """The ``pdserve`` command installed beside this interpreter (else on ``PATH``)."""
+    script = Path(sys.executable).with_name("pdserve")
+    return (str(script) if script.is_file() else shutil.which("pdserve") or "pdserve",)
 
 
 @dataclass(frozen=True)
@@ -125,10 +137,12 @@ def vllm_aggregated(s: EngineSettings, port: int, name: str = "vllm", tuned: boo
 
 
 def vllm_disagg(s: EngineSettings, port: int, engine_ports: tuple[int, int],
-                side_ports: tuple[int, int], name: str = "vllm-disagg") -> SystemSpec:
+                side_ports: tuple[int, int], name: str = "vllm-disagg",
+                command: Sequence[str] | None = None) -> SystemSpec:
     """Two ``vllm serve`` with the NixlConnector (prefill, decode on separate cores;
     UCX over tcp/shared memory, KV read from host memory) and
-    the proxy that sends each request to prefill (1 token) then to decode."""
+    the proxy that sends each request to prefill (1 token) then to decode (``command``:
+    how to run ``pdserve``, for its ``bench disagg-proxy``)."""
     if len(s.cores) < 2:
         raise ValueError("vLLM disaggregated serving needs 2+ cores (prefill and decode "
                          "on separate cores)")
@@ -154,7 +168,7 @@ def vllm_disagg(s: EngineSettings, port: int, engine_ports: tuple[int, int],
                  "--max-concurrent-requests", "1024", "--queue-size", "1024"]
         procs.append(ProcSpec("vllm-router", tuple(proxy)))
     else:
-        proxy = [sys.executable, "-m", "pdserve.bench.disagg_proxy", "--port", str(port),
+        proxy = [*(command or pdserve_command()), "bench", "disagg-proxy", "--port", str(port),
                  "--prefill", prefill_url, "--decode", decode_url]
         procs.append(ProcSpec("proxy", tuple(proxy)))
     return SystemSpec(name, "vllm-disagg", port, tuple(procs),
@@ -186,26 +200,11 @@ def parse_pdserve_entry(entry: str) -> tuple[str, str]:
     return name, flags
 
 
-def check_up_flags(name: str, flags: str) -> None:
-    """Parse ``flags`` with ``pdserve up``'s own parser: a bad flag fails before any start."""
-    import contextlib
-    import io
-
-    from pdserve.cli.main import build_parser
-
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            build_parser().parse_args(["up", *shlex.split(flags)])
-    except SystemExit as exc:
-        lines = err.getvalue().strip().splitlines()
-        why = lines[-1] if lines else "not accepted by pdserve up"
-        raise ValueError(f"--pdserve {name}: {why}") from exc
-
-
-def pdserve_up(s: EngineSettings, port: int, name: str, flags: str) -> SystemSpec:
-    """``pdserve up`` with the shared engine settings plus the user's flags."""
-    argv = [sys.executable, "-m", "pdserve.cli.main", "up", "--model", s.model_path,
+def pdserve_up(s: EngineSettings, port: int, name: str, flags: str,
+               command: Sequence[str] | None = None) -> SystemSpec:
+    """``pdserve up`` with the shared engine settings plus the user's flags; ``command``:
+    how to run ``pdserve`` (default: ``pdserve_command()``)."""
+    argv = [*(command or pdserve_command()), "up", "--model", s.model_path,
             "--dtype", s.dtype, "--kv-cache-gib", str(s.kv_cache_gib),
             "--max-model-len", str(s.max_model_len), "--host", "127.0.0.1",
             "--port", str(port), *shlex.split(flags)]

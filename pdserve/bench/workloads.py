@@ -19,7 +19,6 @@ server counts 500 prompt tokens.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import random
@@ -27,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pdserve.bench.config import RunConfig
 from pdserve.bench.prompts import BenchRequest, Messages, PromptEncoder
 from pdserve.bench.sharegpt import ShareGptData, load_sharegpt
 
@@ -155,66 +155,66 @@ class ShareGptWorkload:
 Workload = MixWorkload | SharedPrefixWorkload | ShareGptWorkload
 
 
-def _output_len(args: argparse.Namespace) -> int:
-    return int(args.output_len or DEFAULT_OUTPUT_LEN)
+def _output_len(cfg: RunConfig) -> int:
+    return int(cfg.output_len or DEFAULT_OUTPUT_LEN)
 
 
-def check_workload_flags(args: argparse.Namespace) -> ShareGptData | None:
+def check_workload_flags(cfg: RunConfig) -> ShareGptData | None:
     """Fail fast on bad workload flags (before any tokenizer or server); the dataset,
     loaded, for ``sharegpt``."""
-    if args.workload not in WORKLOADS:
-        raise ValueError(f"unknown workload {args.workload!r}; choose one of "
+    if cfg.workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {cfg.workload!r}; choose one of "
                          f"{', '.join(WORKLOADS)}")
-    if args.workload == "chat-mix":
-        parse_mix(args.mix)
-        _mix_shift(args)
-    elif getattr(args, "mix_then", None):
+    if cfg.workload == "chat-mix":
+        parse_mix(cfg.mix)
+        _mix_shift(cfg)
+    elif cfg.mix_then:
         raise ValueError("--mix-then needs --workload chat-mix")
-    if args.workload == "shared-prefix":
-        SharedPrefixShape(args.num_system_prompts, args.system_prompt_len, args.num_users,
-                          args.num_turns, args.turn_input_len, _output_len(args))
-    if args.workload == "sharegpt":
-        if not args.dataset:
+    if cfg.workload == "shared-prefix":
+        SharedPrefixShape(cfg.num_system_prompts, cfg.system_prompt_len, cfg.num_users,
+                          cfg.num_turns, cfg.turn_input_len, _output_len(cfg))
+    if cfg.workload == "sharegpt":
+        if not cfg.dataset:
             raise ValueError("--workload sharegpt needs --dataset PATH (.json or .jsonl)")
-        return load_sharegpt(args.dataset)
+        return load_sharegpt(cfg.dataset)
     return None
 
 
-def _mix_shift(args: argparse.Namespace) -> tuple[list[LengthClass] | None, int]:
+def _mix_shift(cfg: RunConfig) -> tuple[list[LengthClass] | None, int]:
     """``--mix-then`` and where the load shifts to it (``--mix-shift-at``)."""
-    if not getattr(args, "mix_then", None):
+    if not cfg.mix_then:
         return None, 0
-    then = parse_mix(args.mix_then)
-    shift_at = args.mix_shift_at
+    then = parse_mix(cfg.mix_then)
+    shift_at = cfg.mix_shift_at
     if shift_at is None:
-        if not args.num_requests:
+        if not cfg.num_requests:
             raise ValueError("--mix-then without --num-requests needs --mix-shift-at")
-        shift_at = args.num_requests // 2
+        shift_at = cfg.num_requests // 2
     if shift_at < 0:
         raise ValueError("--mix-shift-at must be >= 0")
     return then, shift_at
 
 
-def make_workload(args: argparse.Namespace, encoder: PromptEncoder, seed: int,
+def make_workload(cfg: RunConfig, encoder: PromptEncoder, seed: int,
                   dataset: ShareGptData | None = None) -> Workload:
-    """The workload ``args.workload`` names (flags as ``pdserve bench run`` defines them);
+    """The workload ``cfg.workload`` names (as ``pdserve bench run`` defines it);
     ``dataset``: ``check_workload_flags``' for sharegpt."""
-    if args.workload == "random":
-        return MixWorkload(encoder, [LengthClass(1.0, args.input_len, _output_len(args))],
-                           args.range_ratio, seed)
-    if args.workload == "chat-mix":
-        then, shift_at = _mix_shift(args)
-        return MixWorkload(encoder, parse_mix(args.mix), args.range_ratio, seed, then,
+    if cfg.workload == "random":
+        return MixWorkload(encoder, [LengthClass(1.0, cfg.input_len, _output_len(cfg))],
+                           cfg.range_ratio, seed)
+    if cfg.workload == "chat-mix":
+        then, shift_at = _mix_shift(cfg)
+        return MixWorkload(encoder, parse_mix(cfg.mix), cfg.range_ratio, seed, then,
                            shift_at)
-    if args.workload == "shared-prefix":
-        shape = SharedPrefixShape(args.num_system_prompts, args.system_prompt_len,
-                                  args.num_users, args.num_turns, args.turn_input_len,
-                                  _output_len(args))
+    if cfg.workload == "shared-prefix":
+        shape = SharedPrefixShape(cfg.num_system_prompts, cfg.system_prompt_len,
+                                  cfg.num_users, cfg.num_turns, cfg.turn_input_len,
+                                  _output_len(cfg))
         return SharedPrefixWorkload(encoder, shape, seed)
-    if args.workload == "sharegpt":
-        return ShareGptWorkload(encoder, dataset or load_sharegpt(args.dataset),
-                                args.output_len, seed)
-    raise ValueError(f"unknown workload {args.workload!r}; choose one of {', '.join(WORKLOADS)}")
+    if cfg.workload == "sharegpt":
+        return ShareGptWorkload(encoder, dataset or load_sharegpt(cfg.dataset),
+                                cfg.output_len, seed)
+    raise ValueError(f"unknown workload {cfg.workload!r}; choose one of {', '.join(WORKLOADS)}")
 
 
 def workload_info(workload: Workload) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """The ``pdserve`` command: ``up``, ``router``, ``prefill``, ``decode``, ``prepare-model``,
-``health``, ``machine``, ``bench`` (a load generator: ``pdserve.bench.cli``).
+``health``, ``machine``, ``bench`` (a load generator: ``pdserve.cli.bench``).
 
 Every flag also reads a ``PDSERVE_<FLAG>`` environment variable (e.g.
 ``PDSERVE_PORT``); flags win. Flags are declared once (``flags.py``); each
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         _command(sub, role, f"a {role} worker (vLLM engine + gRPC)",
                  COMMON + ENGINE + TRANSPORT + MEMBERSHIP + WORKER + SECURITY,
                  dict(_GRPC, port={"default": port, "help": "gRPC port"}))
-    # Parsed by pdserve.bench.cli (its own flags; no PDSERVE_* environment): listed here
+    # Parsed by pdserve.cli.bench (its own flags; no PDSERVE_* environment): listed here
     # for --help, dispatched in main() before this parser sees the arguments.
     sub.add_parser("bench", help="load-generator benchmarks against any OpenAI-compatible "
                    "endpoint (run, sweep); see `pdserve bench --help`", add_help=False)

@@ -20,7 +20,7 @@ import numpy as np
 import psutil
 import pytest
 
-from pdserve.bench import compare, compare_config
+from pdserve.bench import compare
 from pdserve.bench.launch import port_free
 from pdserve.bench.report import CompareReport, RateRun, SystemResult, write_report
 from pdserve.bench.systems import (
@@ -30,6 +30,8 @@ from pdserve.bench.systems import (
     vllm_aggregated,
     vllm_disagg,
 )
+from pdserve.cli import bench as bench_cli
+from pdserve.cli import bench_flags
 from pdserve.launch.cpu_layout import core_sets
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -168,9 +170,7 @@ def test_vllm_disagg_is_two_nixl_engines_on_separate_cores_behind_a_proxy() -> N
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="pdserve bench")
-    compare.add_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["compare", *argv])
+    return bench_cli.build_parser().parse_args(["compare", *argv])
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -194,7 +194,7 @@ def test_bad_input_is_one_error_line_and_writes_nothing(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
         message: str) -> None:
     out = tmp_path / "report"
-    assert compare.main(_parse([*argv, "--output-dir", str(out)])) == 2
+    assert bench_cli.main(["compare", *argv, "--output-dir", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("pdserve bench: error: ")
     assert message in err[0]
@@ -204,7 +204,7 @@ def test_bad_input_is_one_error_line_and_writes_nothing(
 def test_a_non_empty_output_dir_is_refused(tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "old.txt").write_text("x")
-    assert compare.main(_parse(["--output-dir", str(tmp_path)])) == 2
+    assert bench_cli.main(["compare", "--output-dir", str(tmp_path)]) == 2
     assert "not an empty folder" in capsys.readouterr().err
 
 
@@ -213,7 +213,7 @@ def test_pdserve_entries_and_workload_flags_are_passed_as_given() -> None:
     args = _parse(["--workload", "chat-mix", "--mix", "0.7:80:96,0.3:1200:16",
                    "--num-requests", "40", "--slo", "ttft=2s,tpot=100ms", "--seed", "3",
                    "--no-ignore-eos"])
-    assert compare_config.workload_args(args) == [
+    assert bench_flags.workload_args(args) == [
         "--seed", "3", "--workload", "chat-mix", "--mix", "0.7:80:96,0.3:1200:16",
         "--num-requests", "40", "--slo", "ttft=2s,tpot=100ms", "--no-ignore-eos"]
 
@@ -224,7 +224,7 @@ def test_each_rate_has_prompts_of_its_own_and_every_system_the_same() -> None:
     their prompt tokens cached)."""
     args = _parse(["--workload", "chat-mix", "--num-requests", "40", "--seed", "3",
                    "--request-rates", "0.5,1,1.5"])
-    cfg = compare_config.config_from_args(args)
+    cfg = bench_flags.compare_config(args)
     agg, pd = vllm_aggregated(SETTINGS, 9000), pdserve_up(SETTINGS, 9006, "default", "")
 
     def seed(spec: Any, index: int) -> str:
@@ -332,11 +332,14 @@ def test_vllm_disagg_uses_vllms_own_pd_router_when_installed(monkeypatch: pytest
                                                              ) -> None:
     from pdserve.bench import systems
 
-    for installed, module in ((True, "vllm_router.launch_router"),
-                              (False, "pdserve.bench.disagg_proxy")):
+    pdserve = (sys.executable, "-m", "pdserve.cli.main")
+    for installed, command in (
+            (True, (sys.executable, "-m", "vllm_router.launch_router")),
+            (False, (*pdserve, "bench", "disagg-proxy"))):
         monkeypatch.setattr(systems, "has_vllm_router", lambda i=installed: i)
-        router = vllm_disagg(SETTINGS, 9001, (9002, 9003), (9004, 9005)).procs[-1]
-        assert router.argv[2] == module and _flag(router.argv, "--port") == "9001"
+        router = vllm_disagg(SETTINGS, 9001, (9002, 9003), (9004, 9005),
+                             command=pdserve).procs[-1]
+        assert router.argv[:len(command)] == command and _flag(router.argv, "--port") == "9001"
         assert _flag(router.argv, "--prefill") == "http://127.0.0.1:9002"
 
 
@@ -399,3 +402,30 @@ def test_role_sampler_counts_placeable_workers_by_role() -> None:
         assert [s[1:] for s in roles.samples[:2]] == [[1, 1], [1, 1]]
     finally:
         server.shutdown()
+
+
+def test_the_disagg_proxy_runs_as_the_hidden_bench_subcommand_vllm_disagg_starts() -> None:
+    """``vllm_disagg``'s proxy command line (``pdserve bench disagg-proxy``) serves; with
+    no engine behind it, ``/v1/models`` answers 503."""
+    from pdserve.bench import systems
+    from pdserve.core import process
+    from pdserve.core.ports import free_port
+
+    port, dead = free_port(), f"http://127.0.0.1:{free_port()}"
+    command = (sys.executable, "-m", "pdserve.cli.main")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(systems, "has_vllm_router", lambda: False)
+        spec = vllm_disagg(SETTINGS, port, (9002, 9003), (9004, 9005), command=command)
+    argv = [*spec.procs[-1].argv]
+    argv[argv.index("--prefill") + 1] = argv[argv.index("--decode") + 1] = dead
+    proc = process.spawn(argv)
+    try:
+        def probe() -> str:
+            reply = httpx.get(f"{spec.base_url}/v1/models", timeout=5.0)
+            return "" if reply.status_code == 503 else f"HTTP {reply.status_code}"
+
+        process.wait_ready(probe, 60.0, exited=lambda: None if proc.poll() is None
+                           else f"exit {proc.returncode}", interval_s=0.2)
+    finally:
+        report = process.stop([proc], 10.0)
+    assert report.left_behind == [] and port_free(port)

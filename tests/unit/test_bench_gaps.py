@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 
 from pdserve.bench import gaps
+from pdserve.cli import bench_flags
+from pdserve.cli.bench import build_parser
 
 STALL_S = 1.0
 
@@ -64,9 +66,7 @@ def test_the_markdown_marks_stalls_and_gives_ratios_to_the_baseline() -> None:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="pdserve bench")
-    gaps.add_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["gaps", *argv])
+    return build_parser().parse_args(["gaps", *argv])
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -77,7 +77,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 ])
 def test_bad_input_fails_before_any_start(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        gaps.config_from_args(_parse(argv))
+        bench_flags.gaps_config(_parse(argv))
 
 
 def test_a_run_on_simulated_workers_writes_both_kinds(tmp_path: Path) -> None:

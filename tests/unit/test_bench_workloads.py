@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
-from pdserve.bench.flags import add_run_flags
+from pdserve.bench.config import RunConfig
 from pdserve.bench.prompts import PromptEncoder
 from pdserve.bench.sharegpt import load_sharegpt
 from pdserve.bench.workloads import check_workload_flags, make_workload, parse_mix
+from pdserve.cli.bench_flags import add_run_flags, run_config
 
 GOOD = {"conversations": [{"from": "human", "value": "Why is the sky blue?"},
                           {"from": "gpt", "value": "Rayleigh scattering of sunlight."}]}
@@ -30,10 +31,10 @@ MALFORMED = [
 ]
 
 
-def _args(*argv: str) -> argparse.Namespace:
+def _args(*argv: str) -> RunConfig:
     p = argparse.ArgumentParser()
     add_run_flags(p)
-    return p.parse_args(["--base-url", "http://x", *argv])
+    return run_config(p.parse_args(["--base-url", "http://x", *argv]))
 
 
 def test_sharegpt_json_skips_malformed_entries_and_counts_them(tmp_path: Path) -> None:

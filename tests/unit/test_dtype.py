@@ -4,12 +4,13 @@ and ``bench compare``'s engine settings built on each."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
 
-from pdserve.bench import compare, compare_config
+from pdserve.bench import compare
+from pdserve.cli.bench import build_parser
+from pdserve.cli.bench_flags import compare_config
 from pdserve.core import hardware
 from pdserve.core.dtype import resolve_dtype
 from pdserve.core.hardware import Hardware
@@ -62,14 +63,12 @@ def test_an_explicit_dtype_is_kept(fake_cpu: str, dtype: str) -> None:
 
 
 def test_bench_compare_settings_run_the_resolved_dtype(fake_cpu: str) -> None:
-    parser = argparse.ArgumentParser(prog="pdserve bench")
-    compare.add_parser(parser.add_subparsers(dest="command"))
-    cfg = compare_config.config_from_args(parser.parse_args(["compare"]))
+    parser = build_parser()
+    cfg = compare_config(parser.parse_args(["compare"]))
     assert cfg.settings.dtype == WANT[fake_cpu]  # every system's engines
     assert cfg.dtype.requested == "auto" and cfg.dtype.dtype == WANT[fake_cpu]
     assert compare.settings_json(cfg)["dtype"] == WANT[fake_cpu]
-    forced = compare_config.config_from_args(parser.parse_args(["compare", "--dtype",
-                                                                "float32"]))
+    forced = compare_config(parser.parse_args(["compare", "--dtype", "float32"]))
     assert forced.settings.dtype == "float32"
 
 
