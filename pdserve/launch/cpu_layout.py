@@ -8,7 +8,8 @@ CPU_LAYOUTS = ("auto", "shared", "split")
 DEFAULT_CPU_LAYOUT = "auto"
 
 # Why ``auto`` is ``split`` wherever there are two cores or more, measured on 2 cores
-# (AVX-512, fp32, SmolLM2-135M) with ``bench/serve_mix.py`` under an open-loop chat mix
+# (AVX-512, fp32, SmolLM2-135M) with the former ``bench/serve_mix.py`` (now ``pdserve bench
+# compare``) under an open-loop chat mix
 # (70 % ~80-token prompts x 96 tokens, 30 % ~1,200 x 16), 40 requests per rate, both
 # layouts with ``--disagg auto``, in one run beside one aggregated ``vllm serve``:
 #   rate      shared: TTFT p50 / ITL p99 / done    split: TTFT p50 / ITL p99 / done

@@ -1,4 +1,4 @@
-"""The shared-prefix chat workload of ``bench/placement.py``: S system prompts x U
+"""The shared-prefix chat workload of ``pdserve bench placement``: S system prompts x U
 users per system prompt, T turns each (a turn's prompt is the whole conversation so
 far), conversations interleaved over system prompts and run C at a time."""
 

@@ -1,0 +1,144 @@
+"""Each micro-benchmark's frozen config (``pdserve bench <name>``'s flags become one):
+here, apart from the benches, so that building them imports neither torch nor vLLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# transfer: tokens per transfer, and the KV block size of the default model's layout.
+TRANSFER_TOKENS = (1024, 4096, 16384)
+TRANSFER_BLOCK_SIZE = 128
+FAULTS = ("kill-prefill", "kill-decode", "stop-decode", "kill-etcd", "restart-router")
+
+
+@dataclass(frozen=True)
+class PlacementDecisionConfig:
+    workers: int = 64
+    blocks: int = 100_000
+    decisions: int = 20_000
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RouterCostConfig:
+    requests: int = 300  # (a): short requests each way
+    long_requests: int = 20  # (b): long requests each way
+    long_tokens: int = 256
+    clients: int = 16  # (c): concurrent clients
+    duration_s: float = 10.0
+    loop_tokens: int = 16  # (c): max_tokens per request
+    json: str | None = None  # also write the numbers to this file
+    profile: str | None = None  # py-spy the router during (c) into this file
+
+
+@dataclass(frozen=True)
+class MetricsOverheadConfig:
+    rounds: int = 7
+    requests: int = 60  # short requests per round
+    long_requests: int = 8  # long requests per round
+    long_tokens: int = 256
+    observe_chunks: int = 200_000
+    control: bool = False  # A/A run: both routers with metrics on
+    json: str | None = None  # also write the numbers to this file
+
+
+@dataclass(frozen=True)
+class TtftConfig:
+    reps: int = 5
+    prompt_tokens: int = 500
+    max_tokens: int = 64
+    dtype: str = "auto"
+    port_base: int = 8011  # router port; workers use the next four ports
+
+    def __post_init__(self) -> None:
+        if self.reps < 1:
+            raise ValueError("--reps must be >= 1")
+
+
+@dataclass(frozen=True)
+class TransferPdConfig:
+    tokens: int = 1024
+    reps: int = 5
+    max_tokens: int = 8
+    dtype: str = "auto"
+    port_base: int = 19300
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    transports: str = "tcp,ucx,torch"  # comma-separated, as given
+    dtypes: str = "float32,bfloat16"
+    tokens: str = ",".join(map(str, TRANSFER_TOKENS))
+    reps: int = 5
+    checksum: bool = False  # checksum every transfer
+    device: str = "cpu"  # where both sides keep the KV: cpu, or cuda (cuda:0)
+    pd: bool = False  # also the P/D part: share of TTFT, pull vs push (real vLLM)
+    pd_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, not {self.device!r}")
+        if any(t % TRANSFER_BLOCK_SIZE for t in self.token_counts):
+            raise ValueError("token counts must be multiples of the block size "
+                             f"{TRANSFER_BLOCK_SIZE}")
+
+    @property
+    def token_counts(self) -> list[int]:
+        return [int(t) for t in self.tokens.split(",")]
+
+    @property
+    def transport_names(self) -> list[str]:
+        return [n for n in self.transports.split(",") if n]
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    dtype: str = "float32"
+    max_model_len: int = 1536
+    num_kv_blocks: int = 26  # KV blocks (128 tokens) per prefill worker
+    systems: int = 6
+    users: int = 2
+    turns: int = 3
+    system_words: int = 620
+    control_systems: int = 2
+    concurrency: int = 4
+    max_tokens: int = 4  # reply length per turn (1: prefill answers alone, no decode)
+
+
+@dataclass(frozen=True)
+class FaultsConfig:
+    simulated: bool = False  # sim-worker processes, no vLLM
+    faults: tuple[str, ...] = FAULTS
+    num_prefill: int = 1
+    num_decode: int = 2
+    clients: int = 3  # concurrent clients
+    max_tokens: int = 16
+    pre_s: float = 3.0  # load before the fault
+    fault_s: float = 10.0  # load after the fault
+    stop_s: float = 8.0  # stop-decode: SIGCONT after
+    post_s: float = 3.0  # load after recovery
+    recover_s: float = 180.0  # wait at most this long for every worker to be healthy again
+    deadline_s: float = 60.0  # a request unanswered after this long counts as hung
+    settle_s: float = 40.0  # wait at most this long for the workers to hold nothing
+    startup_timeout_s: float = 600.0
+    json: str | None = None  # write results here (default: in the log folder)
+
+    def __post_init__(self) -> None:
+        unknown = [f for f in self.faults if f not in FAULTS]
+        if unknown:
+            raise ValueError(f"unknown fault(s) {', '.join(unknown)}; "
+                             f"valid: {', '.join(FAULTS)}")
+
+
+@dataclass(frozen=True)
+class OverloadConfig:
+    rates: tuple[float, ...] = (10.0, 40.0, 160.0)  # offered request rates (req/s), one run each
+    duration_s: float = 15.0
+    max_concurrent: int = 8
+    max_queued: int = 16
+    max_queue_wait_s: float = 5.0
+    max_tokens: int = 64  # per request (sim: 2 ms each)
+    deadline_s: float = 60.0
+    max_connections: int = 4096
+    seed: int = 0
+    json: str | None = None  # write results here (default: in the log folder)
