@@ -17,19 +17,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import httpx
 import pytest
 from pdserve_testing import COMPOSE_FILE, compose_services, wait_until
 
+from pdserve.core import process
 from pdserve.core.cluster_secret import load_cluster_secret, write_cluster_secret
 from pdserve.core.ports import free_port
 from pdserve.router.dispatch.worker_client import probe_load
@@ -105,37 +103,14 @@ class Stack:
 
 def _start(name: str, argv: list[str], env: dict[str, str], logs: Path
            ) -> subprocess.Popen[bytes]:
-    with open(logs / f"{name}.log", "wb") as log:
-        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    return process.spawn(argv, log_path=logs / f"{name}.log", env=env, base_env={})
 
 
 def _stop(procs: dict[str, subprocess.Popen[bytes]]) -> None:
-    """SIGTERM in reverse start order (workers drain, etcd last), then SIGKILL groups."""
-    for proc in reversed(list(procs.values())):
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 45
-    for proc in procs.values():
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # engine processes included
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
-
-    def gone(pgid: int) -> bool:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-
-    left = [name for name, proc in procs.items() if not wait_until(partial(gone, proc.pid), 10)]
-    assert not left, f"processes left in the groups of {left}"
+    """SIGTERM in reverse start order (workers drain, etcd last), then SIGKILL what is
+    left (engine processes included); nothing of any group may remain."""
+    report = process.stop(list(reversed(procs.values())), grace_s=45)
+    assert not report.left_behind, f"processes left: {report.left_behind}"
 
 
 @pytest.fixture(scope="module")
