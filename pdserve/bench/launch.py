@@ -100,7 +100,7 @@ class RunningSystem:
             try:
                 last = _probe(client, deadline) or (
                     _all_workers_healthy(client) if self.spec.kind == "pdserve" else "")
-            except Exception as exc:  # noqa: BLE001 - not serving yet, and why
+            except (httpx.HTTPError, ValueError) as exc:  # not serving yet, and why
                 last = f"{type(exc).__name__}: {exc}"
             return last
 

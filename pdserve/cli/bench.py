@@ -97,6 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_proxy_parser().parse_args(argv[1:])
     else:
         args = build_parser().parse_args(argv)
+    if getattr(args, "tool", None):  # a micro-benchmark: its own errors, its tracebacks
+        return bench_tools.run_tool(args)
     try:
         return int(args.func(args))
     except ValueError as exc:

@@ -97,12 +97,17 @@ def stop(procs: Sequence[subprocess.Popen[bytes]], grace_s: float,
          sig: int = signal.SIGTERM) -> StopReport:
     """``sig`` (SIGTERM) to every process's group, in the order given; SIGKILL whatever
     of them or their descendants (in any session) is alive after ``grace_s``, then reap
-    them. Returns what needed the SIGKILL and what survived it; never raises."""
+    them. Returns what needed the SIGKILL and what survived it; never raises.
+
+    A process already reaped (``returncode`` set) is skipped: its pid, and so its
+    group's id, may belong to another process by now. The others stay unreaped (a
+    zombie keeps its pid and group id) until the group SIGKILL has been sent."""
     report = StopReport()
+    procs = [proc for proc in procs if proc.returncode is None]
     tree = descendants_and_self(procs)
     for proc in procs:
         signal_group(proc.pid, sig)
-    _wait_gone(procs, tree, time.monotonic() + grace_s)
+    _wait_gone(tree, time.monotonic() + grace_s)
     report.killed = [_describe(p) for p in tree if _alive(p)]
     report.clean = not report.killed
     for proc in procs:
@@ -111,7 +116,7 @@ def stop(procs: Sequence[subprocess.Popen[bytes]], grace_s: float,
         if _alive(p):
             with contextlib.suppress(psutil.Error):
                 p.kill()
-    _wait_gone(procs, tree, time.monotonic() + REAP_TIMEOUT_S)
+    _wait_gone(tree, time.monotonic() + REAP_TIMEOUT_S)
     for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=REAP_TIMEOUT_S)  # reaped: a zombie holds its pid
@@ -129,12 +134,9 @@ def descendants_and_self(procs: Sequence[subprocess.Popen[bytes]]) -> list[psuti
     return tree
 
 
-def _wait_gone(procs: Sequence[subprocess.Popen[bytes]], tree: list[psutil.Process],
-               deadline: float) -> None:
+def _wait_gone(tree: list[psutil.Process], deadline: float) -> None:
     while time.monotonic() < deadline:
-        for proc in procs:
-            proc.poll()  # reap what exited, so it no longer counts as alive
-        if not any(_alive(p) for p in tree):
+        if not any(_alive(p) for p in tree):  # a zombie is gone: _alive says so
             return
         time.sleep(_POLL_S)
 

@@ -28,7 +28,7 @@ from pdserve.worker.servicer import WorkerServer, start_worker_server
 from pdserve.worker.sim_engine import SimConfig, SimEngine
 from pdserve.worker.timing import PhaseClock
 
-logger = logging.getLogger("pdserve.launch.sim_worker")
+logger = logging.getLogger("pdserve.sim_worker")
 
 
 class SimHost:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from pdserve.core import process
 
-logger = logging.getLogger("pdserve.launch.supervisor")
+logger = logging.getLogger("pdserve.supervisor")
 
 DEFAULT_MAX_RESTARTS = 5
 DEFAULT_RESTART_WINDOW_S = 600.0

@@ -26,14 +26,7 @@ from pdserve.core.ports import free_port
 from pdserve.kv_transfer.base import transport_names
 from pdserve.launch.cpu_layout import CPU_LAYOUTS, DEFAULT_CPU_LAYOUT, core_sets, resolve_layout
 from pdserve.launch.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S, RestartPolicy
-from pdserve.launch.up_children import (  # Child and the fail-fast helpers: re-exported for bench/
-    STOP_GRACE_S,
-    Child,
-    console,
-    start_children,
-    stop_children,
-    wait_ready,
-)
+from pdserve.launch.up_children import STOP_GRACE_S, Child, console
 from pdserve.launch.up_targets import METRICS_KEY, scrape_targets, targets_line, write_file_sd
 from pdserve.launch.up_watch import ClusterWatch
 from pdserve.membership.local_etcd import LocalEtcd
@@ -42,8 +35,7 @@ from pdserve.router.dispatch.planner import PlannerConfig
 from pdserve.router.http.edge_config import EdgeConfig
 from pdserve.router.http.tools import ToolConfig
 
-__all__ = ["Child", "UpConfig", "free_port", "plan", "run_up", "start_children",
-           "stop_children", "wait_ready"]
+__all__ = ["Child", "UpConfig", "plan", "run_up"]
 
 
 @dataclass(frozen=True)

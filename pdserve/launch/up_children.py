@@ -1,7 +1,6 @@
 """``pdserve up``'s children: what each is (``Child``), whether it is ready (its
-gRPC Health, or the router's view of its workers), a status table, and the
-fail-fast start/stop that the benchmarks use for fixed sets of processes
-(``pdserve up`` itself runs its children under ``pdserve.launch.supervisor``).
+gRPC Health, or the router's view of its workers) and a status table. ``pdserve up``
+runs its children under ``pdserve.launch.supervisor``.
 """
 
 from __future__ import annotations
@@ -14,10 +13,8 @@ from pathlib import Path
 
 import httpx
 from rich.console import Console
-from rich.live import Live
 from rich.table import Table
 
-from pdserve.core import process
 from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.grpc_tls import GrpcTls
 from pdserve.router.dispatch.worker_client import WorkerCallError, probe_health
@@ -81,48 +78,6 @@ def _table(children: list[Child], started: float) -> Table:
     for c in children:
         table.add_row(c.name, c.state, str(c.log))
     return table
-
-
-def start_children(children: list[Child]) -> None:
-    """Spawn every child in its own session (``pdserve.core.process``), its log fresh."""
-    env = child_env()
-    for child in children:
-        child.log.parent.mkdir(parents=True, exist_ok=True)
-        child.log.write_bytes(b"")
-        child.proc = process.spawn(child.argv, log_path=child.log, env=child.env, base_env=env)
-
-
-def stop_children(children: list[Child], grace_s: float = STOP_GRACE_S) -> process.StopReport:
-    """SIGTERM every child's process group (the router first: no new requests while
-    workers drain), SIGKILL what is left of them and their descendants after
-    ``grace_s``, reap them."""
-    return process.stop([c.proc for c in reversed(children) if c.proc is not None], grace_s)
-
-
-def wait_ready(children: list[Child], timeout_s: float,
-               secret: ClusterSecret | None = None, tls: GrpcTls | None = None) -> None:
-    """Until every child is ready (``probe_child``), showing their states.
-    ``NotReadyError`` (a ``RuntimeError``) once one exits, or after ``timeout_s``."""
-    started = time.monotonic()
-    with Live(_table(children, started), console=console, refresh_per_second=2) as live:
-
-        def exited() -> str | None:
-            for child in children:
-                assert child.proc is not None
-                if child.proc.poll() is not None:
-                    child.state = f"exited ({child.proc.returncode})"
-                    live.update(_table(children, started))
-                    return f"{child.name} {child.state}; see {child.log}:\n{tail(child.log)}"
-            return None
-
-        def probe() -> str:
-            for child in children:
-                if child.state != "ready":
-                    probe_child(child, secret, tls)
-            live.update(_table(children, started))
-            return ", ".join(f"{c.name} {c.state}" for c in children if c.state != "ready")
-
-        process.wait_ready(probe, timeout_s, exited=exited, interval_s=0.5)
 
 
 def tail(path: Path, lines: int = 30) -> str:

@@ -33,7 +33,7 @@ from pdserve.router.http.base import APIError
 from pdserve.router.http.roles import RoleSwitcher
 from pdserve.router.metrics import PREFIX, counter, gauge
 
-logger = logging.getLogger("pdserve.router.dispatch.planner")
+logger = logging.getLogger("pdserve.router.planner")
 Clock = Callable[[], float]
 
 

@@ -24,7 +24,7 @@ from pdserve_testing import Server, launch_up, stop_up
 
 from pdserve.core import process
 from pdserve.core.model import prepare_default_model
-from pdserve.launch.up import free_port
+from pdserve.core.ports import free_port
 
 STARTUP_TIMEOUT_S = 600
 

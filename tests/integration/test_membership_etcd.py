@@ -33,8 +33,8 @@ from integration.pd_cases import LONG, MODEL
 from pdserve_testing import etcd_keys, router_metric, wait_until
 
 from pdserve.core import process
+from pdserve.core.ports import free_port
 from pdserve.core.types import WorkerLoadReport
-from pdserve.launch.up import free_port
 from pdserve.membership.local_etcd import LocalEtcd
 from pdserve.router.dispatch.worker_client import probe_load
 

@@ -44,7 +44,7 @@ def cluster(model_path: Path) -> Iterator[Server]:
 
 
 def _free_port() -> int:
-    from pdserve.launch.up import free_port
+    from pdserve.core.ports import free_port
 
     return free_port()
 

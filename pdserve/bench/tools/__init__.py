@@ -7,5 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# Where the benches write their result files: the checkout's bench/results/ (git-ignored).
-RESULTS_DIR = Path(__file__).resolve().parents[3] / "bench" / "results"
+# Where the benches write their result files: the checkout's bench/results/ when run from
+# a source tree (an editable install), else ./bench/results under the working directory.
+_CHECKOUT = Path(__file__).resolve().parents[3]
+RESULTS_DIR = (_CHECKOUT if (_CHECKOUT / "bench").is_dir() and (_CHECKOUT / "pyproject.toml")
+               .is_file() else Path.cwd()) / "bench" / "results"

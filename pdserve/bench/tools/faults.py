@@ -130,12 +130,15 @@ class Cluster:
             return []
 
     def wait_all_healthy(self, num_workers: int, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if sum(1 for w in self.workers() if w["healthy"]) >= num_workers:
-                return True
-            time.sleep(0.5)
-        return False
+        def probe() -> str:
+            healthy = sum(1 for w in self.workers() if w["healthy"])
+            return "" if healthy >= num_workers else f"{healthy}/{num_workers} healthy"
+
+        try:
+            process.wait_ready(probe, timeout_s, retry_on=(httpx.HTTPError, ValueError))
+        except process.NotReadyError:
+            return False
+        return True
 
     def stop(self) -> None:
         self.system.stop()

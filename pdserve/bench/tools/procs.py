@@ -71,6 +71,7 @@ class ProcGroup:
     def start(self) -> None:
         for p in self.specs:
             p.log.parent.mkdir(parents=True, exist_ok=True)
+            p.log.write_bytes(b"")  # this run's log only
             self.procs[p.name] = process.spawn(p.argv, log_path=p.log, env=CHILD_ENV)
 
     def pid(self, name: str) -> int:

@@ -191,9 +191,13 @@ async def measure_all(cfg: RouterCostConfig, url: str, p_ep: str, d_ep: str, pid
             short = await measure(http, p, d, pid, 2, cfg.requests)
             long = await measure(http, p, d, pid, cfg.long_tokens, cfg.long_requests)
         spy = profiler(pid, cfg.profile, cfg.duration_s, log_dir)
-        loop = await closed_loop(url, pid, cfg.clients, cfg.duration_s, cfg.loop_tokens)
-        if spy is not None:
-            spy.wait()
+        try:
+            loop = await closed_loop(url, pid, cfg.clients, cfg.duration_s, cfg.loop_tokens)
+            if spy is not None:
+                await asyncio.to_thread(spy.wait, cfg.duration_s + 60)
+        finally:
+            if spy is not None:
+                process.stop([spy], grace_s=5)
     finally:
         await asyncio.gather(p.close(), d.close())
     summary = summarize(short, long, cfg.long_tokens)

@@ -58,7 +58,7 @@ from pdserve.router.dispatch.worker_client import (
 from pdserve.router.dispatch.worker_state import WorkerState
 from pdserve.router.dispatch.workers import Worker, WorkerPool
 
-logger = logging.getLogger("pdserve.router.dispatch.dispatch")
+logger = logging.getLogger("pdserve.router.dispatch")
 
 _ABORT_TIMEOUT_S = 5.0
 # Only "cannot reach" takes a worker out of placement; a slow request's deadline does not.

@@ -22,7 +22,7 @@ from pdserve.router.dispatch.worker_client import UNIMPLEMENTED, WorkerCallError
 from pdserve.router.dispatch.workers import Worker
 from pdserve.router.metrics import PREFIX, counter
 
-logger = logging.getLogger("pdserve.router.dispatch.kv_feed")
+logger = logging.getLogger("pdserve.router.kv_feed")
 _RPC_TIMEOUT_S = 10.0
 _UNSUPPORTED_RETRY_S = 15.0
 

@@ -18,7 +18,7 @@ from pdserve.router.dispatch.breaker import DEFAULT_BREAKER, BreakerConfig, Circ
 from pdserve.router.dispatch.worker_client import DEADLINE_EXCEEDED, WorkerCallError, WorkerClient
 from pdserve.router.dispatch.worker_state import InFlight, StepCost, WorkerLoad, WorkerState
 
-logger = logging.getLogger("pdserve.router.dispatch.workers")
+logger = logging.getLogger("pdserve.router.workers")
 
 # A worker that answers too slowly is busy, not gone: only this many probe
 # timeouts in a row take it out of placement (a refused connection does at once).

@@ -34,7 +34,7 @@ from pdserve.router.dispatch.worker_state import WorkerState
 
 __all__ = ["MAX_SLOW_PROBES", "Listener", "Worker", "WorkerPool", "step_cost"]
 
-logger = logging.getLogger("pdserve.router.dispatch.workers")
+logger = logging.getLogger("pdserve.router.workers")
 
 # A removed worker's requests may run this long before its channel cancels them (a
 # draining worker leaves membership first, then finishes them).

@@ -36,7 +36,7 @@ from pdserve.router.http.errors import (
 )
 from pdserve.router.metrics import PREFIX, counter
 
-logger = logging.getLogger("pdserve.router.http.roles")
+logger = logging.getLogger("pdserve.router.roles")
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 # The worker's own bound on ending its work past the drain (lifecycle._END_WORK_GRACE_S)
