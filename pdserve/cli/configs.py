@@ -137,6 +137,7 @@ def connector_config(args: argparse.Namespace, worker_id: str,
         kv_port=args.kv_port or args.port + 1000, kv_bind_host=args.host,
         lease_s=args.lease_s, kv_checksum=args.kv_checksum,
         kv_throttle_mib_s=args.kv_throttle_mib_s, push=kv_push_default(args.kv_push),
+        kv_offload_gib=args.kv_offload_gib,
         cluster_secret_file=args.cluster_secret_file,
     )
 
@@ -201,6 +202,7 @@ def up_config(args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
         kv_cache_gib=args.kv_cache_gib, placement=args.placement,
         startup_timeout_s=args.startup_timeout_s, log_level=args.log_level,
         cpu_layout=args.cpu_layout, kv_checksum=args.kv_checksum,
+        kv_offload_gib=args.kv_offload_gib,
         kv_throttle_mib_s=args.kv_throttle_mib_s, kv_push=args.kv_push,
         etcd=args.etcd or "", with_etcd=args.with_etcd, cluster=args.cluster,
         etcd_ttl_s=args.etcd_ttl_s, num_kv_blocks=args.num_kv_blocks or None,

@@ -206,6 +206,9 @@ FLAGS = _flags(
     Flag("kv-cache-gib", "KV cache size per worker in GiB", 2, parse_int(1)),
     Flag("num-kv-blocks", "KV cache size in blocks (overrides --kv-cache-gib; 0: unset)",
          None, parse_int(0)),
+    Flag("kv-offload-gib", "host-memory tier under the engine's KV cache, in GiB (0: off): "
+         "finished requests' blocks are saved there, and a prompt whose prefix the engine "
+         "evicted loads it back instead of recomputing it", 0.0, parse_float(0)),
     # KV transport
     Flag("transport", "KV transport: tcp, ucx (UCX via ucxx; UCX_* env vars apply), torch "
          "(torch.distributed p2p: NCCL/RCCL on GPU, gloo on CPU)", "tcp",

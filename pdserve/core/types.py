@@ -186,6 +186,14 @@ class WorkerLoadReport:
     step_per_token_ns: int = 0
     step_decode_samples: int = 0
     step_prefill_samples: int = 0
+    # The host tier (--kv-offload-gib): GetLoad's kv_tier_* fields.
+    kv_tier_loads: int = 0
+    kv_tier_load_blocks: int = 0
+    kv_tier_load_time_ns: int = 0
+    kv_tier_load_failures: int = 0
+    kv_tier_saves: int = 0
+    kv_tier_save_blocks: int = 0
+    kv_tier_save_failures: int = 0
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,9 @@ class ConnectorConfig:
     kv_checksum: bool = False
     # Pace the sending side to this many MiB/s (0: off); emulates a slow link.
     kv_throttle_mib_s: float = 0.0
+    # The host tier under the engine's KV cache (GiB; 0: off): finished requests' blocks
+    # are saved there, and a prompt whose prefix the engine evicted loads it back.
+    kv_offload_gib: float = 0.0
     # The cluster secret's file (never the secret: this config lands in vLLM's, which
     # vLLM logs); None: KV connections are not authenticated.
     cluster_secret_file: str | None = None
@@ -42,6 +45,8 @@ class ConnectorConfig:
             raise ValueError("push_inbox_mib must be >= 0")
         if not 0 <= self.kv_port < 65536:
             raise ValueError(f"kv_port {self.kv_port} out of range")
+        if self.kv_offload_gib < 0:
+            raise ValueError(f"kv_offload_gib must be >= 0, got {self.kv_offload_gib}")
         if self.kv_throttle_mib_s < 0:
             raise ValueError(f"kv_throttle_mib_s must be >= 0, got {self.kv_throttle_mib_s}")
         names = transport_names()

@@ -13,6 +13,7 @@ id coming back in ``finished_recving``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,11 +25,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.kv_transfer.host_tier import num_slots
 from pdserve.kv_transfer.metadata import PdserveConnectorMetadata
 from pdserve.kv_transfer.scheduler_side import SchedulerSide
 from pdserve.kv_transfer.worker_side import WorkerSide
+
+logger = logging.getLogger("pdserve.kv_transfer")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -37,6 +42,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -70,6 +76,21 @@ def compat_of(vllm_config: VllmConfig) -> dict[str, Any]:
     }
 
 
+def host_tier_slots(config: ConnectorConfig, kv_cache_config: KVCacheConfig,
+                    block_size: int) -> int:
+    """The host tier's size in blocks (0: off), the same on both sides. Off where the
+    prefix cache names blocks at another granularity than the KV cache's blocks."""
+    if config.kv_offload_gib <= 0 or not kv_cache_config.num_blocks:
+        return 0
+    if kv_cache_config.hash_block_size not in (None, block_size):
+        logger.warning("host tier off: prefix-cache hashes cover %s tokens, blocks %s",
+                       kv_cache_config.hash_block_size, block_size)
+        return 0
+    block_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors) // (
+        kv_cache_config.num_blocks)
+    return num_slots(config.kv_offload_gib, block_bytes)
+
+
 class PdserveConnector(KVConnectorBase_V1):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -80,16 +101,17 @@ class PdserveConnector(KVConnectorBase_V1):
             vllm_config.kv_transfer_config.kv_connector_extra_config
         )
         block_size = vllm_config.cache_config.block_size
+        tier_slots = host_tier_slots(config, kv_cache_config, block_size)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(config, block_size)
+            self._scheduler = SchedulerSide(config, block_size, tier_slots)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self._worker = WorkerSide(
                 config, compat_of(vllm_config), get_tensor_model_parallel_rank(), block_size,
-                kv_cache_config.num_blocks,
+                kv_cache_config.num_blocks, tier_slots,
             )
 
     # ---- scheduler side --------------------------------------------------------
@@ -109,6 +131,21 @@ class PdserveConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """Host tier loads count as ``host`` in vLLM's prompt-token sources."""
+        assert self._scheduler is not None
+        if not num_external_tokens:
+            return {}
+        source = (CacheHitSource.HOST if self._scheduler.loads_from_tier(request.request_id)
+                  else CacheHitSource.EXTERNAL_UNSPECIFIED)
+        return {source: num_external_tokens}
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -10,7 +10,7 @@ from pdserve.core.handle import KVHandle, PushTarget
 from pdserve.kv_transfer.push_spec import PushSpec
 
 __all__ = ["KVHandle", "LeaseSpec", "LoadSpec", "PdserveConnectorMetadata", "PushSpec",
-           "PushTarget"]
+           "PushTarget", "TierCopy"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,16 @@ class LoadSpec:
     first_position: int = 0
 
 
+@dataclass(frozen=True)
+class TierCopy:
+    """Host tier: copy between the cache's ``block_ids`` and the tier's ``slots``
+    (a save: cache → tier; a load: tier → cache); ``hashes`` name the blocks."""
+
+    block_ids: tuple[int, ...]
+    slots: tuple[int, ...]
+    hashes: tuple[bytes, ...]
+
+
 @dataclass
 class PdserveConnectorMetadata(KVConnectorMetadata):
     """One engine step's work for the worker side; rebuilt every step."""
@@ -46,6 +56,10 @@ class PdserveConnectorMetadata(KVConnectorMetadata):
     pushes: dict[str, PushSpec] = field(default_factory=dict)
     # Pushed transfers no decode will take (the prefill stopped at its first token).
     push_cancels: list[PushTarget] = field(default_factory=list)
+    # Host tier: a finished request's blocks saved (its blocks are held until done),
+    # a new request's blocks loaded (it waits, as for a remote load).
+    tier_saves: dict[str, TierCopy] = field(default_factory=dict)
+    tier_loads: dict[str, TierCopy] = field(default_factory=dict)
     # Nothing is scheduled this step: the engine only steps to learn about transfers.
     idle: bool = False
     # What this step computes (for the step-time fit): sequences decoding one token,

@@ -55,6 +55,7 @@ class UpConfig:
     cpu_layout: str = DEFAULT_CPU_LAYOUT
     kv_push: bool | None = None  # None: each worker's default (push on CUDA only)
     kv_checksum: bool = False
+    kv_offload_gib: float = 0.0
     kv_throttle_mib_s: float = 0.0
     # Membership: static (default), an etcd at ``etcd``, or a local one (``with_etcd``).
     etcd: str = ""
@@ -162,6 +163,8 @@ def _engine_flags(cfg: UpConfig, role: str, cores: str) -> list[str]:
         argv += ["--kv-push" if cfg.kv_push else "--no-kv-push"]
     argv += ["--kv-checksum" if cfg.kv_checksum else "--no-kv-checksum",
              "--kv-throttle-mib-s", str(cfg.kv_throttle_mib_s)]
+    if cfg.kv_offload_gib:
+        argv += ["--kv-offload-gib", repr(cfg.kv_offload_gib)]
     if cfg.shm_spin_s is not None:
         argv += ["--shm-spin-s", repr(cfg.shm_spin_s)]
     if cfg.prefill_chunk_tokens is not None:

@@ -219,6 +219,10 @@ class EngineHost:
                            len(mirror) if mirror is not None else 0)
 
 
+TIER_STATS = ("tier_loads", "tier_load_blocks", "tier_load_time_ns", "tier_load_failures",
+              "tier_saves", "tier_save_blocks", "tier_save_failures")
+
+
 def load_report(c: EngineCounters, status: dict[str, Any], num_inflight: int,
                 num_cached_blocks: int) -> WorkerLoadReport:
     """The engine's counters plus the connector's ``status`` reply."""
@@ -246,7 +250,8 @@ def load_report(c: EngineCounters, status: dict[str, Any], num_inflight: int,
             step_base_us=stat("step_base_us"), step_per_seq_us=stat("step_per_seq_us"),
             step_per_token_ns=stat("step_per_token_ns"),
             step_decode_samples=stat("step_decode_samples"),
-            step_prefill_samples=stat("step_prefill_samples"))
+            step_prefill_samples=stat("step_prefill_samples"),
+            **{f"kv_{name}": stat(name) for name in TIER_STATS})
 
 
 def _timing(request: PhaseRequest, step: EngineStep, clock: PhaseClock) -> PhaseTiming:

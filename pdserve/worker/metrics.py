@@ -66,6 +66,20 @@ _COUNTERS: tuple[tuple[str, str, Callable[[WorkerLoadReport], float]], ...] = (
      "pulled)", lambda r: r.kv_pushes_failed),
     ("pdserve:kv_leases_expired_total", "Prefill: KV leases that expired before a decode "
      "loaded or released them", lambda r: r.kv_leases_expired),
+    ("pdserve:kv_tier_loads_total", "Host tier: requests whose prefix was loaded from it",
+     lambda r: r.kv_tier_loads),
+    ("pdserve:kv_tier_load_blocks_total", "Host tier: KV blocks loaded from it",
+     lambda r: r.kv_tier_load_blocks),
+    ("pdserve:kv_tier_load_seconds_total", "Host tier: time its loads took",
+     lambda r: r.kv_tier_load_time_ns / 1e9),
+    ("pdserve:kv_tier_load_failures_total", "Host tier: loads that failed (checksum, "
+     "evicted); the prompt was recomputed", lambda r: r.kv_tier_load_failures),
+    ("pdserve:kv_tier_saves_total", "Host tier: finished requests whose blocks were saved",
+     lambda r: r.kv_tier_saves),
+    ("pdserve:kv_tier_save_blocks_total", "Host tier: KV blocks saved to it",
+     lambda r: r.kv_tier_save_blocks),
+    ("pdserve:kv_tier_save_failures_total", "Host tier: saves that failed",
+     lambda r: r.kv_tier_save_failures),
 )
 _GAUGES: tuple[tuple[str, str, Callable[[WorkerLoadReport], float]], ...] = (
     ("pdserve:kv_leases_held", "Prefill: requests whose KV is held for a decode",

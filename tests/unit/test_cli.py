@@ -245,3 +245,17 @@ def test_shm_spin_reaches_every_engine_from_up(tmp_path: Path) -> None:
         assert worker_config(worker_args, MODEL).engine.shm_spin_s == 1.0
     default = up_config(build_parser().parse_args(["up"]), MODEL)
     assert all("--shm-spin-s" not in c.argv for c in plan(default, tmp_path))
+
+
+def test_kv_offload_reaches_every_engine_from_up(tmp_path: Path) -> None:
+    """``--kv-offload-gib`` (0: no host tier) reaches each worker's connector."""
+    args = build_parser().parse_args(["up", "--kv-offload-gib", "0.5", "--num-prefill", "1"])
+    workers = [c for c in plan(up_config(args, MODEL), tmp_path) if c.name != "router"]
+    assert len(workers) == 2
+    for child in workers:
+        worker_args = build_parser().parse_args(child.argv[3:])
+        assert worker_config(worker_args, MODEL).engine.connector.kv_offload_gib == 0.5
+    default = up_config(build_parser().parse_args(["up"]), MODEL)
+    assert all("--kv-offload-gib" not in c.argv for c in plan(default, tmp_path))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["decode", "--kv-offload-gib", "-1"])

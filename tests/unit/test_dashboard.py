@@ -32,7 +32,10 @@ WORKER_METRICS = frozenset({
     "pdserve:kv_load_seconds_total", "pdserve:kv_leases_held",
     "pdserve:kv_leases_expired_total", "pdserve:kv_pending_transfers",
     "pdserve:kv_push_inbox_bytes", "pdserve:worker_inflight_requests", "pdserve:worker_ready",
-    "pdserve:worker_info"})
+    "pdserve:worker_info", "pdserve:kv_tier_loads_total", "pdserve:kv_tier_load_blocks_total",
+    "pdserve:kv_tier_load_seconds_total", "pdserve:kv_tier_load_failures_total",
+    "pdserve:kv_tier_saves_total", "pdserve:kv_tier_save_blocks_total",
+    "pdserve:kv_tier_save_failures_total"})
 _SUFFIXES = ("_bucket", "_count", "_sum", "_total")
 
 
