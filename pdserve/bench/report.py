@@ -92,6 +92,11 @@ METRICS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("ITL p99 ms", ("itl_s", "p99"), "ms"),
     ("E2E p50 s", ("e2e_s", "p50"), "{:.3f}"),
     ("goodput* req/s", ("goodput_derived",), "{:.3f}"),
+    # The prefix hit rate: the responses' usage.prompt_tokens_details.cached_tokens over
+    # their prompt tokens. pdserve reports the engine that computed the prompt (prefill,
+    # or decode when it prefilled locally): vLLM's cached tokens, its local prefix-cache
+    # hits plus what its KV connector loaded (the host tier's loads included).
+    ("prefix hit", ("cached_token_share",), "{:.1%}"),
 )
 
 

@@ -9,7 +9,14 @@
   ``output_len`` tokens (fixed text, so prompts do not depend on what the server
   answers) and the new turn; all users' turn 0 go first, then turn 1, and so on, so each
   turn's prefix was computed a round before: a cache-aware placement reuses it. After
-  the last turn a new set of users starts.
+  the last turn a new set of users starts. This is the multi-turn chat workload of the
+  KV tiers' benchmark (bench/README.md, "Multi-turn reuse"): with more users than the
+  engine's cache holds, a user's history is evicted before its next turn comes, and only
+  a tier below the cache can serve it.
+- ``no-reuse``: shared-prefix's control: request ``i`` has the shape of shared-prefix's
+  request ``i`` (the same messages, roles, token counts and output length) but every
+  message of every request is fresh random text, so no two prompts share more than the
+  chat template's first few tokens and no cache can serve any of it (the tiers' overhead).
 - ``sharegpt``: a ShareGPT file's prompts in a seeded order, repeated if needed.
 
 Every prompt is built from random tokens to an exact count through the endpoint's
@@ -30,7 +37,7 @@ from pdserve.bench.config import RunConfig
 from pdserve.bench.prompts import BenchRequest, Messages, PromptEncoder
 from pdserve.bench.sharegpt import ShareGptData, load_sharegpt
 
-WORKLOADS = ("random", "chat-mix", "shared-prefix", "sharegpt")
+WORKLOADS = ("random", "chat-mix", "shared-prefix", "no-reuse", "sharegpt")
 DEFAULT_OUTPUT_LEN = 128  # synthetic workloads; sharegpt takes the reference completion's
 
 
@@ -137,6 +144,28 @@ class SharedPrefixWorkload:
         return itertools.chain.from_iterable(map(self._round, itertools.count()))
 
 
+class NoReuseWorkload:
+    """``no-reuse``: ``SharedPrefixWorkload``'s requests, in the same order and of the same
+    shape, with every message fresh random text (no shared system prompt, no history)."""
+
+    def __init__(self, encoder: PromptEncoder, shape: SharedPrefixShape, seed: int) -> None:
+        self.encoder, self.shape, self.seed = encoder, shape, seed
+
+    def request(self, index: int) -> BenchRequest:
+        s, enc = self.shape, self.encoder
+        turn = index % (s.num_users * s.num_turns) // s.num_users
+        rng = random.Random(f"{self.seed}:no-reuse:{index}")
+        messages = [{"role": "system", "content": enc.fit(s.system_prompt_len, rng)[0]}]
+        for t in range(turn + 1):
+            messages.append({"role": "user", "content": enc.fit(s.turn_input_len, rng)[0]})
+            if t < turn:
+                messages.append({"role": "assistant", "content": enc.fit(s.output_len, rng)[0]})
+        return BenchRequest(messages, enc.count(messages), s.output_len)
+
+    def __iter__(self) -> Iterator[BenchRequest]:
+        return map(self.request, itertools.count())
+
+
 class ShareGptWorkload:
     def __init__(self, encoder: PromptEncoder, data: ShareGptData, output_len: int | None,
                  seed: int) -> None:
@@ -152,7 +181,7 @@ class ShareGptWorkload:
             yield BenchRequest(messages, self.encoder.count(messages), num_out)
 
 
-Workload = MixWorkload | SharedPrefixWorkload | ShareGptWorkload
+Workload = MixWorkload | SharedPrefixWorkload | NoReuseWorkload | ShareGptWorkload
 
 
 def _output_len(cfg: RunConfig) -> int:
@@ -170,14 +199,19 @@ def check_workload_flags(cfg: RunConfig) -> ShareGptData | None:
         _mix_shift(cfg)
     elif cfg.mix_then:
         raise ValueError("--mix-then needs --workload chat-mix")
-    if cfg.workload == "shared-prefix":
-        SharedPrefixShape(cfg.num_system_prompts, cfg.system_prompt_len, cfg.num_users,
-                          cfg.num_turns, cfg.turn_input_len, _output_len(cfg))
+    if cfg.workload in ("shared-prefix", "no-reuse"):
+        _shape(cfg)
     if cfg.workload == "sharegpt":
         if not cfg.dataset:
             raise ValueError("--workload sharegpt needs --dataset PATH (.json or .jsonl)")
         return load_sharegpt(cfg.dataset)
     return None
+
+
+def _shape(cfg: RunConfig) -> SharedPrefixShape:
+    """shared-prefix's (and no-reuse's) sizes."""
+    return SharedPrefixShape(cfg.num_system_prompts, cfg.system_prompt_len, cfg.num_users,
+                             cfg.num_turns, cfg.turn_input_len, _output_len(cfg))
 
 
 def _mix_shift(cfg: RunConfig) -> tuple[list[LengthClass] | None, int]:
@@ -207,10 +241,9 @@ def make_workload(cfg: RunConfig, encoder: PromptEncoder, seed: int,
         return MixWorkload(encoder, parse_mix(cfg.mix), cfg.range_ratio, seed, then,
                            shift_at)
     if cfg.workload == "shared-prefix":
-        shape = SharedPrefixShape(cfg.num_system_prompts, cfg.system_prompt_len,
-                                  cfg.num_users, cfg.num_turns, cfg.turn_input_len,
-                                  _output_len(cfg))
-        return SharedPrefixWorkload(encoder, shape, seed)
+        return SharedPrefixWorkload(encoder, _shape(cfg), seed)
+    if cfg.workload == "no-reuse":
+        return NoReuseWorkload(encoder, _shape(cfg), seed)
     if cfg.workload == "sharegpt":
         return ShareGptWorkload(encoder, dataset or load_sharegpt(cfg.dataset),
                                 cfg.output_len, seed)

@@ -39,7 +39,7 @@ PDSERVE_COMMAND: tuple[str, ...] = (sys.executable, "-m", "pdserve.cli.main")
 # Workload flags compare hands to every `pdserve bench run` as given (its contract's flags).
 PASSTHROUGH: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--endpoint", {"choices": ("completions", "chat")}),
-    ("--workload", {"choices": ("random", "chat-mix", "shared-prefix", "sharegpt")}),
+    ("--workload", {"choices": WORKLOADS}),
     ("--input-len", {"type": int}), ("--output-len", {"type": int}),
     ("--range-ratio", {"type": float}), ("--mix", {}), ("--mix-then", {}),
     ("--mix-shift-at", {"type": int}),
@@ -83,8 +83,9 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=WORKLOADS, default="random")
     w.add_argument("--input-len", type=int, default=256, help="random: prompt tokens")
-    w.add_argument("--output-len", type=int, help="output tokens (random, shared-prefix: "
-                   "default 128; sharegpt: overrides the reference completion's length)")
+    w.add_argument("--output-len", type=int, help="output tokens (random, shared-prefix, "
+                   "no-reuse: default 128; sharegpt: overrides the reference completion's "
+                   "length)")
     w.add_argument("--range-ratio", type=float, default=0.0,
                    help="random, chat-mix: lengths uniform within +-ratio")
     w.add_argument("--mix", default=DEFAULT_MIX,
@@ -93,11 +94,16 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    "--mix-shift-at (a load that changes under the system)")
     w.add_argument("--mix-shift-at", type=int, help="chat-mix with --mix-then: the index "
                    "of the first request drawn from it (default: half of --num-requests)")
-    w.add_argument("--num-system-prompts", type=int, default=2)
-    w.add_argument("--system-prompt-len", type=int, default=512)
-    w.add_argument("--num-users", type=int, default=4)
-    w.add_argument("--num-turns", type=int, default=3)
-    w.add_argument("--turn-input-len", type=int, default=64)
+    w.add_argument("--num-system-prompts", type=int, default=2,
+                   help="shared-prefix, no-reuse: system prompts the users share")
+    w.add_argument("--system-prompt-len", type=int, default=512,
+                   help="shared-prefix, no-reuse: tokens of each system prompt")
+    w.add_argument("--num-users", type=int, default=4,
+                   help="shared-prefix, no-reuse: conversations, their turns interleaved")
+    w.add_argument("--num-turns", type=int, default=3,
+                   help="shared-prefix, no-reuse: turns of each conversation")
+    w.add_argument("--turn-input-len", type=int, default=64,
+                   help="shared-prefix, no-reuse: tokens of each user turn")
     w.add_argument("--dataset", help="sharegpt: a .json or .jsonl file")
     s = p.add_argument_group("traffic")
     s.add_argument("--num-requests", type=int, help="requests to draw (default 100 unless "

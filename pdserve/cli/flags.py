@@ -209,6 +209,10 @@ FLAGS = _flags(
     Flag("kv-offload-gib", "host-memory tier under the engine's KV cache, in GiB (0: off): "
          "finished requests' blocks are saved there, and a prompt whose prefix the engine "
          "evicted loads it back instead of recomputing it", 0.0, parse_float(0)),
+    Flag("kv-disk-dir", "disk tier below the host tier: a folder of block files that "
+         "survive restarts (with --kv-disk-gib)", None, metavar="DIR"),
+    Flag("kv-disk-gib", "the disk tier's size in GiB (0: off; needs --kv-disk-dir)", 0.0,
+         parse_float(0)),
     # KV transport
     Flag("transport", "KV transport: tcp, ucx (UCX via ucxx; UCX_* env vars apply), torch "
          "(torch.distributed p2p: NCCL/RCCL on GPU, gloo on CPU)", "tcp",

@@ -194,6 +194,14 @@ class WorkerLoadReport:
     kv_tier_saves: int = 0
     kv_tier_save_blocks: int = 0
     kv_tier_save_failures: int = 0
+    # The disk tier (--kv-disk-dir): GetLoad's kv_disk_* fields, the same counts.
+    kv_disk_loads: int = 0
+    kv_disk_load_blocks: int = 0
+    kv_disk_load_time_ns: int = 0
+    kv_disk_load_failures: int = 0
+    kv_disk_saves: int = 0
+    kv_disk_save_blocks: int = 0
+    kv_disk_save_failures: int = 0
 
 
 @dataclass(frozen=True)

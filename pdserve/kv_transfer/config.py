@@ -34,6 +34,10 @@ class ConnectorConfig:
     # The host tier under the engine's KV cache (GiB; 0: off): finished requests' blocks
     # are saved there, and a prompt whose prefix the engine evicted loads it back.
     kv_offload_gib: float = 0.0
+    # The disk tier below it (a folder, and its size in GiB; both or neither): blocks
+    # are written through to slot files there and survive a restart of the worker.
+    kv_disk_dir: str | None = None
+    kv_disk_gib: float = 0.0
     # The cluster secret's file (never the secret: this config lands in vLLM's, which
     # vLLM logs); None: KV connections are not authenticated.
     cluster_secret_file: str | None = None
@@ -45,8 +49,10 @@ class ConnectorConfig:
             raise ValueError("push_inbox_mib must be >= 0")
         if not 0 <= self.kv_port < 65536:
             raise ValueError(f"kv_port {self.kv_port} out of range")
-        if self.kv_offload_gib < 0:
-            raise ValueError(f"kv_offload_gib must be >= 0, got {self.kv_offload_gib}")
+        if self.kv_offload_gib < 0 or self.kv_disk_gib < 0:
+            raise ValueError("kv_offload_gib and kv_disk_gib must be >= 0")
+        if bool(self.kv_disk_dir) != (self.kv_disk_gib > 0):
+            raise ValueError("the disk tier needs both kv_disk_dir and kv_disk_gib > 0")
         if self.kv_throttle_mib_s < 0:
             raise ValueError(f"kv_throttle_mib_s must be >= 0, got {self.kv_throttle_mib_s}")
         names = transport_names()

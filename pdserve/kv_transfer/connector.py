@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,12 +29,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.kv_transfer.disk_tier import compat_hash, scan
 from pdserve.kv_transfer.host_tier import num_slots
 from pdserve.kv_transfer.metadata import PdserveConnectorMetadata
 from pdserve.kv_transfer.scheduler_side import SchedulerSide
+from pdserve.kv_transfer.tier_index import TierIndex
+from pdserve.kv_transfer.tier_plan import TierPlanner
 from pdserve.kv_transfer.worker_side import WorkerSide
 
 logger = logging.getLogger("pdserve.kv_transfer")
+_SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -76,19 +81,49 @@ def compat_of(vllm_config: VllmConfig) -> dict[str, Any]:
     }
 
 
-def host_tier_slots(config: ConnectorConfig, kv_cache_config: KVCacheConfig,
-                    block_size: int) -> int:
-    """The host tier's size in blocks (0: off), the same on both sides. Off where the
-    prefix cache names blocks at another granularity than the KV cache's blocks."""
-    if config.kv_offload_gib <= 0 or not kv_cache_config.num_blocks:
-        return 0
-    if kv_cache_config.hash_block_size not in (None, block_size):
-        logger.warning("host tier off: prefix-cache hashes cover %s tokens, blocks %s",
-                       kv_cache_config.hash_block_size, block_size)
-        return 0
-    block_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors) // (
-        kv_cache_config.num_blocks)
-    return num_slots(config.kv_offload_gib, block_bytes)
+@dataclass(frozen=True)
+class TierSizes:
+    """The KV tiers' sizes in blocks (0: off) and the disk tier's model folder, the
+    same on both sides. Off where the prefix cache names blocks at another
+    granularity than the KV cache's blocks."""
+
+    host_slots: int = 0
+    disk_slots: int = 0
+    disk_compat: str = ""
+
+    @classmethod
+    def of(cls, config: ConnectorConfig, vllm_config: VllmConfig,
+           kv_cache_config: KVCacheConfig) -> TierSizes:
+        block_size = vllm_config.cache_config.block_size
+        if not kv_cache_config.num_blocks or not (config.kv_offload_gib or config.kv_disk_gib):
+            return cls()
+        if kv_cache_config.hash_block_size not in (None, block_size):
+            logger.warning("KV tiers off: prefix-cache hashes cover %s tokens, blocks %s",
+                           kv_cache_config.hash_block_size, block_size)
+            return cls()
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1 or type(groups[0].kv_cache_spec).__name__ != "FullAttentionSpec":
+            logger.warning("KV tiers off: only one group of full attention is supported")
+            return cls()
+        block_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors) // (
+            kv_cache_config.num_blocks)
+        compat = dict(compat_of(vllm_config), block_bytes=block_bytes,
+                      num_tensors=len(kv_cache_config.kv_cache_tensors))
+        return cls(num_slots(config.kv_offload_gib, block_bytes),
+                   num_slots(config.kv_disk_gib, block_bytes), compat_hash(compat))
+
+    def planner(self, config: ConnectorConfig, block_size: int) -> TierPlanner | None:
+        """The scheduler side's plan over the tiers; the disk tier's index starts with
+        what its folder still holds from before (oldest first)."""
+        if not (self.host_slots or self.disk_slots):
+            return None
+        disk = TierIndex(self.disk_slots) if self.disk_slots else None
+        if disk is not None and config.kv_disk_dir:
+            for slot, block_hash in scan(Path(config.kv_disk_dir), self.disk_compat,
+                                         self.disk_slots).blocks:
+                disk.adopt(slot, block_hash)
+        return TierPlanner(block_size,
+                           TierIndex(self.host_slots) if self.host_slots else None, disk)
 
 
 class PdserveConnector(KVConnectorBase_V1):
@@ -101,17 +136,18 @@ class PdserveConnector(KVConnectorBase_V1):
             vllm_config.kv_transfer_config.kv_connector_extra_config
         )
         block_size = vllm_config.cache_config.block_size
-        tier_slots = host_tier_slots(config, kv_cache_config, block_size)
+        tiers = TierSizes.of(config, vllm_config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(config, block_size, tier_slots)
+            self._scheduler = SchedulerSide(config, block_size, tiers.planner(config, block_size))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self._worker = WorkerSide(
                 config, compat_of(vllm_config), get_tensor_model_parallel_rank(), block_size,
-                kv_cache_config.num_blocks, tier_slots,
+                kv_cache_config.num_blocks, tiers.host_slots, tiers.disk_slots,
+                tiers.disk_compat,
             )
 
     # ---- scheduler side --------------------------------------------------------
@@ -139,13 +175,15 @@ class PdserveConnector(KVConnectorBase_V1):
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
     ) -> dict[CacheHitSource, int]:
-        """Host tier loads count as ``host`` in vLLM's prompt-token sources."""
+        """Tier loads count as ``host`` and ``disk`` in vLLM's prompt-token sources; a
+        remote prefill's as vLLM's default (external, unspecified)."""
         assert self._scheduler is not None
         if not num_external_tokens:
             return {}
-        source = (CacheHitSource.HOST if self._scheduler.loads_from_tier(request.request_id)
-                  else CacheHitSource.EXTERNAL_UNSPECIFIED)
-        return {source: num_external_tokens}
+        tiers = self._scheduler.tier_tokens(request.request_id)
+        if sum(tiers.values()) != num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return {_SOURCES[tier]: n for tier, n in tiers.items()}
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -81,6 +81,8 @@ class HostTier:
         src, dst = _index(slots, self._host[0]), _index(block_ids, self._kv[0])
         for kv, host, dim in zip(self._kv, self._host, self._dims, strict=True):
             kv.index_copy_(dim, dst, host.index_select(dim, src).to(kv.device))
+        if self._kv[0].device.type == "cuda":  # done means written, as the other loads
+            torch.cuda.current_stream(self._kv[0].device).synchronize()
         return len(slots) * self.block_bytes
 
     def slot_views(self, slot: int) -> list[torch.Tensor]:

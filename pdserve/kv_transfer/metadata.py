@@ -10,7 +10,7 @@ from pdserve.core.handle import KVHandle, PushTarget
 from pdserve.kv_transfer.push_spec import PushSpec
 
 __all__ = ["KVHandle", "LeaseSpec", "LoadSpec", "PdserveConnectorMetadata", "PushSpec",
-           "PushTarget", "TierCopy"]
+           "PushTarget", "TierCopy", "NO_COPY"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,9 @@ class TierCopy:
     hashes: tuple[bytes, ...]
 
 
+NO_COPY = TierCopy((), (), ())
+
+
 @dataclass
 class PdserveConnectorMetadata(KVConnectorMetadata):
     """One engine step's work for the worker side; rebuilt every step."""
@@ -58,8 +61,11 @@ class PdserveConnectorMetadata(KVConnectorMetadata):
     push_cancels: list[PushTarget] = field(default_factory=list)
     # Host tier: a finished request's blocks saved (its blocks are held until done),
     # a new request's blocks loaded (it waits, as for a remote load).
+    # The disk tier's part of the same requests (an empty copy where it has none).
     tier_saves: dict[str, TierCopy] = field(default_factory=dict)
     tier_loads: dict[str, TierCopy] = field(default_factory=dict)
+    disk_saves: dict[str, TierCopy] = field(default_factory=dict)
+    disk_loads: dict[str, TierCopy] = field(default_factory=dict)
     # Nothing is scheduled this step: the engine only steps to learn about transfers.
     idle: bool = False
     # What this step computes (for the step-time fit): sequences decoding one token,

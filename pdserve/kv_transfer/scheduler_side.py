@@ -18,15 +18,9 @@ from vllm.v1.request import RequestStatus
 
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.continuation import OUTPUT_IN_PROMPT
-from pdserve.kv_transfer.metadata import (
-    KVHandle,
-    LeaseSpec,
-    LoadSpec,
-    PdserveConnectorMetadata,
-    TierCopy,
-)
+from pdserve.kv_transfer.metadata import KVHandle, LeaseSpec, LoadSpec, PdserveConnectorMetadata
 from pdserve.kv_transfer.push_plan import PushPlanner
-from pdserve.kv_transfer.tier_index import TierIndex
+from pdserve.kv_transfer.tier_plan import TierPlanner
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -38,20 +32,21 @@ logger = logging.getLogger("pdserve.kv_transfer.scheduler")
 
 
 class SchedulerSide:
-    def __init__(self, config: ConnectorConfig, block_size: int, tier_slots: int = 0) -> None:
+    def __init__(self, config: ConnectorConfig, block_size: int,
+                 tiers: TierPlanner | None = None) -> None:
         self._config = config
         self._block_size = block_size
         self._meta = PdserveConnectorMetadata()
         self._push = PushPlanner(block_size)
         self._continued: set[str] = set()  # requests whose grammar took their prior output
-        self._tier = TierIndex(tier_slots) if tier_slots else None
-        self._tier_matched: dict[str, TierCopy] = {}  # matched, blocks not allocated yet
-        self._tier_loading: dict[str, tuple[int, ...]] = {}  # slots pinned by a load
-        self._tier_saving: dict[str, tuple[int, ...]] = {}  # slots being written
+        self._tiers = tiers
+        # Requests whose blocks a load (remote or tier) is still writing: never saved
+        # to a tier (an abort mid-load finishes them before the load is reported).
+        self._recving: set[str] = set()
 
     @property
-    def tier(self) -> TierIndex | None:
-        return self._tier
+    def tiers(self) -> TierPlanner | None:
+        return self._tiers
 
     # ---- decode ----------------------------------------------------------------
 
@@ -90,6 +85,7 @@ class SchedulerSide:
                 f"request {request.request_id}: cannot map {num_pull} remote blocks "
                 f"(remote has {len(handle.block_ids)}, local allocated {len(dst)})"
             )
+        self._recving.add(request.request_id)
         self._meta.loads[request.request_id] = LoadSpec(
             handle, tuple(src), tuple(dst), first_position=num_local
         )
@@ -163,88 +159,42 @@ class SchedulerSide:
         )
         return True, handle.to_params()
 
-    # ---- host tier -------------------------------------------------------------
+    # ---- KV tiers --------------------------------------------------------------
 
     def _match_tier(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Full blocks after the engine's own hits that the host tier holds: loaded
-        asynchronously, never the prompt's last token (it is computed here)."""
-        tier = self._tier
-        if tier is None:
+        """Full blocks after the engine's own hits that a tier holds: loaded
+        asynchronously (the request waits, as for a remote load)."""
+        if self._tiers is None:
             return 0, False
-        self._unmatch(request.request_id)  # asked again: the last match was not allocated
-        bs = self._block_size
-        if num_computed_tokens % bs:
-            return 0, False
-        start, end = num_computed_tokens // bs, (request.num_tokens - 1) // bs
-        hashes = tuple(request.block_hashes[start:end])
-        slots = tuple(tier.match(hashes))
-        if not slots:
-            return 0, False
-        tier.pin(slots)
-        self._tier_matched[request.request_id] = TierCopy((), slots, hashes[:len(slots)])
-        return len(slots) * bs, True
-
-    def _unmatch(self, request_id: str) -> None:
-        matched = self._tier_matched.pop(request_id, None)
-        if matched is not None and self._tier is not None:
-            self._tier.unpin(matched.slots)
+        count = self._tiers.match(request, num_computed_tokens)
+        return (count, True) if count else (0, False)
 
     def _load_tier(self, request: Request, blocks: KVCacheBlocks,
                    num_external_tokens: int) -> None:
-        matched = self._tier_matched.pop(request.request_id, None)
-        if matched is None or self._tier is None:
-            return
-        num = num_external_tokens // self._block_size
-        dst = tuple(blocks.get_unhashed_block_ids()[:num])
-        if num == 0 or len(dst) != num or num > len(matched.slots):
-            self._tier.unpin(matched.slots)
-            if num:
-                raise RuntimeError(f"request {request.request_id}: cannot map {num} host "
-                                   f"tier blocks ({len(dst)} allocated)")
-            return
-        self._tier.unpin(matched.slots[num:])
-        self._tier_loading[request.request_id] = matched.slots[:num]
-        self._meta.tier_loads[request.request_id] = TierCopy(
-            dst, matched.slots[:num], matched.hashes[:num])
+        if self._tiers is not None:
+            self._tiers.plan_load(request, blocks, num_external_tokens, self._meta)
+            if request.request_id in self._meta.tier_loads:
+                self._recving.add(request.request_id)
 
     def _save_tier(self, request: Request, block_ids: list[int]) -> bool:
-        """Plan the copy of a finished request's computed full blocks that the tier does
-        not hold yet; True if there is one (its blocks then stay allocated)."""
-        self._unmatch(request.request_id)
-        if self._tier is None or not block_ids:
+        if self._tiers is None or not block_ids:
             return False
-        num = min(request.num_computed_tokens // self._block_size,
-                  len(request.block_hashes), len(block_ids))
-        hashes = request.block_hashes[:num]
-        reserved = self._tier.reserve(hashes)
-        if not reserved:
+        if request.request_id in self._recving:  # aborted mid-load: its KV is incomplete
             return False
-        slots = tuple(slot for _, slot in reserved)
-        self._tier_saving[request.request_id] = slots
-        self._meta.tier_saves[request.request_id] = TierCopy(
-            tuple(block_ids[i] for i, _ in reserved), slots,
-            tuple(hashes[i] for i, _ in reserved))
-        return True
+        return self._tiers.plan_save(request, block_ids, self._meta)
 
     def loads_from_tier(self, request_id: str) -> bool:
-        return request_id in self._tier_loading
+        return self._tiers is not None and self._tiers.loads(request_id)
+
+    def tier_tokens(self, request_id: str) -> dict[str, int]:
+        return {} if self._tiers is None else self._tiers.tokens_by_tier(request_id)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Transfers that ended: loads unpin their slots (a failed one's slots are
-        forgotten: their bytes were bad), saves make theirs matchable."""
-        if self._tier is None:
-            return
-        failed = output.failed_recving or set()
-        for req_id in output.finished_recving or ():
-            slots = self._tier_loading.pop(req_id, None)
-            if slots is not None:
-                self._tier.unpin(slots)
-                if req_id in failed:
-                    self._tier.discard(slots)
-        for req_id in output.finished_sending or ():
-            slots = self._tier_saving.pop(req_id, None)
-            if slots is not None:
-                self._tier.commit(slots)
+        """Transfers that ended: tier loads unpin their slots (a failed one's slots are
+        forgotten), tier saves make theirs matchable."""
+        self._recving.difference_update(output.finished_recving or ())
+        if self._tiers is not None:
+            self._tiers.update(output)
 
     def build_connector_meta(self, so: SchedulerOutput) -> PdserveConnectorMetadata:
         meta, self._meta = self._meta, PdserveConnectorMetadata()

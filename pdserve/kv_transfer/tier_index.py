@@ -30,6 +30,20 @@ class TierIndex:
     def __len__(self) -> int:
         return len(self._held)
 
+    def adopt(self, slot: int, block_hash: bytes) -> None:
+        """``slot`` already holds ``block_hash`` (a disk tier's file from before a
+        restart): matchable, as the most recently used."""
+        if slot in self._free and block_hash not in self._held:
+            self._free.remove(slot)
+            self._held[block_hash] = slot
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        """The slot holding ``block_hash`` (now the most recently used), or None."""
+        slot = self._held.get(block_hash)
+        if slot is not None:
+            self._held.move_to_end(block_hash)
+        return slot
+
     def match(self, hashes: Sequence[bytes]) -> list[int]:
         """The slots of the longest prefix of ``hashes`` the tier holds (each one becomes
         the most recently used)."""

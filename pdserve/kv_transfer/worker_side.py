@@ -17,14 +17,19 @@ import torch
 
 from pdserve.kv_transfer.base import KVTransport, PeerAddress, create_transport
 from pdserve.kv_transfer.config import ConnectorConfig
-from pdserve.kv_transfer.host_tier import HostTier
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
-from pdserve.kv_transfer.metadata import KVHandle, LoadSpec, PdserveConnectorMetadata, TierCopy
+from pdserve.kv_transfer.metadata import (
+    NO_COPY,
+    KVHandle,
+    LoadSpec,
+    PdserveConnectorMetadata,
+)
 from pdserve.kv_transfer.push_inbox import PushInbox
 from pdserve.kv_transfer.push_sender import PushSender
 from pdserve.kv_transfer.step_model import StepTimer
 from pdserve.kv_transfer.threads import unpin_current_thread
+from pdserve.kv_transfer.tier_store import TierStore
 from pdserve.kv_transfer.wire import TransferError
 
 logger = logging.getLogger("pdserve.kv_transfer.worker")
@@ -37,11 +42,13 @@ IDLE_WAIT_S = 0.02
 class WorkerSide:
     def __init__(
         self, config: ConnectorConfig, compat: dict[str, Any], tp_rank: int, block_size: int,
-        num_blocks: int, tier_slots: int = 0,
+        num_blocks: int, tier_slots: int = 0, disk_slots: int = 0, disk_compat: str = "",
     ) -> None:
         self._config = config
         self._tier_slots = tier_slots
-        self._tier: HostTier | None = None  # once the KV caches are registered
+        self._disk_slots = disk_slots
+        self._disk_compat = disk_compat
+        self._tiers: TierStore | None = None  # once the KV caches are registered
         self._saves: dict[str, Future[int]] = {}
         # Requests whose blocks are both leased and saved: finished when both are.
         self._parts: dict[str, int] = {}
@@ -67,9 +74,7 @@ class WorkerSide:
         self._sender: PushSender | None = None
         # Decode-side load counters: the load is what a decode request waits for.
         self._load_stats = dict.fromkeys(
-            ("loads", "load_time_ns", "push_loads", "push_fallbacks", "tier_loads",
-             "tier_load_blocks", "tier_load_time_ns", "tier_load_failures", "tier_saves",
-             "tier_save_blocks", "tier_save_failures"), 0)
+            ("loads", "load_time_ns", "push_loads", "push_fallbacks"), 0)
         self._load_lock = threading.Lock()
         self.steps = StepTimer()  # the engine's step times (the status op shows the fit)
         self.port = 0  # the KV endpoint's port, once registered
@@ -80,10 +85,13 @@ class WorkerSide:
         port = self._config.kv_port + self._tp_rank if self._config.kv_port else 0
         self._kv = list(kv_caches.values())
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
-        if self._tier_slots:
-            self._tier = HostTier(self._kv, layout, self._tier_slots, self._config.kv_checksum)
-            logger.info("host tier: %d blocks (%.2f GiB)", self._tier_slots,
-                        self._tier_slots * self._tier.block_bytes / (1 << 30))
+        if self._tier_slots or self._disk_slots:
+            self._tiers = TierStore(
+                self._kv, layout, self._tier_slots, self._config.kv_checksum,
+                self._config.kv_disk_dir if self._disk_slots else None, self._disk_compat)
+            logger.info("KV tiers: host %d blocks, disk %d blocks%s", self._tier_slots,
+                        self._disk_slots, f" in {self._tiers.disk.folder}"
+                        if self._tiers.disk is not None else "")
         self._transport.add_status(self._status)
         channel = self._transport.push_channel()
         if channel is not None:
@@ -122,16 +130,7 @@ class WorkerSide:
             future = self._pool.submit(self._load, req_id, load)
             future.add_done_callback(lambda _: self._progress.set())
             self._pulls[req_id] = future
-        for req_id, copy in meta.tier_saves.items():
-            if req_id in meta.leases:
-                self._parts[req_id] = 2
-            future = self._pool.submit(self._tier_save, req_id, copy)
-            future.add_done_callback(lambda _: self._progress.set())
-            self._saves[req_id] = future
-        for req_id, copy in meta.tier_loads.items():
-            future = self._pool.submit(self._tier_load, req_id, copy)
-            future.add_done_callback(lambda _: self._progress.set())
-            self._pulls[req_id] = future
+        self._start_tiers(meta)
         for handle in meta.releases:
             if handle.pushed and self._inbox is not None:
                 self._inbox.drop(handle.transfer_id)
@@ -187,29 +186,21 @@ class WorkerSide:
                 sending.add(req_id)
         return sending
 
-    def _tier_save(self, req_id: str, copy: TierCopy) -> int:
-        assert self._tier is not None
-        try:
-            nbytes = self._tier.save(copy.block_ids, copy.slots, copy.hashes)
-        except Exception:
-            self._count_load(tier_save_failures=1)
-            logger.exception("host tier save for %s failed", req_id)
-            return 0
-        self._count_load(tier_saves=1, tier_save_blocks=len(copy.slots))
-        return nbytes
-
-    def _tier_load(self, req_id: str, copy: TierCopy) -> int:
-        assert self._tier is not None
-        start = time.perf_counter_ns()
-        try:
-            nbytes = self._tier.load(copy.slots, copy.block_ids, copy.hashes)
-        except TransferError as exc:
-            self._count_load(tier_load_failures=1)
-            logger.warning("host tier load for %s failed, recomputing: %s", req_id, exc)
-            raise
-        self._count_load(tier_loads=1, tier_load_blocks=len(copy.slots),
-                         tier_load_time_ns=time.perf_counter_ns() - start)
-        return nbytes
+    def _start_tiers(self, meta: PdserveConnectorMetadata) -> None:
+        if self._tiers is None:
+            return
+        for req_id, copy in meta.tier_saves.items():
+            if req_id in meta.leases:
+                self._parts[req_id] = 2
+            future = self._pool.submit(self._tiers.save, req_id, copy,
+                                       meta.disk_saves.get(req_id, NO_COPY))
+            future.add_done_callback(lambda _: self._progress.set())
+            self._saves[req_id] = future
+        for req_id, copy in meta.tier_loads.items():
+            future = self._pool.submit(self._tiers.load, req_id, copy,
+                                       meta.disk_loads.get(req_id, NO_COPY))
+            future.add_done_callback(lambda _: self._progress.set())
+            self._pulls[req_id] = future
 
     def stats_delta(self) -> dict[str, int] | None:
         now = dict(self._transport.stats(), leases_expired=self._leases.num_expired,
@@ -227,6 +218,8 @@ class WorkerSide:
     def _status_extra(self) -> dict[str, int]:
         with self._load_lock:
             out = dict(self._load_stats)
+        if self._tiers is not None:
+            out.update(self._tiers.stats())
         if self._sender is not None:
             out.update(layers_pushed=self._sender.num_layers_pushed,
                        pushes_failed=self._sender.num_pushes_failed)

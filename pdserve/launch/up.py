@@ -56,6 +56,8 @@ class UpConfig:
     kv_push: bool | None = None  # None: each worker's default (push on CUDA only)
     kv_checksum: bool = False
     kv_offload_gib: float = 0.0
+    kv_disk_dir: str | None = None  # each worker gets its own folder below it
+    kv_disk_gib: float = 0.0
     kv_throttle_mib_s: float = 0.0
     # Membership: static (default), an etcd at ``etcd``, or a local one (``with_etcd``).
     etcd: str = ""
@@ -88,6 +90,8 @@ class UpConfig:
             raise ValueError("give --etcd URL or --with-etcd, not both")
         if self.num_decode < 1 or self.num_prefill < 0:
             raise ValueError("need --num-decode >= 1 and --num-prefill >= 0")
+        if bool(self.kv_disk_dir) != (self.kv_disk_gib > 0):
+            raise ValueError("the disk tier needs both --kv-disk-dir and --kv-disk-gib")
         if self.cpu_layout not in CPU_LAYOUTS:
             raise ValueError(f"cpu_layout must be one of {', '.join(CPU_LAYOUTS)}")
         if self.transport not in transport_names():
@@ -132,7 +136,7 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
                              "--kv-port", str(kv_port), "--transport", cfg.transport,
                              "--kv-cache-gib", str(cfg.kv_cache_gib),
                              "--worker-id", f"{role}-{i}", *membership]
-                argv += _engine_flags(cfg, role, core)
+                argv += _engine_flags(cfg, role, core, f"{role}-{i}")
             argv += ["--metrics-port", str(metrics_port)]
             endpoints[role].append(f"127.0.0.1:{port}")
             extra = {"cores": core} if core else {}
@@ -157,7 +161,7 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     return children
 
 
-def _engine_flags(cfg: UpConfig, role: str, cores: str) -> list[str]:
+def _engine_flags(cfg: UpConfig, role: str, cores: str, name: str) -> list[str]:
     argv = ["--cpu-cores", cores] if cores else []
     if cfg.kv_push is not None:
         argv += ["--kv-push" if cfg.kv_push else "--no-kv-push"]
@@ -165,6 +169,9 @@ def _engine_flags(cfg: UpConfig, role: str, cores: str) -> list[str]:
              "--kv-throttle-mib-s", str(cfg.kv_throttle_mib_s)]
     if cfg.kv_offload_gib:
         argv += ["--kv-offload-gib", repr(cfg.kv_offload_gib)]
+    if cfg.kv_disk_dir and cfg.kv_disk_gib:
+        argv += ["--kv-disk-dir", str(Path(cfg.kv_disk_dir) / name),
+                 "--kv-disk-gib", repr(cfg.kv_disk_gib)]
     if cfg.shm_spin_s is not None:
         argv += ["--shm-spin-s", repr(cfg.shm_spin_s)]
     if cfg.prefill_chunk_tokens is not None:

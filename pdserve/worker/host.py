@@ -24,6 +24,7 @@ from pdserve.core.types import (
     WorkerHealth,
     WorkerLoadReport,
 )
+from pdserve.kv_transfer.tier_store import STATS as TIER_STATS
 from pdserve.kv_transfer.wire import TransferError, request_once
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import Engine, EngineConfig, EngineCounters, EngineStep
@@ -217,10 +218,6 @@ class EngineHost:
         mirror = self.policy.kv_mirror()
         return load_report(self.counters, status, self.num_inflight,
                            len(mirror) if mirror is not None else 0)
-
-
-TIER_STATS = ("tier_loads", "tier_load_blocks", "tier_load_time_ns", "tier_load_failures",
-              "tier_saves", "tier_save_blocks", "tier_save_failures")
 
 
 def load_report(c: EngineCounters, status: dict[str, Any], num_inflight: int,

@@ -80,6 +80,21 @@ _COUNTERS: tuple[tuple[str, str, Callable[[WorkerLoadReport], float]], ...] = (
      lambda r: r.kv_tier_save_blocks),
     ("pdserve:kv_tier_save_failures_total", "Host tier: saves that failed",
      lambda r: r.kv_tier_save_failures),
+    ("pdserve:kv_disk_loads_total", "Disk tier: requests whose prefix was loaded from it",
+     lambda r: r.kv_disk_loads),
+    ("pdserve:kv_disk_load_blocks_total", "Disk tier: KV blocks loaded from it",
+     lambda r: r.kv_disk_load_blocks),
+    ("pdserve:kv_disk_load_seconds_total", "Disk tier: time its loads took",
+     lambda r: r.kv_disk_load_time_ns / 1e9),
+    ("pdserve:kv_disk_load_failures_total", "Disk tier: loads that failed (a missing, "
+     "truncated or corrupt file); the prompt was recomputed",
+     lambda r: r.kv_disk_load_failures),
+    ("pdserve:kv_disk_saves_total", "Disk tier: finished requests whose blocks were written",
+     lambda r: r.kv_disk_saves),
+    ("pdserve:kv_disk_save_blocks_total", "Disk tier: KV blocks written to it",
+     lambda r: r.kv_disk_save_blocks),
+    ("pdserve:kv_disk_save_failures_total", "Disk tier: writes that failed (a full disk)",
+     lambda r: r.kv_disk_save_failures),
 )
 _GAUGES: tuple[tuple[str, str, Callable[[WorkerLoadReport], float]], ...] = (
     ("pdserve:kv_leases_held", "Prefill: requests whose KV is held for a decode",

@@ -1,11 +1,13 @@
-"""The host tier on real vLLM engines: a prompt computed once, then evicted from a
-small engine cache by other prompts, comes back from the host tier (the worker's
-counters and vLLM's own prompt-token sources say so) with the same greedy text as
-one aggregated vLLM engine."""
+"""The KV tiers on real vLLM engines: a prompt computed once, then evicted from a
+small engine cache by other prompts, comes back from the host tier, or from the disk
+tier once the host tier has evicted it too (the worker's counters and vLLM's own
+prompt-token sources say so), with the same greedy text as one aggregated vLLM
+engine; a corrupt disk block ends in a counted recompute with the same text."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,8 @@ pytestmark = pytest.mark.integration
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 NUM_KV_BLOCKS = 8  # the prefill engine's cache: two of these prompts fill it
+HOST_GIB = 0.1  # 17 blocks of float32 SmolLM2 (5.9 MB each): five prompts' worth
+DISK_GIB = 0.3  # 54 blocks: every prompt of this module
 
 
 def _prompt(tag: str) -> str:
@@ -30,14 +34,20 @@ def _prompt(tag: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def tier_server(model_path: Path, tmp_path_factory: pytest.TempPathFactory
+def tier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kv-disk")
+
+
+@pytest.fixture(scope="module")
+def tier_server(model_path: Path, tmp_path_factory: pytest.TempPathFactory, tier_dir: Path
                 ) -> Iterator[Server]:
     env = dict(os.environ, HF_HUB_OFFLINE="1",
                PDSERVE_CACHE=os.environ.get("PDSERVE_CACHE", str(model_path.parents[1])))
     server = launch_up(
         ["--dtype", "float32", "--port", str(free_port()), "--kv-cache-gib", "1",
          "--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-model-len", "768",
-         "--kv-offload-gib", "0.25", "--kv-checksum", "--disagg", "always"], env,
+         "--kv-offload-gib", str(HOST_GIB), "--kv-disk-dir", str(tier_dir),
+         "--kv-disk-gib", str(DISK_GIB), "--kv-checksum", "--disagg", "always"], env,
         STARTUP_TIMEOUT_S, log_path=tmp_path_factory.mktemp("up-tier") / "up.log")
     try:
         yield server
@@ -77,3 +87,47 @@ def test_an_evicted_prefix_loads_from_the_host_tier_with_aggregated_equal_text(
             == num_tokens - num_full * 128)
     assert after.prompt_tokens_local_cache_hit == evicted.prompt_tokens_local_cache_hit
     assert first == again == _complete(vllm_openai, _prompt("A"))
+
+
+def _evict_from_engine_and_host(url: str, tag: str) -> None:
+    """Six other prompts: the engine (8 blocks) and the host tier (17) lose ``tag``'s."""
+    for i in range(6):
+        _complete(url, _prompt(f"{tag}{i}"))
+
+
+def test_a_prefix_the_host_tier_lost_loads_from_disk(tier_server: Server,
+                                                     vllm_openai: str) -> None:
+    url = tier_server.base_url
+    first = _complete(url, _prompt("E"))
+    _evict_from_engine_and_host(url, "e")
+    before = tier_server.load("prefill")
+    again = _complete(url, _prompt("E"))
+    after = tier_server.load("prefill")
+    assert after.kv_disk_loads - before.kv_disk_loads == 1
+    assert after.kv_disk_load_blocks - before.kv_disk_load_blocks >= 2
+    assert after.kv_disk_load_failures == before.kv_disk_load_failures
+    assert first == again == _complete(vllm_openai, _prompt("E"))
+
+
+def test_a_corrupt_disk_block_is_recomputed_with_the_same_text(
+    tier_server: Server, vllm_openai: str, tier_dir: Path,
+) -> None:
+    url = tier_server.base_url
+    saved = tier_server.load("prefill").kv_disk_saves
+    start_ns = time.time_ns()
+    first = _complete(url, _prompt("F"))
+    assert wait_until(lambda: tier_server.load("prefill").kv_disk_saves > saved, timeout_s=15)
+    files = [p for p in (tier_dir / "prefill-0").rglob("*.kv") if p.stat().st_mtime_ns >= start_ns]
+    assert len(files) >= 2  # F's full blocks
+    _evict_from_engine_and_host(url, "f")  # 18 more blocks: F's files are not reused (54)
+    for path in files:  # one flipped byte near the end of each of F's blocks
+        raw = bytearray(path.read_bytes())
+        raw[-64] ^= 0xFF
+        path.write_bytes(raw)
+    before = tier_server.load("prefill")
+    again = _complete(url, _prompt("F"))
+    after = tier_server.load("prefill")
+    assert after.kv_disk_load_failures - before.kv_disk_load_failures == 1  # counted
+    assert after.kv_disk_loads == before.kv_disk_loads
+    assert after.prompt_tokens_computed - before.prompt_tokens_computed >= 2 * 128
+    assert first == again == _complete(vllm_openai, _prompt("F"))

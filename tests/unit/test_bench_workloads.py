@@ -141,3 +141,82 @@ def test_bad_workload_flags_fail_before_any_tokenizer(tmp_path: Path) -> None:
                         (["--workload", "shared-prefix", "--num-users", "0"], ">= 1")]:
         with pytest.raises(ValueError, match=match):
             check_workload_flags(_args(*argv))
+
+
+MULTI_TURN = ("--num-system-prompts", "2", "--system-prompt-len", "200", "--num-users", "4",
+              "--num-turns", "3", "--turn-input-len", "30", "--output-len", "20")
+
+
+def _token_ids(encoder: PromptEncoder, messages: Any) -> list[int]:
+    """The prompt's token ids as the endpoint encodes them (what the engine caches)."""
+    text = encoder._text(messages)
+    return encoder.tokenizer.encode(text, add_special_tokens=encoder.endpoint == "completions")
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)))
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_multi_turn_prompts_extend_the_previous_turn_token_for_token(tokenizer: Any,
+                                                                     endpoint: str) -> None:
+    """The KV tiers' workload (shared-prefix): turn k's prompt, as token ids, starts with
+    turn k-1's whole prompt, so everything but the new turn could come from a cache."""
+    encoder = PromptEncoder(tokenizer, endpoint)
+    args = _args("--workload", "shared-prefix", *MULTI_TURN)
+    requests = list(itertools.islice(make_workload(args, encoder, seed=3), 12))
+    assert requests == list(itertools.islice(make_workload(args, encoder, seed=3), 12))
+    assert requests != list(itertools.islice(make_workload(args, encoder, seed=4), 12))
+    ids = [_token_ids(encoder, r.messages) for r in requests]
+    assert [len(i) for i in ids] == [r.prompt_tokens for r in requests]
+    for k in range(4, 12):  # 4 users: request k is the turn after request k - 4
+        assert ids[k][:len(ids[k - 4])] == ids[k - 4]
+        assert len(ids[k]) > len(ids[k - 4]) + 20 + 30  # the stand-in reply and the new turn
+    for r in requests:
+        contents = [encoder.tokens(m["content"]) for m in r.messages]
+        assert contents[0] == 200 and r.output_tokens == 20
+        assert contents[1::2] == [30] * (len(contents) // 2)  # user turns
+        assert contents[2::2] == [20] * (len(contents) // 2 - 1)  # stand-in replies
+    systems = [r.messages[0]["content"] for r in requests]
+    assert systems[:4] * 3 == systems and len(set(systems)) == 2  # 4 users share 2
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_no_reuse_control_has_the_same_shape_and_shares_nothing(tokenizer: Any,
+                                                                endpoint: str) -> None:
+    encoder = PromptEncoder(tokenizer, endpoint)
+    shared = list(itertools.islice(make_workload(
+        _args("--workload", "shared-prefix", *MULTI_TURN), encoder, seed=3), 12))
+    args = _args("--workload", "no-reuse", *MULTI_TURN)
+    control = list(itertools.islice(make_workload(args, encoder, seed=3), 12))
+    assert control == list(itertools.islice(make_workload(args, encoder, seed=3), 12))
+    assert control != list(itertools.islice(make_workload(args, encoder, seed=4), 12))
+    for a, b in zip(shared, control, strict=True):  # the same lengths, message by message
+        assert [m["role"] for m in a.messages] == [m["role"] for m in b.messages]
+        assert [encoder.tokens(m["content"]) for m in a.messages] == [
+            encoder.tokens(m["content"]) for m in b.messages]
+        assert abs(a.prompt_tokens - b.prompt_tokens) <= 1 and a.output_tokens == b.output_tokens
+    ids = [_token_ids(encoder, r.messages) for r in control]
+    longest = max(_common_prefix(a, b) for a, b in itertools.combinations(ids, 2))
+    assert longest <= 6  # the template's opening ('<|im_start|>system\n'), never a KV block
+    contents = [m["content"] for r in control for m in r.messages]
+    assert len(set(contents)) == len(contents)
+
+
+def test_the_prefix_hit_rate_reaches_compare_tables() -> None:
+    from pdserve.bench.metrics import RequestRecord, Slo, summarize
+    from pdserve.bench.report import CompareReport, RateRun, SystemResult, render_markdown
+
+    def run(cached: int) -> dict[str, Any]:
+        records = [RequestRecord(prompt_tokens=100, output_tokens=4, cached_tokens=cached,
+                                 ttft_s=0.1, e2e_s=0.4)] * 2
+        return summarize(records, 1.0, Slo())
+
+    assert run(25)["cached_token_share"] == 0.25
+    off = SystemResult("off", "pdserve", {}, runs=[RateRun(1.0, run(10))])
+    host = SystemResult("host", "pdserve", {}, runs=[RateRun(1.0, run(40))])
+    md = render_markdown(CompareReport({}, {}, {}, [1.0], [off, host], "off"))
+    header, _, off_row, host_row = md.split("## 1 req/s")[1].strip().splitlines()[2:6]
+    assert "prefix hit" in header
+    assert "| 10.0% |" in off_row and "| 40.0% (4.00×) |" in host_row

@@ -8,6 +8,7 @@ from the worker unpin, commit or forget the right slots.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,10 +18,14 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.kv_transfer.disk_tier import DiskTier, scan
 from pdserve.kv_transfer.host_tier import HostTier, num_slots
 from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.metadata import NO_COPY, TierCopy
 from pdserve.kv_transfer.scheduler_side import SchedulerSide
 from pdserve.kv_transfer.tier_index import TierIndex
+from pdserve.kv_transfer.tier_plan import TierPlanner
+from pdserve.kv_transfer.tier_store import TierStore
 from pdserve.kv_transfer.wire import TransferError
 
 BS = 128
@@ -145,6 +150,10 @@ def test_corrupt_bytes_fail_the_checksum_and_load_nothing() -> None:
 
 # ---- the scheduler side's plan --------------------------------------------------------
 
+def _host(num: int) -> TierPlanner:
+    return TierPlanner(BS, TierIndex(num), None)
+
+
 def _request(req_id: str, num_tokens: int, computed: int | None = None) -> Any:
     hashes = [_h(1000 + i) for i in range(num_tokens // BS)]
     return SimpleNamespace(request_id=req_id, kv_transfer_params=None,
@@ -171,7 +180,7 @@ def _done(side: SchedulerSide, sending: set[str] = frozenset(),  # type: ignore[
 
 
 def test_a_finished_request_saves_its_computed_full_blocks_and_holds_them() -> None:
-    side = SchedulerSide(CONFIG, BS, tier_slots=8)
+    side = SchedulerSide(CONFIG, BS, _host(8))
     held, params = side.request_finished(_request("a", 3 * BS + 40), [7, 8, 9, 10])
     assert (held, params) == (True, None)
     save = _step(side).tier_saves["a"]
@@ -183,7 +192,7 @@ def test_a_finished_request_saves_its_computed_full_blocks_and_holds_them() -> N
 
 
 def test_a_new_request_loads_what_the_engine_lost_from_the_tier() -> None:
-    side = SchedulerSide(CONFIG, BS, tier_slots=8)
+    side = SchedulerSide(CONFIG, BS, _host(8))
     side.request_finished(_request("a", 3 * BS + 40), [7, 8, 9, 10])
     saved = _step(side).tier_saves["a"]
     assert side.get_num_new_matched_tokens(_request("x", 3 * BS + 40, 0), 0) == (0, False)
@@ -200,7 +209,7 @@ def test_a_new_request_loads_what_the_engine_lost_from_the_tier() -> None:
 
 
 def test_never_the_last_token_and_a_failed_load_forgets_its_blocks() -> None:
-    side = SchedulerSide(CONFIG, BS, tier_slots=8)
+    side = SchedulerSide(CONFIG, BS, _host(8))
     side.request_finished(_request("a", 2 * BS), [7, 8])
     _step(side)
     _done(side, sending={"a"})
@@ -213,15 +222,125 @@ def test_never_the_last_token_and_a_failed_load_forgets_its_blocks() -> None:
 
 
 def test_a_match_that_is_not_allocated_unpins_and_tiers_off_changes_nothing() -> None:
-    side = SchedulerSide(CONFIG, BS, tier_slots=2)
+    side = SchedulerSide(CONFIG, BS, _host(2))
     side.request_finished(_request("a", 2 * BS + 1), [7, 8, 9])
     _step(side)
     _done(side, sending={"a"})
     waiting = _request("w", 2 * BS + 1, computed=0)
     assert side.get_num_new_matched_tokens(waiting, 0) == (2 * BS, True)
     side.update_state_after_alloc(waiting, _alloc([]), 0)  # vLLM took none of it
-    assert side.tier is not None and side.tier._pins == {}
+    assert side.tiers is not None and side.tiers.index("host")._pins == {}
     off = SchedulerSide(CONFIG, BS)
     assert off.request_finished(_request("a", 2 * BS + 1), [7, 8, 9]) == (False, None)
     assert off.get_num_new_matched_tokens(_request("b", 2 * BS + 1, 0), 0) == (0, False)
-    assert _step(off).tier_saves == {} and off.tier is None
+    assert _step(off).tier_saves == {} and off.tiers is None
+
+
+# ---- the disk tier --------------------------------------------------------------------
+
+def _disk(tmp_path: Path, compat: str = "model-a") -> tuple[DiskTier, list[torch.Tensor]]:
+    kv, layout = _kv()
+    return DiskTier(tmp_path, compat, kv, layout), kv
+
+
+def test_a_block_written_to_disk_loads_back_bit_for_bit(tmp_path: Path) -> None:
+    disk, kv = _disk(tmp_path)
+    want = [layer[[1, 2]].clone() for layer in kv]
+    disk.save([1, 2], [0, 5], [_h(1), _h(2)])
+    for layer in kv:
+        layer[[3, 4]] = 0
+    assert disk.load([0, 5], [3, 4], [_h(1), _h(2)]) == 2 * disk.block_bytes
+    assert all(torch.equal(layer[[3, 4]], w) for layer, w in zip(kv, want, strict=True))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "missing", "reused"])
+def test_a_damaged_block_file_loads_nothing(tmp_path: Path, damage: str) -> None:
+    disk, kv = _disk(tmp_path)
+    disk.save([1, 2], [0, 1], [_h(1), _h(2)])
+    path = disk.path(1)
+    raw = bytearray(path.read_bytes())
+    if damage == "truncate":
+        path.write_bytes(raw[: len(raw) // 2])
+    elif damage == "flip":
+        raw[-100] ^= 0xFF
+        path.write_bytes(raw)
+    elif damage == "missing":
+        path.unlink()
+    else:
+        disk.save([3], [1], [_h(3)])  # the slot now holds another block
+    before = [layer[[4, 5]].clone() for layer in kv]
+    with pytest.raises(TransferError):
+        disk.load([0, 1], [4, 5], [_h(1), _h(2)])
+    # every file is checked before any block is written: the good one did not land either
+    assert all(torch.equal(layer[[4, 5]], b) for layer, b in zip(kv, before, strict=True))
+
+
+def test_a_restart_finds_its_blocks_and_reports_another_models(tmp_path: Path) -> None:
+    disk, _ = _disk(tmp_path, "model-a")
+    disk.save([1], [3], [_h(1)])
+    disk.save([2], [0], [_h(2)])
+    other, _ = _disk(tmp_path, "model-b")
+    other.save([1], [0], [_h(9)])
+    (disk.folder / "2.kv").write_bytes(b"not a block file")
+    found = scan(tmp_path, "model-a", num_slots=8)
+    assert found.blocks == [(3, _h(1)), (0, _h(2))]  # oldest first; the bad file is not
+    assert found.num_foreign == 1
+    index = TierIndex(8)
+    for slot, block_hash in found.blocks:
+        index.adopt(slot, block_hash)
+    assert index.match([_h(1), _h(2)]) == [3, 0]
+
+
+def test_a_full_disk_is_a_counted_save_failure_then_a_recompute(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    kv, layout = _kv()
+    store = TierStore(kv, layout, host_slots=0, verify=False, disk_dir=str(tmp_path),
+                      disk_compat="model-a")
+
+    def full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "open", full)
+    copy = TierCopy((1,), (0,), (_h(1),))
+    assert store.save("r", NO_COPY, copy) == 0  # never raises: the blocks can be freed
+    monkeypatch.undo()
+    assert store.stats()["disk_save_failures"] == 1
+    with pytest.raises(TransferError):
+        store.load("r2", NO_COPY, TierCopy((4,), (0,), (_h(1),)))
+    assert store.stats()["disk_load_failures"] == 1
+
+
+def test_the_plan_loads_from_host_then_disk_and_writes_through_both() -> None:
+    side = SchedulerSide(CONFIG, BS, TierPlanner(BS, TierIndex(1), TierIndex(8)))
+    side.request_finished(_request("a", 3 * BS + 1), [7, 8, 9, 10])
+    meta = _step(side)
+    assert len(meta.tier_saves["a"].slots) == 1  # the host holds one block
+    assert meta.disk_saves["a"].block_ids == (7, 8, 9)  # the disk all three
+    _done(side, sending={"a"})
+    again = _request("b", 3 * BS + 1, computed=0)
+    assert side.get_num_new_matched_tokens(again, 0) == (3 * BS, True)
+    side.update_state_after_alloc(again, _alloc([20, 21, 22, 23]), 3 * BS)
+    meta = _step(side)
+    host, disk = meta.tier_loads["b"], meta.disk_loads["b"]
+    assert host.block_ids == (20,) and disk.block_ids == (21, 22)
+    assert side.tier_tokens("b") == {"host": BS, "disk": 2 * BS}
+
+
+def test_a_request_aborted_mid_load_saves_nothing() -> None:
+    """Its blocks are still being written by the load: the tier must not copy them (a
+    wrong block under a real hash), nor hold them past the load's own report."""
+    side = SchedulerSide(CONFIG, BS, _host(8))
+    side.request_finished(_request("a", 3 * BS + 1), [7, 8, 9, 10])
+    _step(side)
+    _done(side, sending={"a"})
+    loading = _request("b", 3 * BS + 1, computed=0)
+    side.get_num_new_matched_tokens(loading, 0)
+    side.update_state_after_alloc(loading, _alloc([20, 21, 22, 23]), 3 * BS)
+    _step(side)
+    loading.block_hashes = [_h(2000 + i) for i in range(3)]  # as if other blocks: unsaved
+    loading.num_computed_tokens = 3 * BS  # vLLM counts them computed before they land
+    assert side.request_finished(loading, [20, 21, 22, 23]) == (False, None)  # aborted
+    assert _step(side).tier_saves == {}
+    _done(side, recving={"b"})
+    loading.request_id = "b-again"
+    assert side.request_finished(loading, [20, 21, 22, 23])[0] is True  # not loading: saved

@@ -263,7 +263,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "num_pending_transfers", "prompt_tokens_computed", "prompt_tokens_local_cache_hit", "prompt_tokens_external", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_completed", "kv_transfers_failed", "kv_transfer_time_ns", "num_inflight_reqs", "kv_leases_expired", "kv_loads", "kv_load_time_ns", "kv_push_loads", "kv_push_fallbacks", "kv_layers_pushed", "kv_pushes_failed", "kv_leases_held", "kv_push_inbox_bytes", "num_cached_blocks", "step_base_us", "step_per_seq_us", "step_per_token_ns", "step_decode_samples", "step_prefill_samples", "kv_tier_loads", "kv_tier_load_blocks", "kv_tier_load_time_ns", "kv_tier_load_failures", "kv_tier_saves", "kv_tier_save_blocks", "kv_tier_save_failures")
+    __slots__ = ("num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "num_pending_transfers", "prompt_tokens_computed", "prompt_tokens_local_cache_hit", "prompt_tokens_external", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_completed", "kv_transfers_failed", "kv_transfer_time_ns", "num_inflight_reqs", "kv_leases_expired", "kv_loads", "kv_load_time_ns", "kv_push_loads", "kv_push_fallbacks", "kv_layers_pushed", "kv_pushes_failed", "kv_leases_held", "kv_push_inbox_bytes", "num_cached_blocks", "step_base_us", "step_per_seq_us", "step_per_token_ns", "step_decode_samples", "step_prefill_samples", "kv_tier_loads", "kv_tier_load_blocks", "kv_tier_load_time_ns", "kv_tier_load_failures", "kv_tier_saves", "kv_tier_save_blocks", "kv_tier_save_failures", "kv_disk_loads", "kv_disk_load_blocks", "kv_disk_load_time_ns", "kv_disk_load_failures", "kv_disk_saves", "kv_disk_save_blocks", "kv_disk_save_failures")
     NUM_RUNNING_REQS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +299,13 @@ class GetLoadResponse(_message.Message):
     KV_TIER_SAVES_FIELD_NUMBER: _ClassVar[int]
     KV_TIER_SAVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_TIER_SAVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_LOADS_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_LOAD_TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_SAVES_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_SAVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_SAVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     num_running_reqs: int
     num_waiting_reqs: int
     kv_cache_usage: float
@@ -334,7 +341,14 @@ class GetLoadResponse(_message.Message):
     kv_tier_saves: int
     kv_tier_save_blocks: int
     kv_tier_save_failures: int
-    def __init__(self, num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_pending_transfers: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_local_cache_hit: _Optional[int] = ..., prompt_tokens_external: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_completed: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_time_ns: _Optional[int] = ..., num_inflight_reqs: _Optional[int] = ..., kv_leases_expired: _Optional[int] = ..., kv_loads: _Optional[int] = ..., kv_load_time_ns: _Optional[int] = ..., kv_push_loads: _Optional[int] = ..., kv_push_fallbacks: _Optional[int] = ..., kv_layers_pushed: _Optional[int] = ..., kv_pushes_failed: _Optional[int] = ..., kv_leases_held: _Optional[int] = ..., kv_push_inbox_bytes: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., step_base_us: _Optional[int] = ..., step_per_seq_us: _Optional[int] = ..., step_per_token_ns: _Optional[int] = ..., step_decode_samples: _Optional[int] = ..., step_prefill_samples: _Optional[int] = ..., kv_tier_loads: _Optional[int] = ..., kv_tier_load_blocks: _Optional[int] = ..., kv_tier_load_time_ns: _Optional[int] = ..., kv_tier_load_failures: _Optional[int] = ..., kv_tier_saves: _Optional[int] = ..., kv_tier_save_blocks: _Optional[int] = ..., kv_tier_save_failures: _Optional[int] = ...) -> None: ...
+    kv_disk_loads: int
+    kv_disk_load_blocks: int
+    kv_disk_load_time_ns: int
+    kv_disk_load_failures: int
+    kv_disk_saves: int
+    kv_disk_save_blocks: int
+    kv_disk_save_failures: int
+    def __init__(self, num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_pending_transfers: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_local_cache_hit: _Optional[int] = ..., prompt_tokens_external: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_completed: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_time_ns: _Optional[int] = ..., num_inflight_reqs: _Optional[int] = ..., kv_leases_expired: _Optional[int] = ..., kv_loads: _Optional[int] = ..., kv_load_time_ns: _Optional[int] = ..., kv_push_loads: _Optional[int] = ..., kv_push_fallbacks: _Optional[int] = ..., kv_layers_pushed: _Optional[int] = ..., kv_pushes_failed: _Optional[int] = ..., kv_leases_held: _Optional[int] = ..., kv_push_inbox_bytes: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., step_base_us: _Optional[int] = ..., step_per_seq_us: _Optional[int] = ..., step_per_token_ns: _Optional[int] = ..., step_decode_samples: _Optional[int] = ..., step_prefill_samples: _Optional[int] = ..., kv_tier_loads: _Optional[int] = ..., kv_tier_load_blocks: _Optional[int] = ..., kv_tier_load_time_ns: _Optional[int] = ..., kv_tier_load_failures: _Optional[int] = ..., kv_tier_saves: _Optional[int] = ..., kv_tier_save_blocks: _Optional[int] = ..., kv_tier_save_failures: _Optional[int] = ..., kv_disk_loads: _Optional[int] = ..., kv_disk_load_blocks: _Optional[int] = ..., kv_disk_load_time_ns: _Optional[int] = ..., kv_disk_load_failures: _Optional[int] = ..., kv_disk_saves: _Optional[int] = ..., kv_disk_save_blocks: _Optional[int] = ..., kv_disk_save_failures: _Optional[int] = ...) -> None: ...
 
 class KvEventsRequest(_message.Message):
     __slots__ = ()
