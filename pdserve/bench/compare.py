@@ -126,7 +126,7 @@ def settings_json(cfg: CompareConfig) -> dict[str, Any]:
     s = cfg.settings
     return {"model": s.served_name, "model_path": s.model_path, "dtype": s.dtype,
             "dtype_requested": cfg.dtype.requested, "dtype_reason": cfg.dtype.reason,
-            "kv_cache_gib": s.kv_cache_gib,
+            "kv_cache_gib": s.kv_cache_gib, "num_kv_blocks": s.num_kv_blocks,
             "max_model_len": s.max_model_len, "enforce_eager": s.enforce_eager,
             "cores": list(s.cores), "seed": cfg.seed, "slo": cfg.slo,
             "request_rates": [rate_label(r) for r in cfg.rates],

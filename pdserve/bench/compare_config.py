@@ -87,7 +87,8 @@ def output_dir(given: Path | None, kind: str) -> Path:
 
 
 def engine_settings(model: str | None = None, dtype: str = "auto", kv_cache_gib: int = 2,
-                    max_model_len: int = 4096) -> tuple[EngineSettings, DtypeChoice]:
+                    max_model_len: int = 4096, num_kv_blocks: int | None = None
+                    ) -> tuple[EngineSettings, DtypeChoice]:
     """What every system's engines share (the model, the dtype resolved once, the KV
     cache per engine, the context length, this process's cores), and how the dtype was
     chosen. The defaults are the flags' (``--model`` etc.)."""
@@ -97,7 +98,8 @@ def engine_settings(model: str | None = None, dtype: str = "auto", kv_cache_gib:
     resolved = resolve_model(model)
     choice = resolve_dtype(dtype, model_path=resolved.path)
     settings = EngineSettings(str(resolved.path), resolved.served_name, choice.dtype,
-                              kv_cache_gib, max_model_len, tuple(sorted(_affinity())))
+                              kv_cache_gib, max_model_len, tuple(sorted(_affinity())),
+                              num_kv_blocks=num_kv_blocks)
     return settings, choice
 
 

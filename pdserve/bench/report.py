@@ -132,7 +132,10 @@ def render_markdown(report: CompareReport) -> str:
     s = report.settings
     lines = ["# pdserve bench compare", "",
              f"Model `{s.get('model')}`, dtype {s.get('dtype')}, KV cache "
-             f"{s.get('kv_cache_gib')} GiB per engine, max-model-len {s.get('max_model_len')}, "
+             f"{s.get('kv_cache_gib')} GiB per engine"
+             + (f" ({s['num_kv_blocks']} blocks where prompts are computed)"
+                if s.get("num_kv_blocks") else "")
+             + f", max-model-len {s.get('max_model_len')}, "
              f"{'eager' if s.get('enforce_eager') else 'compiled'}; seed {s.get('seed')}; "
              f"SLO {s.get('slo') or 'none'}; workload `{s.get('workload_args')}`.", "",
              f"Machine: {report.machine.get('cpu_model')}, cores "

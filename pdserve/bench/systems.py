@@ -61,6 +61,9 @@ class EngineSettings:
     max_model_len: int
     cores: tuple[int, ...]
     enforce_eager: bool = True  # pdserve up's workers are always eager
+    # KV blocks of every engine that computes prompts (aggregated vLLM, vLLM's and
+    # pdserve's prefill; overrides kv_cache_gib there): a cache a working set exceeds.
+    num_kv_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -106,13 +109,15 @@ class SystemSpec:
                           for p in self.procs]}
 
 
-def _vllm_argv(s: EngineSettings, port: int) -> list[str]:
+def _vllm_argv(s: EngineSettings, port: int, prefills: bool = True) -> list[str]:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", s.model_path, "--served-model-name", s.served_name,
             "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),
             "--max-num-seqs", str(MAX_NUM_SEQS), "--host", "127.0.0.1", "--port", str(port),
             # usage.prompt_tokens_details.cached_tokens, as pdserve's router reports it
             "--enable-prompt-tokens-details"]
+    if prefills and s.num_kv_blocks:
+        argv += ["--num-gpu-blocks-override", str(s.num_kv_blocks)]
     return argv + (["--enforce-eager"] if s.enforce_eager else [])
 
 
@@ -158,7 +163,7 @@ def vllm_disagg(s: EngineSettings, port: int, engine_ports: tuple[int, int],
         env = dict(_vllm_env(s, cores), VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
                    VLLM_NIXL_SIDE_CHANNEL_PORT=str(side), UCX_TLS="tcp,self,sm",
                    **{NIXL_DELAY_ENV: str(NIXL_DELAY_US)})
-        argv = _vllm_argv(s, eport) + ["--kv-transfer-config", json.dumps(kv)]
+        argv = _vllm_argv(s, eport, role == "prefill") + ["--kv-transfer-config", json.dumps(kv)]
         procs.append(ProcSpec(role, tuple(argv), env))
     prefill_url, decode_url = (f"http://127.0.0.1:{p}" for p in engine_ports)
     if has_vllm_router():
@@ -207,7 +212,10 @@ def pdserve_up(s: EngineSettings, port: int, name: str, flags: str,
     argv = [*(command or pdserve_command()), "up", "--model", s.model_path,
             "--dtype", s.dtype, "--kv-cache-gib", str(s.kv_cache_gib),
             "--max-model-len", str(s.max_model_len), "--host", "127.0.0.1",
-            "--port", str(port), *shlex.split(flags)]
+            "--port", str(port),
+            # up gives them to its prefill workers
+            *(["--num-kv-blocks", str(s.num_kv_blocks)] if s.num_kv_blocks else []),
+            *shlex.split(flags)]
     env = {"HF_HUB_OFFLINE": "1"}
     layout = _layout_of(flags)
     if "--simulated" in shlex.split(flags):

@@ -6,6 +6,7 @@ while a real ``pdserve up --simulated`` serves (stopped, nothing left, no report
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import subprocess
@@ -429,3 +430,24 @@ def test_the_disagg_proxy_runs_as_the_hidden_bench_subcommand_vllm_disagg_starts
     finally:
         report = process.stop([proc], 10.0)
     assert report.left_behind == [] and port_free(port)
+
+
+def test_a_small_kv_cache_reaches_every_engine_that_computes_prompts() -> None:
+    """``--num-kv-blocks``: the same cache for aggregated vLLM, vLLM's prefill engine and
+    pdserve's prefill workers (decode engines keep --kv-cache-gib), so a working set
+    larger than it is larger for every system alike."""
+    small = dataclasses.replace(SETTINGS, num_kv_blocks=12)
+
+    def blocks(argv: tuple[str, ...], flag: str) -> str | None:
+        return argv[argv.index(flag) + 1] if flag in argv else None
+
+    (vllm,) = vllm_aggregated(small, 1).procs
+    assert blocks(vllm.argv, "--num-gpu-blocks-override") == "12"
+    prefill, decode, _ = vllm_disagg(small, 1, (2, 3), (4, 5)).procs
+    assert blocks(prefill.argv, "--num-gpu-blocks-override") == "12"
+    assert blocks(decode.argv, "--num-gpu-blocks-override") is None
+    (up,) = pdserve_up(small, 1, "host", "--kv-offload-gib 2").procs
+    assert blocks(up.argv, "--num-kv-blocks") == "12" and up.argv[-2:] == (
+        "--kv-offload-gib", "2")
+    (plain,) = pdserve_up(SETTINGS, 1, "off", "").procs
+    assert "--num-kv-blocks" not in plain.argv
