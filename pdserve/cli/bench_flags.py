@@ -158,17 +158,18 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    "(bfloat16 on CPUs with native bf16, float32 on the others)")
     p.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache per engine (GiB)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="KV blocks of every engine that computes prompts (aggregated vLLM, "
-                   "each prefill engine; overrides --kv-cache-gib there): a cache small "
-                   "enough that a workload's working set exceeds it")
+                   help="KV blocks of aggregated vLLM and of each prefill engine (overrides "
+                   "--kv-cache-gib there): a cache small enough that a workload's working "
+                   "set exceeds it. pdserve's decode workers keep --kv-cache-gib: give its "
+                   "entries --disagg always so every prompt is computed on a capped engine")
     p.add_argument("--max-model-len", type=int, default=4096)
 
 
 def engine_settings(args: argparse.Namespace) -> tuple[EngineSettings, DtypeChoice]:
     """What every system's engines share (``add_engine_flags``' flags, the dtype resolved
     once, this process's cores), and how the dtype was chosen."""
-    if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
-        raise ValueError("--num-kv-blocks must be >= 1")
+    if args.num_kv_blocks is not None and args.num_kv_blocks < 2:
+        raise ValueError("--num-kv-blocks must be >= 2 (a pdserve worker's least)")
     return _engine_settings(args.model, args.dtype, args.kv_cache_gib, args.max_model_len,
                             args.num_kv_blocks)
 

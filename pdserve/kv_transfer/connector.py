@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.version import __version__ as vllm_version
 
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.disk_tier import compat_hash, scan
@@ -107,10 +108,18 @@ class TierSizes:
             return cls()
         block_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors) // (
             kv_cache_config.num_blocks)
+        # The disk tier outlives the process: its folder names the weights too (the
+        # model's path, not only its served name) and the vLLM that laid the blocks out.
         compat = dict(compat_of(vllm_config), block_bytes=block_bytes,
-                      num_tensors=len(kv_cache_config.kv_cache_tensors))
+                      num_tensors=len(kv_cache_config.kv_cache_tensors),
+                      model_path=str(vllm_config.model_config.model),
+                      vllm=vllm_version)
+        disk_gib = config.kv_disk_gib
+        if disk_gib and vllm_config.parallel_config.tensor_parallel_size > 1:
+            logger.warning("disk tier off: one folder cannot hold several TP ranks' shards")
+            disk_gib = 0.0
         return cls(num_slots(config.kv_offload_gib, block_bytes),
-                   num_slots(config.kv_disk_gib, block_bytes), compat_hash(compat))
+                   num_slots(disk_gib, block_bytes), compat_hash(compat))
 
     def planner(self, config: ConnectorConfig, block_size: int) -> TierPlanner | None:
         """The scheduler side's plan over the tiers; the disk tier's index starts with

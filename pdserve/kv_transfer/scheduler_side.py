@@ -177,7 +177,10 @@ class SchedulerSide:
                 self._recving.add(request.request_id)
 
     def _save_tier(self, request: Request, block_ids: list[int]) -> bool:
-        if self._tiers is None or not block_ids:
+        if self._tiers is None:
+            return False
+        self._tiers.unmatch(request.request_id)  # matched, never allocated: unpin
+        if not block_ids:
             return False
         if request.request_id in self._recving:  # aborted mid-load: its KV is incomplete
             return False

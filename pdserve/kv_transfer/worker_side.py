@@ -187,7 +187,17 @@ class WorkerSide:
         return sending
 
     def _start_tiers(self, meta: PdserveConnectorMetadata) -> None:
-        if self._tiers is None:
+        if self._tiers is None:  # the sides disagree: loads fail (recompute), saves end;
+            for req_id in meta.tier_loads:  # nothing waits forever
+                failed: Future[int] = Future()
+                failed.set_exception(TransferError("no KV tiers on this worker"))
+                self._pulls[req_id] = failed
+            for req_id in meta.tier_saves:
+                if req_id in meta.leases:
+                    self._parts[req_id] = 2
+                done: Future[int] = Future()
+                done.set_result(0)
+                self._saves[req_id] = done
             return
         for req_id, copy in meta.tier_saves.items():
             if req_id in meta.leases:

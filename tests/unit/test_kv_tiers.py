@@ -344,3 +344,17 @@ def test_a_request_aborted_mid_load_saves_nothing() -> None:
     _done(side, recving={"b"})
     loading.request_id = "b-again"
     assert side.request_finished(loading, [20, 21, 22, 23])[0] is True  # not loading: saved
+
+
+def test_an_aborted_request_that_was_matched_but_never_allocated_unpins() -> None:
+    """vLLM found no room for it, then it was aborted: ``request_finished`` comes with
+    no blocks, and its matched slots must not stay pinned (the tier would shrink)."""
+    side = SchedulerSide(CONFIG, BS, _host(8))
+    side.request_finished(_request("a", 3 * BS + 1), [7, 8, 9, 10])
+    _step(side)
+    _done(side, sending={"a"})
+    waiting = _request("w", 3 * BS + 1, computed=0)
+    assert side.get_num_new_matched_tokens(waiting, 0) == (3 * BS, True)
+    assert side.request_finished(waiting, []) == (False, None)
+    tiers = side.tiers
+    assert tiers is not None and tiers.index("host")._pins == {} and tiers._matched == {}
