@@ -38,6 +38,34 @@ logger = logging.getLogger("pdserve.worker")
 SCRAPE_DEADLINE_S = 2.0
 _ANY_HOST = ("0.0.0.0", "::", "")
 LABELS = ("model_name", "role", "transport")
+# (name, help, value from the load report)
+Metric = tuple[str, str, Callable[[WorkerLoadReport], float]]
+
+
+def _tier_counters(tier: str, label: str, saved: str, saves: str, load_failure: str,
+                   save_failure: str) -> tuple[Metric, ...]:
+    """One KV tier's counters (GetLoad's ``kv_<tier>_*``): the same seven for every tier."""
+    def field(name: str, scale: float = 1.0) -> Callable[[WorkerLoadReport], float]:
+        return lambda r: getattr(r, f"kv_{tier}_{name}") * scale
+
+    return (
+        (f"pdserve:kv_{tier}_loads_total",
+         f"{label}: requests whose prefix was loaded from it", field("loads")),
+        (f"pdserve:kv_{tier}_load_blocks_total", f"{label}: KV blocks loaded from it",
+         field("load_blocks")),
+        (f"pdserve:kv_{tier}_load_seconds_total", f"{label}: time its loads took",
+         field("load_time_ns", 1e-9)),
+        (f"pdserve:kv_{tier}_load_failures_total",
+         f"{label}: loads that failed {load_failure}; the prompt was recomputed",
+         field("load_failures")),
+        (f"pdserve:kv_{tier}_saves_total",
+         f"{label}: finished requests whose blocks were {saved}", field("saves")),
+        (f"pdserve:kv_{tier}_save_blocks_total", f"{label}: KV blocks {saved} to it",
+         field("save_blocks")),
+        (f"pdserve:kv_{tier}_save_failures_total", f"{label}: {saves} that failed{save_failure}",
+         field("save_failures")),
+    )
+
 
 # (name, help, value from the load report); counters' names end in _total.
 _COUNTERS: tuple[tuple[str, str, Callable[[WorkerLoadReport], float]], ...] = (
@@ -66,35 +94,9 @@ _COUNTERS: tuple[tuple[str, str, Callable[[WorkerLoadReport], float]], ...] = (
      "pulled)", lambda r: r.kv_pushes_failed),
     ("pdserve:kv_leases_expired_total", "Prefill: KV leases that expired before a decode "
      "loaded or released them", lambda r: r.kv_leases_expired),
-    ("pdserve:kv_tier_loads_total", "Host tier: requests whose prefix was loaded from it",
-     lambda r: r.kv_tier_loads),
-    ("pdserve:kv_tier_load_blocks_total", "Host tier: KV blocks loaded from it",
-     lambda r: r.kv_tier_load_blocks),
-    ("pdserve:kv_tier_load_seconds_total", "Host tier: time its loads took",
-     lambda r: r.kv_tier_load_time_ns / 1e9),
-    ("pdserve:kv_tier_load_failures_total", "Host tier: loads that failed (checksum, "
-     "evicted); the prompt was recomputed", lambda r: r.kv_tier_load_failures),
-    ("pdserve:kv_tier_saves_total", "Host tier: finished requests whose blocks were saved",
-     lambda r: r.kv_tier_saves),
-    ("pdserve:kv_tier_save_blocks_total", "Host tier: KV blocks saved to it",
-     lambda r: r.kv_tier_save_blocks),
-    ("pdserve:kv_tier_save_failures_total", "Host tier: saves that failed",
-     lambda r: r.kv_tier_save_failures),
-    ("pdserve:kv_disk_loads_total", "Disk tier: requests whose prefix was loaded from it",
-     lambda r: r.kv_disk_loads),
-    ("pdserve:kv_disk_load_blocks_total", "Disk tier: KV blocks loaded from it",
-     lambda r: r.kv_disk_load_blocks),
-    ("pdserve:kv_disk_load_seconds_total", "Disk tier: time its loads took",
-     lambda r: r.kv_disk_load_time_ns / 1e9),
-    ("pdserve:kv_disk_load_failures_total", "Disk tier: loads that failed (a missing, "
-     "truncated or corrupt file); the prompt was recomputed",
-     lambda r: r.kv_disk_load_failures),
-    ("pdserve:kv_disk_saves_total", "Disk tier: finished requests whose blocks were written",
-     lambda r: r.kv_disk_saves),
-    ("pdserve:kv_disk_save_blocks_total", "Disk tier: KV blocks written to it",
-     lambda r: r.kv_disk_save_blocks),
-    ("pdserve:kv_disk_save_failures_total", "Disk tier: writes that failed (a full disk)",
-     lambda r: r.kv_disk_save_failures),
+    *_tier_counters("tier", "Host tier", "saved", "saves", "(checksum, evicted)", ""),
+    *_tier_counters("disk", "Disk tier", "written", "writes",
+                    "(a missing, truncated or corrupt file)", " (a full disk)"),
 )
 _GAUGES: tuple[tuple[str, str, Callable[[WorkerLoadReport], float]], ...] = (
     ("pdserve:kv_leases_held", "Prefill: requests whose KV is held for a decode",
