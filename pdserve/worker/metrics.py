@@ -39,11 +39,11 @@ SCRAPE_DEADLINE_S = 2.0
 _ANY_HOST = ("0.0.0.0", "::", "")
 LABELS = ("model_name", "role", "transport")
 # (name, help, value from the load report)
-Metric = tuple[str, str, Callable[[WorkerLoadReport], float]]
+LoadMetric = tuple[str, str, Callable[[WorkerLoadReport], float]]
 
 
 def _tier_counters(tier: str, label: str, saved: str, saves: str, load_failure: str,
-                   save_failure: str) -> tuple[Metric, ...]:
+                   save_failure: str) -> tuple[LoadMetric, ...]:
     """One KV tier's counters (GetLoad's ``kv_<tier>_*``): the same seven for every tier."""
     def field(name: str, scale: float = 1.0) -> Callable[[WorkerLoadReport], float]:
         return lambda r: getattr(r, f"kv_{tier}_{name}") * scale
@@ -67,8 +67,8 @@ def _tier_counters(tier: str, label: str, saved: str, saves: str, load_failure: 
     )
 
 
-# (name, help, value from the load report); counters' names end in _total.
-_COUNTERS: tuple[tuple[str, str, Callable[[WorkerLoadReport], float]], ...] = (
+# Counters' names end in _total.
+_COUNTERS: tuple[LoadMetric, ...] = (
     ("pdserve:kv_transfers_completed_total",
      "KV transfers served (prefill) or loaded (decode) successfully",
      lambda r: r.kv_transfers_completed),
@@ -98,7 +98,7 @@ _COUNTERS: tuple[tuple[str, str, Callable[[WorkerLoadReport], float]], ...] = (
     *_tier_counters("disk", "Disk tier", "written", "writes",
                     "(a missing, truncated or corrupt file)", " (a full disk)"),
 )
-_GAUGES: tuple[tuple[str, str, Callable[[WorkerLoadReport], float]], ...] = (
+_GAUGES: tuple[LoadMetric, ...] = (
     ("pdserve:kv_leases_held", "Prefill: requests whose KV is held for a decode",
      lambda r: r.kv_leases_held),
     ("pdserve:kv_pending_transfers", "KV held for a decode (prefill) or being loaded "
