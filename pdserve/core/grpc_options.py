@@ -49,4 +49,10 @@ def server_options(keepalive_s: float = DEFAULT_KEEPALIVE_S) -> Options:
             *_keepalive(keepalive_s),
             ("grpc.http2.min_recv_ping_interval_without_data_ms",
              int(MIN_KEEPALIVE_S * 1000) // 2),
-            ("grpc.http2.max_pings_without_data", 0)]
+            ("grpc.http2.max_pings_without_data", 0),
+            # A worker whose cores are saturated (an engine loading beside it) reads
+            # two of the router's pings late and back to back; gRPC counts that as a
+            # strike and, at the default two, sends GOAWAY: every call on the channel
+            # fails UNAVAILABLE "Too many pings" (seen under the KV pool's fault test).
+            # The router is this cluster's own, authenticated client: no strikes.
+            ("grpc.http2.max_ping_strikes", 0)]
