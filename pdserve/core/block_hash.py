@@ -42,3 +42,19 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_H
         parent = int.from_bytes(h.digest(), "little")
         hashes.append(parent)
     return hashes
+
+
+# A block held in a worker's KV tier rather than its engine's cache travels in the same
+# KV-event stream and prefix index under the block's hash in the tier's own namespace:
+# the hash XOR a fixed 64-bit mask per tier. One stream, one seq and one snapshot cover
+# the engine and its tiers; a reader asks for a tier by masking the prompt's hashes.
+KV_TIERS = ("host", "disk")
+_TIER_MASK = {tier: int.from_bytes(blake2b(f"pdserve-kv-tier:{tier}".encode(),
+                                           digest_size=8).digest(), "little")
+              for tier in KV_TIERS}
+
+
+def tier_hashes(hashes: Sequence[int], tier: str) -> list[int]:
+    """``hashes`` in ``tier``'s namespace (``tier`` one of ``KV_TIERS``)."""
+    mask = _TIER_MASK[tier]
+    return [h ^ mask for h in hashes]

@@ -75,3 +75,27 @@ class PushTarget:
             return cls(str(params["host"]), int(params["port"]), str(params["transfer_id"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"invalid KV push target {params!r}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class PoolSource:
+    """Prefill: the peer whose host tier holds this prompt's first ``num_blocks``
+    blocks (the cluster KV pool); its KV endpoint. Travels as
+    ``kv_transfer_params["pool"]``."""
+
+    host: str
+    port: int
+    num_blocks: int
+    worker_id: str = ""
+
+    def to_params(self) -> dict[str, Any]:
+        return {"host": self.host, "port": self.port, "num_blocks": self.num_blocks,
+                "worker_id": self.worker_id}
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> PoolSource:
+        try:
+            return cls(str(params["host"]), int(params["port"]), int(params["num_blocks"]),
+                       str(params.get("worker_id", "")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"invalid KV pool source {params!r}: {exc}") from exc

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pdserve.core.handle import KVHandle, PushTarget
+from pdserve.core.handle import KVHandle, PoolSource, PushTarget
 
 Phase = Literal["prefill", "decode"]
 Role = Literal["prefill", "decode"]
@@ -92,6 +92,8 @@ class PhaseRequest:
     sampling: SamplingSpec
     kv_handle: KVHandle | None = None
     push_target: PushTarget | None = None
+    # Prefill: a peer's host tier holds the prompt's leading blocks (the KV pool).
+    pool_source: PoolSource | None = None
     # The last this-many prompt tokens are output the request already produced (prefill's
     # first token; what was sent before a migration): the engine counts them as output
     # for penalties, min_tokens and the grammar, so the call continues the request.
@@ -202,6 +204,20 @@ class WorkerLoadReport:
     kv_disk_saves: int = 0
     kv_disk_save_blocks: int = 0
     kv_disk_save_failures: int = 0
+    # The cluster KV pool (GetLoad's kv_pool_*), bytes, misses and evictions per tier.
+    kv_pool_loads: int = 0
+    kv_pool_load_blocks: int = 0
+    kv_pool_load_time_ns: int = 0
+    kv_pool_load_failures: int = 0
+    kv_pool_serves: int = 0
+    kv_pool_serve_blocks: int = 0
+    kv_pool_serve_failures: int = 0
+    kv_tier_load_bytes: int = 0
+    kv_disk_load_bytes: int = 0
+    kv_pool_load_bytes: int = 0
+    kv_tier_miss_blocks: int = 0
+    kv_tier_evictions: int = 0
+    kv_disk_evictions: int = 0
 
 
 @dataclass(frozen=True)

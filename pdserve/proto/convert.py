@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, fields
 
-from pdserve.core.handle import KVHandle, PushTarget
+from pdserve.core.handle import KVHandle, PoolSource, PushTarget
 from pdserve.core.types import (
     FinishReason,
     KvChange,
@@ -157,6 +157,10 @@ def phase_request_to_pb(req: PhaseRequest) -> pb.GenerateRequest:
         t = req.push_target
         msg.kv_push_target.CopyFrom(
             pb.KvPushTarget(host=t.host, port=t.port, transfer_id=t.transfer_id))
+    if req.pool_source is not None:
+        src = req.pool_source
+        msg.kv_pool_source.CopyFrom(pb.KvPoolSource(
+            host=src.host, port=src.port, num_blocks=src.num_blocks, worker_id=src.worker_id))
     return msg
 
 
@@ -165,11 +169,15 @@ def phase_request_from_pb(msg: pb.GenerateRequest) -> PhaseRequest:
     if msg.HasField("kv_push_target"):
         t = msg.kv_push_target
         push = PushTarget(t.host, t.port, t.transfer_id)
+    pool = None
+    if msg.HasField("kv_pool_source"):
+        src = msg.kv_pool_source
+        pool = PoolSource(src.host, src.port, src.num_blocks, src.worker_id)
     return PhaseRequest(
         request_id=msg.request_id, phase=phase_from_pb(msg.phase),
         prompt_token_ids=tuple(msg.prompt_token_ids), sampling=sampling_from_pb(msg.sampling),
         kv_handle=handle_from_pb(msg.kv_handle) if msg.HasField("kv_handle") else None,
-        push_target=push, num_output_in_prompt=_num_output_in_prompt(msg))
+        push_target=push, pool_source=pool, num_output_in_prompt=_num_output_in_prompt(msg))
 
 
 def _num_output_in_prompt(msg: pb.GenerateRequest) -> int:

@@ -158,14 +158,27 @@ class KvPushTarget(_message.Message):
     transfer_id: str
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
+class KvPoolSource(_message.Message):
+    __slots__ = ("host", "port", "num_blocks", "worker_id")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    num_blocks: int
+    worker_id: str
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., num_blocks: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "phase", "prompt_token_ids", "sampling", "kv_handle", "kv_push_target", "num_output_in_prompt")
+    __slots__ = ("request_id", "phase", "prompt_token_ids", "sampling", "kv_handle", "kv_push_target", "kv_pool_source", "num_output_in_prompt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     KV_PUSH_TARGET_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_SOURCE_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_IN_PROMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     phase: Phase
@@ -173,8 +186,9 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     kv_handle: KvHandle
     kv_push_target: KvPushTarget
+    kv_pool_source: KvPoolSource
     num_output_in_prompt: int
-    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., kv_push_target: _Optional[_Union[KvPushTarget, _Mapping]] = ..., num_output_in_prompt: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., kv_push_target: _Optional[_Union[KvPushTarget, _Mapping]] = ..., kv_pool_source: _Optional[_Union[KvPoolSource, _Mapping]] = ..., num_output_in_prompt: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "kv_handle", "num_cached_tokens", "num_prompt_tokens", "timing", "logprobs", "prompt_logprobs")
@@ -263,7 +277,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "num_pending_transfers", "prompt_tokens_computed", "prompt_tokens_local_cache_hit", "prompt_tokens_external", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_completed", "kv_transfers_failed", "kv_transfer_time_ns", "num_inflight_reqs", "kv_leases_expired", "kv_loads", "kv_load_time_ns", "kv_push_loads", "kv_push_fallbacks", "kv_layers_pushed", "kv_pushes_failed", "kv_leases_held", "kv_push_inbox_bytes", "num_cached_blocks", "step_base_us", "step_per_seq_us", "step_per_token_ns", "step_decode_samples", "step_prefill_samples", "kv_tier_loads", "kv_tier_load_blocks", "kv_tier_load_time_ns", "kv_tier_load_failures", "kv_tier_saves", "kv_tier_save_blocks", "kv_tier_save_failures", "kv_disk_loads", "kv_disk_load_blocks", "kv_disk_load_time_ns", "kv_disk_load_failures", "kv_disk_saves", "kv_disk_save_blocks", "kv_disk_save_failures")
+    __slots__ = ("num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "num_pending_transfers", "prompt_tokens_computed", "prompt_tokens_local_cache_hit", "prompt_tokens_external", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_completed", "kv_transfers_failed", "kv_transfer_time_ns", "num_inflight_reqs", "kv_leases_expired", "kv_loads", "kv_load_time_ns", "kv_push_loads", "kv_push_fallbacks", "kv_layers_pushed", "kv_pushes_failed", "kv_leases_held", "kv_push_inbox_bytes", "num_cached_blocks", "step_base_us", "step_per_seq_us", "step_per_token_ns", "step_decode_samples", "step_prefill_samples", "kv_tier_loads", "kv_tier_load_blocks", "kv_tier_load_time_ns", "kv_tier_load_failures", "kv_tier_saves", "kv_tier_save_blocks", "kv_tier_save_failures", "kv_disk_loads", "kv_disk_load_blocks", "kv_disk_load_time_ns", "kv_disk_load_failures", "kv_disk_saves", "kv_disk_save_blocks", "kv_disk_save_failures", "kv_pool_loads", "kv_pool_load_blocks", "kv_pool_load_time_ns", "kv_pool_load_failures", "kv_pool_serves", "kv_pool_serve_blocks", "kv_pool_serve_failures", "kv_tier_load_bytes", "kv_disk_load_bytes", "kv_pool_load_bytes", "kv_tier_miss_blocks", "kv_tier_evictions", "kv_disk_evictions")
     NUM_RUNNING_REQS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +320,19 @@ class GetLoadResponse(_message.Message):
     KV_DISK_SAVES_FIELD_NUMBER: _ClassVar[int]
     KV_DISK_SAVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_DISK_SAVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_LOADS_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_LOAD_TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_SERVES_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_SERVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_SERVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_LOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_LOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_LOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_MISS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     num_running_reqs: int
     num_waiting_reqs: int
     kv_cache_usage: float
@@ -348,7 +375,20 @@ class GetLoadResponse(_message.Message):
     kv_disk_saves: int
     kv_disk_save_blocks: int
     kv_disk_save_failures: int
-    def __init__(self, num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_pending_transfers: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_local_cache_hit: _Optional[int] = ..., prompt_tokens_external: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_completed: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_time_ns: _Optional[int] = ..., num_inflight_reqs: _Optional[int] = ..., kv_leases_expired: _Optional[int] = ..., kv_loads: _Optional[int] = ..., kv_load_time_ns: _Optional[int] = ..., kv_push_loads: _Optional[int] = ..., kv_push_fallbacks: _Optional[int] = ..., kv_layers_pushed: _Optional[int] = ..., kv_pushes_failed: _Optional[int] = ..., kv_leases_held: _Optional[int] = ..., kv_push_inbox_bytes: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., step_base_us: _Optional[int] = ..., step_per_seq_us: _Optional[int] = ..., step_per_token_ns: _Optional[int] = ..., step_decode_samples: _Optional[int] = ..., step_prefill_samples: _Optional[int] = ..., kv_tier_loads: _Optional[int] = ..., kv_tier_load_blocks: _Optional[int] = ..., kv_tier_load_time_ns: _Optional[int] = ..., kv_tier_load_failures: _Optional[int] = ..., kv_tier_saves: _Optional[int] = ..., kv_tier_save_blocks: _Optional[int] = ..., kv_tier_save_failures: _Optional[int] = ..., kv_disk_loads: _Optional[int] = ..., kv_disk_load_blocks: _Optional[int] = ..., kv_disk_load_time_ns: _Optional[int] = ..., kv_disk_load_failures: _Optional[int] = ..., kv_disk_saves: _Optional[int] = ..., kv_disk_save_blocks: _Optional[int] = ..., kv_disk_save_failures: _Optional[int] = ...) -> None: ...
+    kv_pool_loads: int
+    kv_pool_load_blocks: int
+    kv_pool_load_time_ns: int
+    kv_pool_load_failures: int
+    kv_pool_serves: int
+    kv_pool_serve_blocks: int
+    kv_pool_serve_failures: int
+    kv_tier_load_bytes: int
+    kv_disk_load_bytes: int
+    kv_pool_load_bytes: int
+    kv_tier_miss_blocks: int
+    kv_tier_evictions: int
+    kv_disk_evictions: int
+    def __init__(self, num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_pending_transfers: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_local_cache_hit: _Optional[int] = ..., prompt_tokens_external: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_completed: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_time_ns: _Optional[int] = ..., num_inflight_reqs: _Optional[int] = ..., kv_leases_expired: _Optional[int] = ..., kv_loads: _Optional[int] = ..., kv_load_time_ns: _Optional[int] = ..., kv_push_loads: _Optional[int] = ..., kv_push_fallbacks: _Optional[int] = ..., kv_layers_pushed: _Optional[int] = ..., kv_pushes_failed: _Optional[int] = ..., kv_leases_held: _Optional[int] = ..., kv_push_inbox_bytes: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., step_base_us: _Optional[int] = ..., step_per_seq_us: _Optional[int] = ..., step_per_token_ns: _Optional[int] = ..., step_decode_samples: _Optional[int] = ..., step_prefill_samples: _Optional[int] = ..., kv_tier_loads: _Optional[int] = ..., kv_tier_load_blocks: _Optional[int] = ..., kv_tier_load_time_ns: _Optional[int] = ..., kv_tier_load_failures: _Optional[int] = ..., kv_tier_saves: _Optional[int] = ..., kv_tier_save_blocks: _Optional[int] = ..., kv_tier_save_failures: _Optional[int] = ..., kv_disk_loads: _Optional[int] = ..., kv_disk_load_blocks: _Optional[int] = ..., kv_disk_load_time_ns: _Optional[int] = ..., kv_disk_load_failures: _Optional[int] = ..., kv_disk_saves: _Optional[int] = ..., kv_disk_save_blocks: _Optional[int] = ..., kv_disk_save_failures: _Optional[int] = ..., kv_pool_loads: _Optional[int] = ..., kv_pool_load_blocks: _Optional[int] = ..., kv_pool_load_time_ns: _Optional[int] = ..., kv_pool_load_failures: _Optional[int] = ..., kv_pool_serves: _Optional[int] = ..., kv_pool_serve_blocks: _Optional[int] = ..., kv_pool_serve_failures: _Optional[int] = ..., kv_tier_load_bytes: _Optional[int] = ..., kv_disk_load_bytes: _Optional[int] = ..., kv_pool_load_bytes: _Optional[int] = ..., kv_tier_miss_blocks: _Optional[int] = ..., kv_tier_evictions: _Optional[int] = ..., kv_disk_evictions: _Optional[int] = ...) -> None: ...
 
 class KvEventsRequest(_message.Message):
     __slots__ = ()
