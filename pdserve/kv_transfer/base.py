@@ -104,6 +104,20 @@ class KVTransport(Protocol):
         """Tell the peer to end its lease for ``remote_request_id`` without a transfer."""
         ...
 
+    def pull_pool(self, peer: PeerAddress, hashes: Sequence[bytes],
+                  dst_block_ids: Sequence[int], deadline: float) -> int:
+        """The cluster KV pool: copy the blocks named ``hashes`` (vLLM's prefix-cache
+        hashes) from the peer's host tier into our ``dst_block_ids``. Returns bytes
+        moved; ``TransferError`` if the peer no longer holds one of them, is gone, or
+        a block was rewritten while it was sent (nothing is then usable)."""
+        ...
+
+    def serve_pool(self, source: Callable[[list[bytes]], Any]) -> None:
+        """Serve peers' ``pull_pool`` from ``source`` (``pull.PoolServeSource``: the
+        host tier, which owns the bytes; the transport only reads them while it
+        sends). Without a source, pool pulls are refused."""
+        ...
+
     def stats(self) -> dict[str, int]:
         """Cumulative counters: bytes_sent, bytes_received, transfers_completed,
         transfers_failed, transfer_time_ns."""

@@ -14,11 +14,13 @@ id coming back in ``finished_recving``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -35,11 +37,12 @@ from pdserve.kv_transfer.host_tier import num_slots
 from pdserve.kv_transfer.metadata import PdserveConnectorMetadata
 from pdserve.kv_transfer.scheduler_side import SchedulerSide
 from pdserve.kv_transfer.tier_index import TierIndex
-from pdserve.kv_transfer.tier_plan import TierPlanner
+from pdserve.kv_transfer.tier_plan import EVENT_MEDIUM, TierPlanner
 from pdserve.kv_transfer.worker_side import WorkerSide
 
 logger = logging.getLogger("pdserve.kv_transfer")
-_SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+_SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK,
+            "pool": CacheHitSource.P2P}
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,6 +85,19 @@ def compat_of(vllm_config: VllmConfig) -> dict[str, Any]:
     }
 
 
+def hashes_name_blocks(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+    """Why a block's prefix-cache hash does not name one KV block ("" if it does):
+    the tiers and the pool address blocks by those hashes."""
+    block_size = vllm_config.cache_config.block_size
+    if kv_cache_config.hash_block_size not in (None, block_size):
+        return (f"prefix-cache hashes cover {kv_cache_config.hash_block_size} tokens, "
+                f"blocks {block_size}")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or type(groups[0].kv_cache_spec).__name__ != "FullAttentionSpec":
+        return "only one group of full attention is supported"
+    return ""
+
+
 @dataclass(frozen=True)
 class TierSizes:
     """The KV tiers' sizes in blocks (0: off) and the disk tier's model folder, the
@@ -95,16 +111,11 @@ class TierSizes:
     @classmethod
     def of(cls, config: ConnectorConfig, vllm_config: VllmConfig,
            kv_cache_config: KVCacheConfig) -> TierSizes:
-        block_size = vllm_config.cache_config.block_size
         if not kv_cache_config.num_blocks or not (config.kv_offload_gib or config.kv_disk_gib):
             return cls()
-        if kv_cache_config.hash_block_size not in (None, block_size):
-            logger.warning("KV tiers off: prefix-cache hashes cover %s tokens, blocks %s",
-                           kv_cache_config.hash_block_size, block_size)
-            return cls()
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or type(groups[0].kv_cache_spec).__name__ != "FullAttentionSpec":
-            logger.warning("KV tiers off: only one group of full attention is supported")
+        problem = hashes_name_blocks(vllm_config, kv_cache_config)
+        if problem:
+            logger.warning("KV tiers off: %s", problem)
             return cls()
         block_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors) // (
             kv_cache_config.num_blocks)
@@ -144,12 +155,16 @@ class PdserveConnector(KVConnectorBase_V1):
         config = ConnectorConfig.from_extra_config(
             vllm_config.kv_transfer_config.kv_connector_extra_config
         )
-        block_size = vllm_config.cache_config.block_size
+        block_size = self._block_size = vllm_config.cache_config.block_size
         tiers = TierSizes.of(config, vllm_config, kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(config, block_size, tiers.planner(config, block_size))
+            pool_off = hashes_name_blocks(vllm_config, kv_cache_config)
+            if pool_off:
+                logger.info("KV pool loads off: %s", pool_off)
+            self._scheduler = SchedulerSide(config, block_size, tiers.planner(config, block_size),
+                                            pool=not pool_off)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -193,6 +208,22 @@ class PdserveConnector(KVConnectorBase_V1):
         if sum(tiers.values()) != num_external_tokens:
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
         return {_SOURCES[tier]: n for tier, n in tiers.items()}
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The tiers' residency, for the router: a block a tier now holds is a
+        ``BlockStored``, one it dropped a ``BlockRemoved``, named by its pdserve hash in
+        the tier's namespace (``core.block_hash.tier_hashes``) with ``medium``
+        ``pdserve:<tier>`` (``vllm_kv_events`` passes them through untranslated)."""
+        if self._scheduler is None:
+            return ()
+        events: list[KVCacheEvent] = []
+        for tier, stored, hashes in self._scheduler.take_events():
+            medium = EVENT_MEDIUM[tier]
+            events.append(BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
+                                      block_size=self._block_size, lora_id=None,
+                                      medium=medium, lora_name=None) if stored
+                          else BlockRemoved(block_hashes=hashes, medium=medium))
+        return events
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -12,12 +12,12 @@ scheduler side (``TierIndex``); this class only copies and checks.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from pdserve.kv_transfer.integrity import checksum, natural_kind
-from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.layout import KVLayout, chunk_views
 from pdserve.kv_transfer.wire import TransferError
 
 
@@ -30,13 +30,16 @@ class HostTier:
     def __init__(self, kv: Sequence[torch.Tensor], layout: KVLayout, num_slots: int,
                  verify: bool) -> None:
         self._kv = list(kv)
+        self._layout = layout
         self._dims = [layer.block_dim for layer in layout.layers]
-        pin = layout.device == "cuda"
+        pin = self._pinned = layout.device == "cuda"
         self._host = [
             torch.empty(_with_blocks(t.shape, d, num_slots), dtype=t.dtype, pin_memory=pin)
             for t, d in zip(self._kv, self._dims, strict=True)]
         self._hash: list[bytes | None] = [None] * num_slots
         self._sum: list[int | None] = [None] * num_slots
+        self._slot_of: dict[bytes, int] = {}  # hash -> slot, for peers' pool pulls
+        self._gen = [0] * num_slots  # bumped whenever a slot is rewritten
         self._verify = verify
         self._kind = natural_kind(self._host)
         self._lock = threading.Lock()  # slots' names; copies run on the pull pool
@@ -53,15 +56,56 @@ class HostTier:
         bytes copied. The blocks must stay unwritten until this returns."""
         with self._lock:
             for slot in slots:
+                old = self._hash[slot]
+                if old is not None and self._slot_of.get(old) == slot:
+                    del self._slot_of[old]
                 self._hash[slot] = None  # unreadable while it is rewritten
+                self._gen[slot] += 1
         src, dst = _index(block_ids, self._kv[0]), _index(slots, self._host[0])
-        for kv, host, dim in zip(self._kv, self._host, self._dims, strict=True):
-            host.index_copy_(dim, dst, kv.index_select(dim, src).to("cpu", non_blocking=False))
+        if self._pinned:  # gather on the device, one DMA each into pinned staging
+            staged = []
+            for kv, dim in zip(self._kv, self._dims, strict=True):
+                gathered = kv.index_select(dim, src)
+                stage = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+                staged.append(stage.copy_(gathered, non_blocking=True))
+            torch.cuda.current_stream(self._kv[0].device).synchronize()
+            for host, stage, dim in zip(self._host, staged, self._dims, strict=True):
+                host.index_copy_(dim, dst, stage)
+        else:
+            for kv, host, dim in zip(self._kv, self._host, self._dims, strict=True):
+                host.index_copy_(dim, dst, kv.index_select(dim, src).to("cpu"))
         sums = [self._checksum(slot) for slot in slots] if self._verify else [None] * len(slots)
         with self._lock:
             for slot, h, s in zip(slots, hashes, sums, strict=True):
                 self._hash[slot], self._sum[slot] = h, s
+                self._slot_of[h] = slot
         return len(slots) * self.block_bytes
+
+    def serve(self, hashes: Sequence[bytes]) -> tuple[list[torch.Tensor], Callable[[], bool]]:
+        """A peer's pool pull: every layer's bytes of the slots holding ``hashes``, in
+        the order a pull of single-block runs reads them, and a check to call once
+        they are sent (False: a slot was rewritten meanwhile, the bytes are not
+        those blocks). Raises ``TransferError`` if a block is not held (or, when
+        verifying, its bytes no longer match its checksum)."""
+        with self._lock:
+            slots = [self._slot_of.get(h) for h in hashes]
+            missing = sum(slot is None for slot in slots)
+            if missing:
+                raise TransferError(f"{missing} of {len(hashes)} blocks not in the host tier")
+            held = [s for s in slots if s is not None]
+            gens = [self._gen[s] for s in held]
+            sums = [self._sum[s] for s in held]
+        if self._verify:
+            for slot, want in zip(held, sums, strict=True):
+                if want is not None and self._checksum(slot) != want:
+                    raise TransferError(f"host tier slot {slot}: checksum mismatch")
+        chunks = list(chunk_views(self._host, self._layout, [(s, 1) for s in held]))
+
+        def unchanged() -> bool:
+            with self._lock:
+                return all(self._gen[s] == g for s, g in zip(held, gens, strict=True))
+
+        return chunks, unchanged
 
     def load(self, slots: Sequence[int], block_ids: Sequence[int],
              hashes: Sequence[bytes]) -> int:
@@ -79,8 +123,16 @@ class HostTier:
                 if want is not None and self._checksum(slot) != want:
                     raise TransferError(f"host tier slot {slot}: checksum mismatch")
         src, dst = _index(slots, self._host[0]), _index(block_ids, self._kv[0])
+        staged = []  # pinned: gathered on the host, one DMA each, scattered on the device
         for kv, host, dim in zip(self._kv, self._host, self._dims, strict=True):
-            kv.index_copy_(dim, dst, host.index_select(dim, src).to(kv.device))
+            if self._pinned:
+                shape = _with_blocks(host.shape, dim, len(slots))
+                stage = torch.empty(shape, dtype=host.dtype, pin_memory=True)
+                torch.index_select(host, dim, src, out=stage)
+                staged.append(stage)
+                kv.index_copy_(dim, dst, stage.to(kv.device, non_blocking=True))
+            else:
+                kv.index_copy_(dim, dst, host.index_select(dim, src).to(kv.device))
         if self._kv[0].device.type == "cuda":  # done means written, as the other loads
             torch.cuda.current_stream(self._kv[0].device).synchronize()
         return len(slots) * self.block_bytes
@@ -91,7 +143,8 @@ class HostTier:
                                                             strict=True)]
 
     def _checksum(self, slot: int) -> int:
-        return checksum(self.slot_views(slot), self._kind)
+        # Contiguous pieces (a slot of a CUDA layout, blocks in dim 1, is two per layer).
+        return checksum(list(chunk_views(self._host, self._layout, [(slot, 1)])), self._kind)
 
 
 def _with_blocks(shape: torch.Size, dim: int, n: int) -> tuple[int, ...]:

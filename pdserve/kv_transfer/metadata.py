@@ -10,7 +10,7 @@ from pdserve.core.handle import KVHandle, PushTarget
 from pdserve.kv_transfer.push_spec import PushSpec
 
 __all__ = ["KVHandle", "LeaseSpec", "LoadSpec", "PdserveConnectorMetadata", "PushSpec",
-           "PushTarget", "TierCopy", "NO_COPY"]
+           "PushTarget", "PoolLoad", "TierCopy", "NO_COPY"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,17 @@ class TierCopy:
 NO_COPY = TierCopy((), (), ())
 
 
+@dataclass(frozen=True)
+class PoolLoad:
+    """The cluster KV pool: pull the blocks named ``hashes`` from the host tier of the
+    peer whose KV endpoint is ``host:port`` into our ``block_ids``."""
+
+    host: str
+    port: int
+    hashes: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+
+
 @dataclass
 class PdserveConnectorMetadata(KVConnectorMetadata):
     """One engine step's work for the worker side; rebuilt every step."""
@@ -66,6 +77,10 @@ class PdserveConnectorMetadata(KVConnectorMetadata):
     tier_loads: dict[str, TierCopy] = field(default_factory=dict)
     disk_saves: dict[str, TierCopy] = field(default_factory=dict)
     disk_loads: dict[str, TierCopy] = field(default_factory=dict)
+    # A new request's blocks pulled from a peer's host tier (after any tier load).
+    pool_loads: dict[str, PoolLoad] = field(default_factory=dict)
+    # The scheduler side's tier counters since the last step (misses, evictions).
+    tier_counts: dict[str, int] = field(default_factory=dict)
     # Nothing is scheduled this step: the engine only steps to learn about transfers.
     idle: bool = False
     # What this step computes (for the step-time fit): sequences decoding one token,

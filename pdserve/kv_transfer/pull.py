@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -51,11 +51,28 @@ class DataReceive(Protocol):
     def abort(self) -> None: ...
 
 
+class PoolServe(Protocol):
+    """One pool pull being served: the blocks' bytes (``chunks``, in the order a pull
+    of single-block runs reads them), whether they are still those blocks once sent
+    (``unchanged``), and ``finish`` (called once, with whether the send succeeded)."""
+
+    chunks: list[torch.Tensor]
+
+    def unchanged(self) -> bool: ...
+
+    def finish(self, ok: bool) -> None: ...
+
+
+# Resolves a pool pull's block hashes; raises ``TransferError`` if one is not held.
+PoolServeSource = Callable[[list[bytes]], PoolServe]
+
+
 class PullTransport(ControlledTransport):
     """A controlled transport whose KV moves by pull; the base of every backend."""
 
     # True: KV bytes travel on the control connection itself, before the trailer.
     inline_data: ClassVar[bool] = False
+    _pool_source: PoolServeSource | None = None
 
     # ---- hooks -----------------------------------------------------------------
 
@@ -71,7 +88,11 @@ class PullTransport(ControlledTransport):
         """Server: a send failed; drop per-peer data state so the next pull rebuilds it."""
 
     def _kv_ops(self) -> dict[str, Handler]:
-        return dict(super()._kv_ops(), pull=self._on_pull)
+        return dict(super()._kv_ops(), pull=self._on_pull, pool_pull=self._on_pool_pull)
+
+    def serve_pool(self, source: PoolServeSource) -> None:
+        """Serve peers' pool pulls from ``source`` (the host tier); without, refuse them."""
+        self._pool_source = source
 
     # ---- serving side ----------------------------------------------------------
 
@@ -84,14 +105,43 @@ class PullTransport(ControlledTransport):
         except LeaseError as exc:
             send_msg(conn, {"ok": False, "error": str(exc)})
             return
-        start = time.perf_counter_ns()
-        sent = 0
         try:
             wanted = {s + i for s, n in src_runs for i in range(n)}
             if not wanted <= held:
                 send_msg(conn, {"ok": False, "error": f"blocks {sorted(wanted - held)} not leased"})
                 return
-            chunks = list(chunk_views(self._kv, self._layout, src_runs))
+            self._send(conn, msg, list(chunk_views(self._kv, self._layout, src_runs)), req,
+                       on_sent=lambda: self._leases.finish(req) or True)  # before the trailer
+        finally:
+            self._leases.finish(req)  # a failed send: ended here (a second finish is a no-op)
+
+    def _on_pool_pull(self, conn: socket.socket, msg: dict[str, Any]) -> None:
+        """A peer pulls blocks held in this worker's host tier, named by hash (the
+        cluster KV pool). Refused (the peer recomputes) when any is not held; the
+        trailer fails if a slot was rewritten while it was being sent."""
+        what = f"pool pull of {len(msg['hashes'])} blocks"
+        if self._pool_source is None:
+            send_msg(conn, {"ok": False, "error": "this worker serves no KV pool"})
+            return
+        try:
+            serve = self._pool_source([bytes.fromhex(h) for h in msg["hashes"]])
+        except (TransferError, ValueError) as exc:
+            send_msg(conn, {"ok": False, "error": str(exc)})
+            return
+        ok = False
+        try:
+            ok = self._send(conn, msg, serve.chunks, what, on_sent=serve.unchanged)
+        finally:
+            serve.finish(ok)
+
+    def _send(self, conn: socket.socket, msg: dict[str, Any], chunks: list[torch.Tensor],
+              what: str, on_sent: Callable[[], bool] | None = None) -> bool:
+        """Accept, send ``chunks`` on the data path, call ``on_sent`` once they are sent
+        (before the trailer: the peer sees no trailer before it ran), then the trailer:
+        an error one if ``on_sent`` says the source was rewritten while it was read."""
+        start = time.perf_counter_ns()
+        sent = 0
+        try:
             kind = natural_kind(chunks)
             digest = checksum(chunks, kind) if msg.get("checksum") else None
             send_msg(conn, {"ok": True})
@@ -100,19 +150,22 @@ class PullTransport(ControlledTransport):
                 sent = self._send_paced(conn, msg, chunks)
             finally:
                 self._count_sending(-1)
+            if on_sent is not None and not on_sent():  # sent whole: the stream is intact
+                send_msg(conn, {"ok": False, "error": "blocks rewritten while sent"})
+                self._count(bytes_sent=sent, transfers_failed=1)
+                return False
             send_msg(conn, {"ok": True, "bytes": sent, "checksum": digest,
                             "checksum_kind": kind})
             self._count(bytes_sent=sent, transfers_completed=1,
                         transfer_time_ns=time.perf_counter_ns() - start)
+            return True
         except (OSError, TransferError) as exc:
             self._count(bytes_sent=sent, transfers_failed=1)
             self._on_pull_failed(msg)
-            logger.warning("KV send of %s failed: %s", req, exc)
+            logger.warning("KV send of %s failed: %s", what, exc)
             if not self.inline_data and not isinstance(exc, OSError):
                 send_msg(conn, {"ok": False, "error": f"send failed: {exc}"})
             raise
-        finally:
-            self._leases.finish(req)
 
     def _send_paced(self, conn: socket.socket, msg: dict[str, Any],
                     chunks: Sequence[torch.Tensor]) -> int:
@@ -151,18 +204,38 @@ class PullTransport(ControlledTransport):
     def _pull(self, peer: PeerAddress, remote_request_id: str,
               runs: list[tuple[int, int, int]], deadline: float) -> int:
         assert self._layout is not None
-        start = time.perf_counter_ns()
-        what = f"pull of {remote_request_id} from {peer}"
         chunks = list(chunk_views(self._kv, self._layout, [(d, n) for _, d, n in runs]))
+        return self._receive_into(peer, {"op": "pull", "req": remote_request_id,
+                                         "runs": [(s, n) for s, _, n in runs]},
+                                  chunks, deadline, f"pull of {remote_request_id} from {peer}")
+
+    def pull_pool(self, peer: PeerAddress, hashes: Sequence[bytes],
+                  dst_block_ids: Sequence[int], deadline: float) -> int:
+        """Copy the blocks named ``hashes`` from the peer's host tier into our
+        ``dst_block_ids`` (the cluster KV pool); bytes moved, or ``TransferError``
+        (the peer no longer holds one, is gone, or the bytes fail their check)."""
+        assert self._layout is not None
+        if len(hashes) != len(dst_block_ids):
+            raise ValueError(f"{len(hashes)} hashes for {len(dst_block_ids)} blocks")
+        chunks = list(chunk_views(self._kv, self._layout, [(d, 1) for d in dst_block_ids]))
+        self._count(inflight_pulls=1)
+        try:
+            return self._receive_into(peer, {"op": "pool_pull",
+                                             "hashes": [h.hex() for h in hashes]},
+                                      chunks, deadline, f"pool pull from {peer}")
+        finally:
+            self._count(inflight_pulls=-1)
+
+    def _receive_into(self, peer: PeerAddress, request: dict[str, Any],
+                      chunks: list[torch.Tensor], deadline: float, what: str) -> int:
+        start = time.perf_counter_ns()
         conn = self._pool.checkout(peer, deadline, self._compat)
         session: DataReceive | None = None
         received = 0
         try:
             session = self._open_receive(peer, conn, chunks, deadline)
             set_deadline(conn, deadline)
-            send_msg(conn, {"op": "pull", "req": remote_request_id,
-                            "runs": [(s, n) for s, _, n in runs],
-                            "checksum": self.options.checksum, **session.fields})
+            send_msg(conn, {**request, "checksum": self.options.checksum, **session.fields})
             check_reply(recv_msg(conn), what)
             if self.inline_data:
                 received = session.receive(conn, deadline)

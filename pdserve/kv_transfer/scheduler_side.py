@@ -16,9 +16,16 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
+from pdserve.core.handle import PoolSource
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.continuation import OUTPUT_IN_PROMPT
-from pdserve.kv_transfer.metadata import KVHandle, LeaseSpec, LoadSpec, PdserveConnectorMetadata
+from pdserve.kv_transfer.metadata import (
+    KVHandle,
+    LeaseSpec,
+    LoadSpec,
+    PdserveConnectorMetadata,
+    PoolLoad,
+)
 from pdserve.kv_transfer.push_plan import PushPlanner
 from pdserve.kv_transfer.tier_plan import TierPlanner
 
@@ -33,7 +40,7 @@ logger = logging.getLogger("pdserve.kv_transfer.scheduler")
 
 class SchedulerSide:
     def __init__(self, config: ConnectorConfig, block_size: int,
-                 tiers: TierPlanner | None = None) -> None:
+                 tiers: TierPlanner | None = None, pool: bool = True) -> None:
         self._config = config
         self._block_size = block_size
         self._meta = PdserveConnectorMetadata()
@@ -43,6 +50,12 @@ class SchedulerSide:
         # Requests whose blocks a load (remote or tier) is still writing: never saved
         # to a tier (an abort mid-load finishes them before the load is reported).
         self._recving: set[str] = set()
+        # The cluster KV pool: blocks a peer's host tier holds (found, not allocated
+        # yet), and the tokens each loading request takes from it.
+        self._pool = pool  # False: blocks are not named by their hashes (no pool loads)
+        self._pool_matched: dict[str, tuple[PoolSource, tuple[bytes, ...]]] = {}
+        self._pool_loading: dict[str, int] = {}
+        self._pool_failed: set[str] = set()  # a pool load failed: the rest is computed
 
     @property
     def tiers(self) -> TierPlanner | None:
@@ -162,21 +175,62 @@ class SchedulerSide:
     # ---- KV tiers --------------------------------------------------------------
 
     def _match_tier(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Full blocks after the engine's own hits that a tier holds: loaded
-        asynchronously (the request waits, as for a remote load)."""
-        if self._tiers is None:
-            return 0, False
-        count = self._tiers.match(request, num_computed_tokens)
+        """Full blocks after the engine's own hits that a tier holds, then those a peer's
+        host tier holds (the router named it: ``pool``): loaded asynchronously (the
+        request waits, as for a remote load)."""
+        count = self._tiers.match(request, num_computed_tokens) if self._tiers else 0
+        count += self._match_pool(request, num_computed_tokens + count)
         return (count, True) if count else (0, False)
+
+    def _match_pool(self, request: Request, num_tokens: int) -> int:
+        self._pool_matched.pop(request.request_id, None)
+        params = request.kv_transfer_params or {}
+        if (not self._pool or "pool" not in params or num_tokens % self._block_size
+                or request.request_id in self._pool_failed):
+            return 0
+        try:
+            source = PoolSource.from_params(params["pool"])
+        except ValueError as exc:
+            logger.warning("%s: ignoring the KV pool source: %s", request.request_id, exc)
+            return 0
+        start = num_tokens // self._block_size
+        end = min(source.num_blocks, (request.num_tokens - 1) // self._block_size,
+                  len(request.block_hashes))
+        if end <= start:
+            return 0
+        self._pool_matched[request.request_id] = (source, tuple(request.block_hashes[start:end]))
+        return (end - start) * self._block_size
 
     def _load_tier(self, request: Request, blocks: KVCacheBlocks,
                    num_external_tokens: int) -> None:
+        """The blocks vLLM allocated for external tokens: the first from this worker's
+        tiers, the rest from the peer's (in the order ``_match_tier`` counted them)."""
+        req_id = request.request_id
+        num = num_external_tokens // self._block_size
+        dst = tuple(blocks.get_unhashed_block_ids()[:num]) if num else ()
+        if len(dst) != num:
+            raise RuntimeError(f"request {req_id}: cannot map {num} loaded blocks "
+                               f"({len(dst)} allocated)")
+        matched = self._tiers.num_matched(req_id) if self._tiers is not None else 0
+        num_tier = min(matched, num)
         if self._tiers is not None:
-            self._tiers.plan_load(request, blocks, num_external_tokens, self._meta)
-            if request.request_id in self._meta.tier_loads:
-                self._recving.add(request.request_id)
+            self._tiers.plan_load(request, dst[:num_tier], self._meta)
+        pool = self._pool_matched.pop(req_id, None)
+        rest = dst[num_tier:]
+        if pool is not None and rest and num_tier == matched and len(rest) <= len(pool[1]):
+            source, hashes = pool
+            self._meta.pool_loads[req_id] = PoolLoad(source.host, source.port,
+                                                     hashes[:len(rest)], rest)
+            self._pool_loading[req_id] = len(rest) * self._block_size
+        if self._tiers is not None:
+            self._tiers.count_misses(req_id, len(rest) if req_id in self._meta.pool_loads
+                                     else 0)
+        if req_id in self._meta.tier_loads or req_id in self._meta.pool_loads:
+            self._recving.add(req_id)
 
     def _save_tier(self, request: Request, block_ids: list[int]) -> bool:
+        self._pool_matched.pop(request.request_id, None)
+        self._pool_failed.discard(request.request_id)
         if self._tiers is None:
             return False
         self._tiers.unmatch(request.request_id)  # matched, never allocated: unpin
@@ -190,18 +244,32 @@ class SchedulerSide:
         return self._tiers is not None and self._tiers.loads(request_id)
 
     def tier_tokens(self, request_id: str) -> dict[str, int]:
-        return {} if self._tiers is None else self._tiers.tokens_by_tier(request_id)
+        """The tokens a request loads from each tier: ``host``, ``disk``, ``pool``."""
+        out = {} if self._tiers is None else self._tiers.tokens_by_tier(request_id)
+        if request_id in self._pool_loading:
+            out["pool"] = self._pool_loading[request_id]
+        return out
+
+    def take_events(self) -> list[tuple[str, bool, list[int]]]:
+        """The tiers' residency changes since the last step (``TierPlanner.take_changes``)."""
+        return self._tiers.take_changes() if self._tiers is not None else []
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Transfers that ended: tier loads unpin their slots (a failed one's slots are
         forgotten), tier saves make theirs matchable."""
         self._recving.difference_update(output.finished_recving or ())
+        failed = output.failed_recving or set()
+        for req_id in output.finished_recving or ():
+            if self._pool_loading.pop(req_id, None) is not None and req_id in failed:
+                self._pool_failed.add(req_id)  # vLLM recomputes: never ask the peer again
         if self._tiers is not None:
             self._tiers.update(output)
 
     def build_connector_meta(self, so: SchedulerOutput) -> PdserveConnectorMetadata:
         meta, self._meta = self._meta, PdserveConnectorMetadata()
         meta.idle = so.total_num_scheduled_tokens == 0
+        if self._tiers is not None:
+            meta.tier_counts = self._tiers.take_counts()
         meta.num_decode_seqs = sum(n == 1 for n in so.num_scheduled_tokens.values())
         meta.num_prefill_tokens = so.total_num_scheduled_tokens - meta.num_decode_seqs
         if self._push.num_tracked or so.scheduled_new_reqs:

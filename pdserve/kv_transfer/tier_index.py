@@ -25,6 +25,7 @@ class TierIndex:
         self._free = list(range(num_slots - 1, -1, -1))
         self._pins: Counter[int] = Counter()
         self._orphans: set[int] = set()  # discarded while pinned: free once unpinned
+        self._gone: list[bytes] = []  # held hashes evicted or discarded, not yet taken
         self.num_evictions = 0
 
     def __len__(self) -> int:
@@ -101,10 +102,17 @@ class TierIndex:
             for h, s in list(self._held.items()):
                 if s == slot:
                     del self._held[h]
+                    self._gone.append(h)
             if self._pins[slot] > 0:
                 self._orphans.add(slot)
             elif slot not in self._free:
                 self._free.append(slot)
+
+    def take_gone(self) -> list[bytes]:
+        """The hashes that stopped being matchable (evicted, discarded) since the last
+        call: the tier's removal events."""
+        gone, self._gone = self._gone, []
+        return gone
 
     def _take_slot(self) -> int | None:
         if self._free:
@@ -112,6 +120,7 @@ class TierIndex:
         for h, slot in self._held.items():
             if self._pins[slot] <= 0:
                 del self._held[h]
+                self._gone.append(h)
                 self.num_evictions += 1
                 return slot
         return None

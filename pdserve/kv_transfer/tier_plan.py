@@ -14,17 +14,19 @@ slots become matchable once it is reported done.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from pdserve.core.block_hash import chain_hashes, tier_hashes
 from pdserve.kv_transfer.metadata import NO_COPY, PdserveConnectorMetadata, TierCopy
 from pdserve.kv_transfer.tier_index import TierIndex
 
 if TYPE_CHECKING:
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 TIERS = ("host", "disk")
+# The ``medium`` of the KV events that announce a tier's blocks (``vllm_kv_events``).
+EVENT_MEDIUM = {tier: f"pdserve:{tier}" for tier in TIERS}
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,14 @@ class TierPlanner:
         self._matched: dict[str, TierMatch] = {}  # found, blocks not allocated yet
         self._loading: dict[str, TierMatch] = {}
         self._saving: dict[str, dict[str, TierCopy]] = {}
+        # Residency for the router: each held block's pdserve hash (vLLM hash -> ours),
+        # and the stores and removals not yet published, in order.
+        self._names: dict[str, dict[bytes, int]] = {tier: {} for tier in self._index}
+        self._saving_names: dict[str, dict[bytes, int]] = {}
+        self._changes: list[tuple[str, bool, int]] = []  # (tier, stored?, pdserve hash)
+        self._misses: dict[str, int] = {}  # per matched request: blocks no tier held
+        self._evictions = dict.fromkeys(self._index, 0)  # as last reported
+        self.num_miss_blocks = 0
 
     def index(self, tier: str) -> TierIndex | None:
         return self._index.get(tier)
@@ -85,6 +95,7 @@ class TierPlanner:
             if hit is None:
                 break
             found.append((hit[0], hit[1], h))
+        self._misses[request.request_id] = max(end - start - len(found), 0)
         if not found:
             return 0
         match = TierMatch(tuple(found))
@@ -97,18 +108,28 @@ class TierPlanner:
         if match is not None:
             self._unpin(match)
 
-    def plan_load(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int,
+    def num_matched(self, request_id: str) -> int:
+        """Blocks ``match`` found for the request (0: none, or already planned)."""
+        match = self._matched.get(request_id)
+        return 0 if match is None else len(match.blocks)
+
+    def count_misses(self, request_id: str, num_loaded_elsewhere: int = 0) -> None:
+        """The request was scheduled: count the blocks past the engine's hits that no
+        tier held (less those a peer's tier supplies)."""
+        self.num_miss_blocks += max(self._misses.pop(request_id, 0) - num_loaded_elsewhere, 0)
+
+    def plan_load(self, request: Request, dst: tuple[int, ...],
                   meta: PdserveConnectorMetadata) -> None:
+        """Load the first ``len(dst)`` matched blocks into ``dst`` (the rest unpinned)."""
         match = self._matched.pop(request.request_id, None)
         if match is None:
             return
-        num = num_external_tokens // self._bs
-        dst = tuple(blocks.get_unhashed_block_ids()[:num])
-        if num == 0 or len(dst) != num or num > len(match.blocks):
+        num = len(dst)
+        if num == 0 or num > len(match.blocks):
             self._unpin(match)
             if num:
                 raise RuntimeError(f"request {request.request_id}: cannot map {num} tier "
-                                   f"blocks ({len(dst)} allocated)")
+                                   f"blocks ({len(match.blocks)} matched)")
             return
         self._unpin(TierMatch(match.blocks[num:]))
         taken = TierMatch(match.blocks[:num])
@@ -122,12 +143,14 @@ class TierPlanner:
         """Write a finished request's computed full blocks through to the tiers that do
         not hold them; True if there is a copy (its blocks then stay allocated)."""
         self.unmatch(request.request_id)
+        self._misses.pop(request.request_id, None)
         num = min(request.num_computed_tokens // self._bs, len(request.block_hashes),
                   len(block_ids))
         hashes = request.block_hashes[:num]
         copies = {}
         for tier, index in self._index.items():
             reserved = index.reserve(hashes)
+            self._drain(tier)
             if reserved:
                 copies[tier] = TierCopy(tuple(block_ids[i] for i, _ in reserved),
                                         tuple(slot for _, slot in reserved),
@@ -135,6 +158,9 @@ class TierPlanner:
         if not copies:
             return False
         self._saving[request.request_id] = copies
+        self._saving_names[request.request_id] = dict(zip(
+            hashes, chain_hashes(request.all_token_ids[:num * self._bs], self._bs),
+            strict=False))
         meta.tier_saves[request.request_id] = copies.get("host", NO_COPY)
         meta.disk_saves[request.request_id] = copies.get("disk", NO_COPY)
         return True
@@ -148,9 +174,51 @@ class TierPlanner:
                 if req_id in failed:
                     for tier, index in self._index.items():
                         index.discard(match.slots(tier))
+                        self._drain(tier)
         for req_id in output.finished_sending or ():
-            for tier, copy in self._saving.pop(req_id, {}).items():
+            saved = self._saving.pop(req_id, {})
+            by_hash = self._saving_names.pop(req_id, {})
+            for tier, copy in saved.items():
                 self._index[tier].commit(copy.slots)
+                for h in copy.hashes:
+                    name = by_hash.get(h)
+                    if name is not None and h not in self._names[tier]:
+                        self._names[tier][h] = name
+                        self._changes.append((tier, True, name))
+
+    def take_changes(self) -> list[tuple[str, bool, list[int]]]:
+        """The tiers' residency changes since the last call, in order, as runs of
+        ``(tier, stored, block hashes in the tier's namespace)``: the KV events that
+        tell the router which blocks each tier holds."""
+        for tier in self._index:
+            self._drain(tier)
+        runs: list[tuple[str, bool, list[int]]] = []
+        for tier, stored, name in self._changes:
+            if runs and runs[-1][0] == tier and runs[-1][1] == stored:
+                runs[-1][2].append(name)
+            else:
+                runs.append((tier, stored, [name]))
+        self._changes = []
+        return [(tier, stored, tier_hashes(names, tier)) for tier, stored, names in runs]
+
+    def take_counts(self) -> dict[str, Any]:
+        """Counters for the worker side since the last call: misses, evictions."""
+        counts: dict[str, Any] = {}
+        if self.num_miss_blocks:
+            counts["tier_miss_blocks"], self.num_miss_blocks = self.num_miss_blocks, 0
+        for tier, index in self._index.items():
+            new = index.num_evictions - self._evictions[tier]
+            if new:
+                counts["tier_evictions" if tier == "host" else "disk_evictions"] = new
+                self._evictions[tier] = index.num_evictions
+        return counts
+
+    def _drain(self, tier: str) -> None:
+        names = self._names[tier]
+        for h in self._index[tier].take_gone():
+            name = names.pop(h, None)
+            if name is not None:
+                self._changes.append((tier, False, name))
 
     def _pin(self, match: TierMatch) -> None:
         for tier, index in self._index.items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,39 @@ from pdserve.kv_transfer.wire import TransferError
 
 logger = logging.getLogger("pdserve.kv_transfer.tiers")
 
-# GetLoad's kv_tier_* (host) and kv_disk_* (disk) counters.
-STATS = tuple(f"{tier}_{name}" for tier in ("tier", "disk") for name in (
+# GetLoad's kv_tier_* (host), kv_disk_* (disk) and kv_pool_* (peers' host tiers)
+# counters: the worker side's own, and the scheduler side's (misses, evictions),
+# which reach it with each step's metadata.
+STATS = (*(f"{tier}_{name}" for tier in ("tier", "disk") for name in (
     "loads", "load_blocks", "load_time_ns", "load_failures", "saves", "save_blocks",
-    "save_failures"))
+    "save_failures")),
+    "pool_loads", "pool_load_blocks", "pool_load_time_ns", "pool_load_failures",
+    "pool_serves", "pool_serve_blocks", "pool_serve_failures",
+    "tier_load_bytes", "disk_load_bytes", "pool_load_bytes",
+    "tier_miss_blocks", "tier_evictions", "disk_evictions")
+
+
+# The counters a TierStore keeps; the worker side keeps the pool's loads and the
+# scheduler side's counts.
+_OWN = (*STATS[:14], "pool_serves", "pool_serve_blocks", "pool_serve_failures",
+        "tier_load_bytes", "disk_load_bytes")
+
+
+class _Serve:
+    """One peer's pool pull from the host tier (``pull.PoolServe``), counted at its end."""
+
+    def __init__(self, store: TierStore, chunks: list[torch.Tensor],
+                 unchanged: Callable[[], bool], num_blocks: int) -> None:
+        self.chunks = chunks
+        self.unchanged = unchanged
+        self._store = store
+        self._num_blocks = num_blocks
+
+    def finish(self, ok: bool) -> None:
+        if ok:
+            self._store._count(pool_serves=1, pool_serve_blocks=self._num_blocks)
+        else:
+            self._store._count(pool_serve_failures=1)
 
 
 class TierStore:
@@ -38,7 +68,7 @@ class TierStore:
                  verify: bool, disk_dir: str | None, disk_compat: str) -> None:
         self.host = HostTier(kv, layout, host_slots, verify) if host_slots else None
         self.disk = DiskTier(Path(disk_dir), disk_compat, kv, layout) if disk_dir else None
-        self._stats = dict.fromkeys(STATS, 0)
+        self._stats = dict.fromkeys(_OWN, 0)
         self._lock = threading.Lock()
 
     def stats(self) -> dict[str, int]:
@@ -54,6 +84,18 @@ class TierStore:
         """Copy ``req_id``'s blocks from the tiers; the bytes copied, or ``TransferError``."""
         return (self._load("tier", self.host, req_id, host)
                 + self._load("disk", self.disk, req_id, disk))
+
+    def serve(self, hashes: list[bytes]) -> _Serve:
+        """A peer's pool pull of ``hashes`` from the host tier; ``TransferError`` (counted)
+        when this worker has no host tier or does not hold one of them."""
+        try:
+            if self.host is None:
+                raise TransferError("no host tier on this worker")
+            chunks, unchanged = self.host.serve(hashes)
+        except TransferError:
+            self._count(pool_serve_failures=1)
+            raise
+        return _Serve(self, chunks, unchanged, len(hashes))
 
     def _save(self, tier: str, store: Any, req_id: str, copy: TierCopy) -> int:
         if not copy.slots or store is None:
@@ -80,7 +122,8 @@ class TierStore:
             logger.warning("%s tier load for %s failed, recomputing: %s", tier, req_id, exc)
             raise
         self._count(**{f"{tier}_loads": 1, f"{tier}_load_blocks": len(copy.slots),
-                       f"{tier}_load_time_ns": time.perf_counter_ns() - start})
+                       f"{tier}_load_time_ns": time.perf_counter_ns() - start,
+                       f"{tier}_load_bytes": nbytes})
         return nbytes
 
     def _count(self, **deltas: int) -> None:

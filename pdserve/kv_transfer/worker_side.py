@@ -24,6 +24,8 @@ from pdserve.kv_transfer.metadata import (
     KVHandle,
     LoadSpec,
     PdserveConnectorMetadata,
+    PoolLoad,
+    TierCopy,
 )
 from pdserve.kv_transfer.push_inbox import PushInbox
 from pdserve.kv_transfer.push_sender import PushSender
@@ -72,9 +74,12 @@ class WorkerSide:
         self._layer_index: dict[str, int] = {}
         self._inbox: PushInbox | None = None
         self._sender: PushSender | None = None
-        # Decode-side load counters: the load is what a decode request waits for.
+        # Decode-side load counters: the load is what a decode request waits for. The
+        # pool's loads, and the scheduler side's tier counts (which come with the steps).
         self._load_stats = dict.fromkeys(
-            ("loads", "load_time_ns", "push_loads", "push_fallbacks"), 0)
+            ("loads", "load_time_ns", "push_loads", "push_fallbacks", "pool_loads",
+             "pool_load_blocks", "pool_load_time_ns", "pool_load_failures", "pool_load_bytes",
+             "tier_miss_blocks", "tier_evictions", "disk_evictions"), 0)
         self._load_lock = threading.Lock()
         self.steps = StepTimer()  # the engine's step times (the status op shows the fit)
         self.port = 0  # the KV endpoint's port, once registered
@@ -92,6 +97,8 @@ class WorkerSide:
             logger.info("KV tiers: host %d blocks, disk %d blocks%s", self._tier_slots,
                         self._disk_slots, f" in {self._tiers.disk.folder}"
                         if self._tiers.disk is not None else "")
+            if self._tiers.host is not None:  # peers may pull from it: the cluster KV pool
+                self._transport.serve_pool(self._tiers.serve)
         self._transport.add_status(self._status)
         channel = self._transport.push_channel()
         if channel is not None:
@@ -187,30 +194,56 @@ class WorkerSide:
         return sending
 
     def _start_tiers(self, meta: PdserveConnectorMetadata) -> None:
-        if self._tiers is None:  # the sides disagree: loads fail (recompute), saves end;
-            for req_id in meta.tier_loads:  # nothing waits forever
-                failed: Future[int] = Future()
-                failed.set_exception(TransferError("no KV tiers on this worker"))
-                self._pulls[req_id] = failed
-            for req_id in meta.tier_saves:
-                if req_id in meta.leases:
-                    self._parts[req_id] = 2
-                done: Future[int] = Future()
-                done.set_result(0)
-                self._saves[req_id] = done
-            return
+        if meta.tier_counts:
+            self._count_load(**meta.tier_counts)
         for req_id, copy in meta.tier_saves.items():
             if req_id in meta.leases:
                 self._parts[req_id] = 2
+            if self._tiers is None:  # the sides disagree: the save ends, nothing waits
+                done: Future[int] = Future()
+                done.set_result(0)
+                self._saves[req_id] = done
+                continue
             future = self._pool.submit(self._tiers.save, req_id, copy,
                                        meta.disk_saves.get(req_id, NO_COPY))
             future.add_done_callback(lambda _: self._progress.set())
             self._saves[req_id] = future
-        for req_id, copy in meta.tier_loads.items():
-            future = self._pool.submit(self._tiers.load, req_id, copy,
-                                       meta.disk_loads.get(req_id, NO_COPY))
+        for req_id in meta.tier_loads.keys() | meta.pool_loads.keys():
+            future = self._pool.submit(self._load_tiers, req_id, meta.tier_loads.get(req_id),
+                                       meta.disk_loads.get(req_id, NO_COPY),
+                                       meta.pool_loads.get(req_id))
             future.add_done_callback(lambda _: self._progress.set())
             self._pulls[req_id] = future
+
+    def _load_tiers(self, req_id: str, host: TierCopy | None, disk: TierCopy,
+                    pool: PoolLoad | None) -> int:
+        """A request's blocks from this worker's tiers, then from a peer's (the pool);
+        ``TransferError`` if any part fails (vLLM then recomputes them)."""
+        nbytes = 0
+        if host is not None and (host.slots or disk.slots):
+            if self._tiers is None:
+                raise TransferError("no KV tiers on this worker")
+            nbytes += self._tiers.load(req_id, host, disk)
+        if pool is not None and pool.hashes:
+            nbytes += self._pull_pool(req_id, pool)
+        return nbytes
+
+    def _pull_pool(self, req_id: str, pool: PoolLoad) -> int:
+        peer = PeerAddress(pool.host, pool.port + self._tp_rank)
+        start = time.perf_counter_ns()
+        try:
+            nbytes = self._transport.pull_pool(
+                peer, pool.hashes, pool.block_ids,
+                time.monotonic() + self._config.transfer_timeout_s)
+        except TransferError as exc:
+            self._count_load(pool_load_failures=1)
+            logger.warning("KV pool pull for %s from %s failed, recomputing: %s",
+                           req_id, peer, exc)
+            raise
+        self._count_load(pool_loads=1, pool_load_blocks=len(pool.hashes),
+                         pool_load_time_ns=time.perf_counter_ns() - start,
+                         pool_load_bytes=nbytes)
+        return nbytes
 
     def stats_delta(self) -> dict[str, int] | None:
         now = dict(self._transport.stats(), leases_expired=self._leases.num_expired,

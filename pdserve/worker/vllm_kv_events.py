@@ -6,7 +6,10 @@ sequence numbers and a replay ROUTER socket. ``ZmqKvEventSource`` subscribes fro
 the worker's own process on a thread, replays missed batches on a seq gap, and
 hands translated changes to the event loop. ``VllmEventTranslator`` turns vLLM's
 block hashes into pdserve chained hashes, computed from the token ids the events
-carry (vLLM's removal events name blocks by vLLM hash only, hence the map).
+carry (vLLM's removal events name blocks by vLLM hash only, hence the map). The
+connector's own events (``medium`` ``pdserve:host``/``pdserve:disk``: which blocks
+its KV tiers hold) already name blocks by pdserve hash in the tier's namespace and
+pass through as they are: one stream, one seq, one snapshot.
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ class VllmEventTranslator:
             if kind == "AllBlocksCleared":
                 self._ours.clear()
                 cleared, stored, removed = True, [], []
+            elif _is_tier(ev):  # the connector's tiers: already pdserve hashes
+                (stored if kind == "BlockStored" else removed).extend(
+                    int(h) for h in ev.block_hashes)
             elif kind == "BlockStored":
                 stored += self._stored(ev)
             elif kind == "BlockRemoved":
@@ -88,6 +94,13 @@ class VllmEventTranslator:
         for vh, h in zip(ev.block_hashes, ours, strict=True):
             self._ours[_key(vh)] = h
         return ours
+
+
+def _is_tier(ev: Any) -> bool:
+    """An event of pdserve's KV tiers (``medium`` ``pdserve:<tier>``): its hashes are
+    pdserve hashes in the tier's namespace (``core.block_hash.tier_hashes``)."""
+    medium = getattr(ev, "medium", None)
+    return isinstance(medium, str) and medium.startswith("pdserve:")
 
 
 def _key(vllm_hash: Any) -> Hashable:

@@ -158,6 +158,7 @@ def _request(req_id: str, num_tokens: int, computed: int | None = None) -> Any:
     hashes = [_h(1000 + i) for i in range(num_tokens // BS)]
     return SimpleNamespace(request_id=req_id, kv_transfer_params=None,
                            num_tokens=num_tokens, block_hashes=hashes,
+                           all_token_ids=list(range(num_tokens)),
                            num_computed_tokens=num_tokens if computed is None else computed,
                            use_structured_output=False)
 
