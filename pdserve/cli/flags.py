@@ -261,6 +261,10 @@ FLAGS = _flags(
     # router and up
     Flag("placement", "prefill/decode placement policy", DEFAULT_PLACEMENT,
          choices=sorted(PLACEMENTS)),
+    Flag("kv-pool", "the cluster KV pool: a prefill worker may pull a prompt's leading "
+         "blocks from a peer's host tier (--kv-offload-gib) instead of computing them, "
+         "where the router's measured costs say it is cheaper (off: never)", "on",
+         choices=("on", "off")),
     Flag("disagg", "per request: prefill remotely and hand the KV to decode (always), let "
          "decode prefill the prompt itself (never), decide from the uncached prompt "
          "length and the workers' load (auto), or from the engines' measured step times "

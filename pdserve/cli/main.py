@@ -35,10 +35,11 @@ OPENAI = ("tool-call-parser", "enable-auto-tool-choice")
 EDGE = ("api-key", "api-key-file", "admin-port", "admin-host", "admin-key",
         "max-concurrent-requests", "max-queued-requests", "max-queue-wait-s", "max-body-bytes",
         "drain-timeout-s")
-ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement",
+ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement", "kv-pool",
           "served-model-name", "log-timeline", "disable-metrics", "max-migrations",
           "request-timeout-s", "grpc-keepalive-s") + DISAGG + EDGE + OPENAI
-UP = ("host", "port", "num-prefill", "num-decode", "placement", "cpu-layout", "with-etcd",
+UP = ("host", "port", "num-prefill", "num-decode", "placement", "kv-pool", "cpu-layout",
+      "with-etcd",
       "startup-timeout-s", "max-restarts", "restart-window-s", "simulated", "worker-metrics",
       "metrics-targets-file") + DISAGG + EDGE + OPENAI
 # The cluster secret: the router, every worker and up (which hands it to its children).

@@ -50,6 +50,7 @@ class UpConfig:
     max_model_len: int = 4096
     kv_cache_gib: int = 2
     placement: str = "cache_aware"
+    kv_pool: bool = True  # the router may have prefills pull from peers' host tiers
     startup_timeout_s: float = 600.0
     log_level: str = "INFO"
     cpu_layout: str = DEFAULT_CPU_LAYOUT
@@ -147,7 +148,8 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     workers = membership or ["--prefill", ",".join(endpoints["prefill"]),
                              "--decode", ",".join(endpoints["decode"])]
     router_argv = py + ["router", *common, "--host", cfg.host, "--port", str(cfg.port),
-                        *workers, "--placement", cfg.placement, *cfg.disagg.flags(),
+                        *workers, "--placement", cfg.placement,
+                        "--kv-pool", "on" if cfg.kv_pool else "off", *cfg.disagg.flags(),
                         *cfg.planner.flags(), *cfg.edge.flags(), *cfg.tools.flags()]
     probe_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     # Ready once the router itself sees every worker healthy: a worker's own Health

@@ -45,6 +45,9 @@ class PrefillPolicy:
             params = {"do_remote_decode": True}
             if request.push_target is not None and self.kv_push:
                 params["push"] = request.push_target.to_params()
+        if request.pool_source is not None:  # a peer's host tier holds the prompt's head
+            params = params if params is not None else {}
+            params["pool"] = request.pool_source.to_params()
         return EngineParams(max_tokens=1, kv_transfer_params=params,
                             prompt_logprobs=request.sampling.prompt_logprobs)
 

@@ -53,6 +53,7 @@ class RouterConfig:
     port: int = 8000
     max_model_len: int = 4096
     placement: str = DEFAULT_PLACEMENT
+    kv_pool: bool = True  # prefills may pull a prompt's head from a peer's host tier
     health_interval_s: float = 2.0
     request_timeout_s: float = 600.0  # the longest a request may take; see Deadline
     grpc_keepalive_s: float = DEFAULT_KEEPALIVE_S  # see pdserve.core.grpc_options
@@ -131,7 +132,8 @@ def build_router(config: RouterConfig, tokenizer: Any) -> Router:
     pool.on_worker_removed(lambda _: feeder.sync())  # its index entries go at once
     demand = DemandWindow(config.planner.window_s)
     dispatcher = PDDispatcher(pool, create_placement(config.placement), registry,
-                              config.request_timeout_s, PrefixRouting(index, registry),
+                              config.request_timeout_s, PrefixRouting(index, registry,
+                                                                        pool=config.kv_pool),
                               config.disagg, config.migration, demand)
     switcher = RoleSwitcher(pool, registry)
     planner = PlannerLoop(config.planner, pool, switcher, demand, config.disagg.slo, registry)

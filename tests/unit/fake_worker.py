@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.core.bounded import bounded
-from pdserve.core.handle import KVHandle, PushTarget
+from pdserve.core.handle import KVHandle, PoolSource, PushTarget
 from pdserve.core.types import (
     FinishReason,
     PhaseOutput,
@@ -95,6 +95,7 @@ class GenerateRecord:
     timeout_s: float | None = None  # the call's gRPC deadline, as time left on arrival
     num_output_in_prompt: int = 0
     prompt_logprobs: int | None = None
+    pool_source: PoolSource | None = None
 
 
 @dataclass
@@ -129,7 +130,8 @@ class FakeWorkerServicer:
         self.generates.append(GenerateRecord(
             rid, phase, request.prompt_token_ids, request.kv_handle,
             request.sampling.max_tokens, request.push_target, request.timeout_s,
-            request.num_output_in_prompt, request.sampling.prompt_logprobs))
+            request.num_output_in_prompt, request.sampling.prompt_logprobs,
+            request.pool_source))
         self.inflight.add(rid)
         try:
             steps = self._prefill(request) if phase == "prefill" else self._decode(request)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from prometheus_client import CollectorRegistry
 
-from pdserve.core.handle import PushTarget
+from pdserve.core.handle import PoolSource, PushTarget
 from pdserve.core.types import PhaseOutput, PhaseRequest, SamplingSpec
 from pdserve.router.dispatch.base import (
     Deadline,
@@ -75,6 +75,7 @@ class _Route:
     uncached_tokens: int = 0  # the prompt tokens not in prefill's prefix cache
     push_to: PushTarget | None = None
     pending: PendingPrefix | None = None  # what the prefill made pending in the prefix index
+    pool_source: PoolSource | None = None  # the peer prefill pulls the prompt's head from
 
 
 def _push_target(prefill: WorkerState, decode: WorkerState) -> PushTarget | None:
@@ -139,11 +140,11 @@ class PDDispatcher:
     def _choose(self, prompt: Sequence[int]) -> _Route:
         """Placement, then the disaggregation decision, over one snapshot of every
         worker, taken once per request."""
-        request = (self._prefix.request(prompt) if self._prefix is not None
-                   else PlacementRequest(len(prompt)))
         prefill, decode = self._pool.prefill, self._pool.decode
         p_states = [w.snapshot() for w in prefill]
         d_states = [w.snapshot() for w in decode]
+        request = (self._prefix.request(prompt, p_states) if self._prefix is not None
+                   else PlacementRequest(len(prompt)))
         choice: Choice | None = self._placement.choose(p_states, d_states, self._cursor, request)
         self._cursor += 1
         if choice is None:
@@ -164,7 +165,7 @@ class PDDispatcher:
         pending = self._prefix.on_placed(request, p_state) if self._prefix is not None else None
         return _Route(prefill[choice.prefill], decode[choice.decode], disagg,
                       request.uncached_tokens(p_state), _push_target(p_state, d_state),
-                      pending)
+                      pending, request.pool_source(p_state))
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
@@ -185,7 +186,8 @@ class PDDispatcher:
                 timeline.on_call()
                 first = await self._prefill(route.prefill, PhaseRequest(
                     request_id, "prefill", tuple(prompt_token_ids), sampling,
-                    push_target=route.push_to), deadline, route.uncached_tokens, route.pending)
+                    push_target=route.push_to, pool_source=route.pool_source), deadline,
+                    route.uncached_tokens, route.pending)
                 if first is None:  # a remote decision whose prefill failed
                     self._metrics.fallbacks.inc()
             if first is not None:

@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pdserve.core.handle import PoolSource
+from pdserve.router.dispatch.load_plan import LoadPlan
 from pdserve.router.dispatch.worker_state import WorkerState
 
 
@@ -24,7 +26,10 @@ class PlacementRequest:
     """What placement knows about the request: its prompt length and, per prefill
     worker id, how many leading prompt tokens the prefix index says it holds or is
     computing for a prefill in flight (``matched_tokens``), and how many of those
-    are only the latter (``pending_tokens``)."""
+    are only the latter (``pending_tokens``); how many its KV tiers hold
+    (``tier_tokens``: ``{"host": n, "disk": n}``, loadable tokens only), and, for the
+    workers that would load tokens from a tier or a peer's host tier (the pool), how and
+    at what cost (``load_plans``, ``load_plan.py``)."""
 
     num_prompt_tokens: int = 0
     matched_tokens: Mapping[str, int] = field(default_factory=dict)
@@ -32,9 +37,21 @@ class PlacementRequest:
     # The prompt's block hashes per block size, for the hook that records the
     # placement (``PrefixRouting.on_placed``); policies do not read them.
     block_hashes: Mapping[int, Sequence[int]] = field(default_factory=dict, compare=False)
+    tier_tokens: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    load_plans: Mapping[str, LoadPlan] = field(default_factory=dict)
 
     def uncached_tokens(self, worker: WorkerState) -> int:
+        """The prompt's cost on ``worker`` in computed tokens: those outside its prefix
+        cache, the ones it would load from a tier or the pool at their cost ratio."""
+        plan = self.load_plans.get(worker.worker_id) if self.load_plans else None
+        if plan is not None:
+            return plan.cost_tokens
         return self.num_prompt_tokens - self.matched_tokens.get(worker.worker_id, 0)
+
+    def pool_source(self, worker: WorkerState) -> PoolSource | None:
+        """The peer ``worker`` would pull the prompt's leading blocks from, if any."""
+        plan = self.load_plans.get(worker.worker_id) if self.load_plans else None
+        return None if plan is None else plan.pool_source
 
 
 _NO_REQUEST = PlacementRequest()
@@ -132,7 +149,11 @@ class CacheAwarePlacement:
     stays on one worker until its other queued work (``request_cost_tokens`` per
     request, suffixes) exceeds computing the prefix elsewhere. The credit is at
     most the worker's queued tokens: a finished prefill whose KV event has not
-    arrived leaves nothing to share."""
+    arrived leaves nothing to share.
+
+    Prompt tokens a worker would load from its KV tiers or a peer's (the pool) count at
+    their measured cost ratio (``request.uncached_tokens``, ``load_plan.py``), so a
+    worker whose host tier holds the prefix is nearly as cheap as one whose engine does."""
 
     name = "cache_aware"
 
@@ -163,7 +184,7 @@ class CacheAwarePlacement:
         """The healthy, pairable prefill worker of lowest ``cost`` (inlined: this loop is
         the decision's hot path), ties by fewer queued requests, then rotation."""
         matched, total = request.matched_tokens, request.num_prompt_tokens
-        pending = request.pending_tokens
+        pending, plans = request.pending_tokens, request.load_plans
         per_request, n = self.config.request_cost_tokens, len(prefill)
         best: int | None = None
         best_cost = best_queued = 0
@@ -175,7 +196,10 @@ class CacheAwarePlacement:
             assigned = w.num_assigned_tokens
             if pending:
                 assigned -= min(pending.get(w.worker_id, 0), assigned)
-            cost = total - matched.get(w.worker_id, 0) + assigned + per_request * queued
+            if plans and (plan := plans.get(w.worker_id)) is not None:
+                cost = plan.cost_tokens + assigned + per_request * queued
+            else:
+                cost = total - matched.get(w.worker_id, 0) + assigned + per_request * queued
             if (best is None or cost < best_cost or (cost == best_cost and (
                     queued < best_queued or (queued == best_queued
                                              and (i - cursor) % n < (best - cursor) % n)))):

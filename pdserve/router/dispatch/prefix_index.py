@@ -111,6 +111,34 @@ class PrefixIndex:
                     num_pending[w] = num_pending.get(w, 0) + 1
         return PrefixMatch(matched, num_pending)
 
+    def is_held(self, block_hash: int) -> bool:
+        """Some worker holds the block (pending ones aside)."""
+        return block_hash in self._holders
+
+    def match_held(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Leading blocks of ``hashes`` each worker holds, pending ones aside (a KV
+        tier's entries, which no placement makes pending); workers with none omitted.
+        One set test per block: a worker's count is set once, when it drops out."""
+        matched: dict[str, int] = {}
+        alive: set[str] = set()
+        n = 0
+        for h in hashes:
+            held = self._holders.get(h)
+            if not held:
+                break
+            if not n:
+                alive = set(held)
+            elif not held >= alive:
+                for w in alive - held:
+                    matched[w] = n
+                alive &= held
+                if not alive:
+                    break
+            n += 1
+        for w in alive:
+            matched[w] = n
+        return matched
+
     def block_size(self, worker_id: str) -> int | None:
         return self._block_size.get(worker_id)
 

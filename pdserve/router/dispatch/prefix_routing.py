@@ -1,7 +1,8 @@
 """What the dispatcher asks of the prefix index: a ``PlacementRequest`` for a
-prompt (its block hashes matched against every worker), the hit metrics, and the
-pending blocks of prefills in flight (recorded at placement, released when the
-prefill fails)."""
+prompt (its block hashes matched against every worker's engine cache and KV tiers, and
+each worker's plan to load from its tiers or a peer's: ``load_plan.py``), the hit
+metrics, and the pending blocks of prefills in flight (recorded at placement, released
+when the prefill fails)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from pdserve.core.block_hash import chain_hashes
+from pdserve.core.block_hash import KV_TIERS, chain_hashes, tier_hashes
+from pdserve.router.dispatch.load_plan import loadable_tokens, plan_loads
 from pdserve.router.dispatch.placement import PlacementRequest
 from pdserve.router.dispatch.prefix_index import PrefixIndex
 from pdserve.router.dispatch.worker_state import WorkerState
 from pdserve.router.metrics import PREFIX, counter, gauge
+
+# The ``tier`` labels of ``pdserve:placement_tier_tokens``, in ``LoadPlan``'s order.
+TIER_SOURCES = ("host", "disk", "pool")
 
 
 class PrefixMetrics:
@@ -38,6 +43,11 @@ class PrefixMetrics:
         self.pending_blocks = gauge(r, f"{PREFIX}prefix_pending_blocks", "(worker, block) "
                                     "entries pending in the prefix index: placed prefills "
                                     "computing them, no KV event yet.")
+        self.tier_tokens = counter(r, f"{PREFIX}placement_tier_tokens", "Prompt tokens the "
+                                   "chosen prefill worker was expected to load from its KV "
+                                   "tiers (host, disk) or a peer's host tier (pool).",
+                                   ["tier"])
+        self.tier_children = tuple(self.tier_tokens.labels(t) for t in TIER_SOURCES)
         self.pending_expired = counter(r, f"{PREFIX}prefix_pending_expired", "Pending (worker, "
                                        "block) entries that no KV event confirmed in time, or "
                                        "evicted over the cap.")
@@ -52,19 +62,26 @@ class PendingPrefix:
 
 
 class PrefixRouting:
-    def __init__(self, index: PrefixIndex, registry: CollectorRegistry | None) -> None:
+    def __init__(self, index: PrefixIndex, registry: CollectorRegistry | None,
+                 pool: bool = True) -> None:
         self.index = index
+        self.pool = pool  # False: no plan pulls from a peer's host tier (``--kv-pool off``)
         self.metrics = PrefixMetrics(registry)
         # Totals since start, for the ratio gauges.
         self.num_prompt_tokens = self.num_matched_tokens = self.num_cached_tokens = 0
         self._num_expired = 0  # pending entries expired or evicted, as last exported
 
-    def request(self, prompt_token_ids: Sequence[int]) -> PlacementRequest:
-        """The prompt matched against every indexed worker, in tokens (blocks being
-        computed by a prefill in flight there count as held)."""
+    def request(self, prompt_token_ids: Sequence[int], prefill: Sequence[WorkerState] = ()
+                ) -> PlacementRequest:
+        """The prompt matched against every indexed worker's engine cache (blocks a
+        prefill in flight there is computing count as held) and KV tiers, in tokens; and
+        the load plans of the workers of ``prefill`` (the snapshots placement reads) that
+        would load from a tier or a peer's host tier (none without ``prefill``)."""
+        num_tokens = len(prompt_token_ids)
         matched: dict[str, int] = {}
         pending: dict[str, int] = {}
         hashed: dict[int, Sequence[int]] = {}
+        tiers: dict[str, dict[str, int]] = {}
         for block_size in self.index.block_sizes():
             hashes = hashed[block_size] = chain_hashes(prompt_token_ids, block_size)
             found = self.index.match_blocks(hashes)
@@ -73,7 +90,24 @@ class PrefixRouting:
                     matched[worker_id] = blocks * block_size
                     if worker_id in found.num_pending:
                         pending[worker_id] = found.num_pending[worker_id] * block_size
-        return PlacementRequest(len(prompt_token_ids), matched, pending, hashed)
+            num_loadable = loadable_tokens(num_tokens, block_size) // block_size
+            for tier in KV_TIERS:
+                for worker_id, blocks in self._match_tier(hashes, num_loadable, tier).items():
+                    if self.index.block_size(worker_id) == block_size:
+                        tiers.setdefault(worker_id, {})[tier] = blocks * block_size
+        if not tiers:
+            return PlacementRequest(num_tokens, matched, pending, hashed)
+        plans = plan_loads(num_tokens, matched, tiers, prefill, self.index.block_size,
+                           pool=self.pool)
+        return PlacementRequest(num_tokens, matched, pending, hashed, tiers, plans)
+
+    def _match_tier(self, hashes: Sequence[int], num_blocks: int, tier: str
+                    ) -> dict[str, int]:
+        """Leading blocks of ``hashes[:num_blocks]`` each worker's ``tier`` holds; one
+        lookup when no worker's tier holds the first (no tiers, or a new prefix)."""
+        if not num_blocks or not self.index.is_held(tier_hashes(hashes[:1], tier)[0]):
+            return {}
+        return self.index.match_held(tier_hashes(hashes[:num_blocks], tier))
 
     def on_placed(self, request: PlacementRequest, worker: WorkerState) -> PendingPrefix | None:
         """A prefill was placed on ``worker``: its prompt's blocks are pending there
@@ -85,6 +119,12 @@ class PrefixRouting:
         self.num_matched_tokens += matched
         m.prompt_tokens.inc(request.num_prompt_tokens)
         m.matched_tokens.inc(matched)
+        plan = request.load_plans.get(worker.worker_id) if request.load_plans else None
+        if plan is not None:
+            host, disk, pool = m.tier_children
+            host.inc(plan.num_host_tokens)
+            disk.inc(plan.num_disk_tokens)
+            pool.inc(plan.num_pool_tokens)
         m.predicted_ratio.set(self.num_matched_tokens / max(self.num_prompt_tokens, 1))
         m.indexed_blocks.set(self.index.num_blocks)
         self._export_pending()

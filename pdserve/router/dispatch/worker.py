@@ -15,6 +15,7 @@ from pdserve.core.grpc_tls import GrpcTls
 from pdserve.core.types import WorkerHealth, WorkerLoadReport
 from pdserve.membership import WorkerInfo
 from pdserve.router.dispatch.breaker import DEFAULT_BREAKER, BreakerConfig, CircuitBreaker
+from pdserve.router.dispatch.tier_cost import load_rates
 from pdserve.router.dispatch.worker_client import DEADLINE_EXCEEDED, WorkerCallError, WorkerClient
 from pdserve.router.dispatch.worker_state import InFlight, StepCost, WorkerLoad, WorkerState
 
@@ -221,7 +222,7 @@ class Worker:
 
 def _placement_load(report: WorkerLoadReport) -> WorkerLoad:
     return WorkerLoad(report.num_running_reqs, report.num_waiting_reqs, report.kv_cache_usage,
-                      report.num_inflight_reqs, step_cost(report))
+                      report.num_inflight_reqs, step_cost(report), load_rates(report))
 
 
 def step_cost(report: WorkerLoadReport) -> StepCost | None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.router.dispatch.tier_cost import NOT_MEASURED, KvLoadRates
+
 
 @dataclass(frozen=True, slots=True)
 class StepCost:
@@ -39,6 +41,14 @@ class WorkerLoad:
     kv_cache_usage: float = 0.0
     num_inflight_reqs: int = 0
     step: StepCost | None = None  # None until the engine has measured a step
+    # Its KV tiers' and the pool's measured loads (``tier_cost``), for their cost.
+    kv_load: KvLoadRates = NOT_MEASURED
+
+    @property
+    def compute_s_per_token(self) -> float | None:
+        """Seconds one prompt token adds to a step, once the engine has timed a prefill."""
+        step = self.step
+        return step.per_token_s if step is not None and step.prefill_measured else None
 
 
 @dataclass(frozen=True, slots=True)
