@@ -42,30 +42,45 @@ LABELS = ("model_name", "role", "transport")
 LoadMetric = tuple[str, str, Callable[[WorkerLoadReport], float]]
 
 
-def _tier_counters(tier: str, label: str, saved: str, saves: str, load_failure: str,
-                   save_failure: str) -> tuple[LoadMetric, ...]:
-    """One KV tier's counters (GetLoad's ``kv_<tier>_*``): the same seven for every tier."""
-    def field(name: str, scale: float = 1.0) -> Callable[[WorkerLoadReport], float]:
-        return lambda r: getattr(r, f"kv_{tier}_{name}") * scale
+Rows = tuple[tuple[str, str], ...]  # (GetLoad field after ``kv_<tier>_``, help)
 
-    return (
-        (f"pdserve:kv_{tier}_loads_total",
-         f"{label}: requests whose prefix was loaded from it", field("loads")),
-        (f"pdserve:kv_{tier}_load_blocks_total", f"{label}: KV blocks loaded from it",
-         field("load_blocks")),
-        (f"pdserve:kv_{tier}_load_seconds_total", f"{label}: time its loads took",
-         field("load_time_ns", 1e-9)),
-        (f"pdserve:kv_{tier}_load_failures_total",
-         f"{label}: loads that failed {load_failure}; the prompt was recomputed",
-         field("load_failures")),
-        (f"pdserve:kv_{tier}_saves_total",
-         f"{label}: finished requests whose blocks were {saved}", field("saves")),
-        (f"pdserve:kv_{tier}_save_blocks_total", f"{label}: KV blocks {saved} to it",
-         field("save_blocks")),
-        (f"pdserve:kv_{tier}_save_failures_total", f"{label}: {saves} that failed{save_failure}",
-         field("save_failures")),
-    )
 
+def _kv_counters(tier: str, label: str, rows: Rows) -> tuple[LoadMetric, ...]:
+    """GetLoad's ``kv_<tier>_<field>`` counters as ``pdserve:kv_<tier>_<field>_total``;
+    a ``*_time_ns`` field is exported in seconds (``*_seconds_total``)."""
+    def metric(field: str, doc: str) -> LoadMetric:
+        attr, seconds = f"kv_{tier}_{field}", field.endswith("_time_ns")
+        name = field.removesuffix("_time_ns") + "_seconds" if seconds else field
+        scale = 1e-9 if seconds else 1.0
+        return (f"pdserve:kv_{tier}_{name}_total", f"{label}: {doc}",
+                lambda r: getattr(r, attr) * scale)
+
+    return tuple(metric(field, doc) for field, doc in rows)
+
+
+def _load_rows(source: str, failure: str) -> Rows:
+    """What every tier (host, disk, the pool) counts of its loads."""
+    return (("loads", f"requests whose prefix was loaded {source}"),
+            ("load_blocks", f"KV blocks loaded {source}"),
+            ("load_bytes", f"KV bytes loaded {source}"),
+            ("load_time_ns", "time its loads took"),
+            ("load_failures", f"loads that failed {failure}; the prompt was recomputed"))
+
+
+def _save_rows(saved: str, saves: str, failure: str) -> Rows:
+    """What a local tier (host, disk) counts of its saves, and its evictions."""
+    return (("saves", f"finished requests whose blocks were {saved}"),
+            ("save_blocks", f"KV blocks {saved} to it"),
+            ("save_failures", f"{saves} that failed{failure}"),
+            ("evictions", "KV blocks evicted (least recently used) to make room"))
+
+
+_MISS_ROWS: Rows = (("miss_blocks", "prompt blocks past the engine's own prefix-cache hits "
+                     "that no local tier (host, disk) held"),)
+_SERVE_ROWS: Rows = (
+    ("serves", "peers' pulls served from this worker's host tier"),
+    ("serve_blocks", "KV blocks served to peers"),
+    ("serve_failures", "peers' pulls that failed: refused (block no longer held) or broken"))
 
 # Counters' names end in _total.
 _COUNTERS: tuple[LoadMetric, ...] = (
@@ -94,9 +109,15 @@ _COUNTERS: tuple[LoadMetric, ...] = (
      "pulled)", lambda r: r.kv_pushes_failed),
     ("pdserve:kv_leases_expired_total", "Prefill: KV leases that expired before a decode "
      "loaded or released them", lambda r: r.kv_leases_expired),
-    *_tier_counters("tier", "Host tier", "saved", "saves", "(checksum, evicted)", ""),
-    *_tier_counters("disk", "Disk tier", "written", "writes",
-                    "(a missing, truncated or corrupt file)", " (a full disk)"),
+    *_kv_counters("tier", "Host tier", _load_rows("from it", "(checksum, evicted)")
+                  + _save_rows("saved", "saves", "")),
+    *_kv_counters("disk", "Disk tier",
+                  _load_rows("from it", "(a missing, truncated or corrupt file)")
+                  + _save_rows("written", "writes", " (a full disk)")),
+    *_kv_counters("tier", "KV tiers", _MISS_ROWS),
+    *_kv_counters("pool", "KV pool",
+                  _load_rows("from a peer's host tier", "(peer gone, blocks no longer held)")
+                  + _SERVE_ROWS),
 )
 _GAUGES: tuple[LoadMetric, ...] = (
     ("pdserve:kv_leases_held", "Prefill: requests whose KV is held for a decode",

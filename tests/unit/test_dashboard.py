@@ -17,6 +17,7 @@ import pytest_asyncio
 from pdserve_testing import dashboard_exprs, dashboard_metric_names
 from unit.fake_worker import eventually
 from unit.fakes import COMPLETIONS, ROUTER_MODEL, asgi_http_client, cmpl_body
+from unit.test_worker_metrics import COUNTERS, GAUGES, TIER_COUNTERS
 
 from pdserve.launch.sim_worker import start_sim_worker
 from pdserve.router.dispatch.disagg import DisaggConfig
@@ -24,18 +25,10 @@ from pdserve.router.server import RouterConfig, build_router
 from pdserve.worker.sim_engine import SimConfig
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "pdserve.json"
-# What a worker's /metrics exports besides vLLM's (pdserve/worker, the connector's).
-WORKER_METRICS = frozenset({
-    "pdserve:kv_transfer_bytes_sent_total", "pdserve:kv_transfer_bytes_received_total",
-    "pdserve:kv_transfer_seconds_total", "pdserve:kv_transfers_completed_total",
-    "pdserve:kv_transfers_failed_total", "pdserve:kv_loads_total",
-    "pdserve:kv_load_seconds_total", "pdserve:kv_leases_held",
-    "pdserve:kv_leases_expired_total", "pdserve:kv_pending_transfers",
-    "pdserve:kv_push_inbox_bytes", "pdserve:worker_inflight_requests", "pdserve:worker_ready",
-    "pdserve:worker_info", "pdserve:kv_tier_loads_total", "pdserve:kv_tier_load_blocks_total",
-    "pdserve:kv_tier_load_seconds_total", "pdserve:kv_tier_load_failures_total",
-    "pdserve:kv_tier_saves_total", "pdserve:kv_tier_save_blocks_total",
-    "pdserve:kv_tier_save_failures_total"})
+# What a worker's /metrics exports besides vLLM's (pdserve/worker, the connector's): the
+# names test_worker_metrics scrapes from one.
+WORKER_METRICS = frozenset({f"pdserve:{name}_total" for name in COUNTERS + TIER_COUNTERS}
+                           | {f"pdserve:{name}" for name in GAUGES})
 _SUFFIXES = ("_bucket", "_count", "_sum", "_total")
 
 

@@ -13,10 +13,12 @@ import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import fields
 from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 import torch
 from pdserve_testing import launch_up, make_caches, start_transport, stop_up
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,7 +27,7 @@ from pdserve.cli.configs import up_config
 from pdserve.cli.main import build_parser
 from pdserve.core.model import ResolvedModel
 from pdserve.core.ports import free_port
-from pdserve.core.types import PhaseRequest, SamplingSpec
+from pdserve.core.types import PhaseRequest, SamplingSpec, WorkerHealth, WorkerLoadReport
 from pdserve.kv_transfer.base import PeerAddress
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.leases import LeaseTable
@@ -38,7 +40,13 @@ from pdserve.router.dispatch.worker_client import WorkerClient
 from pdserve.worker.backend import WorkerBackend
 from pdserve.worker.engine import EngineConfig
 from pdserve.worker.host import EngineHost
-from pdserve.worker.metrics import MetricsListener, MetricsServer, start_worker_metrics
+from pdserve.worker.metrics import (
+    MetricsListener,
+    MetricsServer,
+    WorkerCollector,
+    WorkerSample,
+    start_worker_metrics,
+)
 from pdserve.worker.servicer import WorkerServer, start_worker_server
 from pdserve.worker.sim_engine import SimConfig, SimEngine
 
@@ -46,6 +54,14 @@ COUNTERS = ("kv_transfers_completed", "kv_transfers_failed", "kv_transfer_bytes_
             "kv_transfer_bytes_received", "kv_transfer_seconds", "kv_loads", "kv_load_seconds",
             "kv_push_loads", "kv_push_fallbacks", "kv_layers_pushed", "kv_pushes_failed",
             "kv_leases_expired")
+# GetLoad's kv_tier_* (host), kv_disk_* and kv_pool_* fields, each as kv_<tier>_<field>_total
+# (*_time_ns as *_seconds).
+TIER_COUNTERS = (
+    *(f"kv_{tier}_{name}" for tier in ("tier", "disk", "pool") for name in (
+        "loads", "load_blocks", "load_bytes", "load_seconds", "load_failures")),
+    *(f"kv_{tier}_{name}" for tier in ("tier", "disk") for name in (
+        "saves", "save_blocks", "save_failures", "evictions")),
+    "kv_tier_miss_blocks", "kv_pool_serves", "kv_pool_serve_blocks", "kv_pool_serve_failures")
 GAUGES = ("kv_leases_held", "kv_pending_transfers", "kv_push_inbox_bytes",
           "worker_inflight_requests", "worker_ready", "worker_info")
 LABELS = {"model_name", "role", "transport"}
@@ -68,7 +84,7 @@ def value(metrics: dict[str, tuple[str, dict[str, str], float]], name: str) -> f
 
 
 def check_names(metrics: dict[str, tuple[str, dict[str, str], float]], role: str) -> None:
-    for name in COUNTERS:
+    for name in COUNTERS + TIER_COUNTERS:
         kind, labels, _ = metrics[f"pdserve:{name}_total"]
         assert kind == "counter" and set(labels) == LABELS and labels["role"] == role, name
     for name in GAUGES:
@@ -154,6 +170,34 @@ async def test_engine_host_reports_its_connector_counters_after_a_transfer() -> 
     assert value(after, "kv_transfer_seconds_total") > value(before, "kv_transfer_seconds_total")
     assert after["pdserve:worker_ready"][1] == {"model_name": "m", "role": "prefill",
                                                 "transport": "tcp"}
+
+
+async def test_every_kv_tier_and_pool_field_is_a_counter_of_its_value() -> None:
+    """Each GetLoad ``kv_tier_*``/``kv_disk_*``/``kv_pool_*`` field is exported as a
+    counter of its value, ``*_time_ns`` in seconds, with a help text naming its tier."""
+    tiered = [f.name for f in fields(WorkerLoadReport)
+              if f.name.startswith(("kv_tier_", "kv_disk_", "kv_pool_"))]
+    load = WorkerLoadReport(**{name: 1000 * (i + 1) for i, name in enumerate(tiered)})
+
+    async def sampler() -> WorkerSample:
+        return WorkerSample(True, load, "prefill")
+
+    collector = WorkerCollector(WorkerHealth(True, "prefill", "p0", "m", transport="tcp"),
+                                sampler, asyncio.get_running_loop())
+    families = await asyncio.to_thread(lambda: list(collector.collect()))
+    exported = {s.name: (f.type, f.documentation, s.value) for f in families for s in f.samples}
+    expected = {}
+    for name in tiered:
+        seconds = name.endswith("_time_ns")
+        metric = "pdserve:" + name.replace("_time_ns", "_seconds") + "_total"
+        expected[metric] = getattr(load, name) * (1e-9 if seconds else 1)
+    assert set(expected) == {f"pdserve:{name}_total" for name in TIER_COUNTERS}
+    for metric, want in expected.items():
+        kind, doc, got = exported[metric]
+        assert kind == "counter" and got == pytest.approx(want), metric
+        tier = {"tier": ("Host tier", "KV tiers"), "disk": ("Disk tier",),
+                "pool": ("KV pool",)}[metric.split("_")[1]]
+        assert doc.startswith(tier), (metric, doc)
 
 
 class _NoEngine:
