@@ -1,0 +1,137 @@
+"""The host tier and the cluster KV pool over device memory: the tier's host memory is
+pinned, blocks go GPU -> pinned host -> GPU bit-exact (and checksummed), and a peer
+pulls them from the pinned tier into its device cache over tcp (the receive staged
+through the transport's pinned buffers). Prints the save and load bandwidth, pinned
+against pageable staging, for the report.
+
+Imports only torch and the transport/tier modules (no vLLM, no test helpers), so it runs
+on a GPU machine that has PyTorch alone: ``PYTHONPATH=. python -m pytest --noconftest``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pdserve.kv_transfer.base import PeerAddress, create_transport
+from pdserve.kv_transfer.host_tier import HostTier
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.leases import LeaseTable
+from pdserve.kv_transfer.wire import TransferError
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device"),
+]
+
+NUM_BLOCKS, BLOCK_SIZE, NUM_LAYERS = 64, 16, 8
+# (2, num_blocks, block_size, kv_heads, head_dim): CUDA flash-attention's layout.
+SHAPE = (2, NUM_BLOCKS, BLOCK_SIZE, 8, 128)
+
+
+def _caches(seed: int, dtype: torch.dtype = torch.bfloat16, num_blocks: int = NUM_BLOCKS
+            ) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (2, num_blocks, *SHAPE[2:])
+    return {f"layer.{i}": torch.randn(shape, generator=gen, device="cuda").to(dtype)
+            for i in range(NUM_LAYERS)}
+
+
+def _layout(caches: dict[str, torch.Tensor]) -> KVLayout:
+    num_blocks = next(iter(caches.values())).shape[1]
+    return KVLayout.from_kv_caches(caches, num_blocks, BLOCK_SIZE)
+
+
+def _block(caches: dict[str, torch.Tensor], block: int) -> list[torch.Tensor]:
+    return [t[:, block].cpu() for t in caches.values()]
+
+
+def _h(i: int) -> bytes:
+    return i.to_bytes(32, "little")
+
+
+def test_the_host_tier_is_pinned_and_round_trips_device_blocks_bit_exact() -> None:
+    caches = _caches(1)
+    tier = HostTier(list(caches.values()), _layout(caches), 32, verify=True)
+    assert all(view.is_pinned() for view in tier.slot_views(0))
+    want = [_block(caches, b) for b in (3, 4, 9)]
+    tier.save([3, 4, 9], [0, 1, 2], [_h(3), _h(4), _h(9)])
+    for t in caches.values():
+        t[:, 40:43].zero_()
+    tier.load([0, 1, 2], [40, 41, 42], [_h(3), _h(4), _h(9)])
+    for block, expected in zip((40, 41, 42), want, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(_block(caches, block), expected,
+                                                     strict=True))
+    tier.slot_views(1)[0].view(torch.uint8)[0] ^= 0xFF  # a flipped bit is refused
+    with pytest.raises(TransferError, match="checksum"):
+        tier.load([1], [50], [_h(4)])
+
+
+def test_a_peer_pulls_from_a_pinned_host_tier_into_its_device_cache() -> None:
+    src, dst = _caches(2), _caches(3)
+    tier = HostTier(list(src.values()), _layout(src), 32, verify=False)
+    tier.save([5, 6, 7, 8], [0, 1, 2, 3], [_h(i) for i in (5, 6, 7, 8)])
+    server = create_transport("tcp")
+    client = create_transport("tcp")
+    compat = {"model": "m", "layout": _layout(src).describe()}
+    port = server.start(kv_caches=list(src.values()), layout=_layout(src),
+                        leases=LeaseTable(), compat=compat, host="127.0.0.1", port=0)
+    client.start(kv_caches=list(dst.values()), layout=_layout(dst), leases=LeaseTable(),
+                 compat=compat, host="127.0.0.1", port=0)
+    server.serve_pool(lambda hashes: _Serve(*tier.serve(hashes)))
+    try:
+        start = time.perf_counter()
+        nbytes = client.pull_pool(PeerAddress("127.0.0.1", port), [_h(6), _h(7), _h(8)],
+                                  [20, 21, 30], time.monotonic() + 60)
+        took = time.perf_counter() - start
+        for s, d in ((6, 20), (7, 21), (8, 30)):
+            assert all(torch.equal(a, b) for a, b in zip(_block(dst, d), _block(src, s),
+                                                         strict=True))
+        print(f"\npool pull over tcp, pinned host tier -> device: {nbytes / 2**20:.1f} MiB "
+              f"in {took * 1e3:.1f} ms ({nbytes / took / 2**30:.2f} GiB/s)")
+    finally:
+        client.close()
+        server.close()
+
+
+class _Serve:
+    def __init__(self, chunks: list[torch.Tensor], unchanged: object) -> None:
+        self.chunks = chunks
+        self.unchanged = unchanged
+
+    def finish(self, ok: bool) -> None:
+        return
+
+
+def test_report_pinned_against_pageable_host_tier_bandwidth() -> None:
+    """Not a pass/fail speed target: prints what pinned staging buys the tier's copies
+    (256 blocks of 512 KiB, 128 MiB, one save or load of all of them)."""
+    caches = _caches(4, num_blocks=512)
+    layout = _layout(caches)
+    blocks = list(range(0, 512, 2))  # every other block: a gather, as real saves are
+    slots = list(range(len(blocks)))
+    pinned = HostTier(list(caches.values()), layout, len(slots), verify=False)
+    pageable = HostTier(list(caches.values()), layout, len(slots), verify=False)
+    pageable._host = [torch.empty(h.shape, dtype=h.dtype) for h in pageable._host]
+    pageable._pinned = False
+    want = [_block(caches, b) for b in blocks[:3]]
+    for name, tier in (("pinned", pinned), ("pageable", pageable)):
+        hashes = [_h(b) for b in blocks]
+        tier.save(blocks, slots, hashes)  # warm-up (and the pinned staging's allocation)
+        tier.load(slots, blocks, hashes)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(5):
+            nbytes = tier.save(blocks, slots, hashes)
+        save_s = (time.perf_counter() - start) / 5
+        start = time.perf_counter()
+        for _ in range(5):
+            tier.load(slots, blocks, hashes)
+        load_s = (time.perf_counter() - start) / 5
+        print(f"\n{name} host tier: save {nbytes / save_s / 2**30:.2f} GiB/s, "
+              f"load {nbytes / load_s / 2**30:.2f} GiB/s ({nbytes / 2**20:.0f} MiB)")
+    for block, expected in zip(blocks[:3], want, strict=True):  # loads wrote them back
+        assert all(torch.equal(a, b) for a, b in zip(_block(caches, block), expected,
+                                                     strict=True))
