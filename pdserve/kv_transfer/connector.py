@@ -38,7 +38,7 @@ from pdserve.kv_transfer.metadata import PdserveConnectorMetadata
 from pdserve.kv_transfer.scheduler_side import SchedulerSide
 from pdserve.kv_transfer.tier_index import TierIndex
 from pdserve.kv_transfer.tier_plan import EVENT_MEDIUM, TierPlanner
-from pdserve.kv_transfer.worker_side import WorkerSide
+from pdserve.kv_transfer.worker_side import WorkerSide, pool_transport_ok
 
 logger = logging.getLogger("pdserve.kv_transfer")
 _SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK,
@@ -160,7 +160,9 @@ class PdserveConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            pool_off = hashes_name_blocks(vllm_config, kv_cache_config)
+            pool_off = hashes_name_blocks(vllm_config, kv_cache_config) or (
+                "" if pool_transport_ok(config.transport, vllm_config.device_config.device_type)
+                else "NCCL (--transport torch on a GPU) moves no host-tier block")
             if pool_off:
                 logger.info("KV pool loads off: %s", pool_off)
             self._scheduler = SchedulerSide(config, block_size, tiers.planner(config, block_size),

@@ -119,13 +119,14 @@ class PullTransport(ControlledTransport):
         """A peer pulls blocks held in this worker's host tier, named by hash (the
         cluster KV pool). Refused (the peer recomputes) when any is not held; the
         trailer fails if a slot was rewritten while it was being sent."""
-        what = f"pool pull of {len(msg['hashes'])} blocks"
         if self._pool_source is None:
             send_msg(conn, {"ok": False, "error": "this worker serves no KV pool"})
             return
         try:
-            serve = self._pool_source([bytes.fromhex(h) for h in msg["hashes"]])
-        except (TransferError, ValueError) as exc:
+            hashes = [bytes.fromhex(str(h)) for h in msg["hashes"]]
+            what = f"pool pull of {len(hashes)} blocks"
+            serve = self._pool_source(hashes)
+        except (TransferError, ValueError, KeyError, TypeError) as exc:
             send_msg(conn, {"ok": False, "error": str(exc)})
             return
         ok = False

@@ -217,7 +217,13 @@ class SchedulerSide:
             self._tiers.plan_load(request, dst[:num_tier], self._meta)
         pool = self._pool_matched.pop(req_id, None)
         rest = dst[num_tier:]
-        if pool is not None and rest and num_tier == matched and len(rest) <= len(pool[1]):
+        if rest and (pool is None or num_tier != matched or len(rest) > len(pool[1])):
+            # Not tokens this side reported (a preempted request's second allocation):
+            # nothing loads into them, as before the pool.
+            logger.debug("%s: %d external blocks beyond the tiers' %d are not the pool's",
+                         req_id, len(rest), num_tier)
+        elif rest:  # what the tiers do not cover is the pool's, in _match_tier's order
+            assert pool is not None
             source, hashes = pool
             self._meta.pool_loads[req_id] = PoolLoad(source.host, source.port,
                                                      hashes[:len(rest)], rest)
@@ -231,6 +237,8 @@ class SchedulerSide:
     def _save_tier(self, request: Request, block_ids: list[int]) -> bool:
         self._pool_matched.pop(request.request_id, None)
         self._pool_failed.discard(request.request_id)
+        # Aborted mid-pull: its failure, reported later, must not mark it again.
+        self._pool_loading.pop(request.request_id, None)
         if self._tiers is None:
             return False
         self._tiers.unmatch(request.request_id)  # matched, never allocated: unpin

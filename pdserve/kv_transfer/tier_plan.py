@@ -104,6 +104,7 @@ class TierPlanner:
         return len(found) * self._bs
 
     def unmatch(self, request_id: str) -> None:
+        self._misses.pop(request_id, None)
         match = self._matched.pop(request_id, None)
         if match is not None:
             self._unpin(match)

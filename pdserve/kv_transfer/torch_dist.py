@@ -93,7 +93,7 @@ class TorchTransport(PullTransport):
         try:
             works = [group.pg.send([chunk], _RECEIVER, tag + first_index + i)
                      for i, chunk in enumerate(chunks)]
-        except RuntimeError as exc:  # the pair is broken (peer gone)
+        except (RuntimeError, ValueError) as exc:  # the pair is broken, or a tensor NCCL refuses
             raise TransferError(f"torch send failed: {exc}") from exc
         _wait_all(works, deadline, "send")
         return sum(c.numel() * c.element_size() for c in chunks)

@@ -36,6 +36,12 @@ from pdserve.kv_transfer.wire import TransferError
 
 logger = logging.getLogger("pdserve.kv_transfer.worker")
 
+def pool_transport_ok(transport: str, device: str) -> bool:
+    """Whether the cluster KV pool can move host-tier blocks on ``transport``: not over
+    NCCL (torch on a GPU), which sends device memory only."""
+    return not (transport == "torch" and device == "cuda")
+
+
 # Longest an idle engine step waits for a transfer to end (bounds the delay a new
 # request can see while the engine holds or loads KV and has nothing else to do).
 IDLE_WAIT_S = 0.02
@@ -97,7 +103,8 @@ class WorkerSide:
             logger.info("KV tiers: host %d blocks, disk %d blocks%s", self._tier_slots,
                         self._disk_slots, f" in {self._tiers.disk.folder}"
                         if self._tiers.disk is not None else "")
-            if self._tiers.host is not None:  # peers may pull from it: the cluster KV pool
+            if self._tiers.host is not None and pool_transport_ok(
+                    self._config.transport, layout.device):  # peers may pull from it: the pool
                 self._transport.serve_pool(self._tiers.serve)
         self._transport.add_status(self._status)
         channel = self._transport.push_channel()
@@ -194,7 +201,7 @@ class WorkerSide:
         return sending
 
     def _start_tiers(self, meta: PdserveConnectorMetadata) -> None:
-        if meta.tier_counts:
+        if meta.tier_counts and self._tp_rank == 0:  # one count per engine, not per rank
             self._count_load(**meta.tier_counts)
         for req_id, copy in meta.tier_saves.items():
             if req_id in meta.leases:

@@ -251,3 +251,28 @@ def test_after_a_failed_pool_load_the_request_computes_and_never_asks_the_peer_a
     req.status = None
     side.request_finished(req, [])
     assert side.get_num_new_matched_tokens(req, 0) == (3 * BS, True)  # a new request
+
+
+def test_a_request_aborted_while_queued_or_mid_pull_leaves_nothing_behind() -> None:
+    side = SchedulerSide(CONFIG, BS, _host(4))
+    queued = _pool_request("q", 4 * BS)
+    side.get_num_new_matched_tokens(queued, 0)  # matched (a miss counted), never allocated
+    queued.status = None
+    side.request_finished(queued, [])
+    pulling = _pool_request("p", 4 * BS)
+    side.get_num_new_matched_tokens(pulling, 0)
+    side.update_state_after_alloc(pulling, _alloc([1, 2, 3]), 3 * BS)
+    _step(side)
+    pulling.status = None
+    side.request_finished(pulling, [1, 2, 3])  # aborted while its pull runs
+    _done(side, recving={"p"}, failed={"p"})  # the pull's failure arrives after
+    tiers = side.tiers
+    assert tiers is not None and not tiers._misses and not tiers._matched
+    assert not (side._pool_matched or side._pool_loading or side._pool_failed)
+
+
+def test_no_pool_over_nccl() -> None:
+    from pdserve.kv_transfer.worker_side import pool_transport_ok
+
+    assert pool_transport_ok("torch", "cpu") and pool_transport_ok("tcp", "cuda")
+    assert not pool_transport_ok("torch", "cuda")
