@@ -37,9 +37,10 @@ pytestmark = pytest.mark.integration
 WORDS = "north south east west up down left right near far high low".split()
 BS = 128
 MAX_TOKENS = 8
-# Sends paced to 4 MiB/s: a 3-block pool pull of float32 SmolLM2 (5.9 MB a block) takes
-# ~4 s, long enough to kill the serving worker in its middle.
-THROTTLE_MIB_S = 4
+# Sends paced to 8 MiB/s: a 3-block pool pull of float32 SmolLM2 (5.9 MB a block) takes
+# ~2 s, long enough to kill the serving worker in its middle (the test waits for the
+# send to start, polling every 50 ms).
+THROTTLE_MIB_S = 8
 REJOIN_TIMEOUT_S = 240
 
 
