@@ -129,19 +129,41 @@ class PullTransport(ControlledTransport):
         except (TransferError, ValueError, KeyError, TypeError) as exc:
             send_msg(conn, {"ok": False, "error": str(exc)})
             return
-        ok = False
-        try:
-            ok = self._send(conn, msg, serve.chunks, what, on_sent=serve.unchanged)
-        finally:
+        finished = False
+
+        def finish(ok: bool) -> None:
+            nonlocal finished
+            finished = True
             serve.finish(ok)
 
+        try:
+            self._send(conn, msg, serve.chunks, what, on_sent=serve.unchanged, on_outcome=finish)
+        finally:
+            if not finished:
+                serve.finish(False)
+
     def _send(self, conn: socket.socket, msg: dict[str, Any], chunks: list[torch.Tensor],
-              what: str, on_sent: Callable[[], bool] | None = None) -> bool:
+              what: str, on_sent: Callable[[], bool] | None = None,
+              on_outcome: Callable[[bool], None] | None = None) -> bool:
         """Accept, send ``chunks`` on the data path, call ``on_sent`` once they are sent
         (before the trailer: the peer sees no trailer before it ran), then the trailer:
-        an error one if ``on_sent`` says the source was rewritten while it was read."""
+        an error one if ``on_sent`` says the source was rewritten while it was read.
+
+        Every outcome is counted (and ``on_outcome`` told) *before* the trailer or
+        error reply goes out: a peer that reads our counters as soon as it has the
+        trailer sees the transfer counted. A trailer that cannot be delivered after
+        a counted success leaves the count as it is (the bytes did go out)."""
         start = time.perf_counter_ns()
         sent = 0
+        outcome: bool | None = None
+
+        def settle(ok: bool, **deltas: int) -> None:
+            nonlocal outcome
+            outcome = ok
+            self._count(bytes_sent=sent, **deltas)
+            if on_outcome is not None:
+                on_outcome(ok)
+
         try:
             kind = natural_kind(chunks)
             digest = checksum(chunks, kind) if msg.get("checksum") else None
@@ -152,16 +174,16 @@ class PullTransport(ControlledTransport):
             finally:
                 self._count_sending(-1)
             if on_sent is not None and not on_sent():  # sent whole: the stream is intact
+                settle(False, transfers_failed=1)
                 send_msg(conn, {"ok": False, "error": "blocks rewritten while sent"})
-                self._count(bytes_sent=sent, transfers_failed=1)
                 return False
+            settle(True, transfers_completed=1, transfer_time_ns=time.perf_counter_ns() - start)
             send_msg(conn, {"ok": True, "bytes": sent, "checksum": digest,
                             "checksum_kind": kind})
-            self._count(bytes_sent=sent, transfers_completed=1,
-                        transfer_time_ns=time.perf_counter_ns() - start)
             return True
         except (OSError, TransferError) as exc:
-            self._count(bytes_sent=sent, transfers_failed=1)
+            if outcome is None:
+                settle(False, transfers_failed=1)
             self._on_pull_failed(msg)
             logger.warning("KV send of %s failed: %s", what, exc)
             if not self.inline_data and not isinstance(exc, OSError):
