@@ -31,6 +31,7 @@ from pdserve.router.dispatch.disagg import (
 )
 from pdserve.router.dispatch.migration import DEFAULT_MAX_MIGRATIONS
 from pdserve.router.dispatch.placement import DEFAULT_PLACEMENT, PLACEMENTS
+from pdserve.router.dispatch.planner import PLANNER_MODES
 from pdserve.router.http.edge_config import check_api_key
 
 Parse = Callable[[str], Any]
@@ -286,8 +287,10 @@ FLAGS = _flags(
          0.0, parse_float(0)),
     Flag("planner", "on: the router picks how many workers prefill and how many decode "
          "from the load it measures, flipping roles at run time (one at a time, with "
-         "hysteresis), and exports pdserve:planner_desired_replicas; off: fixed roles",
-         "off", choices=("off", "on")),
+         "hysteresis), and exports pdserve:planner_desired_replicas; export: it decides "
+         "and exports, an autoscaler acts (no flips); off: fixed roles. With --etcd, "
+         "every router with on/export is a candidate and one elected leader decides",
+         "off", choices=PLANNER_MODES),
     Flag("planner-interval-s", "planner: how often it decides", 5.0,
          parse_float(0, strict=True)),
     Flag("planner-window-s", "planner: how much of the past load it plans for", 60.0,

@@ -1,8 +1,9 @@
-"""Cluster membership: static (flags or a file) or etcd (leases + watch).
+"""Cluster membership: static (flags or a file) or etcd (leases + watch), and the
+election of the one router that runs the planner.
 
-``create_membership`` (router side) and ``create_registrar`` (worker side) pick an
-implementation by name from ``MembershipConfig.kind``; an unknown name fails
-listing the valid ones.
+``create_membership`` (router side), ``create_registrar`` (worker side) and
+``create_election`` (router side) pick an implementation by name from
+``MembershipConfig.kind``; an unknown name fails listing the valid ones.
 """
 
 from __future__ import annotations
@@ -19,14 +20,17 @@ from pdserve.membership.base import (
     check_name,
     worker_key,
 )
+from pdserve.membership.election import Election, StaticElection, leader_key
 from pdserve.membership.etcd import EtcdMembership, parse_etcd_url
+from pdserve.membership.etcd_election import EtcdElection
 from pdserve.membership.etcd_registrar import DEFAULT_TTL_S, EtcdRegistrar
 from pdserve.membership.static import NullRegistrar, StaticMembership, load_workers_file
 
 MEMBERSHIPS = ("static", "etcd")
 
-__all__ = ["DEFAULT_TTL_S", "MEMBERSHIPS", "Membership", "MembershipConfig", "MembershipSink",
-           "Registrar", "WorkerInfo", "check_name", "create_membership", "create_registrar",
+__all__ = ["DEFAULT_TTL_S", "MEMBERSHIPS", "Election", "Membership", "MembershipConfig",
+           "MembershipSink", "Registrar", "StaticElection", "WorkerInfo", "check_name",
+           "create_election", "create_membership", "create_registrar", "leader_key",
            "worker_key"]
 
 
@@ -79,3 +83,11 @@ def create_registrar(config: MembershipConfig) -> Registrar:
     if config.kind == "etcd":
         return EtcdRegistrar(config.etcd_url, config.cluster, config.ttl_s)
     return NullRegistrar()
+
+
+def create_election(config: MembershipConfig, candidate: bool, candidate_id: str) -> Election:
+    """etcd: every candidate campaigns and one leads; static (or not a candidate): this
+    process leads iff it is a candidate."""
+    if config.kind == "etcd" and candidate:
+        return EtcdElection(config.etcd_url, config.cluster, candidate_id, config.ttl_s)
+    return StaticElection(candidate, candidate_id)

@@ -1,7 +1,12 @@
 """Runs the planner (``planner.py``) in the router: measures the demand, decides every
 ``interval_s``, flips one worker's role through the ``RoleSwitcher`` when the decision
-says so, and exports what it aims at (``pdserve:planner_desired_replicas{role}``: on
-Kubernetes the chart's autoscaler reads it; on one machine the flips are the action).
+says so (mode ``on``), and exports what it aims at
+(``pdserve:planner_desired_replicas{role}``: with mode ``export`` the chart's KEDA
+autoscaler acts on it).
+
+Only the elected router decides (``pdserve.membership.Election``: one leader among the
+candidate replicas on etcd; with static membership the router with ``--planner on``);
+the others measure their load and wait. ``pdserve:planner_leader`` says which leads.
 """
 
 from __future__ import annotations
@@ -11,9 +16,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from pdserve.core.types import Role
+from pdserve.membership import Election, StaticElection
 from pdserve.router.dispatch.demand import DemandWindow
 from pdserve.router.dispatch.planner import (
     Demand,
@@ -49,6 +55,10 @@ class PlannerMetrics:
         self.moves = counter(
             registry, f"{PREFIX}planner_role_switches", "Role switches the planner made, "
             "by the role a worker was switched to", ["role"])
+        self.leader = gauge(
+            registry, f"{PREFIX}planner_leader", "1 in the router replica whose planner "
+            "decides (the elected leader, once it decided in its term: its "
+            "planner_desired_replicas are current), 0 in the others")
         for role in ("prefill", "decode"):
             self.desired.labels(role)
             self.utilization.labels(role)
@@ -63,23 +73,33 @@ class PlannerMetrics:
 
 
 class PlannerLoop:
-    """``start`` runs the loop (mode ``on``); ``step`` is one decision (tests drive it
-    with their own clock)."""
+    """``start`` runs the loop (modes ``on``, ``export``); ``step`` is one decision, or
+    ``None`` while another router leads (tests drive it with their own clock).
+    ``election`` is owned by the caller (started and closed there); by default this
+    router leads iff the planner is enabled."""
 
     def __init__(self, config: PlannerConfig, pool: WorkerPool, switcher: RoleSwitcher,
                  demand: DemandWindow, slo: SloConfig | None = None,
-                 registry: CollectorRegistry | None = None, clock: Clock = time.monotonic
-                 ) -> None:
+                 registry: CollectorRegistry | None = None, clock: Clock = time.monotonic,
+                 election: Election | None = None) -> None:
         self.config = config
         self._pool = pool
         self._switcher = switcher
         self.demand = demand
         self._slo = slo or SloConfig()
         self._clock = clock
+        self.election = election or StaticElection(config.enabled)
         self._metrics = PlannerMetrics(registry)
+        if isinstance(self._metrics.leader, Gauge):  # read at each scrape: never stale
+            self._metrics.leader.set_function(lambda: float(self.leading))
         self._state = PlannerState()
         self._task: asyncio.Task[None] | None = None
         self.last: PlannerDecision | None = None
+
+    @property
+    def leading(self) -> bool:
+        """This router's planner decides, and its last decision is of this term."""
+        return self.election.is_leader and self.last is not None
 
     def inputs(self) -> PlannerInputs:
         placeable = [w for w in self._pool.all if w.snapshot().healthy]
@@ -97,7 +117,12 @@ class PlannerLoop:
         demand = self.demand.demand(_too_long(cost, batch, itl_s, chunk))
         return PlannerInputs(current, demand, cost, itl_s, chunk)
 
-    async def step(self) -> PlannerDecision:
+    async def step(self) -> PlannerDecision | None:
+        if not self.election.is_leader:
+            if self.last is not None:  # a new term starts afresh: no hold carried over
+                logger.info("planner: not leading (another router decides)")
+            self._state, self.last = PlannerState(), None
+            return None
         inputs = self.inputs()
         decision, self._state = plan(self.config, self._state, inputs, self._clock())
         if self.last is None or decision.reason != self.last.reason:
@@ -107,7 +132,7 @@ class PlannerLoop:
                         _fmt_demand(inputs))
         self.last = decision
         self._metrics.on_decision(decision)
-        if decision.move is not None:
+        if decision.move is not None and self.config.switches_roles:
             await self._move(decision)
         return decision
 

@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,7 +21,14 @@ from prometheus_client import CollectorRegistry
 from pdserve.core.cluster_secret import optional_secret
 from pdserve.core.grpc_options import DEFAULT_KEEPALIVE_S
 from pdserve.core.grpc_tls import TlsFiles
-from pdserve.membership import Membership, MembershipConfig, create_membership
+from pdserve.membership import (
+    Election,
+    Membership,
+    MembershipConfig,
+    StaticElection,
+    create_election,
+    create_membership,
+)
 from pdserve.router.dispatch.demand import DemandWindow
 from pdserve.router.dispatch.disagg import DisaggConfig
 from pdserve.router.dispatch.dispatch import PDDispatcher
@@ -104,14 +113,17 @@ class Router:
     registry: CollectorRegistry | None  # None with metrics off
     switcher: RoleSwitcher  # runtime role switches (admin action, planner)
     planner: PlannerLoop
+    election: Election  # whether this replica's planner decides
 
     async def start(self) -> None:
         await self.pool.start(self.membership)
         await self.feeder.start()
+        await self.election.start()
         self.planner.start()
 
     async def close(self) -> None:
         await self.planner.close()
+        await self.election.close()  # resigns at once: another replica takes over
         await self.feeder.close()
         await self.pool.close()
 
@@ -136,16 +148,19 @@ def build_router(config: RouterConfig, tokenizer: Any) -> Router:
                                                                         pool=config.kv_pool),
                               config.disagg, config.migration, demand)
     switcher = RoleSwitcher(pool, registry)
-    planner = PlannerLoop(config.planner, pool, switcher, demand, config.disagg.slo, registry)
+    election = create_election(config.membership, config.planner.enabled,
+                               f"{socket.gethostname()}:{config.port}:{os.getpid()}")
+    planner = PlannerLoop(config.planner, pool, switcher, demand, config.disagg.slo, registry,
+                          election=election)
     app = create_app(served_model_name=config.served_model_name,
                      max_model_len=config.max_model_len, tokenizer=tokenizer,
                      dispatcher=dispatcher, registry=registry, edge=config.edge,
                      request_timeout_s=config.request_timeout_s, metrics_enabled=config.metrics,
                      tool_calling=ToolCalling.load(config.tools, tokenizer),
                      eos_token_ids=model_eos_token_ids(config.model_path, tokenizer))
-    views = _cluster_views(pool, membership, index, feeder)
+    views = _cluster_views(pool, membership, index, feeder, election)
     app.include_router(views)
-    return Router(app, pool, feeder, membership, views, registry, switcher, planner)
+    return Router(app, pool, feeder, membership, views, registry, switcher, planner, election)
 
 
 async def serve_router(config: RouterConfig) -> None:
@@ -184,12 +199,14 @@ async def serve_router(config: RouterConfig) -> None:
 
 
 def _cluster_views(pool: WorkerPool, membership: Membership, index: PrefixIndex,
-                   feeder: KvIndexFeeder) -> APIRouter:
-    """``/workers`` and ``/prefix_index``: on the main port (behind the key, when keys
-    are set) and on the admin listener."""
+                   feeder: KvIndexFeeder, election: Election | None = None) -> APIRouter:
+    """``/workers`` (with whether this replica's planner leads) and ``/prefix_index``: on
+    the main port (behind the key, when keys are set) and on the admin listener."""
+    election = election or StaticElection(False)
     router = APIRouter()
     router.add_api_route("/workers", lambda: {"workers": pool.describe(),
-                                              "membership": membership.describe()},
+                                              "membership": membership.describe(),
+                                              "planner": election.describe()},
                          methods=["GET"], responses=ERROR_RESPONSES)
     router.add_api_route("/prefix_index", lambda: {
         "blocks": {w: len(index.blocks_of(w)) for w in index.workers()},

@@ -39,14 +39,15 @@ from typing import Literal
 
 from pdserve.router.dispatch.worker_state import StepCost
 
-PLANNER_MODES = ("off", "on")
+PLANNER_MODES = ("off", "on", "export")
 
 
 @dataclass(frozen=True)
 class PlannerConfig:
-    """``mode`` off: fixed roles (the default); on: the planner flips roles."""
+    """``mode`` off: fixed roles (the default); on: the planner flips roles; export: it
+    decides and exports what it aims at, and an autoscaler acts (it flips nothing)."""
 
-    mode: Literal["off", "on"] = "off"
+    mode: Literal["off", "on", "export"] = "off"
     interval_s: float = 5.0  # how often it samples and decides
     window_s: float = 60.0  # the demand it plans for: this much of the past
     hold_s: float = 20.0  # a better split must stay better this long
@@ -70,6 +71,11 @@ class PlannerConfig:
 
     @property
     def enabled(self) -> bool:
+        """It runs (and, with etcd membership, this router is a candidate for it)."""
+        return self.mode != "off"
+
+    @property
+    def switches_roles(self) -> bool:
         return self.mode == "on"
 
     def flags(self) -> list[str]:
