@@ -19,15 +19,17 @@ from pdserve.core.logs import LOG_FORMATS
 from pdserve.kv_transfer.base import transport_names
 from pdserve.router.dispatch.disagg import DISAGG_MODES
 from pdserve.router.dispatch.placement import PLACEMENTS
+from pdserve.router.dispatch.planner import PLANNER_MODES
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "pdserve"
 KUBE_VERSION = "1.33.0"  # a version kubernetes-validate ships schemas for
 # Kinds that come from CRDs (no schema in kubernetes-validate): checked by hand below.
-CRD_KINDS = {"ServiceMonitor"}
+CRD_KINDS = {"ServiceMonitor", "ScaledObject"}
 
 GPU_VALUES = yaml.safe_load((CHART / "values-gpu.yaml").read_text())
 EVERYTHING = {  # every optional part on
-    "router": {"autoscaling": {"enabled": True, "maxReplicas": 3}},
+    "router": {"autoscaling": {"enabled": True, "maxReplicas": 3}, "planner": "export"},
+    "keda": {"enabled": True},
     "etcd": {"persistence": {"enabled": True, "storageClassName": "fast"}},
     "monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
                    "grafanaDashboard": {"enabled": True, "json": '{"title": "pdserve"}'}},
@@ -93,7 +95,7 @@ def test_every_rendered_manifest_is_valid_kubernetes(chart: Any,
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "Service", "StatefulSet", "Secret", "PodDisruptionBudget"} <= kinds
     if values is EVERYTHING:
-        assert {"HorizontalPodAutoscaler", "ServiceMonitor", "ConfigMap"} <= kinds
+        assert {"HorizontalPodAutoscaler", "ServiceMonitor", "ConfigMap", "ScaledObject"} <= kinds
 
 
 def test_service_monitor_scrapes_the_router_admin_and_worker_metrics_ports(chart: Any) -> None:
@@ -206,6 +208,12 @@ BAD_VALUES = {
     "unknown transport": {"decode": {"transport": "nccl"}},
     "unknown key": {"rotuer": {"replicas": 2}},
     "gpus as text": {"decode": {"gpus": "one"}},
+    "unknown planner mode": {"router": {"planner": "auto"}},
+    # KEDA scales the workers: a planner that also flips their roles would fight it.
+    "keda with a planner that flips roles": {"keda": {"enabled": True},
+                                             "router": {"planner": "on"}},
+    "keda with the planner off": {"keda": {"enabled": True}},
+    "keda scaling decode to zero": {"keda": {"decode": {"minReplicas": 0}}},
 }
 
 
@@ -228,9 +236,62 @@ def test_schema_enums_are_pdserve_own_choices() -> None:
     router = props["router"]["properties"]
     assert set(router["placement"]["enum"]) == set(PLACEMENTS)
     assert set(router["disagg"]["enum"]) == set(DISAGG_MODES)
+    assert set(router["planner"]["enum"]) == set(PLANNER_MODES)
     assert set(props["logFormat"]["enum"]) == set(LOG_FORMATS)
     assert set(props["logLevel"]["enum"]) == set(FLAGS["log-level"].choices or ())
     for role in ("prefill", "decode"):
         worker = props[role]["properties"]
         assert set(worker["transport"]["enum"]) == set(transport_names())
         assert set(worker["dtype"]["enum"]) == set(FLAGS["dtype"].choices or ())
+
+
+def test_every_router_replica_is_a_planner_candidate_on_etcd(chart: Any) -> None:
+    """The chart's membership is always etcd, so several router replicas (or an HPA)
+    with the planner on elect one leader: each replica runs as a candidate."""
+    for router_values in ({"replicas": 3, "planner": "on"},
+                          {"autoscaling": {"enabled": True}, "planner": "on"}):
+        docs = render(chart, {"router": router_values})
+        env = env_of(by_kind(docs, "Deployment")["pd-pdserve-router"])
+        assert env["PDSERVE_PLANNER"] == "on"
+        assert env["PDSERVE_ETCD"] == "http://pd-pdserve-etcd:2379"
+        assert not by_kind(docs, "ScaledObject")  # keda is off by default
+
+
+def test_keda_scales_each_worker_deployment_from_the_leaders_desired_replicas(
+        chart: Any) -> None:
+    """KEDA's CRD is not in kubernetes-validate's schemas: its structure by hand."""
+    values = {"router": {"planner": "export"},
+              "keda": {"enabled": True, "prometheus": {"serverAddress": "http://prom:9090"},
+                       "prefill": {"minReplicas": 0, "maxReplicas": 3},
+                       "decode": {"minReplicas": 1, "maxReplicas": 5}}}
+    docs = render(chart, values)
+    objects = by_kind(docs, "ScaledObject")
+    deployments = by_kind(docs, "Deployment")
+    assert set(objects) == {"pd-pdserve-prefill", "pd-pdserve-decode"}
+    for role, (low, high) in (("prefill", (0, 3)), ("decode", (1, 5))):
+        scaled = objects[f"pd-pdserve-{role}"]
+        assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+        spec = scaled["spec"]
+        target = spec["scaleTargetRef"]
+        assert (target["apiVersion"], target["kind"]) == ("apps/v1", "Deployment")
+        assert target["name"] in deployments
+        assert container(deployments[target["name"]])["args"] == [role]
+        assert "replicas" not in deployments[target["name"]]["spec"]  # KEDA owns it
+        assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (low, high)
+        (trigger,) = spec["triggers"]
+        assert trigger["type"] == "prometheus"
+        assert trigger["metricType"] == "AverageValue"
+        meta = trigger["metadata"]
+        assert meta["serverAddress"] == "http://prom:9090"
+        assert meta["threshold"] == "1"  # one pod per unit of the value
+        assert meta["ignoreNullValues"] == "false"  # no leader: no change
+        query = meta["query"]
+        assert f'pdserve:planner_desired_replicas{{role="{role}",' in query
+        assert "pdserve:planner_leader{" in query and "== 1" in query
+        assert 'namespace="serving",service="pd-pdserve-router"' in query
+    assert env_of(deployments["pd-pdserve-router"])["PDSERVE_PLANNER"] == "export"
+    own = render(chart, {**values, "keda": {**values["keda"], "prometheus": {
+        "serverAddress": "http://prom:9090", "metricSelector": 'job="routers"'}}})
+    query = by_kind(own, "ScaledObject")["pd-pdserve-decode"]["spec"]["triggers"][0][
+        "metadata"]["query"]
+    assert 'role="decode",job="routers"}' in query and "namespace" not in query
