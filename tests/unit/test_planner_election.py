@@ -17,6 +17,7 @@ import pytest_asyncio
 from pdserve_testing import etcd_keys
 from prometheus_client import CollectorRegistry
 from unit.fake_worker import eventually
+from unit.fakes import ROUTER_MODEL, asgi_http_client
 
 from pdserve.membership import MembershipConfig, create_election, leader_key
 from pdserve.membership.election import StaticElection
@@ -29,6 +30,7 @@ from pdserve.router.dispatch.slo import SloConfig
 from pdserve.router.dispatch.worker_state import StepCost
 from pdserve.router.dispatch.workers import WorkerPool
 from pdserve.router.planner_loop import PlannerLoop
+from pdserve.router.server import Router, RouterConfig, build_router
 
 TTL_S = 2
 LONG_TTL_S = 30  # far longer than SETTLE_S: only a revoke can end such a lease in time
@@ -265,3 +267,34 @@ async def test_a_router_with_etcd_membership_campaigns_only_with_the_planner_on(
         await election.close()
         await pool.close()
     assert not create_election(config, False, "router-b").is_leader
+
+
+async def test_two_routers_on_etcd_elect_one_planner_and_say_which(etcd: LocalEtcd,
+                                                                   tokenizer: Any) -> None:
+    """``build_router`` as ``pdserve router --etcd URL --planner on`` wires it, twice:
+    one replica leads (``/workers``' ``planner``), and a clean close hands over."""
+    membership = MembershipConfig("etcd", etcd_url=etcd.url, cluster="election-routers",
+                                  ttl_s=LONG_TTL_S)
+    routers: list[Router] = []
+    for port in (18001, 18002):
+        router = build_router(RouterConfig(
+            model_path="unused", served_model_name=ROUTER_MODEL, prefill=(), decode=(),
+            port=port, membership=membership, planner=PlannerConfig(mode="on")), tokenizer)
+        await router.start()
+        routers.append(router)
+    try:
+        elections = [r.election for r in routers]
+        await eventually(lambda: sum(e.is_leader for e in elections) == 1, SETTLE_S, "one")
+        first = next(i for i, e in enumerate(elections) if e.is_leader)
+        views = []
+        for router in routers:
+            async with asgi_http_client(router.app) as http:
+                views.append((await http.get("/workers")).json()["planner"])
+        assert [v["leader"] for v in views] == [i == first for i in range(2)]
+        assert views[first]["leader_id"] == elections[first].candidate_id
+        assert f":{18001 + first}:" in elections[first].candidate_id
+        await routers[first].close()
+        await eventually(lambda: elections[1 - first].is_leader, SETTLE_S, "handover")
+    finally:
+        for router in routers:
+            await router.close()
