@@ -1,9 +1,10 @@
 """Cluster authentication of router→worker gRPC calls.
 
-Clients attach ``x-pdserve-cluster-token`` (``ClusterSecret.grpc_token``, an
-HMAC of a fixed label under the cluster secret) to every call through a channel
-interceptor, so no call site can forget it. Workers check it in constant time
-in a server interceptor and answer UNAUTHENTICATED otherwise, counting and
+The router attaches ``x-pdserve-cluster-token`` (``ClusterSecret.grpc_token``, an
+HMAC of a fixed label under the cluster secret) to every call as call metadata
+(``call_metadata``): all its calls go through one adapter (``WorkerClient``), so no
+call site can forget it; blocking probes use a channel interceptor. Workers check
+it in constant time in a server interceptor and answer UNAUTHENTICATED otherwise, counting and
 logging the refusal (``pdserve.core.cluster_secret.note_refusal``, plane ``grpc``).
 
 The standard health service (``grpc.health.v1``) stays open: orchestrator
@@ -36,31 +37,12 @@ def _with_token(metadata: Any, token: str) -> list[tuple[str, str | bytes]]:
     return [*(tuple(m) for m in (metadata or ()) if m[0] != TOKEN_HEADER), (TOKEN_HEADER, token)]
 
 
-class _AioToken:
-    def __init__(self, secret: ClusterSecret) -> None:
-        self._token = secret.grpc_token
-
-    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        return grpc.aio.ClientCallDetails(
-            details.method, details.timeout,
-            grpc.aio.Metadata(*_with_token(details.metadata, self._token)),
-            details.credentials, details.wait_for_ready)
-
-
-# Two classes, not one with both bases: an asyncio channel files each interceptor
-# under the first call kind it matches, so one object would miss every stream.
-class AioUnaryToken(_AioToken, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation: Callable[..., Any],
-                                    client_call_details: grpc.aio.ClientCallDetails,
-                                    request: Any) -> Any:
-        return await continuation(self._details(client_call_details), request)
-
-
-class AioStreamToken(_AioToken, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation: Callable[..., Any],
-                                     client_call_details: grpc.aio.ClientCallDetails,
-                                     request: Any) -> Any:
-        return await continuation(self._details(client_call_details), request)
+def call_metadata(secret: ClusterSecret | None) -> tuple[tuple[str, str], ...]:
+    """The metadata every router call carries (``metadata=`` of each call): the cluster
+    token with a ``secret``, nothing without. Per call, not a channel interceptor: an
+    asyncio interceptor wraps every streamed message of a call in one more coroutine hop,
+    and the router reads one message per token. ``WorkerClient`` makes every call."""
+    return () if secret is None else ((TOKEN_HEADER, secret.grpc_token),)
 
 
 class _CallDetails(namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials",
@@ -85,14 +67,12 @@ class SyncTokenInterceptor(grpc.UnaryUnaryClientInterceptor):
 
 
 def aio_channel(endpoint: str, options: Sequence[tuple[str, Any]],
-                secret: ClusterSecret | None, tls: GrpcTls | None = None) -> grpc.aio.Channel:
-    """A channel to a worker: TLS with ``tls``, the cluster token on every call with
-    ``secret``, plain otherwise."""
-    interceptors = client_interceptors(secret)
+                tls: GrpcTls | None = None) -> grpc.aio.Channel:
+    """A channel to a worker: TLS with ``tls``, plain otherwise. The cluster token goes
+    on each call (``call_metadata``)."""
     if tls is None:
-        return grpc.aio.insecure_channel(endpoint, options=options, interceptors=interceptors)
-    return grpc.aio.secure_channel(endpoint, tls.channel_credentials(), options=options,
-                                   interceptors=interceptors)
+        return grpc.aio.insecure_channel(endpoint, options=options)
+    return grpc.aio.secure_channel(endpoint, tls.channel_credentials(), options=options)
 
 
 def sync_channel(endpoint: str, secret: ClusterSecret | None, tls: GrpcTls | None = None,
@@ -101,12 +81,6 @@ def sync_channel(endpoint: str, secret: ClusterSecret | None, tls: GrpcTls | Non
     channel = (grpc.insecure_channel(endpoint, options=options) if tls is None
                else grpc.secure_channel(endpoint, tls.channel_credentials(), options=options))
     return intercept_sync(channel, secret)
-
-
-def client_interceptors(secret: ClusterSecret | None) -> list[grpc.aio.ClientInterceptor]:
-    """For ``grpc.aio.*_channel(..., interceptors=...)``: the token on every unary and
-    server-streaming call (all ``WorkerService`` has); none without a secret."""
-    return [] if secret is None else [AioUnaryToken(secret), AioStreamToken(secret)]
 
 
 def intercept_sync(channel: grpc.Channel, secret: ClusterSecret | None) -> grpc.Channel:
@@ -154,13 +128,22 @@ def _refusal(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandl
         await refuse(context)
         yield  # pragma: no cover - abort raised
 
+    # Request streams (Session) are refused without reading. The handlers must be
+    # ``async def`` functions themselves: grpc runs anything else as blocking code.
+    async def stream_in(requests: Any, context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[Any]:
+        await refuse(context)
+        yield  # pragma: no cover - abort raised
+
+    async def unary_in(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        await refuse(context)
+
     codec = dict(request_deserializer=handler.request_deserializer,
                  response_serializer=handler.response_serializer)
-    if handler.request_streaming:  # WorkerService has none; refuse without reading
+    if handler.request_streaming:
         if handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(
-                lambda it, ctx: stream(None, ctx), **codec)
-        return grpc.stream_unary_rpc_method_handler(lambda it, ctx: unary(None, ctx), **codec)
+            return grpc.stream_stream_rpc_method_handler(stream_in, **codec)
+        return grpc.stream_unary_rpc_method_handler(unary_in, **codec)
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(stream, **codec)
     return grpc.unary_unary_rpc_method_handler(unary, **codec)

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import grpc
@@ -31,6 +31,7 @@ from pdserve.worker.backend import ErrorKind, WorkerBackend, WorkerError
 from pdserve.worker.kv_mirror import KvCacheMirror
 from pdserve.worker.kv_relay import kv_changes, kv_snapshot
 from pdserve.worker.lifecycle import ServingState
+from pdserve.worker.session import RequestFailed, WorkerSession
 
 logger = logging.getLogger("pdserve.worker")
 # After a drain: what is still running is cancelled (and so aborted) this soon.
@@ -54,23 +55,41 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
+            outputs = self._outputs(request, context.time_remaining())
+            async with contextlib.aclosing(outputs):
+                async for response in outputs:
+                    yield response
+        except RequestFailed as exc:
+            await context.abort(exc.code, exc.details)
+
+    async def Session(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[pb.SessionRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.SessionBatch]:
+        async for batch in WorkerSession(self._outputs).serve(request_iterator):
+            yield batch
+
+    async def _outputs(self, request: pb.GenerateRequest, timeout_s: float | None
+                       ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """One request's responses, for ``Generate`` and ``Session`` alike; a failure is
+        a ``RequestFailed`` with its status. Cancelling (the router cancelled the call,
+        or its deadline passed) closes the backend's outputs: that aborts the request
+        and frees its KV."""
+        try:
             with self._state.admission.call():
-                phase = replace(admit(request, self._backend.health()),
-                                timeout_s=context.time_remaining())
+                phase = replace(admit(request, self._backend.health()), timeout_s=timeout_s)
                 outputs = self._backend.generate(phase)
                 async with contextlib.aclosing(outputs):
                     async for out in outputs:
                         yield convert.phase_output_to_pb(out)
         except asyncio.CancelledError:
-            # The router cancelled the call, or its deadline passed (gRPC cancels the
-            # handler then): closing the outputs aborted the request and freed its KV.
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status for the router
             if isinstance(exc, ValueError):  # the request's fault (the engine refused it)
                 logger.warning("request %s refused: %s", request.request_id, exc)
             elif not isinstance(exc, WorkerError):
                 logger.exception("request %s failed", request.request_id)
-            await context.abort(*status_of(exc))
+            raise RequestFailed(*status_of(exc)) from exc
 
     async def Abort(  # noqa: N802 - gRPC method name
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext

@@ -224,6 +224,38 @@ class PhaseTiming(_message.Message):
     kv_load_ns: int
     def __init__(self, admitted_unix_ns: _Optional[int] = ..., first_token_unix_ns: _Optional[int] = ..., queue_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., kv_load_ns: _Optional[int] = ...) -> None: ...
 
+class SessionRequest(_message.Message):
+    __slots__ = ("stream_id", "start", "cancel", "timeout_ns")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_NS_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    start: GenerateRequest
+    cancel: bool
+    timeout_ns: int
+    def __init__(self, stream_id: _Optional[int] = ..., start: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., timeout_ns: _Optional[int] = ...) -> None: ...
+
+class SessionOutput(_message.Message):
+    __slots__ = ("stream_id", "response", "end", "status_code", "status_details")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    response: GenerateResponse
+    end: bool
+    status_code: int
+    status_details: str
+    def __init__(self, stream_id: _Optional[int] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., end: _Optional[bool] = ..., status_code: _Optional[int] = ..., status_details: _Optional[str] = ...) -> None: ...
+
+class SessionBatch(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[SessionOutput]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[SessionOutput, _Mapping]]] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class WorkerServiceStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/pdserve.v1.WorkerService/Session',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.SessionBatch.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.WorkerService/Abort',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -77,6 +82,18 @@ class WorkerServiceServicer:
     def Generate(self, request, context):
         """Run one phase of a request; streams tokens as the engine makes them.
         Cancelling the call aborts the request in the engine.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """One router's Generate calls on this worker over one stream (what the router
+        uses; Generate stays for other clients and older routers). The router sends
+        starts and cancels; the worker sends, per batch, every output its requests
+        produced since the previous batch (an engine step's tokens for all of them),
+        so the router reads one message per step, not one per request per token. The
+        stream ending (either side gone) cancels every request on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -134,6 +151,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.SessionRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.SessionBatch.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -193,6 +215,33 @@ class WorkerService:
             '/pdserve.v1.WorkerService/Generate',
             pdserve_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.WorkerService/Session',
+            pdserve_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.SessionBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,186 @@
+"""The router side of a worker's ``Session``: every request this router runs on one
+worker, over one gRPC stream (``worker.proto``: ``Session``).
+
+The worker sends one ``SessionBatch`` per engine step with the outputs of all of this
+router's requests; one reader task reads it and hands each output to its request's
+``SessionStream`` (a deque and a future: no queue, no task per message). So the router
+pays one gRPC read and one event-loop wake per engine step, not per request per token.
+
+Ownership and errors:
+- A ``SessionStream`` belongs to the caller that started it, who must ``finish`` it
+  (``WorkerClient.generate`` does, in a ``finally``): an unfinished stream is cancelled
+  on the worker, which aborts the request and frees its KV.
+- Each stream has its own deadline (a timer, not a wait per message): past it the
+  stream fails with ``DEADLINE_EXCEEDED`` and is cancelled on the worker.
+- A session lasts while it has streams: the last ``finish`` closes its side, and the
+  worker ends the call once its last request has ended (nothing lingers when idle).
+- If the session's call fails (the worker died, restarted or refused the call), every
+  stream on it fails with that call's status, as each ``Generate`` call would have; the
+  next ``start`` opens a new session. A worker without ``Session`` (UNIMPLEMENTED: an
+  older version) marks this session ``unsupported``: the client falls back to
+  ``Generate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from pdserve.proto.pdserve.v1 import worker_pb2 as pb
+
+logger = logging.getLogger("pdserve.router.dispatch")
+_EOF = grpc.aio.EOF
+DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+class SessionCallError(Exception):
+    """A stream's failure: ``code`` is the gRPC status code's name."""
+
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code = code
+        self.details = details
+
+
+class SessionStream:
+    """One request's outputs as they arrive: ``pb.SessionOutput``s, or the
+    ``SessionCallError`` that ends it."""
+
+    __slots__ = ("stream_id", "items", "ended", "_waiter", "_timer")
+
+    def __init__(self, stream_id: int) -> None:
+        self.stream_id = stream_id
+        self.items: collections.deque[Any] = collections.deque()
+        self.ended = False  # its last output (or failure) was received
+        self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def push(self, item: Any) -> None:
+        self.items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def next(self) -> Any:
+        """The next output, or the exception that ends the stream (raised)."""
+        if not self.items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self.items.popleft()
+        if isinstance(item, SessionCallError):
+            # The session failed (nothing runs on the worker any more), or the deadline
+            # passed here (the request still runs there: ``finish`` cancels it).
+            self.ended = item.code != DEADLINE_EXCEEDED
+            raise item
+        if item.end:
+            self.ended = True
+        return item
+
+
+class RouterSession:
+    """The session to one worker; opened on the first ``start``, again after a failure."""
+
+    def __init__(self, stub: Any, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._stub = stub
+        self._md = metadata
+        self._streams: dict[int, SessionStream] = {}
+        self._outbox: asyncio.Queue[pb.SessionRequest | None] | None = None
+        self._readers: set[asyncio.Task[None]] = set()  # this and closing sessions'
+        self._next_id = 0
+        self.unsupported = False
+
+    def start(self, request: pb.GenerateRequest, timeout_s: float) -> SessionStream:
+        """Start ``request`` on the worker; ``finish`` the stream when done with it."""
+        if self._outbox is None:
+            self._open()
+        assert self._outbox is not None
+        self._next_id += 1
+        stream = SessionStream(self._next_id)
+        self._streams[stream.stream_id] = stream
+        stream._timer = asyncio.get_running_loop().call_later(
+            max(timeout_s, 0.0), self._expire, stream, timeout_s)
+        self._outbox.put_nowait(pb.SessionRequest(
+            stream_id=stream.stream_id, start=request, timeout_ns=int(timeout_s * 1e9)))
+        return stream
+
+    def finish(self, stream: SessionStream) -> None:
+        """The caller is done with ``stream``: cancelled on the worker unless it ended."""
+        if stream._timer is not None:
+            stream._timer.cancel()
+        if self._streams.pop(stream.stream_id, None) is None:
+            return  # its session is gone: nothing runs on the worker
+        outbox = self._outbox
+        if outbox is None:
+            return
+        if not stream.ended:
+            outbox.put_nowait(pb.SessionRequest(stream_id=stream.stream_id, cancel=True))
+        if not self._streams:  # idle: the session ends (the next start opens another)
+            outbox.put_nowait(None)
+            self._outbox = None
+
+    async def close(self) -> None:
+        if self._outbox is not None:
+            self._outbox.put_nowait(None)
+        readers = list(self._readers)
+        for reader in readers:
+            reader.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+
+    def _expire(self, stream: SessionStream, timeout_s: float) -> None:
+        stream.push(SessionCallError(
+            DEADLINE_EXCEEDED, f"the call's deadline ({timeout_s:.3g} s) passed"))
+
+    def _open(self) -> None:
+        outbox: asyncio.Queue[pb.SessionRequest | None] = asyncio.Queue()
+        call = self._stub.Session(_drain(outbox), metadata=self._md)
+        self._outbox = outbox
+        self._streams = {}
+        reader = asyncio.create_task(self._read(call, outbox, self._streams))
+        self._readers.add(reader)
+        reader.add_done_callback(self._readers.discard)
+
+    async def _read(self, call: Any, outbox: asyncio.Queue[pb.SessionRequest | None],
+                    streams: dict[int, SessionStream]) -> None:
+        error = SessionCallError("UNAVAILABLE", "the worker ended the session")
+        try:
+            while (batch := await call.read()) is not _EOF:
+                for output in batch.outputs:
+                    stream = streams.get(output.stream_id)
+                    if stream is not None:
+                        stream.push(output)
+        except grpc.aio.AioRpcError as exc:
+            error = SessionCallError(exc.code().name, exc.details() or "")
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self.unsupported = True
+        except asyncio.CancelledError:
+            error = SessionCallError("CANCELLED", "the router closed the session")
+            raise
+        finally:
+            call.cancel()
+            if self._outbox is outbox:  # the next start opens a new session
+                self._outbox = None
+            outbox.put_nowait(None)
+            for stream in list(streams.values()):
+                stream.push(error)
+            if streams and error.code != "CANCELLED":
+                logger.info("session with a worker ended: %s", error)
+
+
+async def _drain(outbox: asyncio.Queue[pb.SessionRequest | None]
+                 ) -> AsyncIterator[pb.SessionRequest]:
+    while (msg := await outbox.get()) is not None:
+        yield msg
+
+
+def code_name(number: int) -> str:
+    """A gRPC status code number's name (``"UNAVAILABLE"``)."""
+    return _CODE_NAMES.get(number, "UNKNOWN")

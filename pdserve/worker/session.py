@@ -1,0 +1,120 @@
+"""The worker side of a ``Session``: one router's requests over one gRPC stream.
+
+Each started request runs as a ``Generate`` call would (``run`` is the servicer's own
+code: admission, backend, error mapping), in a task of its own; its outputs go to one
+outbox. The writer sends the outbox as one ``SessionBatch`` whenever it has something:
+after the first output of a wake-up it yields once to the event loop, so every request
+that the same engine step woke has added its output by then (vLLM's output handler
+wakes all of a step's requests in one pass). A request's own outputs stay in order.
+
+Ownership: the session owns its request tasks. A ``cancel`` from the router, or the
+stream ending for any reason, cancels them; cancelling closes the backend's output
+iterator, which aborts the request in the engine and frees its KV, exactly as a
+cancelled ``Generate`` call does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+
+import grpc
+
+from pdserve.proto.pdserve.v1 import worker_pb2 as pb
+
+logger = logging.getLogger("pdserve.worker")
+
+# One request's outputs, as the servicer makes them for Generate; raises a
+# (code, details) ``RequestFailed`` where Generate would end with that status.
+RunRequest = Callable[[pb.GenerateRequest, float | None],
+                      AsyncGenerator[pb.GenerateResponse, None]]
+
+
+class RequestFailed(Exception):
+    """A request ended with a gRPC status other than OK (its outputs stop there)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class WorkerSession:
+    """One ``Session`` stream: reads the router's requests, runs them, batches outputs."""
+
+    def __init__(self, run: RunRequest) -> None:
+        self._run = run
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._outbox: list[pb.SessionOutput] = []
+        self._wake = asyncio.Event()
+        self._reading = True
+
+    async def serve(self, requests: AsyncIterator[pb.SessionRequest]
+                    ) -> AsyncIterator[pb.SessionBatch]:
+        """The batches to send, until the router closes its side and every request
+        has ended; the stream's end (or cancellation) cancels what still runs."""
+        reader = asyncio.create_task(self._read(requests))
+        try:
+            while self._reading or self._tasks or self._outbox:
+                if not self._outbox:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    await asyncio.sleep(0)  # the rest of this engine step's outputs
+                batch, self._outbox = self._outbox, []
+                if batch:
+                    yield pb.SessionBatch(outputs=batch)
+        finally:
+            reader.cancel()
+            tasks = list(self._tasks.values())
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(reader, *tasks, return_exceptions=True)
+
+    async def _read(self, requests: AsyncIterator[pb.SessionRequest]) -> None:
+        try:
+            async for msg in requests:
+                if msg.HasField("start"):
+                    self._start(msg.stream_id, msg.start,
+                                msg.timeout_ns / 1e9 if msg.timeout_ns else None)
+                elif (task := self._tasks.get(msg.stream_id)) is not None:
+                    task.cancel()
+        except grpc.aio.AioRpcError as exc:  # the router is gone: the stream ends
+            logger.info("session ended by its router: %s", exc.code().name)
+        finally:
+            self._reading = False
+            self._wake.set()
+
+    def _start(self, stream_id: int, request: pb.GenerateRequest, timeout_s: float | None
+               ) -> None:
+        if stream_id in self._tasks:
+            self._put(pb.SessionOutput(
+                stream_id=stream_id, end=True,
+                status_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                status_details=f"stream {stream_id} is already running on this session"))
+            return
+        self._tasks[stream_id] = asyncio.create_task(self._one(stream_id, request, timeout_s))
+
+    async def _one(self, stream_id: int, request: pb.GenerateRequest, timeout_s: float | None
+                   ) -> None:
+        end = pb.SessionOutput(stream_id=stream_id, end=True)
+        try:
+            async with contextlib.aclosing(self._run(request, timeout_s)) as responses:
+                async for response in responses:
+                    self._put(pb.SessionOutput(stream_id=stream_id, response=response))
+        except asyncio.CancelledError:
+            return  # cancelled by the router (or the session's end): it reads no more
+        except RequestFailed as exc:
+            end.status_code, end.status_details = exc.code.value[0], exc.details
+        except Exception as exc:  # noqa: BLE001 - a bug in the run: the router is told
+            logger.exception("session request %d failed", stream_id)
+            end.status_code = grpc.StatusCode.INTERNAL.value[0]
+            end.status_details = f"{type(exc).__name__}: {exc}"
+        finally:
+            del self._tasks[stream_id]
+        self._put(end)
+
+    def _put(self, output: pb.SessionOutput) -> None:
+        self._outbox.append(output)
+        self._wake.set()
