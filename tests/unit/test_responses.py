@@ -7,6 +7,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve.core.types import SamplingSpec
 from pdserve.router.http.preprocess import GenerationRequest
@@ -33,3 +35,18 @@ def test_later_chunks_encode_as_pydantic_does(endpoint: str, include_usage: bool
         delta = OutputDelta(text, ids, finish)
         want = b"".join(sse_event(e) for e in reference.stream_events(delta, first))
         assert formatter.encode_stream(delta, first) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(texts=st.lists(st.text(max_size=12), min_size=1, max_size=6),
+       endpoint=st.sampled_from(("completions", "chat")), include_usage=st.booleans())
+def test_the_plain_chunk_fast_path_gives_pydantics_bytes(
+        texts: list[str], endpoint: str, include_usage: bool) -> None:
+    """Any text (controls, quotes, backslashes, astral characters): the pre-rendered
+    frame with orjson's string gives what the whole chunk's pydantic rendering gives."""
+    formatter = formatter_for(request(endpoint, include_usage, False))
+    reference = formatter_for(request(endpoint, include_usage, False))
+    for i, text in enumerate(["opening", *texts]):
+        delta = OutputDelta(text, [1], None)
+        want = b"".join(sse_event(e) for e in reference.stream_events(delta, i == 0))
+        assert formatter.encode_stream(delta, i == 0) == want

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.router.http.detokenize import IncrementalDetokenizer, StopStringMatcher
@@ -105,3 +105,24 @@ def test_matcher_any_split_gives_the_truncated_text(
         assert out == text[: min(hits)[1]] and matcher.matched is not None
     else:
         assert out + matcher.flush() == text and matcher.matched is None
+
+
+class _PythonOnly:
+    """The tokenizer's ``decode`` alone: the detokenizer's Python algorithm."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.decode = tokenizer.decode
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(0, 49151), max_size=40), step=st.integers(1, 4),
+       skip=st.booleans())
+def test_the_rust_stream_gives_the_python_algorithms_deltas(
+        tokenizer: Any, ids: list[int], step: int, skip: bool) -> None:
+    """Any ids (special tokens, split characters, byte tokens): the same deltas, step by
+    step, from ``DecodeStream`` as from the two ``decode`` calls per token."""
+    rust = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+    python = IncrementalDetokenizer(_PythonOnly(tokenizer), skip_special_tokens=skip)
+    assert rust._stream is not None and python._stream is None
+    assert stream(rust, ids, step) == stream(python, ids, step)

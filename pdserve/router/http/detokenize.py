@@ -12,6 +12,9 @@ stop token (``add(..., last_stops=True)``), as vLLM does.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+from tokenizers.decoders import DecodeStream
 
 from pdserve.router.http.base import TokenDecoder
 
@@ -64,6 +67,15 @@ class StopStringMatcher:
         return longest
 
 
+def rust_tokenizer(tokenizer: Any) -> Any | None:
+    """The ``tokenizers.Tokenizer`` behind a Hugging Face fast tokenizer whose ``decode``
+    is exactly that tokenizer's (no clean-up of spaces afterwards); else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return backend
+
+
 class IncrementalDetokenizer:
     """Decodes one request's output ids into text deltas (the TGI/vLLM offsets algorithm).
 
@@ -71,6 +83,11 @@ class IncrementalDetokenizer:
     whose decoding depends on the previous token) to the end, and emits what goes past
     the text of ``[prefix_offset, read_offset)``, unless the window ends in an incomplete
     character, in which case it waits for more ids.
+
+    With a fast tokenizer (``rust_tokenizer``) the same algorithm runs in Rust
+    (``tokenizers``' ``DecodeStream``): one call per token instead of two Python
+    ``decode`` calls. If it ever refuses a step, the Python algorithm takes over from
+    the same offsets.
     """
 
     def __init__(
@@ -88,6 +105,9 @@ class IncrementalDetokenizer:
         self._decoded: list[str] = []  # what the decoder emitted, before stop handling
         self.token_ids: list[int] = []  # ids consumed, up to the one completing a stop
         self._num_silent = 0  # 1 once the stop token that ended the output is in token_ids
+        self._rust = rust_tokenizer(tokenizer)
+        self._stream = (None if self._rust is None
+                        else DecodeStream(skip_special_tokens=skip_special_tokens))
 
     @property
     def stopped(self) -> bool:
@@ -127,6 +147,17 @@ class IncrementalDetokenizer:
         return text if self.stopped else text + self._matcher.flush()
 
     def _decode_next(self) -> str:
+        if self._stream is not None:
+            try:
+                delta = self._stream.step(self._rust, self.token_ids[-1])
+            except Exception:  # noqa: BLE001 - Rust's InvalidPrefix: decode in Python
+                self._stream = None
+            else:
+                if delta is None:
+                    return ""
+                self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+                self._decoded.append(delta)
+                return delta
         prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
         window = self._decode(self.token_ids[self._prefix_offset :])
         if len(window) <= len(prefix) or window.endswith(_INCOMPLETE):

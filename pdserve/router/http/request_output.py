@@ -133,6 +133,10 @@ class Choices:
     def consume(self, index: int, chunk: TokenChunk) -> OutputDelta:
         return self.outputs[index].consume(chunk)
 
+    def stopped(self, delta: OutputDelta) -> bool:
+        """Whether ``delta``'s choice just ended by its stop string (then ``after``)."""
+        return self.outputs[delta.index].stopped_by_string
+
     async def after(self, delta: OutputDelta) -> bool:
         """Whether to read on after ``delta``. A choice ended by its stop string is closed
         (its workers abort it): with one choice, that is the request (stop reading, the

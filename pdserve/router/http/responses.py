@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import orjson
+
 from pdserve.core.types import TokenLogprobs
 from pdserve.router.http.base import APIError
 from pdserve.router.http.logprobs import LogprobText, chat_entries, completion_logprobs
@@ -36,6 +38,9 @@ from pdserve.router.http.response_schemas import (
 from pdserve.router.http.tools import ChoiceToolParser
 
 SSE_DONE = b"data: [DONE]\n\n"
+# The text of a template choice: its JSON string is cut out and the real text's put in.
+_MARK = "@@pdserve-text@@"
+_MARK_JSON = b'"' + _MARK.encode() + b'"'
 
 
 def sse_event(payload: Envelope) -> bytes:
@@ -93,6 +98,7 @@ class ResponseFormatter:
         self.request = request
         self._logprob_text = logprob_text
         self._frame: tuple[bytes, bytes] | None = None
+        self._plain: dict[int, tuple[bytes, bytes]] = {}  # per choice: see ``_render_plain``
 
     @property
     def top_k(self) -> int | None:
@@ -102,13 +108,39 @@ class ResponseFormatter:
         """SSE bytes for one chunk of one choice. After the request's first, every
         chunk's envelope is the same bytes: they are rendered once, and only the choice
         is serialized (the envelope's field-omitting serializer made pydantic call back
-        into Python per chunk)."""
+        into Python per chunk). The usual chunk, text alone, takes the fast path
+        (``_plain``): pre-rendered bytes around the text's JSON, no model at all."""
+        if not first and self._is_plain(delta):
+            if not delta.text:
+                return b""  # nothing new to say
+            frame = self._plain.get(delta.index) or self._render_plain(delta.index)
+            return frame[0] + orjson.dumps(delta.text) + frame[1]
         events = self.stream_events(delta, first)
         if first:
             return b"".join(sse_event(event) for event in events)
         head, tail = self._frame or self._render_frame()
         return b"".join(head + event.choices[0].model_dump_json().encode() + tail
                         for event in events)
+
+    def _is_plain(self, delta: OutputDelta) -> bool:
+        """Whether ``delta``'s chunk is the text alone: a choice already opened, not its
+        last chunk, no logprobs, no token ids, no tool parser (subclasses say more)."""
+        return (delta.finish_reason is None and self.top_k is None
+                and not self.request.return_token_ids)
+
+    def _render_plain(self, index: int) -> tuple[bytes, bytes]:
+        """The SSE bytes before and after a plain chunk's text, for choice ``index``: a
+        template chunk rendered by the slow path's own models, cut at the text."""
+        head, tail = self._frame or self._render_frame()
+        choice = self._plain_choice(index, _MARK).model_dump_json().encode()
+        before, marker, after = choice.partition(_MARK_JSON)
+        if not marker:
+            raise RuntimeError("plain chunk template without its text")
+        self._plain[index] = (head + before, after + tail)
+        return self._plain[index]
+
+    def _plain_choice(self, index: int, text: str) -> Any:
+        raise NotImplementedError
 
     def _render_frame(self) -> tuple[bytes, bytes]:
         """The SSE bytes before and after a later chunk's one choice, by pydantic itself."""
@@ -185,6 +217,12 @@ class CompletionFormatter(ResponseFormatter):
                                      output.disagg)
         return CompletionResponse(choices=choices, **fields)
 
+    def _is_plain(self, delta: OutputDelta) -> bool:
+        return delta.index in self._started and super()._is_plain(delta)
+
+    def _plain_choice(self, index: int, text: str) -> CompletionChoice:
+        return CompletionChoice(index=index, text=text, finish_reason=None, logprobs=None)
+
     def stream_events(self, delta: OutputDelta, first: bool) -> list[Envelope]:
         opening = delta.index not in self._started
         self._started.add(delta.index)
@@ -254,6 +292,13 @@ class ChatFormatter(ResponseFormatter):
             index=c.index, message=AssistantMessage(content=content, **extra),
             finish_reason=finish_reason, logprobs=self._logprobs(c.logprobs, ()),
             **self._token_ids(c.token_ids))
+
+    def _is_plain(self, delta: OutputDelta) -> bool:
+        return (delta.index in self._opened and self.request.tools is None
+                and super()._is_plain(delta))
+
+    def _plain_choice(self, index: int, text: str) -> ChatStreamChoice:
+        return ChatStreamChoice(index=index, delta=ChatDelta(content=text), finish_reason=None)
 
     def stream_events(self, delta: OutputDelta, first: bool) -> list[Envelope]:
         events: list[Envelope] = []

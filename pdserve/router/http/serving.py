@@ -147,15 +147,17 @@ class OpenAIServing:
         try:
             async with closing(choices.chunks):
                 yield formatter.encode_stream(first, first=True)
-                more = await choices.after(first)
-                while more:
-                    item = await anext(choices.chunks, None)
+                more = not choices.stopped(first) or await choices.after(first)
+                chunks, consume, encode = choices.chunks, choices.consume, formatter.encode_stream
+                stopped, after = choices.stopped, choices.after
+                while more:  # per token: no coroutine but the read, no model, one write
+                    item = await anext(chunks, None)
                     if item is None:
                         break
-                    delta = choices.consume(*item)
-                    if events := formatter.encode_stream(delta, first=False):
+                    delta = consume(*item)
+                    if events := encode(delta, False):
                         yield events
-                    more = await choices.after(delta)
+                    more = not stopped(delta) or await after(delta)
             for output in choices.outputs:
                 output.check_finished()
             if request.include_usage:
