@@ -114,7 +114,7 @@ def router_config(args: argparse.Namespace, model: ResolvedModel) -> RouterConfi
         membership=MembershipConfig.from_flags(
             args.etcd, args.cluster, args.etcd_ttl_s, prefill, decode, args.workers_file),
         cluster_secret_file=args.cluster_secret_file, tls=tls_files(args),
-        planner=planner_config(args), tools=tool_config(args),
+        planner=planner_config(args), tools=tool_config(args), reuse_port=args.reuse_port,
     )
 
 

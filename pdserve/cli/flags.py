@@ -339,6 +339,13 @@ FLAGS = _flags(
          "only on a loopback --admin-host)", None, parse_api_keys, repeat=True,
          metavar="KEY"),
     Flag("admin-host", "the admin listener's bind address", "127.0.0.1"),
+    Flag("processes", "router processes on this one --port (SO_REUSEPORT: the kernel spreads "
+         "connections), each a full router following membership and KV events; "
+         "--max-concurrent/queued-requests are split between them, process i serves its "
+         "admin listener on --admin-port + i, and only process 0 may run the planner",
+         1, parse_int(1)),
+    Flag("reuse-port", "bind --port with SO_REUSEPORT, beside other routers on it (what "
+         "--processes sets for each of its processes)", False, parse_bool, switch=True),
     Flag("max-concurrent-requests", "generation requests running at once; more wait in "
          "the queue", 256, parse_int(1)),
     Flag("max-queued-requests", "generation requests waiting for a slot; beyond: 429 "

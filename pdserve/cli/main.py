@@ -37,7 +37,8 @@ EDGE = ("api-key", "api-key-file", "admin-port", "admin-host", "admin-key",
         "drain-timeout-s")
 ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement", "kv-pool",
           "served-model-name", "log-timeline", "disable-metrics", "max-migrations",
-          "request-timeout-s", "grpc-keepalive-s") + DISAGG + EDGE + OPENAI
+          "request-timeout-s", "grpc-keepalive-s", "processes", "reuse-port"
+          ) + DISAGG + EDGE + OPENAI
 UP = ("host", "port", "num-prefill", "num-decode", "placement", "kv-pool", "cpu-layout",
       "with-etcd",
       "startup-timeout-s", "max-restarts", "restart-window-s", "simulated", "worker-metrics",
@@ -100,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the command line as given: --processes re-runs it per process
     setup_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
     try:
         return _run(args)
@@ -149,7 +151,12 @@ def _run_router(args: argparse.Namespace, model: ResolvedModel) -> int:
     from pdserve.cli.configs import router_config
     from pdserve.router.server import run_router
 
-    run_router(router_config(args, model))
+    config = router_config(args, model)
+    if args.processes > 1:
+        from pdserve.launch.router_processes import run_router_processes
+
+        return run_router_processes(args.argv, config, args.processes)
+    run_router(config)
     return 0
 
 

@@ -65,6 +65,7 @@ class ChildSpec:
     argv: Sequence[str]
     log: Path  # stdout and stderr; a restart appends to it
     env: Mapping[str, str] = field(default_factory=dict)  # on top of the supervisor's
+    fresh_log: bool = True  # emptied at the first start (False: the log is shared, stderr)
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ class Supervisor:
     def _spawn(self, child: SupervisedChild, *, first: bool) -> None:
         spec = child.spec
         spec.log.parent.mkdir(parents=True, exist_ok=True)
-        if first:
+        if first and spec.fresh_log:
             spec.log.write_bytes(b"")
         else:
             child.num_restarts += 1

@@ -78,6 +78,7 @@ class RouterConfig:
     cluster_secret_file: str | None = None
     tls: TlsFiles = TlsFiles()  # gRPC to workers over TLS when set
     planner: PlannerConfig = PlannerConfig()  # roles that follow the load (router/planner.py)
+    reuse_port: bool = False  # bind with SO_REUSEPORT (one of --processes on one port)
     tools: ToolConfig = ToolConfig()  # tool calling with vLLM's parser (router/tools.py)
 
     def __post_init__(self) -> None:
@@ -193,8 +194,9 @@ async def serve_router(config: RouterConfig) -> None:
                 else "no API keys", config.edge.max_concurrent, config.edge.max_queued,
                 f", admin on http://{config.edge.admin_host}:{config.edge.admin_port}"
                 if admin else "", "" if config.metrics else ", metrics off")
+    sockets = [_reuse_port_socket(config.host, config.port)] if config.reuse_port else None
     try:
-        await asyncio.gather(server.serve(), *(a.serve() for a in admin))
+        await asyncio.gather(server.serve(sockets), *(a.serve() for a in admin))
     finally:
         await router.close()
 
@@ -222,6 +224,18 @@ class _QuietServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+def _reuse_port_socket(host: str, port: int) -> socket.socket:
+    """The listening socket of one of several routers on ``host:port``: the kernel gives
+    each new connection to one of them (SO_REUSEPORT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
 
 
 def run_router(config: RouterConfig) -> None:
