@@ -218,4 +218,5 @@ def up_config(args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
         log_format=args.log_format, edge=edge_config(args),
         worker_metrics=args.worker_metrics,
         metrics_targets_file=args.metrics_targets_file or "",
+        router_processes=args.router_processes,
     )

@@ -344,6 +344,8 @@ FLAGS = _flags(
          "--max-concurrent/queued-requests are split between them, process i serves its "
          "admin listener on --admin-port + i, and only process 0 may run the planner",
          1, parse_int(1)),
+    Flag("router-processes", "up: the router's --processes (router processes on --port)",
+         1, parse_int(1)),
     Flag("reuse-port", "bind --port with SO_REUSEPORT, beside other routers on it (what "
          "--processes sets for each of its processes)", False, parse_bool, switch=True),
     Flag("max-concurrent-requests", "generation requests running at once; more wait in "

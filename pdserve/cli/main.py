@@ -42,7 +42,7 @@ ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement", "kv-
 UP = ("host", "port", "num-prefill", "num-decode", "placement", "kv-pool", "cpu-layout",
       "with-etcd",
       "startup-timeout-s", "max-restarts", "restart-window-s", "simulated", "worker-metrics",
-      "metrics-targets-file") + DISAGG + EDGE + OPENAI
+      "metrics-targets-file", "router-processes") + DISAGG + EDGE + OPENAI
 # The cluster secret: the router, every worker and up (which hands it to its children).
 SECURITY = ("cluster-secret-file", "tls-cert", "tls-key", "tls-ca")
 SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",

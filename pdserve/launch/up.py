@@ -83,6 +83,7 @@ class UpConfig:
     edge: EdgeConfig = EdgeConfig()  # the router's too (its keys in its environment)
     worker_metrics: bool = True  # each worker gets a free /metrics port
     metrics_targets_file: str = ""  # Prometheus file_sd JSON, written once ready
+    router_processes: int = 1  # the router's --processes (its scrape target: process 0's)
     # How ``dtype`` was resolved (printed at start-up).
     dtype_choice: DtypeChoice | None = field(default=None, compare=False)
 
@@ -150,7 +151,8 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     router_argv = py + ["router", *common, "--host", cfg.host, "--port", str(cfg.port),
                         *workers, "--placement", cfg.placement,
                         "--kv-pool", "on" if cfg.kv_pool else "off", *cfg.disagg.flags(),
-                        *cfg.planner.flags(), *cfg.edge.flags(), *cfg.tools.flags()]
+                        *cfg.planner.flags(), *cfg.edge.flags(), *cfg.tools.flags(),
+                        "--processes", str(cfg.router_processes)]
     probe_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     # Ready once the router itself sees every worker healthy: a worker's own Health
     # turns ready up to one router health interval before the router places on it,

@@ -214,6 +214,7 @@ BAD_VALUES = {
                                              "router": {"planner": "on"}},
     "keda with the planner off": {"keda": {"enabled": True}},
     "keda scaling decode to zero": {"keda": {"decode": {"minReplicas": 0}}},
+    "no router process": {"router": {"processes": 0}},
 }
 
 
@@ -295,3 +296,27 @@ def test_keda_scales_each_worker_deployment_from_the_leaders_desired_replicas(
     query = by_kind(own, "ScaledObject")["pd-pdserve-decode"]["spec"]["triggers"][0][
         "metadata"]["query"]
     assert 'role="decode",job="routers"}' in query and "namespace" not in query
+
+
+def test_each_router_process_has_an_admin_port_the_service_monitor_scrapes(chart: Any) -> None:
+    """router.processes: PDSERVE_PROCESSES, and process i's admin listener (adminPort + i)
+    as a named port of the pod and the Service, each an endpoint of the ServiceMonitor."""
+    docs = render(chart, {**EVERYTHING, "router": {**EVERYTHING.get("router", {}),
+                                                   "processes": 3, "adminPort": 8101}})
+    (router,) = [d for n, d in by_kind(docs, "Deployment").items() if n.endswith("-router")]
+    assert env_of(router)["PDSERVE_PROCESSES"] == "3"
+    assert env_of(router)["PDSERVE_ADMIN_PORT"] == "8101"
+    ports = {p["name"]: p["containerPort"] for p in container(router)["ports"]}
+    assert {k: v for k, v in ports.items() if k.startswith("admin")} == {
+        "admin": 8101, "admin-1": 8102, "admin-2": 8103}
+    (service,) = [d for n, d in by_kind(docs, "Service").items() if n.endswith("-router")]
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]
+            if p["name"].startswith("admin")} == {"admin": 8101, "admin-1": 8102,
+                                                  "admin-2": 8103}
+    (monitor,) = by_kind(docs, "ServiceMonitor").values()
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} == {
+        "admin", "admin-1", "admin-2", "metrics"}
+    one = render(chart, EVERYTHING)
+    (router,) = [d for n, d in by_kind(one, "Deployment").items() if n.endswith("-router")]
+    assert env_of(router)["PDSERVE_PROCESSES"] == "1"
+    assert [p["name"] for p in container(router)["ports"]] == ["http", "admin"]
