@@ -86,6 +86,26 @@ TOOLS: dict[str, Tool] = {
         "--json",
         ("--profile", {"help": "py-spy the router during (c) into this file (raw collapsed "
                        "stacks: one line per stack, its sample count last)"}),
+        ("--parts", {"nargs": "+", "choices": configs.ROUTER_COST_PARTS,
+                     "help": "latency: (a)-(c); stream: CPU per streamed token with paced "
+                     "engines, the rate per process count, vllm-router beside it"}),
+        ("--streams", {"type": int, "help": "stream: concurrent streams of the paced passes"}),
+        ("--stream-tokens", {"type": int, "help": "stream: tokens per stream, long pass"}),
+        ("--short-rounds", {"type": int, "help": "stream: rounds of 2-token streams"}),
+        ("--lone-requests", {"type": int, "help": "stream: lone requests each way (added "
+                             "TTFT)"}),
+        ("--probe-streams", {"type": int, "help": "stream: streams straight from the "
+                             "engines beside the routed ones (the engines' own ITL)"}),
+        ("--ms-per-token", {"type": float, "help": "stream: the decode engines' pacing"}),
+        ("--processes-list", {"type": int, "nargs": "+",
+                              "help": "stream: router processes, one sweep each"}),
+        ("--sweep-streams", {"type": int, "nargs": "+",
+                             "help": "stream: offered streams, rising, until ITL p99 > "
+                             "1.1 x the engines' own"}),
+        ("--sweep-tokens", {"type": int, "help": "stream: tokens per request in the sweep"}),
+        ("--sweep-window-s", {"type": float, "help": "stream: steady seconds per sweep step"}),
+        ("--skip-vllm-router", {"action": "store_true",
+                                "help": "stream: no vllm-router baseline"}),
     )),
     "metrics-overhead": Tool("metrics_overhead", configs.MetricsOverheadConfig,
                              "what the router's metrics cost: metrics on vs off (sim "

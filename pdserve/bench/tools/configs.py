@@ -9,6 +9,8 @@ from dataclasses import dataclass
 TRANSFER_TOKENS = (1024, 4096, 16384)
 TRANSFER_BLOCK_SIZE = 128
 FAULTS = ("kill-prefill", "kill-decode", "stop-decode", "kill-etcd", "restart-router")
+# router-cost: (a)-(c), the latency and per-chunk cost; stream, the paced streaming cost.
+ROUTER_COST_PARTS = ("latency", "stream")
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,33 @@ class RouterCostConfig:
     loop_tokens: int = 16  # (c): max_tokens per request
     json: str | None = None  # also write the numbers to this file
     profile: str | None = None  # py-spy the router during (c) into this file
+    parts: tuple[str, ...] = ("latency",)
+    streams: int = 48  # stream: concurrent streams of the paced passes
+    stream_tokens: int = 200  # stream: tokens per stream of the long pass
+    short_rounds: int = 4  # stream: rounds of 2-token streams (per-request cost)
+    lone_requests: int = 30  # stream: lone requests each way (added TTFT)
+    probe_streams: int = 8  # stream: direct streams beside the routed ones (engines' ITL)
+    ms_per_token: float = 20.0  # stream: the decode engines' pacing
+    processes_list: tuple[int, ...] = (1, 2, 4)  # stream: router processes, one sweep each
+    sweep_streams: tuple[int, ...] = (16, 32, 64, 96, 128, 192, 256, 384)
+    sweep_tokens: int = 100  # stream: tokens per request in the sweep
+    sweep_window_s: float = 4.0  # stream: steady-state seconds measured per sweep step
+    skip_vllm_router: bool = False  # stream: no vllm-router baseline
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.parts if p not in ROUTER_COST_PARTS]
+        if unknown or not self.parts:
+            raise ValueError(f"unknown part(s) {', '.join(unknown) or '(none given)'}; "
+                             f"valid: {', '.join(ROUTER_COST_PARTS)}")
+        if self.stream_tokens <= 2 or self.sweep_tokens < 2:
+            raise ValueError("--stream-tokens must be > 2 and --sweep-tokens >= 2")
+        if min(self.streams, self.short_rounds, self.lone_requests, self.probe_streams,
+               *self.processes_list,
+               *self.sweep_streams) < 1 or self.ms_per_token <= 0:
+            raise ValueError("stream counts, rounds, processes and --ms-per-token must be "
+                             "positive")
+        if list(self.sweep_streams) != sorted(self.sweep_streams):
+            raise ValueError("--sweep-streams must rise")
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,12 @@ decode, no modelled compute) and one router, each a process of its own.
       router process's CPU %.
 
 Prints ratios against the targets (added p50 <= 1 ms per request, <= 50 us per chunk).
+Those are ``--parts latency`` (the default); ``--parts stream`` measures the router's CPU
+per streamed token with engines that pace their tokens, the rate one process sustains
+per process count, and vLLM's ``vllm-router`` beside it (``router_stream``).
 
     pdserve bench router-cost            # --requests 300 --clients 16
+    pdserve bench router-cost --parts latency stream
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ import psutil
 
 from pdserve.bench.tools.configs import RouterCostConfig
 from pdserve.bench.tools.procs import Proc, ProcGroup
+from pdserve.bench.tools.router_stream import run_stream
+from pdserve.bench.tools.stream_report import report as stream_report
 from pdserve.core import process
 from pdserve.core.ports import free_port
 from pdserve.core.types import PhaseRequest, SamplingSpec
@@ -184,7 +190,7 @@ def profiler(pid: int, out: str | None, duration_s: float, log_dir: Path
 
 
 async def measure_all(cfg: RouterCostConfig, url: str, p_ep: str, d_ep: str, pid: int,
-                      log_dir: Path) -> None:
+                      log_dir: Path) -> dict[str, float]:
     p, d = WorkerClient(p_ep), WorkerClient(d_ep)
     try:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
@@ -202,14 +208,24 @@ async def measure_all(cfg: RouterCostConfig, url: str, p_ep: str, d_ep: str, pid
         await asyncio.gather(p.close(), d.close())
     summary = summarize(short, long, cfg.long_tokens)
     report(summary, loop)
-    if cfg.json:
-        Path(cfg.json).write_text(json.dumps({**summary, **loop}, indent=2))
+    return {**summary, **loop}
 
 
-def run(cfg: RouterCostConfig) -> int:
+def run_latency(cfg: RouterCostConfig) -> dict[str, float]:
+    """(a)-(c) against their own sims and router."""
     log_dir = Path(tempfile.mkdtemp(prefix="bench-router-cost-"))
     procs, url, p_ep, d_ep = children(log_dir)
     with ProcGroup(procs) as group:
         group.wait_ready(120)
-        asyncio.run(measure_all(cfg, url, p_ep, d_ep, group.pid("router"), log_dir))
+        return asyncio.run(measure_all(cfg, url, p_ep, d_ep, group.pid("router"), log_dir))
+
+
+def run(cfg: RouterCostConfig) -> int:
+    numbers: dict[str, object] = {}
+    if "latency" in cfg.parts:
+        numbers.update(run_latency(cfg))
+    if "stream" in cfg.parts:
+        numbers["stream"] = stream_report(cfg, run_stream(cfg))
+    if cfg.json:
+        Path(cfg.json).write_text(json.dumps(numbers, indent=2))
     return 0
