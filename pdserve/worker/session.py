@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
@@ -94,7 +95,10 @@ class WorkerSession:
                 status_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
                 status_details=f"stream {stream_id} is already running on this session"))
             return
-        self._tasks[stream_id] = asyncio.create_task(self._one(stream_id, request, timeout_s))
+        task = asyncio.create_task(self._one(stream_id, request, timeout_s))
+        self._tasks[stream_id] = task
+        # Not in ``_one``: a task cancelled before it first ran never runs its code.
+        task.add_done_callback(functools.partial(self._ended, stream_id))
 
     async def _one(self, stream_id: int, request: pb.GenerateRequest, timeout_s: float | None
                    ) -> None:
@@ -111,9 +115,14 @@ class WorkerSession:
             logger.exception("session request %d failed", stream_id)
             end.status_code = grpc.StatusCode.INTERNAL.value[0]
             end.status_details = f"{type(exc).__name__}: {exc}"
-        finally:
-            del self._tasks[stream_id]
         self._put(end)
+
+    def _ended(self, stream_id: int, task: asyncio.Task[None]) -> None:
+        """A request's task is done, however (a cancelled one sends nothing): the
+        writer looks again whether the session is over."""
+        if self._tasks.get(stream_id) is task:
+            del self._tasks[stream_id]
+        self._wake.set()
 
     def _put(self, output: pb.SessionOutput) -> None:
         self._outbox.append(output)
