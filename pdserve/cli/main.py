@@ -46,7 +46,7 @@ UP = ("host", "port", "num-prefill", "num-decode", "placement", "kv-pool", "cpu-
 # The cluster secret: the router, every worker and up (which hands it to its children).
 SECURITY = ("cluster-secret-file", "tls-cert", "tls-key", "tls-ca")
 SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",
-       "prefill-us-per-token", "decode-ms-per-token", "log-level", "log-format",
+       "prefill-us-per-token", "decode-ms-per-token", "decode-lockstep", "log-level", "log-format",
        "grpc-keepalive-s", "drain-timeout-s", "metrics-port", "metrics-host") + MEMBERSHIP
 
 _HTTP = {"host": {"help": "the router's HTTP bind address"},

@@ -102,7 +102,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         health = self._backend.health()
         if self._state.closed:  # the router's health loop stops placing here
             health = replace(health, ready=False)
-        return convert.health_to_pb(health)
+        reply = convert.health_to_pb(health)
+        reply.session = True  # this servicer has Session
+        return reply
 
     async def SetRole(  # noqa: N802 - gRPC method name
         self, request: pb.SetRoleRequest, context: grpc.aio.ServicerContext

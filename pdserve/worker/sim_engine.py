@@ -31,6 +31,9 @@ class SimConfig:
     step_overhead_s: float = 2e-3
     decode_s_per_token: float = 2e-3
     max_model_len: int = 4096
+    # True: every running decode gets its next token on one shared step clock, as a real
+    # engine's batch does (one step, a token for each); False: each on its own timer.
+    lockstep: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -63,6 +66,7 @@ class SimEngine:
         self.mirror = KvCacheMirror(config.block_size)
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._compute = asyncio.Lock()
+        self._step = _StepClock(config.decode_s_per_token) if config.lockstep else None
 
     @property
     def kv_cache_usage(self) -> float:
@@ -118,7 +122,10 @@ class SimEngine:
         try:
             seed = sum(prompt)
             for i in range(first_index, first_index + max_tokens):
-                await asyncio.sleep(self.config.decode_s_per_token)
+                if self._step is not None:
+                    await self._step.next()
+                else:
+                    await asyncio.sleep(self.config.decode_s_per_token)
                 yield 10 + (seed + i) % 1000
         finally:
             self.counters.num_running_reqs -= 1
@@ -138,3 +145,25 @@ class SimEngine:
     def clear(self) -> None:
         self._lru.clear()
         self.mirror.apply(True, (), ())
+
+
+class _StepClock:
+    """The lockstep decode's engine step: ``next`` returns at the end of the step that is
+    running (every waiter of one step together). It ticks only while someone waits."""
+
+    def __init__(self, period_s: float) -> None:
+        self._period_s = period_s
+        self._step: asyncio.Future[None] | None = None
+
+    async def next(self) -> None:
+        if self._step is None:
+            loop = asyncio.get_running_loop()
+            self._step = loop.create_future()
+            loop.call_later(self._period_s, self._tick)
+        await asyncio.shield(self._step)
+
+    def _tick(self) -> None:
+        step, self._step = self._step, None
+        if step is not None and not step.done():
+            step.set_result(None)
+

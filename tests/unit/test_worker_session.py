@@ -5,9 +5,8 @@ one stream per (router, worker) carrying every request of the router, one
 Batching is checked on ``WorkerSession`` alone, with a scripted ``run`` whose requests
 wake on shared engine ``Steps`` (exact batch counts); the rest through gRPC: a
 ``WorkerClient`` against the scripted worker (``fake_worker.py``) whose sessions a spy
-records, and the ``PDDispatcher`` migrating off a decode worker that died. One known
-bug is kept as a non-strict xfail: the fallback from a new session to ``Generate`` on a
-worker without ``Session`` races grpc (see its reason)."""
+records, and the ``PDDispatcher`` migrating off a decode worker that died. A worker
+without ``Session`` is told by its ``Health``."""
 
 from __future__ import annotations
 
@@ -464,7 +463,18 @@ class Registrations:
         self.service, self.handlers = service, handlers
 
 
-class RefusingServicer(WorkerServicer):
+class OldServicer(WorkerServicer):
+    """``Health`` as a worker from before ``Session`` answers it: no ``session`` there."""
+
+    async def Health(  # noqa: N802 - gRPC method name
+        self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HealthResponse:
+        reply = await super().Health(request, context)
+        reply.ClearField("session")
+        return reply
+
+
+class RefusingServicer(OldServicer):
     """Answers ``Session`` as a worker without it does (UNIMPLEMENTED), but only once it
     has read the router's first message: no write of the router's is then in flight
     when the status comes (see the xfail test below for why that matters)."""
@@ -489,7 +499,7 @@ async def old_worker(refusing: bool) -> AsyncIterator[FakeWorker]:
         pb_grpc.add_WorkerServiceServicer_to_server(RefusingServicer(backend), server)
     else:
         known = Registrations()
-        pb_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(backend), known)
+        pb_grpc.add_WorkerServiceServicer_to_server(OldServicer(backend), known)
         handlers = {name: h for name, h in known.handlers.items() if name != "Session"}
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(known.service, handlers),))
@@ -519,16 +529,16 @@ async def test_a_worker_without_session_is_served_over_generate() -> None:
     assert sorted(g.request_id for g in worker.servicer.generates) == sorted(prompts)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "several starts written on a new session to a worker without Session: a write in "
-    "flight when UNIMPLEMENTED arrives makes grpc aio end the call INTERNAL ('Internal "
-    "error from Core'), so the session is not marked unsupported and those requests fail; "
-    "rarer with one start (the first message's write can race the status too)"))
 async def test_concurrent_first_requests_to_a_worker_without_session_fall_back() -> None:
+    """A worker from before ``Session`` says nothing of it in ``Health``: after the pool's
+    health check every request goes over ``Generate``, even the first ones, together (an
+    UNIMPLEMENTED session call with writes in flight can end INTERNAL in grpc instead,
+    which would fail them)."""
     prompts = {f"r{i}": (*PROMPT, i) for i in range(8)}
     async with old_worker(refusing=False) as worker:
         client = WorkerClient(worker.endpoint)
         try:
+            assert (await client.health(5)).ready
             answers = await asyncio.gather(
                 *(answer(client, decode_request(rid, p, 6)) for rid, p in prompts.items()),
                 return_exceptions=True)

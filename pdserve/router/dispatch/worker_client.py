@@ -130,9 +130,12 @@ class WorkerClient:
         return reply.found
 
     async def health(self, timeout_s: float) -> WorkerHealth:
-        """Raises ``ValueError`` if the worker names no known role."""
-        return convert.health_from_pb(
-            await self._unary(self._stub.Health, pb.HealthRequest(), timeout_s))
+        """Raises ``ValueError`` if the worker names no known role. A worker that does not
+        say it serves ``Session`` (an older one) is called over ``Generate`` from then on
+        (the pool checks health before it places anything on a worker)."""
+        reply = await self._unary(self._stub.Health, pb.HealthRequest(), timeout_s)
+        self._session.unsupported = not reply.session
+        return convert.health_from_pb(reply)
 
     async def load(self, timeout_s: float) -> WorkerLoadReport:
         return convert.load_from_pb(

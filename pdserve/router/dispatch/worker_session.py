@@ -16,9 +16,11 @@ Ownership and errors:
   worker ends the call once its last request has ended (nothing lingers when idle).
 - If the session's call fails (the worker died, restarted or refused the call), every
   stream on it fails with that call's status, as each ``Generate`` call would have; the
-  next ``start`` opens a new session. A worker without ``Session`` (UNIMPLEMENTED: an
-  older version) marks this session ``unsupported``: the client falls back to
-  ``Generate``.
+  next ``start`` opens a new session. A worker without ``Session`` (an older version)
+  is known from its ``Health`` (no ``session`` there): ``unsupported``, and the client
+  uses ``Generate``. A client that never read its health learns it from UNIMPLEMENTED
+  instead; grpc may end such a call INTERNAL if a write is in flight, which then fails
+  those requests, so the pool's health check comes first.
 """
 
 from __future__ import annotations
