@@ -106,6 +106,9 @@ TOOLS: dict[str, Tool] = {
         ("--sweep-window-s", {"type": float, "help": "stream: steady seconds per sweep step"}),
         ("--skip-vllm-router", {"action": "store_true",
                                 "help": "stream: no vllm-router baseline"}),
+        ("--lockstep", {"action": argparse.BooleanOptionalAction,
+                        "help": "stream: the sim decode steps its running requests together "
+                        "(a real engine's batch); --no-lockstep: each on its own timer"}),
     )),
     "metrics-overhead": Tool("metrics_overhead", configs.MetricsOverheadConfig,
                              "what the router's metrics cost: metrics on vs off (sim "

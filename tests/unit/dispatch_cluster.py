@@ -70,11 +70,12 @@ class Cluster:
         assert self.p.aborts == [] and self.d.aborts == []
 
 
-# A Session's reader tasks (router and worker side, and grpc's own that sends the
-# router's side): they outlive the last request by the time the worker takes to end
-# the idle session's call.
+# A Session's tasks (its readers on the router and the worker, grpc's own that sends the
+# router's side and waits for the call's end): a session outlives its last request
+# (``worker_session.SESSION_IDLE_S``); ``test_worker_session`` checks that it ends.
 _SESSION_TASKS = {"RouterSession._read", "WorkerSession._read",
-                  "_StreamRequestMixin._consume_request_iterator"}
+                  "_StreamRequestMixin._consume_request_iterator",
+                  "StreamStreamCall._prepare_rpc"}
 
 
 @contextlib.asynccontextmanager

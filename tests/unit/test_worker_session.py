@@ -32,6 +32,7 @@ from pdserve.worker.servicer import WorkerServicer, start_worker_server
 from pdserve.worker.session import WorkerSession
 
 WAIT_S = 2.0
+IDLE_S = 0.3  # the router's sessions here end this soon after their last request
 ABORT_S = 0.02  # what the fake's engine abort awaits
 
 
@@ -313,7 +314,7 @@ async def bench(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Bench]:
     backend.script.tokens_from_context = True
     serving = await start_worker_server(backend)
     worker = FakeWorker(backend, serving.server, serving.port, serving)
-    client = WorkerClient(worker.endpoint)
+    client = WorkerClient(worker.endpoint, session_idle_s=IDLE_S)
     try:
         yield Bench(worker, client, spy, asyncio.all_tasks())
     finally:
@@ -552,8 +553,9 @@ async def test_concurrent_first_requests_to_a_worker_without_session_fall_back()
 
 @pytest.mark.parametrize("how", ["finished", "closed", "deadline"])
 async def test_an_idle_session_ends(bench: Bench, how: str) -> None:
-    """However its last request ends, the session then ends on both sides (no task
-    left); the next request opens a new one."""
+    """However its last request ends, a request soon after reuses the session; once it
+    has been idle ``IDLE_S`` it ends on both sides (no task left), and the next request
+    opens a new one."""
     bench.backend.script.token_delay_s = 0.02
     request = decode_request("r1", PROMPT, 5 if how == "finished" else 100)
     outputs = bench.client.generate(request, timeout_s=0.3 if how == "deadline" else 10.0)
@@ -564,6 +566,8 @@ async def test_an_idle_session_ends(bench: Bench, how: str) -> None:
         else:
             assert len(await rest(outputs)) == 4
 
+    again = await answer(bench.client, decode_request("r0", PROMPT, 2))  # within IDLE_S
+    assert token_ids(again) == greedy_answer(PROMPT, 2) and bench.spy.num_opened == 1
     await eventually(lambda: bench.spy.num_open == 0, WAIT_S, "the worker's session ended")
     await eventually(lambda: not bench.new_tasks(), WAIT_S, "no session task left")
     assert not bench.backend.inflight and bench.spy.num_opened == 1

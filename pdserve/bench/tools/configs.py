@@ -43,6 +43,9 @@ class RouterCostConfig:
     sweep_tokens: int = 100  # stream: tokens per request in the sweep
     sweep_window_s: float = 4.0  # stream: steady-state seconds measured per sweep step
     skip_vllm_router: bool = False  # stream: no vllm-router baseline
+    # stream: the sim decode steps its running requests together, as a real engine's
+    # batch does (one Session message per step); False: each stream on its own timer
+    lockstep: bool = True
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.parts if p not in ROUTER_COST_PARTS]

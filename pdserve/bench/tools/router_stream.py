@@ -271,7 +271,7 @@ def run_stream(cfg: RouterCostConfig) -> dict[str, dict[str, object]]:
     """Every system in turn (pdserve for each N, then vllm-router): name -> results."""
     log_dir = Path(tempfile.mkdtemp(prefix="bench-router-stream-"))
     results: dict[str, dict[str, object]] = {}
-    procs, p_ep, d_ep = sims(log_dir, cfg.ms_per_token)
+    procs, p_ep, d_ep = sims(log_dir, cfg.ms_per_token, cfg.lockstep)
     with ProcGroup(procs) as group:
         group.wait_ready(READY_TIMEOUT_S)
         engines = tuple(group.pid(p.name) for p in procs)

@@ -145,11 +145,17 @@ def free_port_run(n: int) -> int:
     raise RuntimeError(f"no {n} consecutive free ports")
 
 
-def sims(log_dir: Path, ms_per_token: float) -> tuple[list[Proc], str, str]:
+def sims(log_dir: Path, ms_per_token: float, lockstep: bool = False
+         ) -> tuple[list[Proc], str, str]:
+    """A sim prefill and a sim decode paced at ``ms_per_token``; ``lockstep``: the
+    decode's running requests step together (a real engine's batch), else each on its
+    own timer."""
     ports = {role: free_port() for role in ("prefill", "decode")}
+    step = ["--decode-lockstep"] if lockstep else []
     procs = [Proc(f"sim-{role}", (*PY, "sim-worker", "--role", role, "--port", str(port),
                                   "--prefill-us-per-token", "0", "--decode-ms-per-token",
                                   str(ms_per_token if role == "decode" else 0),
+                                  *(step if role == "decode" else []),
                                   "--log-level", "WARNING"),
                   log_dir / f"sim-{role}.log", f"grpc:127.0.0.1:{port}")
              for role, port in ports.items()]

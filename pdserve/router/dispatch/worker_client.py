@@ -42,7 +42,12 @@ from pdserve.core.types import (
 from pdserve.proto import convert
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
-from pdserve.router.dispatch.worker_session import RouterSession, SessionCallError, code_name
+from pdserve.router.dispatch.worker_session import (
+    SESSION_IDLE_S,
+    RouterSession,
+    SessionCallError,
+    code_name,
+)
 
 logger = logging.getLogger("pdserve.router.dispatch")
 
@@ -74,13 +79,14 @@ class WorkerClient:
     seconds (the time the request has left)."""
 
     def __init__(self, endpoint: str, secret: ClusterSecret | None = None, *,
-                 tls: GrpcTls | None = None, keepalive_s: float = DEFAULT_KEEPALIVE_S) -> None:
+                 tls: GrpcTls | None = None, keepalive_s: float = DEFAULT_KEEPALIVE_S,
+                 session_idle_s: float = SESSION_IDLE_S) -> None:
         self.endpoint = endpoint
         # Every call carries the cluster token with a ``secret`` (``_md``); TLS with ``tls``.
         self._channel = open_channel(endpoint, keepalive_s, tls)
         self._stub = pb_grpc.WorkerServiceStub(self._channel)
         self._md = call_metadata(secret)
-        self._session = RouterSession(self._stub, self._md)
+        self._session = RouterSession(self._stub, self._md, session_idle_s)
 
     async def generate(self, request: PhaseRequest, timeout_s: float
                        ) -> AsyncIterator[PhaseOutput]:

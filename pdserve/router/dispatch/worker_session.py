@@ -12,8 +12,8 @@ Ownership and errors:
   on the worker, which aborts the request and frees its KV.
 - Each stream has its own deadline (a timer, not a wait per message): past it the
   stream fails with ``DEADLINE_EXCEEDED`` and is cancelled on the worker.
-- A session lasts while it has streams: the last ``finish`` closes its side, and the
-  worker ends the call once its last request has ended (nothing lingers when idle).
+- A session lasts while it has streams, and ``idle_s`` after its last ``finish`` (the
+  next request reuses it); then it closes its side, and the worker ends the call.
 - If the session's call fails (the worker died, restarted or refused the call), every
   stream on it fails with that call's status, as each ``Generate`` call would have; the
   next ``start`` opens a new session. A worker without ``Session`` (an older version)
@@ -38,6 +38,9 @@ from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 logger = logging.getLogger("pdserve.router.dispatch")
 _EOF = grpc.aio.EOF
 DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+# A session with no request left stays open this long for the next one (opening one
+# costs both sides a call); then it ends, and nothing lingers on either side.
+SESSION_IDLE_S = 10.0
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
@@ -91,17 +94,24 @@ class SessionStream:
 class RouterSession:
     """The session to one worker; opened on the first ``start``, again after a failure."""
 
-    def __init__(self, stub: Any, metadata: tuple[tuple[str, str], ...]) -> None:
+    def __init__(self, stub: Any, metadata: tuple[tuple[str, str], ...],
+                 idle_s: float = SESSION_IDLE_S) -> None:
+        """``idle_s``: how long a session without requests stays open for the next."""
         self._stub = stub
         self._md = metadata
+        self._idle_s = idle_s
         self._streams: dict[int, SessionStream] = {}
         self._outbox: asyncio.Queue[pb.SessionRequest | None] | None = None
+        self._idle: asyncio.TimerHandle | None = None
         self._readers: set[asyncio.Task[None]] = set()  # this and closing sessions'
         self._next_id = 0
         self.unsupported = False
 
     def start(self, request: pb.GenerateRequest, timeout_s: float) -> SessionStream:
         """Start ``request`` on the worker; ``finish`` the stream when done with it."""
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
         if self._outbox is None:
             self._open()
         assert self._outbox is not None
@@ -125,11 +135,23 @@ class RouterSession:
             return
         if not stream.ended:
             outbox.put_nowait(pb.SessionRequest(stream_id=stream.stream_id, cancel=True))
-        if not self._streams:  # idle: the session ends (the next start opens another)
-            outbox.put_nowait(None)
+        if not self._streams:  # idle: the session ends unless a start comes in time
+            if self._idle_s <= 0:
+                self._end_idle(outbox)
+            else:
+                self._idle = asyncio.get_running_loop().call_later(
+                    self._idle_s, self._end_idle, outbox)
+
+    def _end_idle(self, outbox: asyncio.Queue[pb.SessionRequest | None]) -> None:
+        self._idle = None
+        if self._outbox is outbox and not self._streams:
+            outbox.put_nowait(None)  # our side ends; the worker ends the call
             self._outbox = None
 
     async def close(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
         if self._outbox is not None:
             self._outbox.put_nowait(None)
         readers = list(self._readers)
