@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import queue
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -402,6 +403,14 @@ def stop_up(proc: subprocess.Popen[bytes]) -> process.StopReport:
     """SIGTERM ``pdserve up``'s group, then SIGKILL what is left of it and every
     descendant (workers in their own sessions, engines) after 40 s; reaped on return."""
     return process.stop([proc], grace_s=40)
+
+
+def kill_cluster(proc: subprocess.Popen[bytes]) -> process.StopReport:
+    """SIGKILL a server's group (``pdserve up``, ``vllm serve``) and every descendant at
+    once; reaped on return. How a fixture ends one whose stop no test checks: a graceful
+    stop waits seconds for each engine to shut down (``test_up_supervise.py`` checks
+    up's, on simulated workers)."""
+    return process.stop([proc], grace_s=0, sig=signal.SIGKILL)
 
 
 COMPOSE_FILE = Path(__file__).resolve().parents[1] / "deploy" / "compose" / "docker-compose.yml"

@@ -1,9 +1,10 @@
-"""Session fixtures for integration tests: one real ``pdserve up`` (router +
-prefill + decode vLLM engines) shared by every test in the session."""
+"""Fixtures for integration tests: the shared ``pdserve up`` clusters (``pd_server``:
+router, prefill and decode vLLM engines; ``clusters.py``), one at a time, each kept
+while consecutive tests ask for it; one aggregated ``vllm serve`` and the reference
+runs, the oracles."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -11,22 +12,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
-from integration.pd_cases import (
-    CASES,
-    KILL_CASE,
-    LOCAL_PREFILL_MAX_TOKENS,
-    MODEL,
-    TopLogprobs,
-    prompt_ids,
-)
-from pdserve_testing import Server, launch_up, stop_up
+from integration.clusters import STARTUP_TIMEOUT_S, TCP, ClusterSlot, PdCluster, wanted
+from integration.oracles import EngineRuns, Run, reference_requests, served_run
+from integration.pd_cases import CASES, MODEL
+from pdserve_testing import Server, kill_cluster, launch_up
 
 from pdserve.core import process
+from pdserve.core.dtype import resolve_dtype
 from pdserve.core.model import prepare_default_model
 from pdserve.core.ports import free_port
-
-STARTUP_TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="session")
@@ -42,35 +38,36 @@ def tokenizer(model_path: Path):
 
 
 @pytest.fixture(scope="session")
-def reference_engine_runs(model_path: Path, tokenizer: Any,
-                          tmp_path_factory: pytest.TempPathFactory
-                          ) -> Callable[[str], tuple[list[list[int]], list[list[TopLogprobs]]]]:
-    """Aggregated vLLM's greedy output for each of CASES, then KILL_CASE, in a dtype, with
-    each position's top-5 logprobs (one engine run per dtype, the first time it is asked
-    for)."""
-    runs: dict[str, tuple[list[list[int]], list[list[TopLogprobs]]]] = {}
+def engine_runs(model_path: Path, tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[EngineRuns]:
+    """The reference runs in dtypes other than float32, one engine run each."""
+    runs = EngineRuns(model_path, reference_requests(tokenizer),
+                      lambda dtype: tmp_path_factory.mktemp(f"reference-{dtype}"))
+    try:
+        yield runs
+    finally:
+        runs.close()
 
-    def run(dtype: str) -> tuple[list[list[int]], list[list[TopLogprobs]]]:
-        if dtype not in runs:
-            tmp = tmp_path_factory.mktemp(f"reference-{dtype}")
-            requests = [{"prompt_token_ids": prompt_ids(tokenizer, c),
-                         "max_tokens": c.max_tokens} for c in [*CASES, KILL_CASE]]
-            (tmp / "in.json").write_text(json.dumps(requests))
-            script = Path(__file__).with_name("reference_engine.py")
-            subprocess.run([sys.executable, str(script), str(model_path), str(tmp / "in.json"),
-                            str(tmp / "out.json"), dtype], check=True, timeout=600,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            tops = json.loads((tmp / "out.json.top.json").read_text())
-            runs[dtype] = (json.loads((tmp / "out.json").read_text()),
-                           [[{int(t): lp for t, lp in pos.items()} for pos in req]
-                            for req in tops])
-        return runs[dtype]
+
+@pytest.fixture(scope="session")
+def reference_engine_runs(vllm_openai: str, engine_runs: EngineRuns) -> Callable[[str], Run]:
+    """Aggregated vLLM's greedy output for each of CASES, then KILL_CASE, in a dtype, with
+    each position's top-5 logprobs (``oracles.py``): float32 from the session's ``vllm
+    serve``, another dtype from one engine run of its own; each computed once."""
+    served: list[Run] = []
+
+    def run(dtype: str) -> Run:
+        if dtype != "float32":
+            return engine_runs.get(dtype)
+        if not served:
+            served.append(served_run(vllm_openai, engine_runs.requests))
+        return served[0]
 
     return run
 
 
 @pytest.fixture(scope="session")
-def reference_runs(reference_engine_runs: Callable[[str], tuple[list[list[int]], Any]]
+def reference_runs(reference_engine_runs: Callable[[str], Run]
                    ) -> Callable[[str], list[list[int]]]:
     """The reference token ids in a dtype."""
     return lambda dtype: reference_engine_runs(dtype)[0]
@@ -87,40 +84,41 @@ def reference(references: list[list[int]]) -> list[list[int]]:
     return references[: len(CASES)]
 
 
-@pytest.fixture(scope="session")
+_SLOT = ClusterSlot()
+
+
+@pytest.fixture
 def pd_server(model_path: Path, request: pytest.FixtureRequest,
-              tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The P/D cluster, over ``--transport tcp`` unless a test parametrizes it
-    indirectly with ``"<transport>[:<MiB/s>[:<disagg>[:<dtype>]]]"`` (KV sends paced
-    by ``--kv-throttle-mib-s``; dtype float32 unless given, e.g. ``auto``). The tcp
-    cluster runs ``--disagg auto`` (CASES' short prompts on decode alone, the long ones
-    P → D); the others ``--disagg always``: they test their transport on every case.
-    One cluster at a time: pytest tears the previous one down first. Transfers are
-    checksummed."""
-    transport, _, rest = str(getattr(request, "param", "tcp")).partition(":")
-    throttle, _, rest = rest.partition(":")
-    disagg, _, dtype = rest.partition(":")
-    disagg = disagg or ("auto" if transport == "tcp" else "always")
-    env = dict(os.environ, HF_HUB_OFFLINE="1",
-               PDSERVE_CACHE=os.environ.get("PDSERVE_CACHE", str(model_path.parents[1])))
-    server = launch_up(
-        ["--dtype", dtype or "float32", "--port", str(free_port()), "--kv-cache-gib", "1",
-         "--max-model-len", "4096", "--transport", transport, "--kv-checksum", "--kv-push",
-         "--kv-throttle-mib-s", throttle or "0", "--disagg", disagg,
-         "--local-prefill-max-tokens", str(LOCAL_PREFILL_MAX_TOKENS),
-         "--tool-call-parser", "hermes", "--enable-auto-tool-choice"], env, STARTUP_TIMEOUT_S,
-        log_path=tmp_path_factory.mktemp(f"up-{transport}") / "up.log")
-    try:
-        yield server
-    finally:
-        stop_up(server.proc)
+              tmp_path_factory: pytest.TempPathFactory) -> Server:
+    """The P/D cluster ``TCP``, or the ``PdCluster`` a test parametrizes it with
+    (``indirect=True``): the running one when the test before asked for the same one."""
+
+    def start(cluster: PdCluster) -> Server:
+        env = dict(os.environ, HF_HUB_OFFLINE="1",
+                   PDSERVE_CACHE=os.environ.get("PDSERVE_CACHE", str(model_path.parents[1])))
+        log = tmp_path_factory.mktemp(f"up-{cluster.name}") / "up.log"
+        return launch_up(cluster.argv(free_port()), env, STARTUP_TIMEOUT_S, log_path=log)
+
+    return _SLOT.get(getattr(request, "param", TCP), start)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After a test, once its fixtures are down: the running cluster is killed unless
+    the next test asks for it."""
+    if wanted(nextitem) != _SLOT.cluster:
+        _SLOT.stop()
+
+
+def pytest_sessionfinish() -> None:
+    _SLOT.stop()  # an interrupted session too
 
 
 @pytest.fixture(scope="session")
-def vllm_openai(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One aggregated ``vllm serve`` (vLLM's own OpenAI server) of the model, float32,
-    with the hermes tool parser: the reference for the OpenAI surface. Its base URL
-    (``.../v1``, as ``Server.base_url``)."""
+def vllm_process(model_path: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    """The ``vllm serve`` behind ``vllm_openai``, spawned, not waited for: the process,
+    its URL and its log."""
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-serve") / "vllm.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
@@ -129,22 +127,43 @@ def vllm_openai(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             "--max-model-len", "4096", "--enforce-eager", "--host", "127.0.0.1", "--port",
             str(port), "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     proc = process.spawn(argv, log_path=log, base_env=env)
-    url = f"http://127.0.0.1:{port}"
+    try:
+        yield proc, f"http://127.0.0.1:{port}", log
+    finally:
+        kill_cluster(proc)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _early_oracles(request: pytest.FixtureRequest) -> None:
+    """At the first integration test, start the oracles later tests will use (the ``vllm
+    serve``, the engine runs of other dtypes): their engines load while the tests before
+    them run."""
+    items = request.session.items
+    if any("vllm_openai" in getattr(item, "fixturenames", ()) for item in items):
+        request.getfixturevalue("vllm_process")
+    dtypes = {resolve_dtype(cluster.dtype).dtype for item in items
+              if "reference_engine_runs" in getattr(item, "fixturenames", ())
+              and (cluster := wanted(item)) is not None} - {"float32"}
+    for dtype in sorted(dtypes):
+        request.getfixturevalue("engine_runs").start(dtype)
+
+
+@pytest.fixture(scope="session")
+def vllm_openai(vllm_process: tuple[subprocess.Popen[bytes], str, Path]) -> str:
+    """One aggregated ``vllm serve`` (vLLM's own OpenAI server) of the model, float32,
+    with the hermes tool parser: the reference for the OpenAI surface. Its base URL
+    (``.../v1``, as ``Server.base_url``), once it answers."""
+    proc, url, log = vllm_process
 
     def exited() -> str | None:
         return None if proc.poll() is None else f"vllm serve: {log.read_text()[-2000:]}"
 
-    try:
-        process.wait_ready(lambda: "" if _healthy(url) else "no /health yet", STARTUP_TIMEOUT_S,
-                           exited=exited, interval_s=1.0)
-        yield f"{url}/v1"
-    finally:
-        stop_up(proc)
+    process.wait_ready(lambda: "" if _healthy(url) else "no /health yet", STARTUP_TIMEOUT_S,
+                       exited=exited, interval_s=1.0)
+    return f"{url}/v1"
 
 
 def _healthy(url: str) -> bool:
-    import httpx
-
     try:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.HTTPError:

@@ -1,4 +1,5 @@
-"""One aggregated vLLM engine, greedy, for the P/D equality oracle.
+"""One aggregated vLLM engine, greedy, for the P/D equality oracle in a dtype the
+session's ``vllm serve`` does not run (``oracles.EngineRuns``).
 
 Run as ``python reference_engine.py MODEL IN.json OUT.json [DTYPE]`` (default
 float32): IN holds

@@ -14,9 +14,9 @@ from typing import Any
 
 import openai
 import pytest
-from integration.conftest import STARTUP_TIMEOUT_S
+from integration.clusters import STARTUP_TIMEOUT_S
 from integration.pd_cases import MODEL
-from pdserve_testing import Server, launch_up, stop_up, wait_until
+from pdserve_testing import Server, kill_cluster, launch_up, wait_until
 
 from pdserve.core.ports import free_port
 
@@ -52,7 +52,7 @@ def tier_server(model_path: Path, tmp_path_factory: pytest.TempPathFactory, tier
     try:
         yield server
     finally:
-        stop_up(server.proc)
+        kill_cluster(server.proc)
 
 
 def _complete(base_url: str, prompt: str) -> str:

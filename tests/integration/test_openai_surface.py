@@ -12,6 +12,7 @@ which path each request took.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -75,13 +76,14 @@ FALLBACKS = "pdserve:prefill_fallbacks_total"
 def both(pd: Server, vllm: str, route: str, body: dict[str, Any], path: str
          ) -> tuple[dict[str, Any], dict[str, Any]]:
     """pdserve's answer (which took ``path``: a remote one was prefilled remotely, not
-    after a failed prefill) and vLLM's, to the same request."""
+    after a failed prefill) and vLLM's, to the same request (sent to both at once)."""
     fallbacks = pd.metric(FALLBACKS)
-    ours, header = post(pd.base_url, route, body)
-    assert header.startswith(path), header
-    assert pd.metric(FALLBACKS) == fallbacks, pd.log_lines("refused", "prefill of")
-    theirs, _ = post(vllm, route, body)
-    return ours, theirs
+    with ThreadPoolExecutor(1) as pool:
+        theirs = pool.submit(post, vllm, route, body)
+        ours, header = post(pd.base_url, route, body)
+        assert header.startswith(path), header
+        assert pd.metric(FALLBACKS) == fallbacks, pd.log_lines("refused", "prefill of")
+        return ours, theirs.result()[0]
 
 
 def assert_logprobs_close(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> None:

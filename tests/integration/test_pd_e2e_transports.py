@@ -14,6 +14,7 @@ from typing import Any
 import openai
 import psutil
 import pytest
+from integration.clusters import TORCH_THROTTLED, UCX_NATIVE_DTYPE, PdCluster, cluster_id
 from integration.pd_cases import (
     BLOCK_SIZE,
     CASES,
@@ -33,12 +34,8 @@ from pdserve.router.dispatch.worker_client import probe_health
 pytestmark = pytest.mark.integration
 
 
-# The torch cluster paces KV sends (48 MiB/s) so the last test can kill a transfer.
-TORCH_THROTTLED = "torch:48"
-UCX_NATIVE_DTYPE = "ucx:0:always:auto"
-
-
-@pytest.mark.parametrize("pd_server", [UCX_NATIVE_DTYPE, TORCH_THROTTLED], indirect=True)
+@pytest.mark.parametrize("pd_server", [UCX_NATIVE_DTYPE, TORCH_THROTTLED], indirect=True,
+                         ids=cluster_id)
 def test_greedy_pd_equals_aggregated_vllm_over_each_transport(
     pd_server: Server, tokenizer: Any,
     reference_engine_runs: Callable[[str], tuple[list[list[int]], list[list[TopLogprobs]]]],
@@ -46,13 +43,13 @@ def test_greedy_pd_equals_aggregated_vllm_over_each_transport(
 ) -> None:
     """The same equality and counters with the KV over ucx and torch (gloo on CPU), each
     against one engine in the cluster's dtype; tcp is the default cluster above."""
-    param = request.node.callspec.params["pd_server"].split(":")
-    dtype = resolve_dtype(param[3] if len(param) > 3 else "float32").dtype
+    cluster: PdCluster = request.node.callspec.params["pd_server"]
+    dtype = resolve_dtype(cluster.dtype).dtype
     reference, tops = (r[: len(CASES)] for r in reference_engine_runs(dtype))
     for role in ("prefill", "decode"):
         (worker,) = pd_server.workers(role)
         health = probe_health(worker["endpoint"], timeout_s=5, secret=pd_server.secret)
-        assert (health.transport, health.dtype) == (param[0], dtype)
+        assert (health.transport, health.dtype) == (cluster.transport, dtype)
     client = openai.OpenAI(base_url=pd_server.base_url, api_key="none", timeout=120)
     before = pd_server.load("decode")
     num_decoded = 0
@@ -93,7 +90,7 @@ def _prefill_engine_and_kv_port(server: Server) -> tuple[psutil.Process, int]:
     return engine, kv_port
 
 
-@pytest.mark.parametrize("pd_server", [TORCH_THROTTLED], indirect=True)
+@pytest.mark.parametrize("pd_server", [TORCH_THROTTLED], indirect=True, ids=cluster_id)
 def test_prefill_engine_killed_mid_transfer_decode_recomputes_the_same_answer(
     pd_server: Server, tokenizer: Any, references: list[list[int]]
 ) -> None:

@@ -1,5 +1,6 @@
 """Cache-aware placement on real vLLM: ``pdserve up`` with 2 prefill workers (KV
-events on) and 1 decode worker, started once for this module.
+events on) and 1 decode worker (``TWO_PREFILL``, shared with the next file,
+``test_placement_kv_pool.py``).
 
 A repeated long prefix goes to the prefill worker that computed it (its engine
 reports the prefix hit), and a flood of one prefix spills to the other worker once
@@ -8,45 +9,31 @@ the holder is loaded."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import psutil
 import pytest
-from pdserve_testing import Server, launch_up, stop_up, wait_until
+from integration.clusters import TWO_PREFILL, cluster_id
+from pdserve_testing import Server, wait_until
 
 from pdserve.core.types import WorkerLoadReport
 from pdserve.router.dispatch.worker_client import probe_load
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration,
+              pytest.mark.parametrize("pd_server", [TWO_PREFILL], indirect=True, ids=cluster_id)]
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 128
 
 
-@pytest.fixture(scope="module")
-def cluster(model_path: Path) -> Iterator[Server]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1",
-               PDSERVE_CACHE=os.environ.get("PDSERVE_CACHE", str(model_path.parents[1])))
-    server = launch_up(["--dtype", "float32", "--kv-cache-gib", "1", "--num-prefill", "2",
-                        "--placement", "cache_aware", "--max-model-len", "4096",
-                        "--disagg", "always",  # prefill placement is under test
-                        "--port", str(_free_port())], env)
-    try:
-        assert wait_until(lambda: len(_index(server)["resyncs"]) == 2, 30), _index(server)
-        yield server
-    finally:
-        stop_up(server.proc)
-
-
-def _free_port() -> int:
-    from pdserve.core.ports import free_port
-
-    return free_port()
+@pytest.fixture
+def cluster(pd_server: Server) -> Server:
+    """The cluster once the router's prefix index has both prefill workers' KV events
+    (the ``--disagg always`` router places every prefill: placement is under test)."""
+    assert wait_until(lambda: len(_index(pd_server)["resyncs"]) == 2, 30), _index(pd_server)
+    return pd_server
 
 
 def _index(server: Server) -> dict:

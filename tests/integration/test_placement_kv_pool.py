@@ -6,41 +6,39 @@ middle of such a pull ends in a counted recompute with the same text.
 
 The prefills are sent to the workers directly, as the router's dispatch sends them
 with a pool source (which worker the router picks is tested on simulated workers):
-that pins the computing and the pulling worker."""
+that pins the computing and the pulling worker. The cluster is ``TWO_PREFILL``, shared
+with ``test_placement_e2e.py``: this file sorts after it, since its last test kills a
+worker."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import psutil
 import pytest
-from integration.conftest import STARTUP_TIMEOUT_S
+from integration.clusters import TWO_PREFILL, cluster_id
 from integration.pd_cases import MODEL
-from pdserve_testing import Server, launch_up, stop_up, wait_until
+from pdserve_testing import Server, wait_until
 
 from pdserve.core.handle import PoolSource
-from pdserve.core.ports import free_port
 from pdserve.core.types import PhaseRequest, SamplingSpec, WorkerLoadReport
 from pdserve.kv_transfer.wire import request_once
 from pdserve.router.dispatch.worker_client import WorkerClient, probe_health, probe_load
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration,
+              pytest.mark.parametrize("pd_server", [TWO_PREFILL], indirect=True, ids=cluster_id)]
 
 WORDS = "north south east west up down left right near far high low".split()
 BS = 128
 MAX_TOKENS = 8
-# Sends paced to 8 MiB/s: a 3-block pool pull of float32 SmolLM2 (5.9 MB a block) takes
-# ~2 s, long enough to kill the serving worker in its middle (the test waits for the
-# send to start, polling every 50 ms).
-THROTTLE_MIB_S = 8
+# The cluster paces sends to 8 MiB/s: a 3-block pool pull of float32 SmolLM2 (5.9 MB a
+# block) takes ~2 s, long enough to kill the serving worker in its middle (the test
+# waits for the send to start, polling every 50 ms).
 REJOIN_TIMEOUT_S = 240
 
 
@@ -49,22 +47,10 @@ def _prompt(tag: str) -> str:
     return tag + ": " + " ".join(WORDS[(i * 5 + len(tag)) % len(WORDS)] for i in range(330))
 
 
-@pytest.fixture(scope="module")
-def pool_server(model_path: Path, tmp_path_factory: pytest.TempPathFactory
-                ) -> Iterator[Server]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1",
-               PDSERVE_CACHE=os.environ.get("PDSERVE_CACHE", str(model_path.parents[1])))
-    server = launch_up(
-        ["--dtype", "float32", "--port", str(free_port()), "--kv-cache-gib", "1",
-         "--num-prefill", "2", "--num-decode", "1", "--num-kv-blocks", "8",
-         "--max-model-len", "768", "--kv-offload-gib", "0.1", "--kv-checksum",
-         "--kv-throttle-mib-s", str(THROTTLE_MIB_S), "--disagg", "always"], env,
-        STARTUP_TIMEOUT_S, log_path=tmp_path_factory.mktemp("up-pool") / "up.log")
-    _SECRET[0] = server.secret
-    try:
-        yield server
-    finally:
-        stop_up(server.proc)
+@pytest.fixture
+def pool_server(pd_server: Server) -> Server:
+    _SECRET[0] = pd_server.secret
+    return pd_server
 
 
 def _prefills(server: Server) -> list[dict[str, Any]]:
@@ -123,7 +109,10 @@ def _serve(server: Server, prefill: dict[str, Any], ids: list[int], tag: str,
 
 def _compute_on(prefill: dict[str, Any], ids: list[int]) -> None:
     """Compute ``ids`` on ``prefill`` alone (one token, no KV kept for a decode) and
-    wait until its blocks are in its host tier."""
+    wait until its blocks are in its host tier. It starts once the worker holds no
+    block: a save holds its request's blocks, and one left from an earlier test (the
+    cluster served others first) would move the count too."""
+    assert wait_until(lambda: _load(prefill).kv_cache_usage == 0.0, timeout_s=30)
     before = _load(prefill).kv_tier_save_blocks
     asyncio.run(_phase(prefill["endpoint"], PhaseRequest(
         f"pool-seed-{time.monotonic_ns()}", "prefill", tuple(ids),
