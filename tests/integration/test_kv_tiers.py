@@ -113,6 +113,9 @@ def test_a_corrupt_disk_block_is_recomputed_with_the_same_text(
     tier_server: Server, vllm_openai: str, tier_dir: Path,
 ) -> None:
     url = tier_server.base_url
+    # Once the last test's saves are done (a save holds its request's blocks): only F's
+    # then moves the count, and only F's files are newer than start_ns.
+    assert wait_until(tier_server.idle, timeout_s=30), tier_server.holding()
     saved = tier_server.load("prefill").kv_disk_saves
     start_ns = time.time_ns()
     first = _complete(url, _prompt("F"))

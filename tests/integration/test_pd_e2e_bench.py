@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from pdserve_testing import Server
+from pdserve_testing import Server, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +50,15 @@ def test_bench_run_counts_match_the_routers_counters(pd_server: Server, model_pa
         capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
         env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert proc.returncode == 0, proc.stderr
-    after = _counters(pd_server)
+
+    def counted() -> dict[str, float] | None:
+        """The router counts a request once its response has gone out (a stream's last
+        chunk may reach the client first): the counters once all 6 are."""
+        c = _counters(pd_server)
+        return c if c["all"] - before["all"] >= 6 else None
+
+    after = wait_until(counted, timeout_s=10)
+    assert after is not None, "the router never counted the run's 6 requests"
     delta = {k: after[k] - before[k] for k in before}
     result = json.loads(out.read_text())
     assert (result["num_requests"], result["skipped"]) == (6, 0)

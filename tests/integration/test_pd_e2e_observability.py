@@ -58,15 +58,18 @@ def test_every_worker_serves_vllm_and_connector_metrics_that_move_with_transfers
     assert set(targets) == {"prefill-0", "decode-0"}
     assert httpx.get(pd_server.metrics_targets["router"], timeout=5).status_code == 200
     before = {name: scrape(url) for name, url in targets.items()}
-    d0 = pd_server.load("decode")
+    p0, d0 = pd_server.load("prefill"), pd_server.load("decode")
     client = openai.OpenAI(base_url=pd_server.base_url, api_key="none", timeout=120)
     for i in range(2):  # long prompts: prefilled remotely, KV pushed to decode
         client.completions.create(model=MODEL, prompt=f"metrics {i}: " + LONG, max_tokens=3,
                                   temperature=0)
 
     def settled() -> bool:
+        """Both loaded, and every layer's push acked: the prefill counts a layer when
+        its ack arrives, which can be after the decode took the push."""
         p, d = pd_server.load("prefill"), pd_server.load("decode")
-        return d.kv_loads - d0.kv_loads >= 2 and p.num_pending_transfers == 0
+        return (d.kv_loads - d0.kv_loads >= 2 and p.num_pending_transfers == 0
+                and p.kv_layers_pushed - p0.kv_layers_pushed >= 2 * NUM_LAYERS)
     assert wait_until(settled, timeout_s=30)
     after = {name: scrape(url) for name, url in targets.items()}
     for name, samples in after.items():
@@ -94,11 +97,14 @@ def test_every_worker_serves_vllm_and_connector_metrics_that_move_with_transfers
     assert grew("decode-0", "pdserve:kv_transfer_bytes_received_total") > 0
     assert after["decode-0"]["pdserve:kv_push_fallbacks_total"][2] == \
         before["decode-0"]["pdserve:kv_push_fallbacks_total"][2]
-    # The same source as GetLoad: the connector's counters agree once nothing moves.
-    d = pd_server.load("decode")
-    assert after["decode-0"]["pdserve:kv_loads_total"][2] == d.kv_loads
-    assert after["decode-0"]["pdserve:kv_transfer_bytes_received_total"][2] == \
-        d.kv_bytes_received
+    # The same source as GetLoad: the connector's counters agree once nothing moves (a
+    # decode counts a pushed layer's bytes just after it acks it: compare until then).
+    def agree() -> bool:
+        scraped, d = scrape(targets["decode-0"]), pd_server.load("decode")
+        return (scraped["pdserve:kv_loads_total"][2] == d.kv_loads
+                and scraped["pdserve:kv_transfer_bytes_received_total"][2]
+                == d.kv_bytes_received)
+    assert wait_until(agree, timeout_s=10)
 
 
 def test_every_worker_answers_the_standard_grpc_health_check(pd_server: Server) -> None:
