@@ -573,3 +573,17 @@ async def test_an_idle_session_ends(bench: Bench, how: str) -> None:
     assert not bench.backend.inflight and bench.spy.num_opened == 1
     again = await answer(bench.client, decode_request("r2", PROMPT, 3))
     assert token_ids(again) == greedy_answer(PROMPT, 3) and bench.spy.num_opened == 2
+
+
+async def test_a_client_closed_with_grace_lets_its_running_requests_finish(bench: Bench
+                                                                          ) -> None:
+    """A worker that left the router's view is closed with a grace (it drains what it
+    runs): the session's request finishes whole; without grace it would be cancelled."""
+    bench.backend.script.token_delay_s = 0.02
+    outputs = bench.client.generate(decode_request("r1", PROMPT, 10), timeout_s=10.0)
+    first = await asyncio.wait_for(anext(outputs), WAIT_S)
+    closing = asyncio.create_task(bench.client.close(grace_s=5.0))
+    got = [first, *await rest(outputs)]
+    await asyncio.wait_for(closing, WAIT_S)
+    assert token_ids(got) == greedy_answer(PROMPT, 10)
+    assert "r1" not in bench.backend.cancelled

@@ -174,7 +174,9 @@ class WorkerClient:
             raise WorkerCallError("UNAVAILABLE", f"channel closed: {exc}") from exc
 
     async def close(self, grace_s: float | None = None) -> None:
-        await self._session.close()
+        """Close the channel; with ``grace_s`` the calls running on it (the session's
+        requests too) get that long to finish first."""
+        await self._session.close(grace_s)
         await self._channel.close(grace_s)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -103,6 +104,8 @@ class RouterSession:
         self._streams: dict[int, SessionStream] = {}
         self._outbox: asyncio.Queue[pb.SessionRequest | None] | None = None
         self._idle: asyncio.TimerHandle | None = None
+        self._no_streams = asyncio.Event()  # set while no request runs here
+        self._no_streams.set()
         self._readers: set[asyncio.Task[None]] = set()  # this and closing sessions'
         self._next_id = 0
         self.unsupported = False
@@ -115,6 +118,7 @@ class RouterSession:
         if self._outbox is None:
             self._open()
         assert self._outbox is not None
+        self._no_streams.clear()
         self._next_id += 1
         stream = SessionStream(self._next_id)
         self._streams[stream.stream_id] = stream
@@ -130,6 +134,8 @@ class RouterSession:
             stream._timer.cancel()
         if self._streams.pop(stream.stream_id, None) is None:
             return  # its session is gone: nothing runs on the worker
+        if not self._streams:
+            self._no_streams.set()
         outbox = self._outbox
         if outbox is None:
             return
@@ -148,7 +154,12 @@ class RouterSession:
             outbox.put_nowait(None)  # our side ends; the worker ends the call
             self._outbox = None
 
-    async def close(self) -> None:
+    async def close(self, grace_s: float | None = None) -> None:
+        """End the session: with ``grace_s``, the requests running on it get that long to
+        finish (a worker that left the view drains them), then what is left is cancelled."""
+        if grace_s and not self._no_streams.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._no_streams.wait(), grace_s)
         if self._idle is not None:
             self._idle.cancel()
             self._idle = None
