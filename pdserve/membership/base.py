@@ -8,7 +8,7 @@ Two sides meet here:
   ``MembershipSink`` (the router's worker pool): a full listing first, then
   changes.
 
-etcd layout (DESIGN.md "Membership"): key ``/pdserve/<cluster>/workers/<role>/<worker_id>``
+etcd layout (README "Membership"): key ``/pdserve/<cluster>/workers/<role>/<worker_id>``
 holds ``WorkerInfo.to_json()`` under a lease.
 """
 

@@ -51,7 +51,7 @@ def prompt_ids(tokenizer: Any, case: Case) -> list[int]:
 # Sent only to the cluster whose prefill engine is killed mid-transfer.
 # One output position's top candidates in the reference engine: token id -> logprob.
 TopLogprobs = dict[int, float]
-# bf16 (DESIGN.md, correctness oracle): decode recomputes t1 with another kernel and
+# bf16 (the correctness oracle: fp32 is token-exact): decode recomputes t1 with another kernel and
 # batch, so a greedy choice between two candidates this close (nats, in the reference)
 # may flip; everything before the flip must be equal.
 BF16_TIE_NATS = 0.5

@@ -3,7 +3,7 @@ the same equality with aggregated vLLM, and a prefill engine killed mid-transfer
 ucx cluster runs ``--dtype auto`` (this machine's native dtype: bfloat16 where the CPU
 has it, else float32) and is checked against one engine in that same dtype: exactly in
 float32, and in bf16 up to a first difference the engine itself scores as a near-tie
-(decode recomputes the first token with another kernel; DESIGN.md's oracle)."""
+(decode recomputes the first token with another kernel; the correctness oracle's bf16 caveat)."""
 
 from __future__ import annotations
 
