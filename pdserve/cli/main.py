@@ -14,7 +14,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pdserve.cli.flags import FLAGS, FlagParser, HelpFormatter
+from pdserve.cli.flag_types import FlagParser, HelpFormatter
+from pdserve.cli.flags import FLAGS
 from pdserve.core.logs import setup_logging
 from pdserve.core.model import DEFAULT_MODEL_NAME, ResolvedModel
 from pdserve.core.version import version

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import aetcd
 
 from pdserve.core.bounded import bounded
+from pdserve.core.tasks import cancel_and_wait
 from pdserve.membership.election import leader_key
 from pdserve.membership.etcd import (
     DEFAULT_CALL_TIMEOUT_S,
@@ -82,10 +83,8 @@ class EtcdElection:
         self._task = asyncio.create_task(self._run(), name="pdserve-election")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         self._lose("closing")
         if self.lease_id is not None:
             with contextlib.suppress(*ETCD_ERRORS):

@@ -15,6 +15,7 @@ import contextlib
 import logging
 
 from pdserve.core.bounded import bounded
+from pdserve.core.tasks import cancel_and_wait
 from pdserve.membership.base import WorkerInfo, worker_key
 from pdserve.membership.etcd import (
     DEFAULT_CALL_TIMEOUT_S,
@@ -73,10 +74,8 @@ class EtcdRegistrar:
             await self._tick()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         async with self._lock:
             self._closed = True
         if self.lease_id is not None:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Gauge
 
+from pdserve.core.tasks import cancel_and_wait
 from pdserve.core.types import Role
 from pdserve.membership import Election, StaticElection
 from pdserve.router.dispatch.demand import DemandWindow
@@ -166,10 +167,8 @@ class PlannerLoop:
             self._task = asyncio.create_task(self._run(), name="pdserve-planner")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         while True:

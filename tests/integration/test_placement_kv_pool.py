@@ -127,13 +127,20 @@ def _reference(vllm_openai: str, ids: list[int], tokenizer: Any) -> str:
     return reply.choices[0].text
 
 
+def _held_prefix(server: Server, tokenizer: Any, letter: str
+                 ) -> tuple[dict[str, Any], dict[str, Any], list[int], int]:
+    """One prefill worker (the holder) computes a fresh prompt; the other (the puller)
+    does not hold it. Returns both, the prompt's ids and its number of full blocks."""
+    holder, puller = _prefills(server)
+    ids = list(tokenizer(_prompt(letter)).input_ids)
+    _compute_on(holder, ids)
+    return holder, puller, ids, (len(ids) - 1) // BS
+
+
 def test_another_worker_loads_a_prefix_through_the_pool_with_aggregated_equal_text(
     pool_server: Server, vllm_openai: str, tokenizer: Any,
 ) -> None:
-    holder, puller = _prefills(pool_server)
-    ids = list(tokenizer(_prompt("P")).input_ids)
-    num_full = (len(ids) - 1) // BS
-    _compute_on(holder, ids)
+    holder, puller, ids, num_full = _held_prefix(pool_server, tokenizer, "P")
     held, pulled = _load(holder), _load(puller)
     tokens = _serve(pool_server, puller, ids, "ok", _source(holder, num_full))
     after_held, after_pulled = _load(holder), _load(puller)
@@ -163,10 +170,7 @@ def _engine_of(worker_id: str, server: Server) -> list[psutil.Process]:
 def test_a_peer_killed_mid_pull_ends_in_a_recompute_with_the_same_text(
     pool_server: Server, vllm_openai: str, tokenizer: Any,
 ) -> None:
-    holder, puller = _prefills(pool_server)
-    ids = list(tokenizer(_prompt("K")).input_ids)
-    num_full = (len(ids) - 1) // BS
-    _compute_on(holder, ids)
+    holder, puller, ids, num_full = _held_prefix(pool_server, tokenizer, "K")
     source = _source(holder, num_full)
     pulled = _load(puller)
     victims = _engine_of(holder["id"], pool_server)

@@ -26,6 +26,7 @@ from typing import Any
 from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.grpc_options import DEFAULT_KEEPALIVE_S
 from pdserve.core.grpc_tls import GrpcTls
+from pdserve.core.tasks import cancel_and_wait
 from pdserve.membership import Membership, WorkerInfo
 from pdserve.membership.static import static_infos
 from pdserve.router.dispatch.breaker import DEFAULT_BREAKER, BreakerConfig
@@ -195,9 +196,7 @@ class WorkerPool:
 
     async def close(self) -> None:
         for task in (self._membership_task, self._task):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait(task)
         for task in self._tasks:  # a removed worker's patient close among them
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
