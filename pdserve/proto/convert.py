@@ -217,6 +217,16 @@ def phase_output_from_pb(msg: pb.GenerateResponse) -> PhaseOutput:
         prompt_logprobs=logprobs_from_pb(msg.prompt_logprobs))
 
 
+def plain_token_ids(msg: pb.GenerateResponse) -> tuple[int, ...] | None:
+    """The token ids of an output that carries nothing else (every decode token but the
+    last: no finish reason, handle, timing or logprobs); None for any other output. The
+    express lane's one look at a message (``worker_client.WorkerClient.generate``)."""
+    if (msg.finish_reason or msg.logprobs or msg.prompt_logprobs or msg.HasField("kv_handle")
+            or msg.HasField("timing")):
+        return None
+    return tuple(msg.token_ids)
+
+
 def timing_from_pb(msg: pb.PhaseTiming) -> PhaseTiming:
     return PhaseTiming(
         admitted_unix_ns=msg.admitted_unix_ns, first_token_unix_ns=msg.first_token_unix_ns,

@@ -23,6 +23,7 @@ from pdserve.core.model import DEFAULT_MODEL_NAME
 from pdserve.core.types import FinishReason, SamplingSpec, TokenLogprobs
 from pdserve.router.dispatch.base import (
     Dispatcher,
+    Express,
     NoWorkerAvailableError,
     TokenChunk,
     WorkerFailedError,
@@ -80,6 +81,7 @@ class FakeDispatcher:
     logprobs: bool = False
     end_token: int | None = None  # appended to a "stop" output, as an engine's end of text
     calls: list[DispatchCall] = field(default_factory=list)
+    express_taken: int = 0  # tokens the express lanes of its requests carried
     completed: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
@@ -90,18 +92,28 @@ class FakeDispatcher:
     def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
         timeline: object = None, deadline: Any = None, affinity: str | None = None,
+        express: Express | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
         self.calls.append(DispatchCall(request_id, tuple(prompt_token_ids), sampling,
                                        deadline, affinity))
         if self.error_on_call is not None:
             raise self.error_on_call
-        return self._run(request_id, sampling)
+        return self._run(request_id, sampling, express)
 
-    async def _run(self, request_id: str, sampling: SamplingSpec
-                   ) -> AsyncGenerator[TokenChunk, None]:
+    async def _run(self, request_id: str, sampling: SamplingSpec,
+                   express: Express | None = None) -> AsyncGenerator[TokenChunk, None]:
         outcome = self.aborted
         try:
             async for chunk in self._chunks(sampling):
+                # The express lane, as the real dispatcher offers it: each ordinary
+                # chunk, while the reader waits for it (here, inside its ``anext``).
+                if (express is not None and express.sink is not None
+                        and chunk.finish_reason is None and not chunk.logprobs
+                        and chunk.num_cached_tokens is None
+                        and express.sink(chunk.token_ids)):
+                    express.taken += len(chunk.token_ids)
+                    self.express_taken += len(chunk.token_ids)
+                    continue
                 yield chunk
             outcome = self.completed
         except (NoWorkerAvailableError, WorkerFailedError):
@@ -163,10 +175,13 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: Any) -> Iterator[str]:
-    """Run ``app`` in a real uvicorn server on 127.0.0.1 (a free port); yield its base URL."""
+def serve_in_thread(app: Any, send_buffer: int | None = None) -> Iterator[str]:
+    """Run ``app`` in a real uvicorn server on 127.0.0.1 (a free port); yield its base URL.
+    ``send_buffer``: the connections' kernel send buffer (bytes), to fill it soon."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer is not None:  # accepted connections inherit it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)

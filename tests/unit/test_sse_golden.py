@@ -2,6 +2,9 @@
 router's streaming fast path (``tests/unit/golden/sse.json``): chat and completions,
 with and without logprobs, tools, ``n``, usage, echo, stop strings, several tokens per
 chunk, multi-byte characters split across tokens. Only ids and timestamps are masked.
+Each case runs in-process (ASGI) and through a real uvicorn server, where the express
+lane (``router/http/express.py``) writes the plain chunks itself: the bytes are the
+same, and the lane is shown to have carried them exactly where it applies.
 
 The goldens were written by the router as it was before the fast path (``python
 tests/unit/test_sse_golden.py`` rewrites them from the current code: do that only for a
@@ -17,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 GOLDEN = Path(__file__).parent / "golden" / "sse.json"
@@ -67,8 +71,13 @@ def _mask(body: str) -> str:
     return body
 
 
-async def _stream(tokenizer: Any, name: str) -> str:
-    from unit.fakes import ROUTER_MODEL, FakeDispatcher, asgi_http_client
+# The cases whose later chunks are all plain text (one choice, no stop strings, no
+# logprobs, no token ids, no tools): the express lane carries them through uvicorn.
+EXPRESS = {"cmpl", "cmpl_3_per_chunk_length", "chat"}
+
+
+async def _stream(tokenizer: Any, name: str, server: str = "asgi") -> str:
+    from unit.fakes import ROUTER_MODEL, FakeDispatcher, asgi_http_client, serve_in_thread
 
     from pdserve.router.http.app import create_app
     from pdserve.router.http.tools import ToolCalling, ToolConfig
@@ -81,16 +90,27 @@ async def _stream(tokenizer: Any, name: str) -> str:
     calling = ToolCalling.load(ToolConfig("hermes", True), tokenizer) if tools else None
     app = create_app(served_model_name=ROUTER_MODEL, max_model_len=256, tokenizer=tokenizer,
                      dispatcher=fake, tool_calling=calling)
-    async with asgi_http_client(app) as http:
-        reply = await http.post(path, json={"model": ROUTER_MODEL, **body, "stream": True})
+    request = {"model": ROUTER_MODEL, **body, "stream": True}
+    if server == "asgi":
+        async with asgi_http_client(app) as http:
+            reply = await http.post(path, json=request)
+    else:
+        with serve_in_thread(app) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=30.0) as http:
+                reply = await http.post(path, json=request)
+        # Every token but the first chunk's and the last chunk's (11 in chunks of 3:
+        # 3, 3, 3, 2).
+        middle = {"cmpl_3_per_chunk_length": 11 - 3 - 2}.get(name, len(ids) - 2)
+        assert fake.express_taken == (middle if name in EXPRESS else 0), name
     assert reply.status_code == 200, reply.text
     return _mask(reply.text)
 
 
+@pytest.mark.parametrize("server", ["asgi", "uvicorn"])
 @pytest.mark.parametrize("name", sorted(CASES))
-async def test_the_sse_bytes_are_the_goldens(tokenizer: Any, name: str) -> None:
+async def test_the_sse_bytes_are_the_goldens(tokenizer: Any, name: str, server: str) -> None:
     golden = json.loads(GOLDEN.read_text())
-    got = await _stream(tokenizer, name)
+    got = await _stream(tokenizer, name, server)
     assert got == golden[name]
     assert got.endswith("data: [DONE]\n\n")
 

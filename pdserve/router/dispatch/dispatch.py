@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from prometheus_client import CollectorRegistry
@@ -29,6 +29,7 @@ from pdserve.core.types import PhaseOutput, PhaseRequest, SamplingSpec
 from pdserve.router.dispatch.base import (
     Deadline,
     DeadlineExceededError,
+    Express,
     NoWorkerAvailableError,
     RequestRejectedError,
     TokenChunk,
@@ -170,7 +171,7 @@ class PDDispatcher:
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
         timeline: RequestTimeline | None = None, deadline: Deadline | None = None,
-        affinity: str | None = None,
+        affinity: str | None = None, express: Express | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
         timeline = timeline or RequestTimeline(request_id)
         deadline = deadline or Deadline.after(self._timeout)
@@ -211,7 +212,7 @@ class PDDispatcher:
             stream = self._decode(route.decode, _decode_request(
                 request_id, prompt_token_ids, sampling, first),
                 route.disagg if first is None else None, involved, timeline, migration,
-                deadline)
+                deadline, express)
             async with contextlib.aclosing(stream):  # closing us closes the decode call now
                 async for chunk in stream:
                     num_tokens += len(chunk.token_ids)
@@ -224,7 +225,7 @@ class PDDispatcher:
             else:
                 self._abort_later(request_id, involved)
             if self._demand is not None:
-                self._demand.on_finished(num_tokens)
+                self._demand.on_finished(num_tokens + (express.taken if express else 0))
 
     async def _prefill(self, worker: Worker, request: PhaseRequest, deadline: Deadline,
                        uncached_tokens: int, pending: PendingPrefix | None = None
@@ -263,12 +264,29 @@ class PDDispatcher:
     async def _decode(
         self, worker: Worker, request: PhaseRequest, opening: DisaggDecision | None,
         involved: list[Worker], timeline: RequestTimeline, migration: RequestMigration,
-        deadline: Deadline,
+        deadline: Deadline, express: Express | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
         """Decode on ``worker``; if it fails, on another (``migration.py`` says when and
         with what request), each call with what is left of the request's ``deadline``.
         ``opening`` is set when decode's first chunk opens the request (no prefill chunk
-        came before it): that chunk carries decode's cached tokens and it."""
+        came before it): that chunk carries decode's cached tokens and it. ``express``:
+        the request's lane (``base.Express``), offered each ordinary output with the
+        bookkeeping this loop does for it (``tap``)."""
+
+        tap: Callable[[tuple[int, ...]], bool] | None = None
+        if express is not None:
+            lane = express
+
+            def tap_lane(token_ids: tuple[int, ...]) -> bool:  # an output of tokens alone
+                sink = lane.sink
+                if sink is None or prefill_tokens or opening is not None or not sink(token_ids):
+                    return False
+                timeline.on_decode_tokens(len(token_ids))
+                migration.on_sent(token_ids)
+                lane.taken += len(token_ids)
+                return True
+
+            tap = tap_lane
         while True:
             failure: str | None = None
             ended = False  # the finish went out: a failure after it loses nothing
@@ -281,7 +299,7 @@ class PDDispatcher:
             worker_id = worker.snapshot().worker_id
             try:
                 async with contextlib.aclosing(
-                        worker.client.generate(request, timeout_s)) as outs:
+                        worker.client.generate(request, timeout_s, tap)) as outs:
                     async for out in outs:
                         if prefill_tokens:
                             worker.on_prefilled(prefill_tokens)
@@ -289,7 +307,7 @@ class PDDispatcher:
                         if (failure := failure_of_output(out)) is not None:
                             break
                         timeline.on_decode(out)
-                        migration.on_sent(out)
+                        migration.on_sent(out.token_ids)
                         cached = out.num_cached_tokens if opening is not None else None
                         chunk = TokenChunk(out.token_ids, out.finish_reason, cached, opening,
                                            out.logprobs, out.prompt_logprobs, worker_id)

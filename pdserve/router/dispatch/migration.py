@@ -123,10 +123,10 @@ class RequestMigration:
         self._sent_this_call = 0
         self.num_migrations = 0
 
-    def on_sent(self, out: PhaseOutput) -> None:
-        """The tokens of ``out`` went to the client."""
-        self._sent.extend(out.token_ids)
-        self._sent_this_call += len(out.token_ids)
+    def on_sent(self, token_ids: Sequence[int]) -> None:
+        """These tokens (an output's) went to the client."""
+        self._sent.extend(token_ids)
+        self._sent_this_call += len(token_ids)
 
     def next(self, failed: Worker, reason: str, request: PhaseRequest,
              candidates: Sequence[Worker]) -> Continuation | None:

@@ -81,14 +81,18 @@ class RequestTimeline:
             self.num_kv_tokens = out.kv_handle.num_tokens
 
     def on_decode(self, out: PhaseOutput) -> None:
+        self.on_decode_tokens(len(out.token_ids))
+        if out.timing is not None:
+            self.decode = out.timing
+
+    def on_decode_tokens(self, num_tokens: int) -> None:
+        """A decode output of ``num_tokens`` arrived (``on_decode`` without its timing)."""
         now = time.perf_counter()
         if not self.first_decode_s:
             self.first_decode_s = now
         else:
-            self.num_decode_steps += len(out.token_ids)
+            self.num_decode_steps += num_tokens
         self.last_decode_s = now
-        if out.timing is not None:
-            self.decode = out.timing
 
     def on_migrated(self) -> None:
         """Decode moved to another worker: the handoff from prefill is no longer the one

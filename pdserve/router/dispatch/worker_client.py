@@ -88,13 +88,17 @@ class WorkerClient:
         self._md = call_metadata(secret)
         self._session = RouterSession(self._stub, self._md, session_idle_s)
 
-    async def generate(self, request: PhaseRequest, timeout_s: float
+    async def generate(self, request: PhaseRequest, timeout_s: float,
+                       tap: Callable[[tuple[int, ...]], bool] | None = None
                        ) -> AsyncIterator[PhaseOutput]:
         """The phase's outputs as the worker streams them; closing this cancels the
         request on the worker. Over the worker's ``Session`` (one stream per worker for
         all of this router's requests, ``worker_session.py``); over ``Generate`` for a
         worker without it. The hot path of every streamed token: one deque pop and one
-        conversion per output, no further layer."""
+        conversion per output, no further layer. ``tap``: offered the token ids of each
+        output that carries nothing else (``convert.plain_token_ids``) and arrives while
+        this iterator's reader waits for the next; an output it takes (True) is not
+        yielded (``SessionStream.tap``; over ``Session`` only)."""
         if self._session.unsupported:
             async for out in self._generate_call(request, timeout_s):
                 yield out
@@ -102,6 +106,14 @@ class WorkerClient:
         session = self._session
         stream = session.start(convert.phase_request_to_pb(request), timeout_s)
         from_pb = convert.phase_output_from_pb
+        if tap is not None:
+            plain = convert.plain_token_ids
+
+            def offered(output: pb.SessionOutput) -> bool:
+                ids = None if output.end else plain(output.response)
+                return ids is not None and tap(ids)
+
+            stream.tap = offered
         try:
             while True:
                 output = await stream.next()

@@ -5,6 +5,10 @@ The worker sends one ``SessionBatch`` per engine step with the outputs of all of
 router's requests; one reader task reads it and hands each output to its request's
 ``SessionStream`` (a deque and a future: no queue, no task per message). So the router
 pays one gRPC read and one event-loop wake per engine step, not per request per token.
+A stream may have a ``tap``: the reader offers it each output that would wake the
+stream's consumer from an idle wait (the consumer waits in ``next`` and nothing is
+queued before the output), and an output the tap takes is not queued at all: the
+request's express lane (``base.Express``) writes it to its client from here.
 
 Ownership and errors:
 - A ``SessionStream`` belongs to the caller that started it, who must ``finish`` it
@@ -29,7 +33,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -58,14 +62,33 @@ class SessionStream:
     """One request's outputs as they arrive: ``pb.SessionOutput``s, or the
     ``SessionCallError`` that ends it."""
 
-    __slots__ = ("stream_id", "items", "ended", "_waiter", "_timer")
+    __slots__ = ("stream_id", "items", "ended", "tap", "_waiter", "_timer")
 
     def __init__(self, stream_id: int) -> None:
         self.stream_id = stream_id
         self.items: collections.deque[Any] = collections.deque()
         self.ended = False  # its last output (or failure) was received
+        # Offered an output while the consumer is idle in ``next``; True: it took it.
+        self.tap: Callable[[pb.SessionOutput], bool] | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+
+    def offer(self, output: pb.SessionOutput) -> None:
+        """Hand ``output`` to the tap if the consumer is idle waiting for it, else queue
+        it. A tap that raises fails this stream alone (it is a bug: logged)."""
+        tap, waiter = self.tap, self._waiter
+        if tap is None or self.items or waiter is None or waiter.done():
+            self.push(output)
+            return
+        try:
+            if tap(output):
+                return
+        except Exception as exc:
+            logger.exception("a stream's tap failed")
+            self.tap = None
+            self.push(SessionCallError("INTERNAL", f"the router's stream tap failed: {exc}"))
+            return
+        self.push(output)
 
     def push(self, item: Any) -> None:
         self.items.append(item)
@@ -191,7 +214,7 @@ class RouterSession:
                 for output in batch.outputs:
                     stream = streams.get(output.stream_id)
                     if stream is not None:
-                        stream.push(output)
+                        stream.offer(output)
         except grpc.aio.AioRpcError as exc:
             error = SessionCallError(exc.code().name, exc.details() or "")
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:

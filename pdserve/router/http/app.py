@@ -22,6 +22,7 @@ from pdserve.router.dispatch.base import Dispatcher
 from pdserve.router.http.admission import Admission, AdmissionMiddleware, draining_error
 from pdserve.router.http.auth import ApiKeyMiddleware, ApiKeys
 from pdserve.router.http.body_limit import BodyLimitMiddleware
+from pdserve.router.http.direct_write import capture_server_send
 from pdserve.router.http.edge_config import EdgeConfig
 from pdserve.router.http.errors import (
     RouteNotFoundError,
@@ -87,7 +88,7 @@ def create_app(
     serving = OpenAIServing(dispatcher=dispatcher, decoder=typed_tokenizer, metrics=metrics,
                             request_timeout_s=request_timeout_s)
 
-    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None)
+    app = RouterApp(title="pdserve router", docs_url=None, redoc_url=None)
     app.state.metrics = metrics
     app.state.registry = registry
     app.state.admission = admission
@@ -189,6 +190,16 @@ def admin_routes(registry: CollectorRegistry | None) -> APIRouter:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return router
+
+
+class RouterApp(FastAPI):
+    """The router's app: keeps the server's own ``send`` in each HTTP request's scope,
+    before any middleware wraps it, for the express lane (``direct_write.py``)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            capture_server_send(scope, send)
+        await super().__call__(scope, receive, send)
 
 
 class RequestMetricsMiddleware:

@@ -135,6 +135,19 @@ class IncrementalDetokenizer:
             self._num_silent = 1
         return "".join(pieces)
 
+    def add_plain(self, token_ids: Sequence[int]) -> str:
+        """``add`` where there are no stop strings and no id is the stop token: the
+        express lane's per-token call (``RequestOutput.consume_plain``)."""
+        ids, step = self.token_ids, self._decode_next
+        if len(token_ids) == 1:
+            ids.append(token_ids[0])
+            return step()
+        pieces = []
+        for token_id in token_ids:
+            ids.append(token_id)
+            pieces.append(step())
+        return "".join(pieces)
+
     def finish(self) -> str:
         """End of output: return what was held back (an incomplete character at the very
         end, a would-be stop prefix). May still complete a stop string; check ``stopped``."""

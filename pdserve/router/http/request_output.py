@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 from starlette.types import Scope
 
 from pdserve.core.types import TokenLogprobs
-from pdserve.router.dispatch.base import TokenChunk, WorkerFailedError
+from pdserve.router.dispatch.base import Express, TokenChunk, WorkerFailedError
 from pdserve.router.dispatch.disagg import DisaggDecision
 from pdserve.router.http.choices import ChoiceStreams
 from pdserve.router.http.detokenize import IncrementalDetokenizer, TokenDecoder
@@ -84,6 +84,16 @@ class RequestOutput:
         return OutputDelta(text, new_ids, self.finish_reason, self.index, positions,
                            chunk.prompt_logprobs, context)
 
+    def consume_plain(self, token_ids: tuple[int, ...]) -> str:
+        """``consume`` for a chunk of tokens alone (not the first, not the last, no
+        logprobs) of a choice without stop strings: its text (the express lane)."""
+        self._observe_tokens(len(token_ids))
+        if self.finish_reason is not None:
+            return ""
+        text = self.detokenizer.add_plain(token_ids)
+        self._texts.append(text)
+        return text
+
     def final(self) -> ChoiceOutput:
         return ChoiceOutput(self.text, self.token_ids, self.check_finished(), self.index,
                             self.logprobs, self.prompt_logprobs)
@@ -99,21 +109,30 @@ class RequestOutput:
         return self.finish_reason
 
     def _observe(self, chunk: TokenChunk) -> None:
-        last = self._last_chunk_s
-        if last is None:
+        if self._last_chunk_s is None:
             self.num_cached_tokens = chunk.num_cached_tokens or 0
             self.disagg = chunk.disagg
-        if not self._metrics.enabled:  # metrics off: not even a clock read per chunk
-            self._last_chunk_s = 0.0
-            return
-        now = time.perf_counter()
-        if last is None:
+            if not self._metrics.enabled:  # metrics off: not even a clock read per chunk
+                self._last_chunk_s = 0.0
+                return
+            now = time.perf_counter()
             if self.index == 0:
                 self._metrics.time_to_first_token.observe(now - self.request.arrival_s)
-        elif chunk.token_ids:
-            self._metrics.inter_token_latency.observe((now - last) / len(chunk.token_ids))
+            self._last_chunk_s = now
+            self._metrics.generation_tokens.inc(len(chunk.token_ids))
+        else:
+            self._observe_tokens(len(chunk.token_ids))
+
+    def _observe_tokens(self, num_tokens: int) -> None:
+        """A chunk after the first: the inter-token latency and the token count."""
+        metrics = self._metrics
+        if not metrics.enabled:
+            return
+        now = time.perf_counter()
+        if num_tokens:
+            metrics.inter_token_latency.observe((now - (self._last_chunk_s or now)) / num_tokens)
         self._last_chunk_s = now
-        self._metrics.generation_tokens.inc(len(chunk.token_ids))
+        metrics.generation_tokens.inc(num_tokens)
 
 
 class Choices:
@@ -121,9 +140,12 @@ class Choices:
 
     def __init__(self, outputs: list[RequestOutput],
                  chunks: AsyncIterator[tuple[int, TokenChunk]],
-                 streams: ChoiceStreams | None = None) -> None:
+                 streams: ChoiceStreams | None = None, express: Express | None = None
+                 ) -> None:
+        """``express``: the one choice's express lane, when the dispatcher was given one."""
         self.outputs = outputs
         self.chunks = chunks
+        self.express = express
         self._streams = streams
 
     @property

@@ -125,8 +125,19 @@ class ResponseFormatter:
     def _is_plain(self, delta: OutputDelta) -> bool:
         """Whether ``delta``'s chunk is the text alone: a choice already opened, not its
         last chunk, no logprobs, no token ids, no tool parser (subclasses say more)."""
-        return (delta.finish_reason is None and self.top_k is None
-                and not self.request.return_token_ids)
+        return delta.finish_reason is None and self.streams_plain()
+
+    def streams_plain(self) -> bool:
+        """Whether every chunk of an opened choice but its last is the text alone."""
+        return self.top_k is None and not self.request.return_token_ids
+
+    def plain_frame(self, index: int) -> tuple[bytes, bytes] | None:
+        """The bytes before and after the text's JSON string of every later plain chunk
+        of choice ``index`` (what ``encode_stream`` writes for it), once that choice has
+        opened; None where its later chunks are not all plain."""
+        if not self._is_plain(OutputDelta("", [], None, index)):
+            return None
+        return self._plain.get(index) or self._render_plain(index)
 
     def _render_plain(self, index: int) -> tuple[bytes, bytes]:
         """The SSE bytes before and after a plain chunk's text, for choice ``index``: a
@@ -294,8 +305,10 @@ class ChatFormatter(ResponseFormatter):
             **self._token_ids(c.token_ids))
 
     def _is_plain(self, delta: OutputDelta) -> bool:
-        return (delta.index in self._opened and self.request.tools is None
-                and super()._is_plain(delta))
+        return delta.index in self._opened and super()._is_plain(delta)
+
+    def streams_plain(self) -> bool:
+        return self.request.tools is None and super().streams_plain()
 
     def _plain_choice(self, index: int, text: str) -> ChatStreamChoice:
         return ChatStreamChoice(index=index, delta=ChatDelta(content=text), finish_reason=None)

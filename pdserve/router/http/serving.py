@@ -23,6 +23,7 @@ from pdserve.router.dispatch.base import (
     Deadline,
     DeadlineExceededError,
     Dispatcher,
+    Express,
     NoWorkerAvailableError,
     RequestRejectedError,
     TokenChunk,
@@ -39,6 +40,7 @@ from pdserve.router.http.cancellation import (
 )
 from pdserve.router.http.choices import ChoiceStreams, fan_in, single_choice
 from pdserve.router.http.errors import to_api_error
+from pdserve.router.http.express import close_express, open_express
 from pdserve.router.http.logprobs import LogprobText
 from pdserve.router.http.outcome import CLIENT_CLOSED, outcome_reason, record_outcome
 from pdserve.router.http.preprocess import GenerationRequest
@@ -93,10 +95,12 @@ class OpenAIServing:
                deadline: Deadline) -> Choices:
         """The dispatcher's chunks of every choice (``choices.py``: ``n`` > 1)."""
         if request.n == 1:
+            express = Express() if request.stream else None
             chunks = self._dispatcher.generate(
                 request.request_id, request.prompt_token_ids, request.sampling,
-                RequestTimeline(request.request_id, request.arrival_s), deadline=deadline)
-            return Choices(outputs, single_choice(chunks))
+                RequestTimeline(request.request_id, request.arrival_s), deadline=deadline,
+                express=express)
+            return Choices(outputs, single_choice(chunks), express=express)
 
         def open_choice(index: int, affinity: str | None) -> AsyncGenerator[TokenChunk, None]:
             sampling = request.sampling
@@ -147,6 +151,7 @@ class OpenAIServing:
         try:
             async with closing(choices.chunks):
                 yield formatter.encode_stream(first, first=True)
+                open_express(choices, formatter)
                 more = not choices.stopped(first) or await choices.after(first)
                 chunks, consume, encode = choices.chunks, choices.consume, formatter.encode_stream
                 stopped, after = choices.stopped, choices.after
@@ -173,6 +178,7 @@ class OpenAIServing:
             status, reason = CLIENT_CLOSED_REQUEST, CLIENT_CLOSED
             raise
         finally:
+            close_express(choices)
             self._finish(choices.outputs, status, reason)
         yield SSE_DONE
 
