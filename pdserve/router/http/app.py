@@ -32,7 +32,7 @@ from pdserve.router.http.errors import (
 )
 from pdserve.router.http.openapi import ERROR_RESPONSES, stream_responses, without_422
 from pdserve.router.http.outcome import outcome_of
-from pdserve.router.http.preprocess import OffLoop, Preprocessor, Tokenizer
+from pdserve.router.http.preprocess import Preprocessing, Preprocessor, Tokenizer
 from pdserve.router.http.request_ids import RequestIdMiddleware, arrival_of, request_id_of
 from pdserve.router.http.response_schemas import ChatCompletionResponse, CompletionResponse
 from pdserve.router.http.schemas import ChatCompletionRequest, CompletionRequest
@@ -78,13 +78,13 @@ def create_app(
     admission = Admission(edge.max_concurrent, edge.max_queued, edge.max_queue_wait_s)
     metrics = RouterMetrics(registry, served_model_name, admission)
     typed_tokenizer: Tokenizer = tokenizer
-    preprocessor = Preprocessor(
+    preprocessing = Preprocessing(lambda t: Preprocessor(
         served_model_name=served_model_name,
         max_model_len=max_model_len,
-        tokenizer=typed_tokenizer,
+        tokenizer=t,
         tool_calling=tool_calling,
         eos_token_ids=eos_token_ids,
-    )
+    ), typed_tokenizer)
     serving = OpenAIServing(dispatcher=dispatcher, decoder=typed_tokenizer, metrics=metrics,
                             request_timeout_s=request_timeout_s)
 
@@ -99,8 +99,8 @@ def create_app(
     app.add_middleware(RequestIdMiddleware, unique_paths=_GENERATION_PATHS)
     if metrics.enabled:
         app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
-    app.include_router(_openai_routes(preprocessor, serving, OffLoop()))
-    app.include_router(_operations_routes(preprocessor, dispatcher, admission))
+    app.include_router(_openai_routes(preprocessing, serving))
+    app.include_router(_operations_routes(preprocessing.threaded, dispatcher, admission))
     app.include_router(admin_routes(registry))
     without_422(app)
     return app
@@ -123,25 +123,30 @@ def create_admin_app(registry: CollectorRegistry | None, *routers: APIRouter) ->
     return app
 
 
-def _openai_routes(preprocessor: Preprocessor, serving: OpenAIServing,
-                   off_loop: OffLoop) -> APIRouter:
+def _openai_routes(preprocessing: Preprocessing, serving: OpenAIServing) -> APIRouter:
     router = APIRouter()
 
     @router.post(COMPLETIONS_PATH, response_model=None,
                  responses=stream_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        generation = await off_loop.run(preprocessor.completion, body,
-                                        request_id_of(request.scope), arrival_of(request.scope))
+        generation = await preprocessing.completion(
+            body, _body_bytes(request), request_id_of(request.scope), arrival_of(request.scope))
         return await serving.serve(generation, request)
 
     @router.post(CHAT_COMPLETIONS_PATH, response_model=None,
                  responses=stream_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        generation = await off_loop.run(preprocessor.chat, body,
-                                        request_id_of(request.scope), arrival_of(request.scope))
+        generation = await preprocessing.chat(
+            body, _body_bytes(request), request_id_of(request.scope), arrival_of(request.scope))
         return await serving.serve(generation, request)
 
     return router
+
+
+def _body_bytes(request: Request) -> int | None:
+    """The body's size as the client declared it (None: not declared, or not a number)."""
+    declared = request.headers.get("content-length")
+    return int(declared) if declared is not None and declared.isdigit() else None
 
 
 def _operations_routes(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import copy
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -238,6 +239,39 @@ class OffLoop:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# A request body up to this size is tokenized on the event loop: its tokenization (and
+# chat template) takes 0.1-0.3 ms, less than the hop to the thread and back costs, and
+# the other streams wait no longer than that.
+INLINE_MAX_BODY_BYTES = 1024
+
+
+class Preprocessing:
+    """Where each request is tokenized: a short one (its body at most
+    ``INLINE_MAX_BODY_BYTES``) on the event loop, by a ``Preprocessor`` with its own copy of
+    the tokenizer (a fast tokenizer is not to be called from two threads at once); any
+    other on the ``OffLoop`` thread. Both answer the same (same tokenizer, same checks)."""
+
+    def __init__(self, make: Callable[[Tokenizer], Preprocessor], tokenizer: Tokenizer
+                 ) -> None:
+        """``make(tokenizer)``: a ``Preprocessor`` around the given tokenizer."""
+        self.threaded = make(tokenizer)
+        self.inline = make(copy.deepcopy(tokenizer))
+        self._off_loop = OffLoop()
+
+    async def completion(self, body: CompletionRequest, body_bytes: int | None,
+                         request_id: str | None, arrival_s: float | None) -> GenerationRequest:
+        """``body_bytes``: the request body's size, when the client said (Content-Length)."""
+        if body_bytes is not None and body_bytes <= INLINE_MAX_BODY_BYTES:
+            return self.inline.completion(body, request_id, arrival_s)
+        return await self._off_loop.run(self.threaded.completion, body, request_id, arrival_s)
+
+    async def chat(self, body: ChatCompletionRequest, body_bytes: int | None,
+                   request_id: str | None, arrival_s: float | None) -> GenerationRequest:
+        if body_bytes is not None and body_bytes <= INLINE_MAX_BODY_BYTES:
+            return self.inline.chat(body, request_id, arrival_s)
+        return await self._off_loop.run(self.threaded.chat, body, request_id, arrival_s)
 
 
 def _tokenizer_eos(tokenizer: Tokenizer) -> frozenset[int]:
