@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.compare_config import CompareConfig
+from pdserve.bench.cost import Price, add_cost
 from pdserve.bench.launch import RunningSystem, StartupError
 from pdserve.bench.report import (
     CompareReport,
@@ -90,6 +91,8 @@ def run_compare(cfg: CompareConfig) -> CompareReport:
     try:
         results = [run_system(spec, cfg, tmp) for spec in build_systems(cfg)]
         derived = derived_slos(results)
+        if cfg.cost is not None:
+            add_costs(results, cfg.cost, derived)
         report = CompareReport(
             settings=settings_json(cfg), machine=machine_info(), versions=versions(),
             rates=list(cfg.rates), systems=results,
@@ -122,6 +125,17 @@ def derived_slos(results: list[SystemResult]) -> dict[str, float] | None:
     return slo
 
 
+def add_costs(results: list[SystemResult], price: Price,
+              derived: dict[str, float] | None) -> None:
+    """Every run's ``cost`` (``cost.py``) at ``price`` on what its system used; a request
+    is within SLO by the derived SLOs where there are some, else by the run's own."""
+    for system in results:
+        hourly = price.hourly(system.spec)
+        for run in system.runs:
+            if run.result is not None:
+                add_cost(run.result, hourly, derived or run.result.get("slo"))
+
+
 def settings_json(cfg: CompareConfig) -> dict[str, Any]:
     s = cfg.settings
     return {"model": s.served_name, "model_path": s.model_path, "dtype": s.dtype,
@@ -131,7 +145,8 @@ def settings_json(cfg: CompareConfig) -> dict[str, Any]:
             "cores": list(s.cores), "seed": cfg.seed, "slo": cfg.slo,
             "request_rates": [rate_label(r) for r in cfg.rates],
             "workload_args": " ".join(cfg.workload_args), "command": sys.argv,
-            "startup_timeout_s": cfg.startup_timeout_s, "run_timeout_s": cfg.run_timeout_s}
+            "startup_timeout_s": cfg.startup_timeout_s, "run_timeout_s": cfg.run_timeout_s,
+            "cost_per_hour": cfg.cost.to_json() if cfg.cost is not None else None}
 
 
 def _say(text: str) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.bench.cost import Price
 from pdserve.bench.systems import EngineSettings, parse_pdserve_entry, pdserve_command
 from pdserve.core.dtype import DtypeChoice
 
@@ -34,6 +35,7 @@ class CompareConfig:
     stop_timeout_s: float
     dtype: DtypeChoice  # how settings.dtype was chosen (printed, and in the report)
     with_vllm_stock: bool = True  # stock vllm serve beside the tuned baseline
+    cost: Price | None = None  # --cost-per-hour: what each system's runs cost
     # How to run pdserve itself (`pdserve up`, `pdserve bench run`).
     pdserve_command: tuple[str, ...] = field(default_factory=pdserve_command)
 

@@ -4,6 +4,8 @@
   requests' TTFTs / every inter-token gap.
 - ``latency_vs_rate.png``: TTFT, TPOT, ITL and E2E p50 (solid) and p99 (dashed).
 - ``throughput_vs_rate.png``: request throughput and goodput, output tokens/s.
+- ``cost_vs_rate.png`` (with ``--cost-per-hour``): $ per million input, output and
+  within-SLO tokens.
 - ``timeline-<system>-<rate>.png``: for a pdserve run whose workers changed role (a
   planner) or whose load shifted (``--mix-then``): over the run, the roles its workers
   served, each request's TTFT at its start, and the ITL p99 of each 10 s window. The
@@ -40,6 +42,8 @@ def write_plots(report: CompareReport, out_dir: Path) -> list[Path]:
                       [("TTFT (s)", "ttft_s", 1.0), ("TPOT (ms)", "tpot_s", 1e3),
                        ("ITL (ms)", "itl_s", 1e3), ("E2E (s)", "e2e_s", 1.0)]),
              _throughput(report, out_dir / "throughput_vs_rate.png")]
+    if report.settings.get("cost_per_hour"):
+        paths.append(_cost(report, out_dir / "cost_vs_rate.png"))
     shifting = "--mix-then" in str(report.settings.get("workload_args", ""))
     for system in _measured(report):
         for run in system.runs:
@@ -137,6 +141,22 @@ def _throughput(report: CompareReport, path: Path) -> Path:
                         marker="o", color=color, label=system.name)
     _rate_axis(axes[0][0], report, "requests/s (completed, goodput)")
     _rate_axis(axes[0][1], report, "output tokens/s")
+    return _save(fig, path)
+
+
+COST_PANELS = (("$ / M input tokens", "usd_per_m_input"),
+               ("$ / M output tokens", "usd_per_m_output"),
+               ("$ / M tokens in SLO", "usd_per_m_tokens_in_slo"))
+
+
+def _cost(report: CompareReport, path: Path) -> Path:
+    fig, axes = plt.subplots(1, len(COST_PANELS), figsize=(13.5, 4), squeeze=False)
+    x = np.arange(len(report.rates))
+    for ax, (title, key) in zip(axes[0], COST_PANELS, strict=True):
+        for i, system in enumerate(_measured(report)):
+            ax.plot(x, _series(report, system.name, ("cost", key)), "-", marker="o",
+                    color=f"C{i}", label=system.name)
+        _rate_axis(ax, report, title)
     return _save(fig, path)
 
 

@@ -98,6 +98,17 @@ METRICS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     # hits plus what its KV connector loaded (the host tier's loads included).
     ("prefix hit", ("cached_token_share",), "{:.1%}"),
 )
+# With ``--cost-per-hour`` (``cost.py``): $ per million tokens.
+COST_METRICS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("$/M in tok", ("cost", "usd_per_m_input"), "{:.4g}"),
+    ("$/M out tok", ("cost", "usd_per_m_output"), "{:.4g}"),
+    ("$/M tok in SLO", ("cost", "usd_per_m_tokens_in_slo"), "{:.4g}"),
+)
+
+
+def metrics_of(report: CompareReport) -> tuple[tuple[str, tuple[str, ...], str], ...]:
+    """The table's columns: the cost ones only where the runs were priced."""
+    return METRICS + (COST_METRICS if report.settings.get("cost_per_hour") else ())
 
 
 def metric(result: dict[str, Any], path: tuple[str, ...]) -> float | None:
@@ -147,6 +158,11 @@ def render_markdown(report: CompareReport) -> str:
                   f"unloaded (one request at a time) in this run: TTFT <= {d['ttft_s']:.3f} s "
                   f"(3x its p50) and TPOT <= {d['tpot_s'] * 1e3:.1f} ms (2x its ITL p50).",
                   ""]
+    if price := s.get("cost_per_hour"):
+        lines += [f"Cost: ${price['usd_per_hour']:g} per {price['unit']}-hour, each system "
+                  "charged for what it used (the cores its engines ran on, or the node); "
+                  "$/M tok in SLO charges the run's whole cost to the tokens of the "
+                  "requests that met the SLOs (goodput's).", ""]
     lines += _systems_section(report)
     base = next((x for x in report.systems if x.name == report.baseline), None)
     for rate in report.rates:
@@ -154,12 +170,13 @@ def render_markdown(report: CompareReport) -> str:
         if base is not None:
             lines += ["Each cell: the value, then (×) its ratio to the aggregated baseline "
                       f"`{base.name}` at this rate.", ""]
-        lines.append("| system | " + " | ".join(m[0] for m in METRICS) + " | errors |")
-        lines.append("|---" * (len(METRICS) + 2) + "|")
+        metrics = metrics_of(report)
+        lines.append("| system | " + " | ".join(m[0] for m in metrics) + " | errors |")
+        lines.append("|---" * (len(metrics) + 2) + "|")
         base_run = base.run_at(rate) if base else None
         for system in report.systems:
             lines.append(_row(system, system.run_at(rate),
-                              base_run if system is not base else None))
+                              base_run if system is not base else None, metrics))
         lines.append("")
     return "\n".join(lines)
 
@@ -194,12 +211,13 @@ def _systems_section(report: CompareReport) -> list[str]:
     return lines + [""]
 
 
-def _row(system: SystemResult, run: RateRun | None, base: RateRun | None) -> str:
+def _row(system: SystemResult, run: RateRun | None, base: RateRun | None,
+         metrics: tuple[tuple[str, tuple[str, ...], str], ...] = METRICS) -> str:
     if system.error or run is None or run.result is None:
         why = "failed to start" if system.error else "run failed"
-        return f"| {system.name} | " + " | ".join([why] + ["–"] * len(METRICS)) + " |"
+        return f"| {system.name} | " + " | ".join([why] + ["–"] * len(metrics)) + " |"
     cells = []
-    for _, path, fmt in METRICS:
+    for _, path, fmt in metrics:
         value = metric(run.result, path)
         cell = _fmt(value, fmt)
         if base is not None and base.result is not None:

@@ -27,6 +27,7 @@ from pdserve.bench.compare_config import (
 )
 from pdserve.bench.compare_config import engine_settings as _engine_settings
 from pdserve.bench.config import DEFAULT_MIX, RunConfig, SweepConfig
+from pdserve.bench.cost import Price
 from pdserve.bench.gaps import GapsConfig, check_requests
 from pdserve.bench.systems import EngineSettings
 from pdserve.bench.workloads import WORKLOADS
@@ -200,6 +201,10 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
                    help="SIGTERM grace before SIGKILL when stopping a system")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--cost-per-hour", default=None, metavar="PRICE[/core|/node]",
+                   help="price each system's runs: $ per hour of a core its engines ran on "
+                   "(0.05 or 0.05/core) or of the node (2.4/node); the report gains $ per "
+                   "million input, output and within-SLO tokens")
     for flag, kwargs in PASSTHROUGH:
         p.add_argument(flag, default=None, help="passed to pdserve bench run", **kwargs)
 
@@ -215,11 +220,12 @@ def compare_config(args: argparse.Namespace) -> CompareConfig:
         check_vllm_disagg()
     out = output_dir(args.output_dir, "compare")
     settings, dtype = engine_settings(args)
+    cost = Price.parse(args.cost_per_hour) if args.cost_per_hour is not None else None
     return CompareConfig(
         settings, rates, entries, not args.no_vllm, args.with_vllm_disagg,
         tuple(workload_args(args)), args.seed, args.slo, out, args.startup_timeout_s,
         args.run_timeout_s, args.stop_timeout_s, dtype, not args.no_vllm_stock,
-        PDSERVE_COMMAND)
+        cost, PDSERVE_COMMAND)
 
 
 def workload_args(args: argparse.Namespace) -> list[str]:

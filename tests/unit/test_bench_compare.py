@@ -451,3 +451,42 @@ def test_a_small_kv_cache_reaches_every_engine_that_computes_prompts() -> None:
         "--kv-offload-gib", "2")
     (plain,) = pdserve_up(SETTINGS, 1, "off", "").procs
     assert "--num-kv-blocks" not in plain.argv
+
+
+def test_costs_per_million_tokens_charge_what_each_system_used(tmp_path: Path) -> None:
+    """vllm ran on 2 cores, the split pdserve on 2 (1 + 1): at $0.36 per core-hour each
+    costs $0.72/hour; a run of 3 requests at 0.3 req/s lasts 10 s, $0.002. The within-SLO
+    price charges it all to the tokens of the requests that met the SLOs."""
+    from pdserve.bench.cost import Price, cores_of
+
+    report = constructed_report()
+    report.settings["cost_per_hour"] = Price.parse("0.36/core").to_json()
+    base, split = report.systems[0], report.systems[1]
+    assert cores_of(base.spec) == cores_of(split.spec) == {0, 1}
+    slo = {"ttft_s": 0.5, "tpot_s": 0.1}  # 0.2 and 0.4 meet it, 0.6 does not
+    compare.add_costs(report.systems, Price.parse("0.36"), slo)
+
+    cost = base.runs[0].result["cost"]  # type: ignore[index]
+    assert cost["usd_per_hour"] == pytest.approx(0.72)
+    assert cost["usd"] == pytest.approx(0.72 * 10 / 3600)
+    assert cost["usd_per_m_input"] == pytest.approx(cost["usd"] / 30 * 1e6)
+    assert cost["usd_per_m_output"] == pytest.approx(cost["usd"] / 15 * 1e6)
+    assert cost["tokens_in_slo"] == 2 * 15
+    assert cost["usd_per_m_tokens_in_slo"] == pytest.approx(cost["usd"] / 30 * 1e6)
+    node = {"usd_per_hour": 2.4, "unit": "node"}
+    assert Price.parse("2.4/node").to_json() == node
+    assert Price.parse("2.4/node").hourly(split.spec) == 2.4
+    compare.add_costs(report.systems, Price.parse("0.36"), {"ttft_s": 0.01})
+    assert base.runs[0].result["cost"]["usd_per_m_tokens_in_slo"] is None  # type: ignore[index]
+    for bad in ("abc", "0", "-1/core", "3/gpu"):
+        with pytest.raises(ValueError, match="--cost-per-hour"):
+            Price.parse(bad)
+
+    files = write_report(report, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "Cost: $0.36 per core-hour" in md
+    header = next(line for line in md.splitlines() if line.startswith("| system | goodput"))
+    assert header.split("|")[-4:-1] == [" $/M out tok ", " $/M tok in SLO ", " errors "]
+    assert "cost_vs_rate.png" in {f.name for f in files}
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["systems"][1]["runs"][0]["result"]["cost"]["usd_per_hour"] == 0.72
