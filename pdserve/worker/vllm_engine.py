@@ -57,6 +57,9 @@ def to_sampling_params(sampling: SamplingSpec, params: EngineParams,
         prompt_logprobs=params.prompt_logprobs,
         structured_outputs=_structured(sampling.structured),
         output_kind=RequestOutputKind.DELTA,
+        # The router owns text (stop strings, logprob texts, tools): the engine's own
+        # detokenizer would turn every token into text nobody reads, on the engine's core.
+        detokenize=False,
         extra_args=extra or None,
     )
 

@@ -1,6 +1,8 @@
-"""Output that reaches a decode engine inside its prompt is penalized as output
+"""What a worker asks of vLLM per call (``worker/vllm_engine.py``). Output that reaches a
+decode engine inside its prompt is penalized as output
 (``pdserve/worker/output_in_prompt.py``): our logits processor, then vLLM's own
-penalties over the shorter output, give exactly vLLM's penalties over the whole output."""
+penalties over the shorter output, give exactly vLLM's penalties over the whole output.
+And the engine never detokenizes: the router owns text."""
 
 from __future__ import annotations
 
@@ -64,3 +66,15 @@ def test_requests_without_output_in_the_prompt_are_left_alone() -> None:
 def test_the_tokens_named_are_the_prompts_last() -> None:
     assert output_in_prompt_args([9, 8, 7, 6], 2) == {OUTPUT_IN_PROMPT: [7, 6]}
     assert output_in_prompt_args([9, 8], 0) == {}
+
+
+def test_engines_do_not_detokenize() -> None:
+    """The router owns text: every call asks vLLM for token ids alone (logprobs too)."""
+    from pdserve.core.types import SamplingSpec
+    from pdserve.worker.engine import EngineParams
+    from pdserve.worker.vllm_engine import to_sampling_params
+
+    params = to_sampling_params(SamplingSpec(max_tokens=8, temperature=0.0, logprobs=2),
+                                EngineParams(max_tokens=8, prompt_logprobs=1), [1, 2, 3])
+    assert params.detokenize is False
+    assert params.logprobs == 2 and params.prompt_logprobs == 1
