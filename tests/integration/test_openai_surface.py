@@ -133,21 +133,23 @@ def test_chat_logprobs_match_one_engine_streamed_or_not(
 def test_stop_strings_end_the_text_where_one_engine_does(
         pd_server: Server, vllm_openai: str, path: str) -> None:
     """The engines do not detokenize (the router owns text): a stop string taken from the
-    middle of one engine's greedy text ends pdserve's text where it ends that engine's,
-    streamed or not, with the logprobs of the tokens before it."""
-    base = {"prompt": prompt_for(path), "max_tokens": 24, "temperature": 0}
-    full = post(vllm_openai, "completions", base)[0]["choices"][0]["text"]
+    middle of one engine's greedy answer ends pdserve's answer where it ends that
+    engine's, streamed or not, with the logprobs of the tokens before it."""
+    base = {"messages": chat(path), "max_tokens": 24, "temperature": 0}
+    full = post(vllm_openai, "chat/completions", base)[0]["choices"][0]["message"]["content"]
     words = full.split()
     assert len(words) >= 4, full
-    body = {**base, "stop": [words[len(words) // 2]], "logprobs": 1}
-    ours, theirs = both(pd_server, vllm_openai, "completions", body, path)
+    body = {**base, "stop": [words[len(words) // 2]], "logprobs": True, "top_logprobs": 1}
+    ours, theirs = both(pd_server, vllm_openai, "chat/completions", body, path)
     a, b = ours["choices"][0], theirs["choices"][0]
-    assert a["text"] == b["text"] and a["finish_reason"] == b["finish_reason"] == "stop"
-    assert len(a["text"]) < len(full)
-    assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
-    chunks, header = stream(pd_server.base_url, "completions", body)
+    assert a["message"]["content"] == b["message"]["content"]
+    assert a["finish_reason"] == b["finish_reason"] == "stop"
+    assert len(a["message"]["content"]) < len(full)
+    assert_logprobs_close(a["logprobs"]["content"], b["logprobs"]["content"])
+    chunks, header = stream(pd_server.base_url, "chat/completions", body)
     assert header.startswith(path)
-    assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == b["text"]
+    assert "".join(ch["delta"].get("content") or "" for c in chunks
+                   for ch in c["choices"]) == b["message"]["content"]
 
 
 @pytest.mark.parametrize("path", PATHS)
