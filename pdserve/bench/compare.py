@@ -127,12 +127,13 @@ def derived_slos(results: list[SystemResult]) -> dict[str, float] | None:
 
 def add_costs(results: list[SystemResult], price: Price,
               derived: dict[str, float] | None) -> None:
-    """Every run's ``cost`` (``cost.py``) at ``price`` on what its system used; a request
-    is within SLO by the derived SLOs where there are some, else by the run's own."""
+    """Every run's ``cost`` (``cost.py``) at ``price`` on what its system used (none for a
+    system whose cores are not known: a simulated one); a request is within SLO by the
+    derived SLOs where there are some, else by the run's own."""
     for system in results:
         hourly = price.hourly(system.spec)
         for run in system.runs:
-            if run.result is not None:
+            if run.result is not None and hourly is not None:
                 add_cost(run.result, hourly, derived or run.result.get("slo"))
 
 

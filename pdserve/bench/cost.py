@@ -49,21 +49,24 @@ class Price:
             raise ValueError(f"--cost-per-hour {text!r}: the price must be > 0")
         return cls(value, unit)
 
-    def hourly(self, spec: dict[str, Any]) -> float:
-        """What the system of ``spec`` (``SystemSpec.to_json()``) costs per hour."""
+    def hourly(self, spec: dict[str, Any]) -> float | None:
+        """What the system of ``spec`` (``SystemSpec.to_json()``) costs per hour; None
+        for a per-core price where its cores are not known (a simulated system)."""
         if self.unit == "node":
             return self.usd_per_hour
-        return self.usd_per_hour * len(cores_of(spec))
+        cores = cores_of(spec)
+        return self.usd_per_hour * len(cores) if cores else None
 
     def to_json(self) -> dict[str, Any]:
         return {"usd_per_hour": self.usd_per_hour, "unit": self.unit}
 
 
 def cores_of(spec: dict[str, Any]) -> set[int]:
-    """The distinct cores a system's engines ran on (``cores``: role -> "0,1" or "2")."""
+    """The distinct cores a system's engines ran on (``cores``: role -> "0,1" or "2"; an
+    entry that names none, a simulated system's "none", adds nothing)."""
     cores: set[int] = set()
     for listed in (spec.get("cores") or {}).values():
-        cores.update(int(c) for c in str(listed).split(",") if c.strip())
+        cores.update(int(c) for c in str(listed).split(",") if c.strip().isdigit())
     return cores
 
 

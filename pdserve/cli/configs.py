@@ -146,7 +146,11 @@ def connector_config(args: argparse.Namespace, worker_id: str,
 def engine_config(args: argparse.Namespace, model: ResolvedModel, role: Role,
                   worker_id: str, connector: ConnectorConfig) -> EngineConfig:
     """The worker's vLLM engine, from the engine flags."""
-    from pdserve.worker.config import kv_event_endpoints, prefill_chunk_default
+    from pdserve.worker.config import (
+        kv_event_endpoints,
+        prefill_chunk_default,
+        prefill_max_running_default,
+    )
     from pdserve.worker.engine import EngineConfig
 
     return EngineConfig(
@@ -157,6 +161,8 @@ def engine_config(args: argparse.Namespace, model: ResolvedModel, role: Role,
         enforce_eager=not args.compile, num_kv_blocks=args.num_kv_blocks or None,
         shm_spin_s=args.shm_spin_s,
         prefill_chunk_tokens=prefill_chunk_default(args.prefill_chunk_tokens),
+        prefill_max_running=prefill_max_running_default(args.prefill_max_running),
+        prefill_order=args.prefill_order,
     )
 
 
@@ -210,6 +216,7 @@ def up_config(args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
         etcd=args.etcd or "", with_etcd=args.with_etcd, cluster=args.cluster,
         etcd_ttl_s=args.etcd_ttl_s, num_kv_blocks=args.num_kv_blocks or None,
         shm_spin_s=args.shm_spin_s, prefill_chunk_tokens=args.prefill_chunk_tokens,
+        prefill_max_running=args.prefill_max_running, prefill_order=args.prefill_order,
         disagg=disagg_config(args), planner=planner_config(args),
         tools=tool_config(args),
         max_restarts=args.max_restarts,

@@ -109,6 +109,14 @@ FLAGS = _flags(
          "prefilled on a decode worker is spread over steps, so its streams' gaps stay "
          "short (the router's slo decision counts it); alone, a prompt is not cut. "
          "Default: 256 on CPU, no cap on GPU; 0: no cap", None, parse_chunk_tokens),
+    Flag("prefill-max-running", "a prefill worker computes at most this many prompts at "
+         "once; the others wait in --prefill-order, so a busy prefill finishes most "
+         "prompts early instead of all late (applies whenever the worker serves prefill, "
+         "a role switch included). Default: 1 on CPU, no limit on GPU; 0: no limit",
+         None, parse_int(0)),
+    Flag("prefill-order", "which waiting prompt a prefill worker computes next: shortest "
+         "(fewest prompt tokens; none waits over 10 s first) or fifo (arrival)",
+         "shortest", choices=("shortest", "fifo")),
     Flag("shm-spin-s", "how long the engine's processes busy-wait for the next message "
          "on vLLM's shared-memory queues before they sleep (seconds; default: 0 on CPU, "
          "where the compute threads need the cores, vLLM's own 1 on GPU)", None,

@@ -19,6 +19,7 @@ from pdserve.kv_transfer.base import push_transport_names
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.membership import Registrar, WorkerInfo
 from pdserve.membership.static import NullRegistrar
+from pdserve.prefill_worker.admission import AdmissionConfig
 from pdserve.prefill_worker.handle_leases import release_over_control
 from pdserve.prefill_worker.policy import PrefillPolicy
 from pdserve.worker.engine import EngineConfig
@@ -41,7 +42,9 @@ def role_policy(config: EngineConfig, kv_push: bool, role: Role | None = None) -
     """``role``'s policy (default: the configured one) for this worker's engine."""
     if (role or config.role) == "prefill":
         release = functools.partial(release_over_control, secret=config.connector.cluster_secret())
-        return PrefillPolicy(kv_push=kv_push, kv_events=config.kv_events, release=release)
+        admission = AdmissionConfig(config.prefill_max_running, config.prefill_order)
+        return PrefillPolicy(kv_push=kv_push, kv_events=config.kv_events, release=release,
+                             admission=admission)
     return DecodePolicy()
 
 

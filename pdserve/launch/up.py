@@ -68,6 +68,8 @@ class UpConfig:
     num_kv_blocks: int | None = None  # prefill workers' KV blocks (overrides kv_cache_gib)
     shm_spin_s: float | None = None  # every engine's (None: the workers' default)
     prefill_chunk_tokens: int | None = None  # every engine's (None: the workers' default)
+    prefill_max_running: int | None = None  # every worker's (None: the workers' default)
+    prefill_order: str = "shortest"
     disagg: DisaggConfig = DisaggConfig()  # handed to the router as its flags
     planner: PlannerConfig = PlannerConfig()  # the router's too
     tools: ToolConfig = ToolConfig()  # and its tool parser
@@ -180,6 +182,9 @@ def _engine_flags(cfg: UpConfig, role: str, cores: str, name: str) -> list[str]:
         argv += ["--shm-spin-s", repr(cfg.shm_spin_s)]
     if cfg.prefill_chunk_tokens is not None:
         argv += ["--prefill-chunk-tokens", str(cfg.prefill_chunk_tokens)]
+    if cfg.prefill_max_running is not None:
+        argv += ["--prefill-max-running", str(cfg.prefill_max_running)]
+    argv += ["--prefill-order", cfg.prefill_order]
     if role == "prefill" and cfg.num_kv_blocks:
         argv += ["--num-kv-blocks", str(cfg.num_kv_blocks)]
     return argv

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from pdserve.core.handle import KVHandle
 from pdserve.core.types import PhaseRequest, Role
+from pdserve.prefill_worker.admission import AdmissionConfig, PrefillAdmission
 from pdserve.prefill_worker.handle_leases import HandleLeases, release_over_control
 from pdserve.worker.engine import EngineParams
 from pdserve.worker.kv_mirror import KvCacheMirror
@@ -23,8 +25,12 @@ class PrefillPolicy:
     ``release`` frees a handle's blocks (blocking; tests pass a fake)."""
 
     def __init__(self, kv_push: bool = False, kv_events: tuple[str, str] | None = None,
-                 release: Callable[[KVHandle], None] = release_over_control) -> None:
+                 release: Callable[[KVHandle], None] = release_over_control,
+                 admission: AdmissionConfig | None = None) -> None:
+        """``admission``: how many prompts the engine computes at once, in what order
+        (``admission.py``; default: no limit)."""
         self.kv_push = kv_push
+        self.admission = PrefillAdmission(admission or AdmissionConfig())
         self.leases = HandleLeases()
         self._release = release
         self._events = None if kv_events is None else KvEventEndpoints(*kv_events)
@@ -38,6 +44,16 @@ class PrefillPolicy:
     def holds_kv(request: PhaseRequest) -> bool:
         """A decode follows only when more than the first token is wanted."""
         return request.sampling.max_tokens > 1
+
+    def admitted(self, request: PhaseRequest) -> AbstractAsyncContextManager[float]:
+        return self.admission.admitted(len(request.prompt_token_ids), request.request_id)
+
+    def abort_waiting(self, request_id: str) -> bool:
+        return self.admission.abort(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.admission.num_waiting
 
     def engine_params(self, request: PhaseRequest) -> EngineParams:
         params: dict[str, Any] | None = None

@@ -76,6 +76,24 @@ def prefill_chunk_default(flag: int | None) -> int:
     return 0 if torch.cuda.is_available() else CPU_PREFILL_CHUNK_TOKENS
 
 
+# Measured (bench/results/compare-prefill-admission*, chat mix, 2-core EPYC, one run per
+# rate): one prompt at a time, shortest first, gave TTFT p50 0.378 s / p99 10.1 s at 1 req/s
+# against 0.410 / 13.0 with no limit and 0.933 / 13.5 with one at a time in arrival order
+# (a long prompt then holds up every short one behind it); at 2 req/s 1.98 / 17.9 against
+# 2.78 / 23.5 and 2.28 / 20.4.
+CPU_PREFILL_MAX_RUNNING = 1
+
+
+def prefill_max_running_default(flag: int | None) -> int:
+    """The flag's value; unset: one prompt at a time on CPU (one core computes one prompt
+    fastest alone), no limit on a GPU (whose steps batch several prompts' chunks)."""
+    if flag is not None:
+        return flag
+    import torch
+
+    return 0 if torch.cuda.is_available() else CPU_PREFILL_MAX_RUNNING
+
+
 def kv_push_default(flag: bool | None) -> bool:
     """Measured (bench/transfer_pd.py, 2 CPU cores): push hides the transfer but its
     sender thread slows the prefill it overlaps, so it is on only with a GPU."""

@@ -28,7 +28,7 @@ from pdserve.kv_transfer.tier_store import STATS as TIER_STATS
 from pdserve.kv_transfer.wire import TransferError, request_once
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import Engine, EngineConfig, EngineCounters, EngineStep
-from pdserve.worker.policy import RolePolicy
+from pdserve.worker.policy import AdmissionAborted, RolePolicy
 from pdserve.worker.timing import PhaseClock
 
 if TYPE_CHECKING:
@@ -165,12 +165,17 @@ class EngineHost:
         params = self.policy.engine_params(request)
         self._inflight.add(request.request_id)
         try:
-            steps = engine.generate(request.request_id, request.prompt_token_ids,
-                                    request.sampling, params)
-            async with contextlib.aclosing(steps):
-                async for step in steps:
-                    clock.on_output(step.token_ids)
-                    yield self._output(request, step, clock)
+            async with self.policy.admitted(request) as waited_s:
+                clock.waited_ns = int(waited_s * 1e9)
+                steps = engine.generate(request.request_id, request.prompt_token_ids,
+                                        request.sampling, params)
+                async with contextlib.aclosing(steps):
+                    async for step in steps:
+                        clock.on_output(step.token_ids)
+                        yield self._output(request, step, clock)
+        except AdmissionAborted:  # aborted before its turn: it ends as an engine abort does
+            yield self._output(request, EngineStep((), finished=True, finish_reason="abort"),
+                               clock)
         finally:
             self._inflight.discard(request.request_id)
 
@@ -190,7 +195,9 @@ class EngineHost:
     async def abort(self, request_id: str) -> bool:
         """Abort a running request and release whatever its role holds for it."""
         found = request_id in self._inflight
-        if found and self.engine is not None:
+        if self.policy.abort_waiting(request_id):
+            pass  # it never entered the engine
+        elif found and self.engine is not None:
             await self.engine.abort(request_id)
         released = await self.policy.release(request_id)
         return found or released
@@ -217,19 +224,21 @@ class EngineHost:
         status = await asyncio.to_thread(self.kv_status) if self.ready else {}
         mirror = self.policy.kv_mirror()
         return load_report(self.counters, status, self.num_inflight,
-                           len(mirror) if mirror is not None else 0)
+                           len(mirror) if mirror is not None else 0, self.policy.num_waiting)
 
 
 def load_report(c: EngineCounters, status: dict[str, Any], num_inflight: int,
-                num_cached_blocks: int) -> WorkerLoadReport:
-    """The engine's counters plus the connector's ``status`` reply."""
+                num_cached_blocks: int, num_admission_waiting: int = 0) -> WorkerLoadReport:
+    """The engine's counters plus the connector's ``status`` reply; requests waiting in
+    front of the engine (the role's admission) count as waiting."""
 
     def stat(name: str) -> int:
         return int(status.get(name, 0))
 
     with c.lock:
         return WorkerLoadReport(
-            num_running_reqs=c.num_running_reqs, num_waiting_reqs=c.num_waiting_reqs,
+            num_running_reqs=c.num_running_reqs,
+            num_waiting_reqs=c.num_waiting_reqs + num_admission_waiting,
             kv_cache_usage=c.kv_cache_usage,
             num_pending_transfers=stat("num_leases") + stat("inflight_pulls"),
             prompt_tokens_computed=c.prompt_tokens_computed,

@@ -5,11 +5,28 @@ both roles; each role folder supplies a policy (``prefill_worker.policy``,
 from __future__ import annotations
 
 import asyncio
+from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.core.handle import KVHandle
 from pdserve.core.types import PhaseRequest, Role
 from pdserve.worker.engine import EngineParams
+
+
+class AdmissionAborted(Exception):
+    """Raised by ``RolePolicy.admitted`` to a request aborted while it waited for its
+    turn: it never entered the engine, and ends as an aborted request does."""
+
+
+class _AtOnce(AbstractAsyncContextManager[float]):
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def __aenter__(self) -> float:
+        return 0.0
+
+
+_AT_ONCE = _AtOnce()
 
 if TYPE_CHECKING:
     from pdserve.worker.kv_mirror import KvCacheMirror
@@ -34,6 +51,23 @@ class RolePolicy(Protocol):
     def engine_params(self, request: PhaseRequest) -> EngineParams:
         """The engine's ``max_tokens`` and ``kv_transfer_params`` for ``request``."""
         ...
+
+    def admitted(self, request: PhaseRequest) -> AbstractAsyncContextManager[float]:
+        """Held while ``request`` is in the engine: it waits here for its turn (prefill:
+        ``prefill_worker/admission.py``); yields the seconds it waited, or raises
+        ``AdmissionAborted`` when ``abort_waiting`` ended the wait. By default every
+        request enters at once."""
+        return _AT_ONCE
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for their turn in ``admitted``."""
+        return 0
+
+    def abort_waiting(self, request_id: str) -> bool:
+        """End ``request_id``'s wait in ``admitted`` (it raises ``AdmissionAborted``);
+        False when it is not waiting."""
+        return False
 
     def on_finished(self, request: PhaseRequest,
                     kv_transfer_params: dict[str, Any] | None) -> KVHandle | None:

@@ -478,6 +478,8 @@ def test_costs_per_million_tokens_charge_what_each_system_used(tmp_path: Path) -
     assert Price.parse("2.4/node").hourly(split.spec) == 2.4
     compare.add_costs(report.systems, Price.parse("0.36"), {"ttft_s": 0.01})
     assert base.runs[0].result["cost"]["usd_per_m_tokens_in_slo"] is None  # type: ignore[index]
+    simulated = pdserve_up(SETTINGS, 8003, "sim", "--simulated").to_json()
+    assert Price.parse("0.36").hourly(simulated) is None  # its cores are not known
     for bad in ("abc", "0", "-1/core", "3/gpu"):
         with pytest.raises(ValueError, match="--cost-per-hour"):
             Price.parse(bad)

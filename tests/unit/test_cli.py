@@ -19,7 +19,7 @@ from pdserve.launch.up import UpConfig, plan
 from pdserve.membership import MembershipConfig
 from pdserve.router.dispatch.disagg import DisaggConfig
 from pdserve.router.server import RouterConfig
-from pdserve.worker.config import prefill_chunk_default
+from pdserve.worker.config import prefill_chunk_default, prefill_max_running_default
 from pdserve.worker.engine import EngineConfig
 from pdserve.worker.sim_engine import SimConfig
 
@@ -185,8 +185,13 @@ def test_worker_config_from_args(monkeypatch: pytest.MonkeyPatch) -> None:
         model_path="/models/tiny", served_model_name="tiny", role="prefill",
         connector=engine.connector, dtype="float32", cpu_threads_bind="0-1",
         num_kv_blocks=32, kv_events=engine.kv_events,
-        prefill_chunk_tokens=prefill_chunk_default(None))  # 256 on CPU, no cap on a GPU
+        prefill_chunk_tokens=prefill_chunk_default(None),  # 256 on CPU, no cap on a GPU
+        prefill_max_running=prefill_max_running_default(None))  # 1 on CPU, none on a GPU
+    assert engine.prefill_order == "shortest"
     assert config.role == "prefill"
+    fifo = worker_config(build_parser().parse_args(
+        ["prefill", "--prefill-max-running", "3", "--prefill-order", "fifo"]), MODEL).engine
+    assert (fifo.prefill_max_running, fifo.prefill_order) == (3, "fifo")
 
 
 @pytest.mark.parametrize("resolved", ["10.1.2.3", None])

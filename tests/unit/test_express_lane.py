@@ -22,7 +22,7 @@ from unit.fake_worker import greedy_answer
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.router.dispatch.base import Express, TokenChunk
 from pdserve.router.dispatch.migration import MigrationConfig
-from pdserve.router.dispatch.worker_session import SessionCallError, SessionStream
+from pdserve.router.dispatch.worker_session import SessionStream, StreamTapError
 
 WAIT_S = 5.0
 
@@ -64,10 +64,9 @@ async def test_a_tap_that_raises_fails_its_own_stream() -> None:
     waiting = asyncio.ensure_future(stream.next())
     await asyncio.sleep(0)
     stream.offer(_output(1))
-    with pytest.raises(SessionCallError) as raised:
+    with pytest.raises(StreamTapError, match="bug"):
         await waiting
-    assert raised.value.code == "INTERNAL" and "bug" in raised.value.details
-    assert stream.tap is None
+    assert stream.tap is None and not stream.ended  # ``finish`` cancels it on the worker
 
 
 # ---- through the dispatcher -----------------------------------------------------------
@@ -131,6 +130,34 @@ async def test_the_sink_and_the_iterator_together_carry_the_whole_answer(
                                                      "yield"]
         if take is False:
             assert lane.express.taken == 0 and len(chunks) == max_tokens
+
+
+async def test_a_sink_that_raises_fails_its_request_alone_and_blames_no_worker() -> None:
+    """A bug in the lane (the sink raises) ends that request with the error, as the same
+    bug in the body's loop would: no worker is blamed, nothing migrates, the request is
+    cancelled on its worker, and the other request on the same session goes on."""
+    max_tokens = 12
+    async with running_cluster(num_decode=1, migration=MigrationConfig(max_migrations=1)) as c:
+        c.p.script.tokens_from_context = c.d.script.tokens_from_context = True
+        c.d.script.token_delay_s = 0.01
+        broken, fine = Express(), Lane()
+
+        def sink(token_ids: tuple[int, ...]) -> bool:
+            raise ValueError("bug in the sink")
+
+        broken.sink = sink
+        failing = c.dispatcher.generate("bad", PROMPT, spec(max_tokens), express=broken)
+        other = asyncio.ensure_future(fine.read(c.dispatcher.generate(
+            "good", (*PROMPT, 1), spec(max_tokens), express=fine.express)))
+        with pytest.raises(StreamTapError, match="bug in the sink"):
+            async with asyncio.timeout(WAIT_S):
+                async for _ in failing:
+                    pass
+        await other
+        assert fine.tokens() == greedy_answer((*PROMPT, 1), max_tokens)
+        assert all(w.snapshot().healthy for w in c.pool.decode)  # not blamed
+        assert c.registry.get_sample_value("pdserve:migrations_total") in (None, 0.0)
+        assert [g.request_id for g in c.d.generates].count("bad") == 1  # not migrated
 
 
 async def test_a_decode_worker_dying_mid_stream_migrates_with_the_lane_open() -> None:

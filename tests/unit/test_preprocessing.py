@@ -1,7 +1,7 @@
 """Where a request is tokenized (``preprocess.Preprocessing``): a short body on the event
-loop, with a tokenizer of its own; a long one (or one of undeclared size) on the
-preprocess thread, so the loop serves other streams meanwhile. Both give the same
-request."""
+loop, with the loop's tokenizer; a long one (or one of undeclared size) on the
+preprocess thread, with a copy of its own, so the loop serves other streams meanwhile.
+Both give the same request."""
 
 from __future__ import annotations
 
@@ -73,8 +73,8 @@ async def test_a_short_body_is_tokenized_on_the_loop_a_long_one_on_the_thread(
         results.append(await run(body, size, "r", None))  # type: ignore[arg-type]
         where.append(set(calls))
 
-    assert where[0] == {(loop_thread, 1)}  # the copy, on the loop
-    for threaded in where[1:]:  # the original, on the preprocess thread
+    assert where[0] == {(loop_thread, 0)}  # the loop's own tokenizer, on the loop
+    for threaded in where[1:]:  # the copy, on the preprocess thread
         assert len(threaded) == 1 and next(iter(threaded))[0] != loop_thread
-        assert next(iter(threaded))[1] == 0
+        assert next(iter(threaded))[1] == 1
     assert len({tuple(r.prompt_token_ids) for r in results}) == 1

@@ -58,6 +58,11 @@ class SessionCallError(Exception):
         self.details = details
 
 
+class StreamTapError(RuntimeError):
+    """A stream's tap failed: a bug of this router, not the worker's. It ends that
+    request with an error (no worker is blamed, nothing migrates)."""
+
+
 class SessionStream:
     """One request's outputs as they arrive: ``pb.SessionOutput``s, or the
     ``SessionCallError`` that ends it."""
@@ -75,7 +80,8 @@ class SessionStream:
 
     def offer(self, output: pb.SessionOutput) -> None:
         """Hand ``output`` to the tap if the consumer is idle waiting for it, else queue
-        it. A tap that raises fails this stream alone (it is a bug: logged)."""
+        it. A tap that raises fails this stream alone with ``StreamTapError`` (a bug:
+        logged); the session and its other streams go on."""
         tap, waiter = self.tap, self._waiter
         if tap is None or self.items or waiter is None or waiter.done():
             self.push(output)
@@ -86,7 +92,7 @@ class SessionStream:
         except Exception as exc:
             logger.exception("a stream's tap failed")
             self.tap = None
-            self.push(SessionCallError("INTERNAL", f"the router's stream tap failed: {exc}"))
+            self.push(StreamTapError(f"the router's stream tap failed: {exc}"))
             return
         self.push(output)
 
@@ -110,6 +116,8 @@ class SessionStream:
             # passed here (the request still runs there: ``finish`` cancels it).
             self.ended = item.code != DEADLINE_EXCEEDED
             raise item
+        if isinstance(item, StreamTapError):
+            raise item  # the request still runs on the worker: ``finish`` cancels it
         if item.end:
             self.ended = True
         return item

@@ -7,7 +7,8 @@ the server's own ``send`` would for an ``http.response.body`` message: for uvico
 httptools protocol with chunked transfer encoding, a chunk's size line, the bytes and
 CRLF, with ``transport.write``. That is uvicorn's internal state, so it is checked, not
 assumed: ``DirectWriter.of`` answers None for any other server, protocol or framing (a
-test, h11, HTTP/1.0), and the response then goes through ``send`` as before.
+test client, uvicorn's h11 protocol, a response without chunked encoding), and the
+response then goes through ``send`` as before.
 
 Only the body bytes between the first and the last take this path; the response's
 start, its last chunks and its end go through ``send``, and the writer is ``ready``

@@ -249,15 +249,16 @@ INLINE_MAX_BODY_BYTES = 1024
 
 class Preprocessing:
     """Where each request is tokenized: a short one (its body at most
-    ``INLINE_MAX_BODY_BYTES``) on the event loop, by a ``Preprocessor`` with its own copy of
-    the tokenizer (a fast tokenizer is not to be called from two threads at once); any
-    other on the ``OffLoop`` thread. Both answer the same (same tokenizer, same checks)."""
+    ``INLINE_MAX_BODY_BYTES``) on the event loop, with the tokenizer the loop already uses
+    (to detokenize); any other on the ``OffLoop`` thread, with a copy of its own (a fast
+    tokenizer is not to be called from two threads at once). Both answer the same (same
+    tokenizer, same checks)."""
 
     def __init__(self, make: Callable[[Tokenizer], Preprocessor], tokenizer: Tokenizer
                  ) -> None:
         """``make(tokenizer)``: a ``Preprocessor`` around the given tokenizer."""
-        self.threaded = make(tokenizer)
-        self.inline = make(copy.deepcopy(tokenizer))
+        self.inline = make(tokenizer)
+        self.threaded = make(copy.deepcopy(tokenizer))
         self._off_loop = OffLoop()
 
     async def completion(self, body: CompletionRequest, body_bytes: int | None,
