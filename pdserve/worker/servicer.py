@@ -66,8 +66,11 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self, request_iterator: AsyncIterator[pb.SessionRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.SessionBatch]:
-        async for batch in WorkerSession(self._outputs).serve(request_iterator):
-            yield batch
+        try:
+            async for batch in WorkerSession(self._outputs).serve(request_iterator):
+                yield batch
+        except RequestFailed as exc:  # the router broke the protocol: the call fails
+            await context.abort(exc.code, exc.details)
 
     async def _outputs(self, request: pb.GenerateRequest, timeout_s: float | None
                        ) -> AsyncGenerator[pb.GenerateResponse, None]:

@@ -51,6 +51,9 @@ class WorkerSession:
         self._outbox: list[pb.SessionOutput] = []
         self._wake = asyncio.Event()
         self._reading = True
+        # A protocol error of the router (a stream id started twice): the session ends
+        # with it, every stream on it failing, rather than answer one id for two streams.
+        self._violation: RequestFailed | None = None
 
     async def serve(self, requests: AsyncIterator[pb.SessionRequest]
                     ) -> AsyncIterator[pb.SessionBatch]:
@@ -63,6 +66,8 @@ class WorkerSession:
                     self._wake.clear()
                     await self._wake.wait()
                     await asyncio.sleep(0)  # the rest of this engine step's outputs
+                if self._violation is not None:
+                    raise self._violation
                 batch, self._outbox = self._outbox, []
                 if batch:
                     yield pb.SessionBatch(outputs=batch)
@@ -90,10 +95,11 @@ class WorkerSession:
     def _start(self, stream_id: int, request: pb.GenerateRequest, timeout_s: float | None
                ) -> None:
         if stream_id in self._tasks:
-            self._put(pb.SessionOutput(
-                stream_id=stream_id, end=True,
-                status_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                status_details=f"stream {stream_id} is already running on this session"))
+            logger.error("session protocol error: stream %d started twice", stream_id)
+            self._violation = RequestFailed(
+                grpc.StatusCode.INTERNAL, f"session protocol error: stream {stream_id} was "
+                "started while it runs; the session ends")
+            self._wake.set()
             return
         task = asyncio.create_task(self._one(stream_id, request, timeout_s))
         self._tasks[stream_id] = task
