@@ -225,10 +225,14 @@ def _print_layout(cfg: UpConfig, children: list[Child]) -> None:
 
 def router_metrics_endpoint(cfg: UpConfig, probe_host: str) -> str:
     """Where the router's /metrics is open: its admin listener if it has one (the main
-    port's needs the API key when keys are set)."""
+    port's needs the API key when keys are set); with several router processes, each
+    one's admin port (``--admin-port + i``), comma-separated (``up_targets``). Without
+    an admin port they share the main port, where each scrape reaches one of them."""
     if cfg.edge.admin_port:
         admin = cfg.edge.admin_host
-        return f"{'127.0.0.1' if admin in ('0.0.0.0', '::') else admin}:{cfg.edge.admin_port}"
+        host = "127.0.0.1" if admin in ("0.0.0.0", "::") else admin
+        return ",".join(f"{host}:{cfg.edge.admin_port + i}"
+                        for i in range(cfg.router_processes))
     return f"{probe_host}:{cfg.port}"
 
 

@@ -10,14 +10,22 @@ from pathlib import Path
 
 from pdserve.launch.up_children import Child
 
-# ``Child.extra`` key: host:port of the child's /metrics ("router", "prefill-0", ...).
+# ``Child.extra`` key: host:port of the child's /metrics ("router", "prefill-0", ...);
+# a child of several processes, each its own (comma-separated: "router-0", "router-1").
 METRICS_KEY = "metrics"
 
 
 def scrape_targets(children: list[Child]) -> dict[str, str]:
-    """Child name -> host:port of its /metrics, router first."""
+    """Target name -> host:port of its /metrics, router first."""
     ordered = sorted(children, key=lambda c: c.name != "router")
-    return {c.name: c.extra[METRICS_KEY] for c in ordered if c.extra.get(METRICS_KEY)}
+    targets: dict[str, str] = {}
+    for child in ordered:
+        endpoints = [e for e in child.extra.get(METRICS_KEY, "").split(",") if e]
+        if len(endpoints) == 1:
+            targets[child.name] = endpoints[0]
+        for i, endpoint in enumerate(endpoints if len(endpoints) > 1 else ()):
+            targets[f"{child.name}-{i}"] = endpoint
+    return targets
 
 
 def targets_line(targets: dict[str, str]) -> str:

@@ -33,7 +33,7 @@ from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.launch.sim_worker import SimHost
 from pdserve.launch.up import plan
-from pdserve.launch.up_targets import scrape_targets
+from pdserve.launch.up_targets import file_sd, scrape_targets
 from pdserve.membership import WorkerInfo
 from pdserve.prefill_worker.policy import PrefillPolicy
 from pdserve.router.dispatch.worker_client import WorkerClient
@@ -253,6 +253,13 @@ def test_up_plans_a_metrics_port_per_worker_unless_off(tmp_path: Path) -> None:
     off = plan(up_config(build_parser().parse_args(
         ["up", "--simulated", "--no-worker-metrics"]), model), tmp_path)
     assert list(scrape_targets(off)) == ["router"]
+    # Several router processes: each one's admin listener is a target of its own.
+    several = plan(up_config(build_parser().parse_args(
+        ["up", "--simulated", "--no-worker-metrics", "--router-processes", "2",
+         "--admin-port", "9300"]), model), tmp_path)
+    assert scrape_targets(several) == {"router-0": "127.0.0.1:9300",
+                                       "router-1": "127.0.0.1:9301"}
+    assert {g["labels"]["component"] for g in file_sd(scrape_targets(several))} == {"router"}
 
 
 def test_up_simulated_prints_and_writes_targets_that_answer(tmp_path: Path) -> None:
