@@ -3,8 +3,8 @@ sink that writes a plain token chunk to the client from the worker session's rea
 
 The streaming body (``serving.OpenAIServing._events``) opens the lane once its first
 chunk is written and closes it when it stops reading. In between, each ordinary chunk
-that arrives while the body waits for the next is consumed (``RequestOutput.consume``:
-text, stop strings, metrics), encoded (``ResponseFormatter.encode_stream``'s plain
+that arrives while the body waits for the next is consumed (``RequestOutput.consume_plain``:
+text, metrics), encoded (``ResponseFormatter.plain_frame``: ``encode_stream``'s plain
 path) and written (``DirectWriter``) by the sink, exactly as a turn of the body's loop
 would have done it; any other chunk (the last, one with logprobs, one that arrives while
 the client is slow) reaches the body as before. The bytes are the same either way
@@ -31,8 +31,8 @@ def open_express(choices: Choices, formatter: ResponseFormatter) -> None:
     is written, where every later chunk but the last is plain text (one choice, no stop
     strings, no logprobs, no token ids, no tools) and the server is one whose connection
     ``DirectWriter`` writes to. The lane's sink does what one turn of ``_events``' loop
-    does for such a chunk (``RequestOutput.consume``, ``encode_stream``'s plain path, the
-    write) and declines, untouched, a chunk it cannot write now: the client is slow or
+    does for such a chunk (``RequestOutput.consume_plain``, ``encode_stream``'s plain
+    path, the write) and declines, untouched, a chunk it cannot write now: the client is slow or
     gone."""
     express, output = choices.express, choices.first
     if express is None or output.scope is None or output.request.stop:
