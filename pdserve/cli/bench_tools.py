@@ -88,7 +88,10 @@ TOOLS: dict[str, Tool] = {
                        "stacks: one line per stack, its sample count last)"}),
         ("--parts", {"nargs": "+", "choices": configs.ROUTER_COST_PARTS,
                      "help": "latency: (a)-(c); stream: CPU per streamed token with paced "
-                     "engines, the rate per process count, vllm-router beside it"}),
+                     "engines, the rate per process count, vllm-router beside it; "
+                     "replicas: the prefix hit rate through two routers against one"}),
+        ("--replica-requests", {"type": int, "help": "replicas: requests of each of the "
+                                "two clients"}),
         ("--streams", {"type": int, "help": "stream: concurrent streams of the paced passes"}),
         ("--stream-tokens", {"type": int, "help": "stream: tokens per stream, long pass"}),
         ("--short-rounds", {"type": int, "help": "stream: rounds of 2-token streams"}),

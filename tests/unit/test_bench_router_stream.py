@@ -97,3 +97,13 @@ def test_the_client_counts_every_event_the_stub_streams() -> None:
     assert result.ok and result.ended and len(result.stamps) == 25
     assert result.stamps == sorted(result.stamps) and result.stamps[0] >= result.start
     assert answer["kv_transfer_params"]["do_remote_prefill"] is True
+
+
+def test_the_replicas_hit_rate_counts_both_clients_together() -> None:
+    from pdserve.bench.tools.router_replicas import hit_rate
+
+    assert hit_rate([{"input_tokens": 100, "cached_tokens": 90},
+                     {"input_tokens": 300, "cached_tokens": 150}]) == 240 / 400
+    assert hit_rate([]) == 0.0
+    with pytest.raises(ValueError, match="--replica-requests"):
+        RouterCostConfig(parts=("replicas",), replica_requests=0)

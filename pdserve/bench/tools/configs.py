@@ -10,7 +10,7 @@ TRANSFER_TOKENS = (1024, 4096, 16384)
 TRANSFER_BLOCK_SIZE = 128
 FAULTS = ("kill-prefill", "kill-decode", "stop-decode", "kill-etcd", "restart-router")
 # router-cost: (a)-(c), the latency and per-chunk cost; stream, the paced streaming cost.
-ROUTER_COST_PARTS = ("latency", "stream")
+ROUTER_COST_PARTS = ("latency", "stream", "replicas")
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,11 @@ class RouterCostConfig:
     # stream: the sim decode steps its running requests together, as a real engine's
     # batch does (one Session message per step); False: each stream on its own timer
     lockstep: bool = True
+    replica_requests: int = 300  # replicas: requests of each of the two clients
 
     def __post_init__(self) -> None:
+        if self.replica_requests < 1:
+            raise ValueError("--replica-requests must be >= 1")
         unknown = [p for p in self.parts if p not in ROUTER_COST_PARTS]
         if unknown or not self.parts:
             raise ValueError(f"unknown part(s) {', '.join(unknown) or '(none given)'}; "

@@ -14,7 +14,9 @@ decode, no modelled compute) and one router, each a process of its own.
 Prints ratios against the targets (added p50 <= 1 ms per request, <= 50 us per chunk).
 Those are ``--parts latency`` (the default); ``--parts stream`` measures the router's CPU
 per streamed token with engines that pace their tokens, the rate one process sustains
-per process count, and vLLM's ``vllm-router`` beside it (``router_stream``).
+per process count, and vLLM's ``vllm-router`` beside it (``router_stream``);
+``--parts replicas`` the prefix hit rate through two routers active-active against one
+(``router_replicas``).
 
     pdserve bench router-cost            # --requests 300 --clients 16
     pdserve bench router-cost --parts latency stream
@@ -37,6 +39,7 @@ import psutil
 
 from pdserve.bench.tools.configs import RouterCostConfig
 from pdserve.bench.tools.procs import Proc, ProcGroup
+from pdserve.bench.tools.router_replicas import run_replicas
 from pdserve.bench.tools.router_stream import run_stream
 from pdserve.bench.tools.stream_report import report as stream_report
 from pdserve.core import process
@@ -226,6 +229,8 @@ def run(cfg: RouterCostConfig) -> int:
         numbers.update(run_latency(cfg))
     if "stream" in cfg.parts:
         numbers["stream"] = stream_report(cfg, run_stream(cfg))
+    if "replicas" in cfg.parts:
+        numbers["replicas"] = run_replicas(cfg)
     if cfg.json:
         Path(cfg.json).write_text(json.dumps(numbers, indent=2))
     return 0
