@@ -68,7 +68,8 @@ def planner_config(args: argparse.Namespace) -> PlannerConfig:
     """From the ``--planner*`` flags."""
     return PlannerConfig(mode=args.planner, interval_s=args.planner_interval_s,
                          window_s=args.planner_window_s, hold_s=args.planner_hold_s,
-                         cooldown_s=args.planner_cooldown_s)
+                         cooldown_s=args.planner_cooldown_s,
+                         demand_scale=args.planner_demand_scale)
 
 
 def tool_config(args: argparse.Namespace) -> ToolConfig:

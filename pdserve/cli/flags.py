@@ -169,6 +169,10 @@ FLAGS = _flags(
          "worker is switched", 20.0, parse_float(0)),
     Flag("planner-cooldown-s", "planner: after a switch, no other for this long", 60.0,
          parse_float(0)),
+    Flag("planner-demand-scale", "planner: this router sees 1/this of the cluster's "
+         "requests (its replicas behind a load balancer share them evenly), so it plans for "
+         "its own demand times this; --processes N multiplies it by N", 1.0,
+         parse_float(1)),
     Flag("max-migrations", "a request whose decode worker fails mid-stream continues on "
          "another compatible decode worker (prompt + tokens sent, recomputed there) at most "
          "this many times; 0: a failed decode fails the request", DEFAULT_MAX_MIGRATIONS,

@@ -32,7 +32,8 @@ WORKER = ("host", "port", "advertise-host", "kv-port", "kv-host", "cpu-cores", "
           "metrics-host")
 DISAGG = ("disagg", "local-prefill-max-tokens", "local-prefill-max-queued-tokens",
           "local-decode-max-running", "slo-ttft-ms", "slo-itl-ms", "planner",
-          "planner-interval-s", "planner-window-s", "planner-hold-s", "planner-cooldown-s")
+          "planner-interval-s", "planner-window-s", "planner-hold-s", "planner-cooldown-s",
+          "planner-demand-scale")
 OPENAI = ("tool-call-parser", "enable-auto-tool-choice")
 EDGE = ("api-key", "api-key-file", "admin-port", "admin-host", "admin-key",
         "max-concurrent-requests", "max-queued-requests", "max-queue-wait-s", "max-body-bytes",

@@ -48,6 +48,8 @@ def child_argv(argv: Sequence[str], config: RouterConfig, num: int, index: int
                  "--admin-port", str(edge.admin_port + index if edge.admin_port else 0)]
     if index > 0:
         overrides += ["--planner", "off"]
+    else:  # the planner's process sees 1/num of this router's requests
+        overrides += ["--planner-demand-scale", repr(config.planner.demand_scale * num)]
     return [sys.executable, "-m", "pdserve.cli.main", *argv, *overrides]
 
 

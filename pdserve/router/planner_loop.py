@@ -111,11 +111,12 @@ class PlannerLoop:
         cost = median_cost(costs)
         if cost is None:
             return PlannerInputs(current, Demand(), None)
-        batch = max(self.demand.num_inflight / max(current.num_decode, 1), 1.0)
+        scale = self.config.demand_scale  # this router sees 1/scale of the requests
+        batch = max(scale * self.demand.num_inflight / max(current.num_decode, 1), 1.0)
         itl_s = self._slo.itl_s or DERIVED_ITL_FACTOR * cost.seconds(1, 0)
         caps = [w.snapshot().prefill_chunk_tokens for w in placeable]
         chunk = 0 if not caps or 0 in caps else min(caps)
-        demand = self.demand.demand(_too_long(cost, batch, itl_s, chunk))
+        demand = self.demand.demand(_too_long(cost, batch, itl_s, chunk)).scaled(scale)
         return PlannerInputs(current, demand, cost, itl_s, chunk)
 
     async def step(self) -> PlannerDecision | None:

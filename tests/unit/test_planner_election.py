@@ -298,3 +298,29 @@ async def test_two_routers_on_etcd_elect_one_planner_and_say_which(etcd: LocalEt
     finally:
         for router in routers:
             await router.close()
+
+
+@pytest.mark.parametrize("scale", [1.0, 4.0])
+def test_the_planner_plans_for_its_share_of_the_demand_times_the_scale(scale: float) -> None:
+    """A router that sees 1/scale of the requests (one of ``--processes`` 4, or of 4
+    replicas) plans for its demand and its in-flight batch times the scale."""
+    cost = StepCost(0.040, 0.001, 0.001, True, True)
+    snapshot = SimpleNamespace(healthy=True, worker_id="w", num_assigned=0,
+                               num_assigned_tokens=0, prefill_chunk_tokens=256,
+                               load=SimpleNamespace(step=cost))
+    pool: Any = SimpleNamespace(all=[SimpleNamespace(role=r, snapshot=lambda: snapshot)
+                                     for r in ("prefill", "decode")])
+    clock = Clock()
+    config = PlannerConfig(mode="on", window_s=10.0, demand_scale=scale)
+    window = DemandWindow(config.window_s, clock)
+    loop = PlannerLoop(config, pool, RecordingSwitcher(), window,  # type: ignore[arg-type]
+                       SloConfig(itl_s=0.2), CollectorRegistry(), clock)
+    clock.now += 10.0
+    for _ in range(5):
+        window.on_arrival(100)
+    window.on_finished(50)
+    demand = loop.inputs().demand
+    seen = window.demand(lambda n: False)
+    assert demand.short_tokens_per_s == pytest.approx(scale * seen.short_tokens_per_s)
+    assert demand.output_tokens_per_s == pytest.approx(scale * seen.output_tokens_per_s)
+    assert demand.short_tokens_per_s > 0

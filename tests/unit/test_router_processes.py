@@ -35,6 +35,8 @@ def test_each_process_gets_its_share_its_admin_port_and_only_the_first_the_plann
     assert [ln[ln.index("--max-queued-requests") + 1] for ln in lines] == ["2", "1"]
     assert "--planner" not in lines[0][lines[0].index("--reuse-port"):]
     assert lines[1][-2:] == ["--planner", "off"]
+    # The planner's process sees half of the requests: it plans for twice its demand.
+    assert lines[0][-2:] == ["--planner-demand-scale", "2.0"]
     no_admin = child_argv(argv, config(), 2, 1)
     assert no_admin[no_admin.index("--admin-port", len(no_admin) - 8) + 1] == "0"
 

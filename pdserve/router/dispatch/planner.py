@@ -56,6 +56,10 @@ class PlannerConfig:
     max_utilization: float = 0.85  # above it a side's queue grows: its SLO breaks
     min_decode: int = 1
     drain_timeout_s: float = 30.0  # what a switch gives in-flight work
+    # This router sees 1/demand_scale of the cluster's requests (its processes, or its
+    # replicas behind a balancer, share them evenly): the demand it plans for is its own
+    # times this. ``pdserve router --processes N`` multiplies it by N for process 0.
+    demand_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.mode not in PLANNER_MODES:
@@ -68,6 +72,8 @@ class PlannerConfig:
             raise ValueError("planner min_gain must be in [0, 1), max_utilization in (0, 1]")
         if self.min_decode < 1:
             raise ValueError("the planner keeps at least one decode worker")
+        if not self.demand_scale >= 1:
+            raise ValueError("planner demand_scale must be >= 1")
 
     @property
     def enabled(self) -> bool:
@@ -82,7 +88,8 @@ class PlannerConfig:
         """The router flags that give this config back (``pdserve up``'s router)."""
         return ["--planner", self.mode, "--planner-interval-s", repr(self.interval_s),
                 "--planner-window-s", repr(self.window_s), "--planner-hold-s",
-                repr(self.hold_s), "--planner-cooldown-s", repr(self.cooldown_s)]
+                repr(self.hold_s), "--planner-cooldown-s", repr(self.cooldown_s),
+                "--planner-demand-scale", repr(self.demand_scale)]
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,11 @@ class Demand:
     def idle(self) -> bool:
         return not (self.long_tokens_per_s or self.short_tokens_per_s
                     or self.output_tokens_per_s)
+
+    def scaled(self, factor: float) -> Demand:
+        """The rates times ``factor`` (the longest prompt stays what it is)."""
+        return Demand(self.long_tokens_per_s * factor, self.short_tokens_per_s * factor,
+                      self.output_tokens_per_s * factor, self.max_long_tokens)
 
 
 @dataclass(frozen=True)
