@@ -129,13 +129,20 @@ def _prompt(rid: str, length: int) -> PhaseRequest:
                         SamplingSpec(max_tokens=1, temperature=0.0))
 
 
-async def test_the_host_lets_a_prompt_in_only_when_the_one_before_left() -> None:
+def _gated_host() -> tuple[EngineHost, FakeEngine, PrefillPolicy, asyncio.Event]:
+    """A started prefill host, one prompt in its engine at a time, whose engine holds
+    every prompt until the returned event is set."""
     gate = asyncio.Event()
     engine = FakeEngine(steps=[EngineStep((7,), finished=True, finish_reason="length")],
                         gate=gate)
     policy = PrefillPolicy(admission=AdmissionConfig(max_running=1))
     host = EngineHost(config("prefill"), "w0", policy, lambda c, n: engine)
     host.start()
+    return host, engine, policy, gate
+
+
+async def test_the_host_lets_a_prompt_in_only_when_the_one_before_left() -> None:
+    host, engine, policy, gate = _gated_host()
     first = asyncio.create_task(run(host, _prompt("r1", 40)))
     second = asyncio.create_task(run(host, _prompt("r2", 8)))
     await asyncio.sleep(0.05)
@@ -172,12 +179,7 @@ async def test_a_prompt_aborted_while_it_waits_never_enters_the_engine() -> None
     """The router's abort, or a role switch's drain with a backlog: the waiting prompt
     ends ``abort`` at once (as an engine abort ends one), the running one is aborted in
     the engine, and nothing enters the engine after the drain."""
-    gate = asyncio.Event()
-    engine = FakeEngine(steps=[EngineStep((7,), finished=True, finish_reason="length")],
-                        gate=gate)
-    policy = PrefillPolicy(admission=AdmissionConfig(max_running=1))
-    host = EngineHost(config("prefill"), "w0", policy, lambda c, n: engine)
-    host.start()
+    host, engine, policy, gate = _gated_host()
     tasks = [asyncio.create_task(run(host, _prompt(f"r{i}", 8))) for i in range(3)]
     await asyncio.sleep(0.02)
     assert [c[0] for c in engine.calls] == ["r0"] and policy.num_waiting == 2
