@@ -136,6 +136,11 @@ FLAGS = _flags(
          "blocks from a peer's host tier (--kv-offload-gib) instead of computing them, "
          "where the router's measured costs say it is cheaper (off: never)", "on",
          choices=("on", "off")),
+    Flag("decode-cache", "the decode-side prefix cache: the router follows the decode "
+         "workers' KV events too, places a conversation's next turn on the decode worker "
+         "that holds its earlier turns, and lets that worker compute the new tokens itself "
+         "(--disagg auto/slo) or load only the blocks it lacks (off: decode placed by load "
+         "alone, as if its cache were empty)", "on", choices=("on", "off")),
     Flag("disagg", "per request: prefill remotely and hand the KV to decode (always), let "
          "decode prefill the prompt itself (never), decide from the uncached prompt "
          "length and the workers' load (auto), or from the engines' measured step times "

@@ -39,10 +39,12 @@ EDGE = ("api-key", "api-key-file", "admin-port", "admin-host", "admin-key",
         "max-concurrent-requests", "max-queued-requests", "max-queue-wait-s", "max-body-bytes",
         "drain-timeout-s")
 ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement", "kv-pool",
+          "decode-cache",
           "served-model-name", "log-timeline", "disable-metrics", "max-migrations",
           "request-timeout-s", "grpc-keepalive-s", "processes", "reuse-port"
           ) + DISAGG + EDGE + OPENAI
-UP = ("host", "port", "num-prefill", "num-decode", "placement", "kv-pool", "cpu-layout",
+UP = ("host", "port", "num-prefill", "num-decode", "placement", "kv-pool", "decode-cache",
+      "cpu-layout",
       "with-etcd",
       "startup-timeout-s", "max-restarts", "restart-window-s", "simulated", "worker-metrics",
       "metrics-targets-file", "router-processes") + DISAGG + EDGE + OPENAI

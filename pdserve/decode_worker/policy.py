@@ -1,8 +1,9 @@
 """The decode role on the shared engine host: continue a request from prompt +
 first token, loading the prompt's KV from where the prefill's handle says
-(``do_remote_prefill``), or computing it here when no handle came (the
-aggregated fallback). Pushed KV is taken from the connector's inbox by the
-connector itself; nothing here holds KV past the request."""
+(``do_remote_prefill``: only the blocks past what this engine's own prefix cache
+holds, so a conversation's next turn loads its new blocks alone), or computing it
+here when no handle came (the aggregated fallback). Pushed KV is taken from the
+connector's inbox by the connector itself; nothing here holds KV past the request."""
 
 from __future__ import annotations
 

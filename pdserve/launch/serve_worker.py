@@ -43,8 +43,7 @@ def role_policy(config: EngineConfig, kv_push: bool, role: Role | None = None) -
     if (role or config.role) == "prefill":
         release = functools.partial(release_over_control, secret=config.connector.cluster_secret())
         admission = AdmissionConfig(config.prefill_max_running, config.prefill_order)
-        return PrefillPolicy(kv_push=kv_push, kv_events=config.kv_events, release=release,
-                             admission=admission)
+        return PrefillPolicy(kv_push=kv_push, release=release, admission=admission)
     return DecodePolicy()
 
 
@@ -106,7 +105,7 @@ async def serve_worker(config: EngineConfig, worker_id: str, host: str, port: in
         await asyncio.wait([load, stopped], return_when=asyncio.FIRST_COMPLETED)
         if load.done():
             load.result()  # raises if the engine failed to start
-            backend.start_role(loop)
+            backend.start_mirroring(loop)
             await worker.state.update()  # SERVING
             logger.info("%s worker %s ready (KV %s on port %d)", config.role, worker_id,
                         config.connector.transport, config.connector.kv_port)

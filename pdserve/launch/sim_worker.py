@@ -62,6 +62,7 @@ class SimHost:
         # the prompt's answer from its second token, so the text does not depend on
         # whether the prompt was prefilled here (fallback, local) or remotely.
         first_index = 1 if request.kv_handle is not None else 0
+        self.engine.hold(prompt)
         i = 0
         async for t in self.engine.decode(prompt[:len(prompt) - first_index], n, first_index):
             clock.on_output((t,))
@@ -115,7 +116,7 @@ class SimHost:
             step_prefill_samples=1)
 
     def kv_mirror(self) -> KvCacheMirror | None:
-        return self.engine.mirror if self.role == "prefill" else None
+        return self.engine.mirror
 
     def set_role(self, role: Role) -> None:
         self.role = role

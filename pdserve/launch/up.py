@@ -51,6 +51,7 @@ class UpConfig:
     kv_cache_gib: int = 2
     placement: str = "cache_aware"
     kv_pool: bool = True  # the router may have prefills pull from peers' host tiers
+    decode_cache: bool = True  # the router follows decode's KV events (--decode-cache)
     startup_timeout_s: float = 600.0
     log_level: str = "INFO"
     cpu_layout: str = DEFAULT_CPU_LAYOUT
@@ -152,7 +153,9 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
                              "--decode", ",".join(endpoints["decode"])]
     router_argv = py + ["router", *common, "--host", cfg.host, "--port", str(cfg.port),
                         *workers, "--placement", cfg.placement,
-                        "--kv-pool", "on" if cfg.kv_pool else "off", *cfg.disagg.flags(),
+                        "--kv-pool", "on" if cfg.kv_pool else "off",
+                        "--decode-cache", "on" if cfg.decode_cache else "off",
+                        *cfg.disagg.flags(),
                         *cfg.planner.flags(), *cfg.edge.flags(), *cfg.tools.flags(),
                         "--processes", str(cfg.router_processes)]
     probe_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host

@@ -1,7 +1,7 @@
 """The prefill role on the shared engine host: compute the prompt and the first
 token, keep the prompt's KV for a decode (``do_remote_decode``) under a lease,
-optionally push it layer by layer to the decode the router named, and mirror
-the engine's KV events for the routers' prefix index."""
+and optionally push it layer by layer to the decode the router named; how many
+prompts the engine computes at once, in what order (``admission.py``)."""
 
 from __future__ import annotations
 
@@ -15,16 +15,13 @@ from pdserve.core.types import PhaseRequest, Role
 from pdserve.prefill_worker.admission import AdmissionConfig, PrefillAdmission
 from pdserve.prefill_worker.handle_leases import HandleLeases, release_over_control
 from pdserve.worker.engine import EngineParams
-from pdserve.worker.kv_mirror import KvCacheMirror
-from pdserve.worker.vllm_kv_events import KvEventEndpoints, KvEventMirroring
 
 
 class PrefillPolicy:
-    """``kv_push``: push when the router names a target. ``kv_events``: the
-    engine's (pub, replay) KV-event endpoints, None when it publishes none.
-    ``release`` frees a handle's blocks (blocking; tests pass a fake)."""
+    """``kv_push``: push when the router names a target. ``release`` frees a handle's
+    blocks (blocking; tests pass a fake)."""
 
-    def __init__(self, kv_push: bool = False, kv_events: tuple[str, str] | None = None,
+    def __init__(self, kv_push: bool = False,
                  release: Callable[[KVHandle], None] = release_over_control,
                  admission: AdmissionConfig | None = None) -> None:
         """``admission``: how many prompts the engine computes at once, in what order
@@ -33,8 +30,6 @@ class PrefillPolicy:
         self.admission = PrefillAdmission(admission or AdmissionConfig())
         self.leases = HandleLeases()
         self._release = release
-        self._events = None if kv_events is None else KvEventEndpoints(*kv_events)
-        self._mirroring: KvEventMirroring | None = None
 
     @property
     def role(self) -> Role:
@@ -90,24 +85,3 @@ class PrefillPolicy:
 
     def prune(self, now_ns: int) -> None:
         self.leases.prune(now_ns)
-
-    def start(self, block_size: int, loop: asyncio.AbstractEventLoop) -> None:
-        if self._events is not None and self._mirroring is None:
-            self._mirroring = KvEventMirroring.start(self._events, block_size, loop)
-
-    def stop(self) -> None:
-        if self._mirroring is not None:
-            self._mirroring.close()
-            self._mirroring = None
-
-    def close(self) -> None:
-        self.stop()
-        if self._events is not None:
-            self._events.remove_files()
-
-    @property
-    def publishes_kv_events(self) -> bool:
-        return self._events is not None
-
-    def kv_mirror(self) -> KvCacheMirror | None:
-        return None if self._mirroring is None else self._mirroring.mirror

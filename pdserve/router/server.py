@@ -64,6 +64,8 @@ class RouterConfig:
     max_model_len: int = 4096
     placement: str = DEFAULT_PLACEMENT
     kv_pool: bool = True  # prefills may pull a prompt's head from a peer's host tier
+    # The index follows decode workers' KV events too (the decode-side prefix cache).
+    decode_cache: bool = True
     health_interval_s: float = 2.0
     request_timeout_s: float = 600.0  # the longest a request may take; see Deadline
     grpc_keepalive_s: float = DEFAULT_KEEPALIVE_S  # see pdserve.core.grpc_options
@@ -141,7 +143,8 @@ def build_router(config: RouterConfig, tokenizer: Any) -> Router:
     if registry is not None:
         register_pool_metrics(pool, registry)
     index = PrefixIndex()
-    feeder = KvIndexFeeder(lambda: pool.prefill, index, registry)
+    feeder = KvIndexFeeder((lambda: [*pool.prefill, *pool.decode]) if config.decode_cache
+                           else (lambda: pool.prefill), index, registry)
     pool.on_worker_added(lambda _: feeder.sync())
     pool.on_worker_removed(lambda _: feeder.sync())  # its index entries go at once
     demand = DemandWindow(config.planner.window_s)

@@ -46,8 +46,8 @@ class EngineConfig:
     enforce_eager: bool = True
     # KV cache size in blocks; overrides kv_cache_gib (vLLM's num_gpu_blocks_override).
     num_kv_blocks: int | None = None
-    # Publish vLLM's KV cache events on these ZMQ endpoints (pub, replay); the prefill
-    # role mirrors them (every role's engine publishes: a decode may become a prefill).
+    # Publish vLLM's KV cache events on these ZMQ endpoints (pub, replay); the host
+    # mirrors them for the routers' prefix index, whatever the role (None: no events).
     kv_events: tuple[str, str] | None = None
     # vLLM's shared-memory readers' busy-wait (pdserve.worker.vllm_plugin); None: 0 on
     # CPU (or PDSERVE_VLLM_SHM_SPIN_S), vLLM's own on GPU.

@@ -1,6 +1,8 @@
 """``EngineHost``: one engine in-process behind the ``WorkerBackend`` contract,
-the same for both roles. It owns the engine's lifecycle, the in-flight set and
-the output stream; every role decision goes to its ``RolePolicy``."""
+the same for both roles. It owns the engine's lifecycle, the in-flight set, the
+output stream and the mirror of the engine's KV events (the prefix cache is the
+engine's, whatever its role: the routers place prefills and decodes on it); every
+role decision goes to its ``RolePolicy``."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdserve.core.types import (
@@ -30,6 +31,7 @@ from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import Engine, EngineConfig, EngineCounters, EngineStep
 from pdserve.worker.policy import AdmissionAborted, RolePolicy
 from pdserve.worker.timing import PhaseClock
+from pdserve.worker.vllm_kv_events import KvEventEndpoints, KvEventMirroring
 
 if TYPE_CHECKING:
     from pdserve.worker.kv_mirror import KvCacheMirror
@@ -72,6 +74,8 @@ class EngineHost:
         # The connector's last status reply: counters never go back to zero because
         # one reply was late (GetLoad answers within the router's probe deadline).
         self._kv_status: dict[str, Any] = {}
+        self._events = None if config.kv_events is None else KvEventEndpoints(*config.kv_events)
+        self._mirroring: KvEventMirroring | None = None
 
     @property
     def ready(self) -> bool:
@@ -86,16 +90,18 @@ class EngineHost:
         self.engine = self._engine_factory(self.config, self.counters)
         self._health = None
 
-    def start_role(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start the role's services (call on the event loop once the engine runs)."""
+    def start_mirroring(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Mirror the engine's KV events, when it publishes them (call on the event loop
+        ``loop`` once the engine runs). A role switch keeps the mirror: same engine, same
+        prefix cache."""
         self._loop = loop
-        if self.engine is not None:
-            self.policy.start(self.engine.block_size, loop)
+        if self.engine is not None and self._events is not None and self._mirroring is None:
+            self._mirroring = KvEventMirroring.start(self._events, self.engine.block_size, loop)
 
     def set_role(self, role: Role) -> None:
-        """Serve ``role`` with the same engine (weights and prefix cache stay): the old
-        role's services stop, the new one's start. Only with nothing in flight (the
-        servicer drains first); the KV connector serves both directions in every engine."""
+        """Serve ``role`` with the same engine (weights, prefix cache and its KV-event
+        mirror stay) under that role's policy. Only with nothing in flight (the servicer
+        drains first); the KV connector serves both directions in every engine."""
         if role == self.policy.role:
             return
         if self._policy_for is None:
@@ -103,13 +109,9 @@ class EngineHost:
         if self._inflight:
             raise WorkerError("failed_precondition",
                               f"{len(self._inflight)} requests in flight; drain first")
-        policy = self._policy_for(role)
-        self.policy.stop()
-        self.policy = policy
+        self.policy = self._policy_for(role)
         self.config = replace(self.config, role=role)
         self._health = None
-        if self.engine is not None and self._loop is not None:
-            policy.start(self.engine.block_size, self._loop)
         logger.info("worker %s now serves %s", self.worker_id, role)
 
     async def end_role_work(self) -> tuple[int, int]:
@@ -128,12 +130,11 @@ class EngineHost:
             self.engine.shutdown()
             self.engine = None
             self._health = None
-        # After the engine: the policy removes what the engine had bound (KV-event sockets),
-        # and so does the host, whichever role the engine ended in (every engine publishes).
-        self.policy.close()
-        for endpoint in self.config.kv_events or ():
-            if endpoint.startswith("ipc://"):
-                Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
+        if self._mirroring is not None:
+            self._mirroring.close()
+            self._mirroring = None
+        if self._events is not None:  # after the engine, which had bound them
+            self._events.remove_files()
 
     def health(self) -> WorkerHealth:
         """What this worker says about itself; built once per engine lifetime."""
@@ -203,10 +204,11 @@ class EngineHost:
         return found or released
 
     def kv_mirror(self) -> KvCacheMirror | None:
-        mirror = self.policy.kv_mirror()
-        if mirror is None and self.policy.publishes_kv_events:
+        if self._events is None:
+            return None
+        if self._mirroring is None:
             raise WorkerError("unavailable", "engine is loading")
-        return mirror
+        return self._mirroring.mirror
 
     def kv_status(self) -> dict[str, Any]:
         """The connector's own counters, from its KV endpoint in the Worker process;
@@ -222,9 +224,10 @@ class EngineHost:
     async def load(self) -> WorkerLoadReport:
         self.policy.prune(time.time_ns())
         status = await asyncio.to_thread(self.kv_status) if self.ready else {}
-        mirror = self.policy.kv_mirror()
+        mirror = self._mirroring
         return load_report(self.counters, status, self.num_inflight,
-                           len(mirror) if mirror is not None else 0, self.policy.num_waiting)
+                           len(mirror.mirror) if mirror is not None else 0,
+                           self.policy.num_waiting)
 
 
 def load_report(c: EngineCounters, status: dict[str, Any], num_inflight: int,

@@ -4,9 +4,8 @@ both roles; each role folder supplies a policy (``prefill_worker.policy``,
 
 from __future__ import annotations
 
-import asyncio
 from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from pdserve.core.handle import KVHandle
 from pdserve.core.types import PhaseRequest, Role
@@ -28,21 +27,17 @@ class _AtOnce(AbstractAsyncContextManager[float]):
 
 _AT_ONCE = _AtOnce()
 
-if TYPE_CHECKING:
-    from pdserve.worker.kv_mirror import KvCacheMirror
-
 
 class RolePolicy(Protocol):
     """What one role decides about a request on the shared ``EngineHost``.
 
     The host owns the engine, the in-flight set and the output stream; the policy
     owns what differs by role: the engine parameters of a request (its
-    ``kv_transfer_params``), what a finished request leaves behind (prefill: a KV
-    handle under a lease, held until released or expired), how an abort frees it,
-    and role services that run beside the engine (prefill: the KV-event mirror).
-    Every method runs on the worker's event loop. A role that holds nothing past a
-    request and runs nothing beside the engine (decode) subclasses this and inherits
-    the defaults below; ``role`` and ``engine_params`` every role decides.
+    ``kv_transfer_params``), when it enters the engine (prefill: its admission), what a
+    finished request leaves behind (prefill: a KV handle under a lease, held until
+    released or expired) and how an abort frees it. Every method runs on the worker's
+    event loop. A role that holds nothing past a request (decode) subclasses this and
+    inherits the defaults below; ``role`` and ``engine_params`` every role decides.
     """
 
     @property
@@ -87,23 +82,3 @@ class RolePolicy(Protocol):
 
     def prune(self, now_ns: int) -> None:
         """Forget what expired by ``now_ns`` (unix ns); called on every GetLoad."""
-
-    def start(self, block_size: int, loop: asyncio.AbstractEventLoop) -> None:
-        """The engine runs: start the role's own services."""
-
-    def stop(self) -> None:
-        """Stop them, leaving what the engine bound (a role switch: the engine stays;
-        idempotent)."""
-
-    def close(self) -> None:
-        """Stop them and remove what the engine bound (idempotent; after the engine is
-        gone)."""
-
-    @property
-    def publishes_kv_events(self) -> bool:
-        """Whether this worker mirrors its engine's KV events (prefill with events on)."""
-        return False
-
-    def kv_mirror(self) -> KvCacheMirror | None:
-        """The KV-event mirror once ``start`` ran; None before, or when it publishes none."""
-        return None

@@ -130,6 +130,12 @@ class SimEngine:
         finally:
             self.counters.num_running_reqs -= 1
 
+    def hold(self, prompt: Sequence[int]) -> None:
+        """A decode's prompt is in this engine's cache now (loaded from a prefill, or
+        computed here; its time is not modelled): its blocks are announced, as vLLM's
+        KV events announce the blocks a decode loads."""
+        self._store(chain_hashes(prompt, self.config.block_size))
+
     def _store(self, new: Sequence[int]) -> None:
         stored: list[int] = []
         for h in new:

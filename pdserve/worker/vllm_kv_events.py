@@ -190,7 +190,7 @@ class ZmqKvEventSource:
 
 @dataclass
 class KvEventMirroring:
-    """A running engine's KV events, kept in ``mirror`` (the prefill worker's)."""
+    """A running engine's KV events, kept in ``mirror`` (the host's, whatever its role)."""
 
     mirror: KvCacheMirror
     source: ZmqKvEventSource

@@ -30,9 +30,10 @@ BLOCK_SIZE = 128
 
 @pytest.fixture
 def cluster(pd_server: Server) -> Server:
-    """The cluster once the router's prefix index has both prefill workers' KV events
-    (the ``--disagg always`` router places every prefill: placement is under test)."""
-    assert wait_until(lambda: len(_index(pd_server)["resyncs"]) == 2, 30), _index(pd_server)
+    """The cluster once the router's prefix index has every worker's KV events, both
+    prefill workers' and the decode's (the ``--disagg always`` router places every
+    prefill: placement is under test)."""
+    assert wait_until(lambda: len(_index(pd_server)["resyncs"]) == 3, 30), _index(pd_server)
     return pd_server
 
 

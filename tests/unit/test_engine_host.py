@@ -9,6 +9,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import pytest
 
@@ -17,10 +18,13 @@ from pdserve.core.types import PhaseOutput, PhaseRequest, Role, SamplingSpec
 from pdserve.decode_worker.policy import DecodePolicy
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.prefill_worker.policy import PrefillPolicy
+from pdserve.worker import host as host_module
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import EngineConfig, EngineCounters, EngineParams, EngineStep
 from pdserve.worker.host import EngineHost
+from pdserve.worker.kv_mirror import KvCacheMirror
 from pdserve.worker.policy import RolePolicy
+from pdserve.worker.vllm_kv_events import KvEventEndpoints
 
 PROMPT = (11, 12, 13, 14)
 TARGET = PushTarget("10.0.0.2", 6001, "t-1")
@@ -272,17 +276,47 @@ async def test_health_before_and_after_the_engine_starts() -> None:
     assert not host.health().ready
 
 
-def test_kv_mirror_is_loading_until_the_role_starts_it() -> None:
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_every_role_mirrors_its_engines_kv_events_across_a_role_switch(
+        role: Role, monkeypatch: pytest.MonkeyPatch) -> None:
+    started_with: list[tuple[KvEventEndpoints, int]] = []
+    mirrorings: list[Any] = []
+
+    class Mirroring:  # vLLM's ZMQ subscriber is test_kv_events_vllm.py's
+        def __init__(self) -> None:
+            self.mirror, self.closed = KvCacheMirror(128), False
+
+        @classmethod
+        def start(cls, endpoints: KvEventEndpoints, block_size: int,
+                  loop: asyncio.AbstractEventLoop) -> Mirroring:
+            started_with.append((endpoints, block_size))
+            mirrorings.append(cls())
+            return mirrorings[-1]
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(host_module, "KvEventMirroring", Mirroring)
     events = ("ipc:///tmp/pdserve-test-kvev.pub", "ipc:///tmp/pdserve-test-kvev.replay")
-    host = EngineHost(config("prefill", events), "w0", PrefillPolicy(kv_events=events),
-                      lambda c, n: FakeEngine())
-    with pytest.raises(WorkerError) as err:
+    policies: dict[Role, RolePolicy] = {"prefill": PrefillPolicy(), "decode": DecodePolicy()}
+    host = EngineHost(config(role, events), "w0", policies[role], lambda c, n: FakeEngine(),
+                      policy_for=policies.__getitem__)
+    with pytest.raises(WorkerError) as err:  # no engine, no mirror yet
         host.kv_mirror()
     assert err.value.kind == "unavailable"
-    assert EngineHost(config("decode"), "w1", DecodePolicy(),
-                      lambda c, n: FakeEngine()).kv_mirror() is None
-    assert EngineHost(config("prefill"), "w2", PrefillPolicy(),
-                      lambda c, n: FakeEngine()).kv_mirror() is None
+    host.start()
+    host.start_mirroring(asyncio.get_running_loop())
+    try:
+        mirror = host.kv_mirror()
+        assert mirror is not None
+        host.set_role("decode" if role == "prefill" else "prefill")
+        assert host.kv_mirror() is mirror  # same engine, same prefix cache
+        assert started_with == [(KvEventEndpoints(*events), 128)]
+    finally:
+        host.shutdown()
+    assert mirrorings[0].closed  # with the engine
+    assert EngineHost(config(role), "w1", policies[role],
+                      lambda c, n: FakeEngine()).kv_mirror() is None  # no events configured
 
 
 # ---- a role switch ------------------------------------------------------------------------
@@ -299,7 +333,7 @@ async def test_a_role_switch_keeps_the_engine_and_hands_the_requests_to_the_new_
     host = EngineHost(config("prefill"), "w0", policies["prefill"], lambda c, n: engine,
                       policy_for=policies.__getitem__)
     host.start()
-    host.start_role(asyncio.get_running_loop())
+    host.start_mirroring(asyncio.get_running_loop())
     (out,) = await run(host, request("prefill"))
     assert out.kv_handle is not None
     # The drain ran out: the lease still held is released.

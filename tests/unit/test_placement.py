@@ -175,6 +175,34 @@ def test_cache_aware_decode_by_load_then_free_kv_and_compatibility() -> None:
                                         req) is None
 
 
+def test_cache_aware_decode_goes_to_the_holder_of_the_conversation() -> None:
+    # decode-1's cache holds 10 blocks of the prompt (a conversation's earlier turns),
+    # learnt from its KV events like any worker's.
+    req = routing(index_with({"decode-1": 10})).request(PROMPT)
+    assert req.decode_cached_tokens(ws("decode", 1)) == 10 * BS
+    policy = CacheAwarePlacement()
+    prefill = [ws("prefill", 0)]
+    busier = [ws("decode", 0), ws("decode", 1, running=1, kv=0.5)]
+    assert policy.choose(prefill, busier, 0, req) == Choice(0, 1)  # busier, but holds it
+    # Each request running there costs decode_request_cost_tokens: 160 cached tokens
+    # outweigh one more request (128) than elsewhere, not two (256).
+    one_more = [ws("decode", 0, running=1), ws("decode", 1, running=2)]
+    assert policy.choose(prefill, one_more, 0, req) == Choice(0, 1)
+    assert policy.choose(prefill, [ws("decode", 0), ws("decode", 1, running=2)], 0,
+                         req) == Choice(0, 0)
+    # Local prompt tokens already sent to it count as work queued there too.
+    assert policy.choose(prefill, [ws("decode", 0), ws("decode", 1, tokens=200)], 0,
+                         req) == Choice(0, 0)
+    # A holder not compatible with the chosen prefill, or unhealthy, is not a candidate.
+    for holder in (ws("decode", 1, compat="b"), ws("decode", 1, healthy=False)):
+        assert policy.choose(prefill, [ws("decode", 0, running=3), holder], 0,
+                             req) == Choice(0, 0)
+    # Nobody holds any of it: least loaded, as before (no cost, KV usage breaks ties).
+    fresh = routing(index_with({"prefill-0": 10})).request(PROMPT)
+    assert policy.choose(prefill, [ws("decode", 0, kv=0.3), ws("decode", 1, kv=0.1)], 0,
+                         fresh) == Choice(0, 1)
+
+
 @pytest.mark.parametrize("name", sorted(PLACEMENTS))
 def test_decisions_are_pure(name: str) -> None:
     policy = create_placement(name)

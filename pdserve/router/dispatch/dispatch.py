@@ -77,6 +77,7 @@ class _Route:
     push_to: PushTarget | None = None
     pending: PendingPrefix | None = None  # what the prefill made pending in the prefix index
     pool_source: PoolSource | None = None  # the peer prefill pulls the prompt's head from
+    decode_cached: int = 0  # the prompt tokens decode's own prefix cache holds
 
 
 def _push_target(prefill: WorkerState, decode: WorkerState) -> PushTarget | None:
@@ -152,21 +153,25 @@ class PDDispatcher:
             raise NoWorkerAvailableError("no healthy decode worker is available")
         p_state = None if choice.prefill is None else p_states[choice.prefill]
         d_state = d_states[choice.decode]
-        # TODO(issue 10): pass decode_cached_tokens once decode workers publish KV events
-        # (today only prefill workers do, and the prefix index holds only theirs).
-        disagg = choose_disagg(self._disagg, request, p_state, d_state)
+        decode_cached = request.decode_cached_tokens(d_state)
+        disagg = choose_disagg(self._disagg, request, p_state, d_state, decode_cached)
         self._metrics.on_decision(disagg)
         self._metrics.placements.on_placed(d_state)
+        if self._prefix is not None:
+            self._prefix.on_decode_placed(request.num_prompt_tokens, decode_cached)
+        remote = choice.prefill is not None and p_state is not None and disagg.remote
         if self._demand is not None:
-            self._demand.on_arrival(request.uncached_tokens(p_state) if p_state is not None
-                                    else request.num_prompt_tokens)
-        if choice.prefill is None or p_state is None or not disagg.remote:
-            return _Route(None, decode[choice.decode], disagg)
+            self._demand.on_arrival(request.uncached_tokens(p_state) if remote and p_state
+                                    else request.num_prompt_tokens - decode_cached)
+        if not remote or choice.prefill is None or p_state is None:
+            return _Route(None, decode[choice.decode], disagg, decode_cached=decode_cached)
         self._metrics.placements.on_placed(p_state)
         pending = self._prefix.on_placed(request, p_state) if self._prefix is not None else None
+        # Decode pulls only the blocks past what its cache holds; a push would send them all.
+        push = None if decode_cached else _push_target(p_state, d_state)
         return _Route(prefill[choice.prefill], decode[choice.decode], disagg,
-                      request.uncached_tokens(p_state), _push_target(p_state, d_state),
-                      pending, request.pool_source(p_state))
+                      request.uncached_tokens(p_state), push, pending,
+                      request.pool_source(p_state), decode_cached)
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
@@ -212,7 +217,7 @@ class PDDispatcher:
             stream = self._decode(route.decode, _decode_request(
                 request_id, prompt_token_ids, sampling, first),
                 route.disagg if first is None else None, involved, timeline, migration,
-                deadline, express)
+                deadline, express, route.decode_cached)
             async with contextlib.aclosing(stream):  # closing us closes the decode call now
                 async for chunk in stream:
                     num_tokens += len(chunk.token_ids)
@@ -264,10 +269,12 @@ class PDDispatcher:
     async def _decode(
         self, worker: Worker, request: PhaseRequest, opening: DisaggDecision | None,
         involved: list[Worker], timeline: RequestTimeline, migration: RequestMigration,
-        deadline: Deadline, express: Express | None = None,
+        deadline: Deadline, express: Express | None = None, cached_tokens: int = 0,
     ) -> AsyncGenerator[TokenChunk, None]:
         """Decode on ``worker``; if it fails, on another (``migration.py`` says when and
         with what request), each call with what is left of the request's ``deadline``.
+        ``cached_tokens``: the prompt tokens ``worker``'s prefix cache holds (it computes
+        only the rest when it prefills locally).
         ``opening`` is set when decode's first chunk opens the request (no prefill chunk
         came before it): that chunk carries decode's cached tokens and it. ``express``:
         the request's lane (``base.Express``), offered each ordinary output with the
@@ -293,8 +300,9 @@ class PDDispatcher:
             timeout_s = self._time_left(deadline, "decode")
             # Prompt tokens decode computes before its first token (none with a KV handle):
             # queued local prefill, which the SLO decisions weigh, until that token.
-            prefill_tokens = 0 if request.kv_handle is not None else len(
-                request.prompt_token_ids)
+            prefill_tokens = 0 if request.kv_handle is not None else max(
+                len(request.prompt_token_ids) - cached_tokens, 1)
+            cached_tokens = 0  # a worker it migrates to holds none of it
             worker.on_sent(prefill_tokens)
             worker_id = worker.snapshot().worker_id
             try:

@@ -1,11 +1,14 @@
-"""Feeds the prefix index from the prefill workers' KV-event relays.
+"""Feeds the prefix index from the workers' KV-event relays.
 
-One ``KvEventFollower`` per prefill worker streams ``StreamKvEvents`` and applies
+One ``KvEventFollower`` per worker, prefill and decode, streams ``StreamKvEvents`` and applies
 each batch to the index. Batches are numbered; a jump in seq (lost batches), a
 heartbeat whose seq differs from the last applied one, or a new stream
 (reconnect) makes it resync from ``GetKvSnapshot``. When the stream breaks the
 worker's entries are dropped until it resyncs. ``KvIndexFeeder`` follows the
-pool's prefill membership: a worker that leaves is removed from the index.
+pool's membership: a worker that leaves is removed from the index. Prefill workers'
+entries place prefills; decode workers' place decodes (the worker that holds a
+conversation's earlier turns) and let a prompt that decode mostly holds be computed
+there (``disagg.py``, ``decode_cached``).
 """
 
 from __future__ import annotations
@@ -100,11 +103,11 @@ class KvEventFollower:
 
 
 class KvIndexFeeder:
-    """Keeps one follower per current prefill worker (membership may change)."""
+    """Keeps one follower per current worker of ``workers`` (membership may change)."""
 
-    def __init__(self, prefill: Callable[[], Sequence[Worker]], index: PrefixIndex,
+    def __init__(self, workers: Callable[[], Sequence[Worker]], index: PrefixIndex,
                  registry: CollectorRegistry | None, interval_s: float = 1.0) -> None:
-        self._prefill = prefill
+        self._workers = workers
         self._index = index
         self._metrics = KvFeedMetrics(registry)
         self._interval_s = interval_s
@@ -116,8 +119,8 @@ class KvIndexFeeder:
         return [f for f, _ in self._tasks.values()]
 
     def sync(self) -> None:
-        """Start followers for new prefill workers; stop and forget departed ones."""
-        current = {id(c): c for c in self._prefill()}
+        """Start followers for new workers; stop and forget departed ones."""
+        current = {id(c): c for c in self._workers()}
         for key in [k for k in self._tasks if k not in current]:
             follower, task = self._tasks.pop(key)
             task.cancel()

@@ -23,8 +23,8 @@ class Choice:
 
 @dataclass(frozen=True)
 class PlacementRequest:
-    """What placement knows about the request: its prompt length and, per prefill
-    worker id, how many leading prompt tokens the prefix index says it holds or is
+    """What placement knows about the request: its prompt length and, per worker id
+    (prefill and decode), how many leading prompt tokens the prefix index says it holds or is
     computing for a prefill in flight (``matched_tokens``), and how many of those
     are only the latter (``pending_tokens``); how many its KV tiers hold
     (``tier_tokens``: ``{"host": n, "disk": n}``, loadable tokens only), and, for the
@@ -47,6 +47,11 @@ class PlacementRequest:
         if plan is not None:
             return plan.cost_tokens
         return self.num_prompt_tokens - self.matched_tokens.get(worker.worker_id, 0)
+
+    def decode_cached_tokens(self, decode: WorkerState) -> int:
+        """The prompt tokens ``decode``'s own prefix cache holds (a conversation's earlier
+        turns): what it need neither compute nor load."""
+        return self.matched_tokens.get(decode.worker_id, 0)
 
     def pool_source(self, worker: WorkerState) -> PoolSource | None:
         """The peer ``worker`` would pull the prompt's leading blocks from, if any."""
@@ -128,9 +133,15 @@ class CacheAwareConfig:
     # Fixed cost of one queued or running prefill, in prompt-token equivalents
     # (a forward pass has overhead beyond its tokens).
     request_cost_tokens: int = 128
+    # What one more request running on a decode worker costs against the prompt tokens
+    # it would not have to compute or load (its prefix cache holds them), in the same
+    # units: one KV block of 128 tokens per request. A decode worker that holds a
+    # conversation's 1,000 earlier tokens keeps its next turn until it runs about 8 more
+    # requests than the least loaded one. A starting point, not a measurement.
+    decode_request_cost_tokens: int = 128
 
     def __post_init__(self) -> None:
-        if self.request_cost_tokens < 0:
+        if self.request_cost_tokens < 0 or self.decode_request_cost_tokens < 0:
             raise ValueError("request_cost_tokens must be >= 0")
 
 
@@ -174,10 +185,23 @@ class CacheAwarePlacement:
         if not d:
             return None
         pi = self._cheapest(prefill, {decode[i].compatibility_hash for i in d}, cursor, request)
-        if pi is None:
-            return Choice(None, _least_loaded(decode, d, cursor))
-        d = [i for i in d if _compatible(prefill[pi], decode[i])]
-        return Choice(pi, _least_loaded(decode, d, cursor))
+        if pi is not None:
+            d = [i for i in d if _compatible(prefill[pi], decode[i])]
+        return Choice(pi, self._decode(decode, d, cursor, request))
+
+    def decode_cost(self, worker: WorkerState, request: PlacementRequest) -> int:
+        return (request.num_prompt_tokens - request.decode_cached_tokens(worker)
+                + worker.num_assigned_tokens
+                + self.config.decode_request_cost_tokens * _queued(worker))
+
+    def _decode(self, decode: Sequence[WorkerState], candidates: list[int], cursor: int,
+                request: PlacementRequest) -> int:
+        matched = request.matched_tokens
+        if not matched or not any(decode[i].worker_id in matched for i in candidates):
+            return _least_loaded(decode, candidates, cursor)
+        n = len(decode)
+        return min(candidates, key=lambda i: (self.decode_cost(decode[i], request),
+                                              _load(decode[i]), (i - cursor) % n))
 
     def _cheapest(self, prefill: Sequence[WorkerState], compat: set[str], cursor: int,
                   request: PlacementRequest) -> int | None:

@@ -48,6 +48,13 @@ class PrefixMetrics:
                                    "tiers (host, disk) or a peer's host tier (pool).",
                                    ["tier"])
         self.tier_children = tuple(self.tier_tokens.labels(t) for t in TIER_SOURCES)
+        self.decode_prompt_tokens = counter(r, f"{PREFIX}placement_decode_prompt_tokens",
+                                            "Prompt tokens of requests placed on a decode "
+                                            "worker.")
+        self.decode_matched_tokens = counter(r, f"{PREFIX}placement_decode_matched_tokens",
+                                             "Prompt tokens the prefix index said the chosen "
+                                             "decode worker held (a conversation's earlier "
+                                             "turns: not computed, not loaded).")
         self.pending_expired = counter(r, f"{PREFIX}prefix_pending_expired", "Pending (worker, "
                                        "block) entries that no KV event confirmed in time, or "
                                        "evicted over the cap.")
@@ -129,6 +136,12 @@ class PrefixRouting:
         m.indexed_blocks.set(self.index.num_blocks)
         self._export_pending()
         return placed
+
+    def on_decode_placed(self, num_prompt_tokens: int, decode_cached_tokens: int) -> None:
+        """A request was placed on a decode worker whose cache holds that many of its
+        prompt tokens."""
+        self.metrics.decode_prompt_tokens.inc(num_prompt_tokens)
+        self.metrics.decode_matched_tokens.inc(decode_cached_tokens)
 
     def on_prefill_failed(self, pending: PendingPrefix | None) -> None:
         """The placed prefill failed or was aborted: it will not compute its blocks."""

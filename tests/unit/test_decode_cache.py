@@ -1,0 +1,105 @@
+"""The decode-side prefix cache, wired, against simulated workers over real gRPC: the
+router follows every worker's KV events (decode's too), so a conversation's next turn
+goes to the decode worker that holds its earlier turns, which computes only the new
+tokens (``decode_cached``), with no prefill call."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest_asyncio
+from pdserve_testing import wait_until_async
+from prometheus_client import CollectorRegistry
+
+from pdserve.core.types import SamplingSpec
+from pdserve.launch.sim_worker import start_sim_worker
+from pdserve.router.dispatch.base import TokenChunk
+from pdserve.router.dispatch.disagg import DisaggConfig
+from pdserve.router.dispatch.dispatch import PDDispatcher
+from pdserve.router.dispatch.kv_feed import KvIndexFeeder
+from pdserve.router.dispatch.placement import create_placement
+from pdserve.router.dispatch.prefix_index import PrefixIndex
+from pdserve.router.dispatch.prefix_routing import PrefixRouting
+from pdserve.router.dispatch.workers import WorkerPool
+from pdserve.worker.sim_engine import SimConfig
+
+BS = 16
+# Prompts over 4 blocks are long (remote), unless decode holds all but that many.
+AUTO = DisaggConfig(mode="auto", local_prefill_max_tokens=4 * BS)
+
+
+@dataclass
+class Cluster:
+    dispatcher: PDDispatcher
+    engines: dict[str, Any]
+    index: PrefixIndex
+    registry: CollectorRegistry
+    feeder: KvIndexFeeder
+
+    async def run(self, request_id: str, prompt: list[int]) -> list[TokenChunk]:
+        return [c async for c in self.dispatcher.generate(
+            request_id, prompt, SamplingSpec(max_tokens=4))]
+
+    def metric(self, name: str) -> float:
+        return self.registry.get_sample_value(name) or 0.0
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def cluster() -> AsyncIterator[Cluster]:
+    servers, engines, endpoints = [], {}, {"prefill": [], "decode": []}
+    for wid, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
+        server, port, engine = await start_sim_worker(SimConfig(
+            role, wid, block_size=BS, num_blocks=256, prefill_s_per_token=1e-5,
+            step_overhead_s=1e-3, decode_s_per_token=1e-3))
+        servers.append(server)
+        engines[wid] = engine
+        endpoints[role].append(f"127.0.0.1:{port}")
+    pool = WorkerPool(endpoints["prefill"], endpoints["decode"], interval_s=0.2)
+    index, registry = PrefixIndex(), CollectorRegistry()
+    feeder = KvIndexFeeder(lambda: [*pool.prefill, *pool.decode], index, registry)
+    dispatcher = PDDispatcher(pool, create_placement("cache_aware"), registry, 10.0,
+                              PrefixRouting(index, registry), AUTO)
+    await pool.start()
+    await feeder.start()
+    try:
+        assert await wait_until_async(lambda: sum(f.num_resyncs for f in feeder.followers)
+                                      == 3, 5)
+        yield Cluster(dispatcher, engines, index, registry, feeder)
+    finally:
+        await feeder.close()
+        await pool.close()
+        for s in servers:
+            await s.stop(0)
+
+
+def turn(history: list[int], new: int, seed: int) -> list[int]:
+    """The conversation so far, then ``new`` tokens of the next user turn."""
+    return [*history, *(seed * 1000 + i for i in range(new))]
+
+
+async def test_next_turn_goes_to_the_decode_worker_holding_the_conversation(
+        cluster: Cluster) -> None:
+    c = cluster
+    first = turn([], 20 * BS, 1)
+    chunks = await c.run("t1", first)
+    assert chunks[0].disagg is not None and chunks[0].disagg.reason == "long_prompt"
+    holder = chunks[-1].decode_worker_id
+    assert holder in ("d0", "d1")
+    # The holder's engine announced the prompt's blocks it loaded; the index has them.
+    assert await wait_until_async(lambda: len(c.index.blocks_of(holder)) >= 20, 5)
+    computed = c.engines["p0"].counters.prompt_tokens_computed
+    answer = [t for ch in chunks for t in ch.token_ids]
+    second = turn([*first, *answer[:-1]], 2 * BS, 2)  # its reply, then 32 new tokens
+    chunks = await c.run("t2", second)
+    assert chunks[0].disagg is not None and chunks[0].disagg.reason == "decode_cached"
+    assert chunks[-1].decode_worker_id == holder
+    assert c.engines["p0"].counters.prompt_tokens_computed == computed  # no prefill call
+    assert c.metric("pdserve:placement_decode_matched_tokens_total") == 20 * BS
+    assert c.metric("pdserve:placement_decode_prompt_tokens_total") == len(first) + len(second)
+    assert c.registry.get_sample_value("pdserve:disagg_decisions_total", {
+        "decision": "local", "reason": "decode_cached"}) == 1
+    # Another conversation, as long, held by no decode worker: remote again.
+    chunks = await c.run("u1", turn([], 20 * BS, 3))
+    assert chunks[0].disagg is not None and chunks[0].disagg.reason == "long_prompt"
