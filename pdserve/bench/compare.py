@@ -40,6 +40,7 @@ from pdserve.bench.report import (
 )
 from pdserve.bench.roles_sampler import RoleSampler
 from pdserve.bench.systems import SystemSpec, pdserve_up, vllm_aggregated, vllm_disagg
+from pdserve.bench.worker_counters import counters_delta, read_counters
 from pdserve.core import process
 
 __all__ = ["main", "run_compare"]
@@ -233,12 +234,16 @@ def bench_run(spec: SystemSpec, rate: float, index: int, cfg: CompareConfig,
         result, error = run_bench(bench_argv(spec, rate, index, cfg, out), out,
                                   cfg.run_timeout_s)
         return RateRun(rate, result=result, error=error)
-    # pdserve: the roles its workers serve while the load runs (the planner's doing).
+    # pdserve: the roles its workers serve while the load runs (the planner's doing), and
+    # what the workers counted (``worker_counters.py``).
+    before = read_counters(spec.base_url)
     with RoleSampler(spec.base_url) as roles:
         result, error = run_bench(bench_argv(spec, rate, index, cfg, out), out,
                                   cfg.run_timeout_s)
     if result is not None:
         result["roles_timeline"] = roles.samples
+        result["workers"] = counters_delta(before, read_counters(spec.base_url),
+                                           int(result.get("completed") or 0))
     return RateRun(rate, result=result, error=error)
 
 

@@ -106,9 +106,18 @@ COST_METRICS: tuple[tuple[str, tuple[str, ...], str], ...] = (
 )
 
 
+# pdserve systems' worker counters (``worker_counters.py``).
+WORKER_METRICS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("KV MiB/req", ("workers", "kv_mib_per_request"), "{:.2f}"),
+)
+
+
 def metrics_of(report: CompareReport) -> tuple[tuple[str, tuple[str, ...], str], ...]:
-    """The table's columns: the cost ones only where the runs were priced."""
-    return METRICS + (COST_METRICS if report.settings.get("cost_per_hour") else ())
+    """The table's columns: the cost ones only where the runs were priced, the worker
+    counters only where a run read them."""
+    counted = any((run.result or {}).get("workers") for x in report.systems for run in x.runs)
+    return (METRICS + (COST_METRICS if report.settings.get("cost_per_hour") else ())
+            + (WORKER_METRICS if counted else ()))
 
 
 def metric(result: dict[str, Any], path: tuple[str, ...]) -> float | None:
