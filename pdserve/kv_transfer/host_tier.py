@@ -2,17 +2,23 @@
 cache copied out to host memory (a save) and back into the cache (a load).
 
 One host tensor per layer, shaped like the layer with ``num_slots`` blocks (pinned when
-the cache is on a GPU), allocated once: nothing grows. Each slot remembers the content
-hash it holds and, with ``checksum``, a checksum of its bytes; a load whose slot holds
-another hash, or whose bytes no longer match, raises ``TransferError`` and copies
-nothing, so vLLM recomputes the blocks. Which slot holds what is decided by the
-scheduler side (``TierIndex``); this class only copies and checks.
+the cache is on a GPU), allocated once: nothing grows. A save gathers the blocks on the
+device (one kernel per layer), then copies each run of consecutive slots in one DMA
+into the pinned tier; a load copies each run into a device buffer in one DMA, then
+scatters it into the cache on the device. The copies of every layer are queued
+without waiting (pinned memory: asynchronous), and the stream is synchronized once.
+
+Each slot remembers the content hash it holds and, with ``checksum``, a checksum of its
+bytes; a load whose slot holds another hash, or whose bytes no longer match, raises
+``TransferError`` and copies nothing, so vLLM recomputes the blocks. Which slot holds
+what is decided by the scheduler side (``TierIndex``); this class only copies and checks.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -61,19 +67,14 @@ class HostTier:
                     del self._slot_of[old]
                 self._hash[slot] = None  # unreadable while it is rewritten
                 self._gen[slot] += 1
-        src, dst = _index(block_ids, self._kv[0]), _index(slots, self._host[0])
-        if self._pinned:  # gather on the device, one DMA each into pinned staging
-            staged = []
-            for kv, dim in zip(self._kv, self._dims, strict=True):
-                gathered = kv.index_select(dim, src)
-                stage = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
-                staged.append(stage.copy_(gathered, non_blocking=True))
-            torch.cuda.current_stream(self._kv[0].device).synchronize()
-            for host, stage, dim in zip(self._host, staged, self._dims, strict=True):
-                host.index_copy_(dim, dst, stage)
-        else:
-            for kv, host, dim in zip(self._kv, self._host, self._dims, strict=True):
-                host.index_copy_(dim, dst, kv.index_select(dim, src).to("cpu"))
+        src = _index(block_ids, self._kv[0])
+        runs = _runs(slots)
+        gathered = []  # kept until the copies are done
+        for kv, host, dim in zip(self._kv, self._host, self._dims, strict=True):
+            gathered.append(g := kv.index_select(dim, src))  # one gather on the device
+            for stage, into in _run_pieces(g, host, dim, runs):
+                into.copy_(stage, non_blocking=self._pinned)  # one DMA per run and piece
+        self._synchronize()
         sums = [self._checksum(slot) for slot in slots] if self._verify else [None] * len(slots)
         with self._lock:
             for slot, h, s in zip(slots, hashes, sums, strict=True):
@@ -122,20 +123,22 @@ class HostTier:
             for slot, want in zip(slots, sums, strict=True):
                 if want is not None and self._checksum(slot) != want:
                     raise TransferError(f"host tier slot {slot}: checksum mismatch")
-        src, dst = _index(slots, self._host[0]), _index(block_ids, self._kv[0])
-        staged = []  # pinned: gathered on the host, one DMA each, scattered on the device
+        dst = _index(block_ids, self._kv[0])
+        runs = _runs(slots)
+        staged = []  # kept until the copies are done
         for kv, host, dim in zip(self._kv, self._host, self._dims, strict=True):
-            if self._pinned:
-                shape = _with_blocks(host.shape, dim, len(slots))
-                stage = torch.empty(shape, dtype=host.dtype, pin_memory=True)
-                torch.index_select(host, dim, src, out=stage)
-                staged.append(stage)
-                kv.index_copy_(dim, dst, stage.to(kv.device, non_blocking=True))
-            else:
-                kv.index_copy_(dim, dst, host.index_select(dim, src).to(kv.device))
-        if self._kv[0].device.type == "cuda":  # done means written, as the other loads
-            torch.cuda.current_stream(self._kv[0].device).synchronize()
+            stage = torch.empty(_with_blocks(kv.shape, dim, len(slots)), dtype=kv.dtype,
+                                device=kv.device)
+            for into, run in _run_pieces(stage, host, dim, runs):
+                into.copy_(run, non_blocking=self._pinned)  # one DMA per run and piece
+            kv.index_copy_(dim, dst, stage)  # one scatter on the device
+            staged.append(stage)
+        self._synchronize()  # done means written, as the other loads
         return len(slots) * self.block_bytes
+
+    def _synchronize(self) -> None:
+        if self._kv[0].device.type == "cuda":
+            torch.cuda.current_stream(self._kv[0].device).synchronize()
 
     def slot_views(self, slot: int) -> list[torch.Tensor]:
         """The slot's bytes in every layer (the checksum's input; tests corrupt them)."""
@@ -153,3 +156,29 @@ def _with_blocks(shape: torch.Size, dim: int, n: int) -> tuple[int, ...]:
 
 def _index(ids: Sequence[int], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(list(ids), dtype=torch.long, device=like.device)
+
+
+def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``slots`` as runs of consecutive slots: (first slot, its index in ``slots``, length)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if runs and runs[-1][0] + runs[-1][2] == slot:
+            first, at, n = runs[-1]
+            runs[-1] = (first, at, n + 1)
+        else:
+            runs.append((slot, i, 1))
+    return runs
+
+
+def _run_pieces(packed: torch.Tensor, host: torch.Tensor, dim: int,
+                runs: Sequence[tuple[int, int, int]]
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(a piece of ``packed``, the host tier's piece it maps to): for each run, the run's
+    blocks in ``packed`` (the blocks in ``slots`` order along ``dim``) and in ``host``
+    (at the run's slots), one contiguous pair per index of the dims before ``dim`` (a
+    CUDA layout, blocks in dim 1, has two: K and V). Contiguous on both sides, so each
+    pair is one copy at the link's speed (a strided copy between devices is staged)."""
+    for lead in itertools.product(*(range(n) for n in host.shape[:dim])):
+        p, h = packed[lead], host[lead]
+        for first, at, n in runs:
+            yield p.narrow(0, at, n), h.narrow(0, first, n)

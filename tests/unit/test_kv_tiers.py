@@ -126,6 +126,31 @@ def test_a_saved_block_loads_back_bit_for_bit(verify: bool) -> None:
         assert torch.equal(layer[[4, 5]], w)
 
 
+@pytest.mark.parametrize("slots", [[0, 1, 2, 3, 4], [4, 2, 3, 7, 0], [6, 7, 0, 1, 2]])
+def test_runs_of_slots_copy_whole_and_land_in_their_slots_with_blocks_in_dim_1(
+        slots: list[int]) -> None:
+    """A CUDA layout (K and V first, blocks in dim 1) on CPU: the run copies (one per run
+    of consecutive slots, per K and V) put each block in its own slot and back."""
+    torch.manual_seed(1)
+    kv = {f"layer.{i}": torch.randn(2, 12, 16, 3, 8) for i in range(3)}
+    tier = HostTier(list(kv.values()), KVLayout.from_kv_caches(kv, 12, 16), num_slots=8,
+                    verify=True)
+    blocks = [9, 1, 5, 6, 11]
+    want = {b: [layer[:, b].clone() for layer in kv.values()] for b in blocks}
+    tier.save(blocks, slots, [_h(b) for b in blocks])
+    for slot, block in zip(slots, blocks, strict=True):
+        assert all(torch.equal(view, w) for view, w in zip(tier.slot_views(slot), want[block],
+                                                           strict=True))
+    for layer in kv.values():
+        layer.zero_()
+    back = [0, 10, 2, 3, 4]  # loaded into other blocks, in another order of runs
+    tier.load(slots, back, [_h(b) for b in blocks])
+    for block, into in zip(blocks, back, strict=True):
+        assert all(torch.equal(layer[:, into], w) for layer, w in zip(kv.values(), want[block],
+                                                                      strict=True))
+    assert all(layer[:, 5].abs().sum() == 0 for layer in kv.values())  # nothing else written
+
+
 def test_a_slot_that_holds_another_block_loads_nothing() -> None:
     kv, layout = _kv()
     tier = HostTier(kv, layout, num_slots=4, verify=False)

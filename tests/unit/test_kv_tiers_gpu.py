@@ -1,8 +1,8 @@
 """The host tier and the cluster KV pool over device memory: the tier's host memory is
 pinned, blocks go GPU -> pinned host -> GPU bit-exact (and checksummed), and a peer
 pulls them from the pinned tier into its device cache over tcp (the receive staged
-through the transport's pinned buffers). Prints the save and load bandwidth, pinned
-against pageable staging, for the report.
+through the transport's pinned buffers). The tier saves and loads at >= 0.7x the speed
+of a plain pinned copy of the same bytes, measured in the same run.
 
 Imports only torch and the transport/tier modules (no vLLM, no test helpers), so it runs
 on a GPU machine that has PyTorch alone: ``PYTHONPATH=. python -m pytest --noconftest``.
@@ -11,6 +11,7 @@ on a GPU machine that has PyTorch alone: ``PYTHONPATH=. python -m pytest --nocon
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -105,33 +106,38 @@ class _Serve:
         return
 
 
-def test_report_pinned_against_pageable_host_tier_bandwidth() -> None:
-    """Not a pass/fail speed target: prints what pinned staging buys the tier's copies
-    (256 blocks of 512 KiB, 128 MiB, one save or load of all of them)."""
+def _timed_s(copy: Callable[[], object], times: int = 5) -> float:
+    """Seconds per call of ``copy``, its queued work done (after one warm-up call)."""
+    copy()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(times):
+        copy()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / times
+
+
+def test_the_host_tier_saves_and_loads_at_the_links_speed() -> None:
+    """256 blocks of 512 KiB (128 MiB), every other block of the cache (a gather, as real
+    saves are) into consecutive slots and back: each way at >= 0.7x a plain pinned copy
+    of the same bytes, measured here, now."""
     caches = _caches(4, num_blocks=512)
-    layout = _layout(caches)
-    blocks = list(range(0, 512, 2))  # every other block: a gather, as real saves are
+    blocks = list(range(0, 512, 2))
     slots = list(range(len(blocks)))
-    pinned = HostTier(list(caches.values()), layout, len(slots), verify=False)
-    pageable = HostTier(list(caches.values()), layout, len(slots), verify=False)
-    pageable._host = [torch.empty(h.shape, dtype=h.dtype) for h in pageable._host]
-    pageable._pinned = False
+    hashes = [_h(b) for b in blocks]
+    tier = HostTier(list(caches.values()), _layout(caches), len(slots), verify=False)
     want = [_block(caches, b) for b in blocks[:3]]
-    for name, tier in (("pinned", pinned), ("pageable", pageable)):
-        hashes = [_h(b) for b in blocks]
-        tier.save(blocks, slots, hashes)  # warm-up (and the pinned staging's allocation)
-        tier.load(slots, blocks, hashes)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(5):
-            nbytes = tier.save(blocks, slots, hashes)
-        save_s = (time.perf_counter() - start) / 5
-        start = time.perf_counter()
-        for _ in range(5):
-            tier.load(slots, blocks, hashes)
-        load_s = (time.perf_counter() - start) / 5
-        print(f"\n{name} host tier: save {nbytes / save_s / 2**30:.2f} GiB/s, "
-              f"load {nbytes / load_s / 2**30:.2f} GiB/s ({nbytes / 2**20:.0f} MiB)")
+    nbytes = len(blocks) * tier.block_bytes
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    d2h = nbytes / _timed_s(lambda: host.copy_(device, non_blocking=True)) / 2**30
+    h2d = nbytes / _timed_s(lambda: device.copy_(host, non_blocking=True)) / 2**30
+    save = nbytes / _timed_s(lambda: tier.save(blocks, slots, hashes)) / 2**30
+    load = nbytes / _timed_s(lambda: tier.load(slots, blocks, hashes)) / 2**30
+    print(f"\nhost tier ({nbytes / 2**20:.0f} MiB): save {save:.1f} GiB/s against a pinned "
+          f"copy's {d2h:.1f} ({save / d2h:.2f}x); load {load:.1f} GiB/s against "
+          f"{h2d:.1f} ({load / h2d:.2f}x)")
     for block, expected in zip(blocks[:3], want, strict=True):  # loads wrote them back
         assert all(torch.equal(a, b) for a, b in zip(_block(caches, block), expected,
                                                      strict=True))
+    assert save >= 0.7 * d2h and load >= 0.7 * h2d, (save, d2h, load, h2d)
