@@ -20,9 +20,10 @@ def prefill(queued_tokens: int = 0, worker_id: str = "p0") -> WorkerState:
                        num_assigned=queued_tokens // 600, num_assigned_tokens=queued_tokens)
 
 
-def decode(num_assigned: int = 0, running: int = 0, waiting: int = 0) -> WorkerState:
+def decode(num_assigned: int = 0, running: int = 0, waiting: int = 0,
+           local_tokens: int = 0) -> WorkerState:
     return WorkerState("127.0.0.1:2", "decode", healthy=True, worker_id="d0",
-                       num_assigned=num_assigned,
+                       num_assigned=num_assigned, num_assigned_tokens=local_tokens,
                        load=WorkerLoad(num_running_reqs=running, num_waiting_reqs=waiting))
 
 
@@ -78,6 +79,14 @@ def test_decode_already_holding_the_prefix_is_local() -> None:
     assert decision == DisaggDecision("local", "decode_cached")
     partly = choose_disagg(AUTO, request(LONG), prefill(), decode(), decode_cached_tokens=128)
     assert partly.remote
+    # Local prompt tokens already queued on decode count: 88 + 168 fits the 256 budget,
+    # 88 + 169 does not (the turn goes remote, decoding only its new blocks' KV).
+    fits = choose_disagg(AUTO, request(LONG), prefill(), decode(local_tokens=168),
+                         decode_cached_tokens=512)
+    assert fits == DisaggDecision("local", "decode_cached")
+    over = choose_disagg(AUTO, request(LONG), prefill(), decode(local_tokens=169),
+                         decode_cached_tokens=512)
+    assert over == DisaggDecision("remote", "long_prompt")
 
 
 def test_always_and_never_ignore_the_prompt() -> None:

@@ -116,7 +116,10 @@ def choose_disagg(
     ``decode_cached_tokens``: what decode computes if local):
 
     - ``short_prompt``: the prompt has at most ``local_prefill_max_tokens`` tokens → local;
-    - ``decode_cached``: the local tokens are that few (decode holds the rest) → local;
+    - ``decode_cached``: the local tokens are that few (decode holds the rest), counting
+      the local prompt tokens already sent to decode and not yet computed (their steps
+      carry them too: on a busy decode, a burst of conversations' next turns would
+      otherwise all be computed in its steps while the prefill worker idles) → local;
     - ``prefill_busy``: the prefill worker has more than
       ``local_prefill_max_queued_tokens`` uncached prompt tokens queued ahead of this
       request, decode runs at most ``local_decode_max_running`` requests, and the local
@@ -142,7 +145,8 @@ def choose_disagg(
     if request.num_prompt_tokens <= config.local_prefill_max_tokens:
         return DisaggDecision("local", "short_prompt")
     local_tokens = request.num_prompt_tokens - decode_cached_tokens
-    if local_tokens <= config.local_prefill_max_tokens:
+    if decode_cached_tokens and (local_tokens + decode.num_assigned_tokens
+                                 <= config.local_prefill_max_tokens):
         return DisaggDecision("local", "decode_cached")
     if _prefill_busy(config, local_tokens, prefill, decode):
         return DisaggDecision("local", "prefill_busy")

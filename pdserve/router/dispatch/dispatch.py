@@ -159,12 +159,12 @@ class PDDispatcher:
         self._metrics.placements.on_placed(d_state)
         if self._prefix is not None:
             self._prefix.on_decode_placed(request.num_prompt_tokens, decode_cached)
-        remote = choice.prefill is not None and p_state is not None and disagg.remote
-        if self._demand is not None:
-            self._demand.on_arrival(request.uncached_tokens(p_state) if remote and p_state
-                                    else request.num_prompt_tokens - decode_cached)
-        if not remote or choice.prefill is None or p_state is None:
+        if choice.prefill is None or p_state is None or not disagg.remote:
+            if self._demand is not None:
+                self._demand.on_arrival(request.num_prompt_tokens - decode_cached)
             return _Route(None, decode[choice.decode], disagg, decode_cached=decode_cached)
+        if self._demand is not None:
+            self._demand.on_arrival(request.uncached_tokens(p_state))
         self._metrics.placements.on_placed(p_state)
         pending = self._prefix.on_placed(request, p_state) if self._prefix is not None else None
         # Decode pulls only the blocks past what its cache holds; a push would send them all.
