@@ -67,7 +67,6 @@ class EngineHost:
         self.engine: Engine | None = None
         self._engine_factory = engine_factory
         self._policy_for = policy_for
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._inflight: set[str] = set()
         # Fixed while the engine runs; the servicer checks every Generate against it.
         self._health: WorkerHealth | None = None
@@ -94,7 +93,6 @@ class EngineHost:
         """Mirror the engine's KV events, when it publishes them (call on the event loop
         ``loop`` once the engine runs). A role switch keeps the mirror: same engine, same
         prefix cache."""
-        self._loop = loop
         if self.engine is not None and self._events is not None and self._mirroring is None:
             self._mirroring = KvEventMirroring.start(self._events, self.engine.block_size, loop)
 

@@ -142,7 +142,7 @@ class CacheAwareConfig:
 
     def __post_init__(self) -> None:
         if self.request_cost_tokens < 0 or self.decode_request_cost_tokens < 0:
-            raise ValueError("request_cost_tokens must be >= 0")
+            raise ValueError("request_cost_tokens and decode_request_cost_tokens must be >= 0")
 
 
 class CacheAwarePlacement:
