@@ -37,6 +37,7 @@ class PdCluster:
     kv_push: bool | None = True  # None: the workers' default (push on CUDA only)
     kv_offload_gib: float = 0.0  # each worker's host tier (0: none)
     kv_pool: bool = True  # the router may plan prefills' pulls from peers' host tiers
+    decode_cache: bool = True  # the router follows decode's KV events (--decode-cache)
 
     def argv(self, port: int) -> list[str]:
         argv = ["--dtype", self.dtype, "--port", str(port), "--kv-cache-gib", "1",
@@ -45,6 +46,7 @@ class PdCluster:
                 "--local-prefill-max-tokens", str(LOCAL_PREFILL_MAX_TOKENS),
                 "--num-prefill", str(self.num_prefill),
                 "--kv-pool", "on" if self.kv_pool else "off",
+                "--decode-cache", "on" if self.decode_cache else "off",
                 "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
         if self.kv_push is not None:
             argv.append("--kv-push" if self.kv_push else "--no-kv-push")
@@ -55,7 +57,11 @@ class PdCluster:
 
 # KV pushed; --disagg auto: CASES' short prompts run on decode alone, the long ones go
 # P -> D. test_openai_surface.py, then test_pd_e2e*.py up to the transports'.
-TCP = PdCluster("tcp", disagg="auto")
+# The decode-side cache is off: the tests send the same long prompt through the remote
+# path test after test, and the decode worker, holding it from the first, would take
+# every later one local (``decode_cached``, computed as a short prompt is). The cache has
+# tests of its own (TWO_PREFILL, ``test_placement_e2e_decode_cache.py``).
+TCP = PdCluster("tcp", disagg="auto", decode_cache=False)
 # The other transports run --disagg always (their transport on every case), in
 # test_pd_e2e_transports.py: ucx in this machine's native dtype (bf16 where the CPU has
 # it), torch paced to 48 MiB/s so that a test can kill a transfer in its middle.
