@@ -5,7 +5,8 @@ the hash of block ``i - 1`` (0 before the first), so one hash names a whole
 prefix. Workers translate vLLM's KV events into these hashes (from the token ids
 the events carry) and the router hashes prompts the same way; neither depends on
 vLLM's internal hash function. Only full blocks are hashed, as vLLM caches only
-full blocks.
+full blocks. A request's ``cache_salt`` chains its first block from ``salt_root(salt)``
+instead of 0, so prefixes under different salts never share a name.
 """
 
 from __future__ import annotations
@@ -27,6 +28,17 @@ def block_hash(parent: int, token_ids: Sequence[int]) -> int:
     h = blake2b(parent.to_bytes(8, "little"), digest_size=8)
     h.update(_token_bytes(token_ids))
     return int.from_bytes(h.digest(), "little")
+
+
+def salt_root(cache_salt: str | None) -> int:
+    """The parent of a prompt's first block under ``cache_salt`` (``ROOT_HASH`` without
+    one): every block name of a salted prompt differs from the same tokens' unsalted or
+    otherwise salted ones, as vLLM's own block hashes do (it hashes the salt into the
+    first block)."""
+    if cache_salt is None:
+        return ROOT_HASH
+    digest = blake2b(b"pdserve-cache-salt:" + cache_salt.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH

@@ -63,6 +63,10 @@ class SamplingSpec:
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None
     min_p: float = 0.0
+    # Not a sampling parameter: rides with them to every phase and migration, as
+    # ``structured`` does. Requests with different salts share no cached KV: vLLM hashes
+    # it into the prompt's first block, pdserve's block names (``core.block_hash``) too.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pdserve.core.block_hash import chain_hashes, tier_hashes
+from pdserve.core.block_hash import chain_hashes, salt_root, tier_hashes
 from pdserve.kv_transfer.metadata import NO_COPY, PdserveConnectorMetadata, TierCopy
 from pdserve.kv_transfer.tier_index import TierIndex
 
@@ -160,7 +160,8 @@ class TierPlanner:
             return False
         self._saving[request.request_id] = copies
         self._saving_names[request.request_id] = dict(zip(
-            hashes, chain_hashes(request.all_token_ids[:num * self._bs], self._bs),
+            hashes, chain_hashes(request.all_token_ids[:num * self._bs], self._bs,
+                                 salt_root(request.cache_salt)),
             strict=False))
         meta.tier_saves[request.request_id] = copies.get("host", NO_COPY)
         meta.disk_saves[request.request_id] = copies.get("disk", NO_COPY)

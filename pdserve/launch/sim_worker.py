@@ -62,7 +62,7 @@ class SimHost:
         # the prompt's answer from its second token, so the text does not depend on
         # whether the prompt was prefilled here (fallback, local) or remotely.
         first_index = 1 if request.kv_handle is not None else 0
-        self.engine.hold(prompt)
+        self.engine.hold(prompt, request.sampling.cache_salt)
         i = 0
         async for t in self.engine.decode(prompt[:len(prompt) - first_index], n, first_index):
             clock.on_output((t,))
@@ -77,7 +77,7 @@ class SimHost:
 
     async def _prefill(self, request: PhaseRequest, clock: PhaseClock) -> PhaseOutput:
         prompt = request.prompt_token_ids
-        run = await self.engine.prefill_timed(prompt)
+        run = await self.engine.prefill_timed(prompt, request.sampling.cache_salt)
         cached = run.num_cached_tokens
         clock.on_output((0,))
         handle = None

@@ -89,6 +89,8 @@ def sampling_to_pb(spec: SamplingSpec) -> pb.SamplingParams:
     if spec.structured is not None:
         msg.structured_output.CopyFrom(pb.StructuredOutput(
             kind=STRUCTURED_TO_PB[spec.structured.kind], spec=spec.structured.spec))
+    if spec.cache_salt is not None:
+        msg.cache_salt = spec.cache_salt
     return msg
 
 
@@ -103,7 +105,8 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingSpec:
         logit_bias=tuple((b.token_id, b.bias) for b in msg.logit_bias),
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
-        structured=_structured_from_pb(msg))
+        structured=_structured_from_pb(msg),
+        cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None)
 
 
 def _structured_from_pb(msg: pb.SamplingParams) -> StructuredOutput | None:

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from pdserve.core.block_hash import chain_hashes
+from pdserve.core.block_hash import chain_hashes, salt_root
 from pdserve.core.types import Role
 from pdserve.worker.kv_mirror import KvCacheMirror
 
@@ -80,18 +80,21 @@ class SimEngine:
             n += 1
         return n
 
-    async def prefill(self, prompt: Sequence[int]) -> int:
-        """Compute the prompt (modelled time); returns the prompt tokens served from cache."""
-        return (await self.prefill_timed(prompt)).num_cached_tokens
+    async def prefill(self, prompt: Sequence[int], cache_salt: str | None = None) -> int:
+        """Compute the prompt (modelled time); returns the prompt tokens served from cache
+        (only blocks computed under the same ``cache_salt``)."""
+        return (await self.prefill_timed(prompt, cache_salt)).num_cached_tokens
 
-    async def prefill_timed(self, prompt: Sequence[int]) -> SimPrefill:
+    async def prefill_timed(self, prompt: Sequence[int], cache_salt: str | None = None
+                            ) -> SimPrefill:
         """``prefill``, with its time in the queue (waiting for the compute) and computing."""
         queued = time.perf_counter_ns()
-        scheduled = await self._prefill_locked(prompt, queued)
+        scheduled = await self._prefill_locked(prompt, queued, cache_salt)
         return SimPrefill(scheduled[0], scheduled[1] - queued,
                           time.perf_counter_ns() - scheduled[1])
 
-    async def _prefill_locked(self, prompt: Sequence[int], queued: int) -> tuple[int, int]:
+    async def _prefill_locked(self, prompt: Sequence[int], queued: int,
+                              cache_salt: str | None) -> tuple[int, int]:
         """(cached tokens, when the compute began)."""
         c, cfg = self.counters, self.config
         c.num_waiting_reqs += 1
@@ -100,7 +103,7 @@ class SimEngine:
             c.num_waiting_reqs -= 1
             c.num_running_reqs += 1
             try:
-                hashes = chain_hashes(prompt, cfg.block_size)
+                hashes = chain_hashes(prompt, cfg.block_size, salt_root(cache_salt))
                 hit = self.cached_prefix_blocks(hashes)
                 cached = min(hit * cfg.block_size, len(prompt) - 1)  # vLLM recomputes >= 1
                 for h in hashes[:hit]:
@@ -130,11 +133,11 @@ class SimEngine:
         finally:
             self.counters.num_running_reqs -= 1
 
-    def hold(self, prompt: Sequence[int]) -> None:
+    def hold(self, prompt: Sequence[int], cache_salt: str | None = None) -> None:
         """A decode's prompt is in this engine's cache now (loaded from a prefill, or
         computed here; its time is not modelled): its blocks are announced, as vLLM's
         KV events announce the blocks a decode loads."""
-        self._store(chain_hashes(prompt, self.config.block_size))
+        self._store(chain_hashes(prompt, self.config.block_size, salt_root(cache_salt)))
 
     def _store(self, new: Sequence[int]) -> None:
         stored: list[int] = []

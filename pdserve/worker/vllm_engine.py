@@ -129,9 +129,11 @@ class VllmEngine:
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
-        stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
-                                    to_sampling_params(sampling, params, prompt_token_ids),
-                                    request_id)
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
+        if sampling.cache_salt is not None:
+            prompt["cache_salt"] = sampling.cache_salt
+        stream = self._llm.generate(prompt, to_sampling_params(sampling, params,
+                                                               prompt_token_ids), request_id)
         # Closing vLLM's stream (our caller went away) aborts the request in the engine.
         async with contextlib.aclosing(stream):
             try:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.core.block_hash import ROOT_HASH, chain_hashes
+from pdserve.core.block_hash import chain_hashes, salt_root
 from pdserve.worker.kv_mirror import KvCacheMirror
 
 logger = logging.getLogger("pdserve.worker.kv_events")
@@ -83,7 +83,7 @@ class VllmEventTranslator:
         n = len(ev.block_hashes)
         if ev.block_size != self.block_size or len(ev.token_ids) != n * self.block_size:
             return []  # a partial block: vLLM's prefix matching ignores those too
-        parent = ROOT_HASH
+        parent = salt_root(_first_block_salt(ev))
         if ev.parent_block_hash is not None:
             known = self._ours.get(_key(ev.parent_block_hash))
             if known is None:
@@ -94,6 +94,21 @@ class VllmEventTranslator:
         for vh, h in zip(ev.block_hashes, ours, strict=True):
             self._ours[_key(vh)] = h
         return ours
+
+
+def _first_block_salt(ev: Any) -> str | None:
+    """The ``cache_salt`` vLLM hashed into a prompt's first block, from the event's
+    untagged extra keys of that block: the LoRA name first when ``lora_name`` is set
+    (pdserve serves none), then multimodal pairs (tuples), then the salt, the one
+    string. None without one."""
+    extra = getattr(ev, "extra_keys", None)
+    if not extra or extra[0] is None:
+        return None
+    keys = list(extra[0])
+    if getattr(ev, "lora_name", None) is not None and keys:
+        keys = keys[1:]
+    salts = [k for k in keys if isinstance(k, str)]
+    return salts[0] if salts else None
 
 
 def _is_tier(ev: Any) -> bool:

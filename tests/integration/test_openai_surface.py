@@ -282,3 +282,31 @@ def test_a_grammar_the_engine_refuses_is_a_400_and_no_worker_is_blamed(
     assert reply.json()["error"]["type"] == "invalid_request_error"
     assert pd_server.metric(FALLBACKS) == fallbacks
     assert all(w["healthy"] for role in ("prefill", "decode") for w in pd_server.workers(role))
+
+
+# Texts no other test sends: no worker's cache holds them unsalted before this test.
+MEDIUM = " ".join(f"Note {i}: the lantern by the harbor glows." for i in range(16))
+SALTED_LONG = " ".join(f"Entry {i}: the quarry road bends west at dusk." for i in range(50))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_cache_salt_shares_cached_tokens_with_its_own_salt_only(
+        pd_server: Server, path: str) -> None:
+    """A 204-token prompt (local: one full block) or a longer one (remote): the
+    cached tokens a request is told of, and the engine's prefix hit behind them, come only
+    from requests under the same salt, unsalted ones included."""
+    text = (MEDIUM if path == "local" else SALTED_LONG) + f"\n\nSalted {path}."
+
+    def cached(salt: str | None) -> tuple[int, str]:
+        body: dict[str, Any] = {"prompt": text, "max_tokens": 2, "temperature": 0}
+        if salt is not None:
+            body["cache_salt"] = salt
+        reply, header = post(pd_server.base_url, "completions", body)
+        return reply["usage"]["prompt_tokens_details"]["cached_tokens"], header
+
+    _, header = cached(None)
+    assert header.startswith(path), header
+    assert cached("tenant-a")[0] == 0
+    assert cached("tenant-a")[0] >= 128
+    assert cached("tenant-b") == (0, header)  # same path, nothing of a's or of no salt's
+    assert cached(None)[0] >= 128

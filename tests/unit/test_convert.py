@@ -21,7 +21,8 @@ HANDLE = KVHandle("p0", "r1-x", (3, 4), 4, "tcp", "127.0.0.1", 7001, "x-1", 123,
     t.PhaseRequest("r3", "decode", (1, 2, 3), t.SamplingSpec(
         4, presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.25,
         min_tokens=2, logit_bias=((3, 1.5), (9, -100.0)), logprobs=0, prompt_logprobs=3,
-        structured=t.StructuredOutput("regex", "[a-z]+"), min_p=0.125),
+        structured=t.StructuredOutput("regex", "[a-z]+"), min_p=0.125,
+        cache_salt="tenant-a"),
         num_output_in_prompt=1),
 ])
 def test_phase_request_round_trips(value: t.PhaseRequest) -> None:

@@ -1,7 +1,8 @@
 """The decode-side prefix cache, wired, against simulated workers over real gRPC: the
 router follows every worker's KV events (decode's too), so a conversation's next turn
 goes to the decode worker that holds its earlier turns, which computes only the new
-tokens (``decode_cached``), with no prefill call."""
+tokens (``decode_cached``), with no prefill call; under another ``cache_salt`` the same
+turns share nothing."""
 
 from __future__ import annotations
 
@@ -38,9 +39,10 @@ class Cluster:
     registry: CollectorRegistry
     feeder: KvIndexFeeder
 
-    async def run(self, request_id: str, prompt: list[int]) -> list[TokenChunk]:
+    async def run(self, request_id: str, prompt: list[int], cache_salt: str | None = None
+                  ) -> list[TokenChunk]:
         return [c async for c in self.dispatcher.generate(
-            request_id, prompt, SamplingSpec(max_tokens=4))]
+            request_id, prompt, SamplingSpec(max_tokens=4, cache_salt=cache_salt))]
 
     def metric(self, name: str) -> float:
         return self.registry.get_sample_value(name) or 0.0
@@ -103,3 +105,21 @@ async def test_next_turn_goes_to_the_decode_worker_holding_the_conversation(
     # Another conversation, as long, held by no decode worker: remote again.
     chunks = await c.run("u1", turn([], 20 * BS, 3))
     assert chunks[0].disagg is not None and chunks[0].disagg.reason == "long_prompt"
+
+
+async def test_a_conversation_under_another_salt_shares_nothing(cluster: Cluster) -> None:
+    """The same turns under salt B find nothing salt A computed: not on the prefill
+    worker, not on the decode worker that holds A's conversation (so no decode_cached)."""
+    c = cluster
+    first = turn([], 20 * BS, 4)
+    chunks = await c.run("a1", first, "tenant-a")
+    holder = chunks[-1].decode_worker_id
+    assert holder is not None
+    assert await wait_until_async(lambda: len(c.index.blocks_of(holder)) >= 20, 5)
+    second = turn([*first, *(t for ch in chunks for t in ch.token_ids)][:-1], 2 * BS, 5)
+    again = await c.run("a2", second, "tenant-a")
+    assert again[0].disagg is not None and again[0].disagg.reason == "decode_cached"
+    for salt in ("tenant-b", None):
+        other = await c.run(f"b-{salt}", second, salt)
+        assert other[0].disagg is not None and other[0].disagg.reason == "long_prompt"
+        assert other[0].num_cached_tokens == 0  # the prefill worker's cache: nothing

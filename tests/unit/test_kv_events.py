@@ -12,7 +12,7 @@ import pytest_asyncio
 from pdserve_testing import wait_until_async
 from prometheus_client import CollectorRegistry
 
-from pdserve.core.block_hash import chain_hashes
+from pdserve.core.block_hash import chain_hashes, salt_root
 from pdserve.launch.sim_worker import start_sim_worker
 from pdserve.membership.static import static_infos
 from pdserve.router.dispatch.kv_feed import KvIndexFeeder
@@ -33,6 +33,8 @@ class BlockStored:
     parent_block_hash: Any
     token_ids: list[int]
     block_size: int
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    lora_name: str | None = None
 
 
 @dataclass
@@ -62,6 +64,23 @@ def test_translator_chains_from_token_ids_not_vllm_hashes() -> None:
     assert t.translate([BlockStored([1], None, TOKENS[:BS], BS), AllBlocksCleared(),
                         BlockStored([2], None, TOKENS[:BS], BS)]) == (True, ours[:1], [])
     assert t.translate([BlockRemoved([7])]) == (False, [], [])  # gone with the clear
+
+
+def test_a_salted_prompts_blocks_are_named_under_its_salt() -> None:
+    """vLLM publishes the ``cache_salt`` it hashed into a prompt's first block among that
+    block's extra keys: the worker names the blocks as the router does for the salt."""
+    t = VllmEventTranslator(BS)
+    salted = chain_hashes(TOKENS, BS, salt_root("tenant-a"))
+    assert salted[0] != chain_hashes(TOKENS, BS)[0]
+    assert salted != chain_hashes(TOKENS, BS, salt_root("tenant-b"))
+    assert t.translate([BlockStored([b"a", b"b"], None, TOKENS[:2 * BS], BS,
+                                    [("tenant-a",), None])]) == (False, salted[:2], [])
+    assert t.translate([BlockStored([b"c"], b"b", TOKENS[2 * BS:3 * BS], BS,
+                                    [None])]) == (False, salted[2:3], [])
+    # A LoRA name comes first in the keys; multimodal pairs are tuples, not salts.
+    assert t.translate([BlockStored([b"d"], None, TOKENS[:BS], BS, [("l", ("mm", 0), "s")],
+                                    lora_name="l")]) == (False, chain_hashes(
+                                        TOKENS[:BS], BS, salt_root("s")), [])
 
 
 def test_mirror_counts_shared_hashes_and_numbers_changes() -> None:

@@ -139,14 +139,14 @@ class PDDispatcher:
                 return _Route(None, worker, disagg)
         return None
 
-    def _choose(self, prompt: Sequence[int]) -> _Route:
+    def _choose(self, prompt: Sequence[int], cache_salt: str | None = None) -> _Route:
         """Placement, then the disaggregation decision, over one snapshot of every
-        worker, taken once per request."""
+        worker, taken once per request (the prefix caches matched under its salt)."""
         prefill, decode = self._pool.prefill, self._pool.decode
         p_states = [w.snapshot() for w in prefill]
         d_states = [w.snapshot() for w in decode]
-        request = (self._prefix.request(prompt, p_states) if self._prefix is not None
-                   else PlacementRequest(len(prompt)))
+        request = (self._prefix.request(prompt, p_states, cache_salt)
+                   if self._prefix is not None else PlacementRequest(len(prompt)))
         choice: Choice | None = self._placement.choose(p_states, d_states, self._cursor, request)
         self._cursor += 1
         if choice is None:
@@ -180,7 +180,8 @@ class PDDispatcher:
     ) -> AsyncGenerator[TokenChunk, None]:
         timeline = timeline or RequestTimeline(request_id)
         deadline = deadline or Deadline.after(self._timeout)
-        route = self._follow(affinity, prompt_token_ids) or self._choose(prompt_token_ids)
+        route = (self._follow(affinity, prompt_token_ids)
+                 or self._choose(prompt_token_ids, sampling.cache_salt))
         timeline.on_placed()
         involved: list[Worker] = []
         finished = False

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from pdserve.core.block_hash import KV_TIERS, chain_hashes, tier_hashes
+from pdserve.core.block_hash import KV_TIERS, chain_hashes, salt_root, tier_hashes
 from pdserve.router.dispatch.load_plan import loadable_tokens, plan_loads
 from pdserve.router.dispatch.placement import PlacementRequest
 from pdserve.router.dispatch.prefix_index import PrefixIndex
@@ -78,19 +78,22 @@ class PrefixRouting:
         self.num_prompt_tokens = self.num_matched_tokens = self.num_cached_tokens = 0
         self._num_expired = 0  # pending entries expired or evicted, as last exported
 
-    def request(self, prompt_token_ids: Sequence[int], prefill: Sequence[WorkerState] = ()
-                ) -> PlacementRequest:
+    def request(self, prompt_token_ids: Sequence[int], prefill: Sequence[WorkerState] = (),
+                cache_salt: str | None = None) -> PlacementRequest:
         """The prompt matched against every indexed worker's engine cache (blocks a
         prefill in flight there is computing count as held) and KV tiers, in tokens; and
         the load plans of the workers of ``prefill`` (the snapshots placement reads) that
-        would load from a tier or a peer's host tier (none without ``prefill``)."""
+        would load from a tier or a peer's host tier (none without ``prefill``). Under
+        ``cache_salt`` the prompt's blocks have names of their own: it matches only
+        blocks computed under the same salt."""
+        root = salt_root(cache_salt)
         num_tokens = len(prompt_token_ids)
         matched: dict[str, int] = {}
         pending: dict[str, int] = {}
         hashed: dict[int, Sequence[int]] = {}
         tiers: dict[str, dict[str, int]] = {}
         for block_size in self.index.block_sizes():
-            hashes = hashed[block_size] = chain_hashes(prompt_token_ids, block_size)
+            hashes = hashed[block_size] = chain_hashes(prompt_token_ids, block_size, root)
             found = self.index.match_blocks(hashes)
             for worker_id, blocks in found.num_blocks.items():
                 if self.index.block_size(worker_id) == block_size:

@@ -317,4 +317,5 @@ def _sampling_spec(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         structured=structured,
+        cache_salt=body.cache_salt,
     )

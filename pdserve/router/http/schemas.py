@@ -62,6 +62,8 @@ _UNSUPPORTED_DEFAULTS: dict[str, tuple[object, ...]] = {
 }
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs, and OpenAI's top_logprobs limit
 MAX_N = 128
+MAX_CACHE_SALT_LENGTH = 128  # vLLM's
+CACHE_SALT_FORBIDDEN = ("@", "/", "\\", "\0")
 LOGIT_BIAS_LIMIT = 100.0
 
 def _is_default(value: object, defaults: tuple[object, ...]) -> bool:
@@ -102,6 +104,8 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParam | None = None
+    # vLLM's: requests with different salts share no cached KV (``validate_cache_salt``).
+    cache_salt: str | None = None
     # Parameters this endpoint does not implement (``_reject_unsupported``).
     unsupported_fields: ClassVar[dict[str, tuple[object, ...]]] = _UNSUPPORTED_DEFAULTS
 
@@ -140,6 +144,17 @@ class _SamplingRequest(BaseModel):
             if not key.isdecimal():
                 raise ValueError(f"keys must be token ids, not {key!r}")
         # Biases beyond +-LOGIT_BIAS_LIMIT are clamped (preprocess.py), as vLLM does.
+        return value
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _check_cache_salt(cls, value: str | None) -> str | None:
+        """vLLM's rules: non-empty, at most 128 characters, none of ``@ / \\`` or NUL."""
+        if value is not None and (not value or len(value) > MAX_CACHE_SALT_LENGTH
+                                  or any(c in value for c in CACHE_SALT_FORBIDDEN)):
+            raise ValueError("must be a non-empty string of at most "
+                             f"{MAX_CACHE_SALT_LENGTH} characters without '@', '/', "
+                             "'\\' or NUL")
         return value
 
     @field_validator("stop_token_ids")
