@@ -92,7 +92,8 @@ def edge_config(args: argparse.Namespace) -> EdgeConfig:
                       max_concurrent=args.max_concurrent_requests,
                       max_queued=args.max_queued_requests,
                       max_queue_wait_s=args.max_queue_wait_s,
-                      max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout_s)
+                      max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout_s,
+                      tenant_isolation=args.tenant_isolation)
 
 
 def router_config(args: argparse.Namespace, model: ResolvedModel) -> RouterConfig:

@@ -210,6 +210,11 @@ FLAGS = _flags(
          metavar="KEY"),
     Flag("api-key-file", "API keys, one per line (blank lines and # comments skipped), "
          "added to --api-key", metavar="PATH"),
+    Flag("tenant-isolation", "key: each API key is a tenant, and tenants share no cached KV "
+         "(engines' prefix caches, KV tiers, the pool, the router's prefix index): every "
+         "request is salted with a keyed hash of its key (never the key), combined with its "
+         "own cache_salt if it sends one; off: only the requests' own cache_salt",
+         "off", choices=("off", "key")),
     Flag("admin-port", "serve /metrics, /workers, /prefix_index and /health without a key "
          "on this port (0: no admin listener), and the admin actions (POST "
          "/admin/workers/{id}/role) with --admin-key", 0, parse_port),

@@ -37,6 +37,7 @@ from pdserve.router.http.request_ids import RequestIdMiddleware, arrival_of, req
 from pdserve.router.http.response_schemas import ChatCompletionResponse, CompletionResponse
 from pdserve.router.http.schemas import ChatCompletionRequest, CompletionRequest
 from pdserve.router.http.serving import OpenAIServing
+from pdserve.router.http.tenants import salted
 from pdserve.router.http.tools import ToolCalling
 from pdserve.router.metrics import METRICS_DISABLED_ENV, RouterMetrics
 
@@ -95,7 +96,8 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(AdmissionMiddleware, admission=admission, paths=_GENERATION_PATHS)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=edge.max_body_bytes)
-    app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(edge.api_keys))
+    app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(edge.api_keys),
+                       tenants=edge.tenant_isolation == "key")
     app.add_middleware(RequestIdMiddleware, unique_paths=_GENERATION_PATHS)
     if metrics.enabled:
         app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
@@ -129,6 +131,7 @@ def _openai_routes(preprocessing: Preprocessing, serving: OpenAIServing) -> APIR
     @router.post(COMPLETIONS_PATH, response_model=None,
                  responses=stream_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        body.cache_salt = salted(request.scope, body.cache_salt)
         generation = await preprocessing.completion(
             body, _body_bytes(request), request_id_of(request.scope), arrival_of(request.scope))
         return await serving.serve(generation, request)
@@ -136,6 +139,7 @@ def _openai_routes(preprocessing: Preprocessing, serving: OpenAIServing) -> APIR
     @router.post(CHAT_COMPLETIONS_PATH, response_model=None,
                  responses=stream_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        body.cache_salt = salted(request.scope, body.cache_salt)
         generation = await preprocessing.chat(
             body, _body_bytes(request), request_id_of(request.scope), arrival_of(request.scope))
         return await serving.serve(generation, request)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.router.http.errors import AuthenticationError, send_error
+from pdserve.router.http.tenants import TENANT_SALT, tenant_salt
 
 # Served on the main port only with a key (when keys are set); on the admin port without.
 ADMIN_PATHS = frozenset({"/metrics", "/workers", "/prefix_index"})
@@ -31,30 +32,46 @@ class ApiKeys:
 
     def check(self, authorization: bytes | None) -> AuthenticationError | None:
         """The error to answer with, or None when the header carries a valid key."""
+        found = self.match(authorization)
+        return found if isinstance(found, AuthenticationError) else None
+
+    def match(self, authorization: bytes | None) -> bytes | AuthenticationError:
+        """The configured key the header carries, or the error to answer with."""
         if authorization is None:
             return AuthenticationError(
                 "Missing API key: send it as 'Authorization: Bearer <key>'.",
                 code="invalid_api_key")
         scheme, _, given = authorization.partition(b" ")
-        matched = False
+        given = given.strip()
+        matched: bytes | None = None
         for key in self._keys:  # every key, whatever matched: constant time
-            matched |= hmac.compare_digest(given.strip(), key)
-        if scheme.lower() != b"bearer" or not matched:
+            if hmac.compare_digest(given, key):
+                matched = key
+        if scheme.lower() != b"bearer" or matched is None:
             return AuthenticationError("Incorrect API key provided.", code="invalid_api_key")
-        return None
+        return matched
 
 
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+    """``tenants``: put each matched key's tenant salt in the scope (``tenants.py``)."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys, tenants: bool = False) -> None:
         self.app = app
         self._keys = keys
+        self._tenants = tenants
+        self._salts: dict[bytes, str] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self._keys and is_protected(scope["path"]):
-            error = self._keys.check(_authorization(scope))
-            if error is not None:
-                await send_error(scope, send, error)
+            found = self._keys.match(_authorization(scope))
+            if isinstance(found, AuthenticationError):
+                await send_error(scope, send, found)
                 return
+            if self._tenants:
+                salt = self._salts.get(found)
+                if salt is None:
+                    salt = self._salts[found] = tenant_salt(found)
+                scope[TENANT_SALT] = salt
         await self.app(scope, receive, send)
 
 

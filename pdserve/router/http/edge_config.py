@@ -26,6 +26,7 @@ DEFAULT_MAX_QUEUED = 1024
 DEFAULT_MAX_QUEUE_WAIT_S = 30.0
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+TENANT_ISOLATION = ("off", "key")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class EdgeConfig:
     max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    # ``key``: every request's cache salt is derived from its API key (``tenants.py``), so
+    # clients of different keys share no cached KV; ``off``: only the requests' own salts.
+    tenant_isolation: str = "off"
 
     def __post_init__(self) -> None:
         if self.max_concurrent < 1 or self.max_queued < 0 or self.max_body_bytes < 1:
@@ -47,6 +51,11 @@ class EdgeConfig:
             raise ValueError("max_queue_wait_s and drain_timeout_s must be >= 0")
         for key in (*self.api_keys, *self.admin_keys):
             check_api_key(key)
+        if self.tenant_isolation not in TENANT_ISOLATION:
+            raise ValueError(f"tenant_isolation must be one of {', '.join(TENANT_ISOLATION)}")
+        if self.tenant_isolation == "key" and not self.api_keys:
+            raise ValueError("--tenant-isolation key needs API keys (--api-key, "
+                             "--api-key-file): the tenants are the keys")
 
     def flags(self) -> list[str]:
         """The router flags that give this config back, but the keys: ``pdserve up``
@@ -57,7 +66,8 @@ class EdgeConfig:
                 "--max-queued-requests", str(self.max_queued),
                 "--max-queue-wait-s", str(self.max_queue_wait_s),
                 "--max-body-bytes", str(self.max_body_bytes),
-                "--drain-timeout-s", str(self.drain_timeout_s)]
+                "--drain-timeout-s", str(self.drain_timeout_s),
+                "--tenant-isolation", self.tenant_isolation]
 
     def env(self) -> dict[str, str]:
         env = {"PDSERVE_API_KEY": ",".join(self.api_keys)} if self.api_keys else {}
