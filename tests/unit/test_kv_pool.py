@@ -14,7 +14,7 @@ import torch
 from pdserve_testing import NUM_BLOCKS, make_caches, start_transport, wait_until
 from unit.test_kv_tiers import BS, CONFIG, _alloc, _done, _h, _host, _request, _step
 
-from pdserve.core.block_hash import chain_hashes, tier_hashes
+from pdserve.core.block_hash import chain_hashes, salt_root, tier_hashes
 from pdserve.kv_transfer.base import PeerAddress
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
@@ -171,6 +171,20 @@ def test_a_pool_match_vllm_did_not_allocate_is_dropped_at_finish() -> None:
     side.request_finished(req, [])
     side.update_state_after_alloc(req, _alloc([]), 0)
     assert _step(side).pool_loads == {}
+
+
+def test_a_salted_requests_tier_blocks_are_named_under_its_salt() -> None:
+    """The router matches a salted prompt's tier blocks by salted names only: another
+    salt's (or no salt's) prompt of the same tokens never plans a load or a pool pull of
+    them (vLLM's own hashes, which key the tier's slots, differ as well)."""
+    side = SchedulerSide(CONFIG, BS, _host(2))
+    req = _request("a", 2 * BS)
+    req.cache_salt = "tenant-a"
+    side.request_finished(req, [7, 8])
+    _done(side, sending={"a"})
+    salted = chain_hashes(req.all_token_ids[:2 * BS], BS, salt_root("tenant-a"))
+    assert side.take_events() == [("host", True, tier_hashes(salted, "host"))]
+    assert salted != chain_hashes(req.all_token_ids[:2 * BS], BS)
 
 
 def test_the_tiers_residency_and_counters_go_to_the_router_and_the_worker() -> None:

@@ -185,7 +185,7 @@ def _request(req_id: str, num_tokens: int, computed: int | None = None) -> Any:
                            num_tokens=num_tokens, block_hashes=hashes,
                            all_token_ids=list(range(num_tokens)),
                            num_computed_tokens=num_tokens if computed is None else computed,
-                           use_structured_output=False)
+                           use_structured_output=False, cache_salt=None)
 
 
 def _alloc(new: list[int]) -> KVCacheBlocks:
