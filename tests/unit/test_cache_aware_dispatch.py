@@ -8,24 +8,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
 
 import pytest_asyncio
 from pdserve_testing import wait_until_async
-from prometheus_client import CollectorRegistry
+from unit.sim_cluster import SimCluster, sim_cluster
 
 from pdserve.core.block_hash import chain_hashes
 from pdserve.core.types import SamplingSpec
-from pdserve.launch.sim_worker import start_sim_worker
 from pdserve.router.dispatch.disagg import DisaggConfig
-from pdserve.router.dispatch.dispatch import PDDispatcher
-from pdserve.router.dispatch.kv_feed import KvIndexFeeder
-from pdserve.router.dispatch.placement import create_placement
-from pdserve.router.dispatch.prefix_index import PrefixIndex
-from pdserve.router.dispatch.prefix_routing import PrefixRouting
-from pdserve.router.dispatch.workers import WorkerPool
-from pdserve.worker.sim_engine import SimConfig
 
 BS = 16
 # Placement of prefills is under test: every request goes to a prefill worker.
@@ -33,13 +23,7 @@ ALWAYS = DisaggConfig(mode="always")
 PLACED = "pdserve:placement_decisions_total"
 
 
-@dataclass
-class SimRouter:
-    dispatcher: PDDispatcher
-    engines: dict[str, Any]
-    index: PrefixIndex
-    registry: CollectorRegistry
-
+class SimRouter(SimCluster):
     async def run(self, request_id: str, prompt: list[int]) -> int:
         """Runs a request; returns the cached tokens its first chunk reported."""
         chunks = [c async for c in self.dispatcher.generate(
@@ -64,30 +48,11 @@ class SimRouter:
 
 @pytest_asyncio.fixture(loop_scope="function")
 async def sim_router() -> AsyncIterator[SimRouter]:
-    servers, engines, endpoints = [], {}, {"prefill": [], "decode": []}
-    for wid, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
-        server, port, engine = await start_sim_worker(SimConfig(
-            role, wid, block_size=BS, num_blocks=64, prefill_s_per_token=2e-4,
-            step_overhead_s=1e-3, decode_s_per_token=1e-4))
-        servers.append(server)
-        engines[wid] = engine
-        endpoints[role].append(f"127.0.0.1:{port}")
-    pool = WorkerPool(endpoints["prefill"], endpoints["decode"], interval_s=0.2)
-    index, registry = PrefixIndex(), CollectorRegistry()
-    feeder = KvIndexFeeder(lambda: pool.prefill, index, registry)
-    dispatcher = PDDispatcher(pool, create_placement("cache_aware"), registry, 10.0,
-                              PrefixRouting(index, registry), ALWAYS)
-    await pool.start()
-    await feeder.start()
-    try:
-        assert await wait_until_async(lambda: sum(f.num_resyncs for f in feeder.followers)
-                                      == 2, 5)
-        yield SimRouter(dispatcher, engines, index, registry)
-    finally:
-        await feeder.close()
-        await pool.close()
-        for s in servers:
-            await s.stop(0)
+    workers = (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"))
+    async with sim_cluster(workers, ALWAYS, block_size=BS, num_blocks=64,
+                           prefill_s_per_token=2e-4, step_overhead_s=1e-3,
+                           decode_s_per_token=1e-4) as sims:
+        yield SimRouter(sims.dispatcher, sims.engines, sims.index, sims.registry)
 
 
 def prompt(prefix: int, suffix: int, blocks: int = 20) -> list[int]:

@@ -7,38 +7,21 @@ turns share nothing."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
 
 import pytest_asyncio
 from pdserve_testing import wait_until_async
-from prometheus_client import CollectorRegistry
+from unit.sim_cluster import SimCluster, sim_cluster
 
 from pdserve.core.types import SamplingSpec
-from pdserve.launch.sim_worker import start_sim_worker
 from pdserve.router.dispatch.base import TokenChunk
 from pdserve.router.dispatch.disagg import DisaggConfig
-from pdserve.router.dispatch.dispatch import PDDispatcher
-from pdserve.router.dispatch.kv_feed import KvIndexFeeder
-from pdserve.router.dispatch.placement import create_placement
-from pdserve.router.dispatch.prefix_index import PrefixIndex
-from pdserve.router.dispatch.prefix_routing import PrefixRouting
-from pdserve.router.dispatch.workers import WorkerPool
-from pdserve.worker.sim_engine import SimConfig
 
 BS = 16
 # Prompts over 4 blocks are long (remote), unless decode holds all but that many.
 AUTO = DisaggConfig(mode="auto", local_prefill_max_tokens=4 * BS)
 
 
-@dataclass
-class Cluster:
-    dispatcher: PDDispatcher
-    engines: dict[str, Any]
-    index: PrefixIndex
-    registry: CollectorRegistry
-    feeder: KvIndexFeeder
-
+class Cluster(SimCluster):
     async def run(self, request_id: str, prompt: list[int], cache_salt: str | None = None
                   ) -> list[TokenChunk]:
         return [c async for c in self.dispatcher.generate(
@@ -50,30 +33,11 @@ class Cluster:
 
 @pytest_asyncio.fixture(loop_scope="function")
 async def cluster() -> AsyncIterator[Cluster]:
-    servers, engines, endpoints = [], {}, {"prefill": [], "decode": []}
-    for wid, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
-        server, port, engine = await start_sim_worker(SimConfig(
-            role, wid, block_size=BS, num_blocks=256, prefill_s_per_token=1e-5,
-            step_overhead_s=1e-3, decode_s_per_token=1e-3))
-        servers.append(server)
-        engines[wid] = engine
-        endpoints[role].append(f"127.0.0.1:{port}")
-    pool = WorkerPool(endpoints["prefill"], endpoints["decode"], interval_s=0.2)
-    index, registry = PrefixIndex(), CollectorRegistry()
-    feeder = KvIndexFeeder(lambda: [*pool.prefill, *pool.decode], index, registry)
-    dispatcher = PDDispatcher(pool, create_placement("cache_aware"), registry, 10.0,
-                              PrefixRouting(index, registry), AUTO)
-    await pool.start()
-    await feeder.start()
-    try:
-        assert await wait_until_async(lambda: sum(f.num_resyncs for f in feeder.followers)
-                                      == 3, 5)
-        yield Cluster(dispatcher, engines, index, registry, feeder)
-    finally:
-        await feeder.close()
-        await pool.close()
-        for s in servers:
-            await s.stop(0)
+    workers = (("p0", "prefill"), ("d0", "decode"), ("d1", "decode"))
+    async with sim_cluster(workers, AUTO, block_size=BS, num_blocks=256,
+                           prefill_s_per_token=1e-5, step_overhead_s=1e-3,
+                           decode_s_per_token=1e-3) as sims:
+        yield Cluster(sims.dispatcher, sims.engines, sims.index, sims.registry)
 
 
 def turn(history: list[int], new: int, seed: int) -> list[int]:

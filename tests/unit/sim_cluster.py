@@ -1,0 +1,64 @@
+"""The cache-aware test bench shared by ``test_cache_aware_dispatch.py`` and
+``test_decode_cache.py``: simulated workers over real gRPC (their prefix caches emit
+KV events through the same relay as vLLM workers), a pool, the router's prefix index
+fed from every worker's events as ``build_router`` feeds it, and a ``PDDispatcher``
+with ``cache_aware`` placement."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve_testing import wait_until_async
+from prometheus_client import CollectorRegistry
+
+from pdserve.core.types import Role
+from pdserve.launch.sim_worker import start_sim_worker
+from pdserve.router.dispatch.disagg import DisaggConfig
+from pdserve.router.dispatch.dispatch import PDDispatcher
+from pdserve.router.dispatch.kv_feed import KvIndexFeeder
+from pdserve.router.dispatch.placement import create_placement
+from pdserve.router.dispatch.prefix_index import PrefixIndex
+from pdserve.router.dispatch.prefix_routing import PrefixRouting
+from pdserve.router.dispatch.workers import WorkerPool
+from pdserve.worker.sim_engine import SimConfig
+
+
+@dataclass
+class SimCluster:
+    dispatcher: PDDispatcher
+    engines: dict[str, Any]  # worker id -> its SimEngine
+    index: PrefixIndex
+    registry: CollectorRegistry
+
+
+@contextlib.asynccontextmanager
+async def sim_cluster(workers: Sequence[tuple[str, Role]], disagg: DisaggConfig,
+                      **sim: Any) -> AsyncIterator[SimCluster]:
+    """``workers``: (id, role) each; ``sim``: the ``SimConfig`` fields they share. Yields
+    once the index has resynced from every worker."""
+    servers, engines = [], {}
+    endpoints: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for wid, role in workers:
+        server, port, engine = await start_sim_worker(SimConfig(role, wid, **sim))
+        servers.append(server)
+        engines[wid] = engine
+        endpoints[role].append(f"127.0.0.1:{port}")
+    pool = WorkerPool(endpoints["prefill"], endpoints["decode"], interval_s=0.2)
+    index, registry = PrefixIndex(), CollectorRegistry()
+    feeder = KvIndexFeeder(lambda: [*pool.prefill, *pool.decode], index, registry)
+    dispatcher = PDDispatcher(pool, create_placement("cache_aware"), registry, 10.0,
+                              PrefixRouting(index, registry), disagg)
+    await pool.start()
+    await feeder.start()
+    try:
+        assert await wait_until_async(lambda: sum(f.num_resyncs for f in feeder.followers)
+                                      == len(workers), 5)
+        yield SimCluster(dispatcher, engines, index, registry)
+    finally:
+        await feeder.close()
+        await pool.close()
+        for s in servers:
+            await s.stop(0)
