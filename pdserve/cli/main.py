@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from pdserve.cli.flag_types import FlagParser, HelpFormatter
@@ -91,6 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     _command(sub, "health", "probe a router (HTTP /health) or a worker (gRPC health) once: "
              "exit 0 when healthy, 1 when not (container health checks)",
              ("healthcheck", "health-timeout-s"))
+    certs = sub.add_parser("certs", help="a throwaway CA and one certificate it signed, for "
+                           "--tls-cert/--tls-key/--tls-ca on every process of a test or compose "
+                           "cluster", formatter_class=HelpFormatter)
+    certs.add_argument("--out", required=True, metavar="DIR",
+                       help="folder for ca.pem, cert.pem, key.pem")
+    certs.add_argument("--host", action="append", metavar="NAME",
+                       help="a host name or IP address the certificate is valid for "
+                       "(repeat; default: 127.0.0.1 and localhost)")
+    certs.add_argument("--days", type=int, default=30, help="validity in days")
     _command(sub, "machine", "this machine's CPU, cores and the flags that decide the "
              "engines' speed, and the dtype --dtype resolves to here", ("dtype",))
     _command(sub, "sim-worker", "a simulated worker (same gRPC service; modelled times and "
@@ -127,6 +137,12 @@ def _run(args: argparse.Namespace) -> int:
         return _run_sim_worker(args)
     if args.command == "health":
         return _run_health(args)
+    if args.command == "certs":
+        from pdserve.core.certs import DEFAULT_HOSTS, make_test_ca
+
+        files = make_test_ca(Path(args.out), args.host or DEFAULT_HOSTS, args.days)
+        print(f"--tls-cert {files.cert} --tls-key {files.key} --tls-ca {files.ca}")
+        return 0
     if args.command == "machine":
         from pdserve.core.dtype import resolve_dtype
 
