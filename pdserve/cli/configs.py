@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 
 def tls_files(args: argparse.Namespace) -> TlsFiles:
     """``--tls-cert``, ``--tls-key``, ``--tls-ca`` (router, workers, ``up``)."""
-    return TlsFiles(args.tls_cert, args.tls_key, args.tls_ca)
+    return TlsFiles(args.tls_cert, args.tls_key, args.tls_ca,
+                    required=bool(getattr(args, "require_tls", False)))
 
 
 def worker_membership(args: argparse.Namespace) -> MembershipConfig:

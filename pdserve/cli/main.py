@@ -50,7 +50,7 @@ UP = ("host", "port", "num-prefill", "num-decode", "placement", "kv-pool", "deco
       "startup-timeout-s", "max-restarts", "restart-window-s", "simulated", "worker-metrics",
       "metrics-targets-file", "router-processes") + DISAGG + EDGE + OPENAI
 # The cluster secret: the router, every worker and up (which hands it to its children).
-SECURITY = ("cluster-secret-file", "tls-cert", "tls-key", "tls-ca")
+SECURITY = ("cluster-secret-file", "tls-cert", "tls-key", "tls-ca", "require-tls")
 SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",
        "prefill-us-per-token", "decode-ms-per-token", "decode-lockstep", "log-level", "log-format",
        "grpc-keepalive-s", "drain-timeout-s", "metrics-port", "metrics-host") + MEMBERSHIP

@@ -28,10 +28,21 @@ class TlsFiles:
     cert: str | None = None
     key: str | None = None
     ca: str | None = None
+    # ``--require-tls``: every cluster listener and client (gRPC, KV, etcd) uses mutual
+    # TLS, and whatever cannot (a plaintext etcd URL, a ucx transport) refuses to start.
+    required: bool = False
 
     def __post_init__(self) -> None:
         if bool(self.cert) != bool(self.key):
             raise ValueError("--tls-cert and --tls-key go together")
+        if self.required and not (self.cert and self.ca):
+            raise ValueError("--require-tls needs --tls-cert, --tls-key and --tls-ca "
+                             "(mutual TLS on every cluster connection)")
+
+    @property
+    def mutual(self) -> bool:
+        """Both ends can prove themselves: what the KV channel and etcd need."""
+        return bool(self.cert and self.ca)
 
     @property
     def enabled(self) -> bool:
@@ -39,8 +50,9 @@ class TlsFiles:
 
     def flags(self) -> list[str]:
         """The same files as flags, for a child process."""
-        return [arg for name, path in (("--tls-cert", self.cert), ("--tls-key", self.key),
-                                       ("--tls-ca", self.ca)) if path for arg in (name, path)]
+        files = [arg for name, path in (("--tls-cert", self.cert), ("--tls-key", self.key),
+                                        ("--tls-ca", self.ca)) if path for arg in (name, path)]
+        return [*files, "--require-tls"] if self.required else files
 
     def load(self) -> GrpcTls | None:
         """The credentials' bytes, or None without TLS; ``ValueError`` names an unreadable file."""
