@@ -144,6 +144,8 @@ def connector_config(args: argparse.Namespace, worker_id: str,
         kv_offload_gib=args.kv_offload_gib, kv_disk_dir=args.kv_disk_dir,
         kv_disk_gib=args.kv_disk_gib,
         cluster_secret_file=args.cluster_secret_file,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+        require_tls=args.require_tls,
     )
 
 

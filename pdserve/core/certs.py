@@ -36,7 +36,7 @@ def make_test_ca(folder: Path, hosts: Sequence[str] = DEFAULT_HOSTS,
         raise ValueError(f"days must be >= 1, got {days}")
     folder.mkdir(parents=True, exist_ok=True)
     ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_name = _name("pdserve test CA")
+    ca_name = _name(f"pdserve test CA {os.urandom(4).hex()}")  # two CAs never share a name
     now = datetime.datetime.now(datetime.UTC)
     ca = (_builder(ca_name, ca_name, ca_key, now, days)
           .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)

@@ -104,9 +104,10 @@ def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def warn_if_open(what: str, host: str, secret: ClusterSecret | None) -> None:
+def warn_if_open(what: str, host: str, secret: ClusterSecret | None,
+                 mutual_tls: bool = False) -> None:
     """Say so when a listener reachable from other machines takes anyone."""
-    if secret is None and not is_loopback(host):
+    if secret is None and not mutual_tls and not is_loopback(host):
         logger.warning("%s on %s is UNAUTHENTICATED: any host that reaches it is trusted "
                        "(give every process --cluster-secret-file)", what, host)
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # kept out of import time: the CLI lists transports without t
     from pdserve.kv_transfer.layout import KVLayout
     from pdserve.kv_transfer.leases import LeaseTable
     from pdserve.kv_transfer.push_inbox import PushInbox
+    from pdserve.kv_transfer.tls import KvTls
 
 
 @dataclass(frozen=True)
@@ -46,11 +47,15 @@ class TransportOptions:
     every transfer, whichever transport moves the bytes) starts with a mutual
     challenge-response (``auth.py``), and a peer without it gets no KV byte.
     None: anyone who reaches the port is trusted (as before).
+    ``tls``: mutual TLS on every control connection (``tls.py``), and so on the
+    tcp transport's KV bytes; a peer without a certificate the CA signed is refused
+    before its first message. None: plaintext.
     """
 
     checksum: bool = False
     throttle_bytes_per_s: float = 0.0
     secret: ClusterSecret | None = field(default=None, repr=False)
+    tls: KvTls | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.throttle_bytes_per_s < 0:

@@ -6,7 +6,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pdserve.core.cluster_secret import ClusterSecret, optional_secret
+from pdserve.core.grpc_tls import TlsFiles
 from pdserve.kv_transfer.base import TransportOptions, transport_names
+from pdserve.kv_transfer.tls import KvTls, load_kv_tls
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,13 @@ class ConnectorConfig:
     # The cluster secret's file (never the secret: this config lands in vLLM's, which
     # vLLM logs); None: KV connections are not authenticated.
     cluster_secret_file: str | None = None
+    # Mutual TLS on every KV control connection (and so on the tcp transport's bytes):
+    # the PEM files' paths, never their content; ``require_tls``: refuse to start
+    # without it, or on a transport whose KV bytes bypass it.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    require_tls: bool = False
 
     def __post_init__(self) -> None:
         if self.lease_s <= 0 or self.transfer_timeout_s <= 0 or self.push_wait_s <= 0:
@@ -60,6 +69,17 @@ class ConnectorConfig:
             raise ValueError(
                 f"unknown KV transport {self.transport!r}; valid transports: {', '.join(names)}")
         self.cluster_secret()  # a bad secret file fails here, in the worker, not in vLLM
+        if self.require_tls and self.transport != "tcp":
+            raise ValueError(f"--require-tls: the {self.transport} transport moves KV bytes "
+                             "outside the TLS control channel, unencrypted; use --transport tcp")
+        self.kv_tls()  # and so do bad TLS files
+
+    def tls_files(self) -> TlsFiles:
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca, required=self.require_tls)
+
+    def kv_tls(self) -> KvTls | None:
+        """The TLS contexts (loaded once per process), or None for plaintext KV."""
+        return load_kv_tls(self.tls_files())
 
     def cluster_secret(self) -> ClusterSecret | None:
         """The secret (read once per process), or None for an unauthenticated cluster."""
@@ -68,7 +88,7 @@ class ConnectorConfig:
     def transport_options(self) -> TransportOptions:
         return TransportOptions(checksum=self.kv_checksum,
                                 throttle_bytes_per_s=self.kv_throttle_mib_s * (1 << 20),
-                                secret=self.cluster_secret())
+                                secret=self.cluster_secret(), tls=self.kv_tls())
 
     def to_extra_config(self) -> dict[str, Any]:
         return {"pdserve": asdict(self)}

@@ -49,7 +49,7 @@ class ControlledTransport:
         self._compat: dict[str, Any] = {}
         self._server: ControlServer | None = None
         self._stop = threading.Event()
-        self._pool = ConnectionPool(IDLE_TIMEOUT_S / 2, self.options.secret)
+        self._pool = ConnectionPool(IDLE_TIMEOUT_S / 2, self.options.secret, self.options.tls)
         self._stats_lock = threading.Lock()
         self._num_sending = 0  # a gauge, shown by the status op only
         # More counters for the ``status`` op (the connector's load statistics).
@@ -97,6 +97,7 @@ class ControlledTransport:
             self._kv_ops(),
             self._stop,
             self.options.secret,
+            self.options.tls,
         )
         return self._server.start(host, port)
 

@@ -12,12 +12,14 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pdserve.core.cluster_secret import ClusterSecret, warn_if_open
-from pdserve.kv_transfer.auth import authenticate_client
+from pdserve.core.cluster_secret import ClusterSecret, note_refusal, warn_if_open
+from pdserve.kv_transfer.auth import AUTH_TIMEOUT_S, authenticate_client
 from pdserve.kv_transfer.threads import unpin_current_thread
+from pdserve.kv_transfer.tls import KvTls, TlsHandshakeError
 from pdserve.kv_transfer.wire import TransferError, recv_msg, send_msg, tune
 
 logger = logging.getLogger("pdserve.kv_transfer.control")
@@ -32,17 +34,20 @@ HelloHandler = Callable[[socket.socket, dict[str, Any]], bool]
 
 
 class ControlServer:
-    """With a cluster ``secret``, a connection is served nothing, not even
-    ``status``, until it has authenticated (``auth.py``); one that fails is closed."""
+    """With ``tls``, a connection is served nothing until its TLS handshake proved a
+    client certificate the CA signed (``tls.py``); with a cluster ``secret``, nothing,
+    not even ``status``, until it has authenticated (``auth.py``). One that fails
+    either is closed."""
 
     def __init__(self, hello: HelloHandler, open_ops: dict[str, Handler],
                  gated_ops: dict[str, Handler], stop: threading.Event,
-                 secret: ClusterSecret | None = None) -> None:
+                 secret: ClusterSecret | None = None, tls: KvTls | None = None) -> None:
         self._hello = hello
         self._open_ops = open_ops
         self._gated_ops = gated_ops
         self._stop = stop
         self._secret = secret
+        self._tls = tls
         self._listener: socket.socket | None = None
         self._conns: set[socket.socket] = set()  # served now; shut down by close()
         self._conns_lock = threading.Lock()
@@ -50,7 +55,7 @@ class ControlServer:
     def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0: any free port); returns the bound port."""
         listener = socket.create_server((host, port), reuse_port=False, backlog=64)
-        warn_if_open("KV endpoint", host, self._secret)
+        warn_if_open("KV endpoint", host, self._secret, self._tls is not None)
         listener.settimeout(_ACCEPT_POLL_S)
         self._listener = listener
         threading.Thread(target=self._accept_loop, args=(listener,), name="pdserve-kv-accept",
@@ -85,6 +90,13 @@ class ControlServer:
 
     def _serve_conn(self, conn: socket.socket, peer: str = "?") -> None:
         unpin_current_thread()
+        if self._tls is not None:
+            try:  # the handshake is bounded like the secret's challenge
+                conn = self._tls.accept(conn, time.monotonic() + AUTH_TIMEOUT_S)
+            except TlsHandshakeError as exc:
+                note_refusal("kv", "tls handshake failed", peer)
+                logger.debug("KV connection from %s refused: %s", peer, exc)
+                return
         verified = False
         with conn, self._tracked(conn):
             if self._secret is not None and not authenticate_client(conn, self._secret, peer):

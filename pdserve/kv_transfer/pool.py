@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import select
 import socket
+import ssl
 import threading
 import time
 from typing import Any
@@ -10,6 +12,7 @@ from typing import Any
 from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.kv_transfer.auth import AuthError, authenticate_to_server
 from pdserve.kv_transfer.base import PeerAddress
+from pdserve.kv_transfer.tls import KvTls, TlsHandshakeError
 from pdserve.kv_transfer.wire import (
     IncompatiblePeerError,
     TransferError,
@@ -27,17 +30,20 @@ class ConnectionPool:
     it (a restarted peer on the same address). A connection that failed is closed by its
     user, never checked back in."""
 
-    def __init__(self, max_idle_s: float, secret: ClusterSecret | None = None) -> None:
+    def __init__(self, max_idle_s: float, secret: ClusterSecret | None = None,
+                 tls: KvTls | None = None) -> None:
         self._max_idle_s = max_idle_s
         self._secret = secret  # with it, a new connection authenticates before its hello
+        self._tls = tls  # with it, every connection is mutual TLS first
         self._idle: dict[PeerAddress, list[tuple[socket.socket, float]]] = {}
         self._lock = threading.Lock()
 
     def checkout(self, peer: PeerAddress, deadline: float,
                  compat: dict[str, Any]) -> socket.socket:
-        """A handshaken (and, with a secret, authenticated) connection to ``peer``;
-        ``IncompatiblePeerError`` names both sides, ``AuthError`` a peer that does
-        not prove this cluster's secret or refuses ours."""
+        """A handshaken (and, with a secret, authenticated; with TLS, encrypted)
+        connection to ``peer``; ``IncompatiblePeerError`` names both sides, ``AuthError``
+        a peer that does not prove this cluster's secret or refuses ours,
+        ``TlsHandshakeError`` one whose certificate (or ours) does not hold."""
         with self._lock:
             idle = self._idle.get(peer, [])
             while idle:
@@ -54,6 +60,8 @@ class ConnectionPool:
             raise TransferError(f"cannot reach KV peer {peer}: {exc}") from exc
         try:
             tune(conn)
+            if self._tls is not None:
+                conn = self._tls.connect(conn, peer.host, deadline)
             if self._secret is not None:
                 authenticate_to_server(conn, self._secret, deadline, str(peer))
             set_deadline(conn, deadline)
@@ -62,6 +70,8 @@ class ConnectionPool:
         except IncompatiblePeerError as exc:
             conn.close()
             raise IncompatiblePeerError(f"KV peer {peer} refused the handshake: {exc}") from None
+        except TlsHandshakeError as exc:
+            raise TlsHandshakeError(f"KV peer {peer}: {exc}") from None
         except AuthError:
             conn.close()
             raise
@@ -84,7 +94,13 @@ class ConnectionPool:
 
 def dropped(conn: socket.socket) -> bool:
     """The peer closed (or reset) this idle connection, so it cannot be reused. An idle
-    control connection has nothing to read: EOF, an error or stray bytes all mean dead."""
+    control connection has nothing to read: EOF, an error or stray bytes all mean dead
+    (under TLS, any record: a close_notify, or data that was never asked for)."""
+    if isinstance(conn, ssl.SSLSocket):
+        try:
+            return conn.pending() > 0 or bool(select.select([conn], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True
     timeout = conn.gettimeout()
     conn.setblocking(False)
     try:

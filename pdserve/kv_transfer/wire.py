@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import select
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pdserve.core.cluster_secret import ClusterSecret
+    from pdserve.kv_transfer.tls import KvTls
 
 # 2: every pull ends with a trailer message (bytes, optional checksum).
 PROTOCOL_VERSION = 2
@@ -108,12 +110,15 @@ def compare_compat(local: dict[str, Any], remote: dict[str, Any], local_name: st
 
 
 def request_once(host: str, port: int, msg: dict[str, Any], timeout_s: float,
-                 secret: ClusterSecret | None = None) -> dict[str, Any]:
-    """One control exchange on a fresh connection (release, status), authenticated
-    first when the cluster has a ``secret``."""
+                 secret: ClusterSecret | None = None, tls: KvTls | None = None
+                 ) -> dict[str, Any]:
+    """One control exchange on a fresh connection (release, status): over mutual TLS
+    with ``tls``, authenticated first when the cluster has a ``secret``."""
     deadline = time.monotonic() + timeout_s
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+        raw = socket.create_connection((host, port), timeout=timeout_s)
+        sock = raw if tls is None else tls.connect(raw, host, deadline)  # closes on failure
+        with sock:
             if secret is not None:
                 from pdserve.kv_transfer.auth import authenticate_to_server
 
@@ -143,9 +148,13 @@ def wait_done(done: Callable[[], bool], deadline: float, what: str,
 
 
 def peer_closed(conn: socket.socket) -> bool:
-    """True once the peer has closed (or reset) ``conn``; never blocks."""
+    """True once the peer has closed (or reset) ``conn``; never blocks. Under TLS
+    (which cannot peek) any record counts: the peer sends nothing meanwhile but
+    its close_notify."""
     try:
         readable, _, _ = select.select([conn], [], [], 0)
+        if readable and isinstance(conn, ssl.SSLSocket):
+            return True
         return bool(readable) and conn.recv(1, socket.MSG_PEEK) == b""
     except (OSError, ValueError):
         return True

@@ -66,6 +66,10 @@ class WorkerSide:
         self._num_blocks = num_blocks
         self._transport: KVTransport = create_transport(
             config.transport, config.transport_options())
+        if config.kv_tls() is not None and config.transport != "tcp":
+            logger.warning("KV TLS covers the %s transport's control channel only: its KV "
+                           "bytes travel unencrypted (--transport tcp encrypts them; "
+                           "--require-tls refuses this)", config.transport)
         # Set whenever a transfer ends (a lease ends, a pull finishes).
         self._progress = threading.Event()
         self._idle = False

@@ -41,7 +41,8 @@ def kv_push_enabled(connector: ConnectorConfig) -> bool:
 def role_policy(config: EngineConfig, kv_push: bool, role: Role | None = None) -> RolePolicy:
     """``role``'s policy (default: the configured one) for this worker's engine."""
     if (role or config.role) == "prefill":
-        release = functools.partial(release_over_control, secret=config.connector.cluster_secret())
+        release = functools.partial(release_over_control, secret=config.connector.cluster_secret(),
+                                    tls=config.connector.kv_tls())
         admission = AdmissionConfig(config.prefill_max_running, config.prefill_order)
         return PrefillPolicy(kv_push=kv_push, release=release, admission=admission)
     return DecodePolicy()

@@ -12,6 +12,7 @@ import logging
 
 from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.handle import KVHandle
+from pdserve.kv_transfer.tls import KvTls
 from pdserve.kv_transfer.wire import TransferError, request_once
 
 logger = logging.getLogger("pdserve.worker")
@@ -43,13 +44,14 @@ class HandleLeases:
             del self._handles[rid]
 
 
-def release_over_control(handle: KVHandle, secret: ClusterSecret | None = None) -> None:
-    """Ask the engine's KV endpoint to free ``handle``'s blocks (blocking), proving
-    the cluster ``secret`` first if there is one. A failure is only logged: the
-    lease expires on its own."""
+def release_over_control(handle: KVHandle, secret: ClusterSecret | None = None,
+                         tls: KvTls | None = None) -> None:
+    """Ask the engine's KV endpoint to free ``handle``'s blocks (blocking), over mutual
+    TLS with ``tls``, proving the cluster ``secret`` first if there is one. A failure is
+    only logged: the lease expires on its own."""
     try:
         request_once(handle.host, handle.port,
                      {"op": "release", "req": handle.remote_request_id}, _CONTROL_TIMEOUT_S,
-                     secret)
+                     secret, tls)
     except TransferError as exc:
         logger.warning("release of %s failed: %s", handle.remote_request_id, exc)

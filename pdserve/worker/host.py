@@ -211,10 +211,13 @@ class EngineHost:
     def kv_status(self) -> dict[str, Any]:
         """The connector's own counters, from its KV endpoint in the Worker process;
         its last reply if this one is late or fails."""
+        connector = self.config.connector
+        tls = connector.kv_tls()
+        # Under TLS the endpoint's certificate names its advertised host, maybe not loopback.
+        host = "127.0.0.1" if tls is None else connector.kv_host
         try:
-            self._kv_status = request_once("127.0.0.1", self.config.connector.kv_port,
-                                           {"op": "status"}, KV_STATUS_TIMEOUT_S,
-                                           self.config.connector.cluster_secret())
+            self._kv_status = request_once(host, connector.kv_port, {"op": "status"},
+                                           KV_STATUS_TIMEOUT_S, connector.cluster_secret(), tls)
         except TransferError as exc:
             logger.warning("KV endpoint status unavailable (reporting the last): %s", exc)
         return self._kv_status
