@@ -66,6 +66,8 @@ TOOLS: dict[str, Tool] = {
                         "the KV transfer's share of TTFT in a real P/D run, pull vs push", (
         ("--tokens", {"type": int, "help": "prompt tokens"}),
         "--reps", "--max-tokens", "--dtype", "--port-base",
+        ("--tls", {"action": "store_true",
+                   "help": "also push over mutual TLS (gRPC and KV): TTFT ratio"}),
     )),
     "ttft": Tool("ttft", configs.TtftConfig,
                  "TTFT of one prompt: P/D versus two aggregated baselines", (

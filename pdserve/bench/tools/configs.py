@@ -97,6 +97,7 @@ class TransferPdConfig:
     max_tokens: int = 8
     dtype: str = "auto"
     port_base: int = 19300
+    tls: bool = False  # also push over mutual TLS (gRPC and KV)
 
 
 @dataclass(frozen=True)

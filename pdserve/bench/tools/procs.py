@@ -5,12 +5,13 @@ process mechanism. Fail-fast: a process that exits before it is ready ends the w
 from __future__ import annotations
 
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from pdserve.core import process
+from pdserve.core.grpc_tls import GrpcTls
 from pdserve.router.dispatch.worker_client import WorkerCallError, probe_health
 
 STOP_GRACE_S = 15.0
@@ -27,13 +28,14 @@ class Proc:
     argv: tuple[str, ...]
     log: Path
     probe: str
+    tls: GrpcTls | None = field(default=None, repr=False)  # a worker that serves TLS
 
 
 def probe(p: Proc) -> str:
     """'' once ``p`` is ready, else what it is waiting for."""
     if p.probe.startswith("grpc:"):
         try:
-            health = probe_health(p.probe.removeprefix("grpc:"), timeout_s=1)
+            health = probe_health(p.probe.removeprefix("grpc:"), timeout_s=1, tls=p.tls)
         except WorkerCallError:
             return "no answer"
         return "" if health.ready else "loading engine"

@@ -13,6 +13,11 @@ preallocated buffers, the same socket buffer sizes). Each figure is the median o
     pdserve bench transfer                       # --reps 5
     pdserve bench transfer --transports tcp,ucx --tokens 4096 --checksum
     pdserve bench transfer --device cuda --transports tcp,ucx   # KV in GPU memory
+    pdserve bench transfer --transports tcp,tcp+tls --tokens 1024,4096,16384
+
+``tcp+tls`` is tcp with mutual TLS on both ends (certificates from a throwaway CA,
+``pdserve certs``); the verdict gives its GB/s over plain tcp's, row by row, the
+cipher the two ends chose, and whether the CPU has AES instructions.
 
 With ``--device cuda`` both sides keep the KV in GPU memory (``cuda:0``; the torch
 transport's NCCL needs a second GPU for the serving side and is skipped without one).
@@ -25,25 +30,34 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import socket
+import ssl
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from pdserve.bench.tools import RESULTS_DIR
 from pdserve.bench.tools.configs import TRANSFER_BLOCK_SIZE, TRANSFER_TOKENS, TransferConfig
+from pdserve.core.certs import make_test_ca
+from pdserve.core.grpc_tls import TlsFiles
+from pdserve.core.hardware import Hardware
 from pdserve.kv_transfer.base import PeerAddress, TransportOptions, create_transport
 from pdserve.kv_transfer.layout import KVLayout, as_bytes
 from pdserve.kv_transfer.leases import LeaseTable
+from pdserve.kv_transfer.tls import KvTls, load_kv_tls
 from pdserve.kv_transfer.wire import SOCK_BUF, recv_into_exact
 
 NUM_LAYERS, KV_HEADS, HEAD_DIM2 = 30, 3, 128
 BLOCK_SIZE, TOKENS = TRANSFER_BLOCK_SIZE, TRANSFER_TOKENS
 TARGET_VS_SOCKET = 0.7  # ucx and tcp, for transfers of 4 MiB and more
+TARGET_TLS_VS_TCP = 0.8  # tcp+tls, every size
+TLS_SUFFIX = "+tls"
 
 
 @dataclass
@@ -64,8 +78,15 @@ def make_caches(num_blocks: int, dtype: torch.dtype, seed: int,
     return list(kv.unbind(0))  # views, like vLLM
 
 
+def options_for(name: str, checksum: bool, tls: TlsFiles | None) -> TransportOptions:
+    """``name``'s options: ``<transport>+tls`` gets the TLS contexts."""
+    return TransportOptions(checksum=checksum,
+                            tls=load_kv_tls(tls) if tls and name.endswith(TLS_SUFFIX) else None)
+
+
 def start(name: str, kv: list[torch.Tensor], leases: LeaseTable,
           options: TransportOptions) -> tuple[Any, int]:
+    name = name.removesuffix(TLS_SUFFIX)
     caches = {f"layer.{i}": t for i, t in enumerate(kv)}
     layout = KVLayout.from_kv_caches(caches, kv[0].shape[0], BLOCK_SIZE)
     compat = {"model": "bench", "dtype": str(kv[0].dtype), "block_size": BLOCK_SIZE,
@@ -79,7 +100,7 @@ def start(name: str, kv: list[torch.Tensor], leases: LeaseTable,
 # ---- the serving process ----------------------------------------------------------
 
 def serve(names: list[str], dtype_name: str, num_blocks: int, checksum: bool, device: str,
-          cmds: mp.Queue, replies: mp.Queue) -> None:  # type: ignore[type-arg]
+          tls: TlsFiles | None, cmds: mp.Queue, replies: mp.Queue) -> None:  # type: ignore[type-arg]
     """Prefill side: every transport over one set of KV tensors, plus a raw socket."""
     torch.set_num_threads(1)
     if device.startswith("cuda"):
@@ -89,7 +110,7 @@ def serve(names: list[str], dtype_name: str, num_blocks: int, checksum: bool, de
     served = {}
     for name in names:
         table = LeaseTable()
-        transport, port = start(name, kv, table, TransportOptions(checksum=checksum))
+        transport, port = start(name, kv, table, options_for(name, checksum, tls))
         served[name] = (transport, table, port)
     raw = socket.create_server(("127.0.0.1", 0))
     replies.put({**{n: p for n, (_, _, p) in served.items()}, "socket": raw.getsockname()[1]})
@@ -155,12 +176,13 @@ def time_transport(transport: Any, port: int, n: int, req: str) -> float:
 
 
 def run_dtype(dtype_name: str, names: list[str], tokens: list[int], reps: int,
-              checksum: bool, device: str = "cpu", server_device: str = "cpu") -> list[Row]:
+              checksum: bool, device: str = "cpu", server_device: str = "cpu",
+              tls: TlsFiles | None = None) -> list[Row]:
     num_blocks = max(tokens) // BLOCK_SIZE
     ctx = mp.get_context("spawn")
     cmds, replies = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=serve, daemon=True, args=(
-        names, dtype_name, num_blocks, checksum, server_device, cmds, replies))
+        names, dtype_name, num_blocks, checksum, server_device, tls, cmds, replies))
     proc.start()
     transports: dict[str, tuple[Any, int]] = {}
     try:
@@ -171,8 +193,8 @@ def run_dtype(dtype_name: str, names: list[str], tokens: list[int], reps: int,
         # The raw socket streams host memory whatever the device (the link's ceiling).
         host_dst = dst if device == "cpu" else make_caches(num_blocks, dtype, seed=2)
         for name in names:
-            transports[name] = (start(name, dst, LeaseTable(), TransportOptions(
-                checksum=checksum))[0], ports[name])
+            transports[name] = (start(name, dst, LeaseTable(),
+                                      options_for(name, checksum, tls))[0], ports[name])
 
         def ask(*cmd: Any) -> Any:
             cmds.put(cmd)
@@ -237,6 +259,35 @@ def verdict(rows: list[Row], names: list[str]) -> None:
         ok = "meets" if worst >= TARGET_VS_SOCKET else "MISSES"
         print(f"{name}: worst {worst:.2f}x socket for >= 4 MiB; {ok} the "
               f"{TARGET_VS_SOCKET}x target")
+    for name in [n for n in names if n.endswith(TLS_SUFFIX)]:
+        plain = name.removesuffix(TLS_SUFFIX)
+        if plain not in names:
+            continue
+        ratios = [r.gbps[name] / r.gbps[plain] for r in rows]
+        ok = "meets" if min(ratios) >= TARGET_TLS_VS_TCP else "MISSES"
+        print(f"{name} / {plain}: " + ", ".join(
+            f"{r.dtype} {r.tokens} tok {x:.2f}x" for r, x in zip(rows, ratios, strict=True))
+            + f"; worst {min(ratios):.2f}x, {ok} the {TARGET_TLS_VS_TCP}x target")
+
+
+def _no_tls() -> KvTls:
+    raise RuntimeError("the throwaway CA's files gave no TLS contexts")
+
+
+def tls_facts(tls: KvTls) -> dict[str, Any]:
+    """The cipher two ends with these contexts agree on, and the CPU's AES flags."""
+    a, b = socket.socketpair()
+    with a, b:
+        server = threading.Thread(target=lambda: tls.accept(a, time.monotonic() + 10).close())
+        server.start()
+        conn = tls.connect(b, "127.0.0.1", time.monotonic() + 10)
+        cipher = conn.cipher()
+        conn.close()
+        server.join(10)
+    flags = Hardware.detect().cpu_flags
+    return {"cipher": cipher[0] if cipher else None, "protocol": cipher[1] if cipher else None,
+            "openssl": ssl.OPENSSL_VERSION,
+            "cpu_aes": {f: f in flags for f in ("aes", "vaes", "pclmulqdq", "vpclmulqdq")}}
 
 
 # ---- P/D: share of TTFT spent on the transfer ---------------------------------------
@@ -264,15 +315,24 @@ def run(args: TransferConfig) -> int:
                 names.remove("torch")
             else:
                 server_device = "cuda:1"  # every transport's server then sits on cuda:1
+    tls = tls_dir = facts = None
+    if any(n.endswith(TLS_SUFFIX) for n in names):
+        tls_dir = tempfile.TemporaryDirectory(prefix="pdserve-bench-tls-")
+        tls = make_test_ca(Path(tls_dir.name))
+        facts = tls_facts(load_kv_tls(tls) or _no_tls())
+        print(f"TLS: {facts['protocol']} {facts['cipher']} ({facts['openssl']}); CPU "
+              + " ".join(f"{'+' if has else '-'}{f}" for f, has in facts["cpu_aes"].items()))
     rows: list[Row] = []
     for dtype_name in args.dtypes.split(","):
         rows += run_dtype(dtype_name, names, tokens, args.reps, args.checksum, device,
-                          server_device)
+                          server_device, tls)
     verdict(rows, names)
     share = ttft_share(args)
     RESULTS_DIR.mkdir(exist_ok=True)
     out = RESULTS_DIR / f"transfer-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"args": asdict(args), "rows": [asdict(r) for r in rows],
-                               "ttft_share": share}, indent=2))
+                               "ttft_share": share, "tls": facts}, indent=2))
+    if tls_dir is not None:
+        tls_dir.cleanup()
     print(f"results: {out}")
     return 0

@@ -12,6 +12,11 @@ copies it into its blocks). Per request, through the OpenAI client:
 * its share of TTFT, and push ÷ pull of that share.
 
     pdserve bench transfer-pd --tokens 1024 --reps 5
+    pdserve bench transfer-pd --tls    # also push over mutual TLS: TTFT and TT2T ratios
+
+``--tls`` adds a third setup, ``push+tls``: push with every cluster connection (gRPC and
+KV) under mutual TLS, certificates from a throwaway CA (``pdserve certs``); the report
+adds its TTFT and TT2T over push's (target: TTFT within 5 %).
 """
 
 from __future__ import annotations
@@ -33,8 +38,11 @@ from pdserve.bench.tools import RESULTS_DIR
 from pdserve.bench.tools.configs import TransferPdConfig
 from pdserve.bench.tools.procs import Proc, ProcGroup
 from pdserve.bench.tools.ttft import build_prompts, get_load
+from pdserve.core.certs import make_test_ca
+from pdserve.core.grpc_tls import TlsFiles
 from pdserve.core.model import cache_dir, prepare_default_model
 
+TLS_TTFT_TARGET = 1.05  # TLS adds at most 5 % to TTFT
 SHARE_TARGET = 0.10  # transfer ≤ 10 % of TTFT for a 1k-token prompt
 CUT_TARGET = 0.5  # push cuts the visible share by ≥ 50 %
 console = Console()
@@ -58,20 +66,22 @@ class ModeResult:
         return statistics.median(v / t for v, t in zip(self.visible_s, self.ttft_s, strict=True))
 
 
-def plan(mode: str, dtype: str, port_base: int, log_dir: Path) -> list[Proc]:
+def plan(mode: str, dtype: str, port_base: int, log_dir: Path,
+         tls: TlsFiles | None = None) -> list[Proc]:
     py = [sys.executable, "-m", "pdserve.cli.main"]
     cores = f"0-{(os.cpu_count() or 1) - 1}"  # pdserve up's default layout: shared cores
-    push = ["--kv-push"] if mode == "push" else ["--no-kv-push"]
+    push = ["--no-kv-push"] if mode == "pull" else ["--kv-push"]
+    security = tls.flags() if tls is not None else []
     children = []
     for role, offset in (("prefill", 1), ("decode", 3)):
         port = port_base + offset
         argv = py + [role, "--dtype", dtype, "--port", str(port), "--kv-port", str(port + 1),
                      "--worker-id", f"{role}-0", "--kv-cache-gib", "1", "--cpu-cores", cores,
-                     *push]
+                     *push, *security]
         children.append(Proc(role, tuple(argv), log_dir / f"{mode}-{role}.log",
-                             f"grpc:127.0.0.1:{port}"))
+                             f"grpc:127.0.0.1:{port}", tls.load() if tls else None))
     router = py + ["router", "--port", str(port_base), "--prefill", f"127.0.0.1:{port_base + 1}",
-                   "--decode", f"127.0.0.1:{port_base + 3}", "--disagg", "always"]
+                   "--decode", f"127.0.0.1:{port_base + 3}", "--disagg", "always", *security]
     children.append(Proc("router", tuple(router), log_dir / f"{mode}-router.log",
                          f"http://127.0.0.1:{port_base}/health"))
     return children
@@ -94,8 +104,10 @@ def stream_times(client: OpenAI, model: str, prompt: str, max_tokens: int) -> tu
 
 def run_mode(mode: str, args: TransferPdConfig, prompts: list[str], log_dir: Path
              ) -> ModeResult:
-    port_base = args.port_base + (0 if mode == "pull" else 10)
-    with ProcGroup(plan(mode, args.dtype, port_base, log_dir)) as group:
+    port_base = args.port_base + {"pull": 0, "push": 10}.get(mode, 20)
+    tls = make_test_ca(log_dir / "tls") if mode.endswith("+tls") else None
+    grpc_tls = tls.load() if tls is not None else None
+    with ProcGroup(plan(mode, args.dtype, port_base, log_dir, tls)) as group:
         group.wait_ready(900)
         client = OpenAI(base_url=f"http://127.0.0.1:{port_base}/v1", api_key="x", timeout=300)
         model = client.models.list().data[0].id
@@ -103,9 +115,9 @@ def run_mode(mode: str, args: TransferPdConfig, prompts: list[str], log_dir: Pat
         stream_times(client, model, prompts[-1], 4)  # warm-up
         result = ModeResult(mode)
         for prompt in prompts[: args.reps]:
-            before = get_load(decode)
+            before = get_load(decode, grpc_tls)
             ttft, tt2t = stream_times(client, model, prompt, args.max_tokens)
-            after = get_load(decode)
+            after = get_load(decode, grpc_tls)
             loads = after.kv_loads - before.kv_loads
             if loads != 1:
                 raise RuntimeError(f"{mode}: expected one KV load per request, saw {loads}")
@@ -114,7 +126,7 @@ def run_mode(mode: str, args: TransferPdConfig, prompts: list[str], log_dir: Pat
             result.visible_s.append((after.kv_load_time_ns - before.kv_load_time_ns) / 1e9)
             result.push_loads += after.kv_push_loads - before.kv_push_loads
             result.push_fallbacks += after.kv_push_fallbacks - before.kv_push_fallbacks
-        result.layers_pushed = get_load(prefill).kv_layers_pushed
+        result.layers_pushed = get_load(prefill, grpc_tls).kv_layers_pushed
         return result
 
 
@@ -138,6 +150,12 @@ def report(results: dict[str, ModeResult], tokens: int) -> dict[str, float]:
     console.print(f"push ÷ pull: visible transfer {ratios['push_over_pull_visible']:.2f} "
                   f"(target ≤ {1 - CUT_TARGET:.2f}), TT2T {ratios['push_over_pull_tt2t']:.2f}, "
                   f"TTFT {ratios['push_over_pull_ttft']:.2f}")
+    if (tls := results.get("push+tls")) is not None:
+        ratios["tls_over_push_ttft"] = tls.median("ttft_s") / push.median("ttft_s")
+        ratios["tls_over_push_tt2t"] = tls.median("tt2t_s") / push.median("tt2t_s")
+        ok = "meets" if ratios["tls_over_push_ttft"] <= TLS_TTFT_TARGET else "MISSES"
+        console.print(f"push+tls ÷ push: TTFT {ratios['tls_over_push_ttft']:.3f} ({ok} the "
+                      f"{TLS_TTFT_TARGET:.2f} target), TT2T {ratios['tls_over_push_tt2t']:.3f}")
     return ratios
 
 
@@ -155,7 +173,8 @@ def run_config(args: TransferPdConfig) -> dict[str, object]:
     log_dir = cache_dir() / "logs" / f"bench-transfer-pd-{stamp}"
     log_dir.mkdir(parents=True, exist_ok=True)
     prompts = build_prompts(reps + 1, tokens)
-    results = {mode: run_mode(mode, args, prompts, log_dir) for mode in ("pull", "push")}
+    modes = ("pull", "push", "push+tls") if args.tls else ("pull", "push")
+    results = {mode: run_mode(mode, args, prompts, log_dir) for mode in modes}
     ratios = report(results, tokens)
     console.print(f"logs in {log_dir}")
     return {"args": asdict(args), "ratios": ratios,

@@ -31,6 +31,7 @@ from rich.table import Table
 from pdserve.bench.tools import RESULTS_DIR
 from pdserve.bench.tools.configs import TtftConfig
 from pdserve.bench.tools.procs import Proc, ProcGroup
+from pdserve.core.grpc_tls import GrpcTls
 from pdserve.core.model import cache_dir, prepare_default_model
 from pdserve.core.types import WorkerLoadReport
 from pdserve.router.dispatch.worker_client import probe_load
@@ -145,8 +146,8 @@ def timed_request(client: OpenAI, model: str, prompt: str, max_tokens: int) -> T
     return Timing(ttft, total, *usage)
 
 
-def get_load(target: str) -> WorkerLoadReport:
-    return probe_load(target, timeout_s=5)
+def get_load(target: str, tls: GrpcTls | None = None) -> WorkerLoadReport:
+    return probe_load(target, timeout_s=5, tls=tls)
 
 
 def kv_deltas(client: OpenAI, model: str, prompt: str, max_tokens: int,
