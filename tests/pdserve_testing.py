@@ -21,6 +21,7 @@ import torch
 
 from pdserve.core import process
 from pdserve.core.cluster_secret import ClusterSecret, load_cluster_secret, write_cluster_secret
+from pdserve.core.grpc_tls import GrpcTls, TlsFiles
 from pdserve.core.types import WorkerLoadReport
 from pdserve.kv_transfer.base import KVTransport, PeerAddress, TransportOptions, create_transport
 from pdserve.kv_transfer.layout import KVLayout
@@ -194,8 +195,14 @@ class Server:
     proc: subprocess.Popen[bytes]
     log_path: Path | None = None  # where ``pdserve up`` logs (stderr), if kept
     secret: ClusterSecret | None = None  # the cluster's: direct calls to workers need it
+    tls_files: TlsFiles | None = None  # the cluster's certificate, when it runs TLS
     # up's scrape targets (name -> /metrics URL), from the line after the endpoint's.
     metrics_targets: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tls(self) -> GrpcTls | None:
+        """What a direct gRPC call to a worker presents (None: the cluster is plaintext)."""
+        return self.tls_files.load() if self.tls_files is not None else None
 
     def log_lines(self, *needles: str) -> list[str]:
         """Lines of the cluster's log holding any of ``needles`` (for failure messages)."""
@@ -213,7 +220,7 @@ class Server:
 
     def load(self, role: str) -> WorkerLoadReport:
         (worker,) = self.workers(role)
-        return probe_load(worker["endpoint"], timeout_s=5, secret=self.secret)
+        return probe_load(worker["endpoint"], timeout_s=5, secret=self.secret, tls=self.tls)
 
     def holding(self) -> dict[str, dict[str, float]]:
         """What each worker holds now (for the message of a failed idle wait)."""
@@ -229,7 +236,7 @@ class Server:
         def load(role: str) -> WorkerLoadReport:
             if endpoints is None:
                 return self.load(role)
-            return probe_load(endpoints[role], timeout_s=5, secret=self.secret)
+            return probe_load(endpoints[role], timeout_s=5, secret=self.secret, tls=self.tls)
 
         p, d = load("prefill"), load("decode")
         return (p.num_inflight_reqs == d.num_inflight_reqs == d.num_running_reqs == 0
@@ -357,6 +364,8 @@ def launch_up(args: list[str], env: dict[str, str], timeout_s: float = 600,
         path = Path(tempfile.mkdtemp(prefix="pdserve-test-")) / "cluster-secret"
         args = [*args, "--cluster-secret-file", str(write_cluster_secret(path))]
     secret = load_cluster_secret(args[args.index("--cluster-secret-file") + 1])
+    tls = TlsFiles(*(args[args.index(f) + 1] if f in args else None
+                     for f in ("--tls-cert", "--tls-key", "--tls-ca")))
 
     if log_path is not None:
         log_path.write_bytes(b"")  # fresh: spawn appends
@@ -380,7 +389,9 @@ def launch_up(args: list[str], env: dict[str, str], timeout_s: float = 600,
                     raise RuntimeError(f"pdserve up exited with {proc.returncode}") from None
                 continue
             if line.startswith("http://"):
-                return Server(line.strip(), proc, log_path, secret, _targets(lines))
+                return Server(line.strip(), proc, log_path, secret,
+                              tls_files=tls if tls.enabled else None,
+                              metrics_targets=_targets(lines))
         raise TimeoutError(f"pdserve up not ready after {timeout_s}s")
     except BaseException:
         stop_up(proc)

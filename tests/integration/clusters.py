@@ -19,6 +19,8 @@ import pytest
 from integration.pd_cases import LOCAL_PREFILL_MAX_TOKENS
 from pdserve_testing import Server, kill_cluster
 
+from pdserve.core.grpc_tls import TlsFiles
+
 STARTUP_TIMEOUT_S = 600  # a cluster's (or vllm serve's) engines loading, on a loaded machine
 
 
@@ -38,8 +40,12 @@ class PdCluster:
     kv_offload_gib: float = 0.0  # each worker's host tier (0: none)
     kv_pool: bool = True  # the router may plan prefills' pulls from peers' host tiers
     decode_cache: bool = True  # the router follows decode's KV events (--decode-cache)
+    # --require-tls: mutual TLS on gRPC, KV and etcd, certificates from a test CA
+    # (the fixture's); and membership on up's own etcd (--with-etcd).
+    require_tls: bool = False
+    with_etcd: bool = False
 
-    def argv(self, port: int) -> list[str]:
+    def argv(self, port: int, tls: TlsFiles | None = None) -> list[str]:
         argv = ["--dtype", self.dtype, "--port", str(port), "--kv-cache-gib", "1",
                 "--max-model-len", "4096", "--transport", self.transport, "--kv-checksum",
                 "--kv-throttle-mib-s", str(self.throttle_mib_s), "--disagg", self.disagg,
@@ -52,6 +58,12 @@ class PdCluster:
             argv.append("--kv-push" if self.kv_push else "--no-kv-push")
         if self.kv_offload_gib:
             argv += ["--kv-offload-gib", str(self.kv_offload_gib)]
+        if self.require_tls:
+            if tls is None:
+                raise ValueError(f"cluster {self.name} requires TLS: give it the files")
+            argv += [*tls.flags(), "--require-tls"]
+        if self.with_etcd:
+            argv.append("--with-etcd")
         return argv
 
 
@@ -61,7 +73,7 @@ class PdCluster:
 # path test after test, and the decode worker, holding it from the first, would take
 # every later one local (``decode_cached``, computed as a short prompt is). The cache has
 # tests of its own (TWO_PREFILL, ``test_placement_e2e_decode_cache.py``).
-TCP = PdCluster("tcp", disagg="auto", decode_cache=False)
+TCP = PdCluster("tcp", disagg="auto", decode_cache=False, require_tls=True)
 # The other transports run --disagg always (their transport on every case), in
 # test_pd_e2e_transports.py: ucx in this machine's native dtype (bf16 where the CPU has
 # it), torch paced to 48 MiB/s so that a test can kill a transfer in its middle.

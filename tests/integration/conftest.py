@@ -20,6 +20,7 @@ from integration.pd_cases import CASES, MODEL
 from pdserve_testing import Server, kill_cluster, launch_up
 
 from pdserve.core import process
+from pdserve.core.certs import make_test_ca
 from pdserve.core.dtype import resolve_dtype
 from pdserve.core.model import prepare_default_model
 from pdserve.core.ports import free_port
@@ -96,8 +97,10 @@ def pd_server(model_path: Path, request: pytest.FixtureRequest,
     def start(cluster: PdCluster) -> Server:
         env = dict(os.environ, HF_HUB_OFFLINE="1",
                    PDSERVE_CACHE=os.environ.get("PDSERVE_CACHE", str(model_path.parents[1])))
-        log = tmp_path_factory.mktemp(f"up-{cluster.name}") / "up.log"
-        return launch_up(cluster.argv(free_port()), env, STARTUP_TIMEOUT_S, log_path=log)
+        folder = tmp_path_factory.mktemp(f"up-{cluster.name}")
+        tls = make_test_ca(folder / "tls") if cluster.require_tls else None
+        return launch_up(cluster.argv(free_port(), tls), env, STARTUP_TIMEOUT_S,
+                         log_path=folder / "up.log")
 
     return _SLOT.get(getattr(request, "param", TCP), start)
 
