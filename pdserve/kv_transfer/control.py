@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from pdserve.core.cluster_secret import num_refusals
+from pdserve.kv_transfer import fields
 from pdserve.kv_transfer.base import PeerAddress, PushChannel, TransportOptions
 from pdserve.kv_transfer.control_server import IDLE_TIMEOUT_S, ControlServer, Handler
 from pdserve.kv_transfer.layout import KVLayout
@@ -138,7 +139,7 @@ class ControlledTransport:
                 "kv_auth_refusals": num_refusals("kv")}
 
     def _on_hello(self, conn: socket.socket, msg: dict[str, Any]) -> bool:
-        problem = compare_compat(self._compat, msg.get("compat", {}), "server", "client")
+        problem = compare_compat(self._compat, fields.obj(msg, "compat"), "server", "client")
         if problem:
             send_msg(conn, {"ok": False, "incompatible": True, "error": problem})
             return False
@@ -147,7 +148,7 @@ class ControlledTransport:
 
     def _on_release(self, conn: socket.socket, msg: dict[str, Any]) -> None:
         assert self._leases is not None
-        found = self._leases.wait_and_finish(str(msg["req"]), LEASE_WAIT_S, "released")
+        found = self._leases.wait_and_finish(fields.text(msg, "req"), LEASE_WAIT_S, "released")
         send_msg(conn, {"ok": True, "found": found})
 
     def release(self, peer: PeerAddress, remote_request_id: str, deadline: float) -> None:

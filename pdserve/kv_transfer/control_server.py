@@ -20,7 +20,7 @@ from pdserve.core.cluster_secret import ClusterSecret, note_refusal, warn_if_ope
 from pdserve.kv_transfer.auth import AUTH_TIMEOUT_S, authenticate_client
 from pdserve.kv_transfer.threads import unpin_current_thread
 from pdserve.kv_transfer.tls import KvTls, TlsHandshakeError
-from pdserve.kv_transfer.wire import TransferError, recv_msg, send_msg, tune
+from pdserve.kv_transfer.wire import BadMessageError, TransferError, recv_msg, send_msg, tune
 
 logger = logging.getLogger("pdserve.kv_transfer.control")
 
@@ -108,6 +108,8 @@ class ControlServer:
                     if msg is None:
                         return
                     op = msg.get("op")
+                    if not isinstance(op, str):
+                        raise BadMessageError(f"'op' must be a string, got {type(op).__name__}")
                     if op == "hello":
                         verified = self._hello(conn, msg)
                     elif op in self._open_ops:
@@ -117,9 +119,15 @@ class ControlServer:
                     elif op in self._gated_ops:
                         self._gated_ops[op](conn, msg)
                     else:
-                        send_msg(conn, {"ok": False, "error": f"unknown op {op!r}"})
+                        send_msg(conn, {"ok": False, "error": f"unknown op {op[:64]!r}"})
+            except BadMessageError as exc:  # answered; what follows cannot be framed
+                logger.debug("KV connection from %s: %s", peer, exc)
+                with contextlib.suppress(OSError):
+                    send_msg(conn, {"ok": False, "error": str(exc)})
             except (OSError, TransferError, ValueError) as exc:  # incl. idle timeout
                 logger.debug("KV connection closed: %s", exc)
+            except Exception:  # a handler's bug: this connection ends, the server serves on
+                logger.exception("KV connection from %s failed; closed", peer)
 
 
     @contextlib.contextmanager

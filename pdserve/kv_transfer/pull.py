@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from pdserve.kv_transfer import fields
 from pdserve.kv_transfer.base import PeerAddress
 from pdserve.kv_transfer.control import LEASE_WAIT_S, ControlledTransport, Handler
 from pdserve.kv_transfer.integrity import checksum, natural_kind
@@ -98,8 +99,8 @@ class PullTransport(ControlledTransport):
 
     def _on_pull(self, conn: socket.socket, msg: dict[str, Any]) -> None:
         assert self._leases is not None and self._layout is not None
-        req = str(msg["req"])
-        src_runs = [(int(s), int(n)) for s, n in msg["runs"]]
+        req = fields.text(msg, "req")  # read before the lease is touched: a bad pull ends none
+        src_runs = fields.block_runs(msg, "runs", self._layout.num_blocks)
         try:
             held = set(self._leases.checkout(req, LEASE_WAIT_S))
         except LeaseError as exc:

@@ -59,6 +59,20 @@ class PushInbox:
         with self._cond:
             return self._used
 
+    @property
+    def num_layers(self) -> int:
+        return len(self._layout.layers)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    def payload_bytes(self, layer: int, count: int) -> int:
+        """The bytes a push of ``count`` blocks of ``layer`` carries (every outer chunk)."""
+        lay = self._layout.layers[layer]
+        per_block = lay.num_outer * torch.Size(lay.shape[lay.block_dim + 1:]).numel()
+        return count * per_block * getattr(torch, lay.dtype).itemsize
+
     def receive_views(
         self, transfer_id: str, layer: int, first: int, count: int, num_blocks: int
     ) -> list[memoryview]:

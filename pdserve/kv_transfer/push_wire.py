@@ -3,9 +3,11 @@
 ``push``: a JSON header (transfer id, layer, first position, count, the
 prompt's block count, payload size, optional CRC32), then the raw bytes of
 ``count`` blocks of one layer (per outer chunk, in position order), then one
-reply. A refused push (inbox full, bad shape) is drained and answered with an
-error, so the connection stays usable; the prefill stops pushing that transfer
-and the decode pulls instead.
+reply. A push the inbox refuses (full, a failed transfer) is drained and
+answered with an error, so the connection stays usable; the prefill stops pushing
+that transfer and the decode pulls instead. A header that cannot frame its payload
+(a bad field, a size the layout does not give) is answered and the connection
+closed, before anything is staged.
 """
 
 from __future__ import annotations
@@ -16,12 +18,22 @@ from typing import Any
 
 import torch
 
+from pdserve.kv_transfer import fields
 from pdserve.kv_transfer.integrity import checksum
 from pdserve.kv_transfer.layout import LayerLayout, as_bytes, paired_runs
 from pdserve.kv_transfer.push_inbox import PushInbox
-from pdserve.kv_transfer.wire import TransferError, check_reply, recv_into_exact, recv_msg, send_msg
+from pdserve.kv_transfer.wire import (
+    BadMessageError,
+    TransferError,
+    check_reply,
+    recv_into_exact,
+    recv_msg,
+    send_msg,
+)
 
 _DRAIN = 1 << 20
+# No push is larger (a header saying more is refused before its payload is read).
+_MAX_PAYLOAD = 1 << 40
 
 
 def layer_chunks(
@@ -50,26 +62,41 @@ def send_push(
 
 
 def serve_push(conn: socket.socket, msg: dict[str, Any], inbox: PushInbox | None) -> int:
-    """Receive one push into ``inbox``; returns bytes stored (0 if refused)."""
-    nbytes = int(msg["nbytes"])
-    xfer = str(msg["xfer"])
-    layer, first, count = int(msg["layer"]), int(msg["first"]), int(msg["count"])
+    """Receive one push into ``inbox``; returns bytes stored (0 if refused).
+
+    A header that cannot be trusted to frame its payload (a field missing or out of
+    range, a size the layout does not give; a refused payload larger than the inbox)
+    raises ``BadMessageError`` before anything is staged: the server answers it and
+    closes the connection. A well-formed push the inbox refuses (full, a failed
+    transfer) is drained and answered; the connection stays usable."""
+    nbytes = fields.integer(msg, "nbytes", 0, _MAX_PAYLOAD)
+    xfer = fields.text(msg, "xfer")
+    layer = fields.integer(msg, "layer", 0, _MAX_PAYLOAD)
+    num_blocks = fields.integer(msg, "num_blocks", 1, _MAX_PAYLOAD)
+    first = fields.integer(msg, "first", 0, num_blocks - 1)
+    count = fields.integer(msg, "count", 1, num_blocks - first)
+    final = fields.flag(msg, "final", True)
+    crc = fields.optional_integer(msg, "crc32", 0, 0xFFFFFFFF)
+    if inbox is None:  # nothing says how large a payload may be here: not read
+        raise BadMessageError("this worker does not accept pushed KV")
+    if layer >= inbox.num_layers:
+        raise BadMessageError(f"push of layer {layer}: this worker has {inbox.num_layers}")
+    want = inbox.payload_bytes(layer, count)
+    if nbytes != want:
+        raise BadMessageError(f"push payload of {nbytes} bytes: {count} blocks of layer "
+                              f"{layer} are {want} here")
     try:
-        if inbox is None:
-            raise TransferError("this worker does not accept pushed KV")
-        views = inbox.receive_views(xfer, layer, first, count, int(msg["num_blocks"]))
-        if sum(len(v) for v in views) != nbytes:
-            raise TransferError(f"push payload of {nbytes} bytes does not match the layout")
+        views = inbox.receive_views(xfer, layer, first, count, num_blocks)
     except TransferError as exc:
+        if nbytes > inbox.capacity_bytes:  # more than the inbox could ever hold: not read
+            raise BadMessageError(str(exc)) from None
         _drain(conn, nbytes)
         send_msg(conn, {"ok": False, "error": str(exc)})
         return 0
     for view in views:
         recv_into_exact(conn, view)
-    crc = msg.get("crc32")
     try:
-        inbox.commit(xfer, layer, first, count, bool(msg.get("final", True)),
-                     None if crc is None else int(crc))
+        inbox.commit(xfer, layer, first, count, final, crc)
     except TransferError as exc:
         send_msg(conn, {"ok": False, "error": str(exc)})
         return 0
@@ -78,8 +105,10 @@ def serve_push(conn: socket.socket, msg: dict[str, Any], inbox: PushInbox | None
 
 
 def serve_push_abort(conn: socket.socket, msg: dict[str, Any], inbox: PushInbox | None) -> None:
+    xfer = fields.text(msg, "xfer")
+    why = fields.text(msg, "why", 4096) if "why" in msg else "aborted by the prefill"
     if inbox is not None:
-        inbox.fail(str(msg["xfer"]), str(msg.get("why", "aborted by the prefill")))
+        inbox.fail(xfer, why)
     send_msg(conn, {"ok": True})
 
 

@@ -34,6 +34,13 @@ class IncompatiblePeerError(TransferError):
     """The handshake found that the peers' KV caches are not interchangeable."""
 
 
+class BadMessageError(TransferError):
+    """A control message this end cannot act on: too large, not a JSON object, or a
+    field missing, of the wrong type or out of range. A server answers it with
+    ``{"ok": false, "error": ...}`` and closes the connection (what follows on it,
+    a push's payload say, cannot be framed)."""
+
+
 def set_deadline(sock: socket.socket, deadline: float) -> None:
     """Bound the next socket operation by an absolute ``time.monotonic`` deadline."""
     remaining = deadline - time.monotonic()
@@ -54,12 +61,15 @@ def recv_msg(sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[st
         return None
     (size,) = _LEN.unpack(head)
     if size > max_bytes:
-        raise TransferError(f"control message of {size} bytes exceeds {max_bytes}")
+        raise BadMessageError(f"control message of {size} bytes exceeds {max_bytes}")
     body = recv_exact(sock, size)
     assert body is not None
-    msg = json.loads(body)
+    try:
+        msg = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
+        raise BadMessageError(f"control message is not JSON ({type(exc).__name__})") from None
     if not isinstance(msg, dict):
-        raise TransferError("control message is not a JSON object")
+        raise BadMessageError("control message is not a JSON object")
     return msg
 
 
