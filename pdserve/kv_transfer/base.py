@@ -50,16 +50,22 @@ class TransportOptions:
     ``tls``: mutual TLS on every control connection (``tls.py``), and so on the
     tcp transport's KV bytes; a peer without a certificate the CA signed is refused
     before its first message. None: plaintext.
+    ``idle_timeout_s``: the server closes a control connection that sends nothing this
+    long, between messages or inside one (a stalled peer holds no thread for longer);
+    clients reuse theirs for half of it. None: ``control_server.IDLE_TIMEOUT_S``.
     """
 
     checksum: bool = False
     throttle_bytes_per_s: float = 0.0
     secret: ClusterSecret | None = field(default=None, repr=False)
     tls: KvTls | None = field(default=None, repr=False)
+    idle_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.throttle_bytes_per_s < 0:
             raise ValueError(f"throttle_bytes_per_s must be >= 0, got {self.throttle_bytes_per_s}")
+        if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
+            raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
 
 
 class KVTransport(Protocol):

@@ -50,7 +50,9 @@ class ControlledTransport:
         self._compat: dict[str, Any] = {}
         self._server: ControlServer | None = None
         self._stop = threading.Event()
-        self._pool = ConnectionPool(IDLE_TIMEOUT_S / 2, self.options.secret, self.options.tls)
+        self._idle_timeout_s = self.options.idle_timeout_s or IDLE_TIMEOUT_S
+        self._pool = ConnectionPool(self._idle_timeout_s / 2, self.options.secret,
+                                    self.options.tls)
         self._stats_lock = threading.Lock()
         self._num_sending = 0  # a gauge, shown by the status op only
         # More counters for the ``status`` op (the connector's load statistics).
@@ -99,6 +101,7 @@ class ControlledTransport:
             self._stop,
             self.options.secret,
             self.options.tls,
+            self._idle_timeout_s,
         )
         return self._server.start(host, port)
 

@@ -37,12 +37,15 @@ class ControlServer:
     """With ``tls``, a connection is served nothing until its TLS handshake proved a
     client certificate the CA signed (``tls.py``); with a cluster ``secret``, nothing,
     not even ``status``, until it has authenticated (``auth.py``). One that fails
-    either is closed."""
+    either is closed. A connection that sends nothing for ``idle_timeout_s`` (between
+    messages, or inside one) is closed."""
 
     def __init__(self, hello: HelloHandler, open_ops: dict[str, Handler],
                  gated_ops: dict[str, Handler], stop: threading.Event,
-                 secret: ClusterSecret | None = None, tls: KvTls | None = None) -> None:
+                 secret: ClusterSecret | None = None, tls: KvTls | None = None,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
         self._hello = hello
+        self._idle_timeout_s = idle_timeout_s
         self._open_ops = open_ops
         self._gated_ops = gated_ops
         self._stop = stop
@@ -103,7 +106,7 @@ class ControlServer:
                 return
             try:
                 while not self._stop.is_set():
-                    conn.settimeout(IDLE_TIMEOUT_S)
+                    conn.settimeout(self._idle_timeout_s)
                     msg = recv_msg(conn)
                     if msg is None:
                         return
