@@ -43,8 +43,10 @@ def tls_files(args: argparse.Namespace) -> TlsFiles:
 
 
 def worker_membership(args: argparse.Namespace) -> MembershipConfig:
-    """A worker's registration (vLLM or simulated): etcd with ``--etcd``, else static."""
-    return MembershipConfig.from_flags(args.etcd, args.cluster, args.etcd_ttl_s)
+    """A worker's registration (vLLM or simulated): etcd with ``--etcd`` (TLS for an
+    https:// URL, with the ``--tls-*`` files), else static."""
+    return MembershipConfig.from_flags(args.etcd, args.cluster, args.etcd_ttl_s,
+                                       tls=tls_files(args))
 
 
 def metrics_listener(args: argparse.Namespace, advertise_host: str) -> MetricsListener:
@@ -116,7 +118,8 @@ def router_config(args: argparse.Namespace, model: ResolvedModel) -> RouterConfi
         migration=MigrationConfig(max_migrations=args.max_migrations),
         edge=edge_config(args),
         membership=MembershipConfig.from_flags(
-            args.etcd, args.cluster, args.etcd_ttl_s, prefill, decode, args.workers_file),
+            args.etcd, args.cluster, args.etcd_ttl_s, prefill, decode, args.workers_file,
+            tls_files(args)),
         cluster_secret_file=args.cluster_secret_file, tls=tls_files(args),
         planner=planner_config(args), tools=tool_config(args), reuse_port=args.reuse_port,
     )

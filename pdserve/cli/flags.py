@@ -89,7 +89,9 @@ FLAGS = _flags(
          "on CPU, where the sender competes with prefill for cores)", None, parse_bool,
          switch=True),
     # membership
-    Flag("etcd", "etcd endpoint http://HOST:PORT for membership (default: static)",
+    Flag("etcd", "etcd endpoint for membership (default: static): http://HOST:PORT, or "
+         "https://HOST:PORT for TLS verified against --tls-ca, presenting --tls-cert/--tls-key "
+         "as the client certificate",
          metavar="URL"),
     Flag("cluster", "cluster name: etcd keys live under /pdserve/<cluster>/workers/",
          "default"),
@@ -251,7 +253,9 @@ FLAGS = _flags(
          parse_bool, switch=True),
     Flag("metrics-targets-file", "write the scrape targets (router and workers) to this "
          "file as Prometheus file_sd JSON once ready", metavar="PATH"),
-    Flag("with-etcd", "start a local etcd (the `etcd` binary) for membership", False,
+    Flag("with-etcd", "start a local etcd (the `etcd` binary) for membership; with "
+         "--tls-cert/--tls-key/--tls-ca it serves only TLS and requires client certificates",
+         False,
          parse_bool, switch=True),
     Flag("startup-timeout-s", "fail the start if no decode worker is ready after this many "
          "seconds (workers still starting then keep being supervised)", 600.0,

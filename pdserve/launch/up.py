@@ -29,6 +29,7 @@ from pdserve.launch.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WIND
 from pdserve.launch.up_children import STOP_GRACE_S, Child, console
 from pdserve.launch.up_targets import METRICS_KEY, scrape_targets, targets_line, write_file_sd
 from pdserve.launch.up_watch import ClusterWatch
+from pdserve.membership.etcd_client import check_etcd_url
 from pdserve.membership.local_etcd import LocalEtcd
 from pdserve.router.dispatch.disagg import DisaggConfig
 from pdserve.router.dispatch.planner import PlannerConfig
@@ -93,6 +94,8 @@ class UpConfig:
     def __post_init__(self) -> None:
         if self.etcd and self.with_etcd:
             raise ValueError("give --etcd URL or --with-etcd, not both")
+        if self.etcd:
+            check_etcd_url(self.etcd, self.tls)  # --require-tls: https:// only
         if self.num_decode < 1 or self.num_prefill < 0:
             raise ValueError("need --num-decode >= 1 and --num-prefill >= 0")
         if bool(self.kv_disk_dir) != (self.kv_disk_gib > 0):
@@ -204,7 +207,10 @@ def run_up(cfg: UpConfig) -> int:
         console.print(f"cluster secret {path} (tools calling workers: --cluster-secret-file)")
     if cfg.with_etcd:
         log_dir.mkdir(parents=True, exist_ok=True)
-        etcd = LocalEtcd(log_path=log_dir / "etcd.log").start()  # fails clearly without one
+        # fails clearly without the binary; TLS (client certificates required) whenever up
+        # has mutual TLS files
+        etcd = LocalEtcd(log_path=log_dir / "etcd.log",
+                         tls=cfg.tls if cfg.tls.mutual else None).start()
         console.print(f"local etcd at {etcd.url} (data {etcd.data_dir})")
         cfg = replace(cfg, etcd=etcd.url, with_etcd=False)
     try:

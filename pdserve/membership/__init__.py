@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
+from pdserve.core.grpc_tls import TlsFiles
 from pdserve.membership.base import (
     Membership,
     MembershipSink,
@@ -21,7 +22,8 @@ from pdserve.membership.base import (
     worker_key,
 )
 from pdserve.membership.election import Election, StaticElection, leader_key
-from pdserve.membership.etcd import EtcdMembership, parse_etcd_url
+from pdserve.membership.etcd import EtcdMembership
+from pdserve.membership.etcd_client import check_etcd_url
 from pdserve.membership.etcd_election import EtcdElection
 from pdserve.membership.etcd_registrar import DEFAULT_TTL_S, EtcdRegistrar
 from pdserve.membership.static import NullRegistrar, StaticMembership, load_workers_file
@@ -44,34 +46,39 @@ class MembershipConfig:
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
     workers_file: str = ""
+    # etcd: an https:// URL is TLS with these files (the client certificate, the CA);
+    # ``required`` (--require-tls) refuses an http:// one.
+    tls: TlsFiles = TlsFiles()
 
     def __post_init__(self) -> None:
         if self.kind not in MEMBERSHIPS:
             raise ValueError(f"unknown membership {self.kind!r}; valid: {', '.join(MEMBERSHIPS)}")
         check_name("cluster", self.cluster)
         if self.kind == "etcd":
-            parse_etcd_url(self.etcd_url)
+            check_etcd_url(self.etcd_url, self.tls)
         if self.ttl_s < 2:
             raise ValueError("--etcd-ttl-s must be >= 2 (etcd's minimum lease TTL)")
 
     @classmethod
     def from_flags(cls, etcd_url: str | None, cluster: str, ttl_s: int,
                    prefill: tuple[str, ...] = (), decode: tuple[str, ...] = (),
-                   workers_file: str | None = None) -> MembershipConfig:
+                   workers_file: str | None = None,
+                   tls: TlsFiles | None = None) -> MembershipConfig:
         """etcd when ``--etcd`` is given, else static."""
+        tls = tls or TlsFiles()
         if etcd_url and (prefill or decode or workers_file):
             raise ValueError("give either --etcd or static workers (--prefill/--decode/"
                              "--workers-file), not both")
         if etcd_url:
-            return cls("etcd", etcd_url=etcd_url, cluster=cluster, ttl_s=ttl_s)
+            return cls("etcd", etcd_url=etcd_url, cluster=cluster, ttl_s=ttl_s, tls=tls)
         return cls("static", cluster=cluster, ttl_s=ttl_s, prefill=prefill, decode=decode,
-                   workers_file=workers_file or "")
+                   workers_file=workers_file or "", tls=tls)
 
 
 def create_membership(config: MembershipConfig,
                       registry: CollectorRegistry | None = None) -> Membership:
     if config.kind == "etcd":
-        return EtcdMembership(config.etcd_url, config.cluster, registry=registry)
+        return EtcdMembership(config.etcd_url, config.cluster, registry=registry, tls=config.tls)
     prefill, decode = config.prefill, config.decode
     if config.workers_file:
         file_prefill, file_decode = load_workers_file(config.workers_file)
@@ -81,7 +88,7 @@ def create_membership(config: MembershipConfig,
 
 def create_registrar(config: MembershipConfig) -> Registrar:
     if config.kind == "etcd":
-        return EtcdRegistrar(config.etcd_url, config.cluster, config.ttl_s)
+        return EtcdRegistrar(config.etcd_url, config.cluster, config.ttl_s, tls=config.tls)
     return NullRegistrar()
 
 
@@ -89,5 +96,6 @@ def create_election(config: MembershipConfig, candidate: bool, candidate_id: str
     """etcd: every candidate campaigns and one leads; static (or not a candidate): this
     process leads iff it is a candidate."""
     if config.kind == "etcd" and candidate:
-        return EtcdElection(config.etcd_url, config.cluster, candidate_id, config.ttl_s)
+        return EtcdElection(config.etcd_url, config.cluster, candidate_id, config.ttl_s,
+                            tls=config.tls)
     return StaticElection(candidate, candidate_id)

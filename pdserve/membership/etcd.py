@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 from typing import Any
-from urllib.parse import urlsplit
 
 import aetcd
 import grpc
@@ -22,36 +21,19 @@ from aetcd import rpc as aetcd_rpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve.core.bounded import bounded
+from pdserve.core.grpc_tls import TlsFiles
 from pdserve.membership.base import MembershipSink, WorkerInfo, workers_prefix
+from pdserve.membership.etcd_client import (
+    DEFAULT_CALL_TIMEOUT_S,
+    check_etcd_url,
+    etcd_client,
+)
 
 logger = logging.getLogger("pdserve.membership.etcd")
 
-DEFAULT_CALL_TIMEOUT_S = 2.0
 # What a failed etcd call raises through aetcd (it maps gRPC errors to ClientError).
 ETCD_ERRORS = (aetcd.ClientError, grpc.aio.AioRpcError, asyncio.TimeoutError, OSError,
                ConnectionError)
-
-
-def parse_etcd_url(url: str) -> tuple[str, int]:
-    """``http://host:port`` or ``host:port`` (one endpoint) -> (host, port)."""
-    if not url:
-        raise ValueError("etcd membership needs --etcd http://HOST:PORT")
-    if "," in url:
-        raise ValueError(f"--etcd takes one endpoint, not a list: {url!r}")
-    parts = urlsplit(url if "://" in url else "http://" + url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"--etcd must be http://HOST:PORT (TLS is not supported), not {url!r}")
-    try:
-        port = parts.port or 2379
-    except ValueError:
-        raise ValueError(f"bad port in --etcd {url!r}") from None
-    return parts.hostname, port
-
-
-def etcd_client(url: str, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> aetcd.Client:
-    """A client whose every call carries a ``call_timeout_s`` deadline."""
-    host, port = parse_etcd_url(url)
-    return aetcd.Client(host, port, timeout=call_timeout_s)  # type: ignore[arg-type]
 
 
 async def refresh_lease_once(client: aetcd.Client, lease_id: int) -> Any:
@@ -101,9 +83,11 @@ class EtcdMembership:
     def __init__(self, url: str, cluster: str = "default", *,
                  registry: CollectorRegistry | None = None,
                  call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
-                 probe_interval_s: float = 1.0, retry_s: float = 0.5) -> None:
-        parse_etcd_url(url)
+                 probe_interval_s: float = 1.0, retry_s: float = 0.5,
+                 tls: TlsFiles | None = None) -> None:
+        self._tls_on = check_etcd_url(url, tls).tls
         self._url = url
+        self._tls = tls
         self._cluster = cluster
         self._prefix = workers_prefix(cluster)
         self._call_timeout_s = call_timeout_s
@@ -116,13 +100,13 @@ class EtcdMembership:
         self.revision = 0
 
     def describe(self) -> dict[str, object]:
-        return {"kind": self.name, "url": self._url, "cluster": self._cluster,
-                "connected": self.connected, "revision": self.revision,
+        return {"kind": self.name, "url": self._url, "tls": self._tls_on,
+                "cluster": self._cluster, "connected": self.connected, "revision": self.revision,
                 "num_listings": self.num_listings}
 
     async def run(self, sink: MembershipSink) -> None:
         while True:
-            client = etcd_client(self._url, self._call_timeout_s)
+            client = etcd_client(self._url, self._call_timeout_s, self._tls)
             try:
                 await self._list_and_watch(client, sink)
             except ETCD_ERRORS as exc:

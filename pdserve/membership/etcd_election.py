@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import aetcd
 
 from pdserve.core.bounded import bounded
+from pdserve.core.grpc_tls import TlsFiles
 from pdserve.core.tasks import cancel_and_wait
 from pdserve.membership.election import leader_key
 from pdserve.membership.etcd import (
@@ -46,10 +47,11 @@ class EtcdElection:
 
     def __init__(self, url: str, cluster: str, candidate_id: str, ttl_s: int = DEFAULT_TTL_S,
                  *, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S, retry_s: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 tls: TlsFiles | None = None) -> None:
         if ttl_s < 2:
             raise ValueError("--etcd-ttl-s must be >= 2 (etcd's minimum lease TTL)")
-        self._client = etcd_client(url, call_timeout_s)
+        self._client = etcd_client(url, call_timeout_s, tls)
         self._url = url
         self.key = leader_key(cluster)
         self._key = self.key.encode()

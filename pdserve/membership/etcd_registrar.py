@@ -15,6 +15,7 @@ import contextlib
 import logging
 
 from pdserve.core.bounded import bounded
+from pdserve.core.grpc_tls import TlsFiles
 from pdserve.core.tasks import cancel_and_wait
 from pdserve.membership.base import WorkerInfo, worker_key
 from pdserve.membership.etcd import (
@@ -32,10 +33,11 @@ DEFAULT_TTL_S = 10
 
 class EtcdRegistrar:
     def __init__(self, url: str, cluster: str = "default", ttl_s: int = DEFAULT_TTL_S,
-                 call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> None:
+                 call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+                 tls: TlsFiles | None = None) -> None:
         if ttl_s < 2:
             raise ValueError("--etcd-ttl-s must be >= 2 (etcd's minimum lease TTL)")
-        self._client = etcd_client(url, call_timeout_s)
+        self._client = etcd_client(url, call_timeout_s, tls)
         self._url = url
         self._cluster = cluster
         self.ttl_s = ttl_s

@@ -3,12 +3,19 @@
 Runs the ``etcd`` binary (Debian: ``apt-get install etcd-server``) on free ports
 with a temporary data directory; ``stop()`` kills it and removes the directory.
 ``stop(keep_data=True)`` then ``start()`` restarts it on the same ports and data.
+
+With ``tls`` (mutual: a certificate, its key and the CA; ``pdserve certs`` makes them) every
+listener is TLS: clients on ``https://127.0.0.1:PORT`` must present a certificate the CA
+signed (``--client-cert-auth``), and so must the peer listener (``--peer-client-cert-auth``;
+a single member has no peers, but nothing plaintext is left listening). The certificate must
+name ``127.0.0.1``. The health check presents the same client certificate.
 """
 
 from __future__ import annotations
 
 import shutil
 import signal
+import ssl
 import subprocess
 import tempfile
 from pathlib import Path
@@ -16,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.core import process
+from pdserve.core.grpc_tls import TlsFiles
 from pdserve.core.ports import free_port
 
 START_TIMEOUT_S = 30.0
@@ -30,8 +38,12 @@ def etcd_binary() -> str:
 
 
 class LocalEtcd:
-    def __init__(self, log_path: Path | None = None) -> None:
+    def __init__(self, log_path: Path | None = None, tls: TlsFiles | None = None) -> None:
         self._binary = etcd_binary()
+        # (cert, key, ca) as absolute paths (etcd runs in its own directory), and the
+        # health check's client context; None: plaintext
+        self._files = _tls_paths(tls) if tls is not None else None
+        self._health_tls = _client_context(*self._files) if self._files else None
         self.client_port = free_port()
         self.peer_port = free_port()
         self.data_dir = Path(tempfile.mkdtemp(prefix="pdserve-etcd-"))
@@ -40,17 +52,29 @@ class LocalEtcd:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"{self._scheme}://127.0.0.1:{self.client_port}"
+
+    @property
+    def _scheme(self) -> str:
+        return "https" if self._files else "http"
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> LocalEtcd:
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        peer = f"{self._scheme}://127.0.0.1:{self.peer_port}"
         argv = [self._binary, "--name", "pdserve", "--data-dir", str(self.data_dir),
                 "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"pdserve={peer}"]
+                "--initial-cluster", f"pdserve={peer}", *self._tls_flags()]
         self.proc = process.spawn(argv, log_path=self._log_path)
         self._wait_healthy(timeout_s)
         return self
+
+    def _tls_flags(self) -> list[str]:
+        if self._files is None:
+            return []
+        cert, key, ca = self._files
+        return ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca,
+                "--client-cert-auth", "--peer-cert-file", cert, "--peer-key-file", key,
+                "--peer-trusted-ca-file", ca, "--peer-client-cert-auth"]
 
     def _wait_healthy(self, timeout_s: float) -> None:
         """``RuntimeError`` (``NotReadyError``) if etcd exits first, or is not healthy
@@ -63,7 +87,8 @@ class LocalEtcd:
             raise process.NotReadyError(f"etcd {exc}") from None
 
     def _health(self) -> str:
-        reply = httpx.get(self.url + "/health", timeout=1).json()
+        verify: ssl.SSLContext | bool = self._health_tls or True
+        reply = httpx.get(self.url + "/health", timeout=1, verify=verify).json()
         return "" if reply.get("health") == "true" else f"health {reply}"
 
     def _exited(self) -> str | None:
@@ -85,3 +110,21 @@ class LocalEtcd:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _tls_paths(tls: TlsFiles) -> tuple[str, str, str]:
+    if not (tls.cert and tls.key and tls.ca):
+        raise ValueError("a TLS etcd needs --tls-cert, --tls-key and --tls-ca (it requires "
+                         "client certificates)")
+    return (str(Path(tls.cert).resolve()), str(Path(tls.key).resolve()),
+            str(Path(tls.ca).resolve()))
+
+
+def _client_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
+    """Verifies etcd against the CA and presents the client certificate."""
+    try:
+        context = ssl.create_default_context(cafile=ca)
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"cannot load the etcd TLS files ({cert}, {ca}): {exc}") from None
+    return context

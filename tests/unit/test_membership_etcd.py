@@ -97,8 +97,8 @@ def test_worker_info_json_round_trip_and_bad_input() -> None:
         WorkerInfo(worker_id="a/b", role="decode", grpc_endpoint="h:1")
     with pytest.raises(ValueError, match="valid: static, etcd"):
         MembershipConfig(kind="zookeeper")
-    with pytest.raises(ValueError, match="http://HOST:PORT"):
-        MembershipConfig.from_flags("https://x:1", "c", 10)
+    with pytest.raises(ValueError, match="http://HOST:PORT or https://HOST:PORT"):
+        MembershipConfig.from_flags("etcd://x:1", "c", 10)
     with pytest.raises(ValueError, match="not both"):
         MembershipConfig.from_flags("http://x:1", "c", 10, prefill=("a:1",))
 

@@ -1,0 +1,123 @@
+"""One etcd endpoint, and the aetcd client that talks to it (plaintext or TLS).
+
+``--etcd http://HOST:PORT`` is plaintext; ``--etcd https://HOST:PORT`` is TLS, verified
+against ``--tls-ca`` (the system roots without it), presenting ``--tls-cert``/``--tls-key``
+as the client certificate when given (etcd's ``--client-cert-auth``). ``--require-tls``
+refuses an ``http://`` URL before anything connects.
+
+Why a subclass of ``aetcd.Client`` and not ``etcd3aio``: aetcd 1.0's ``connect()`` always
+opens ``grpc.aio.insecure_channel``, but everything else it does (the stubs, the watcher,
+the error mapping, the lease and transaction helpers) is independent of the channel's
+credentials. ``TlsClient`` overrides ``connect()`` alone to open
+``grpc.aio.secure_channel`` and builds the same stubs and watcher, so every call site,
+``refresh_lease_once`` (which reaches into ``leasestub``) and every existing test run
+unchanged over either channel. Moving to etcd3aio would rewrite every call site
+(watch, transactions, leases, error types) and add a dependency for the same result.
+What the subclass leans on (``_connected``, ``_is_connecting``, ``_options``, the stub
+attributes) is pinned (aetcd 1.0.x) in pyproject.toml and exercised by the TLS tests.
+
+Key material stays in the grpc credentials object: nothing here logs, formats or
+repr()s it, and errors name the URL (``host:port``) only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import aetcd
+import grpc
+from aetcd import rpc as aetcd_rpc
+from aetcd import watcher as aetcd_watcher
+
+from pdserve.core.grpc_tls import TlsFiles
+
+DEFAULT_CALL_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class EtcdEndpoint:
+    host: str
+    port: int
+    tls: bool  # https://
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def parse_etcd_url(url: str) -> EtcdEndpoint:
+    """``http://host:port``, ``https://host:port`` or ``host:port`` (plaintext), one
+    endpoint; ``ValueError`` otherwise."""
+    if not url:
+        raise ValueError("etcd membership needs --etcd http(s)://HOST:PORT")
+    parts = urlsplit(url if "://" in url else "http://" + url)
+    if "@" in parts.netloc:  # checked first: the messages below quote the URL
+        raise ValueError("--etcd takes no user or password in the URL; authenticate with a "
+                         "client certificate (https:// and --tls-cert/--tls-key)")
+    if "," in url:
+        raise ValueError(f"--etcd takes one endpoint, not a list: {url!r}")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--etcd must be http://HOST:PORT or https://HOST:PORT, not {url!r}")
+    try:
+        port = parts.port or 2379
+    except ValueError:
+        raise ValueError(f"bad port in --etcd {url!r}") from None
+    return EtcdEndpoint(parts.hostname, port, parts.scheme == "https")
+
+
+def check_etcd_url(url: str, tls: TlsFiles | None) -> EtcdEndpoint:
+    """``parse_etcd_url``, and ``--require-tls`` refuses a plaintext etcd."""
+    endpoint = parse_etcd_url(url)
+    if tls is not None and tls.required and not endpoint.tls:
+        raise ValueError(f"--require-tls refuses the plaintext etcd {url!r}: give "
+                         "--etcd https://HOST:PORT (etcd with --client-cert-auth)")
+    return endpoint
+
+
+class TlsClient(aetcd.Client):
+    """``aetcd.Client`` over a TLS channel (see the module docstring)."""
+
+    def __init__(self, endpoint: EtcdEndpoint, credentials: grpc.ChannelCredentials,
+                 timeout: float) -> None:
+        super().__init__(endpoint.host, endpoint.port, timeout=timeout)
+        self._credentials = credentials
+
+    async def connect(self) -> None:
+        """As ``aetcd.Client.connect`` (no user/password auth: pdserve authenticates with
+        the client certificate), with ``secure_channel``."""
+        if self._connected.is_set():
+            return
+        if self._is_connecting:  # another task is connecting: wait for it
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            self.channel = grpc.aio.secure_channel(f"{self._host}:{self._port}",
+                                                   self._credentials,
+                                                   options=list(self._options.items()))
+            self.kvstub = aetcd_rpc.KVStub(self.channel)
+            self.clusterstub = aetcd_rpc.ClusterStub(self.channel)
+            self.leasestub = aetcd_rpc.LeaseStub(self.channel)
+            self.maintenancestub = aetcd_rpc.MaintenanceStub(self.channel)
+            self._watcher = aetcd_watcher.Watcher(aetcd_rpc.WatchStub(self.channel),
+                                                  timeout=self._timeout, metadata=self.metadata)
+            self._connected.set()
+        finally:
+            self._is_connecting = False
+
+
+def etcd_client(url: str, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+                tls: TlsFiles | None = None) -> aetcd.Client:
+    """A client whose every call carries a ``call_timeout_s`` deadline; TLS for an
+    ``https://`` URL with ``tls``'s files (``ValueError`` for an unreadable one, or for a
+    plaintext URL under ``--require-tls``)."""
+    endpoint = check_etcd_url(url, tls)
+    if not endpoint.tls:
+        return aetcd.Client(endpoint.host, endpoint.port,
+                            timeout=call_timeout_s)  # type: ignore[arg-type]
+    loaded = (tls or TlsFiles()).load()
+    credentials = (loaded.channel_credentials() if loaded is not None
+                   else grpc.ssl_channel_credentials())  # no --tls-*: the system roots
+    return TlsClient(endpoint, credentials, call_timeout_s)
