@@ -68,12 +68,13 @@ class PdCluster:
 
 
 # KV pushed; --disagg auto: CASES' short prompts run on decode alone, the long ones go
-# P -> D. test_openai_surface.py, then test_pd_e2e*.py up to the transports'.
+# P -> D. test_openai_surface.py, test_openai_tenants.py (a second router of its own),
+# then test_pd_e2e*.py up to the transports'.
 # The decode-side cache is off: the tests send the same long prompt through the remote
 # path test after test, and the decode worker, holding it from the first, would take
 # every later one local (``decode_cached``, computed as a short prompt is). The cache has
 # tests of its own (TWO_PREFILL, ``test_placement_e2e_decode_cache.py``).
-TCP = PdCluster("tcp", disagg="auto", decode_cache=False, require_tls=True)
+TCP = PdCluster("tcp", disagg="auto", decode_cache=False, require_tls=True, with_etcd=True)
 # The other transports run --disagg always (their transport on every case), in
 # test_pd_e2e_transports.py: ucx in this machine's native dtype (bf16 where the CPU has
 # it), torch paced to 48 MiB/s so that a test can kill a transfer in its middle.

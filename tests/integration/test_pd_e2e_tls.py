@@ -6,6 +6,10 @@ etcd over TLS, and a plaintext client of each is refused: gRPC, KV and etcd."""
 
 from __future__ import annotations
 
+import base64
+import ssl
+
+import httpx
 import openai
 import pytest
 from integration.pd_cases import LONG, MODEL
@@ -52,3 +56,37 @@ def test_under_require_tls_kv_comes_over_tls_and_plaintext_clients_are_refused(
         request_once(kv_host, kv_port, {"op": "status"}, 5, pd_server.secret)
     assert wait_until(lambda: refusals() == refused + 1, timeout_s=5)
 
+
+
+def test_under_require_tls_membership_is_on_etcd_over_tls(pd_server: Server) -> None:
+    """up's own etcd (``--with-etcd``) serves https with client certificates only: the
+    router found both workers there; the workers' keys read back over TLS with the
+    cluster's certificate, while a plaintext client and one without a certificate get
+    nothing."""
+    assert pd_server.tls_files is not None
+    view = httpx.get(pd_server.base_url.removesuffix("/v1") + "/workers", timeout=5).json()
+    membership = view["membership"]
+    assert (membership["kind"], membership["tls"], membership["connected"]) == ("etcd", True,
+                                                                               True)
+    url = str(membership["url"])
+    assert url.startswith("https://")
+    assert {w["role"] for w in view["workers"]} == {"prefill", "decode"}
+
+    files = pd_server.tls_files
+    with_cert = ssl.create_default_context(cafile=str(files.ca))
+    with_cert.load_cert_chain(str(files.cert), str(files.key))
+    found = _range(url, with_cert)
+    assert len(found.json()["kvs"]) >= 2  # both workers' registrations
+    with pytest.raises(httpx.HTTPError):  # plaintext to the TLS port
+        _range(url.replace("https://", "http://"), True)
+    with pytest.raises(httpx.HTTPError):  # TLS, but no client certificate
+        _range(url, ssl.create_default_context(cafile=str(files.ca)))
+
+
+def _range(url: str, verify: ssl.SSLContext | bool) -> httpx.Response:
+    """Every key under /pdserve/ through etcd's JSON gateway."""
+    body = {"key": base64.b64encode(b"/pdserve/").decode(),
+            "range_end": base64.b64encode(b"/pdserve0").decode()}
+    reply = httpx.post(f"{url}/v3/kv/range", json=body, timeout=5, verify=verify)
+    reply.raise_for_status()
+    return reply
