@@ -22,6 +22,7 @@ from pdserve.router.dispatch.disagg import DisaggConfig
 from pdserve.router.dispatch.planner import PlannerConfig
 from pdserve.router.dispatch.slo import SloConfig
 from pdserve.router.http.edge_config import EdgeConfig, read_api_key_file
+from pdserve.router.http.tenant_table import key_table, parse_key_entry
 
 if TYPE_CHECKING:
     from pdserve.kv_transfer.config import ConnectorConfig
@@ -84,19 +85,23 @@ def tool_config(args: argparse.Namespace) -> ToolConfig:
 
 
 def edge_config(args: argparse.Namespace) -> EdgeConfig:
-    """From the edge flags (keys, admin listener, admission, body size, drain); reads
-    ``--api-key-file``."""
-    keys = tuple(args.api_key or ())
+    """From the edge flags (keys and tenants, admin listener, admission, body size,
+    drain); reads ``--api-key-file``."""
+    entries = [(f"--api-key entry {number}", entry)
+               for number, text in enumerate(args.api_key or (), 1)
+               if (entry := parse_key_entry(text)) is not None]
     if args.api_key_file:
-        keys += read_api_key_file(Path(args.api_key_file))
-    return EdgeConfig(api_keys=tuple(dict.fromkeys(keys)), admin_host=args.admin_host,
+        entries += read_api_key_file(Path(args.api_key_file))
+    keys, tenants = key_table(entries)
+    return EdgeConfig(api_keys=keys, tenants=tenants, admin_host=args.admin_host,
                       admin_port=args.admin_port,
                       admin_keys=tuple(dict.fromkeys(args.admin_key or ())),
                       max_concurrent=args.max_concurrent_requests,
                       max_queued=args.max_queued_requests,
                       max_queue_wait_s=args.max_queue_wait_s,
                       max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout_s,
-                      tenant_isolation=args.tenant_isolation)
+                      tenant_isolation=args.tenant_isolation,
+                      tenant_limits_share=args.tenant_limits_share)
 
 
 def router_config(args: argparse.Namespace, model: ResolvedModel) -> RouterConfig:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
-from pdserve.router.http.edge_config import check_api_key
+from pdserve.router.http.tenant_table import check_api_key, parse_key_entry
 
 Parse = Callable[[str], Any]
 
@@ -50,6 +50,7 @@ class Flag:
     switch: bool = False  # --name / --no-name
     metavar: str | None = None
     repeat: bool = False  # may be given several times; ``parse`` returns a tuple to add up
+    secret: bool = False  # a bad value is not echoed in the error (keys)
 
     @property
     def env(self) -> str:
@@ -80,8 +81,9 @@ class Flag:
         try:
             value = self.parse(str(text))
         except ValueError as exc:
+            shown = "" if self.secret else f" {str(text)!r}"
             raise argparse.ArgumentTypeError(
-                f"invalid value {str(text)!r}{source}: {exc}") from None
+                f"invalid value{shown}{source}: {exc}") from None
         if self.choices is not None and value not in self.choices:
             raise argparse.ArgumentTypeError(
                 f"invalid choice {str(text)!r}{source} (choose from "
@@ -148,8 +150,20 @@ def parse_chunk_tokens(text: str) -> int:
 
 
 def parse_api_keys(text: str) -> tuple[str, ...]:
-    """Comma-separated keys (one per ``--api-key``; the environment may hold several)."""
+    """Comma-separated keys (one per ``--admin-key``; the environment may hold several)."""
     keys = tuple(k.strip() for k in text.split(",") if k.strip())
     for key in keys:
         check_api_key(key)
     return keys
+
+
+def parse_api_key_entries(text: str) -> tuple[str, ...]:
+    """Comma-separated key entries, each a key with its tenant fields or none (an
+    ``--api-key-file`` line: ``tenant_table.py``), checked here, read by ``edge_config``."""
+    entries = tuple(e.strip() for e in text.split(",") if e.strip())
+    for number, entry in enumerate(entries, 1):
+        try:
+            parse_key_entry(entry)
+        except ValueError as exc:
+            raise ValueError(f"entry {number}: {exc}") from None
+    return entries

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pdserve.cli.flag_types import (
     Flag,
+    parse_api_key_entries,
     parse_api_keys,
     parse_bool,
     parse_chunk_tokens,
@@ -208,22 +209,30 @@ FLAGS = _flags(
     # the router's HTTP edge (router/edge_config.py)
     Flag("api-key", "require `Authorization: Bearer <key>` on /v1/* (and on /metrics, "
          "/workers, /prefix_index of the main port); repeatable; the environment variable "
-         "may hold several, comma-separated", None, parse_api_keys, repeat=True,
-         metavar="KEY"),
+         "may hold several, comma-separated; each may name its tenant and limits as a line "
+         "of --api-key-file does", None, parse_api_key_entries, repeat=True, metavar="KEY",
+         secret=True),
     Flag("api-key-file", "API keys, one per line (blank lines and # comments skipped), "
-         "added to --api-key", metavar="PATH"),
-    Flag("tenant-isolation", "key: each API key is a tenant, and tenants share no cached KV "
-         "(engines' prefix caches, KV tiers, the pool, the router's prefix index): every "
-         "request is salted with a keyed hash of its key (never the key), combined with its "
-         "own cache_salt if it sends one; off: only the requests' own cache_salt",
-         "off", choices=("off", "key")),
+         "added to --api-key; a line may go on with its tenant and the tenant's limits: "
+         "`KEY tenant=NAME max_concurrent=N tokens_per_s=R burst=TOKENS` (keys of one "
+         "tenant share its limits; beyond one: 429 with Retry-After; a key without "
+         "tenant= is a tenant of its own, key-<n> in pdserve:tenant_* metrics)",
+         metavar="PATH"),
+    Flag("tenant-isolation", "key: each tenant (a named one, or an API key alone) shares "
+         "no cached KV with another (engines' prefix caches, KV tiers, the pool, the "
+         "router's prefix index): every request is salted with a keyed hash of its tenant "
+         "(never the key), combined with its own cache_salt if it sends one; off: only the "
+         "requests' own cache_salt", "off", choices=("off", "key")),
+    Flag("tenant-limits-share", "the part of each tenant's limits this router process "
+         "enforces: --processes N gives each of its processes 1/N (max_concurrent rounded "
+         "up)", 1.0, parse_float(0, strict=True)),
     Flag("admin-port", "serve /metrics, /workers, /prefix_index and /health without a key "
          "on this port (0: no admin listener), and the admin actions (POST "
          "/admin/workers/{id}/role) with --admin-key", 0, parse_port),
     Flag("admin-key", "require `Authorization: Bearer <key>` on the admin actions; "
          "repeatable (default: the --api-key keys; with no key at all, actions are served "
          "only on a loopback --admin-host)", None, parse_api_keys, repeat=True,
-         metavar="KEY"),
+         metavar="KEY", secret=True),
     Flag("admin-host", "the admin listener's bind address", "127.0.0.1"),
     Flag("processes", "router processes on this one --port (SO_REUSEPORT: the kernel spreads "
          "connections), each a full router following membership and KV events; "

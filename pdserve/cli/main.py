@@ -38,7 +38,7 @@ DISAGG = ("disagg", "local-prefill-max-tokens", "local-prefill-max-queued-tokens
 OPENAI = ("tool-call-parser", "enable-auto-tool-choice")
 EDGE = ("api-key", "api-key-file", "admin-port", "admin-host", "admin-key",
         "max-concurrent-requests", "max-queued-requests", "max-queue-wait-s", "max-body-bytes",
-        "drain-timeout-s", "tenant-isolation")
+        "drain-timeout-s", "tenant-isolation", "tenant-limits-share")
 ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement", "kv-pool",
           "decode-cache",
           "served-model-name", "log-timeline", "disable-metrics", "max-migrations",

@@ -6,7 +6,8 @@ port with SO_REUSEPORT (the kernel gives each new connection to one of them), fo
 membership and every worker's KV events itself, and keeps its own sessions to the
 workers. Nothing is shared between them but what every router reads; so the configured
 limits still hold by splitting them: process ``i`` admits its share of
-``--max-concurrent-requests`` and ``--max-queued-requests``, serves its admin listener
+``--max-concurrent-requests`` and ``--max-queued-requests`` and enforces 1/N of each
+tenant's limits (``--tenant-limits-share``), serves its admin listener
 (its ``/metrics``: one scrape target per process, summed by Prometheus) on
 ``--admin-port + i``, and only process 0 may run (or campaign for) the planner.
 
@@ -45,6 +46,7 @@ def child_argv(argv: Sequence[str], config: RouterConfig, num: int, index: int
     overrides = ["--processes", "1", "--reuse-port",
                  "--max-concurrent-requests", str(share(edge.max_concurrent, num, index)),
                  "--max-queued-requests", str(share(edge.max_queued, num, index)),
+                 "--tenant-limits-share", repr(edge.tenant_limits_share / num),
                  "--admin-port", str(edge.admin_port + index if edge.admin_port else 0)]
     if index > 0:
         overrides += ["--planner", "off"]

@@ -193,8 +193,7 @@ async def serve_router(config: RouterConfig) -> None:
                 "planner %s, %s, at most %d running + %d queued requests%s%s",
                 config.host, config.port, router.membership.name, config.placement,
                 config.disagg.mode, config.planner.mode,
-                f"{len(config.edge.api_keys)} API key(s)" if config.edge.api_keys
-                else "no API keys", config.edge.max_concurrent, config.edge.max_queued,
+                config.edge.keys_summary(), config.edge.max_concurrent, config.edge.max_queued,
                 f", admin on http://{config.edge.admin_host}:{config.edge.admin_port}"
                 if admin else "", "" if config.metrics else ", metrics off")
     sockets = [_reuse_port_socket(config.host, config.port)] if config.reuse_port else None

@@ -2,7 +2,8 @@
 small engine cache by other prompts, comes back from the host tier, or from the disk
 tier once the host tier has evicted it too (the worker's counters and vLLM's own
 prompt-token sources say so), with the same greedy text as one aggregated vLLM
-engine; a corrupt disk block ends in a counted recompute with the same text."""
+engine; a corrupt disk block ends in a counted recompute with the same text; a tier
+block comes back under the ``cache_salt`` that computed it, never another."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from integration.clusters import STARTUP_TIMEOUT_S
@@ -134,3 +136,42 @@ def test_a_corrupt_disk_block_is_recomputed_with_the_same_text(
     assert after.kv_disk_loads == before.kv_disk_loads
     assert after.prompt_tokens_computed - before.prompt_tokens_computed >= 2 * 128
     assert first == again == _complete(vllm_openai, _prompt("F"))
+
+
+def _cached_tokens(base_url: str, prompt: str, salt: str) -> int:
+    reply = httpx.post(f"{base_url}/completions", timeout=120, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "cache_salt": salt})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_tier_block_comes_back_under_its_own_salt_only(tier_server: Server,
+                                                         tokenizer: Any) -> None:
+    """Forced from the host tier: a prompt computed and saved under salt A is evicted
+    from the 8-block engine cache by three other prompts (as in the first test), so
+    salt A's next request can only find it in the tier. Salt B's same tokens then find
+    nothing there (the tier names blocks by vLLM's salted hashes): no tier or disk
+    load, every token computed, 0 cached tokens."""
+    url, prompt = tier_server.base_url, _prompt("salted-G")
+    num_tokens = len(tokenizer(prompt).input_ids)
+    num_full = (num_tokens - 1) // 128
+    saved = tier_server.load("prefill").kv_tier_saves
+    assert _cached_tokens(url, prompt, "tenant-a") == 0
+    assert wait_until(lambda: tier_server.load("prefill").kv_tier_saves > saved, timeout_s=15)
+    for tag in ("g0", "g1", "g2"):
+        _complete(url, _prompt(tag))
+    evicted = tier_server.load("prefill")
+    assert _cached_tokens(url, prompt, "tenant-a") == num_full * 128
+    loaded = tier_server.load("prefill")
+    assert loaded.kv_tier_loads - evicted.kv_tier_loads == 1
+    assert loaded.kv_tier_load_blocks - evicted.kv_tier_load_blocks == num_full >= 2
+    assert loaded.prompt_tokens_local_cache_hit == evicted.prompt_tokens_local_cache_hit
+
+    assert _cached_tokens(url, prompt, "tenant-b") == 0
+    after = tier_server.load("prefill")
+    assert (after.kv_tier_loads, after.kv_disk_loads) == (loaded.kv_tier_loads,
+                                                          loaded.kv_disk_loads)
+    assert after.prompt_tokens_external == loaded.prompt_tokens_external
+    assert after.prompt_tokens_local_cache_hit == loaded.prompt_tokens_local_cache_hit
+    assert after.prompt_tokens_computed - loaded.prompt_tokens_computed == num_tokens

@@ -2,7 +2,8 @@
 (written through to its host tier) is loaded by the other prefill worker from that
 host tier over the KV transport, not recomputed (both workers' counters say so),
 and the decode's greedy text is one aggregated vLLM engine's; a peer killed in the
-middle of such a pull ends in a counted recompute with the same text.
+middle of such a pull ends in a counted recompute with the same text; a prefix
+computed under one ``cache_salt`` is pulled for that salt only.
 
 The prefills are sent to the workers directly, as the router's dispatch sends them
 with a pool source (which worker the router picks is tested on simulated workers):
@@ -107,16 +108,16 @@ def _serve(server: Server, prefill: dict[str, Any], ids: list[int], tag: str,
     return first + rest
 
 
-def _compute_on(prefill: dict[str, Any], ids: list[int]) -> None:
-    """Compute ``ids`` on ``prefill`` alone (one token, no KV kept for a decode) and
-    wait until its blocks are in its host tier. It starts once the worker holds no
-    block: a save holds its request's blocks, and one left from an earlier test (the
-    cluster served others first) would move the count too."""
+def _compute_on(prefill: dict[str, Any], ids: list[int], salt: str | None = None) -> None:
+    """Compute ``ids`` (under ``salt``) on ``prefill`` alone (one token, no KV kept for
+    a decode) and wait until its blocks are in its host tier. It starts once the worker
+    holds no block: a save holds its request's blocks, and one left from an earlier test
+    (the cluster served others first) would move the count too."""
     assert wait_until(lambda: _load(prefill).kv_cache_usage == 0.0, timeout_s=30)
     before = _load(prefill).kv_tier_save_blocks
     asyncio.run(_phase(prefill["endpoint"], PhaseRequest(
         f"pool-seed-{time.monotonic_ns()}", "prefill", tuple(ids),
-        SamplingSpec(max_tokens=1, temperature=0.0))))
+        SamplingSpec(max_tokens=1, temperature=0.0, cache_salt=salt))))
     assert wait_until(lambda: _load(prefill).kv_tier_save_blocks > before, timeout_s=30)
 
 
@@ -127,13 +128,14 @@ def _reference(vllm_openai: str, ids: list[int], tokenizer: Any) -> str:
     return reply.choices[0].text
 
 
-def _held_prefix(server: Server, tokenizer: Any, letter: str
+def _held_prefix(server: Server, tokenizer: Any, letter: str, salt: str | None = None
                  ) -> tuple[dict[str, Any], dict[str, Any], list[int], int]:
-    """One prefill worker (the holder) computes a fresh prompt; the other (the puller)
-    does not hold it. Returns both, the prompt's ids and its number of full blocks."""
+    """One prefill worker (the holder) computes a fresh prompt (under ``salt``); the
+    other (the puller) does not hold it. Returns both, the prompt's ids and its number
+    of full blocks."""
     holder, puller = _prefills(server)
     ids = list(tokenizer(_prompt(letter)).input_ids)
-    _compute_on(holder, ids)
+    _compute_on(holder, ids, salt)
     return holder, puller, ids, (len(ids) - 1) // BS
 
 
@@ -153,6 +155,56 @@ def test_another_worker_loads_a_prefix_through_the_pool_with_aggregated_equal_te
     assert (after_pulled.prompt_tokens_external - pulled.prompt_tokens_external
             == num_full * BS)
     assert tokenizer.decode(tokens) == _reference(vllm_openai, ids, tokenizer)
+
+
+def _cached_on(prefill: dict[str, Any], ids: list[int], salt: str, pool: PoolSource) -> int:
+    """Prefill ``ids`` under ``salt`` on ``prefill`` alone, told to pull from ``pool``
+    (one token, no KV kept for a decode): the cached tokens it reports."""
+    async def run() -> int:
+        client = WorkerClient(prefill["endpoint"], _SECRET[0])
+        try:
+            outputs = [out async for out in client.generate(PhaseRequest(
+                f"pool-salt-{time.monotonic_ns()}", "prefill", tuple(ids),
+                SamplingSpec(max_tokens=1, temperature=0.0, cache_salt=salt),
+                pool_source=pool), timeout_s=180)]
+        finally:
+            await client.close()
+        return outputs[0].num_cached_tokens
+
+    return asyncio.run(run())
+
+
+def test_a_pool_pull_serves_the_salt_that_computed_the_prefix_only(
+    pool_server: Server, tokenizer: Any,
+) -> None:
+    """Forced through the pool: the holder computes the prompt under salt A (written
+    through to its host tier), and the puller, which never saw it, is told to pull it
+    from the holder, as the router's dispatch does with a pool source. Salt A's request
+    pulls every full block (cached tokens > 0). Salt B's request, with the same tokens
+    and the same pool source (which the router would not plan: its index names blocks
+    per salt), asks for B's block names (vLLM's salted hashes), which the holder does
+    not hold: it refuses the pull (a failure both sides count), no block or byte is
+    pulled or served, and the puller computes every token and reports 0 cached."""
+    holder, puller, ids, num_full = _held_prefix(pool_server, tokenizer, "S", "tenant-a")
+    source = _source(holder, num_full)
+    held, pulled = _load(holder), _load(puller)
+    assert _cached_on(puller, ids, "tenant-a", source) == num_full * BS
+    after_held, after_pulled = _load(holder), _load(puller)
+    assert after_pulled.kv_pool_loads == pulled.kv_pool_loads + 1
+    assert after_pulled.kv_pool_load_blocks - pulled.kv_pool_load_blocks == num_full >= 2
+    assert after_held.kv_pool_serve_blocks - held.kv_pool_serve_blocks == num_full
+
+    assert _cached_on(puller, ids, "tenant-b", source) == 0
+    last_held, last_pulled = _load(holder), _load(puller)
+    assert last_pulled.kv_pool_loads == after_pulled.kv_pool_loads
+    assert last_pulled.kv_pool_load_blocks == after_pulled.kv_pool_load_blocks
+    assert last_pulled.kv_pool_load_bytes == after_pulled.kv_pool_load_bytes
+    assert last_held.kv_pool_serve_blocks == after_held.kv_pool_serve_blocks
+    # The holder refused the names it does not hold; the puller counted the failure.
+    assert last_held.kv_pool_serve_failures == after_held.kv_pool_serve_failures + 1
+    assert last_pulled.kv_pool_load_failures == after_pulled.kv_pool_load_failures + 1
+    assert last_pulled.prompt_tokens_external == after_pulled.prompt_tokens_external
+    assert last_pulled.prompt_tokens_computed - after_pulled.prompt_tokens_computed == len(ids)
 
 
 def _engine_of(worker_id: str, server: Server) -> list[psutil.Process]:

@@ -238,12 +238,21 @@ def test_schema_enums_are_pdserve_own_choices() -> None:
     assert set(router["placement"]["enum"]) == set(PLACEMENTS)
     assert set(router["disagg"]["enum"]) == set(DISAGG_MODES)
     assert set(router["planner"]["enum"]) == set(PLANNER_MODES)
+    assert set(router["tenantIsolation"]["enum"]) == set(FLAGS["tenant-isolation"].choices or ())
     assert set(props["logFormat"]["enum"]) == set(LOG_FORMATS)
     assert set(props["logLevel"]["enum"]) == set(FLAGS["log-level"].choices or ())
     for role in ("prefill", "decode"):
         worker = props[role]["properties"]
         assert set(worker["transport"]["enum"]) == set(transport_names())
         assert set(worker["dtype"]["enum"]) == set(FLAGS["dtype"].choices or ())
+
+
+def test_tenant_isolation_reaches_the_router(chart: Any) -> None:
+    router = "pd-pdserve-router"
+    assert env_of(by_kind(render(chart), "Deployment")[router])[
+        "PDSERVE_TENANT_ISOLATION"] == "off"
+    docs = render(chart, {"router": {"tenantIsolation": "key"}})
+    assert env_of(by_kind(docs, "Deployment")[router])["PDSERVE_TENANT_ISOLATION"] == "key"
 
 
 def test_every_router_replica_is_a_planner_candidate_on_etcd(chart: Any) -> None:

@@ -136,7 +136,8 @@ def test_up_hands_the_edge_flags_to_its_router_and_keys_only_in_its_environment(
                       max_queue_wait_s=2.5, max_body_bytes=1000, drain_timeout_s=7.0)
     router = plan(UpConfig(model="/models/tiny", edge=edge), tmp_path)[-1]
     assert not any(key in arg for key in KEYS for arg in router.argv)  # not shown by ps
-    assert router.env == {"PDSERVE_API_KEY": ",".join(KEYS)}
+    # Every key in the environment, so the router reads no key file of its own.
+    assert router.env == {"PDSERVE_API_KEY": ",".join(KEYS), "PDSERVE_API_KEY_FILE": ""}
     assert router.probe_headers == bearer(KEYS[0])
     argv = router.argv[router.argv.index("router"):]
     with pytest.MonkeyPatch.context() as env:

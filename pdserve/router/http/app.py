@@ -3,8 +3,9 @@
 Validation lives in ``schemas.py``, tokenization in ``preprocess.py``, running requests
 in ``serving.py``, error rendering in ``errors.py``. The edge in front of the routes is
 one ASGI middleware per concern, outermost first: metrics (``RequestMetricsMiddleware``),
-request ids (``request_ids.py``), client keys (``auth.py``), the body limit
-(``body_limit.py``), admission (``admission.py``). This module wires them to routes.
+request ids (``request_ids.py``), client keys and their tenants (``auth.py``), the body
+limit (``body_limit.py``), the tenants' limits (``tenant_accounts.py``), admission
+(``admission.py``). This module wires them to routes.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pdserve.router.http.request_ids import RequestIdMiddleware, arrival_of, req
 from pdserve.router.http.response_schemas import ChatCompletionResponse, CompletionResponse
 from pdserve.router.http.schemas import ChatCompletionRequest, CompletionRequest
 from pdserve.router.http.serving import OpenAIServing
+from pdserve.router.http.tenant_accounts import TenantLimitMiddleware, tenant_accounts
 from pdserve.router.http.tenants import salted
 from pdserve.router.http.tools import ToolCalling
 from pdserve.router.metrics import METRICS_DISABLED_ENV, RouterMetrics
@@ -68,9 +70,10 @@ def create_app(
     request gets (``Deadline``). ``metrics_enabled=False``: no metric work per request,
     and ``/metrics`` answers 404 (``metrics.py``). ``app.state`` holds ``metrics`` (the
     ``RouterMetrics``), ``registry`` (None with metrics off), ``admission`` (drain it with
-    ``start_drain()``). ``tool_calling``: vLLM's tool parser (``tools.py``); None: tool
-    choices other than ``none`` are refused. ``eos_token_ids``: the ids the engines end a
-    sequence on (default: the tokenizer's end of sequence)."""
+    ``start_drain()``), ``tenants`` (each key's ``TenantAccount``). ``tool_calling``:
+    vLLM's tool parser (``tools.py``); None: tool choices other than ``none`` are refused.
+    ``eos_token_ids``: the ids the engines end a sequence on (default: the tokenizer's end
+    of sequence)."""
     edge = edge or EdgeConfig()
     if not metrics_enabled:
         registry = None
@@ -93,11 +96,12 @@ def create_app(
     app.state.metrics = metrics
     app.state.registry = registry
     app.state.admission = admission
+    tenants = app.state.tenants = tenant_accounts(edge, registry)
     install_error_handlers(app)
     app.add_middleware(AdmissionMiddleware, admission=admission, paths=_GENERATION_PATHS)
+    app.add_middleware(TenantLimitMiddleware, paths=_GENERATION_PATHS)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=edge.max_body_bytes)
-    app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(edge.api_keys),
-                       tenants=edge.tenant_isolation == "key")
+    app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(edge.api_keys), tenants=tenants)
     app.add_middleware(RequestIdMiddleware, unique_paths=_GENERATION_PATHS)
     if metrics.enabled:
         app.add_middleware(RequestMetricsMiddleware, metrics=metrics)

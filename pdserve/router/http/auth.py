@@ -3,17 +3,19 @@
 A presented key is compared with every configured key in constant time
 (``hmac.compare_digest``, and no early exit), so neither the response time nor which
 key matched says anything about the keys. Without configured keys nothing is checked.
+The matched key's tenant (``tenant_accounts.py``) goes in the request's scope.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.router.http.errors import AuthenticationError, send_error
-from pdserve.router.http.tenants import TENANT_SALT, tenant_salt
+from pdserve.router.http.tenant_accounts import TENANT, TenantAccount
+from pdserve.router.http.tenants import TENANT_SALT
 
 # Served on the main port only with a key (when keys are set); on the admin port without.
 ADMIN_PATHS = frozenset({"/metrics", "/workers", "/prefix_index"})
@@ -53,13 +55,14 @@ class ApiKeys:
 
 
 class ApiKeyMiddleware:
-    """``tenants``: put each matched key's tenant salt in the scope (``tenants.py``)."""
+    """Puts each matched key's tenant in the scope (``TENANT``), and its salt
+    (``TENANT_SALT``) under ``--tenant-isolation key`` (``tenants.py``)."""
 
-    def __init__(self, app: ASGIApp, keys: ApiKeys, tenants: bool = False) -> None:
+    def __init__(self, app: ASGIApp, keys: ApiKeys,
+                 tenants: Mapping[bytes, TenantAccount] | None = None) -> None:
         self.app = app
         self._keys = keys
-        self._tenants = tenants
-        self._salts: dict[bytes, str] = {}
+        self._tenants = tenants or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self._keys and is_protected(scope["path"]):
@@ -67,11 +70,11 @@ class ApiKeyMiddleware:
             if isinstance(found, AuthenticationError):
                 await send_error(scope, send, found)
                 return
-            if self._tenants:
-                salt = self._salts.get(found)
-                if salt is None:
-                    salt = self._salts[found] = tenant_salt(found)
-                scope[TENANT_SALT] = salt
+            tenant = self._tenants.get(found)
+            if tenant is not None:
+                scope[TENANT] = tenant
+                if tenant.salt is not None:
+                    scope[TENANT_SALT] = tenant.salt
         await self.app(scope, receive, send)
 
 

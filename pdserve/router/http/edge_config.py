@@ -14,12 +14,25 @@ Defaults, and why:
 - 4 MiB body: far above any prompt that fits ``max_model_len`` (a 128k-token prompt is
   about 0.5 MiB of text), small enough that the largest allowed body is cheap.
 - 30 s drain: what Kubernetes gives a pod between SIGTERM and SIGKILL by default.
+
+The keys and their tenants come from ``--api-key`` and ``--api-key-file`` entries, one
+syntax for both (``tenant_table.py``); ``pdserve up`` hands them all to its router in the
+environment, never on a command line that ``ps`` shows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from pdserve.router.http.tenant_table import (
+    KeyEntry,
+    TenantSpec,
+    check_api_key,
+    parse_key_entry,
+    render_key_table,
+)
 
 DEFAULT_MAX_CONCURRENT = 256
 DEFAULT_MAX_QUEUED = 1024
@@ -43,6 +56,11 @@ class EdgeConfig:
     # ``key``: every request's cache salt is derived from its API key (``tenants.py``), so
     # clients of different keys share no cached KV; ``off``: only the requests' own salts.
     tenant_isolation: str = "off"
+    # The named tenants (their keys are among api_keys); every other key is a tenant of
+    # its own, key-<n>. ``tenant_limits_share``: the part of each tenant's limits this
+    # process enforces (1/N in each of ``--processes N``).
+    tenants: tuple[TenantSpec, ...] = ()
+    tenant_limits_share: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_concurrent < 1 or self.max_queued < 0 or self.max_body_bytes < 1:
@@ -56,6 +74,14 @@ class EdgeConfig:
         if self.tenant_isolation == "key" and not self.api_keys:
             raise ValueError("--tenant-isolation key needs API keys (--api-key, "
                              "--api-key-file): the tenants are the keys")
+        if not 0 < self.tenant_limits_share <= 1:
+            raise ValueError("tenant_limits_share must be in (0, 1]")
+        members = [key for tenant in self.tenants for key in tenant.keys]
+        if (len({t.name for t in self.tenants}) != len(self.tenants)
+                or len(set(members)) != len(members) or not set(members) <= set(self.api_keys)
+                or len(set(self.api_keys)) != len(self.api_keys)):
+            raise ValueError("the API keys must be distinct, the tenants' names too, and each "
+                             "tenant's keys distinct API keys of no other tenant")
 
     def flags(self) -> list[str]:
         """The router flags that give this config back, but the keys: ``pdserve up``
@@ -67,13 +93,27 @@ class EdgeConfig:
                 "--max-queue-wait-s", str(self.max_queue_wait_s),
                 "--max-body-bytes", str(self.max_body_bytes),
                 "--drain-timeout-s", str(self.drain_timeout_s),
+                "--tenant-limits-share", repr(self.tenant_limits_share),
                 "--tenant-isolation", self.tenant_isolation]
 
     def env(self) -> dict[str, str]:
-        env = {"PDSERVE_API_KEY": ",".join(self.api_keys)} if self.api_keys else {}
+        """The keys and their tenants as ``--api-key`` entries (and no key file: they are
+        all here, read once)."""
+        env: dict[str, str] = {}
+        if self.api_keys:
+            env["PDSERVE_API_KEY"] = ",".join(render_key_table(self.api_keys, self.tenants))
+            env["PDSERVE_API_KEY_FILE"] = ""
         if self.admin_keys:
             env["PDSERVE_ADMIN_KEY"] = ",".join(self.admin_keys)
         return env
+
+    def keys_summary(self) -> str:
+        """For the start-up log line: how many keys and tenants, never which."""
+        if not self.api_keys:
+            return "no API keys"
+        limited = sum(bool(t.limits) for t in self.tenants)
+        return (f"{len(self.api_keys)} API key(s), {len(self.tenants)} named tenant(s) "
+                f"({limited} with limits)")
 
     @property
     def admin_action_keys(self) -> tuple[str, ...]:
@@ -85,25 +125,18 @@ class EdgeConfig:
         return {"Authorization": f"Bearer {self.api_keys[0]}"} if self.api_keys else {}
 
 
-def check_api_key(key: str) -> str:
-    """A key must survive an HTTP header and a comma-separated environment variable."""
-    if not key.isascii() or not key.isprintable() or " " in key or "," in key or len(key) < 8:
-        raise ValueError("an API key is at least 8 printable ASCII characters, no spaces or "
-                         "commas")
-    return key
-
-
-def read_api_key_file(path: Path) -> tuple[str, ...]:
-    """One key per line; blank lines and ``#`` comments are skipped."""
+def read_api_key_file(path: Path) -> Iterator[tuple[str, KeyEntry]]:
+    """The file's key entries (``tenant_table.py``), each with where it is, for errors
+    (``key_table``); a bad line raises ValueError naming its number, never its key."""
     try:
         lines = path.read_text().splitlines()
     except OSError as exc:
         raise ValueError(f"cannot read --api-key-file {path}: {exc.strerror}") from None
-    keys = tuple(line.strip() for line in lines
-                 if line.strip() and not line.strip().startswith("#"))
-    for key in keys:
+    for number, line in enumerate(lines, 1):
+        where = f"--api-key-file {path} line {number}"
         try:
-            check_api_key(key)
+            entry = parse_key_entry(line)
         except ValueError as exc:
-            raise ValueError(f"--api-key-file {path}: {exc}") from None
-    return keys
+            raise ValueError(f"{where}: {exc}") from None
+        if entry is not None:
+            yield where, entry

@@ -94,13 +94,14 @@ class RequestTooLargeError(APIError):
 
 
 class TooManyRequestsError(APIError):
-    """Admission refused: the client should retry after ``retry_after_s``."""
+    """Admission refused: the client should retry after ``retry_after_s``. ``code``:
+    too_many_requests (the router is full), rate_limit_exceeded (a tenant's own limit)."""
 
     status_code = 429
     error_type = "rate_limit_error"
 
-    def __init__(self, message: str, retry_after_s: int):
-        super().__init__(message, code="too_many_requests")
+    def __init__(self, message: str, retry_after_s: int, code: str = "too_many_requests"):
+        super().__init__(message, code=code)
         self.retry_after_s = retry_after_s
 
 

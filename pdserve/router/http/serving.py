@@ -58,6 +58,7 @@ from pdserve.router.http.responses import (
     sse_error,
     sse_event,
 )
+from pdserve.router.http.tenant_accounts import on_prompt
 from pdserve.router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class OpenAIServing:
         self._metrics.prompt_tokens.inc(len(request.prompt_token_ids))
         outputs = [RequestOutput(request, self._decoder, self._metrics,
                                  http.scope if i == 0 else None, i) for i in range(request.n)]
+        on_prompt(http.scope, len(request.prompt_token_ids), outputs)  # the tenant's
         try:
             timeout_s = request_timeout_s(http.headers.get(TIMEOUT_HEADER),
                                           self._request_timeout_s)

@@ -1,12 +1,18 @@
 """Tenant isolation by API key (``--tenant-isolation key``): each key is a tenant, and
 every request it authenticates is salted with ``tenant_salt(key)``, a keyed hash of the
 key (never the key), combined with the request's own ``cache_salt`` if it sent one, never
-replaced by it. Requests under different salts share no cached KV anywhere in the
-cluster (``core.block_hash.salt_root``, vLLM's own ``cache_salt``), and so no cached-token
-count or prompt-cache timing difference tells one tenant what another sent.
+replaced by it. Keys that name one tenant in the key table (``tenant_table.py``) are that
+one tenant: their requests are salted with ``tenant_name_salt(name)``, so the tenant's
+cache survives adding or rotating its keys. Requests under different salts share no
+cached KV anywhere in the cluster (``core.block_hash.salt_root``, vLLM's own
+``cache_salt``), and so no cached-token count or prompt-cache timing difference tells one
+tenant what another sent.
 
-``ApiKeyMiddleware`` puts the salt in the request's ASGI scope (``TENANT_SALT``) once the
-key matched; the endpoints fold it into the body (``salted``)."""
+A client cannot reach another tenant's salt by its own ``cache_salt``: under isolation
+its own salt is always hashed with its tenant's (``salted``), and the salts never leave
+the cluster. ``ApiKeyMiddleware`` puts the salt in the request's ASGI scope
+(``TENANT_SALT``) once the key matched; the endpoints fold it into the body
+(``salted``)."""
 
 from __future__ import annotations
 
@@ -19,11 +25,16 @@ TENANT_SALT = "pdserve.tenant_salt"  # the ASGI scope key
 # replica computes the same (a tenant's prefixes are shared across replicas), and it
 # never leaves the cluster (workers get it, clients never see it).
 _LABEL = b"pdserve-tenant-salt/v1"
+_NAME_LABEL = b"pdserve-tenant-name-salt/v1"  # another label: no key salts as a name does
 SALT_CHARS = 32  # hex characters: 128 bits
 
 
 def tenant_salt(api_key: bytes) -> str:
     return hmac.new(_LABEL, api_key, sha256).hexdigest()[:SALT_CHARS]
+
+
+def tenant_name_salt(name: str) -> str:
+    return hmac.new(_NAME_LABEL, name.encode(), sha256).hexdigest()[:SALT_CHARS]
 
 
 def salted(scope: dict[str, Any], cache_salt: str | None) -> str | None:
