@@ -23,7 +23,7 @@ environment, never on a command line that ``ps`` shows.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.router.http.tenant_table import (
@@ -44,10 +44,11 @@ TENANT_ISOLATION = ("off", "key")
 
 @dataclass(frozen=True)
 class EdgeConfig:
-    api_keys: tuple[str, ...] = ()  # empty: no client authentication
+    # Keys never show in a repr (a logged config, a traceback's locals).
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no client authentication
     admin_host: str = "127.0.0.1"
     admin_port: int = 0  # 0: no admin listener
-    admin_keys: tuple[str, ...] = ()  # the admin actions' keys; empty: api_keys
+    admin_keys: tuple[str, ...] = field(default=(), repr=False)  # admin actions'; empty: api_keys
     max_concurrent: int = DEFAULT_MAX_CONCURRENT
     max_queued: int = DEFAULT_MAX_QUEUED
     max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S

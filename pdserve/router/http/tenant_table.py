@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 DEFAULT_BURST_S = 1.0  # the bucket holds this many seconds of tokens_per_s
 MAX_TENANT_NAME = 64
@@ -82,7 +82,7 @@ class TenantSpec:
     """A named tenant: its keys (at least one) and its limits."""
 
     name: str
-    keys: tuple[str, ...]
+    keys: tuple[str, ...] = field(repr=False)
     limits: TenantLimits = TenantLimits()
 
     def __post_init__(self) -> None:
