@@ -184,6 +184,21 @@ TOOLS: dict[str, Tool] = {
         ("--startup-timeout-s", {"type": float, "help": "up's --startup-timeout-s"}),
         ("--json", {"help": "write results here (default: in the log folder)"}),
     )),
+    "fuzz": Tool("fuzz", configs.FuzzConfig,
+                 "bad input on the KV port: random, truncated and malformed frames, ops "
+                 "before the handshake, auth garbage, stalls; crashes, leaks, liveness", (
+        ("--inputs", {"type": int, "help": "inputs per port"}),
+        "--seed",
+        ("--concurrency", {"type": int, "help": "connections at a time"}),
+        ("--target", {"help": "a worker's KV port, HOST:PORT (default: two tcp transports "
+                      "on fake KV in this process, one with a cluster secret)"}),
+        ("--cluster-secret-file", {"help": "--target: its cluster secret"}),
+        ("--idle-timeout-s", {"type": float, "help": "in process: the servers' idle "
+                              "deadline, which stalled connections must hit"}),
+        ("--stall-deadline-s", {"type": float, "help": "--target: its idle timeout; "
+                                "stalled inputs must be dropped by it (unset: none sent)"}),
+        "--json",
+    )),
 }
 
 

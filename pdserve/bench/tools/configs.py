@@ -178,3 +178,36 @@ class OverloadConfig:
     max_connections: int = 4096
     seed: int = 0
     json: str | None = None  # write results here (default: in the log folder)
+
+
+@dataclass(frozen=True)
+class FuzzConfig:
+    inputs: int = 2000  # per port
+    seed: int = 0
+    concurrency: int = 16  # connections at a time (slow and stalled ones run beside them)
+    # A worker's KV port (HOST:PORT) instead of the in-process transports.
+    target: str | None = None
+    cluster_secret_file: str | None = None  # --target's cluster secret
+    idle_timeout_s: float = 2.0  # in process: the servers' idle deadline (stalls hit it)
+    # --target: how long it may hold a stalled connection (its idle timeout; its
+    # default is 300 s); unset: no stalled inputs against it.
+    stall_deadline_s: float | None = None
+    json: str | None = None  # also write the reports to this file
+
+    def __post_init__(self) -> None:
+        if self.inputs < 1 or self.concurrency < 1:
+            raise ValueError("--inputs and --concurrency must be >= 1")
+        if self.idle_timeout_s <= 0 or (self.stall_deadline_s or 1) <= 0:
+            raise ValueError("--idle-timeout-s and --stall-deadline-s must be > 0")
+        if self.target is not None:
+            host, _, port = self.target.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--target must be HOST:PORT, got {self.target!r}")
+        elif self.cluster_secret_file or self.stall_deadline_s:
+            raise ValueError("--cluster-secret-file and --stall-deadline-s go with --target")
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """--target's host and port."""
+        host, _, port = (self.target or "").rpartition(":")
+        return host.strip("[]"), int(port)
