@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
 from pdserve_testing import COMPOSE_FILE, compose_services
+from unit.etcd_from_env import localize, running_etcd, tls_refusals
 
 from pdserve.cli.flags import FLAGS
 from pdserve.cli.health import HealthTarget
@@ -128,3 +131,106 @@ def test_monitoring_is_a_profile_and_grafana_provisions_the_dashboard() -> None:
         "datasources"]
     assert source["type"] == "prometheus" and source["isDefault"]
     assert source["url"] == f"http://prometheus:{services['prometheus']['ports'][0].split(':')[1]}"
+
+
+# The TLS overlay: `docker compose -f docker-compose.yml -f docker-compose.tls.yml up`, with
+# the certificates make-test-ca.sh writes.
+TLS_OVERLAY = COMPOSE_DIR / "docker-compose.tls.yml"
+MAKE_TEST_CA = COMPOSE_DIR / "make-test-ca.sh"
+TLS_SECRETS = {"PDSERVE_TLS_CERT": "tls_cert", "PDSERVE_TLS_KEY": "tls_key",
+               "PDSERVE_TLS_CA": "tls_ca"}
+
+
+@pytest.fixture(scope="module")
+def tls_config() -> dict[str, Any]:
+    """The two files as docker-compose merges them (its own `config` output)."""
+    result = docker_compose("-f", str(COMPOSE_FILE), "-f", str(TLS_OVERLAY), "config")
+    assert result.returncode == 0, result.stderr
+    config: dict[str, Any] = yaml.safe_load(result.stdout)
+    return config
+
+
+@pytest.fixture(scope="module")
+def test_ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """make-test-ca.sh run with this venv's pdserve, into a folder of the test's."""
+    out = tmp_path_factory.mktemp("compose-tls") / "tls"
+    result = subprocess.run([str(MAKE_TEST_CA), str(out)], capture_output=True, text=True,
+                            timeout=60, env={"PATH": "/usr/bin:/bin",
+                                             "PDSERVE": str(Path(sys.executable).parent /
+                                                            "pdserve")})
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_the_tls_overlay_gives_every_pdserve_service_the_files_and_require_tls(
+        tls_config: dict[str, Any]) -> None:
+    services = tls_config["services"]
+    secrets = tls_config["secrets"]
+    for key, name in (("cert", "tls_cert"), ("key", "tls_key"), ("ca", "tls_ca")):
+        assert Path(secrets[name]["file"]) == COMPOSE_DIR / "secrets" / "tls" / f"{key}.pem"
+    for name in PDSERVE_SERVICES:
+        env = services[name]["environment"]
+        mounted = {s["source"] for s in services[name]["secrets"]}
+        for var, secret in TLS_SECRETS.items():
+            assert env[var] == f"/run/secrets/{secret}" and secret in mounted
+        assert "cluster_secret" in mounted  # the base file's secrets are kept
+        assert env["PDSERVE_REQUIRE_TLS"] == "true"
+        assert env["PDSERVE_ETCD"] == "https://etcd:2379"
+        (command,) = services[name]["command"]
+        used = {k for k in env if k.startswith("PDSERVE_")}
+        assert used <= _flag_envs(command) | _flag_envs("health"), (name, used)
+    assert "api_key" in {s["source"] for s in services["router"]["secrets"]}
+    for role in ("prefill", "decode"):  # a name the certificate has, not the container IP
+        assert services[role]["environment"]["PDSERVE_ADVERTISE_HOST"] == role
+    assert services["router"]["ports"] == [{"published": 8000, "target": 8000}]  # plain HTTP
+
+    etcd = services["etcd"]
+    env = etcd["environment"]
+    assert env["ETCD_LISTEN_CLIENT_URLS"] == "https://0.0.0.0:2379"
+    assert env["ETCD_ADVERTISE_CLIENT_URLS"] == "https://etcd:2379"
+    assert env["ETCD_CLIENT_CERT_AUTH"] == "true"
+    assert {s["source"] for s in etcd["secrets"]} == set(TLS_SECRETS.values())
+    check = etcd["healthcheck"]["test"]
+    assert check[:2] == ["CMD", "etcdctl"] and check[-2:] == ["endpoint", "health"]
+    assert {"--endpoints=https://127.0.0.1:2379", "--cacert=/run/secrets/tls_ca",
+            "--cert=/run/secrets/tls_cert", "--key=/run/secrets/tls_key"} <= set(check)
+
+
+def test_make_test_ca_writes_a_certificate_for_every_host_the_services_dial(
+        tls_config: dict[str, Any], test_ca: Path) -> None:
+    from cryptography import x509
+
+    assert MAKE_TEST_CA.stat().st_mode & 0o111  # executable
+    assert {p.name for p in test_ca.iterdir()} == {"ca.pem", "cert.pem", "key.pem"}
+    assert (test_ca / "key.pem").stat().st_mode & 0o077 == 0
+    cert = x509.load_pem_x509_certificate((test_ca / "cert.pem").read_bytes())
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    names = set(sans.get_values_for_type(x509.DNSName)) | {
+        str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
+    usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert {x509.oid.ExtendedKeyUsageOID.SERVER_AUTH,
+            x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH} <= set(usages)
+    services = tls_config["services"]
+    dialled = {"127.0.0.1"}  # every container's health check
+    for name in PDSERVE_SERVICES:
+        env = services[name]["environment"]
+        dialled.add(str(urlsplit(env["PDSERVE_ETCD"]).hostname))
+        dialled.add(HealthTarget.parse(env["PDSERVE_HEALTHCHECK"]).host)
+        dialled.add(env.get("PDSERVE_ADVERTISE_HOST", "127.0.0.1"))
+    assert dialled == {"127.0.0.1", "etcd", "prefill", "decode"}
+    assert dialled <= names
+    # What it writes by default lands in a folder git ignores.
+    ignored = subprocess.run(["git", "check-ignore", "-q", "secrets/tls/key.pem"],
+                             cwd=COMPOSE_DIR, capture_output=True, timeout=30)
+    assert ignored.returncode == 0
+    assert "secrets/tls" in MAKE_TEST_CA.read_text()
+
+
+def test_the_tls_overlays_etcd_serves_only_https_with_client_certificates(
+        tls_config: dict[str, Any], test_ca: Path, tmp_path: Path) -> None:
+    """compose's etcd from its merged environment, with make-test-ca.sh's files."""
+    files = {f"/run/secrets/{secret}": test_ca / f"{key}.pem"
+             for secret, key in (("tls_cert", "cert"), ("tls_key", "key"), ("tls_ca", "ca"))}
+    env = localize(tls_config["services"]["etcd"]["environment"], files, tmp_path / "data")
+    with running_etcd(env, tmp_path / "etcd.log") as url:
+        assert tls_refusals(url, test_ca / "ca.pem") == ["refused", "refused"]

@@ -5,16 +5,22 @@ schemas (kubernetes-validate), and the values schema refusing bad values."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import helm_python as helm
 import kubernetes_validate
 import pytest
 import yaml
+from unit.etcd_from_env import localize, running_etcd, tls_refusals
 
 from pdserve.cli.flags import FLAGS
+from pdserve.cli.health import HealthTarget
 from pdserve.cli.main import build_parser
+from pdserve.core.certs import make_test_ca
 from pdserve.core.logs import LOG_FORMATS
 from pdserve.kv_transfer.base import transport_names
 from pdserve.router.dispatch.disagg import DISAGG_MODES
@@ -24,7 +30,7 @@ from pdserve.router.dispatch.planner import PLANNER_MODES
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "pdserve"
 KUBE_VERSION = "1.33.0"  # a version kubernetes-validate ships schemas for
 # Kinds that come from CRDs (no schema in kubernetes-validate): checked by hand below.
-CRD_KINDS = {"ServiceMonitor", "ScaledObject"}
+CRD_KINDS = {"ServiceMonitor", "ScaledObject", "Certificate"}
 
 GPU_VALUES = yaml.safe_load((CHART / "values-gpu.yaml").read_text())
 EVERYTHING = {  # every optional part on
@@ -37,6 +43,8 @@ EVERYTHING = {  # every optional part on
     "extraVolumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
     "extraVolumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
     "imagePullSecrets": [{"name": "registry"}],
+    "tls": {"enabled": True, "certManager": {"enabled": True,
+                                             "issuerRef": {"name": "pdserve-ca"}}},
 }
 VALUES = {"default": None, "gpu": GPU_VALUES, "everything": EVERYTHING}
 
@@ -95,7 +103,8 @@ def test_every_rendered_manifest_is_valid_kubernetes(chart: Any,
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "Service", "StatefulSet", "Secret", "PodDisruptionBudget"} <= kinds
     if values is EVERYTHING:
-        assert {"HorizontalPodAutoscaler", "ServiceMonitor", "ConfigMap", "ScaledObject"} <= kinds
+        assert {"HorizontalPodAutoscaler", "ServiceMonitor", "ConfigMap", "ScaledObject",
+                "Certificate"} <= kinds
 
 
 def test_service_monitor_scrapes_the_router_admin_and_worker_metrics_ports(chart: Any) -> None:
@@ -215,6 +224,12 @@ BAD_VALUES = {
     "keda with the planner off": {"keda": {"enabled": True}},
     "keda scaling decode to zero": {"keda": {"decode": {"minReplicas": 0}}},
     "no router process": {"router": {"processes": 0}},
+    "cert-manager without an issuer": {"tls": {"enabled": True,
+                                               "certManager": {"enabled": True}}},
+    "an ECDSA key of an RSA size": {"tls": {"certManager": {"privateKey": {
+        "algorithm": "ECDSA", "size": 2048}}}},
+    "an unknown tls key": {"tls": {"enable": True}},
+    "tls.require as text": {"tls": {"require": "yes"}},
 }
 
 
@@ -329,3 +344,232 @@ def test_each_router_process_has_an_admin_port_the_service_monitor_scrapes(chart
     (router,) = [d for n, d in by_kind(one, "Deployment").items() if n.endswith("-router")]
     assert env_of(router)["PDSERVE_PROCESSES"] == "1"
     assert [p["name"] for p in container(router)["ports"]] == ["http", "admin"]
+
+
+# tls: one certificate (cert-manager's, or an existing Secret) for every pod; mutual TLS on
+# gRPC, KV and etcd. The Certificate is a CRD's kind: its fields are checked by hand here.
+CERT_MANAGER = {"tls": {"enabled": True, "certManager": {
+    "enabled": True, "issuerRef": {"name": "pdserve-ca", "kind": "ClusterIssuer"}}}}
+PDSERVE_DEPLOYMENTS = ("pd-pdserve-router", "pd-pdserve-prefill", "pd-pdserve-decode")
+TLS_ENV = {"PDSERVE_TLS_CERT": "tls.crt", "PDSERVE_TLS_KEY": "tls.key", "PDSERVE_TLS_CA": "ca.crt"}
+
+
+def valid_for(certificate: dict[str, Any], host: str) -> bool:
+    """Whether the Certificate names ``host`` as TLS clients check it (RFC 6125): an IP
+    address exactly, a DNS name exactly or by a wildcard for its whole leftmost label."""
+    spec = certificate["spec"]
+    if host in spec.get("ipAddresses", []):
+        return True
+    label, _, parent = host.partition(".")
+    return host in spec["dnsNames"] or bool(label and parent
+                                            and f"*.{parent}" in spec["dnsNames"])
+
+
+def advertised_host(worker: dict[str, Any], pod_ip: str, tmp_path: Path) -> str:
+    """The PDSERVE_ADVERTISE_HOST the worker container's command hands pdserve, run by the
+    local /bin/sh with a stand-in ``pdserve`` (which prints it, then its arguments)."""
+    main = container(worker)
+    assert not any("$(" in part for part in main["command"])  # kubelet would expand it
+    fake = tmp_path / "pdserve"
+    fake.write_text('#!/bin/sh\nprintf "%s %s" "$PDSERVE_ADVERTISE_HOST" "$*"\n')
+    fake.chmod(0o755)
+    out = subprocess.run([*main["command"], *main["args"]], capture_output=True, text=True,
+                         env={"PATH": f"{tmp_path}:/usr/bin:/bin", "POD_IP": pod_ip},
+                         timeout=10, check=True).stdout
+    host, _, args = out.partition(" ")
+    assert args.split() == main["args"]
+    return host
+
+
+def mounted_secret(deployment_or_set: dict[str, Any], path: str) -> str:
+    """The Secret whose files the pod sees under ``path`` (read-only)."""
+    pod = deployment_or_set["spec"]["template"]["spec"]
+    (main,) = pod["containers"]
+    (mount,) = [m for m in main["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    assert mount.get("readOnly") is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    return str(volume["secret"]["secretName"])
+
+
+def etcd_env(docs: list[dict[str, Any]]) -> dict[str, str]:
+    """The chart etcd container's variables, $(POD_NAME) expanded as kubelet does."""
+    (etcd,) = by_kind(docs, "StatefulSet").values()
+    return {e["name"]: e["value"].replace("$(POD_NAME)", "pd-pdserve-etcd-0")
+            for e in container(etcd)["env"] if "value" in e}
+
+
+def test_tls_certificate_names_every_host_the_pods_dial(chart: Any, tmp_path: Path) -> None:
+    docs = render(chart, CERT_MANAGER)
+    (cert,) = by_kind(docs, "Certificate").values()
+    assert cert["apiVersion"] == "cert-manager.io/v1"
+    spec = cert["spec"]
+    assert spec["secretName"] == "pd-pdserve-tls"
+    assert {"server auth", "client auth"} <= set(spec["usages"])
+    assert spec["issuerRef"] == {"name": "pdserve-ca", "kind": "ClusterIssuer",
+                                 "group": "cert-manager.io"}
+    assert spec["privateKey"] == {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"}
+    deployments, services = by_kind(docs, "Deployment"), by_kind(docs, "Service")
+    for role in ("prefill", "decode"):
+        worker = deployments[f"pd-pdserve-{role}"]
+        assert "PDSERVE_ADVERTISE_HOST" not in env_of(worker)  # the command sets it
+        for pod_ip in ("10.1.2.3", "fd00::2:1"):
+            host = advertised_host(worker, pod_ip, tmp_path)
+            dashed = pod_ip.replace(".", "-").replace(":", "-")
+            assert host == f"{dashed}.pd-pdserve-{role}.serving.svc.cluster.local"
+            assert valid_for(cert, host), host
+        # ... a name that resolves while the worker loads and while it drains
+        assert services[f"pd-pdserve-{role}"]["spec"]["publishNotReadyAddresses"] is True
+    for name in PDSERVE_DEPLOYMENTS:  # etcd, as every process dials it
+        etcd = urlsplit(env_of(deployments[name])["PDSERVE_ETCD"])
+        assert etcd.scheme == "https" and valid_for(cert, str(etcd.hostname))
+    for var in ("ETCD_ADVERTISE_CLIENT_URLS", "ETCD_INITIAL_ADVERTISE_PEER_URLS"):
+        assert valid_for(cert, str(urlsplit(etcd_env(docs)[var]).hostname))
+    assert valid_for(cert, "127.0.0.1")  # the probes, inside each pod
+    assert not valid_for(cert, "10-1-2-3.other.serving.svc.cluster.local")
+    assert not valid_for(cert, "a.10-1-2-3.pd-pdserve-prefill.serving.svc.cluster.local")
+    own = render(chart, {"tls": {**CERT_MANAGER["tls"], "clusterDomain": "corp.internal",
+                                 "certManager": {**CERT_MANAGER["tls"]["certManager"],
+                                                 "extraDnsNames": ["etcd.db.corp"]}}})
+    (cert,) = by_kind(own, "Certificate").values()
+    worker = by_kind(own, "Deployment")["pd-pdserve-decode"]
+    host = advertised_host(worker, "10.1.2.3", tmp_path)
+    assert host.endswith(".svc.corp.internal") and valid_for(cert, host)
+    assert valid_for(cert, "etcd.db.corp")
+
+
+def test_tls_gives_every_pdserve_container_the_files_and_require_tls(chart: Any) -> None:
+    docs = render(chart, CERT_MANAGER)
+    deployments = by_kind(docs, "Deployment")
+    for name in PDSERVE_DEPLOYMENTS:
+        env = env_of(deployments[name])
+        assert env["PDSERVE_REQUIRE_TLS"] == "true"
+        for var, key in TLS_ENV.items():
+            assert env[var] == f"/etc/pdserve/tls/{key}"
+            assert mounted_secret(deployments[name], env[var]) == "pd-pdserve-tls"
+    # The router's client and admin ports stay plaintext HTTP, probed as before.
+    router = container(deployments["pd-pdserve-router"])
+    assert router["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    relaxed = render(chart, {"tls": {**CERT_MANAGER["tls"], "require": False}})
+    for deployment in by_kind(relaxed, "Deployment").values():
+        assert env_of(deployment)["PDSERVE_REQUIRE_TLS"] == "false"
+
+
+def test_tls_workers_are_probed_by_pdserve_health_with_their_files(chart: Any) -> None:
+    """kubelet's gRPC probe cannot present a client certificate: `pdserve health` asks,
+    in the container (its PDSERVE_TLS_* files), at 127.0.0.1 (which the certificate names)."""
+    parser = build_parser()
+    for role in ("prefill", "decode"):
+        worker = by_kind(render(chart, CERT_MANAGER), "Deployment")[f"pd-pdserve-{role}"]
+        main = container(worker)
+        grpc_port = next(p["containerPort"] for p in main["ports"] if p["name"] == "grpc")
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert "grpc" not in main[probe]
+            command = main[probe]["exec"]["command"]
+            assert command[0] == "pdserve"
+            args = parser.parse_args(command[1:])
+            assert args.command == "health"
+            assert args.healthcheck == HealthTarget("grpc", "127.0.0.1", grpc_port)
+            assert args.health_timeout_s < main[probe]["timeoutSeconds"]
+
+
+@pytest.mark.xfail(strict=True, reason="`pdserve health` takes no --tls-cert/--tls-key/"
+                   "--tls-ca yet (its gRPC probe is plaintext): a TLS worker fails it")
+def test_tls_worker_probes_read_the_pods_tls_files(chart: Any) -> None:
+    """The exec probe runs in the container: `pdserve health` must read the container's
+    PDSERVE_TLS_* variables to speak mutual TLS to the worker's gRPC port."""
+    parser = build_parser()
+    health = parser._subparsers._group_actions[0].choices["health"]  # type: ignore[union-attr]
+    reads = {FLAGS[a.option_strings[0][2:]].env for a in health._actions
+             if a.option_strings and a.option_strings[0][2:] in FLAGS}
+    worker = by_kind(render(chart, CERT_MANAGER), "Deployment")["pd-pdserve-decode"]
+    assert set(TLS_ENV) <= set(env_of(worker))  # the container has them ...
+    assert set(TLS_ENV) <= reads  # ... and the probe's command reads them
+
+
+def test_tls_etcd_serves_only_https_with_client_certificates(chart: Any, tmp_path: Path
+                                                             ) -> None:
+    """The chart's etcd, from its own rendered environment: it answers a client with a
+    certificate the CA signed, and refuses one without and a plaintext one."""
+    docs = render(chart, CERT_MANAGER)
+    (etcd,) = by_kind(docs, "StatefulSet").values()
+    env = etcd_env(docs)
+    for prefix in ("ETCD", "ETCD_PEER"):
+        assert env[f"{prefix}_CLIENT_CERT_AUTH"] == "true"
+        for var, key in (("CERT_FILE", "tls.crt"), ("KEY_FILE", "tls.key"),
+                         ("TRUSTED_CA_FILE", "ca.crt")):
+            assert env[f"{prefix}_{var}"] == f"/etc/pdserve/tls/{key}"
+            assert mounted_secret(etcd, env[f"{prefix}_{var}"]) == "pd-pdserve-tls"
+    for var in ("ETCD_LISTEN_CLIENT_URLS", "ETCD_ADVERTISE_CLIENT_URLS", "ETCD_LISTEN_PEER_URLS",
+                "ETCD_INITIAL_ADVERTISE_PEER_URLS"):
+        assert env[var].startswith("https://"), var
+    for probe in ("readinessProbe", "livenessProbe"):
+        command = container(etcd)[probe]["exec"]["command"]
+        assert command[0] == "etcdctl" and command[-2:] == ["endpoint", "health"]
+        assert {"--endpoints=https://127.0.0.1:2379", "--cacert=/etc/pdserve/tls/ca.crt",
+                "--cert=/etc/pdserve/tls/tls.crt", "--key=/etc/pdserve/tls/tls.key"} <= set(
+            command)
+
+    files = make_test_ca(tmp_path / "tls")  # names 127.0.0.1, where the local etcd listens
+    local = localize(env, {"/etc/pdserve/tls/tls.crt": Path(str(files.cert)),
+                           "/etc/pdserve/tls/tls.key": Path(str(files.key)),
+                           "/etc/pdserve/tls/ca.crt": Path(str(files.ca))}, tmp_path / "data")
+    with running_etcd(local, tmp_path / "etcd.log") as url:
+        assert url.startswith("https://127.0.0.1:")
+        assert tls_refusals(url, Path(str(files.ca))) == ["refused", "refused"]
+
+
+def test_tls_off_renders_no_certificate_and_plaintext_cluster(chart: Any) -> None:
+    docs = render(chart)
+    assert not by_kind(docs, "Certificate")
+    for deployment in by_kind(docs, "Deployment").values():
+        assert not {*TLS_ENV, "PDSERVE_REQUIRE_TLS"} & set(env_of(deployment))
+        assert env_of(deployment)["PDSERVE_ETCD"] == "http://pd-pdserve-etcd:2379"
+        pod = deployment["spec"]["template"]["spec"]
+        assert "tls" not in {v["name"] for v in pod["volumes"]}
+    env = etcd_env(docs)
+    assert env["ETCD_LISTEN_CLIENT_URLS"] == "http://0.0.0.0:2379"
+    assert not any(name.endswith(("_CERT_FILE", "_CERT_AUTH")) for name in env)
+    services = by_kind(docs, "Service")
+    assert "publishNotReadyAddresses" not in services["pd-pdserve-decode"]["spec"]
+
+
+def test_tls_from_an_existing_secret(chart: Any) -> None:
+    docs = render(chart, {"tls": {"enabled": True, "existingSecret": "our-tls"}})
+    assert not by_kind(docs, "Certificate")
+    for deployment in by_kind(docs, "Deployment").values():
+        assert mounted_secret(deployment, env_of(deployment)["PDSERVE_TLS_CA"]) == "our-tls"
+    (etcd,) = by_kind(docs, "StatefulSet").values()
+    assert mounted_secret(etcd, etcd_env(docs)["ETCD_TRUSTED_CA_FILE"]) == "our-tls"
+    external = render(chart, {"tls": {"enabled": True, "existingSecret": "our-tls"},
+                              "etcd": {"enabled": False,
+                                       "externalEndpoint": "https://etcd.db:2379"}})
+    assert not by_kind(external, "StatefulSet")
+    for deployment in by_kind(external, "Deployment").values():
+        assert env_of(deployment)["PDSERVE_ETCD"] == "https://etcd.db:2379"
+
+
+TLS_MISTAKES = {
+    "no certificate": ({"tls": {"enabled": True}}, "tls.existingSecret"),
+    "two certificates": ({"tls": {**CERT_MANAGER["tls"], "existingSecret": "ours"}},
+                         "not both"),
+    "cert-manager without tls": (
+        {"tls": {"certManager": CERT_MANAGER["tls"]["certManager"]}}, "needs tls.enabled"),
+    "ucx under require-tls": ({**CERT_MANAGER, "decode": {"transport": "ucx"}},
+                              "decode.transport ucx moves KV unencrypted"),
+    "a plaintext external etcd under require-tls": (
+        {**CERT_MANAGER, "etcd": {"enabled": False, "externalEndpoint": "http://etcd.db:2379"}},
+        "must be https://"),
+}
+
+
+@pytest.mark.parametrize(("values", "why"), TLS_MISTAKES.values(), ids=TLS_MISTAKES.keys())
+def test_tls_mistakes_fail_the_render_with_the_reason(chart: Any, values: dict[str, Any],
+                                                      why: str) -> None:
+    with pytest.raises(helm.HelmRenderError, match=re.escape(why)):
+        render(chart, values)
+
+
+def test_tls_without_require_allows_an_unencrypted_transport(chart: Any) -> None:
+    docs = render(chart, {"tls": {**CERT_MANAGER["tls"], "require": False},
+                          "decode": {"transport": "ucx"}})
+    assert env_of(by_kind(docs, "Deployment")["pd-pdserve-decode"])["PDSERVE_TRANSPORT"] == "ucx"

@@ -32,8 +32,11 @@ app.kubernetes.io/component: {{ .component }}
 
 {{- define "pdserve.etcdEndpoint" -}}
 {{- if .Values.etcd.enabled -}}
-http://{{ include "pdserve.etcdName" . }}:2379
+{{ ternary "https" "http" .Values.tls.enabled }}://{{ include "pdserve.etcdName" . }}:2379
 {{- else if .Values.etcd.externalEndpoint -}}
+{{- if and .Values.tls.enabled .Values.tls.require (not (hasPrefix "https://" .Values.etcd.externalEndpoint)) -}}
+{{ fail "tls.require: etcd.externalEndpoint must be https://HOST:PORT (an etcd serving TLS that trusts tls's CA)" }}
+{{- end -}}
 {{ .Values.etcd.externalEndpoint }}
 {{- else -}}
 {{ fail "etcd.enabled is false: set etcd.externalEndpoint (http://HOST:PORT)" }}
@@ -88,6 +91,16 @@ capabilities:
 - name: PDSERVE_MODEL
   value: {{ . | quote }}
 {{- end }}
+{{- if .Values.tls.enabled }}
+- name: PDSERVE_TLS_CERT
+  value: /etc/pdserve/tls/tls.crt
+- name: PDSERVE_TLS_KEY
+  value: /etc/pdserve/tls/tls.key
+- name: PDSERVE_TLS_CA
+  value: /etc/pdserve/tls/ca.crt
+- name: PDSERVE_REQUIRE_TLS
+  value: {{ .Values.tls.require | quote }}
+{{- end }}
 {{- end -}}
 
 {{- define "pdserve.clusterSecretVolume" -}}
@@ -101,4 +114,31 @@ capabilities:
 - name: cluster-secret
   mountPath: /etc/pdserve/cluster-secret
   readOnly: true
+{{- end -}}
+
+{{/* tls.enabled: the kubernetes.io/tls Secret (tls.crt, tls.key, ca.crt) every pod
+     mounts at /etc/pdserve/tls: tls.existingSecret, or the one the chart's cert-manager
+     Certificate writes (templates/tls.yaml). */}}
+{{- define "pdserve.tlsSecretName" -}}
+{{ .Values.tls.existingSecret | default (printf "%s-tls" (include "pdserve.fullname" .)) }}
+{{- end -}}
+
+{{- define "pdserve.tlsVolume" -}}
+- name: tls
+  secret:
+    secretName: {{ include "pdserve.tlsSecretName" . }}
+    defaultMode: 0440
+{{- end -}}
+
+{{- define "pdserve.tlsMount" -}}
+- name: tls
+  mountPath: /etc/pdserve/tls
+  readOnly: true
+{{- end -}}
+
+{{/* The name a worker pod advertises under tls (gRPC and KV): its IP, dashed, under its
+     role's headless Service, which the certificate covers with a wildcard. Include with
+     (dict "root" $ "service" NAME). */}}
+{{- define "pdserve.workerDnsSuffix" -}}
+{{ .service }}.{{ .root.Release.Namespace }}.svc.{{ .root.Values.tls.clusterDomain }}
 {{- end -}}
