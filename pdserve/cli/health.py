@@ -7,7 +7,9 @@ per image); the target says what to ask:
   200 only while a decode worker is servable);
 - ``grpc://HOST:PORT``: the standard ``grpc.health.v1`` ``Check`` of the whole server;
   healthy on SERVING (a worker says so once its engine is ready, NOT_SERVING while
-  it loads or drains). The health service is open without the cluster secret.
+  it loads or drains). The health service is open without the cluster secret; a
+  worker that serves TLS is asked over TLS with ``--tls-cert``/``--tls-key``/``--tls-ca``
+  (its certificate must name the host dialled: 127.0.0.1 in a pod's own probe).
 
 Every probe has a deadline; a refused, late or unhealthy answer is "unhealthy".
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+from pdserve.core.grpc_tls import GrpcTls
 
 DEFAULT_TARGET = "http://127.0.0.1:8000/health"
 SCHEMES = ("http", "grpc")
@@ -57,10 +61,10 @@ class HealthResult:
     detail: str  # what answered, or why nothing healthy did
 
 
-def probe(target: HealthTarget, timeout_s: float) -> HealthResult:
-    """Ask ``target`` once, within ``timeout_s``."""
+def probe(target: HealthTarget, timeout_s: float, tls: GrpcTls | None = None) -> HealthResult:
+    """Ask ``target`` once, within ``timeout_s``; a gRPC target over TLS with ``tls``."""
     if target.scheme == "grpc":
-        return _probe_grpc(target, timeout_s)
+        return _probe_grpc(target, timeout_s, tls)
     return _probe_http(target, timeout_s)
 
 
@@ -75,11 +79,13 @@ def _probe_http(target: HealthTarget, timeout_s: float) -> HealthResult:
     return HealthResult(response.status_code == 200, f"GET {url}: {response.status_code}")
 
 
-def _probe_grpc(target: HealthTarget, timeout_s: float) -> HealthResult:
+def _probe_grpc(target: HealthTarget, timeout_s: float, tls: GrpcTls | None) -> HealthResult:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(target.authority) as channel:
+    channel = (grpc.insecure_channel(target.authority) if tls is None
+               else grpc.secure_channel(target.authority, tls.channel_credentials()))
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)

@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("prepare-model", help=f"convert the default model ({DEFAULT_MODEL_NAME}) once")
     _command(sub, "health", "probe a router (HTTP /health) or a worker (gRPC health) once: "
              "exit 0 when healthy, 1 when not (container health checks)",
-             ("healthcheck", "health-timeout-s"))
+             ("healthcheck", "health-timeout-s", "tls-cert", "tls-key", "tls-ca"))
     certs = sub.add_parser("certs", help="a throwaway CA and one certificate it signed, for "
                            "--tls-cert/--tls-key/--tls-ca on every process of a test or compose "
                            "cluster", formatter_class=HelpFormatter)
@@ -189,9 +189,10 @@ def _run_up(args: argparse.Namespace, model: ResolvedModel) -> int:
 
 
 def _run_health(args: argparse.Namespace) -> int:
+    from pdserve.cli.configs import tls_files
     from pdserve.cli.health import probe
 
-    result = probe(args.healthcheck, args.health_timeout_s)
+    result = probe(args.healthcheck, args.health_timeout_s, tls_files(args).load())
     print(result.detail, file=sys.stdout if result.healthy else sys.stderr)
     return 0 if result.healthy else 1
 

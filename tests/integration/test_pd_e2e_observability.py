@@ -109,12 +109,15 @@ def test_every_worker_serves_vllm_and_connector_metrics_that_move_with_transfers
 
 def test_every_worker_answers_the_standard_grpc_health_check(pd_server: Server) -> None:
     """What a Kubernetes gRPC probe (or grpc_health_probe) asks: overall health, no
-    credentials (the standard service stays open under the cluster secret)."""
+    cluster secret (the standard service stays open under it); over TLS when the
+    cluster runs it (``pdserve health`` with the TLS files, as the chart's probe)."""
     view = httpx.get(pd_server.base_url.removesuffix("/v1") + "/workers", timeout=5).json()
     endpoints = {w["id"]: w["endpoint"] for w in view["workers"]}
     assert set(endpoints) == {"prefill-0", "decode-0"}
     for name, endpoint in endpoints.items():
-        with grpc.insecure_channel(endpoint) as channel:
+        tls = pd_server.tls
+        with (grpc.insecure_channel(endpoint) if tls is None
+              else grpc.secure_channel(endpoint, tls.channel_credentials())) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             for service in ("", "pdserve.v1.WorkerService"):
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)

@@ -472,8 +472,6 @@ def test_tls_workers_are_probed_by_pdserve_health_with_their_files(chart: Any) -
             assert args.health_timeout_s < main[probe]["timeoutSeconds"]
 
 
-@pytest.mark.xfail(strict=True, reason="`pdserve health` takes no --tls-cert/--tls-key/"
-                   "--tls-ca yet (its gRPC probe is plaintext): a TLS worker fails it")
 def test_tls_worker_probes_read_the_pods_tls_files(chart: Any) -> None:
     """The exec probe runs in the container: `pdserve health` must read the container's
     PDSERVE_TLS_* variables to speak mutual TLS to the worker's gRPC port."""

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.cli.health import HealthTarget
+from pdserve.cli.health import probe as health_probe
 from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.grpc_tls import GrpcTls, TlsFiles
 from pdserve.launch.sim_worker import start_sim_worker
@@ -77,6 +79,10 @@ async def test_mutual_tls_with_the_token(tls_files: TlsFiles) -> None:
                 await asyncio.to_thread(probe_health, endpoint, 3, SECRET, other)
         with pytest.raises(WorkerCallError, match="UNAUTHENTICATED"):  # TLS is not the token
             await asyncio.to_thread(probe_health, endpoint, 5, None, tls)
+        # ``pdserve health`` (a container's probe): the standard service, over TLS.
+        target = HealthTarget("grpc", "127.0.0.1", port)
+        assert (await asyncio.to_thread(health_probe, target, 5, tls)).healthy
+        assert not (await asyncio.to_thread(health_probe, target, 3)).healthy
     finally:
         await client.close()
         await server.stop(0)
