@@ -205,9 +205,9 @@ class PushInbox:
 
     def drop(self, transfer_id: str) -> None:
         """Free a transfer no load will take (the decode needed none of it); later
-        pushes of it are refused."""
-        self._remove(transfer_id)
-        with self._cond:
+        pushes of it are refused. One step: a push in between would stage it again."""
+        with self._cond:  # reentrant: _remove takes it too
+            self._remove(transfer_id)
             self._failed[transfer_id] = ("dropped by the decode", time.monotonic() + self._ttl_s)
 
     def _remove(self, transfer_id: str) -> None:
