@@ -118,7 +118,7 @@ def fuzz_port(target: KvTarget, num_inputs: int, seed: int = 0, concurrency: int
                     lambda i: send_input(target.peer, i, ANSWER_S, stall_limit), now),
                     strict=True):
                 report.outcomes[item.cls][outcome.kind] += 1
-            batch_staged = [i.xfer for i in now if i.may_stage and i.xfer]
+            batch_staged = [i.xfer for i in now if i.may_stage and i.xfer is not None]
             target.after_batch(batch_staged)
             if not target.alive():
                 report.crashes.append(f"listener stopped answering after input {start + BATCH}")
@@ -128,7 +128,7 @@ def fuzz_port(target: KvTarget, num_inputs: int, seed: int = 0, concurrency: int
             report.outcomes[item.cls][outcome.kind] += 1
             if item.cls == "stall":
                 report.stall_max_s = max(report.stall_max_s or 0.0, outcome.seconds)
-            if item.may_stage and item.xfer:
+            if item.may_stage and item.xfer is not None:
                 staged.append(item.xfer)
     report.leaks = target.settle(staged, stall_limit)
     report.crashes += target.crashes()
