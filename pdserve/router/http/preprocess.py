@@ -20,7 +20,12 @@ from pdserve.router.http.errors import (
     InvalidRequestError,
     ModelNotFoundError,
 )
-from pdserve.router.http.schemas import LOGIT_BIAS_LIMIT, ChatCompletionRequest, CompletionRequest
+from pdserve.router.http.schemas import (
+    LOGIT_BIAS_LIMIT,
+    ChatCompletionRequest,
+    CompletionRequest,
+    has_lone_surrogate,
+)
 from pdserve.router.http.structured import structured_output
 from pdserve.router.http.tools import (
     ToolCalling,
@@ -99,7 +104,7 @@ class Preprocessor:
         arrival_s = time.perf_counter() if arrival_s is None else arrival_s
         self._check_model(body.model)
         if isinstance(body.prompt, str):
-            prompt_ids = self._tokenizer.encode(body.prompt, add_special_tokens=True)
+            prompt_ids = self._encode(body.prompt, "prompt", add_special_tokens=True)
         else:
             prompt_ids = self._check_token_ids(body.prompt)
         max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
@@ -123,7 +128,7 @@ class Preprocessor:
             )
         except Exception as exc:  # templates raise anything (jinja errors, TypeError, ...)
             raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
-        prompt_ids = self._tokenizer.encode(str(text), add_special_tokens=False)
+        prompt_ids = self._encode(str(text), "messages", add_special_tokens=False)
         max_tokens = body.requested_max_tokens or self.max_model_len - len(prompt_ids)
         return self._build("chat", body, prompt_ids, max_tokens, arrival_s, request_id,
                            tools=tools)
@@ -141,6 +146,14 @@ class Preprocessor:
                 body.model_dump(mode="json", by_alias=True, exclude_unset=True))
         except ValueError as exc:  # vLLM's own validation (pydantic's included)
             raise InvalidRequestError(str(exc), param="tools") from exc
+
+    def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        """The prompt's token ids; text that is not valid Unicode (a lone surrogate,
+        which JSON can carry) is a 400 naming ``param``, not a tokenizer's TypeError."""
+        if has_lone_surrogate(text):
+            raise InvalidRequestError(f"{param}: not valid Unicode (a lone surrogate)",
+                                      param=param)
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _check_model(self, model: str) -> None:
         if model != self.served_model_name:

@@ -9,6 +9,7 @@ send extras this server does not know.
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar, Literal
 
 from pydantic import (
@@ -64,6 +65,9 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs, and OpenAI's top_logprobs limi
 MAX_N = 128
 MAX_CACHE_SALT_LENGTH = 128  # vLLM's
 CACHE_SALT_FORBIDDEN = ("@", "/", "\\", "\0")
+# JSON may carry a lone UTF-16 surrogate ("\ud800"): a Python str holds it, but it is
+# not text: no tokenizer, hash or UTF-8 encoder takes it.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 LOGIT_BIAS_LIMIT = 100.0
 
 def _is_default(value: object, defaults: tuple[object, ...]) -> bool:
@@ -149,12 +153,14 @@ class _SamplingRequest(BaseModel):
     @field_validator("cache_salt")
     @classmethod
     def _check_cache_salt(cls, value: str | None) -> str | None:
-        """vLLM's rules: non-empty, at most 128 characters, none of ``@ / \\`` or NUL."""
+        """vLLM's rules: non-empty, at most 128 characters, none of ``@ / \\`` or NUL;
+        and text (no lone surrogate)."""
         if value is not None and (not value or len(value) > MAX_CACHE_SALT_LENGTH
-                                  or any(c in value for c in CACHE_SALT_FORBIDDEN)):
+                                  or any(c in value for c in CACHE_SALT_FORBIDDEN)
+                                  or has_lone_surrogate(value)):
             raise ValueError("must be a non-empty string of at most "
                              f"{MAX_CACHE_SALT_LENGTH} characters without '@', '/', "
-                             "'\\' or NUL")
+                             "'\\', NUL or a lone surrogate")
         return value
 
     @field_validator("stop_token_ids")
@@ -311,3 +317,9 @@ def _field_error(param: str, message: str) -> PydanticCustomError:
     """A cross-field error that names ``param`` (``errors.py`` makes it ``error.param``)."""
     return PydanticCustomError("value_error", "{param}: {message}",
                                {"param": param, "message": message})
+
+
+def has_lone_surrogate(text: str) -> bool:
+    """``text`` holds a UTF-16 surrogate on its own (JSON's ``"\\ud800"``), so is not
+    valid Unicode."""
+    return _LONE_SURROGATE.search(text) is not None
