@@ -32,6 +32,7 @@ class SimCluster:
     engines: dict[str, Any]  # worker id -> its SimEngine
     index: PrefixIndex
     registry: CollectorRegistry
+    pool: WorkerPool | None = None  # the dispatcher's (None: a subclass that did not keep it)
 
 
 @contextlib.asynccontextmanager
@@ -56,7 +57,7 @@ async def sim_cluster(workers: Sequence[tuple[str, Role]], disagg: DisaggConfig,
     try:
         assert await wait_until_async(lambda: sum(f.num_resyncs for f in feeder.followers)
                                       == len(workers), 5)
-        yield SimCluster(dispatcher, engines, index, registry)
+        yield SimCluster(dispatcher, engines, index, registry, pool)
     finally:
         await feeder.close()
         await pool.close()

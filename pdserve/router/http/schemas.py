@@ -10,13 +10,14 @@ send extras this server does not know.
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -205,7 +206,10 @@ class CompletionRequest(_SamplingRequest):
     ``logprobs``: the top-k per token (0: the sampled token's alone); with ``echo``, the
     prompt's too."""
 
-    prompt: str | list[int]
+    prompt: Annotated[str | list[int], WithJsonSchema({"anyOf": [  # as _single_prompt reads it
+        {"type": "string"}, {"type": "array", "items": {"type": "integer"}},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1}],
+        "title": "Prompt"})]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
