@@ -20,7 +20,14 @@ from pdserve.core.cluster_secret import ClusterSecret, note_refusal, warn_if_ope
 from pdserve.kv_transfer.auth import AUTH_TIMEOUT_S, authenticate_client
 from pdserve.kv_transfer.threads import unpin_current_thread
 from pdserve.kv_transfer.tls import KvTls, TlsHandshakeError
-from pdserve.kv_transfer.wire import BadMessageError, TransferError, recv_msg, send_msg, tune
+from pdserve.kv_transfer.wire import (
+    BadMessageError,
+    TransferError,
+    linger,
+    recv_msg,
+    send_msg,
+    tune,
+)
 
 logger = logging.getLogger("pdserve.kv_transfer.control")
 
@@ -127,6 +134,7 @@ class ControlServer:
                 logger.debug("KV connection from %s: %s", peer, exc)
                 with contextlib.suppress(OSError):
                     send_msg(conn, {"ok": False, "error": str(exc)})
+                    linger(conn)  # so the answer is read, not lost to a reset
             except (OSError, TransferError, ValueError) as exc:  # incl. idle timeout
                 logger.debug("KV connection closed: %s", exc)
             except Exception:  # a handler's bug: this connection ends, the server serves on

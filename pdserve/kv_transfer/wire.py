@@ -170,6 +170,25 @@ def peer_closed(conn: socket.socket) -> bool:
         return True
 
 
+def linger(conn: socket.socket, timeout_s: float = 1.0, max_bytes: int = 1 << 20) -> None:
+    """Before closing ``conn`` on a peer whose bytes were not all read (a refused
+    message, a push payload after it): end our side, then read and drop what the peer
+    still sends, until its EOF, ``max_bytes`` or ``timeout_s``. Closed with unread
+    bytes, the kernel would reset the connection, and the peer could lose the error
+    answered just before."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        conn.shutdown(socket.SHUT_WR)
+        while max_bytes > 0 and (remaining := deadline - time.monotonic()) > 0:
+            conn.settimeout(remaining)
+            chunk = conn.recv(min(max_bytes, 1 << 16))
+            if not chunk:
+                return
+            max_bytes -= len(chunk)
+    except (OSError, ValueError):
+        return
+
+
 def tune(conn: socket.socket) -> None:
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
