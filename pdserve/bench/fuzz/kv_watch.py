@@ -78,14 +78,14 @@ class _Recorder(logging.Handler):
         self._note(f"handler failed: {record.msg}{detail}")  # the template: no peer address
 
 
-def server_threads() -> int:
-    """KV connection threads alive in this process."""
-    return sum(1 for t in threading.enumerate() if t.name == SERVER_THREAD)
+def server_threads(prefix: str = SERVER_THREAD) -> int:
+    """KV connection threads alive in this process (``prefix``: threads named so)."""
+    return sum(1 for t in threading.enumerate() if t.name.startswith(prefix))
 
 
-def wait_threads(baseline: int, timeout_s: float) -> int:
+def wait_threads(baseline: int, timeout_s: float, prefix: str = SERVER_THREAD) -> int:
     """The connection threads once they are back to ``baseline`` or ``timeout_s`` passed."""
     deadline = time.monotonic() + timeout_s
-    while (now := server_threads()) > baseline and time.monotonic() < deadline:
+    while (now := server_threads(prefix)) > baseline and time.monotonic() < deadline:
         time.sleep(0.05)
     return now

@@ -17,6 +17,7 @@ from pathlib import Path
 from pdserve.bench.fuzz.kv_driver import KvTarget, PortReport, fuzz_port
 from pdserve.bench.fuzz.kv_remote import RemoteTarget
 from pdserve.bench.fuzz.kv_target import InProcessTarget
+from pdserve.bench.fuzz.kv_watch import wait_threads
 from pdserve.bench.fuzz.report import as_json, render
 from pdserve.bench.tools.configs import FuzzConfig
 from pdserve.core.cluster_secret import ClusterSecret, optional_secret
@@ -41,6 +42,9 @@ def run(config: FuzzConfig) -> int:
                               ("kv+secret", ClusterSecret(os.urandom(32), "<fuzz>"))):
             reports.append(_fuzz(InProcessTarget(label, secret, config.idle_timeout_s,
                                                  config.seed), config, None))
+    # The transports' threads end before the interpreter does (the accept loop polls once
+    # a second): one still inside torch at exit can abort the process (seen once, rc 134).
+    wait_threads(0, 3.0, prefix="pdserve-kv")
     print(render(reports))
     if config.json:
         Path(config.json).write_text(json.dumps([as_json(r) for r in reports], indent=2))
