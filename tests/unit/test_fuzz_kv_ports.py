@@ -14,6 +14,7 @@ import pytest
 from pdserve.bench.fuzz.kv_client import frames, read_until_eof
 from pdserve.bench.fuzz.kv_driver import PortReport, fuzz_port
 from pdserve.bench.fuzz.kv_mutate import frame, frame_raw
+from pdserve.bench.fuzz.kv_remote import learn_compat
 from pdserve.bench.fuzz.kv_target import InProcessTarget
 from pdserve.bench.fuzz.report import render
 from pdserve.cli import bench
@@ -145,3 +146,13 @@ def test_the_cli_prints_the_table_and_exits_0(capsys: pytest.CaptureFixture[str]
     assert "kv+secret" in out and "pull+push ok" in out
     assert bench.main(["fuzz", "--target", "nohost"]) == 2
     assert "--target must be HOST:PORT" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_a_remote_port_tells_the_compat_its_hello_takes(secret: ClusterSecret | None) -> None:
+    """``--target`` learns the hello a worker accepts from its refusal of an empty one."""
+    target = InProcessTarget("kv", secret, IDLE_S)
+    try:
+        assert learn_compat(target.peer.host, target.peer.port, secret) == target.peer.compat
+    finally:
+        target.close()

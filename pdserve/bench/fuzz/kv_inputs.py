@@ -63,14 +63,13 @@ class KvInput:
     end: str = "eof"
     xfer: str | None = None
     may_stage: bool = False
+    unknown_request: bool = False  # a pull or release of a request never leased here
 
     @property
     def slow(self) -> bool:
         """The server may hold it for a while: a stall, or a pull or release that names
-        a request this port never leased (the lease wait)."""
-        return self.cls in ("slow", "stall") or self._unknown_request
-
-    _unknown_request: bool = False
+        a request this port never leased (it waits for the lease first)."""
+        return self.cls in ("slow", "stall") or self.unknown_request
 
 
 def make(rng: random.Random, cls: str, surface: KvSurface, serial: int) -> KvInput:
@@ -78,7 +77,7 @@ def make(rng: random.Random, cls: str, surface: KvSurface, serial: int) -> KvInp
     auth = surface.secret and cls != "auth"
     item = _MAKERS[cls](rng, surface, serial, auth)
     if cls == "malformed" and _names_unknown_request(item.data, surface):
-        item = dataclasses.replace(item, _unknown_request=True)
+        item = dataclasses.replace(item, unknown_request=True)
     return item
 
 

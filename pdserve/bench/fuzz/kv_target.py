@@ -116,11 +116,11 @@ class InProcessTarget:
                                     compat=self.compat, host="127.0.0.1", port=0)
         # A stall inside the challenge is dropped by the challenge's own deadline.
         self.stall_deadline_s = max(idle_timeout_s, AUTH_TIMEOUT_S if secret else 0.0)
-        self.peer = Peer("127.0.0.1", port, self._full_compat(port), secret)
+        self.peer = Peer("127.0.0.1", port, self._full_compat(), secret)
         for req in ENDED:
             self.leases.finish(req)  # ended before it arrived: later pulls refused at once
 
-    def _full_compat(self, port: int) -> dict[str, Any]:
+    def _full_compat(self) -> dict[str, Any]:
         """The compat a hello must carry: the server adds its transport and version."""
         return dict(self.compat, protocol_version=PROTOCOL_VERSION, transport="tcp")
 
