@@ -142,14 +142,19 @@ def test_api_keys_are_tenants_that_share_no_cached_tokens(
     """Forced on the engine: the second request of a tenant finds the prompt in the
     engine's prefix cache (decode's for ``local``, prefill's for ``remote``); the
     other tenant's, with no ``cache_salt`` or with one chosen to collide with the first
-    tenant's (its derived salt, or its key), finds nothing, and neither does an
-    unsalted request through the cluster's own router; the second tenant then hits its
-    own cache."""
+    tenant's (its derived salt's hash part, or its key), finds nothing, and neither does
+    an unsalted request through the cluster's own router; the derived salt itself is
+    refused even there (no isolation: a client's salt passes through, but no client
+    salt may start with ``@``); the second tenant then hits its own cache."""
     one, two = KEYS
     assert _cached(keyed_router, path, one) == 0
     assert _cached(keyed_router, path, one) >= 128
     assert _cached(keyed_router, path, two) == 0
-    for salt in (tenant_salt(one.encode()), one):
+    derived = tenant_salt(one.encode())
+    for salt in (derived.removeprefix("@"), one):
         assert _cached(keyed_router, path, two, salt) == 0
     assert _cached(pd_server.base_url, path, None) == 0
+    refused = httpx.post(f"{pd_server.base_url}/completions", timeout=30, json={
+        "model": MODEL, "prompt": TEXTS[path], "max_tokens": 2, "cache_salt": derived})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "cache_salt"
     assert _cached(keyed_router, path, two) >= 128

@@ -9,8 +9,11 @@ cached KV anywhere in the cluster (``core.block_hash.salt_root``, vLLM's own
 tenant what another sent.
 
 A client cannot reach another tenant's salt by its own ``cache_salt``: under isolation
-its own salt is always hashed with its tenant's (``salted``), and the salts never leave
-the cluster. ``ApiKeyMiddleware`` puts the salt in the request's ASGI scope
+its own salt is always hashed with its tenant's (``salted``); and every salt derived
+here starts with ``@``, which a client's own salt may not hold (vLLM's rule, a 400), so
+even through a router without isolation on the same workers, no client salt equals a
+tenant's (a tenant name is public, on ``/metrics``; the derivation is in this file).
+``ApiKeyMiddleware`` puts the salt in the request's ASGI scope
 (``TENANT_SALT``) once the key matched; the endpoints fold it into the body
 (``salted``)."""
 
@@ -27,14 +30,16 @@ TENANT_SALT = "pdserve.tenant_salt"  # the ASGI scope key
 _LABEL = b"pdserve-tenant-salt/v1"
 _NAME_LABEL = b"pdserve-tenant-name-salt/v1"  # another label: no key salts as a name does
 SALT_CHARS = 32  # hex characters: 128 bits
+# Derived salts only: a client's own cache_salt is refused with it (schemas.py).
+DERIVED = "@"
 
 
 def tenant_salt(api_key: bytes) -> str:
-    return hmac.new(_LABEL, api_key, sha256).hexdigest()[:SALT_CHARS]
+    return DERIVED + hmac.new(_LABEL, api_key, sha256).hexdigest()[:SALT_CHARS]
 
 
 def tenant_name_salt(name: str) -> str:
-    return hmac.new(_NAME_LABEL, name.encode(), sha256).hexdigest()[:SALT_CHARS]
+    return DERIVED + hmac.new(_NAME_LABEL, name.encode(), sha256).hexdigest()[:SALT_CHARS]
 
 
 def salted(scope: dict[str, Any], cache_salt: str | None) -> str | None:
@@ -46,4 +51,4 @@ def salted(scope: dict[str, Any], cache_salt: str | None) -> str | None:
     if cache_salt is None:
         return tenant
     both = blake2b(f"{tenant}\0{cache_salt}".encode(), digest_size=SALT_CHARS // 2)
-    return both.hexdigest()
+    return DERIVED + both.hexdigest()
