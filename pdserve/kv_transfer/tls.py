@@ -18,12 +18,15 @@ The cluster secret's challenge (``auth.py``), when there is one, runs inside TLS
 from __future__ import annotations
 
 import functools
+import logging
 import socket
 import ssl
 from dataclasses import dataclass
 
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.kv_transfer.wire import TransferError, set_deadline
+
+logger = logging.getLogger("pdserve.kv_transfer.tls")
 
 
 class TlsHandshakeError(TransferError):
@@ -49,14 +52,23 @@ class KvTls:
 
 
 def load_kv_tls(files: TlsFiles) -> KvTls | None:
-    """The contexts, or None without TLS files; ``ValueError`` for anything but all
-    three files (KV peers are both servers and clients) or a file that does not load."""
+    """The contexts, or None for plaintext KV: without TLS files, or without all three
+    (KV peers are both servers and clients, so KV TLS is mutual; gRPC TLS alone, e.g.
+    ``--tls-cert``/``--tls-key`` on a worker, keeps working as before, and the process
+    says once that its KV stays plaintext; ``--require-tls`` needs all three files).
+    ``ValueError`` for a file that does not load."""
     if not files.enabled:
         return None
     if not files.mutual:
-        raise ValueError("TLS on KV connections is mutual: give --tls-cert, --tls-key "
-                         "and --tls-ca (the same files serve gRPC)")
+        _warn_plaintext_kv()
+        return None
     return _load(files)
+
+
+@functools.cache
+def _warn_plaintext_kv() -> None:
+    logger.warning("KV connections stay plaintext: TLS on them is mutual and needs "
+                   "--tls-cert, --tls-key and --tls-ca (gRPC uses the files given)")
 
 
 @functools.lru_cache(maxsize=4)

@@ -105,6 +105,9 @@ class UpConfig:
         if self.transport not in transport_names():
             raise ValueError(f"unknown KV transport {self.transport!r}; valid transports: "
                              f"{', '.join(transport_names())}")
+        if self.tls.required and self.transport != "tcp" and not self.simulated:
+            raise ValueError(f"--require-tls: the {self.transport} transport moves KV bytes "
+                             "outside the TLS control channel, unencrypted; use --transport tcp")
         if self.metrics_targets_file and not Path(self.metrics_targets_file).parent.is_dir():
             raise ValueError(f"--metrics-targets-file {self.metrics_targets_file}: no such "
                              "directory")

@@ -167,8 +167,9 @@ def test_require_tls_refuses_a_transport_whose_bytes_bypass_it(files: TlsFiles) 
         ConnectorConfig(engine_id="w", transport="ucx", require_tls=True, **tls)
     with pytest.raises(ValueError, match="--require-tls needs"):
         ConnectorConfig(engine_id="w", require_tls=True)
-    with pytest.raises(ValueError, match="mutual"):
-        ConnectorConfig(engine_id="w", tls_ca=files.ca)
+    # gRPC-only TLS files (no client certificate, or no CA) keep KV plaintext, as before.
+    assert ConnectorConfig(engine_id="w", tls_ca=files.ca).kv_tls() is None
+    assert ConnectorConfig(engine_id="w", tls_cert=files.cert, tls_key=files.key).kv_tls() is None
     config = ConnectorConfig(engine_id="w", require_tls=True, **tls)
     assert config.transport_options().tls is not None
     assert "BEGIN" not in repr(config.transport_options())  # no key material in a repr
@@ -235,3 +236,13 @@ def _relay(port: int) -> tuple[int, bytearray]:
 
     threading.Thread(target=accept, daemon=True).start()
     return int(listener.getsockname()[1]), seen
+
+
+def test_up_refuses_require_tls_with_a_transport_that_bypasses_it(files: TlsFiles) -> None:
+    """At start, once, rather than in every worker it would restart."""
+    from pdserve.launch.up import UpConfig
+
+    required = TlsFiles(files.cert, files.key, files.ca, required=True)
+    with pytest.raises(ValueError, match="torch transport moves KV bytes"):
+        UpConfig(model="/m", transport="torch", tls=required)
+    assert UpConfig(model="/m", transport="tcp", tls=required).tls.required
