@@ -158,9 +158,10 @@ def test_a_comment_or_blank_entry_is_nothing() -> None:
 def test_no_key_shows_in_a_configs_repr() -> None:
     """A logged config, or a traceback's locals, never carries a key."""
     from pdserve.router.http.edge_config import EdgeConfig
-    from pdserve.router.http.tenant_table import TenantSpec
+    from pdserve.router.http.tenant_table import KeyEntry, TenantSpec
 
     key = "sk-never-shown-0123"
     spec = TenantSpec("acme", (key,))
     edge = EdgeConfig(api_keys=(key,), admin_keys=(key,), tenants=(spec,))
     assert key not in repr(edge) and key not in repr(spec)
+    assert key not in repr(KeyEntry(key, "acme"))

@@ -315,24 +315,22 @@ def run(args: TransferConfig) -> int:
                 names.remove("torch")
             else:
                 server_device = "cuda:1"  # every transport's server then sits on cuda:1
-    tls = tls_dir = facts = None
-    if any(n.endswith(TLS_SUFFIX) for n in names):
-        tls_dir = tempfile.TemporaryDirectory(prefix="pdserve-bench-tls-")
-        tls = make_test_ca(Path(tls_dir.name))
-        facts = tls_facts(load_kv_tls(tls) or _no_tls())
-        print(f"TLS: {facts['protocol']} {facts['cipher']} ({facts['openssl']}); CPU "
-              + " ".join(f"{'+' if has else '-'}{f}" for f, has in facts["cpu_aes"].items()))
-    rows: list[Row] = []
-    for dtype_name in args.dtypes.split(","):
-        rows += run_dtype(dtype_name, names, tokens, args.reps, args.checksum, device,
-                          server_device, tls)
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-tls-") as folder:  # the key too
+        tls = facts = None
+        if any(n.endswith(TLS_SUFFIX) for n in names):
+            tls = make_test_ca(Path(folder))
+            facts = tls_facts(load_kv_tls(tls) or _no_tls())
+            print(f"TLS: {facts['protocol']} {facts['cipher']} ({facts['openssl']}); CPU "
+                  + " ".join(f"{'+' if has else '-'}{f}" for f, has in facts["cpu_aes"].items()))
+        rows: list[Row] = []
+        for dtype_name in args.dtypes.split(","):
+            rows += run_dtype(dtype_name, names, tokens, args.reps, args.checksum, device,
+                              server_device, tls)
     verdict(rows, names)
     share = ttft_share(args)
     RESULTS_DIR.mkdir(exist_ok=True)
     out = RESULTS_DIR / f"transfer-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps({"args": asdict(args), "rows": [asdict(r) for r in rows],
                                "ttft_share": share, "tls": facts}, indent=2))
-    if tls_dir is not None:
-        tls_dir.cleanup()
     print(f"results: {out}")
     return 0

@@ -93,7 +93,7 @@ class TenantSpec:
 
 @dataclass(frozen=True)
 class KeyEntry:
-    key: str
+    key: str = field(repr=False)
     tenant: str | None = None
     limits: TenantLimits = TenantLimits()
 
