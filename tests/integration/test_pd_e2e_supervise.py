@@ -68,7 +68,9 @@ def test_sigkilled_prefill_worker_is_restarted_and_rejoins_while_answers_stay_ex
     back = _worker(pd_server, "prefill-0")
     assert back is not None and back.pid != victim.pid
     assert [w["endpoint"] for w in pd_server.workers("prefill")] == [endpoint]
-    assert pd_server.log_lines("prefill-0 is back (restart 1)")
+    # up says so at its next probe of the child (the router may have seen it first:
+    # on etcd a worker is placeable once it registers).
+    assert wait_until(lambda: pd_server.log_lines("prefill-0 is back (restart 1)"), 15)
     for case, want in zip(CASES, reference, strict=True):  # and P/D again
         assert run_case(client, case)[1] == want
 
