@@ -69,11 +69,12 @@ def authenticate_to_server(conn: socket.socket, secret: ClusterSecret, deadline:
         raise AuthError(f"KV peer {peer} does not hold this cluster's secret")
 
 
-def authenticate_client(conn: socket.socket, secret: ClusterSecret, peer: str) -> bool:
+def authenticate_client(conn: socket.socket, secret: ClusterSecret, peer: str,
+                        timeout_s: float = AUTH_TIMEOUT_S) -> bool:
     """Server side, on a fresh connection: whether the client proved the secret.
     A refusal is answered (so the client can say why), counted and logged; the
     caller then closes the connection without serving anything on it."""
-    deadline = time.monotonic() + AUTH_TIMEOUT_S  # bounds the whole exchange, not each read
+    deadline = time.monotonic() + timeout_s  # bounds the whole exchange, not each read
     try:
         reason = _challenge(conn, secret, deadline)
     except (OSError, TransferError, ValueError) as exc:

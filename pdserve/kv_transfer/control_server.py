@@ -53,6 +53,9 @@ class ControlServer:
                  idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
         self._hello = hello
         self._idle_timeout_s = idle_timeout_s
+        # A fresh connection's TLS handshake and secret challenge: never longer than the
+        # idle timeout lets an established connection send nothing.
+        self._login_timeout_s = min(AUTH_TIMEOUT_S, idle_timeout_s)
         self._open_ops = open_ops
         self._gated_ops = gated_ops
         self._stop = stop
@@ -102,14 +105,15 @@ class ControlServer:
         unpin_current_thread()
         if self._tls is not None:
             try:  # the handshake is bounded like the secret's challenge
-                conn = self._tls.accept(conn, time.monotonic() + AUTH_TIMEOUT_S)
+                conn = self._tls.accept(conn, time.monotonic() + self._login_timeout_s)
             except TlsHandshakeError as exc:
                 note_refusal("kv", "tls handshake failed", peer)
                 logger.debug("KV connection from %s refused: %s", peer, exc)
                 return
         verified = False
         with conn, self._tracked(conn):
-            if self._secret is not None and not authenticate_client(conn, self._secret, peer):
+            if self._secret is not None and not authenticate_client(
+                    conn, self._secret, peer, self._login_timeout_s):
                 return
             try:
                 while not self._stop.is_set():
