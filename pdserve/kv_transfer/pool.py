@@ -10,9 +10,9 @@ import time
 from typing import Any
 
 from pdserve.core.cluster_secret import ClusterSecret
-from pdserve.kv_transfer.auth import AuthError, authenticate_to_server
 from pdserve.kv_transfer.base import PeerAddress
-from pdserve.kv_transfer.tls import KvTls, TlsHandshakeError
+from pdserve.kv_transfer.dial import dial
+from pdserve.kv_transfer.tls import KvTls
 from pdserve.kv_transfer.wire import (
     IncompatiblePeerError,
     TransferError,
@@ -20,7 +20,6 @@ from pdserve.kv_transfer.wire import (
     recv_msg,
     send_msg,
     set_deadline,
-    tune,
 )
 
 
@@ -51,30 +50,14 @@ class ConnectionPool:
                 if time.monotonic() - last_used < self._max_idle_s and not dropped(conn):
                     return conn
                 conn.close()  # the peer may have dropped it already
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TransferError(f"deadline exceeded before connecting to {peer}")
+        conn = dial(peer, deadline, self._secret, self._tls)
         try:
-            conn = socket.create_connection((peer.host, peer.port), timeout=remaining)
-        except OSError as exc:
-            raise TransferError(f"cannot reach KV peer {peer}: {exc}") from exc
-        try:
-            tune(conn)
-            if self._tls is not None:
-                conn = self._tls.connect(conn, peer.host, deadline)
-            if self._secret is not None:
-                authenticate_to_server(conn, self._secret, deadline, str(peer))
             set_deadline(conn, deadline)
             send_msg(conn, {"op": "hello", "compat": compat})
             check_reply(recv_msg(conn), f"handshake with {peer}")
         except IncompatiblePeerError as exc:
             conn.close()
             raise IncompatiblePeerError(f"KV peer {peer} refused the handshake: {exc}") from None
-        except TlsHandshakeError as exc:
-            raise TlsHandshakeError(f"KV peer {peer}: {exc}") from None
-        except AuthError:
-            conn.close()
-            raise
         except (OSError, TransferError) as exc:
             conn.close()
             raise TransferError(f"handshake with KV peer {peer} failed: {exc}") from exc

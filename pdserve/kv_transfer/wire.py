@@ -13,11 +13,7 @@ import ssl
 import struct
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from pdserve.core.cluster_secret import ClusterSecret
-    from pdserve.kv_transfer.tls import KvTls
+from typing import Any
 
 # 2: every pull ends with a trailer message (bytes, optional checksum).
 PROTOCOL_VERSION = 2
@@ -117,27 +113,6 @@ def compare_compat(local: dict[str, Any], remote: dict[str, Any], local_name: st
         if local.get(key) != remote.get(key)
     ]
     return "incompatible KV peers (" + "; ".join(diffs) + ")" if diffs else None
-
-
-def request_once(host: str, port: int, msg: dict[str, Any], timeout_s: float,
-                 secret: ClusterSecret | None = None, tls: KvTls | None = None
-                 ) -> dict[str, Any]:
-    """One control exchange on a fresh connection (release, status): over mutual TLS
-    with ``tls``, authenticated first when the cluster has a ``secret``."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        raw = socket.create_connection((host, port), timeout=timeout_s)
-        sock = raw if tls is None else tls.connect(raw, host, deadline)  # closes on failure
-        with sock:
-            if secret is not None:
-                from pdserve.kv_transfer.auth import authenticate_to_server
-
-                authenticate_to_server(sock, secret, deadline, f"{host}:{port}")
-            set_deadline(sock, deadline)
-            send_msg(sock, msg)
-            return check_reply(recv_msg(sock), str(msg.get("op")))
-    except OSError as exc:
-        raise TransferError(f"KV endpoint {host}:{port} unreachable: {exc}") from exc
 
 
 def wait_done(done: Callable[[], bool], deadline: float, what: str,

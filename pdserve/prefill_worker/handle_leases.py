@@ -12,8 +12,9 @@ import logging
 
 from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.handle import KVHandle
+from pdserve.kv_transfer.dial import request_once
 from pdserve.kv_transfer.tls import KvTls
-from pdserve.kv_transfer.wire import TransferError, request_once
+from pdserve.kv_transfer.wire import TransferError
 
 logger = logging.getLogger("pdserve.worker")
 _CONTROL_TIMEOUT_S = 10.0

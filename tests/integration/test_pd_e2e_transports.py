@@ -28,7 +28,7 @@ from pdserve_testing import Server, wait_until
 
 from pdserve.core.dtype import resolve_dtype
 from pdserve.core.types import WorkerLoadReport
-from pdserve.kv_transfer.wire import request_once
+from pdserve.kv_transfer.dial import request_once
 from pdserve.router.dispatch.worker_client import probe_health
 
 pytestmark = pytest.mark.integration

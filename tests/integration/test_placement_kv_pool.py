@@ -28,7 +28,7 @@ from pdserve_testing import Server, wait_until
 
 from pdserve.core.handle import PoolSource
 from pdserve.core.types import PhaseRequest, SamplingSpec, WorkerLoadReport
-from pdserve.kv_transfer.wire import request_once
+from pdserve.kv_transfer.dial import request_once
 from pdserve.router.dispatch.worker_client import WorkerClient, probe_health, probe_load
 
 pytestmark = [pytest.mark.integration,

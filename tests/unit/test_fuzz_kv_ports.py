@@ -19,7 +19,7 @@ from pdserve.bench.fuzz.kv_target import InProcessTarget
 from pdserve.bench.fuzz.report import render
 from pdserve.cli import bench
 from pdserve.core.cluster_secret import ClusterSecret
-from pdserve.kv_transfer.wire import request_once
+from pdserve.kv_transfer.dial import request_once
 
 SECRET = ClusterSecret(b"fuzz-test-secret-0123456789abcdef")
 IDLE_S = 1.0

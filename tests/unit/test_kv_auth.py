@@ -25,10 +25,11 @@ from pdserve.core.cluster_secret import (
 from pdserve.kv_transfer.auth import AuthError, authenticate_to_server
 from pdserve.kv_transfer.base import KVTransport, PeerAddress, TransportOptions, create_transport
 from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.kv_transfer.dial import request_once
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.push_inbox import PushInbox
-from pdserve.kv_transfer.wire import TransferError, recv_msg, request_once, send_msg
+from pdserve.kv_transfer.wire import TransferError, recv_msg, send_msg
 
 RIGHT = ClusterSecret(b"the-cluster-secret-0123456789")
 WRONG = ClusterSecret(b"another-cluster-secret-98765")

@@ -23,9 +23,10 @@ from pdserve.core.cluster_secret import ClusterSecret, num_refusals
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.kv_transfer.base import KVTransport, PeerAddress, TransportOptions
 from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.kv_transfer.dial import request_once
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.tls import KvTls, TlsHandshakeError, load_kv_tls
-from pdserve.kv_transfer.wire import TransferError, recv_msg, request_once, send_msg
+from pdserve.kv_transfer.wire import TransferError, recv_msg, send_msg
 
 SRC, DST = [1, 2, 3], [4, 5, 6]
 SECRET = ClusterSecret(b"the-cluster-secret-0123456789")

@@ -27,10 +27,11 @@ from pdserve.bench.fuzz.kv_watch import CrashWatch, Leaks, wait_threads
 from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.kv_transfer.auth import AUTH_TIMEOUT_S
 from pdserve.kv_transfer.base import TransportOptions, create_transport
+from pdserve.kv_transfer.dial import request_once
 from pdserve.kv_transfer.layout import KVLayout, chunk_views
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.push_inbox import PushInbox
-from pdserve.kv_transfer.wire import PROTOCOL_VERSION, TransferError, request_once
+from pdserve.kv_transfer.wire import PROTOCOL_VERSION, TransferError
 
 NUM_BLOCKS = 32
 NUM_LAYERS = 4
