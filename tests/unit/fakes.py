@@ -164,6 +164,16 @@ def fake_logprobs(token_id: int) -> TokenLogprobs:
                                     (token_id + 2, float("-inf"), 3)))
 
 
+class Clock:
+    """A clock a test moves by hand (``clock.now += 5``), for code given a clock."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
     """Poll ``condition`` until it holds or the deadline passes; return its last value."""
     deadline = time.monotonic() + timeout_s

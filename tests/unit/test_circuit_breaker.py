@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from unit.dispatch_cluster import PROMPT, collect, spec
 from unit.fake_worker import WorkerScript, start_fake_worker
+from unit.fakes import Clock
 
 from pdserve.router.dispatch.base import RequestRejectedError, WorkerFailedError
 from pdserve.router.dispatch.breaker import BreakerConfig, CircuitBreaker
@@ -19,14 +20,6 @@ from pdserve.router.dispatch.placement import RoundRobinPlacement
 from pdserve.router.dispatch.workers import WorkerPool
 
 EJECTIONS = "pdserve:worker_ejections_total"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_threshold_failures_open_it_and_the_back_off_doubles_to_its_cap() -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 from prometheus_client import CollectorRegistry
+from unit.fakes import Clock
 
 from pdserve.launch.sim_worker import start_sim_worker
 from pdserve.router.dispatch.demand import DemandWindow
@@ -141,14 +142,6 @@ SHORTS = Mix(rate=2.0, long_share=0.0)
 LONGS = Mix(rate=0.6, long_share=0.8)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @contextlib.asynccontextmanager
 async def sim_cluster(num_prefill: int, num_decode: int
                       ) -> AsyncIterator[tuple[WorkerPool, list[object]]]:
@@ -178,7 +171,7 @@ async def simulate(pool: WorkerPool, phases: list[tuple[float, Mix]], seed: int 
     planner decides and may switch a worker (a real ``SetRole`` on a simulated worker).
     Returns the roles after every decision."""
     rng = random.Random(seed)
-    clock = Clock()
+    clock = Clock(0.0)
     demand = DemandWindow(CONFIG.window_s, clock)
     loop = PlannerLoop(CONFIG, pool, RoleSwitcher(pool), demand, SloConfig(itl_s=ITL_S),
                        CollectorRegistry(), clock)

@@ -17,7 +17,7 @@ import pytest_asyncio
 from pdserve_testing import etcd_keys
 from prometheus_client import CollectorRegistry
 from unit.fake_worker import eventually
-from unit.fakes import ROUTER_MODEL, asgi_http_client
+from unit.fakes import ROUTER_MODEL, Clock, asgi_http_client
 
 from pdserve.membership import MembershipConfig, create_election, leader_key
 from pdserve.membership.election import StaticElection
@@ -163,14 +163,6 @@ async def test_a_leader_whose_lease_is_lost_stops_leading_then_campaigns_again(
 
 
 # ---- planner loops driven by elections ------------------------------------------------
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
 
 class RecordingSwitcher:
     def __init__(self) -> None:

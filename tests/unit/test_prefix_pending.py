@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry
+from unit.fakes import Clock
 
 from pdserve.core.block_hash import chain_hashes
 from pdserve.router.dispatch.placement import CacheAwarePlacement, Choice, PlacementRequest
@@ -21,14 +22,6 @@ BS = 16
 PROMPT = list(range(5000, 5000 + 10 * BS + 5))  # 10 full blocks + 5 tokens
 HASHES = chain_hashes(PROMPT, BS)
 DECODE = [WorkerState("decode-0", "decode", healthy=True, worker_id="decode-0")]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def prefill(i: int, assigned: int = 0, tokens: int = 0) -> WorkerState:

@@ -19,6 +19,7 @@ from unit.dispatch_cluster import Cluster
 from unit.fakes import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
+    Clock,
     FakeDispatcher,
     chat_body,
     cmpl_body,
@@ -33,14 +34,6 @@ from pdserve.router.http.edge_config import EdgeConfig
 from pdserve.router.http.tenant_accounts import accounts_by_name
 from pdserve.router.http.tenant_limits import TenantLimiter, TokenBucket
 from pdserve.router.http.tenant_table import TenantLimits, TenantSpec
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_the_bucket_admits_until_in_debt_and_retry_after_is_the_time_to_repay() -> None:
