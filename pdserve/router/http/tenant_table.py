@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
+from typing import TypeVar
 
 DEFAULT_BURST_S = 1.0  # the bucket holds this many seconds of tokens_per_s
 MAX_TENANT_NAME = 64
 _NAME = re.compile(rf"[A-Za-z0-9_.-]{{1,{MAX_TENANT_NAME}}}")
 _KEY_LABEL = re.compile(r"key-[0-9]+")  # the labels of unnamed keys' tenants
 _FIELDS = ("tenant", "max_concurrent", "tokens_per_s", "burst")
+N = TypeVar("N", int, float)
 
 
 @dataclass(frozen=True)
@@ -139,8 +141,9 @@ def parse_key_entry(text: str) -> KeyEntry | None:
             raise ValueError(f"{name} given twice")
         found[name] = value
     tenant = found.pop("tenant", None)
-    limits = TenantLimits(_int(found, "max_concurrent"), _float(found, "tokens_per_s"),
-                          _float(found, "burst"))
+    limits = TenantLimits(_number(found, "max_concurrent", int, "an integer"),
+                          _number(found, "tokens_per_s", float, "a number"),
+                          _number(found, "burst", float, "a number"))
     if tenant is None and limits:
         raise ValueError("limits need tenant=<name>")
     return KeyEntry(key, None if tenant is None else check_tenant_name(tenant), limits)
@@ -197,17 +200,11 @@ def render_key_table(keys: Iterable[str], tenants: Iterable[TenantSpec]) -> list
     return entries
 
 
-def _int(found: dict[str, str], name: str) -> int | None:
+def _number(found: dict[str, str], name: str, parse: Callable[[str], N], what: str
+            ) -> N | None:
+    """``name``'s value parsed, None if absent; ``ValueError`` saying it must be ``what``."""
     text = found.get(name)
     try:
-        return None if text is None else int(text)
+        return None if text is None else parse(text)
     except ValueError:
-        raise ValueError(f"{name} must be an integer") from None
-
-
-def _float(found: dict[str, str], name: str) -> float | None:
-    text = found.get(name)
-    try:
-        return None if text is None else float(text)
-    except ValueError:
-        raise ValueError(f"{name} must be a number") from None
+        raise ValueError(f"{name} must be {what}") from None
