@@ -1,4 +1,5 @@
-"""Optional TLS on router→worker gRPC (``--tls-cert``, ``--tls-key``, ``--tls-ca``).
+"""Optional TLS on router→worker gRPC (``--tls-cert``, ``--tls-key``, ``--tls-ca``); the same
+files as an ``ssl`` context for the sockets that are not gRPC (KV connections, etcd's health).
 
 The cluster token (``grpc_auth``) proves who calls; TLS keeps the token and the
 prompts from eavesdroppers and proves to the router that it talks to a worker
@@ -15,6 +16,7 @@ whose certificate the CA signed. One set of flags serves both ends:
 from __future__ import annotations
 
 import functools
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +55,28 @@ class TlsFiles:
         files = [arg for name, path in (("--tls-cert", self.cert), ("--tls-key", self.key),
                                         ("--tls-ca", self.ca)) if path for arg in (name, path)]
         return [*files, "--require-tls"] if self.required else files
+
+    def ssl_context(self, server: bool) -> ssl.SSLContext:
+        """A mutual-TLS context of these files (the sockets' TLS: KV connections, etcd's
+        health check): a server requires a client certificate the CA signed, a client
+        verifies the server and its name; TLS 1.2 at least. ``ValueError`` names the
+        files (never their content) when one does not load."""
+        if not self.mutual:
+            raise ValueError("mutual TLS needs --tls-cert, --tls-key and --tls-ca")
+        assert self.cert and self.key and self.ca
+        try:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server
+                                     else ssl.PROTOCOL_TLS_CLIENT)
+            if server:
+                context.verify_mode = ssl.CERT_REQUIRED
+            context.minimum_version = ssl.TLSVersion.TLSv1_2
+            context.load_cert_chain(self.cert, self.key)
+            context.load_verify_locations(cafile=self.ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"cannot load the TLS files (--tls-cert {self.cert}, --tls-key, "
+                             f"--tls-ca {self.ca}): {getattr(exc, 'strerror', None) or exc}"
+                             ) from None
+        return context
 
     def load(self) -> GrpcTls | None:
         """The credentials' bytes, or None without TLS; ``ValueError`` names an unreadable file."""

@@ -73,22 +73,9 @@ def _warn_plaintext_kv() -> None:
 
 @functools.lru_cache(maxsize=4)
 def _load(files: TlsFiles) -> KvTls:
-    assert files.cert and files.key and files.ca
-    try:
-        server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        server.verify_mode = ssl.CERT_REQUIRED
-        server.num_tickets = 0
-        client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the peer and its name
-        for context in (server, client):
-            context.minimum_version = ssl.TLSVersion.TLSv1_2
-            context.load_cert_chain(files.cert, files.key)
-            context.load_verify_locations(cafile=files.ca)
-    except (OSError, ssl.SSLError) as exc:
-        # The reason, never the files' content.
-        raise ValueError(f"cannot load the TLS files (--tls-cert {files.cert}, --tls-key, "
-                         f"--tls-ca {files.ca}): {getattr(exc, 'strerror', None) or exc}"
-                         ) from None
-    return KvTls(server, client)
+    server = files.ssl_context(server=True)
+    server.num_tickets = 0
+    return KvTls(server, files.ssl_context(server=False))
 
 
 def _handshake(conn: ssl.SSLSocket, deadline: float) -> ssl.SSLSocket:

@@ -43,7 +43,7 @@ class LocalEtcd:
         # (cert, key, ca) as absolute paths (etcd runs in its own directory), and the
         # health check's client context; None: plaintext
         self._files = _tls_paths(tls) if tls is not None else None
-        self._health_tls = _client_context(*self._files) if self._files else None
+        self._health_tls = TlsFiles(*self._files).ssl_context(server=False) if self._files else None
         self.client_port = free_port()
         self.peer_port = free_port()
         self.data_dir = Path(tempfile.mkdtemp(prefix="pdserve-etcd-"))
@@ -118,13 +118,3 @@ def _tls_paths(tls: TlsFiles) -> tuple[str, str, str]:
                          "client certificates)")
     return (str(Path(tls.cert).resolve()), str(Path(tls.key).resolve()),
             str(Path(tls.ca).resolve()))
-
-
-def _client_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
-    """Verifies etcd against the CA and presents the client certificate."""
-    try:
-        context = ssl.create_default_context(cafile=ca)
-        context.load_cert_chain(cert, key)
-    except (OSError, ssl.SSLError) as exc:
-        raise ValueError(f"cannot load the etcd TLS files ({cert}, {ca}): {exc}") from None
-    return context
