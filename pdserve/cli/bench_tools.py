@@ -184,6 +184,42 @@ TOOLS: dict[str, Tool] = {
         ("--startup-timeout-s", {"type": float, "help": "up's --startup-timeout-s"}),
         ("--json", {"help": "write results here (default: in the log folder)"}),
     )),
+    "rollout": Tool("rollout", configs.RolloutConfig,
+                    "an RL rollout loop: a batch of n-sample chat completions, a weight "
+                    "update from disk, repeat; tokens/s, refit time, the dip under load", (
+        ("--url", {"help": "an existing cluster's router, http://HOST:PORT (default: "
+                   "start pdserve up on the default model, with an admin port)"}),
+        ("--admin-url", {"help": "with --url: its admin listener, http://HOST:PORT"}),
+        ("--api-key", {"help": "the router's API key"}),
+        ("--admin-key", {"help": "the admin listener's key"}),
+        ("--model-path", {"help": "the checkpoint folder the cluster serves (the rounds "
+                          "alternate between it and a perturbed copy)"}),
+        ("--checkpoint-dir", {"help": "where the perturbed copy goes, kept (reused when "
+                              "it holds one of this scale and seed; default: a "
+                              "folder in the cache, removed at the end)"}),
+        ("--rounds", {"type": int, "help": "generate-then-refit rounds"}),
+        ("--batch", {"type": int, "help": "prompts per round (the chat mix)"}),
+        ("--n", {"type": int, "help": "samples per prompt (OpenAI n)"}),
+        "--max-tokens",
+        ("--temperature", {"type": float, "help": "sampling temperature"}),
+        ("--load", {"type": int, "help": "background streams around each refit (0: none, "
+                    "no timeline)"}),
+        ("--load-max-tokens", {"type": int, "help": "output tokens per background request"}),
+        ("--window-s", {"type": float, "help": "the timeline's window"}),
+        ("--before-s", {"type": float, "help": "load before the refit call, and after "
+                        "its first new token"}),
+        ("--policy", {"choices": configs.ROLLOUT_POLICIES,
+                      "help": "in-flight requests at the switch"}),
+        ("--drain-timeout-s", {"type": float, "help": "drain: at most this long (default: "
+                               "the router's)"}),
+        ("--scale", {"type": float, "help": "the perturbed copy's noise, times each "
+                     "tensor's std"}),
+        ("--deadline-s", {"help": "a request or update unanswered after this long fails "
+                          "the run"}),
+        ("--startup-timeout-s", {"type": float, "help": "pdserve up's start"}),
+        "--dtype", "--seed",
+        ("--json", {"help": "write results here (default: bench/results/rollout-*.json)"}),
+    )),
     "fuzz": Tool("fuzz", configs.FuzzConfig,
                  "bad input on the KV port: random, truncated and malformed frames, ops "
                  "before the handshake, auth garbage, stalls; crashes, leaks, liveness", (

@@ -211,3 +211,54 @@ class FuzzConfig:
         """--target's host and port."""
         host, _, port = (self.target or "").rpartition(":")
         return host.strip("[]"), int(port)
+
+
+ROLLOUT_POLICIES = ("drain", "abort")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """``pdserve bench rollout``: generate a batch, refit, repeat (an RL loop's serving
+    side). Without ``url`` the bench starts ``pdserve up`` on the default model itself."""
+
+    url: str | None = None  # the router, e.g. http://127.0.0.1:8000 (default: start one)
+    admin_url: str | None = None  # its admin listener (needed with url)
+    api_key: str | None = None
+    admin_key: str | None = None
+    model_path: str | None = None  # the checkpoint the cluster serves (default: the default)
+    checkpoint_dir: str | None = None  # where the perturbed copy goes (default: the cache)
+    rounds: int = 3
+    batch: int = 8  # prompts per round
+    n: int = 4  # samples per prompt
+    max_tokens: int = 64
+    temperature: float = 1.0
+    load: int = 2  # background streams during each refit (0: no timeline)
+    load_max_tokens: int = 64
+    window_s: float = 0.5
+    before_s: float = 2.0  # load before each refit call, and after its first new token
+    policy: str = "drain"
+    drain_timeout_s: float | None = None
+    scale: float = 0.05  # the perturbed checkpoint's noise (pdserve.bench.checkpoints)
+    deadline_s: float = 300.0  # one request, or the refit call, unanswered this long: fails
+    startup_timeout_s: float = 900.0
+    dtype: str = "auto"
+    seed: int = 0
+    json: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROLLOUT_POLICIES:
+            raise ValueError(f"--policy {self.policy!r}: choose one of "
+                             f"{', '.join(ROLLOUT_POLICIES)}")
+        if (self.url is None) != (self.admin_url is None):
+            raise ValueError("--url and --admin-url go together (an existing cluster); "
+                             "give both, or neither to let the bench start one")
+        if min(self.rounds, self.batch, self.n, self.max_tokens, self.load_max_tokens) < 1:
+            raise ValueError("--rounds, --batch, --n, --max-tokens and --load-max-tokens "
+                             "must be >= 1")
+        if self.load < 0:
+            raise ValueError("--load must be >= 0")
+        if not (self.window_s > 0 and self.before_s >= self.window_s and self.deadline_s > 0):
+            raise ValueError("--window-s and --deadline-s must be > 0 and --before-s >= "
+                             "--window-s")
+        if self.n > 1 and self.temperature <= 0:
+            raise ValueError("--n > 1 needs --temperature > 0 (greedy samples are equal)")
