@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from hashlib import blake2b
 
 ROOT_HASH = 0
+# vLLM's name for the weights an engine started with (``EngineCore._weight_version``).
+DEFAULT_WEIGHT_VERSION = "default"
 _U32 = next(code for code in "IL" if array(code).itemsize == 4)  # token ids as uint32
 
 
@@ -39,6 +41,18 @@ def salt_root(cache_salt: str | None) -> int:
         return ROOT_HASH
     digest = blake2b(b"pdserve-cache-salt:" + cache_salt.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
+
+
+def versioned_salt(cache_salt: str | None, weight_version: str) -> str | None:
+    """The salt a request's KV is cached under while the cluster serves
+    ``weight_version``: the request's own until the first weight update (vLLM's
+    ``"default"`` version), then the version joined to it. So KV computed under other
+    weights never shares a block name with this version's: not in an engine's prefix
+    cache, a KV tier, the pool or the router's index. ``@`` joins them: a client's own
+    salt may not hold it, so no client can name another version's blocks."""
+    if weight_version == DEFAULT_WEIGHT_VERSION:
+        return cache_salt
+    return f"{cache_salt or ''}@weights:{weight_version}"
 
 
 def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
+
 
 @dataclass(frozen=True)
 class KVHandle:
@@ -24,6 +26,8 @@ class KVHandle:
     # The prefill also pushed the blocks, layer by layer, into the decode's inbox
     # under ``transfer_id``; the decode takes them from there (or pulls as before).
     pushed: bool = False
+    # The weights version that computed the KV; a decode on another version refuses it.
+    weight_version: str = DEFAULT_WEIGHT_VERSION
 
     def to_params(self) -> dict[str, Any]:
         return {
@@ -37,6 +41,7 @@ class KVHandle:
             "transfer_id": self.transfer_id,
             "lease_deadline_unix_ns": self.lease_deadline_unix_ns,
             "pushed": self.pushed,
+            "weight_version": self.weight_version,
         }
 
     @classmethod
@@ -53,6 +58,7 @@ class KVHandle:
                 transfer_id=str(params.get("transfer_id", "")),
                 lease_deadline_unix_ns=int(params.get("lease_deadline_unix_ns", 0)),
                 pushed=bool(params.get("pushed", False)),
+                weight_version=str(params.get("weight_version", DEFAULT_WEIGHT_VERSION)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"invalid KV handle {params!r}: {exc}") from exc

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.core.handle import KVHandle, PoolSource, PushTarget
 
 Phase = Literal["prefill", "decode"]
@@ -136,6 +137,8 @@ class PhaseOutput:
     timing: PhaseTiming | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token of token_ids, when asked
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # the first output's, when asked
+    # The first output of a call: the weights version producing all its tokens.
+    weight_version: str = ""
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,9 @@ class WorkerHealth:
     metrics_endpoint: str = ""  # host:port of its /metrics listener; "" when off
     # Prompt tokens one request computes per step beside others (0: no cap).
     prefill_chunk_tokens: int = 0
+    # The weights it serves: their version, and the folder last loaded ("": its model's).
+    weight_version: str = DEFAULT_WEIGHT_VERSION
+    weights_path: str = ""
 
 
 @dataclass(frozen=True)
@@ -248,6 +254,24 @@ class KvSnapshot:
     block_hashes: tuple[int, ...]
     block_size: int
     worker_id: str
+
+
+@dataclass(frozen=True)
+class WeightsStaged:
+    """What a worker's ``StageWeights`` read."""
+
+    num_tensors: int = 0
+    num_bytes: int = 0
+    stage_ns: int = 0
+
+
+@dataclass(frozen=True)
+class WeightsCommitted:
+    """What a worker's ``CommitWeights`` did."""
+
+    weight_version: str
+    num_aborted: int = 0  # calls in flight aborted (policy abort, or past the drain)
+    commit_ns: int = 0  # admission to serving the new weights
 
 
 @dataclass(frozen=True)

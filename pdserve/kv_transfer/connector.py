@@ -211,6 +211,16 @@ class PdserveConnector(KVConnectorBase_V1):
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
         return {_SOURCES[tier]: n for tier, n in tiers.items()}
 
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` (a weight update): the
+        tiers forget every block, which was computed under the old weights. The worker
+        side keeps its slots' bytes; nothing matches them any more."""
+        if self._scheduler is None:
+            return None
+        dropped = self._scheduler.reset_tiers()
+        logger.info("KV tiers dropped %d blocks", dropped)
+        return True
+
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The tiers' residency, for the router: a block a tier now holds is a
         ``BlockStored``, one it dropped a ``BlockRemoved``, named by its pdserve hash in

@@ -258,6 +258,10 @@ class SchedulerSide:
             out["pool"] = self._pool_loading[request_id]
         return out
 
+    def reset_tiers(self) -> int:
+        """Forget every tier block (their KV was computed under other weights)."""
+        return self._tiers.drop_all() if self._tiers is not None else 0
+
     def take_events(self) -> list[tuple[str, bool, list[int]]]:
         """The tiers' residency changes since the last step (``TierPlanner.take_changes``)."""
         return self._tiers.take_changes() if self._tiers is not None else []

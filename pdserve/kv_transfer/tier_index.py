@@ -108,6 +108,13 @@ class TierIndex:
             elif slot not in self._free:
                 self._free.append(slot)
 
+    def drop_held(self) -> int:
+        """Forget every matchable block (the weights changed: no block is valid any
+        more); saves still writing land as usual. How many were dropped."""
+        held = list(self._held.values())
+        self.discard(held)
+        return len(held)
+
     def take_gone(self) -> list[bytes]:
         """The hashes that stopped being matchable (evicted, discarded) since the last
         call: the tier's removal events."""

@@ -188,6 +188,11 @@ class TierPlanner:
                         self._names[tier][h] = name
                         self._changes.append((tier, True, name))
 
+    def drop_all(self) -> int:
+        """Forget every block the tiers hold (a weight update: their KV is the old
+        model's); the router hears of each removal. How many were dropped."""
+        return sum(index.drop_held() for index in self._index.values())
+
     def take_changes(self) -> list[tuple[str, bool, list[int]]]:
         """The tiers' residency changes since the last call, in order, as runs of
         ``(tier, stored, block hashes in the tier's namespace)``: the KV events that

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, fields
 
+from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.core.handle import KVHandle, PoolSource, PushTarget
 from pdserve.core.types import (
     FinishReason,
@@ -27,6 +28,8 @@ from pdserve.core.types import (
     StructuredKind,
     StructuredOutput,
     TokenLogprobs,
+    WeightsCommitted,
+    WeightsStaged,
     WorkerHealth,
     WorkerLoadReport,
 )
@@ -135,7 +138,7 @@ def handle_to_pb(h: KVHandle) -> pb.KvHandle:
         engine_id=h.engine_id, remote_request_id=h.remote_request_id, block_ids=h.block_ids,
         num_tokens=h.num_tokens, transport=h.transport, host=h.host, port=h.port,
         transfer_id=h.transfer_id, lease_deadline_unix_ns=h.lease_deadline_unix_ns,
-        pushed=h.pushed)
+        pushed=h.pushed, weight_version=h.weight_version)
 
 
 def handle_from_pb(h: pb.KvHandle) -> KVHandle:
@@ -143,7 +146,8 @@ def handle_from_pb(h: pb.KvHandle) -> KVHandle:
         engine_id=h.engine_id, remote_request_id=h.remote_request_id,
         block_ids=tuple(h.block_ids), num_tokens=h.num_tokens, transport=h.transport,
         host=h.host, port=h.port, transfer_id=h.transfer_id,
-        lease_deadline_unix_ns=h.lease_deadline_unix_ns, pushed=h.pushed)
+        lease_deadline_unix_ns=h.lease_deadline_unix_ns, pushed=h.pushed,
+        weight_version=h.weight_version or DEFAULT_WEIGHT_VERSION)
 
 
 # ---- Generate ------------------------------------------------------------------------
@@ -194,7 +198,8 @@ def phase_output_to_pb(out: PhaseOutput) -> pb.GenerateResponse:
         token_ids=out.token_ids, finish_reason=FINISH_TO_PB[out.finish_reason],
         num_cached_tokens=out.num_cached_tokens, num_prompt_tokens=out.num_prompt_tokens,
         logprobs=logprobs_to_pb(out.logprobs),
-        prompt_logprobs=logprobs_to_pb(out.prompt_logprobs))
+        prompt_logprobs=logprobs_to_pb(out.prompt_logprobs),
+        weight_version=out.weight_version)
     if out.kv_handle is not None:
         msg.kv_handle.CopyFrom(handle_to_pb(out.kv_handle))
     if out.timing is not None:
@@ -209,7 +214,7 @@ def phase_output_from_pb(msg: pb.GenerateResponse) -> PhaseOutput:
     token_ids = tuple(msg.token_ids)
     finish = FINISH_FROM_PB.get(msg.finish_reason)
     if not (msg.HasField("kv_handle") or msg.HasField("timing") or msg.logprobs
-            or msg.prompt_logprobs):
+            or msg.prompt_logprobs or msg.weight_version):
         return PhaseOutput(token_ids, finish, None, msg.num_cached_tokens, msg.num_prompt_tokens)
     return PhaseOutput(
         token_ids=token_ids, finish_reason=finish,
@@ -217,7 +222,8 @@ def phase_output_from_pb(msg: pb.GenerateResponse) -> PhaseOutput:
         num_cached_tokens=msg.num_cached_tokens, num_prompt_tokens=msg.num_prompt_tokens,
         timing=timing_from_pb(msg.timing) if msg.HasField("timing") else None,
         logprobs=logprobs_from_pb(msg.logprobs),
-        prompt_logprobs=logprobs_from_pb(msg.prompt_logprobs))
+        prompt_logprobs=logprobs_from_pb(msg.prompt_logprobs),
+        weight_version=msg.weight_version)
 
 
 def plain_token_ids(msg: pb.GenerateResponse) -> tuple[int, ...] | None:
@@ -225,7 +231,7 @@ def plain_token_ids(msg: pb.GenerateResponse) -> tuple[int, ...] | None:
     last: no finish reason, handle, timing or logprobs); None for any other output. The
     express lane's one look at a message (``worker_client.WorkerClient.generate``)."""
     if (msg.finish_reason or msg.logprobs or msg.prompt_logprobs or msg.HasField("kv_handle")
-            or msg.HasField("timing")):
+            or msg.HasField("timing") or msg.weight_version):
         return None
     return tuple(msg.token_ids)
 
@@ -253,7 +259,9 @@ def health_from_pb(msg: pb.HealthResponse) -> WorkerHealth:
         block_size=msg.block_size, max_model_len=msg.max_model_len, transport=msg.transport,
         compatibility_hash=msg.compatibility_hash, kv_host=msg.kv_host, kv_port=msg.kv_port,
         kv_push=msg.kv_push, metrics_endpoint=msg.metrics_endpoint,
-        prefill_chunk_tokens=msg.prefill_chunk_tokens)
+        prefill_chunk_tokens=msg.prefill_chunk_tokens,
+        weight_version=msg.weight_version or DEFAULT_WEIGHT_VERSION,
+        weights_path=msg.weights_path)
 
 
 def load_to_pb(load: WorkerLoadReport) -> pb.GetLoadResponse:
@@ -308,3 +316,16 @@ def role_switch_from_pb(msg: pb.SetRoleResponse) -> RoleSwitch:
     return RoleSwitch(role=role_from_pb(msg.role), changed=msg.changed,
                       num_aborted=msg.num_aborted,
                       num_leases_released=msg.num_leases_released, switch_ns=msg.switch_ns)
+
+
+# ---- weights -------------------------------------------------------------------------
+
+
+def staged_from_pb(msg: pb.StageWeightsResponse) -> WeightsStaged:
+    return WeightsStaged(num_tensors=msg.num_tensors, num_bytes=msg.num_bytes,
+                         stage_ns=msg.stage_ns)
+
+
+def committed_from_pb(msg: pb.CommitWeightsResponse) -> WeightsCommitted:
+    return WeightsCommitted(weight_version=msg.weight_version, num_aborted=msg.num_aborted,
+                            commit_ns=msg.commit_ns)

@@ -12,8 +12,9 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.core.dtype import resolve_dtype
-from pdserve.core.types import Role, SamplingSpec, TokenLogprobs
+from pdserve.core.types import Role, SamplingSpec, TokenLogprobs, WeightsStaged
 from pdserve.kv_transfer.config import ConnectorConfig
 
 # ``pdserve.worker.output_in_prompt:OutputInPromptPenalties``, named here so that the
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 
 CONNECTOR_MODULE = "pdserve.kv_transfer.connector"
+# Methods vLLM adds to its Worker for in-place updates from a checkpoint folder.
+WORKER_EXTENSION = "pdserve.worker.weights_ext.WeightsExtension"
 logger = logging.getLogger("pdserve.worker")
 
 
@@ -63,6 +66,12 @@ class EngineConfig:
     # ``prefill_order``. Outside the engine: a role switch carries it, no restart.
     prefill_max_running: int = 0
     prefill_order: str = "shortest"
+    # The version the weights it starts with serve under (vLLM's "default"; a worker
+    # started on a later checkpoint names that checkpoint's version).
+    weight_version: str = DEFAULT_WEIGHT_VERSION
+    # vLLM's weight-transfer engine for updates pushed by a trainer ("nccl", "ipc":
+    # GPUs); None: updates come from checkpoint folders only.
+    weight_transfer_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -131,6 +140,25 @@ class Engine(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def shutdown(self) -> None: ...
+
+    # ---- weights (``pdserve.worker.weights``) ----
+
+    async def stage_weights(self, model_path: str, version: str) -> WeightsStaged:
+        """Read a checkpoint into host memory; ``ValueError`` for one that is not the
+        served model's layout."""
+        ...
+
+    async def commit_weights(self, version: str) -> None:
+        """Serve the staged weights under ``version``, in place; empty the prefix cache
+        and the KV tiers' entries."""
+        ...
+
+    async def discard_weights(self) -> bool: ...
+
+    async def weight_call(self, method: str, body: dict[str, Any]) -> str:
+        """One of vLLM's weight-transfer calls (``weights.ENGINE_WEIGHT_CALLS``); the
+        version served after it."""
+        ...
 
 
 @dataclass
@@ -240,5 +268,8 @@ def build_engine(config: EngineConfig, counters: EngineCounters) -> AsyncLLM:
             replay_endpoint=config.kv_events[1]),
         # Penalties count the output a decode call gets inside its prompt.
         logits_processors=[OUTPUT_IN_PROMPT_PROCESSOR],
+        worker_extension_cls=WORKER_EXTENSION,
+        weight_transfer_config=None if config.weight_transfer_backend is None else {
+            "backend": config.weight_transfer_backend},
     )
     return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(counters)])

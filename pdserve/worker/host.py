@@ -22,6 +22,7 @@ from pdserve.core.types import (
     PhaseRequest,
     PhaseTiming,
     Role,
+    WeightsStaged,
     WorkerHealth,
     WorkerLoadReport,
 )
@@ -33,6 +34,7 @@ from pdserve.worker.engine import Engine, EngineConfig, EngineCounters, EngineSt
 from pdserve.worker.policy import AdmissionAborted, RolePolicy
 from pdserve.worker.timing import PhaseClock
 from pdserve.worker.vllm_kv_events import KvEventEndpoints, KvEventMirroring
+from pdserve.worker.weights import ENGINE_WEIGHT_CALLS, WeightsState
 
 if TYPE_CHECKING:
     from pdserve.worker.kv_mirror import KvCacheMirror
@@ -76,6 +78,7 @@ class EngineHost:
         self._kv_status: dict[str, Any] = {}
         self._events = None if config.kv_events is None else KvEventEndpoints(*config.kv_events)
         self._mirroring: KvEventMirroring | None = None
+        self.weights = WeightsState(version=config.weight_version)
 
     @property
     def ready(self) -> bool:
@@ -147,7 +150,7 @@ class EngineHost:
         if self.engine is not None:
             dtype, block_size = self.engine.dtype, self.engine.block_size
         compat = {"model": cfg.served_model_name, "dtype": dtype, "block_size": block_size,
-                  "transport": conn.transport}
+                  "transport": conn.transport, "weights": self.weights.version}
         digest = hashlib.sha256(json.dumps(compat, sort_keys=True).encode()).hexdigest()[:16]
         return WorkerHealth(
             ready=self.ready, role=self.policy.role, worker_id=self.worker_id,
@@ -155,12 +158,15 @@ class EngineHost:
             max_model_len=cfg.max_model_len, transport=conn.transport,
             compatibility_hash=digest, kv_host=conn.kv_host, kv_port=conn.kv_port,
             kv_push=self.kv_push, metrics_endpoint=self.metrics_endpoint,
-            prefill_chunk_tokens=cfg.prefill_chunk_tokens)
+            prefill_chunk_tokens=cfg.prefill_chunk_tokens, weight_version=self.weights.version,
+            weights_path=self.weights.path)
 
     async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         engine = self.engine
         if engine is None:
             raise WorkerError("unavailable", "engine is loading")
+        request = self.weights.request(request)
+        version = self.weights.version  # the call's; no commit while it runs
         clock = PhaseClock()
         params = self.policy.engine_params(request)
         self._inflight.add(request.request_id)
@@ -172,25 +178,30 @@ class EngineHost:
                 async with contextlib.aclosing(steps):
                     async for step in steps:
                         clock.on_output(step.token_ids)
-                        yield self._output(request, step, clock)
+                        yield self._output(request, step, clock, version)
+                        version = ""  # named on the first output only
         except AdmissionAborted:  # aborted before its turn: it ends as an engine abort does
             yield self._output(request, EngineStep((), finished=True, finish_reason="abort"),
-                               clock)
+                               clock, version)
         finally:
             self._inflight.discard(request.request_id)
 
-    def _output(self, request: PhaseRequest, step: EngineStep, clock: PhaseClock
-                ) -> PhaseOutput:
+    def _output(self, request: PhaseRequest, step: EngineStep, clock: PhaseClock,
+                version: str) -> PhaseOutput:
+        """``version``: the weights version to name ("" after the call's first output)."""
         if not step.finished:
             return PhaseOutput(step.token_ids, None, None, step.num_cached_tokens,
                                len(request.prompt_token_ids), logprobs=step.logprobs,
-                               prompt_logprobs=step.prompt_logprobs)
+                               prompt_logprobs=step.prompt_logprobs, weight_version=version)
+        handle = self.policy.on_finished(request, step.kv_transfer_params)
         return PhaseOutput(
             token_ids=step.token_ids, finish_reason=_finish_reason(step.finish_reason),
-            kv_handle=self.policy.on_finished(request, step.kv_transfer_params),
+            kv_handle=None if handle is None else replace(
+                handle, weight_version=self.weights.version),
             num_cached_tokens=step.num_cached_tokens,
             num_prompt_tokens=len(request.prompt_token_ids), timing=_timing(request, step, clock),
-            logprobs=step.logprobs, prompt_logprobs=step.prompt_logprobs)
+            logprobs=step.logprobs, prompt_logprobs=step.prompt_logprobs,
+            weight_version=version)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a running request and release whatever its role holds for it."""
@@ -201,6 +212,51 @@ class EngineHost:
             await self.engine.abort(request_id)
         released = await self.policy.release(request_id)
         return found or released
+
+    # ---- weights (``pdserve.worker.weights``) ---------------------------------------
+
+    def _running_engine(self) -> Engine:
+        if self.engine is None:
+            raise WorkerError("unavailable", "engine is loading")
+        return self.engine
+
+    async def stage_weights(self, model_path: str, version: str) -> WeightsStaged:
+        """Read ``model_path`` for a commit as ``version``; the engine serves on meanwhile."""
+        engine = self._running_engine()
+        self.weights.check_stage(model_path, version)
+        self.weights.staged = None  # whatever was staged before is replaced
+        staged = await engine.stage_weights(model_path, version)
+        self.weights.staged = (version, model_path)
+        logger.info("staged weights %s from %s (%d tensors, %.0f MB) in %.2f s", version,
+                    model_path, staged.num_tensors, staged.num_bytes / 1e6, staged.stage_ns / 1e9)
+        return staged
+
+    async def commit_weights(self, version: str) -> None:
+        """Serve the staged weights as ``version``. Only with nothing in flight (the
+        servicer drains first)."""
+        engine = self._running_engine()
+        path = self.weights.check_commit(version)
+        if self._inflight:
+            raise WorkerError("failed_precondition",
+                              f"{len(self._inflight)} requests in flight; drain first")
+        await engine.commit_weights(version)
+        self.weights.committed(version, path)
+        self._health = None
+        logger.info("worker %s now serves weights %s (%s)", self.worker_id, version, path)
+
+    async def discard_weights(self) -> bool:
+        self.weights.staged = None
+        return await self._running_engine().discard_weights()
+
+    async def engine_weight_call(self, method: str, body: dict[str, Any]) -> str:
+        """vLLM's own weight-transfer call; the version served after it."""
+        if method not in ENGINE_WEIGHT_CALLS:
+            raise ValueError(f"unknown weight call {method!r}; one of {ENGINE_WEIGHT_CALLS}")
+        version = await self._running_engine().weight_call(method, body)
+        if version != self.weights.version:
+            self.weights.committed(version, "")
+            self._health = None
+        return version
 
     def kv_mirror(self) -> KvCacheMirror | None:
         if self._events is None:

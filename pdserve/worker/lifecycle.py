@@ -21,15 +21,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import OVERALL_HEALTH
 from grpc_health.v1.health import aio as health_aio
 
-from pdserve.core.types import Role, RoleSwitch
+from pdserve.core.types import Role, RoleSwitch, WeightsCommitted
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.worker.backend import WorkerBackend, WorkerError
+from pdserve.worker.weights import WeightsBackend
 
 logger = logging.getLogger("pdserve.worker")
 
@@ -113,31 +114,64 @@ class ServingState:
             raise WorkerError("failed_precondition", "a role switch is already running")
         if health.role == role:
             return RoleSwitch(role=role, changed=False)
+        started = time.monotonic_ns()
+        async with self._closed():
+            aborted, released = await self._end_work(drain_timeout_s)
+            self._backend.set_role(role)
+            logger.info("role switched to %s in %.2f s (%d aborted, %d leases released)",
+                        role, (time.monotonic_ns() - started) / 1e9, aborted, released)
+        await self._reannounce()
+        return RoleSwitch(role=role, changed=True, num_aborted=aborted,
+                          num_leases_released=released,
+                          switch_ns=time.monotonic_ns() - started)
+
+    async def commit_weights(self, weights: WeightsBackend, version: str, abort: bool,
+                             drain_timeout_s: float) -> WeightsCommitted:
+        """Let the calls in flight finish on the current weights (at most
+        ``drain_timeout_s``; with ``abort``, none), then serve the staged ``version``
+        and re-announce (the compatibility hash names the version). Refused like a
+        role switch while loading, draining or switching."""
+        if not self._backend.health().ready or self.draining:
+            raise WorkerError("unavailable", "worker is loading or draining")
+        if self._switch.locked():
+            raise WorkerError("failed_precondition", "a role switch or weight update is running")
+        started = time.monotonic_ns()
+        async with self._closed():
+            aborted, _ = await self._end_work(0.0 if abort else drain_timeout_s)
+            await weights.commit_weights(version)
+        await self._reannounce()
+        return WeightsCommitted(weight_version=version, num_aborted=aborted,
+                                commit_ns=time.monotonic_ns() - started)
+
+    @contextlib.asynccontextmanager
+    async def _closed(self) -> AsyncIterator[None]:
+        """No new requests and health not ready while the body runs (one at a time)."""
         async with self._switch:
-            started = time.monotonic_ns()
             self.admission.switching = True
             await self.update()
             try:
-                aborted = released = 0
-                idle = await self.wait_idle(drain_timeout_s)
-                if self.draining:  # SIGTERM meanwhile: its drain decides, in the old role
-                    raise WorkerError("unavailable", "worker is draining")
-                if not idle:
-                    aborted, released = await self._backend.end_role_work()
-                    if not await self.wait_idle(_END_WORK_GRACE_S):
-                        raise WorkerError("unavailable", "the old role's work did not end")
-                self._backend.set_role(role)
-                logger.info("role switched to %s in %.2f s (%d aborted, %d leases released)",
-                            role, (time.monotonic_ns() - started) / 1e9, aborted, released)
+                yield
             finally:
                 self.admission.switching = False
                 await self.update()
-            # A SIGTERM during the switch: the drain withdraws the worker; do not undo it.
-            if self.on_role_changed is not None and not self.draining:
-                await self.on_role_changed()
-            return RoleSwitch(role=role, changed=True, num_aborted=aborted,
-                              num_leases_released=released,
-                              switch_ns=time.monotonic_ns() - started)
+
+    async def _end_work(self, drain_timeout_s: float) -> tuple[int, int]:
+        """Until nothing is in flight: wait ``drain_timeout_s``, then abort what is left
+        and release the KV leases; (aborted, released)."""
+        idle = await self.wait_idle(drain_timeout_s)
+        if self.draining:  # SIGTERM meanwhile: its drain decides, in the old state
+            raise WorkerError("unavailable", "worker is draining")
+        if idle:
+            return 0, 0
+        aborted, released = await self._backend.end_role_work()
+        if not await self.wait_idle(_END_WORK_GRACE_S):
+            raise WorkerError("unavailable", "the work in flight did not end")
+        return aborted, released
+
+    async def _reannounce(self) -> None:
+        # A SIGTERM meanwhile: the drain withdraws the worker; do not undo it.
+        if self.on_role_changed is not None and not self.draining:
+            await self.on_role_changed()
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Until nothing is in flight and no KV waits for a decode to load it, or

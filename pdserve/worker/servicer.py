@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from typing import TypeVar, cast
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -32,10 +34,12 @@ from pdserve.worker.kv_mirror import KvCacheMirror
 from pdserve.worker.kv_relay import kv_changes, kv_snapshot
 from pdserve.worker.lifecycle import ServingState
 from pdserve.worker.session import RequestFailed, WorkerSession
+from pdserve.worker.weights import WeightsBackend
 
 logger = logging.getLogger("pdserve.worker")
 # After a drain: what is still running is cancelled (and so aborted) this soon.
 _STOP_GRACE_S = 1.0
+T = TypeVar("T")
 
 STATUS_OF_KIND: dict[ErrorKind, grpc.StatusCode] = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
@@ -121,6 +125,60 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             await context.abort(*status_of(exc))
             raise  # abort raises; this says so to the reader and the type checker
         return convert.role_switch_to_pb(switch)
+
+    async def StageWeights(  # noqa: N802 - gRPC method name
+        self, request: pb.StageWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StageWeightsResponse:
+        weights = await self._weights(context)
+        staged = await self._answer(context, "stage weights", weights.stage_weights(
+            request.model_path, request.weight_version))
+        return pb.StageWeightsResponse(**asdict(staged))
+
+    async def CommitWeights(  # noqa: N802 - gRPC method name
+        self, request: pb.CommitWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CommitWeightsResponse:
+        weights = await self._weights(context)
+        done = await self._answer(context, "commit weights", self._state.commit_weights(
+            weights, request.weight_version, request.abort, request.drain_timeout_ns / 1e9))
+        return pb.CommitWeightsResponse(**asdict(done))
+
+    async def DiscardWeights(  # noqa: N802 - gRPC method name
+        self, request: pb.DiscardWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DiscardWeightsResponse:
+        weights = await self._weights(context)
+        discarded = await self._answer(context, "discard weights", weights.discard_weights())
+        return pb.DiscardWeightsResponse(discarded=discarded)
+
+    async def EngineWeightCall(  # noqa: N802 - gRPC method name
+        self, request: pb.EngineWeightCallRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EngineWeightCallResponse:
+        weights = await self._weights(context)
+        try:
+            body = json.loads(request.body_json or "{}")
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "body_json is not an object")
+        version = await self._answer(context, request.method, weights.engine_weight_call(
+            request.method, body))
+        return pb.EngineWeightCallResponse(weight_version=version)
+
+    async def _weights(self, context: grpc.aio.ServicerContext) -> WeightsBackend:
+        if not isinstance(self._backend, WeightsBackend):
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                "this worker's weights cannot change in place")
+        return cast(WeightsBackend, self._backend)
+
+    async def _answer(self, context: grpc.aio.ServicerContext, what: str,
+                      call: Awaitable[T]) -> T:
+        """``call``'s result; its error as the call's status (logged when unexpected)."""
+        try:
+            return await call
+        except Exception as exc:  # noqa: BLE001 - mapped to a status for the router
+            if not isinstance(exc, (WorkerError, ValueError)):
+                logger.exception("%s failed", what)
+            await context.abort(*status_of(exc))
+            raise  # abort raises; this says so to the reader and the type checker
 
     async def GetLoad(  # noqa: N802 - gRPC method name
         self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext

@@ -5,10 +5,12 @@ connector module is loaded in every engine process)."""
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pdserve.core.types import SamplingSpec, StructuredOutput, TokenLogprobs
+from pdserve.core.types import SamplingSpec, StructuredOutput, TokenLogprobs, WeightsStaged
 from pdserve.worker.engine import (
     EngineConfig,
     EngineCounters,
@@ -16,6 +18,8 @@ from pdserve.worker.engine import (
     EngineStep,
     build_engine,
 )
+
+logger = logging.getLogger("pdserve.worker")
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -102,6 +106,15 @@ def _interval_ns(start: float, end: float) -> int:
     return int((end - start) * 1e9) if 0.0 < start <= end else 0
 
 
+def _worker_error(exc: Exception) -> str:
+    """The worker's own message out of vLLM's ``collective_rpc`` failure."""
+    text = str(exc)
+    marker = "Worker failed with error '"
+    if marker in text:
+        return text.split(marker, 1)[1].rsplit("', please check", 1)[0]
+    return text
+
+
 class VllmEngine:
     def __init__(self, llm: AsyncLLM) -> None:
         self._llm = llm
@@ -153,6 +166,57 @@ class VllmEngine:
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
+
+    async def stage_weights(self, model_path: str, version: str) -> WeightsStaged:
+        started = time.monotonic_ns()
+        try:
+            replies = await self._llm.collective_rpc("pdserve_stage_weights",
+                                                     args=(model_path, version))
+        except Exception as exc:  # noqa: BLE001 - vLLM wraps the worker's error in Exception
+            raise ValueError(_worker_error(exc)) from None
+        return WeightsStaged(num_tensors=int(replies[0]["num_tensors"]),
+                             num_bytes=sum(int(r["num_bytes"]) for r in replies),
+                             stage_ns=time.monotonic_ns() - started)
+
+    async def commit_weights(self, version: str) -> None:
+        await self._llm.collective_rpc("pdserve_commit_weights", args=(version,))
+        await self._after_update(version)
+
+    async def discard_weights(self) -> bool:
+        return any(await self._llm.collective_rpc("pdserve_discard_weights"))
+
+    async def weight_call(self, method: str, body: dict[str, Any]) -> str:
+        """vLLM's own call with its route's body (``ValueError``: a body it refuses)."""
+        from vllm.distributed.weight_transfer.base import (
+            WeightTransferInitRequest,
+            WeightTransferUpdateRequest,
+        )
+
+        llm = self._llm
+        if method == "init_weight_transfer_engine":
+            await llm.init_weight_transfer_engine(
+                WeightTransferInitRequest(init_info=body.get("init_info") or {}))
+        elif method == "update_weights":
+            await llm.update_weights(
+                WeightTransferUpdateRequest(update_info=body.get("update_info") or {}))
+        elif method in ("finish_weight_update", "update_weight_version"):
+            if method == "finish_weight_update":
+                await llm.collective_rpc("finish_weight_update")
+            version = body.get("weight_version" if method == "finish_weight_update"
+                               else "new_version")
+            if version is not None:
+                await self._after_update(str(version))
+        else:  # start_weight_update, shutdown_weight_transfer_engine: no body
+            await getattr(llm, method)()
+        return await llm.get_weight_version()
+
+    async def _after_update(self, version: str) -> None:
+        """The new weights' version, and no KV of the old ones left to match: the
+        prefix cache and the connector's tiers are emptied (False from vLLM: blocks were
+        still held; the versioned salt keeps them from ever matching anyway)."""
+        await self._llm.update_weight_version(version)
+        if not await self._llm.reset_prefix_cache(reset_connector=True):
+            logger.warning("prefix cache not fully reset after the update to %s", version)
 
     def shutdown(self) -> None:
         self._llm.shutdown()

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from pdserve.core.handle import KVHandle, PushTarget
-from pdserve.core.types import PhaseOutput, PhaseRequest, Role, SamplingSpec
+from pdserve.core.types import PhaseOutput, PhaseRequest, Role, SamplingSpec, WeightsStaged
 from pdserve.decode_worker.policy import DecodePolicy
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.prefill_worker.policy import PrefillPolicy
@@ -54,6 +54,8 @@ class FakeEngine:
     block_size: int = 128
     dtype: str = "float32"
     num_kv_blocks: int = 64
+    staged: str | None = None
+    committed: list[str] = field(default_factory=list)
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                        sampling: SamplingSpec, params: EngineParams
@@ -80,6 +82,22 @@ class FakeEngine:
 
     def shutdown(self) -> None:
         self.is_shut_down = True
+
+    async def stage_weights(self, model_path: str, version: str) -> WeightsStaged:
+        if model_path.startswith("/bad"):
+            raise ValueError(f"{model_path}: not the served model's layout")
+        self.staged = version
+        return WeightsStaged(num_tensors=1, num_bytes=4)
+
+    async def commit_weights(self, version: str) -> None:
+        self.committed.append(version)
+
+    async def discard_weights(self) -> bool:
+        had, self.staged = self.staged is not None, None
+        return had
+
+    async def weight_call(self, method: str, body: dict[str, object]) -> str:
+        return str(body.get("new_version", "default"))
 
 
 @dataclass
@@ -163,7 +181,8 @@ async def test_a_finished_prefill_returns_the_handle_and_holds_its_lease() -> No
     host = started("prefill", policy, engine)
     outs = await run(host, request("prefill", 8))
     assert [replace(o, timing=None) for o in outs] == [
-        PhaseOutput((7,), "length", h, num_cached_tokens=2, num_prompt_tokens=len(PROMPT))]
+        PhaseOutput((7,), "length", h, num_cached_tokens=2, num_prompt_tokens=len(PROMPT),
+                    weight_version="default")]
     assert "r1" in policy.leases and len(policy.leases) == 1
 
 

@@ -36,6 +36,8 @@ from pdserve.core.types import (
     PhaseRequest,
     Role,
     RoleSwitch,
+    WeightsCommitted,
+    WeightsStaged,
     WorkerHealth,
     WorkerLoadReport,
 )
@@ -175,6 +177,33 @@ class WorkerClient:
         the drain."""
         return convert.role_switch_from_pb(await self._unary(
             self._stub.SetRole, convert.set_role_to_pb(role, drain_timeout_s), timeout_s))
+
+    # ---- weights (the worker's ``StageWeights`` ... ``EngineWeightCall``) ----
+
+    async def stage_weights(self, model_path: str, version: str, timeout_s: float
+                            ) -> WeightsStaged:
+        return convert.staged_from_pb(await self._unary(
+            self._stub.StageWeights,
+            pb.StageWeightsRequest(model_path=model_path, weight_version=version), timeout_s))
+
+    async def commit_weights(self, version: str, abort: bool, drain_timeout_s: float,
+                             timeout_s: float) -> WeightsCommitted:
+        """``timeout_s`` must leave room for the drain."""
+        return convert.committed_from_pb(await self._unary(
+            self._stub.CommitWeights, pb.CommitWeightsRequest(
+                weight_version=version, abort=abort,
+                drain_timeout_ns=int(max(drain_timeout_s, 0.0) * 1e9)), timeout_s))
+
+    async def discard_weights(self, timeout_s: float) -> bool:
+        reply = await self._unary(self._stub.DiscardWeights, pb.DiscardWeightsRequest(),
+                                  timeout_s)
+        return reply.discarded
+
+    async def engine_weight_call(self, method: str, body_json: str, timeout_s: float) -> str:
+        """One of vLLM's weight-transfer calls; the version the worker serves after it."""
+        reply = await self._unary(self._stub.EngineWeightCall, pb.EngineWeightCallRequest(
+            method=method, body_json=body_json), timeout_s)
+        return reply.weight_version
 
     async def _unary(self, method: Any, request: Any, timeout_s: float) -> Any:
         """One unary call with this client's metadata, its failure as a ``WorkerCallError``."""

@@ -127,7 +127,7 @@ class LogprobEntry(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("engine_id", "remote_request_id", "block_ids", "num_tokens", "transport", "host", "port", "transfer_id", "lease_deadline_unix_ns", "pushed")
+    __slots__ = ("engine_id", "remote_request_id", "block_ids", "num_tokens", "transport", "host", "port", "transfer_id", "lease_deadline_unix_ns", "pushed", "weight_version")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class KvHandle(_message.Message):
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     PUSHED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     remote_request_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -148,7 +149,8 @@ class KvHandle(_message.Message):
     transfer_id: str
     lease_deadline_unix_ns: int
     pushed: bool
-    def __init__(self, engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., transport: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., transfer_id: _Optional[str] = ..., lease_deadline_unix_ns: _Optional[int] = ..., pushed: _Optional[bool] = ...) -> None: ...
+    weight_version: str
+    def __init__(self, engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., transport: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., transfer_id: _Optional[str] = ..., lease_deadline_unix_ns: _Optional[int] = ..., pushed: _Optional[bool] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class KvPushTarget(_message.Message):
     __slots__ = ("host", "port", "transfer_id")
@@ -193,7 +195,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., kv_push_target: _Optional[_Union[KvPushTarget, _Mapping]] = ..., kv_pool_source: _Optional[_Union[KvPoolSource, _Mapping]] = ..., num_output_in_prompt: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "kv_handle", "num_cached_tokens", "num_prompt_tokens", "timing", "logprobs", "prompt_logprobs")
+    __slots__ = ("token_ids", "finish_reason", "kv_handle", "num_cached_tokens", "num_prompt_tokens", "timing", "logprobs", "prompt_logprobs", "weight_version")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +204,7 @@ class GenerateResponse(_message.Message):
     TIMING_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     kv_handle: KvHandle
@@ -210,7 +213,8 @@ class GenerateResponse(_message.Message):
     timing: PhaseTiming
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., timing: _Optional[_Union[PhaseTiming, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    weight_version: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., timing: _Optional[_Union[PhaseTiming, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class PhaseTiming(_message.Message):
     __slots__ = ("admitted_unix_ns", "first_token_unix_ns", "queue_ns", "compute_ns", "kv_load_ns")
@@ -275,7 +279,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ready", "role", "worker_id", "model", "dtype", "block_size", "max_model_len", "transport", "compatibility_hash", "kv_host", "kv_port", "kv_push", "metrics_endpoint", "prefill_chunk_tokens", "session")
+    __slots__ = ("ready", "role", "worker_id", "model", "dtype", "block_size", "max_model_len", "transport", "compatibility_hash", "kv_host", "kv_port", "kv_push", "metrics_endpoint", "prefill_chunk_tokens", "session", "weight_version", "weights_path")
     READY_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +295,8 @@ class HealthResponse(_message.Message):
     METRICS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     role: Role
     worker_id: str
@@ -306,7 +312,9 @@ class HealthResponse(_message.Message):
     metrics_endpoint: str
     prefill_chunk_tokens: int
     session: bool
-    def __init__(self, ready: _Optional[bool] = ..., role: _Optional[_Union[Role, str]] = ..., worker_id: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., transport: _Optional[str] = ..., compatibility_hash: _Optional[str] = ..., kv_host: _Optional[str] = ..., kv_port: _Optional[int] = ..., kv_push: _Optional[bool] = ..., metrics_endpoint: _Optional[str] = ..., prefill_chunk_tokens: _Optional[int] = ..., session: _Optional[bool] = ...) -> None: ...
+    weight_version: str
+    weights_path: str
+    def __init__(self, ready: _Optional[bool] = ..., role: _Optional[_Union[Role, str]] = ..., worker_id: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., transport: _Optional[str] = ..., compatibility_hash: _Optional[str] = ..., kv_host: _Optional[str] = ..., kv_port: _Optional[int] = ..., kv_push: _Optional[bool] = ..., metrics_endpoint: _Optional[str] = ..., prefill_chunk_tokens: _Optional[int] = ..., session: _Optional[bool] = ..., weight_version: _Optional[str] = ..., weights_path: _Optional[str] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
@@ -479,3 +487,65 @@ class SetRoleResponse(_message.Message):
     num_leases_released: int
     switch_ns: int
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., changed: _Optional[bool] = ..., num_aborted: _Optional[int] = ..., num_leases_released: _Optional[int] = ..., switch_ns: _Optional[int] = ...) -> None: ...
+
+class StageWeightsRequest(_message.Message):
+    __slots__ = ("model_path", "weight_version")
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_path: str
+    weight_version: str
+    def __init__(self, model_path: _Optional[str] = ..., weight_version: _Optional[str] = ...) -> None: ...
+
+class StageWeightsResponse(_message.Message):
+    __slots__ = ("num_tensors", "num_bytes", "stage_ns")
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGE_NS_FIELD_NUMBER: _ClassVar[int]
+    num_tensors: int
+    num_bytes: int
+    stage_ns: int
+    def __init__(self, num_tensors: _Optional[int] = ..., num_bytes: _Optional[int] = ..., stage_ns: _Optional[int] = ...) -> None: ...
+
+class CommitWeightsRequest(_message.Message):
+    __slots__ = ("weight_version", "abort", "drain_timeout_ns")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_NS_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    abort: bool
+    drain_timeout_ns: int
+    def __init__(self, weight_version: _Optional[str] = ..., abort: _Optional[bool] = ..., drain_timeout_ns: _Optional[int] = ...) -> None: ...
+
+class CommitWeightsResponse(_message.Message):
+    __slots__ = ("weight_version", "num_aborted", "commit_ns")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_NS_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    num_aborted: int
+    commit_ns: int
+    def __init__(self, weight_version: _Optional[str] = ..., num_aborted: _Optional[int] = ..., commit_ns: _Optional[int] = ...) -> None: ...
+
+class DiscardWeightsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DiscardWeightsResponse(_message.Message):
+    __slots__ = ("discarded",)
+    DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    discarded: bool
+    def __init__(self, discarded: _Optional[bool] = ...) -> None: ...
+
+class EngineWeightCallRequest(_message.Message):
+    __slots__ = ("method", "body_json")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    BODY_JSON_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    body_json: str
+    def __init__(self, method: _Optional[str] = ..., body_json: _Optional[str] = ...) -> None: ...
+
+class EngineWeightCallResponse(_message.Message):
+    __slots__ = ("weight_version",)
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    def __init__(self, weight_version: _Optional[str] = ...) -> None: ...

@@ -74,6 +74,26 @@ class WorkerServiceStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.SetRoleResponse.FromString,
                 _registered_method=True)
+        self.StageWeights = channel.unary_unary(
+                '/pdserve.v1.WorkerService/StageWeights',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.StageWeightsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.StageWeightsResponse.FromString,
+                _registered_method=True)
+        self.CommitWeights = channel.unary_unary(
+                '/pdserve.v1.WorkerService/CommitWeights',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.CommitWeightsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.CommitWeightsResponse.FromString,
+                _registered_method=True)
+        self.DiscardWeights = channel.unary_unary(
+                '/pdserve.v1.WorkerService/DiscardWeights',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.DiscardWeightsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.DiscardWeightsResponse.FromString,
+                _registered_method=True)
+        self.EngineWeightCall = channel.unary_unary(
+                '/pdserve.v1.WorkerService/EngineWeightCall',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.EngineWeightCallRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.EngineWeightCallResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -144,6 +164,32 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StageWeights(self, request, context):
+        """In-place weight updates: stage a checkpoint, then commit it or discard it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitWeights(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DiscardWeights(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EngineWeightCall(self, request, context):
+        """vLLM's weight-transfer engine (NCCL/IPC from a trainer, on GPUs).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +232,26 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.SetRole,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.SetRoleResponse.SerializeToString,
+            ),
+            'StageWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageWeights,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.StageWeightsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.StageWeightsResponse.SerializeToString,
+            ),
+            'CommitWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitWeights,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.CommitWeightsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.CommitWeightsResponse.SerializeToString,
+            ),
+            'DiscardWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.DiscardWeights,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.DiscardWeightsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.DiscardWeightsResponse.SerializeToString,
+            ),
+            'EngineWeightCall': grpc.unary_unary_rpc_method_handler(
+                    servicer.EngineWeightCall,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.EngineWeightCallRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.EngineWeightCallResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -404,6 +470,114 @@ class WorkerService:
             '/pdserve.v1.WorkerService/SetRole',
             pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.SetRoleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.WorkerService/StageWeights',
+            pdserve_dot_v1_dot_worker__pb2.StageWeightsRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.StageWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.WorkerService/CommitWeights',
+            pdserve_dot_v1_dot_worker__pb2.CommitWeightsRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.CommitWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DiscardWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.WorkerService/DiscardWeights',
+            pdserve_dot_v1_dot_worker__pb2.DiscardWeightsRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.DiscardWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EngineWeightCall(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.WorkerService/EngineWeightCall',
+            pdserve_dot_v1_dot_worker__pb2.EngineWeightCallRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.EngineWeightCallResponse.FromString,
             options,
             channel_credentials,
             insecure,
