@@ -202,9 +202,12 @@ async def test_a_version_that_did_not_change_fails_the_run() -> None:
         await _rounds(FakeRouter(stale=True), _cfg(load=0))
 
 
-async def test_a_failed_update_fails_the_run() -> None:
+@pytest.mark.parametrize("load", [0, 2])
+async def test_a_failed_update_fails_the_run_and_leaves_no_stream(load: int) -> None:
     with pytest.raises(RolloutCheckError, match="HTTP 500"):
-        await _rounds(FakeRouter(fail_update=True), _cfg(load=0))
+        await _rounds(FakeRouter(fail_update=True), _cfg(load=load))
+    await asyncio.sleep(0.01)  # the cancelled streams' last step
+    assert asyncio.all_tasks() == {asyncio.current_task()}
 
 
 def test_the_cli_builds_its_config_and_refuses_a_url_without_admin(

@@ -122,29 +122,41 @@ class Rounds:
                            refit.load_versions, refit.timeline)
 
     async def refit(self, path: Path, old: str, new: str) -> Refit:
+        """The update under the background load (if any), then the probe; the load's
+        streams are cancelled if a check fails on the way."""
         cfg = self.cfg
+        if not cfg.load:
+            return Refit(*await self._switch(path, new), {}, None)
         load = BackgroundLoad(self.client, self.prompts, cfg.load, cfg.load_max_tokens,
-                              cfg.temperature, cfg.seed) if cfg.load else None
+                              cfg.temperature, cfg.seed)
         load_start = time.monotonic()
-        if load:
-            load.start()
+        load.start()
+        try:
             await asyncio.sleep(cfg.before_s)
+            span, answer = await self._switch(path, new)
+            await asyncio.sleep(max(0.0, span.first_token_s + cfg.before_s - time.monotonic()))
+        except BaseException:
+            load.cancel()
+            raise
+        load_end = time.monotonic()
+        records = await load.stop()
+        start = span.call_s - cfg.window_s * int((span.call_s - load_start) / cfg.window_s)
+        return Refit(span, answer, check_load(records, span, old, new),
+                     Timeline.of(records, start, load_end, cfg.window_s, span))
+
+    async def _switch(self, path: Path, new: str) -> tuple[RefitSpan, dict[str, Any]]:
+        """The update call, then a probe whose first token must come from ``new``, and
+        ``/weight_info`` saying every worker is on it; the span and the call's answer."""
         call = time.monotonic()
-        answer = await self.client.update(str(path), new, cfg.policy, cfg.drain_timeout_s)
+        answer = await self.client.update(str(path), new, self.cfg.policy,
+                                                self.cfg.drain_timeout_s)
         returned = time.monotonic()
         probe = await self.client.stream(PROBE, 4, 0.0, 0)
         check_stream(probe, (new,))
-        span = RefitSpan(call, returned, probe.first_token_s)
+        if not probe.events:
+            raise RolloutCheckError(f"the probe after the update to {new!r} carried no token")
         check_all_on(await self.client.weight_info(), new, "/weight_info after the update")
-        if not load:
-            return Refit(span, answer, {}, None)
-        await asyncio.sleep(max(0.0, span.first_token_s + cfg.before_s - time.monotonic()))
-        load_end = time.monotonic()
-        records = await load.stop()
-        counts = check_load(records, span, old, new)
-        start = call - cfg.window_s * int((call - load_start) / cfg.window_s)
-        return Refit(span, answer, counts,
-                     Timeline.of(records, start, load_end, cfg.window_s, span))
+        return RefitSpan(call, returned, probe.first_token_s), answer
 
 
 def build_prompts(cfg: RolloutConfig, tokenizer_path: Path) -> list[Messages]:

@@ -192,6 +192,12 @@ class BackgroundLoad:
                 prompt, self.max_tokens, self.temperature, self.seed + sent))
             sent += 1
 
+    def cancel(self) -> None:
+        """Abandon the streams (a check already failed the run)."""
+        self._stopping.set()
+        for task in self._tasks:
+            task.cancel()
+
     async def stop(self) -> list[StreamRecord]:
         """No new requests; waits for those in flight (each under the client's
         deadline) and returns every record."""
