@@ -164,6 +164,7 @@ def engine_config(args: argparse.Namespace, model: ResolvedModel, role: Role,
         kv_event_endpoints,
         prefill_chunk_default,
         prefill_max_running_default,
+        weight_transfer_backend,
     )
     from pdserve.worker.engine import EngineConfig
 
@@ -176,7 +177,8 @@ def engine_config(args: argparse.Namespace, model: ResolvedModel, role: Role,
         shm_spin_s=args.shm_spin_s,
         prefill_chunk_tokens=prefill_chunk_default(args.prefill_chunk_tokens),
         prefill_max_running=prefill_max_running_default(args.prefill_max_running),
-        prefill_order=args.prefill_order,
+        prefill_order=args.prefill_order, weight_version=args.weight_version,
+        weight_transfer_backend=weight_transfer_backend(args.weight_transfer_backend),
     )
 
 
@@ -213,8 +215,13 @@ def up_config(args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
     every engine (simulated workers have no dtype)."""
     from pdserve.core.dtype import resolve_dtype
     from pdserve.launch.up import UpConfig
+    from pdserve.worker.config import weight_transfer_backend
 
     dtype = None if args.simulated else resolve_dtype(args.dtype, model_path=model.path)
+    # vLLM workers need a GPU for it; simulated ones take none (UpConfig refuses it).
+    transfer = args.weight_transfer_backend
+    if not args.simulated:
+        transfer = weight_transfer_backend(transfer)
     return UpConfig(
         model=str(model.path), dtype=dtype.dtype if dtype else args.dtype,
         dtype_choice=dtype, host=args.host, port=args.port,
@@ -232,6 +239,7 @@ def up_config(args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
         etcd_ttl_s=args.etcd_ttl_s, num_kv_blocks=args.num_kv_blocks or None,
         shm_spin_s=args.shm_spin_s, prefill_chunk_tokens=args.prefill_chunk_tokens,
         prefill_max_running=args.prefill_max_running, prefill_order=args.prefill_order,
+        weight_version=args.weight_version, weight_transfer_backend=transfer,
         disagg=disagg_config(args), planner=planner_config(args),
         tools=tool_config(args),
         max_restarts=args.max_restarts,

@@ -149,6 +149,14 @@ def parse_chunk_tokens(text: str) -> int:
     return int(value)
 
 
+def parse_weight_version(text: str) -> str:
+    """A weights version: it names the weights in compatibility hashes, KV handles and
+    cache salts, where an empty one would mean "unnamed"."""
+    if not text.strip():
+        raise ValueError("expected a version name, not an empty string")
+    return text
+
+
 def parse_api_keys(text: str) -> tuple[str, ...]:
     """Comma-separated keys (one per ``--admin-key``; the environment may hold several)."""
     keys = tuple(k.strip() for k in text.split(",") if k.strip())

@@ -19,8 +19,10 @@ from pdserve.cli.flag_types import (
     parse_float,
     parse_int,
     parse_port,
+    parse_weight_version,
 )
 from pdserve.cli.health import DEFAULT_TARGET, HealthTarget
+from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.core.grpc_options import DEFAULT_KEEPALIVE_S, MIN_KEEPALIVE_S
 from pdserve.core.logs import DEFAULT_LOG_FORMAT, LOG_FORMATS
 from pdserve.kv_transfer.base import transport_names
@@ -37,6 +39,7 @@ from pdserve.router.dispatch.disagg import (
 from pdserve.router.dispatch.migration import DEFAULT_MAX_MIGRATIONS
 from pdserve.router.dispatch.placement import DEFAULT_PLACEMENT, PLACEMENTS
 from pdserve.router.dispatch.planner import PLANNER_MODES
+from pdserve.worker.engine import WEIGHT_TRANSFER_BACKENDS
 
 # ---- the table ------------------------------------------------------------------------
 
@@ -77,6 +80,15 @@ FLAGS = _flags(
          "survive restarts (with --kv-disk-gib)", None, metavar="DIR"),
     Flag("kv-disk-gib", "the disk tier's size in GiB (0: off; needs --kv-disk-dir)", 0.0,
          parse_float(0)),
+    Flag("weight-version", "the version the weights the worker starts with serve under "
+         "(vLLM's name for a model's own: default): it is in the worker's compatibility "
+         "hash, its KV handles and cache names, so only workers of one version pair; give a "
+         "worker started on a later checkpoint (--model) that checkpoint's version",
+         DEFAULT_WEIGHT_VERSION, parse_weight_version, metavar="V"),
+    Flag("weight-transfer-backend", "vLLM's weight-transfer engine, for weights a trainer "
+         "pushes (EngineWeightCall init_weight_transfer_engine, update_weights): nccl or ipc, "
+         "GPU only (default: off; updates come from checkpoint folders, StageWeights and "
+         "CommitWeights)", None, choices=WEIGHT_TRANSFER_BACKENDS),
     # KV transport
     Flag("transport", "KV transport: tcp, ucx (UCX via ucxx; UCX_* env vars apply), torch "
          "(torch.distributed p2p: NCCL/RCCL on GPU, gloo on CPU)", "tcp",

@@ -25,7 +25,7 @@ from pdserve.core.version import version
 COMMON = ("model", "max-model-len", "log-level", "log-format")
 ENGINE = ("dtype", "kv-cache-gib", "num-kv-blocks", "kv-offload-gib", "kv-disk-dir",
           "kv-disk-gib", "shm-spin-s", "prefill-chunk-tokens", "prefill-max-running",
-          "prefill-order")
+          "prefill-order", "weight-version", "weight-transfer-backend")
 TRANSPORT = ("transport", "kv-checksum", "kv-throttle-mib-s", "kv-push")
 MEMBERSHIP = ("etcd", "cluster", "etcd-ttl-s")
 WORKER = ("host", "port", "advertise-host", "kv-port", "kv-host", "cpu-cores", "lease-s",

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.core.cluster_secret import optional_secret, write_cluster_secret
 from pdserve.core.dtype import DtypeChoice
 from pdserve.core.grpc_tls import TlsFiles
@@ -35,6 +36,7 @@ from pdserve.router.dispatch.disagg import DisaggConfig
 from pdserve.router.dispatch.planner import PlannerConfig
 from pdserve.router.http.edge_config import EdgeConfig
 from pdserve.router.http.tools import ToolConfig
+from pdserve.worker.engine import WEIGHT_TRANSFER_BACKENDS
 
 __all__ = ["Child", "UpConfig", "plan", "run_up"]
 
@@ -72,6 +74,8 @@ class UpConfig:
     prefill_chunk_tokens: int | None = None  # every engine's (None: the workers' default)
     prefill_max_running: int | None = None  # every worker's (None: the workers' default)
     prefill_order: str = "shortest"
+    weight_version: str = DEFAULT_WEIGHT_VERSION  # every worker's starting weights'
+    weight_transfer_backend: str | None = None  # every vLLM engine's (None: off)
     disagg: DisaggConfig = DisaggConfig()  # handed to the router as its flags
     planner: PlannerConfig = PlannerConfig()  # the router's too
     tools: ToolConfig = ToolConfig()  # and its tool parser
@@ -108,11 +112,22 @@ class UpConfig:
         if self.tls.required and self.transport != "tcp" and not self.simulated:
             raise ValueError(f"--require-tls: the {self.transport} transport moves KV bytes "
                              "outside the TLS control channel, unencrypted; use --transport tcp")
+        self._check_weights()
         if self.metrics_targets_file and not Path(self.metrics_targets_file).parent.is_dir():
             raise ValueError(f"--metrics-targets-file {self.metrics_targets_file}: no such "
                              "directory")
         optional_secret(self.cluster_secret_file)  # a bad secret file fails before any child
         self.tls.load()
+
+    def _check_weights(self) -> None:
+        if not self.weight_version.strip():
+            raise ValueError("--weight-version must not be empty")
+        if self.weight_transfer_backend not in (None, *WEIGHT_TRANSFER_BACKENDS):
+            raise ValueError(f"--weight-transfer-backend must be one of "
+                             f"{', '.join(WEIGHT_TRANSFER_BACKENDS)}")
+        if self.weight_transfer_backend and self.simulated:
+            raise ValueError("--weight-transfer-backend: simulated workers have no "
+                             "weight-transfer engine")
 
     @property
     def restart_policy(self) -> RestartPolicy:
@@ -193,7 +208,9 @@ def _engine_flags(cfg: UpConfig, role: str, cores: str, name: str) -> list[str]:
         argv += ["--prefill-chunk-tokens", str(cfg.prefill_chunk_tokens)]
     if cfg.prefill_max_running is not None:
         argv += ["--prefill-max-running", str(cfg.prefill_max_running)]
-    argv += ["--prefill-order", cfg.prefill_order]
+    argv += ["--prefill-order", cfg.prefill_order, "--weight-version", cfg.weight_version]
+    if cfg.weight_transfer_backend:
+        argv += ["--weight-transfer-backend", cfg.weight_transfer_backend]
     if role == "prefill" and cfg.num_kv_blocks:
         argv += ["--num-kv-blocks", str(cfg.num_kv_blocks)]
     return argv

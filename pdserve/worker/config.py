@@ -102,3 +102,16 @@ def kv_push_default(flag: bool | None) -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
+
+
+def weight_transfer_backend(flag: str | None) -> str | None:
+    """The flag's value, refused without a GPU: vLLM's weight-transfer engines (NCCL,
+    CUDA IPC) move a trainer's tensors GPU to GPU, and would fail only at the trainer's
+    first ``init_weight_transfer_engine``."""
+    if flag is None:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"--weight-transfer-backend {flag} needs a GPU; this machine has none")
+    return flag

@@ -30,6 +30,8 @@ CONNECTOR_MODULE = "pdserve.kv_transfer.connector"
 # Methods vLLM adds to its Worker for in-place updates from a checkpoint folder.
 WORKER_EXTENSION = "pdserve.worker.weights_ext.WeightsExtension"
 logger = logging.getLogger("pdserve.worker")
+# vLLM's weight-transfer engines, for weights a trainer pushes (both need GPUs).
+WEIGHT_TRANSFER_BACKENDS = ("nccl", "ipc")
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,12 @@ class EngineConfig:
             raise ValueError("shm_spin_s must be >= 0")
         if self.prefill_chunk_tokens < 0 or 0 < self.prefill_chunk_tokens < 16:
             raise ValueError("prefill_chunk_tokens must be 0 (no cap) or >= 16")
+        if not self.weight_version.strip():  # it names the weights in hashes and salts
+            raise ValueError("weight_version must not be empty")
+        if self.weight_transfer_backend not in (None, *WEIGHT_TRANSFER_BACKENDS):
+            raise ValueError(f"weight_transfer_backend must be one of "
+                             f"{', '.join(WEIGHT_TRANSFER_BACKENDS)} (or unset), not "
+                             f"{self.weight_transfer_backend!r}")
 
 
 @dataclass(frozen=True)
