@@ -103,6 +103,8 @@ class PhaseRequest:
     # first token; what was sent before a migration): the engine counts them as output
     # for penalties, min_tokens and the grammar, so the call continues the request.
     num_output_in_prompt: int = 0
+    # The weights version the router admitted the request under ("": any).
+    weight_version: str = ""
     # On the worker: the time its caller gave the call (the gRPC deadline, which is
     # the router's request deadline), None without one. Not sent: the call carries it.
     timeout_s: float | None = None

@@ -157,7 +157,7 @@ def phase_request_to_pb(req: PhaseRequest) -> pb.GenerateRequest:
     msg = pb.GenerateRequest(
         request_id=req.request_id, phase=PHASE_TO_PB[req.phase],
         prompt_token_ids=req.prompt_token_ids, sampling=sampling_to_pb(req.sampling),
-        num_output_in_prompt=req.num_output_in_prompt)
+        num_output_in_prompt=req.num_output_in_prompt, weight_version=req.weight_version)
     if req.kv_handle is not None:
         msg.kv_handle.CopyFrom(handle_to_pb(req.kv_handle))
     if req.push_target is not None:
@@ -184,7 +184,8 @@ def phase_request_from_pb(msg: pb.GenerateRequest) -> PhaseRequest:
         request_id=msg.request_id, phase=phase_from_pb(msg.phase),
         prompt_token_ids=tuple(msg.prompt_token_ids), sampling=sampling_from_pb(msg.sampling),
         kv_handle=handle_from_pb(msg.kv_handle) if msg.HasField("kv_handle") else None,
-        push_target=push, pool_source=pool, num_output_in_prompt=_num_output_in_prompt(msg))
+        push_target=push, pool_source=pool, num_output_in_prompt=_num_output_in_prompt(msg),
+        weight_version=msg.weight_version)
 
 
 def _num_output_in_prompt(msg: pb.GenerateRequest) -> int:

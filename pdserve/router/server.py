@@ -48,6 +48,7 @@ from pdserve.router.http.edge_config import EdgeConfig
 from pdserve.router.http.openapi import ERROR_RESPONSES
 from pdserve.router.http.roles import RoleSwitcher
 from pdserve.router.http.tools import ToolCalling, ToolConfig
+from pdserve.router.http.weight_updates import WeightUpdater
 from pdserve.router.planner_loop import PlannerLoop
 
 logger = logging.getLogger("pdserve.router")
@@ -118,6 +119,7 @@ class Router:
     switcher: RoleSwitcher  # runtime role switches (admin action, planner)
     planner: PlannerLoop
     election: Election  # whether this replica's planner decides
+    weights: WeightUpdater  # cluster weight updates (admin actions)
 
     async def start(self) -> None:
         await self.pool.start(self.membership)
@@ -165,7 +167,8 @@ def build_router(config: RouterConfig, tokenizer: Any) -> Router:
                      eos_token_ids=model_eos_token_ids(config.model_path, tokenizer))
     views = _cluster_views(pool, membership, index, feeder, election)
     app.include_router(views)
-    return Router(app, pool, feeder, membership, views, registry, switcher, planner, election)
+    return Router(app, pool, feeder, membership, views, registry, switcher, planner, election,
+                  WeightUpdater(pool, dispatcher.weights, registry))
 
 
 async def serve_router(config: RouterConfig) -> None:
@@ -179,7 +182,8 @@ async def serve_router(config: RouterConfig) -> None:
     admin: list[uvicorn.Server] = []
     if config.edge.admin_port:
         actions = admin_actions(router.switcher, AdminAuth(config.edge.admin_action_keys,
-                                                            config.edge.admin_host))
+                                                            config.edge.admin_host),
+                                router.weights)
         admin.append(_QuietServer(uvicorn.Config(
             create_admin_app(router.registry, router.views, actions),
             host=config.edge.admin_host,

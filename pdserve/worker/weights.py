@@ -75,6 +75,10 @@ class WeightsState:
     def request(self, request: PhaseRequest) -> PhaseRequest:
         """``request`` as this version runs it: its KV handle checked, its cache salt
         joined to the version."""
+        if request.weight_version and request.weight_version != self.version:
+            raise WorkerError("failed_precondition",
+                              f"the request was admitted under weights "
+                              f"{request.weight_version!r}; this worker serves {self.version!r}")
         check_handle_version(request.kv_handle, self.version)
         salt = versioned_salt(request.sampling.cache_salt, self.version)
         if salt == request.sampling.cache_salt:

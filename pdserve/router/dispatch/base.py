@@ -37,6 +37,8 @@ class TokenChunk:
     logprobs: tuple[TokenLogprobs, ...] = ()  # per token of token_ids, when asked
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # on the first chunk, when asked
     decode_worker_id: str | None = None  # on decode's chunks: the worker generating
+    # On the first chunk: the weights version producing every token of the request.
+    weight_version: str | None = None
 
 
 ChunkSink = Callable[[tuple[int, ...]], bool]  # an ordinary chunk's token ids

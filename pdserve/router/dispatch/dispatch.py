@@ -50,6 +50,7 @@ from pdserve.router.dispatch.migration import (
 from pdserve.router.dispatch.placement import Choice, Placement, PlacementRequest
 from pdserve.router.dispatch.prefix_routing import PendingPrefix, PrefixRouting
 from pdserve.router.dispatch.timeline import RequestTimeline, TimelineRecorder
+from pdserve.router.dispatch.weights import Ticket, UpdateAborted, WeightGate
 from pdserve.router.dispatch.worker_client import (
     DEADLINE_EXCEEDED,
     INVALID_ARGUMENT,
@@ -88,16 +89,18 @@ def _push_target(prefill: WorkerState, decode: WorkerState) -> PushTarget | None
 
 
 def _decode_request(request_id: str, prompt: Sequence[int], sampling: SamplingSpec,
-                    first: PhaseOutput | None) -> PhaseRequest:
+                    first: PhaseOutput | None, version: str) -> PhaseRequest:
     """Decode's request: the prompt alone (fallback), or prompt + prefill's tokens
     with its KV handle and the tokens still to generate."""
     if first is None:
-        return PhaseRequest(request_id, "decode", tuple(prompt), sampling)
+        return PhaseRequest(request_id, "decode", tuple(prompt), sampling,
+                            weight_version=version)
     return PhaseRequest(
         request_id, "decode", (*prompt, *first.token_ids),
         replace(sampling, max_tokens=sampling.max_tokens - len(first.token_ids),
                 prompt_logprobs=None),  # prefill computed the prompt and returned them
-        kv_handle=first.kv_handle, num_output_in_prompt=len(first.token_ids))
+        kv_handle=first.kv_handle, num_output_in_prompt=len(first.token_ids),
+        weight_version=version)
 
 
 class PDDispatcher:
@@ -120,6 +123,8 @@ class PDDispatcher:
         pool.on_worker_removed(self._metrics.placements.forget)
         self._timelines = TimelineRecorder(registry)
         self._timeout = request_timeout_s
+        # The weights version requests run under, and the gate an update closes.
+        self.weights = WeightGate()
         self._cursor = 0
         self._cleanups: set[asyncio.Task[None]] = set()
 
@@ -178,8 +183,37 @@ class PDDispatcher:
         timeline: RequestTimeline | None = None, deadline: Deadline | None = None,
         affinity: str | None = None, express: Express | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
-        timeline = timeline or RequestTimeline(request_id)
+        """The request's chunks, all from the weights version it was admitted under
+        (``weights.py``): the first names it. A weight update that ends the request
+        before any chunk went out runs it again on the new version; after, it ends
+        with finish reason ``abort``."""
         deadline = deadline or Deadline.after(self._timeout)
+        while True:
+            async with self.weights.admitted(request_id, deadline) as ticket:
+                try:
+                    chunks = self._generate(request_id, prompt_token_ids, sampling, timeline,
+                                            deadline, affinity, express, ticket)
+                    async with contextlib.aclosing(chunks):
+                        async for chunk in chunks:
+                            ticket.sent = True
+                            yield chunk
+                    return
+                except (UpdateAborted, WorkerFailedError, NoWorkerAvailableError):
+                    if not ticket.aborted:
+                        raise
+                    if ticket.sent:
+                        yield TokenChunk((), "abort")
+                        return
+            self._metrics.weight_reruns.inc()
+            logger.info("%s ended by a weight update before any output: runs again on "
+                        "the new weights", request_id)
+
+    async def _generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
+        timeline: RequestTimeline | None, deadline: Deadline, affinity: str | None,
+        express: Express | None, ticket: Ticket,
+    ) -> AsyncGenerator[TokenChunk, None]:
+        timeline = timeline or RequestTimeline(request_id)
         route = (self._follow(affinity, prompt_token_ids)
                  or self._choose(prompt_token_ids, sampling.cache_salt))
         timeline.on_placed()
@@ -193,8 +227,9 @@ class PDDispatcher:
                 timeline.on_call()
                 first = await self._prefill(route.prefill, PhaseRequest(
                     request_id, "prefill", tuple(prompt_token_ids), sampling,
-                    push_target=route.push_to, pool_source=route.pool_source), deadline,
-                    route.uncached_tokens, route.pending)
+                    push_target=route.push_to, pool_source=route.pool_source,
+                    weight_version=ticket.version), deadline,
+                    route.uncached_tokens, route.pending, ticket)
                 if first is None:  # a remote decision whose prefill failed
                     self._metrics.fallbacks.inc()
             if first is not None:
@@ -204,7 +239,8 @@ class PDDispatcher:
                 num_tokens += len(first.token_ids)
                 yield TokenChunk(first.token_ids, first.finish_reason if done else None,
                                  first.num_cached_tokens, route.disagg, first.logprobs,
-                                 first.prompt_logprobs)
+                                 first.prompt_logprobs,
+                                 weight_version=first.weight_version or None)
                 if done:  # nothing is held: prefill keeps KV only for a decode to come
                     finished = True
                     return
@@ -216,9 +252,9 @@ class PDDispatcher:
             migration = RequestMigration(self._migration, self._migration_metrics,
                                          prompt_token_ids, first)
             stream = self._decode(route.decode, _decode_request(
-                request_id, prompt_token_ids, sampling, first),
+                request_id, prompt_token_ids, sampling, first, ticket.version),
                 route.disagg if first is None else None, involved, timeline, migration,
-                deadline, express, route.decode_cached)
+                deadline, ticket, express, route.decode_cached)
             async with contextlib.aclosing(stream):  # closing us closes the decode call now
                 async for chunk in stream:
                     num_tokens += len(chunk.token_ids)
@@ -234,9 +270,10 @@ class PDDispatcher:
                 self._demand.on_finished(num_tokens + (express.taken if express else 0))
 
     async def _prefill(self, worker: Worker, request: PhaseRequest, deadline: Deadline,
-                       uncached_tokens: int, pending: PendingPrefix | None = None
-                       ) -> PhaseOutput | None:
-        """The prefill's one output, or None if prefill failed (decode falls back)."""
+                       uncached_tokens: int, pending: PendingPrefix | None = None,
+                       ticket: Ticket | None = None) -> PhaseOutput | None:
+        """The prefill's one output, or None if prefill failed (decode falls back);
+        raises ``UpdateAborted`` when a weight update ended it."""
         timeout_s = self._time_left(deadline, "prefill")
         worker.on_sent(uncached_tokens)
         last: PhaseOutput | None = None
@@ -245,6 +282,8 @@ class PDDispatcher:
                 async for out in outs:
                     last = out
             worker.on_call_succeeded()
+            if ticket is not None and ticket.aborted:
+                raise UpdateAborted(request.request_id)
             if last is not None and last.finish_reason == "abort":
                 # Not this router's abort (that closes the call): the worker ended it (a
                 # role switch past its drain). Decode computes the prompt instead.
@@ -255,6 +294,8 @@ class PDDispatcher:
                 self._prefix.on_prefilled(last.num_cached_tokens)
             return last
         except WorkerCallError as exc:
+            if ticket is not None and ticket.aborted:
+                raise UpdateAborted(request.request_id) from exc
             self._on_error(worker, exc)
             if exc.code == DEADLINE_EXCEEDED:
                 raise self._expired(deadline, "prefill") from exc
@@ -270,7 +311,8 @@ class PDDispatcher:
     async def _decode(
         self, worker: Worker, request: PhaseRequest, opening: DisaggDecision | None,
         involved: list[Worker], timeline: RequestTimeline, migration: RequestMigration,
-        deadline: Deadline, express: Express | None = None, cached_tokens: int = 0,
+        deadline: Deadline, ticket: Ticket, express: Express | None = None,
+        cached_tokens: int = 0,
     ) -> AsyncGenerator[TokenChunk, None]:
         """Decode on ``worker``; if it fails, on another (``migration.py`` says when and
         with what request), each call with what is left of the request's ``deadline``.
@@ -319,11 +361,14 @@ class PDDispatcher:
                         migration.on_sent(out.token_ids)
                         cached = out.num_cached_tokens if opening is not None else None
                         chunk = TokenChunk(out.token_ids, out.finish_reason, cached, opening,
-                                           out.logprobs, out.prompt_logprobs, worker_id)
+                                           out.logprobs, out.prompt_logprobs, worker_id,
+                                           out.weight_version or None)
                         opening, ended = None, out.finish_reason is not None
                         yield chunk
                 worker.on_call_succeeded()
             except WorkerCallError as exc:
+                if ticket.aborted and not ended:
+                    raise UpdateAborted(request.request_id) from exc
                 self._on_error(worker, exc)
                 if ended:
                     return
@@ -337,6 +382,8 @@ class PDDispatcher:
                 worker.on_finished(prefill_tokens)
             if failure is None:
                 return
+            if ticket.aborted:  # never continued elsewhere: that could be other weights
+                raise UpdateAborted(request.request_id)
             step = self._migrate(worker, failure, request, involved, migration)
             if step is None:  # every token was sent: only the end was lost
                 yield TokenChunk((), "length")

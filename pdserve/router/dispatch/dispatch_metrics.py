@@ -22,6 +22,9 @@ class DispatchMetrics:
             r, f"{PREFIX}prefill_fallbacks", "Requests sent to prefill whose prefill call "
             "failed, so decode computed the prompt itself (failures only; a local decision "
             "is counted in pdserve:disagg_decisions_total).")
+        self.weight_reruns = counter(
+            r, f"{PREFIX}weight_update_reruns", "Requests a weight update (policy abort) "
+            "ended before any output and that ran again, from the prompt, on the new weights.")
         self.worker_errors = counter(r, f"{PREFIX}worker_errors", "Failed worker calls, by "
                                      "role and status.", ["role", "code"])
         self.handoffs = counter(r, f"{PREFIX}kv_handoffs", "Requests whose KV went from "

@@ -61,6 +61,9 @@ class Worker:
         self._breaker = CircuitBreaker(breaker)
         self._ejected = False  # the breaker was open at the last publish
         self._switching = False  # this router is switching its role: place nothing here
+        # The weights version requests run under ("": any): a worker on another one is
+        # out of placement until it serves it (a worker that joined mid-update).
+        self.weight_target = ""
 
     @property
     def member_id(self) -> str:
@@ -86,6 +89,11 @@ class Worker:
         self._switching = False
         if role is not None:
             self._adopt_role(role)
+        self._publish()
+
+    def set_weight_target(self, version: str) -> None:
+        """Place requests here only while it serves ``version`` ("": whatever it serves)."""
+        self.weight_target = version
         self._publish()
 
     def _adopt_role(self, role: str) -> None:
@@ -181,7 +189,7 @@ class Worker:
                      max_model_len=health.max_model_len, kv_host=health.kv_host,
                      kv_port=health.kv_port, kv_push=health.kv_push,
                      prefill_chunk_tokens=health.prefill_chunk_tokens,
-                     load=_placement_load(load))
+                     weight_version=health.weight_version, load=_placement_load(load))
 
     def _check_identity(self, health: WorkerHealth) -> None:
         endpoint = self._reported.endpoint
@@ -208,11 +216,13 @@ class Worker:
         r, inflight = self._reported, self._inflight
         self._snapshot = WorkerState(
             endpoint=r.endpoint, role=r.role,
-            healthy=r.healthy and not self._ejected and not self._switching,
+            healthy=r.healthy and not self._ejected and not self._switching
+            and (not self.weight_target or r.weight_version == self.weight_target),
             member_id=r.member_id, worker_id=r.worker_id,
             compatibility_hash=r.compatibility_hash, model=r.model,
             max_model_len=r.max_model_len, kv_host=r.kv_host, kv_port=r.kv_port,
-            kv_push=r.kv_push, prefill_chunk_tokens=r.prefill_chunk_tokens, load=r.load,
+            kv_push=r.kv_push, prefill_chunk_tokens=r.prefill_chunk_tokens,
+            weight_version=r.weight_version, load=r.load,
             num_assigned=inflight.num_assigned,
             num_assigned_tokens=inflight.num_assigned_tokens)
 

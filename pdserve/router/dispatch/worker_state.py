@@ -71,6 +71,8 @@ class WorkerState:
     kv_push: bool = False
     # Prompt tokens one request computes per engine step beside others (0: no cap).
     prefill_chunk_tokens: int = 0
+    # The weights version it serves (its Health).
+    weight_version: str = ""
     load: WorkerLoad = field(default_factory=WorkerLoad)
     # Requests this router has sent and not seen finish (fresher than GetLoad).
     num_assigned: int = 0

@@ -61,6 +61,7 @@ class WorkerPool:
         self._breaker = breaker
         self._close_grace_s = close_grace_s
         self._closing: set[Worker] = set()  # removed, channel closing once its calls end
+        self.weight_target = ""  # see ``set_weight_target``
         self._members: dict[str, Worker] = {}
         self.prefill: list[Worker] = []
         self.decode: list[Worker] = []
@@ -89,7 +90,7 @@ class WorkerPool:
         return [
             {"id": s.worker_id, "role": s.role, "endpoint": s.endpoint,
              "healthy": s.healthy, "ejected": w.ejected, "switching": w.switching,
-             "compatibility_hash": s.compatibility_hash,
+             "compatibility_hash": s.compatibility_hash, "weight_version": s.weight_version,
              "load": asdict(s.load), "num_assigned": s.num_assigned,
              "metrics_endpoint": w.metrics_endpoint}
             for w, s in ((w, w.snapshot()) for w in self.all)
@@ -118,8 +119,16 @@ class WorkerPool:
             self._remove(member_id)
 
     def _worker(self, info: WorkerInfo) -> Worker:
-        return Worker(info, self._secret, self._tls, self._keepalive_s, self._breaker,
-                      self._role_changed)
+        worker = Worker(info, self._secret, self._tls, self._keepalive_s, self._breaker,
+                        self._role_changed)
+        worker.weight_target = self.weight_target
+        return worker
+
+    def set_weight_target(self, version: str) -> None:
+        """Place only on workers serving ``version`` ("": any), those joining later too."""
+        self.weight_target = version
+        for worker in self.all:
+            worker.set_weight_target(version)
 
     def _role_changed(self, worker: Worker, old_role: str) -> None:
         """A member switched role: filed under the new one; listeners see it leave the

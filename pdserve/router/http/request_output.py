@@ -19,6 +19,7 @@ from pdserve.router.http.preprocess import GenerationRequest
 from pdserve.router.http.responses import ChoiceOutput, FinalOutput, OutputDelta
 from pdserve.router.metrics import RouterMetrics
 
+WEIGHT_VERSION_HEADER = "x-weight-version"  # the weights that produced the response
 DISAGG_HEADER = "x-pdserve-disagg"  # "<local|remote>; reason=<rule>", see router/disagg.py
 
 
@@ -36,6 +37,7 @@ class RequestOutput:
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0
         self.disagg: DisaggDecision | None = None
+        self.weight_version: str | None = None  # from the first chunk
         self.logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs: tuple[TokenLogprobs, ...] = ()
         self._texts: list[str] = []
@@ -101,7 +103,10 @@ class RequestOutput:
     def headers(self) -> dict[str, str]:
         """The disaggregation decision, known from the first chunk on (before any byte of
         the body), as a header on streaming and non-streaming responses alike."""
-        return {} if self.disagg is None else {DISAGG_HEADER: self.disagg.header()}
+        headers = {} if self.disagg is None else {DISAGG_HEADER: self.disagg.header()}
+        if self.weight_version:
+            headers[WEIGHT_VERSION_HEADER] = self.weight_version
+        return headers
 
     def check_finished(self) -> str:
         if self.finish_reason is None:
@@ -112,6 +117,7 @@ class RequestOutput:
         if self._last_chunk_s is None:
             self.num_cached_tokens = chunk.num_cached_tokens or 0
             self.disagg = chunk.disagg
+            self.weight_version = chunk.weight_version
             if not self._metrics.enabled:  # metrics off: not even a clock read per chunk
                 self._last_chunk_s = 0.0
                 return

@@ -151,11 +151,14 @@ class Envelope(_Response):
     """Top level of every response and chunk; subclasses narrow ``object`` and ``choices``
     (overriding keeps this field order in the JSON)."""
 
-    _omit_unless_set = frozenset({"usage", "prompt_token_ids"})
+    _omit_unless_set = frozenset({"usage", "prompt_token_ids", "system_fingerprint"})
     id: str
     object: str
     created: int
     model: str
+    # The weights version that produced every token of the response (OpenAI's field
+    # for the backend's configuration).
+    system_fingerprint: str | None = None
     choices: list[Any]
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None

@@ -93,9 +93,10 @@ class ResponseFormatter:
 
     chunk_class: ClassVar[type[Envelope]]
 
-    def __init__(self, request: GenerationRequest, logprob_text: LogprobText | None = None
-                 ) -> None:
+    def __init__(self, request: GenerationRequest, logprob_text: LogprobText | None = None,
+                 weight_version: str | None = None) -> None:
         self.request = request
+        self.weight_version = weight_version
         self._logprob_text = logprob_text
         self._frame: tuple[bytes, bytes] | None = None
         self._plain: dict[int, tuple[bytes, bytes]] = {}  # per choice: see ``_render_plain``
@@ -187,6 +188,8 @@ class ResponseFormatter:
             "created": self.request.created,
             "model": self.request.model,
         }
+        if self.weight_version:
+            fields["system_fingerprint"] = self.weight_version
         if self.request.include_usage:
             fields["usage"] = None
         if first and self.request.return_token_ids:
@@ -208,9 +211,9 @@ class ResponseFormatter:
 class CompletionFormatter(ResponseFormatter):
     chunk_class = CompletionChunk
 
-    def __init__(self, request: GenerationRequest, logprob_text: LogprobText | None = None
-                 ) -> None:
-        super().__init__(request, logprob_text)
+    def __init__(self, request: GenerationRequest, logprob_text: LogprobText | None = None,
+                 weight_version: str | None = None) -> None:
+        super().__init__(request, logprob_text, weight_version)
         self._offsets: dict[int, int] = {}  # per choice: text offset of its next token
         self._started: set[int] = set()
         # The prompt's logprobs (echo), from choice 0, which computed the prompt: the
@@ -275,9 +278,9 @@ class CompletionFormatter(ResponseFormatter):
 class ChatFormatter(ResponseFormatter):
     chunk_class = ChatCompletionChunk
 
-    def __init__(self, request: GenerationRequest, logprob_text: LogprobText | None = None
-                 ) -> None:
-        super().__init__(request, logprob_text)
+    def __init__(self, request: GenerationRequest, logprob_text: LogprobText | None = None,
+                 weight_version: str | None = None) -> None:
+        super().__init__(request, logprob_text, weight_version)
         self._parsers: dict[int, ChoiceToolParser] = {}  # per choice, with tools
         self._opened: set[int] = set()  # choices whose role chunk went out
         self._prompt_ids = list(request.prompt_token_ids) if request.tools else []
@@ -367,8 +370,9 @@ class ChatFormatter(ResponseFormatter):
         return self.chunk_class(choices=[choice], **self._envelope(first))
 
 
-def formatter_for(request: GenerationRequest, logprob_text: LogprobText | None = None
-                  ) -> ResponseFormatter:
+def formatter_for(request: GenerationRequest, logprob_text: LogprobText | None = None,
+                  weight_version: str | None = None) -> ResponseFormatter:
+    """``weight_version``: the response's ``system_fingerprint`` (None: none)."""
     if request.endpoint == "chat":
-        return ChatFormatter(request, logprob_text)
-    return CompletionFormatter(request, logprob_text)
+        return ChatFormatter(request, logprob_text, weight_version)
+    return CompletionFormatter(request, logprob_text, weight_version)

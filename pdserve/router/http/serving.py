@@ -126,7 +126,8 @@ class OpenAIServing:
         except BaseException as exc:
             return self._fail(choices.outputs, exc)
         self._finish(choices.outputs, 200, "ok")
-        formatter = formatter_for(choices.first.request, self._logprob_text)
+        formatter = formatter_for(choices.first.request, self._logprob_text,
+                                  choices.first.weight_version)
         body = formatter.response(final).model_dump_json()
         return Response(body, media_type="application/json", headers=choices.first.headers())
 
@@ -148,7 +149,7 @@ class OpenAIServing:
     async def _events(self, choices: Choices, first: OutputDelta) -> AsyncIterator[bytes]:
         """SSE body. One write per dispatcher chunk, never batched across chunks."""
         request = choices.first.request
-        formatter = formatter_for(request, self._logprob_text)
+        formatter = formatter_for(request, self._logprob_text, choices.first.weight_version)
         status, reason = 200, "ok"
         try:
             async with closing(choices.chunks):

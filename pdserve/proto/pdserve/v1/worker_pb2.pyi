@@ -175,7 +175,7 @@ class KvPoolSource(_message.Message):
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., num_blocks: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "phase", "prompt_token_ids", "sampling", "kv_handle", "kv_push_target", "kv_pool_source", "num_output_in_prompt")
+    __slots__ = ("request_id", "phase", "prompt_token_ids", "sampling", "kv_handle", "kv_push_target", "kv_pool_source", "num_output_in_prompt", "weight_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +184,7 @@ class GenerateRequest(_message.Message):
     KV_PUSH_TARGET_FIELD_NUMBER: _ClassVar[int]
     KV_POOL_SOURCE_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_IN_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     phase: Phase
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -192,7 +193,8 @@ class GenerateRequest(_message.Message):
     kv_push_target: KvPushTarget
     kv_pool_source: KvPoolSource
     num_output_in_prompt: int
-    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., kv_push_target: _Optional[_Union[KvPushTarget, _Mapping]] = ..., kv_pool_source: _Optional[_Union[KvPoolSource, _Mapping]] = ..., num_output_in_prompt: _Optional[int] = ...) -> None: ...
+    weight_version: str
+    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., kv_push_target: _Optional[_Union[KvPushTarget, _Mapping]] = ..., kv_pool_source: _Optional[_Union[KvPoolSource, _Mapping]] = ..., num_output_in_prompt: _Optional[int] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "kv_handle", "num_cached_tokens", "num_prompt_tokens", "timing", "logprobs", "prompt_logprobs", "weight_version")

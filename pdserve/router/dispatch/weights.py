@@ -1,0 +1,118 @@
+"""The weights version requests run under, the router's side: the gate every request
+passes, and what an update does to the requests in flight.
+
+Every request is admitted under the version the gate holds (a ``Ticket``) and names it
+in each of its worker calls (``PhaseRequest.weight_version``): a worker on another
+version refuses the call, so no response mixes two versions, whatever a stale view of
+the workers says. An update closes the gate: requests arriving meanwhile wait (within
+their deadline) and run on the new version once it reopens. The requests in flight:
+
+- ``drain``: they finish on the old weights (up to the drain timeout; past it they
+  are ended as with ``abort``).
+- ``abort``: they are ended now. One that has not sent a token yet runs again, from its
+  prompt, on the new weights once the gate reopens: its client sees nothing but a later
+  first token. One whose tokens went out already ends with finish reason ``abort``
+  (vLLM's own ``/pause?mode=abort``): continuing it on new weights would mix versions.
+
+A paused gate (vLLM's ``/pause``) is the same closed gate with no version change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+from pdserve.router.dispatch.base import Deadline
+
+POLICIES = ("drain", "abort")
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One dispatcher request's admission: the version it runs under, whether a token
+    of it went out, whether an update ended it."""
+
+    request_id: str
+    version: str  # "" : the router does not know the cluster's version yet (any)
+    sent: bool = False
+    aborted: bool = False
+
+
+class UpdateAborted(Exception):
+    """A weight update ended this request (raised inside the dispatcher)."""
+
+
+@dataclass
+class WeightGate:
+    """``version``: what requests are admitted under ("": not known yet: a router that
+    has run no update and been told none; workers accept any)."""
+
+    version: str = ""
+    _open: asyncio.Event = field(default_factory=asyncio.Event)
+    _running: dict[Ticket, None] = field(default_factory=dict)
+    _idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self._open.set()
+        self._idle.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._open.is_set()
+
+    @property
+    def running(self) -> list[Ticket]:
+        return list(self._running)
+
+    @contextlib.asynccontextmanager
+    async def admitted(self, request_id: str, deadline: Deadline) -> AsyncIterator[Ticket]:
+        """Wait while the gate is closed (raises the deadline's error past it), then hold
+        a ticket for the request's life."""
+        while not self._open.is_set():
+            remaining = deadline.remaining_s()
+            if remaining <= 0:
+                raise deadline.exceeded("weight update")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._open.wait(), remaining)
+        ticket = Ticket(request_id, self.version)
+        self._running[ticket] = None
+        self._idle.clear()
+        try:
+            yield ticket
+        finally:
+            del self._running[ticket]
+            if not self._running:
+                self._idle.set()
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def reopen(self, version: str | None = None) -> None:
+        """Admit again, under ``version`` (None: the same)."""
+        if version is not None:
+            self.version = version
+        self._open.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Until no admitted request runs, or ``timeout_s``; whether it got there."""
+        deadline = time.monotonic() + timeout_s
+        while self._running:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), remaining)
+        return True
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> list[Ticket]:
+        """Mark the running requests (all, or those ids) ended by an update; the tickets."""
+        wanted = None if request_ids is None else set(request_ids)
+        tickets = [t for t in self._running
+                   if wanted is None or t.request_id in wanted
+                   or t.request_id.rsplit("-", 1)[0] in wanted]  # a choice of n > 1
+        for ticket in tickets:
+            ticket.aborted = True
+        return tickets

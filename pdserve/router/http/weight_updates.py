@@ -1,0 +1,249 @@
+"""Cluster weight updates, the router's side: vLLM's RL API and SGLang's
+``/update_weights_from_disk``, fanned out to every worker of both roles.
+
+An update from a checkpoint folder is two phases, so the cluster serves one version or
+the other, never a mix:
+
+1. **Stage** on every worker at once (``StageWeights``): each reads the folder into host
+   memory and checks it against the served model. Serving goes on meanwhile. If any
+   worker fails (a bad path, a worker gone), every worker drops what it staged and the
+   call fails: the cluster stays on its old version, serving.
+2. **Switch**: the router's gate closes (new requests wait, ``dispatch/weights.py``), the
+   requests in flight drain or are aborted (the ``policy``), every worker commits
+   (``CommitWeights``: an in-place copy, the prefix cache and KV tiers emptied), the
+   router files the workers under the new version and the gate reopens on it. A worker
+   that fails to commit keeps the old version and is out of placement until it serves
+   the new one (so is a worker that joins later on another version).
+
+vLLM's own transfer-engine calls (``/init_weight_transfer_engine``,
+``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``) are passed to
+every worker as they are, between the caller's ``/pause`` and ``/resume``, as with one
+``vllm serve``. One update runs at a time (409 otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal, TypeVar
+
+from prometheus_client import CollectorRegistry
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdserve.router.dispatch.weights import WeightGate
+from pdserve.router.dispatch.worker_client import WorkerCallError
+from pdserve.router.dispatch.workers import Worker, WorkerPool
+from pdserve.router.http.errors import (
+    ConflictError,
+    InvalidRequestError,
+    ServerError,
+    ServiceUnavailableError,
+)
+from pdserve.router.metrics import PREFIX, counter
+
+logger = logging.getLogger("pdserve.router.weights")
+T = TypeVar("T")
+
+DEFAULT_DRAIN_TIMEOUT_S = 60.0
+STAGE_TIMEOUT_S = 600.0  # reading a checkpoint: minutes for a large model
+COMMIT_SLACK_S = 300.0  # the in-place copy, on top of the drain
+CALL_TIMEOUT_S = 600.0  # vLLM's transfer-engine calls (a broadcast from the trainer)
+OUTCOMES = ("updated", "stage_failed", "commit_failed")
+
+
+class UpdateFromDiskBody(BaseModel):
+    """``POST /update_weights_from_disk`` (SGLang's name and fields, plus the policy)."""
+
+    model_config = ConfigDict(extra="ignore")  # RL frameworks send SGLang's other fields
+    model_path: str = Field(min_length=1)
+    weight_version: str | None = Field(None, min_length=1, max_length=200)
+    policy: Literal["drain", "abort"] = "drain"
+    drain_timeout_s: float = Field(DEFAULT_DRAIN_TIMEOUT_S, ge=0, le=3600)
+
+
+class WeightUpdater:
+    def __init__(self, pool: WorkerPool, gate: WeightGate,
+                 registry: CollectorRegistry | None = None) -> None:
+        self._pool = pool
+        self._gate = gate
+        self._lock = asyncio.Lock()
+        self._updates = counter(registry, f"{PREFIX}weight_updates", "Cluster weight updates "
+                                "this router ran, by outcome (stage_failed: every worker kept "
+                                "its version)", ["outcome"])
+        for outcome in OUTCOMES:
+            self._updates.labels(outcome)
+
+    # ---- views ----
+
+    def info(self) -> dict[str, Any]:
+        """``GET /weight_info``: vLLM's answer, plus each worker's version."""
+        workers = {s.worker_id or s.endpoint: s.weight_version
+                   for s in (w.snapshot() for w in self._pool.all)}
+        version = self._gate.version or _most_common(workers.values())
+        return {"weight_version": version, "workers": workers}
+
+    # ---- from a checkpoint folder ----
+
+    async def update_from_disk(self, body: UpdateFromDiskBody) -> dict[str, Any]:
+        """Stage everywhere, then switch everywhere; raises an ``APIError`` (the cluster
+        keeps its version) when a worker cannot stage."""
+        version = body.weight_version or f"{body.model_path.rstrip('/').rsplit('/', 1)[-1]}" \
+                                         f"-{uuid.uuid4().hex[:8]}"
+        async with self._exclusive():
+            started = time.monotonic()
+            workers = self._workers()
+            await self._stage(workers, body.model_path, version)
+            staged_s = time.monotonic() - started
+            committed = await self._switch(workers, version, body.policy, body.drain_timeout_s)
+        seconds = time.monotonic() - started
+        self._updates.labels("updated").inc()
+        logger.info("weights %s from %s on %d workers in %.2f s (staged in %.2f s)", version,
+                    body.model_path, len(committed), seconds, staged_s)
+        return {"success": True, "message": f"Succeeded to update model weights to {version}.",
+                "weight_version": version, "seconds": seconds, "stage_seconds": staged_s,
+                "workers": committed}
+
+    async def _stage(self, workers: Sequence[Worker], path: str, version: str) -> None:
+        results = await _each(workers, lambda w: w.client.stage_weights(
+            path, version, STAGE_TIMEOUT_S))
+        failed = {name: exc for name, exc in results.items() if isinstance(exc, Exception)}
+        if not failed:
+            return
+        await _each(workers, lambda w: w.client.discard_weights(10.0))
+        self._updates.labels("stage_failed").inc()
+        name, exc = next(iter(failed.items()))
+        what = exc.details if isinstance(exc, WorkerCallError) else str(exc)
+        message = (f"{len(failed)} of {len(workers)} workers could not stage {path!r} "
+                   f"(worker {name}: {what}); the cluster keeps its version")
+        logger.warning("weight update refused: %s", message)
+        if isinstance(exc, WorkerCallError) and exc.code == "INVALID_ARGUMENT":
+            raise InvalidRequestError(message, param="model_path", code="invalid_checkpoint")
+        raise ServiceUnavailableError(message, code="weight_stage_failed")
+
+    async def _switch(self, workers: Sequence[Worker], version: str, policy: str,
+                      drain_timeout_s: float) -> dict[str, str]:
+        """Close the gate, end or drain what runs, commit everywhere, reopen on ``version``."""
+        self._gate.close()
+        try:
+            abort = policy == "abort" or not await self._gate.wait_idle(drain_timeout_s)
+            if abort:
+                self._gate.abort()
+            results = await _each(workers, lambda w: w.client.commit_weights(
+                version, abort, 0.0 if abort else drain_timeout_s,
+                drain_timeout_s + COMMIT_SLACK_S))
+            ok = {name: r.weight_version for name, r in results.items()
+                  if not isinstance(r, Exception)}
+            if not ok:
+                self._updates.labels("commit_failed").inc()
+                raise ServerError(f"no worker could switch to {version}: "
+                                  f"{_first_error(results)}", code="weight_commit_failed")
+            for name, r in results.items():
+                if isinstance(r, Exception):
+                    logger.error("worker %s kept its weights (out of placement until it "
+                                 "serves %s): %s", name, version, r)
+            self._pool.set_weight_target(version)
+            await asyncio.gather(*(w.refresh(5.0) for w in workers))
+            return {name: ok.get(name, "failed") for name in results}
+        finally:
+            self._gate.reopen(version if self._pool.weight_target == version else None)
+
+    # ---- vLLM's API ----
+
+    async def pause(self, mode: str) -> None:
+        """vLLM's ``/pause``: ``abort`` ends what runs (a request with no output yet runs
+        again after ``/resume``), ``wait`` lets it finish, ``keep`` only holds new ones."""
+        if mode not in ("abort", "wait", "keep"):
+            raise InvalidRequestError(f"mode must be abort, wait or keep, not {mode!r}",
+                                      param="mode")
+        self._gate.close()
+        if mode == "abort":
+            await self.abort_requests(None)
+        elif mode == "wait":
+            await self._gate.wait_idle(CALL_TIMEOUT_S)
+
+    def resume(self) -> None:
+        self._gate.reopen()
+
+    @property
+    def paused(self) -> bool:
+        return self._gate.paused
+
+    async def abort_requests(self, request_ids: Sequence[str] | None) -> int:
+        """End the running requests (all, or those ids) on every worker."""
+        tickets = self._gate.abort(request_ids)
+        ids = [t.request_id for t in tickets]
+        workers = self._workers(require=False)
+        await asyncio.gather(*(_quietly(w.client.abort(i, 5.0)) for w in workers for i in ids))
+        return len(ids)
+
+    async def engine_call(self, method: str, body: dict[str, Any]) -> dict[str, str]:
+        """One of vLLM's transfer-engine calls on every worker; each one's version after.
+        A call that sets a version (``finish_weight_update``, ``update_weight_version``)
+        files the workers under it, as an update from disk does."""
+        async with self._exclusive():
+            workers = self._workers()
+            results = await _each(workers, lambda w: w.client.engine_weight_call(
+                method, json.dumps(body), CALL_TIMEOUT_S))
+            if any(isinstance(r, Exception) for r in results.values()):
+                raise ServerError(f"{method} failed: {_first_error(results)}",
+                                  code="weight_call_failed")
+            versions: dict[str, str] = {k: v for k, v in results.items() if isinstance(v, str)}
+            new = body.get("weight_version") or body.get("new_version")
+            if new:
+                self._pool.set_weight_target(str(new))
+                self._gate.version = str(new)
+                await asyncio.gather(*(w.refresh(5.0) for w in workers))
+            return versions
+
+    # ---- helpers ----
+
+    def _exclusive(self) -> asyncio.Lock:
+        if self._lock.locked():
+            raise ConflictError("a weight update is already running", code="weight_update_running")
+        return self._lock
+
+    def _workers(self, require: bool = True) -> list[Worker]:
+        workers = [w for w in self._pool.all if w.snapshot().worker_id]
+        if require and not workers:
+            raise ServiceUnavailableError("no worker to update", code="no_workers")
+        return workers
+
+
+async def _each(workers: Sequence[Worker], call: Callable[[Worker], Awaitable[T]]
+                ) -> dict[str, T | Exception]:
+    """``call`` on every worker at once: each one's result or error, by worker id."""
+    results = await asyncio.gather(*(call(w) for w in workers), return_exceptions=True)
+    out: dict[str, T | Exception] = {}
+    for worker, result in zip(workers, results, strict=True):
+        if isinstance(result, BaseException) and not isinstance(result, Exception):
+            raise result
+        out[worker.snapshot().worker_id] = result
+    return out
+
+
+async def _quietly(call: Awaitable[Any]) -> None:
+    try:
+        await call
+    except WorkerCallError:
+        pass
+
+
+def _first_error(results: dict[str, Any]) -> str:
+    for name, r in results.items():
+        if isinstance(r, Exception):
+            return f"worker {name}: {r.details if isinstance(r, WorkerCallError) else r}"
+    return ""
+
+
+def _most_common(values: Any) -> str:
+    counts: dict[str, int] = {}
+    for v in values:
+        if v:
+            counts[v] = counts.get(v, 0) + 1
+    return max(counts, key=lambda v: counts[v]) if counts else ""
+
+
