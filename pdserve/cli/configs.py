@@ -205,7 +205,8 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         role=args.role, worker_id=args.worker_id or f"sim-{args.role}-{uuid.uuid4().hex[:8]}",
         block_size=args.block_size, num_blocks=args.num_blocks,
         prefill_s_per_token=args.prefill_us_per_token * 1e-6,
-        decode_s_per_token=args.decode_ms_per_token * 1e-3, lockstep=args.decode_lockstep)
+        decode_s_per_token=args.decode_ms_per_token * 1e-3, lockstep=args.decode_lockstep,
+        weight_version=args.weight_version, stage_weights_s=args.stage_weights_s)
 
 
 # ---- ``up`` ---------------------------------------------------------------------------

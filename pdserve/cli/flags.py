@@ -315,6 +315,8 @@ FLAGS = _flags(
     Flag("num-blocks", "simulated prefix-cache capacity in blocks", 1024, parse_int(1)),
     Flag("prefill-us-per-token", "modelled prefill time per token (µs)", 20.0, parse_float(0)),
     Flag("decode-ms-per-token", "modelled decode time per token (ms)", 2.0, parse_float(0)),
+    Flag("stage-weights-s", "modelled time of a StageWeights (reading a checkpoint)",
+         0.05, parse_float(0)),
     Flag("decode-lockstep", "every running decode gets its token on one shared step clock, "
          "as a real engine's batch does (default: each request on its own timer)", False,
          parse_bool, switch=True),

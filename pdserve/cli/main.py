@@ -53,7 +53,8 @@ UP = ("host", "port", "num-prefill", "num-decode", "placement", "kv-pool", "deco
 SECURITY = ("cluster-secret-file", "tls-cert", "tls-key", "tls-ca", "require-tls")
 SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",
        "prefill-us-per-token", "decode-ms-per-token", "decode-lockstep", "log-level", "log-format",
-       "grpc-keepalive-s", "drain-timeout-s", "metrics-port", "metrics-host") + MEMBERSHIP
+       "grpc-keepalive-s", "drain-timeout-s", "metrics-port", "metrics-host",
+       "weight-version", "stage-weights-s") + MEMBERSHIP
 
 _HTTP = {"host": {"help": "the router's HTTP bind address"},
          "port": {"help": "the router's HTTP port"}}

@@ -3,7 +3,9 @@
 
 ``pdserve sim-worker --role prefill --port 50051`` (its config is built by
 ``pdserve.cli.configs.sim_config``). Tokens are made up; timing, prefix caching and KV events
-are modelled. For router-scale tests and benchmarks only.
+are modelled. Its weights change in place as a vLLM worker's do (``WeightsBackend``),
+with the same rules (``pdserve.worker.weights``): a call's tokens come from one
+version, and KV crosses workers only within one. For router-scale tests and benchmarks only.
 """
 
 from __future__ import annotations
@@ -12,21 +14,32 @@ import asyncio
 import logging
 import signal
 from collections.abc import AsyncGenerator
+from typing import Any
 
 import grpc
 
+from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.grpc_options import DEFAULT_KEEPALIVE_S
 from pdserve.core.grpc_tls import GrpcTls
 from pdserve.core.handle import KVHandle
-from pdserve.core.types import PhaseOutput, PhaseRequest, Role, WorkerHealth, WorkerLoadReport
+from pdserve.core.types import (
+    PhaseOutput,
+    PhaseRequest,
+    Role,
+    WeightsStaged,
+    WorkerHealth,
+    WorkerLoadReport,
+)
 from pdserve.membership import Registrar, WorkerInfo
 from pdserve.membership.static import NullRegistrar
+from pdserve.worker.backend import WorkerError
 from pdserve.worker.kv_mirror import KvCacheMirror
 from pdserve.worker.metrics import MetricsListener, start_worker_metrics
 from pdserve.worker.servicer import WorkerServer, start_worker_server
 from pdserve.worker.sim_engine import SimConfig, SimEngine
 from pdserve.worker.timing import PhaseClock
+from pdserve.worker.weights import ENGINE_WEIGHT_CALLS, WeightsState
 
 logger = logging.getLogger("pdserve.sim_worker")
 
@@ -40,23 +53,27 @@ class SimHost:
         self.metrics_endpoint = metrics_endpoint
         self.role: Role = engine.config.role  # switched by ``set_role``
         self._inflight: set[str] = set()
+        self.weights = WeightsState(version=engine.config.weight_version)
 
     async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
+        request = self.weights.request(request)  # another version's KV handle: refused
+        version = self.weights.version  # the call's; no commit while it runs
         self._inflight.add(request.request_id)
         clock = PhaseClock()
         try:
             if self.role == "prefill":
-                yield await self._prefill(request, clock)
+                yield await self._prefill(request, clock, version)
                 return
-            async for out in self._decode(request, clock):
+            async for out in self._decode(request, clock, version):
                 yield out
         finally:
             self._inflight.discard(request.request_id)
 
-    async def _decode(self, request: PhaseRequest, clock: PhaseClock
+    async def _decode(self, request: PhaseRequest, clock: PhaseClock, version: str
                       ) -> AsyncGenerator[PhaseOutput, None]:
-        """One message per token, as they are made (the last one with the timing: no
-        queue, no KV load, the first token's step as the compute)."""
+        """One message per token, as they are made (the first one naming the weights
+        ``version``, the last one with the timing: no queue, no KV load, the first
+        token's step as the compute)."""
         prompt, n = request.prompt_token_ids, request.sampling.max_tokens
         # With a KV handle the prompt ends with the prefill's first token: continue
         # the prompt's answer from its second token, so the text does not depend on
@@ -68,14 +85,17 @@ class SimHost:
             clock.on_output((t,))
             i += 1
             if i < n:
-                yield PhaseOutput(token_ids=(t,))
+                yield PhaseOutput(token_ids=(t,), weight_version=version)
+                version = ""  # named on the first output only
                 continue
             compute_ns = clock.first_token_unix_ns - clock.admitted_unix_ns
             yield PhaseOutput(token_ids=(t,), finish_reason="length",
                               num_prompt_tokens=len(prompt),
-                              timing=clock.timing(compute_ns=compute_ns))
+                              timing=clock.timing(compute_ns=compute_ns),
+                              weight_version=version)
 
-    async def _prefill(self, request: PhaseRequest, clock: PhaseClock) -> PhaseOutput:
+    async def _prefill(self, request: PhaseRequest, clock: PhaseClock, version: str
+                       ) -> PhaseOutput:
         prompt = request.prompt_token_ids
         run = await self.engine.prefill_timed(prompt, request.sampling.cache_salt)
         cached = run.num_cached_tokens
@@ -85,21 +105,27 @@ class SimHost:
             handle = KVHandle(
                 engine_id=self.engine.config.worker_id, remote_request_id=request.request_id,
                 block_ids=(), num_tokens=len(prompt), transport="sim", host="", port=0,
-                transfer_id=request.request_id, lease_deadline_unix_ns=0)
-        return PhaseOutput(token_ids=(10 + sum(prompt) % 1000,), finish_reason="length",
+                transfer_id=request.request_id, lease_deadline_unix_ns=0,
+                weight_version=version)
+        return PhaseOutput(token_ids=(self.engine.token(prompt, 0),), finish_reason="length",
                            kv_handle=handle, num_cached_tokens=cached,
                            num_prompt_tokens=len(prompt),
-                           timing=clock.timing(run.queue_ns, run.compute_ns))
+                           timing=clock.timing(run.queue_ns, run.compute_ns),
+                           weight_version=version)
 
     async def abort(self, request_id: str) -> bool:
         return request_id in self._inflight
 
     def health(self) -> WorkerHealth:
-        cfg = self.engine.config
+        cfg, weights = self.engine.config, self.weights
+        compat = f"sim-{cfg.block_size}"  # workers of one version pair (the first: as before)
+        if weights.version != DEFAULT_WEIGHT_VERSION:
+            compat += f"@{weights.version}"
         return WorkerHealth(
             ready=True, role=self.role, worker_id=cfg.worker_id, model="sim", dtype="sim",
             block_size=cfg.block_size, max_model_len=cfg.max_model_len, transport="sim",
-            compatibility_hash=f"sim-{cfg.block_size}", metrics_endpoint=self.metrics_endpoint)
+            compatibility_hash=compat, metrics_endpoint=self.metrics_endpoint,
+            weight_version=weights.version, weights_path=weights.path)
 
     async def load(self) -> WorkerLoadReport:
         c, cfg = self.engine.counters, self.engine.config
@@ -124,6 +150,45 @@ class SimHost:
     async def end_role_work(self) -> tuple[int, int]:
         """A simulated decode stream cannot be cut: the drain waits for it."""
         return 0, 0
+
+    # ---- weights (``pdserve.worker.weights``; as ``EngineHost``'s) --------------------
+
+    async def stage_weights(self, model_path: str, version: str) -> WeightsStaged:
+        """Stage ``model_path`` (an existing folder) for a commit as ``version``."""
+        self.weights.check_stage(model_path, version)
+        self.weights.staged = None  # whatever was staged before is replaced
+        staged = await self.engine.stage_weights(model_path)
+        self.weights.staged = (version, model_path)
+        return staged
+
+    async def commit_weights(self, version: str) -> None:
+        """Serve the staged weights as ``version``; only with nothing in flight."""
+        path = self.weights.check_commit(version)
+        if self._inflight:
+            raise WorkerError("failed_precondition",
+                              f"{len(self._inflight)} requests in flight; drain first")
+        self.engine.load_weights(version)
+        self.weights.committed(version, path)
+        logger.info("simulated worker %s now serves weights %s (%s)",
+                    self.engine.config.worker_id, version, path)
+
+    async def discard_weights(self) -> bool:
+        discarded = self.weights.staged is not None
+        self.weights.staged = None
+        return discarded
+
+    async def engine_weight_call(self, method: str, body: dict[str, Any]) -> str:
+        """vLLM's weight-transfer calls: only those naming a version change it (no
+        tensors move in a simulator); the version served after the call."""
+        if method not in ENGINE_WEIGHT_CALLS:
+            raise ValueError(f"unknown weight call {method!r}; one of {ENGINE_WEIGHT_CALLS}")
+        key = {"finish_weight_update": "weight_version",
+               "update_weight_version": "new_version"}.get(method)
+        version = None if key is None else body.get(key)
+        if version is not None and str(version) != self.weights.version:
+            self.engine.load_weights(str(version))
+            self.weights.committed(str(version), "")
+        return self.weights.version
 
 
 async def start_sim_worker(config: SimConfig, host: str = "127.0.0.1", port: int = 0,

@@ -156,7 +156,8 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
             if cfg.simulated:  # no engine: no cores, KV or engine flags
                 argv = py + ["sim-worker", "--role", role, "--port", str(port),
                              "--worker-id", f"{role}-{i}", "--log-level", cfg.log_level,
-                             "--log-format", cfg.log_format, *membership, *security]
+                             "--log-format", cfg.log_format, "--weight-version",
+                             cfg.weight_version, *membership, *security]
             else:
                 argv = py + [role, *common, "--dtype", cfg.dtype, "--port", str(port),
                              "--kv-port", str(kv_port), "--transport", cfg.transport,

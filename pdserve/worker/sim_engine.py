@@ -5,19 +5,24 @@ with LRU eviction (named by pdserve's chained hashes, so its KV events are the
 same shape as a vLLM worker's), prefill time proportional to the uncached
 prompt tokens (one prefill at a time, like one engine's compute), and decode time
 per token. Its cache changes go through a ``KvCacheMirror``, i.e. through the
-same relay a vLLM worker uses.
+same relay a vLLM worker uses. Its weights are a version name: staging a checkpoint
+folder takes a modelled time, and the made-up tokens depend on the version served
+(the model's own, "default", makes the tokens it always made), so a test can tell
+which weights produced a text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from pdserve.core.block_hash import chain_hashes, salt_root
-from pdserve.core.types import Role
+from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION, chain_hashes, salt_root
+from pdserve.core.types import Role, WeightsStaged
 from pdserve.worker.kv_mirror import KvCacheMirror
 
 
@@ -34,14 +39,20 @@ class SimConfig:
     # True: every running decode gets its next token on one shared step clock, as a real
     # engine's batch does (one step, a token for each); False: each on its own timer.
     lockstep: bool = False
+    # The version of the weights it starts with, and how long staging a checkpoint takes.
+    weight_version: str = DEFAULT_WEIGHT_VERSION
+    stage_weights_s: float = 0.05
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', not {self.role!r}")
         if self.block_size < 1 or self.num_blocks < 1:
             raise ValueError("block_size and num_blocks must be >= 1")
-        if min(self.prefill_s_per_token, self.step_overhead_s, self.decode_s_per_token) < 0:
+        if min(self.prefill_s_per_token, self.step_overhead_s, self.decode_s_per_token,
+               self.stage_weights_s) < 0:
             raise ValueError("modelled times must be >= 0")
+        if not self.weight_version.strip():
+            raise ValueError("weight_version must not be empty")
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,7 @@ class SimEngine:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._compute = asyncio.Lock()
         self._step = _StepClock(config.decode_s_per_token) if config.lockstep else None
+        self._weights_seed = _weights_seed(config.weight_version)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -117,21 +129,41 @@ class SimEngine:
             finally:
                 c.num_running_reqs -= 1
 
+    def token(self, prompt: Sequence[int], index: int) -> int:
+        """Output token ``index`` of ``prompt``'s answer: a function of the prompt and the
+        weights alone, as a greedy engine's is, whichever worker made the ones before."""
+        return 10 + (sum(prompt) + self._weights_seed + index) % 1000
+
     async def decode(self, prompt: Sequence[int], max_tokens: int, first_index: int = 0
                      ) -> AsyncIterator[int]:
-        """Output tokens ``first_index`` onwards of ``prompt``'s answer: a function of
-        the prompt alone, as a greedy engine's is, whichever worker made the first."""
+        """Output tokens ``first_index`` onwards of ``prompt``'s answer (``token``)."""
         self.counters.num_running_reqs += 1
         try:
-            seed = sum(prompt)
             for i in range(first_index, first_index + max_tokens):
                 if self._step is not None:
                     await self._step.next()
                 else:
                     await asyncio.sleep(self.config.decode_s_per_token)
-                yield 10 + (seed + i) % 1000
+                yield self.token(prompt, i)
         finally:
             self.counters.num_running_reqs -= 1
+
+    async def stage_weights(self, model_path: str) -> WeightsStaged:
+        """Read a checkpoint folder (modelled time; ``num_bytes``: its files' sizes, no
+        tensors read); ``ValueError`` when it is not a folder."""
+        folder = Path(model_path)
+        if not folder.is_dir():
+            raise ValueError(f"{model_path}: not a checkpoint folder")
+        started = time.monotonic_ns()
+        await asyncio.sleep(self.config.stage_weights_s)
+        num_bytes = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        return WeightsStaged(num_bytes=num_bytes, stage_ns=time.monotonic_ns() - started)
+
+    def load_weights(self, version: str) -> None:
+        """Serve ``version``'s weights: its own tokens, and an empty prefix cache, as
+        vLLM's is reset at an update."""
+        self._weights_seed = _weights_seed(version)
+        self.clear()
 
     def hold(self, prompt: Sequence[int], cache_salt: str | None = None) -> None:
         """A decode's prompt is in this engine's cache now (loaded from a prefill, or
@@ -154,6 +186,13 @@ class SimEngine:
     def clear(self) -> None:
         self._lru.clear()
         self.mirror.apply(True, (), ())
+
+
+def _weights_seed(version: str) -> int:
+    """What ``version`` adds to the made-up tokens (0 for the model's own weights)."""
+    if version == DEFAULT_WEIGHT_VERSION:
+        return 0
+    return int.from_bytes(hashlib.blake2b(version.encode(), digest_size=4).digest(), "big")
 
 
 class _StepClock:
