@@ -31,6 +31,12 @@ from pdserve.router.dispatch.worker_client import probe_load
 
 T = TypeVar("T")
 
+# The helpers' HTTP client. ``httpx.get`` builds a client, and with it a TLS context,
+# per call: ~20 ms of CPU, so a poll every 50 ms took most of a core from the engines
+# loading beside it on two cores. No keep-alive: each request opens its own connection,
+# as before (a server the test restarted leaves no stale one).
+HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+
 NUM_BLOCKS = 16
 LAYER_SHAPE = (NUM_BLOCKS, 3, 16, 128)  # the CPU backend's (blocks, heads, block, 2*head_dim)
 # CUDA flash-attention's (2, blocks, block, heads, head_dim): the block dim is 1.
@@ -215,7 +221,7 @@ class Server:
         return router_metric(self.base_url.removesuffix("/v1"), name, *labels)
 
     def workers(self, role: str) -> list[dict[str, Any]]:
-        view = httpx.get(self.base_url.removesuffix("/v1") + "/workers", timeout=5).json()
+        view = HTTP.get(self.base_url.removesuffix("/v1") + "/workers", timeout=5).json()
         return [w for w in view["workers"] if w["role"] == role]
 
     def load(self, role: str) -> WorkerLoadReport:
@@ -301,7 +307,7 @@ def router_metric(router_url: str, name: str, *labels: str) -> float:
     ``labels`` (``'reason="x"'``; none: every series, e.g. each ``model_name``), 0 while
     none exists. ``KeyError`` if ``name`` is missing and no labels were asked for."""
     total, found = 0.0, False
-    for line in httpx.get(router_url + "/metrics", timeout=5).text.splitlines():
+    for line in HTTP.get(router_url + "/metrics", timeout=5).text.splitlines():
         if not (line.startswith(name + "{") or (not labels and line.startswith(name + " "))):
             continue
         if all(label in line for label in labels):
@@ -321,7 +327,7 @@ def wait_until(predicate: Callable[[], T], timeout_s: float, interval_s: float =
     return value
 
 
-def etcd_keys(url: str, prefix: str) -> dict[str, bytes]:
+def etcd_keys(url: str, prefix: str, client: httpx.Client = HTTP) -> dict[str, bytes]:
     """The keys under ``prefix`` (etcd's JSON gateway, no client library), or {} when
     etcd is unreachable."""
     import base64
@@ -331,7 +337,7 @@ def etcd_keys(url: str, prefix: str) -> dict[str, bytes]:
 
     end = prefix.encode()[:-1] + bytes([prefix.encode()[-1] + 1])
     try:
-        reply = httpx.post(f"{url}/v3/kv/range", json={"key": b64(prefix.encode()),
+        reply = client.post(f"{url}/v3/kv/range", json={"key": b64(prefix.encode()),
                                                        "range_end": b64(end)}, timeout=2)
     except httpx.HTTPError:
         return {}

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import pytest
 from integration.pd_cases import LONG, MODEL
-from pdserve_testing import etcd_keys, router_metric, wait_until
+from pdserve_testing import HTTP, etcd_keys, router_metric, wait_until
 
 from pdserve.core import process
 from pdserve.core.ports import free_port
@@ -92,14 +92,16 @@ class Timeline:
     stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
-        while not self.stop.wait(0.05):
-            now = time.monotonic()
-            for key in etcd_keys(self.etcd_url, PREFIX):
-                self.registered.setdefault(key.rsplit("/", 1)[-1], []).append(now)
-            for w in router_view(self.router_url):
-                self.listed.setdefault(str(w["id"]), []).append(now)
-                if w["healthy"]:
-                    self.routable.setdefault(str(w["id"]), []).append(now)
+        # This thread's own client (as HTTP: one per poll would cost a core, 40 a second).
+        with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as http:
+            while not self.stop.wait(0.05):
+                now = time.monotonic()
+                for key in etcd_keys(self.etcd_url, PREFIX, http):
+                    self.registered.setdefault(key.rsplit("/", 1)[-1], []).append(now)
+                for w in router_view(self.router_url, http):
+                    self.listed.setdefault(str(w["id"]), []).append(now)
+                    if w["healthy"]:
+                        self.routable.setdefault(str(w["id"]), []).append(now)
 
     def first(self, table: dict[str, list[float]], worker_id: str, after: float = 0.0) -> float:
         """The first sighting at or after ``after`` (waits up to 5 s for the poller)."""
@@ -109,9 +111,9 @@ class Timeline:
         return min(seen)
 
 
-def router_view(router_url: str) -> list[dict[str, object]]:
+def router_view(router_url: str, client: httpx.Client = HTTP) -> list[dict[str, object]]:
     try:
-        return list(httpx.get(router_url + "/workers", timeout=2).json()["workers"])
+        return list(client.get(router_url + "/workers", timeout=2).json()["workers"])
     except (httpx.HTTPError, ValueError, KeyError):
         return []
 
@@ -149,7 +151,7 @@ class Cluster:
     def complete(self, i: int) -> str:
         body = {"model": "SmolLM2-135M-Instruct", "prompt": f"Request {i}: count to five.",
                 "max_tokens": 4, "temperature": 0}
-        r = httpx.post(self.router_url + "/v1/completions", json=body, timeout=120)
+        r = HTTP.post(self.router_url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         return str(r.json()["choices"][0]["text"])
 
@@ -162,7 +164,7 @@ class Cluster:
     def switch_role(self, worker_id: str, role: str, drain_timeout_s: float = 30.0
                     ) -> dict[str, Any]:
         """``POST /admin/workers/{id}/role`` on the router's admin listener."""
-        r = httpx.post(f"{self.admin_url}/admin/workers/{worker_id}/role",
+        r = HTTP.post(f"{self.admin_url}/admin/workers/{worker_id}/role",
                        json={"role": role, "drain_timeout_s": drain_timeout_s}, timeout=120)
         assert r.status_code == 200, r.text
         return dict(r.json())
