@@ -136,7 +136,8 @@ class FakeRouter:
         self.version = body["weight_version"]
         self.served = self.served if self.stale else self.version
         return JSONResponse({"success": True, "message": "", "weight_version": self.version,
-                             "seconds": 0.02, "workers": {"p0": self.version,
+                             "seconds": 0.02, "stage_seconds": 0.01,
+                             "workers": {"p0": self.version,
                                                           "d0": self.version}})
 
     async def chat(self, request: Request) -> Any:
@@ -185,7 +186,7 @@ async def test_the_loop_alternates_checkpoints_and_reports_each_round() -> None:
                                                                ("r2", "r3")]
     for r in rounds:
         assert r.batch_samples == 4 and r.batch_tokens == 20
-        assert r.refit_e2e_s >= r.refit_call_s > 0
+        assert r.refit_e2e_s >= r.refit_call_s > 0 and r.refit_stage_s == 0.01
         assert sum(r.load_versions.values()) > 0
         assert r.timeline is not None and "before" in r.timeline.phases
         assert r.to_json()["timeline_summary"]["before_tok_s"] > 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import shutil
 import signal
 import sys
@@ -118,7 +119,8 @@ class Rounds:
         refit = await self.refit(path, version, new)
         return RoundResult(index, version, new, str(path), len(batch), len(batch) * cfg.n,
                            sum(tokens), batch_s, refit.span.returned_s - refit.span.call_s,
-                           float(refit.answer.get("seconds", 0.0)), refit.span.end_to_end_s,
+                           float(refit.answer.get("seconds", 0.0)),
+                           refit.answer.get("stage_seconds"), refit.span.end_to_end_s,
                            refit.load_versions, refit.timeline)
 
     async def refit(self, path: Path, old: str, new: str) -> Refit:
@@ -140,7 +142,8 @@ class Rounds:
             raise
         load_end = time.monotonic()
         records = await load.stop()
-        start = span.call_s - cfg.window_s * int((span.call_s - load_start) / cfg.window_s)
+        warm = load.warm_s(load_start)  # windows end at the call, none before the load is warm
+        start = span.call_s - cfg.window_s * math.floor((span.call_s - warm) / cfg.window_s)
         return Refit(span, answer, check_load(records, span, old, new),
                      Timeline.of(records, start, load_end, cfg.window_s, span))
 

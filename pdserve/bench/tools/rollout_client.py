@@ -171,13 +171,15 @@ def _chunk_tokens(choice: dict[str, Any]) -> int:
 
 class BackgroundLoad:
     """``streams`` loops of streamed chat requests over ``prompts`` until ``stop``;
-    every response is kept in ``records`` (failures too: the report checks them)."""
+    every response is kept in ``records`` (failures too: the report checks them), and
+    each loop's first in ``firsts`` (``warm_s``: when the load is at full strength)."""
 
     def __init__(self, client: RolloutClient, prompts: Sequence[Messages], streams: int,
                  max_tokens: int, temperature: float, seed: int) -> None:
         self.client, self.prompts, self.streams = client, prompts, streams
         self.max_tokens, self.temperature, self.seed = max_tokens, temperature, seed
         self.records: list[StreamRecord] = []
+        self.firsts: list[StreamRecord] = []
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -188,9 +190,18 @@ class BackgroundLoad:
         sent = 0
         while not self._stopping.is_set():
             prompt = self.prompts[(index + sent * self.streams) % len(self.prompts)]
-            self.records.append(await self.client.stream(
-                prompt, self.max_tokens, self.temperature, self.seed + sent))
+            record = await self.client.stream(prompt, self.max_tokens, self.temperature,
+                                              self.seed + sent)
+            self.records.append(record)
+            if not sent:
+                self.firsts.append(record)
             sent += 1
+
+    def warm_s(self, started_s: float) -> float:
+        """When every loop had its first token (``started_s`` if one never did: the
+        checks fail that run anyway): the windows before it would read low."""
+        firsts = [r.first_token_s for r in self.firsts if r.events]
+        return max(firsts) if len(firsts) == self.streams else started_s
 
     def cancel(self) -> None:
         """Abandon the streams (a check already failed the run)."""

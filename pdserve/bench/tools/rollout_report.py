@@ -178,6 +178,7 @@ class RoundResult:
     batch_s: float
     refit_call_s: float  # the admin call, as the client timed it
     refit_server_s: float  # its answer's "seconds"
+    refit_stage_s: float | None  # its answer's "stage_seconds" (pdserve's), if any
     refit_e2e_s: float  # call to the probe's first token on the new weights
     load_versions: dict[str, int] = field(default_factory=dict)
     timeline: Timeline | None = None
