@@ -53,6 +53,7 @@ class SimHost:
         self.metrics_endpoint = metrics_endpoint
         self.role: Role = engine.config.role  # switched by ``set_role``
         self._inflight: set[str] = set()
+        self._aborted: set[str] = set()  # in flight, told to stop: ends at its next token
         self.weights = WeightsState(version=engine.config.weight_version)
 
     async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
@@ -68,6 +69,7 @@ class SimHost:
                 yield out
         finally:
             self._inflight.discard(request.request_id)
+            self._aborted.discard(request.request_id)
 
     async def _decode(self, request: PhaseRequest, clock: PhaseClock, version: str
                       ) -> AsyncGenerator[PhaseOutput, None]:
@@ -82,6 +84,9 @@ class SimHost:
         self.engine.hold(prompt, request.sampling.cache_salt)
         i = 0
         async for t in self.engine.decode(prompt[:len(prompt) - first_index], n, first_index):
+            if request.request_id in self._aborted:  # as vLLM ends an aborted request
+                yield PhaseOutput((), finish_reason="abort", weight_version=version)
+                return
             clock.on_output((t,))
             i += 1
             if i < n:
@@ -114,7 +119,10 @@ class SimHost:
                            weight_version=version)
 
     async def abort(self, request_id: str) -> bool:
-        return request_id in self._inflight
+        found = request_id in self._inflight
+        if found:
+            self._aborted.add(request_id)
+        return found
 
     def health(self) -> WorkerHealth:
         cfg, weights = self.engine.config, self.weights
@@ -148,8 +156,11 @@ class SimHost:
         self.role = role
 
     async def end_role_work(self) -> tuple[int, int]:
-        """A simulated decode stream cannot be cut: the drain waits for it."""
-        return 0, 0
+        """Past a drain: abort what is in flight (a decode stream ends at its next token)."""
+        aborted = list(self._inflight)
+        for request_id in aborted:
+            await self.abort(request_id)
+        return len(aborted), 0
 
     # ---- weights (``pdserve.worker.weights``; as ``EngineHost``'s) --------------------
 

@@ -202,7 +202,7 @@ class PDDispatcher:
                     if not ticket.aborted:
                         raise
                     if ticket.sent:
-                        yield TokenChunk((), "abort")
+                        yield TokenChunk((), "abort", ended_by_update=True)
                         return
             self._metrics.weight_reruns.inc()
             logger.info("%s ended by a weight update before any output: runs again on "

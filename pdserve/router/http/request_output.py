@@ -61,7 +61,7 @@ class RequestOutput:
         self._observe(chunk)
         if self.finish_reason is not None:
             return OutputDelta("", [], None, self.index)
-        if chunk.finish_reason in ("error", "abort"):
+        if chunk.finish_reason in ("error", "abort") and not chunk.ended_by_update:
             raise WorkerFailedError(f"the workers ended the request ({chunk.finish_reason})")
         before = len(self.token_ids)
         # An engine's "stop" is a stop token (end of sequence, stop_token_ids; stop

@@ -1,0 +1,138 @@
+"""Cluster weight updates, router and simulated workers over real gRPC
+(``router/http/weight_updates.py``, ``router/dispatch/weights.py``): two phases, one
+version per request, the policies, and the workers out of step."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from pdserve_testing import wait_until_async
+from unit.sim_cluster import SimCluster, sim_cluster
+
+from pdserve.core.types import SamplingSpec
+from pdserve.router.dispatch.base import TokenChunk
+from pdserve.router.dispatch.disagg import DisaggConfig
+from pdserve.router.dispatch.worker_client import WorkerCallError
+from pdserve.router.http.errors import APIError
+from pdserve.router.http.weight_updates import UpdateFromDiskBody, WeightUpdater
+
+PROMPT = tuple(range(1, 40))
+MAX_TOKENS = 40  # 40 steps of 10 ms: long enough for an update to land mid-stream
+
+
+@dataclass
+class Bench:
+    sims: SimCluster
+    updater: WeightUpdater
+    checkpoint: Path
+
+    async def run(self, request_id: str, prompt: tuple[int, ...] = PROMPT) -> list[TokenChunk]:
+        chunks = self.sims.dispatcher.generate(
+            request_id, prompt, SamplingSpec(max_tokens=MAX_TOKENS, temperature=0.0))
+        return [c async for c in chunks]
+
+    def versions(self) -> set[str]:
+        return set(self.updater.info()["workers"].values())
+
+
+@contextlib.asynccontextmanager
+async def bench(tmp_path: Path, **sim: float) -> AsyncIterator[Bench]:
+    async with sim_cluster([("p0", "prefill"), ("d0", "decode")], DisaggConfig(mode="always"),
+                           decode_s_per_token=10e-3, **sim) as sims:
+        assert sims.pool is not None
+        yield Bench(sims, WeightUpdater(sims.pool, sims.dispatcher.weights), tmp_path)
+
+
+def tokens(chunks: list[TokenChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+async def test_an_update_switches_every_worker_and_requests_follow(tmp_path: Path) -> None:
+    async with bench(tmp_path) as b:
+        before = await b.run("r0")
+        assert before[0].weight_version == "default"
+        result = await b.updater.update_from_disk(UpdateFromDiskBody(
+            model_path=str(tmp_path), weight_version="v2"))
+        assert result["success"] and result["workers"] == {"p0": "v2", "d0": "v2"}
+        assert b.versions() == {"v2"} and b.updater.info()["weight_version"] == "v2"
+        after = await b.run("r1")
+        assert after[0].weight_version == "v2"
+        assert tokens(after) != tokens(before) and len(tokens(after)) == MAX_TOKENS
+
+
+async def test_a_worker_that_cannot_stage_keeps_the_whole_cluster_on_its_version(
+        tmp_path: Path) -> None:
+    async with bench(tmp_path) as b:
+        with pytest.raises(APIError) as refused:
+            await b.updater.update_from_disk(UpdateFromDiskBody(
+                model_path=str(tmp_path / "missing"), weight_version="v2"))
+        assert refused.value.status_code == 400 and refused.value.code == "invalid_checkpoint"
+        assert b.versions() == {"default"}
+        assert b.sims.pool is not None
+        for worker in b.sims.pool.all:  # every stage was dropped: nothing to commit
+            with pytest.raises(WorkerCallError, match="nothing is staged"):
+                await worker.client.commit_weights("v2", False, 0.0, 5.0)
+        chunks = await b.run("r0")  # still serving
+        assert chunks[0].weight_version == "default" and len(tokens(chunks)) == MAX_TOKENS
+
+
+async def test_drain_lets_a_running_stream_finish_on_the_old_weights(tmp_path: Path) -> None:
+    async with bench(tmp_path) as b:
+        reference = tokens(await b.run("ref"))
+        running = asyncio.create_task(b.run("r0"))
+        await asyncio.sleep(0.1)  # decoding now
+        await b.updater.update_from_disk(UpdateFromDiskBody(
+            model_path=str(tmp_path), weight_version="v2", policy="drain"))
+        assert running.done()  # the switch waited for it
+        chunks = running.result()
+        assert chunks[0].weight_version == "default" and tokens(chunks) == reference
+
+
+async def test_abort_cuts_a_visible_stream_and_reruns_an_invisible_one(tmp_path: Path) -> None:
+    other = (99, *PROMPT[1:])  # not in any prefix cache: r1's prefill takes its 0.4 s
+    async with bench(tmp_path, prefill_s_per_token=10e-3) as b:
+        old = tokens(await b.run("ref-old"))
+        visible = asyncio.create_task(b.run("r0"))  # cached prompt: decodes at once ...
+        await asyncio.sleep(0.1)
+        invisible = asyncio.create_task(b.run("r1", other))
+        await asyncio.sleep(0.05)  # ... while r1 is still in its prefill (nothing sent)
+        await b.updater.update_from_disk(UpdateFromDiskBody(
+            model_path=str(tmp_path), weight_version="v2", policy="abort"))
+        cut = await visible
+        assert cut[-1].finish_reason == "abort" and cut[-1].ended_by_update
+        assert cut[0].weight_version == "default"
+        assert tokens(cut) == old[:len(tokens(cut))] and len(tokens(cut)) < MAX_TOKENS
+        rerun = await invisible
+        new = tokens(await b.run("ref-new", other))
+        assert rerun[0].weight_version == "v2" and tokens(rerun) == new
+        assert b.sims.registry.get_sample_value("pdserve:weight_update_reruns_total") == 1
+
+
+async def test_a_worker_on_another_version_is_out_of_placement(tmp_path: Path) -> None:
+    async with bench(tmp_path) as b:
+        await b.updater.update_from_disk(UpdateFromDiskBody(
+            model_path=str(tmp_path), weight_version="v2"))
+        assert b.sims.pool is not None
+        worker = b.sims.pool.decode[0]  # back on its first weights, as after a restart
+        await worker.client.stage_weights(str(tmp_path), "default", 5.0)
+        await worker.client.commit_weights("default", False, 0.0, 5.0)
+        await worker.refresh(2.0)
+        assert not worker.snapshot().healthy and worker.snapshot().weight_version == "default"
+        assert b.updater.info()["workers"]["d0"] == "default"
+
+
+async def test_pause_holds_new_requests_until_resume(tmp_path: Path) -> None:
+    async with bench(tmp_path) as b:
+        await b.updater.pause("keep")
+        assert b.updater.paused
+        waiting = asyncio.create_task(b.run("r0"))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        b.updater.resume()
+        assert await wait_until_async(waiting.done, 5)
+        assert len(tokens(waiting.result())) == MAX_TOKENS
