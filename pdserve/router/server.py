@@ -126,8 +126,10 @@ class Router:
         await self.feeder.start()
         await self.election.start()
         self.planner.start()
+        self.weights.start()
 
     async def close(self) -> None:
+        await self.weights.close()
         await self.planner.close()
         await self.election.close()  # resigns at once: another replica takes over
         await self.feeder.close()

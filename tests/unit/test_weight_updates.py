@@ -136,3 +136,20 @@ async def test_pause_holds_new_requests_until_resume(tmp_path: Path) -> None:
         b.updater.resume()
         assert await wait_until_async(waiting.done, 5)
         assert len(tokens(waiting.result())) == MAX_TOKENS
+
+
+async def test_a_worker_back_on_other_weights_is_brought_to_the_clusters(
+        tmp_path: Path) -> None:
+    async with bench(tmp_path) as b:
+        await b.updater.update_from_disk(UpdateFromDiskBody(
+            model_path=str(tmp_path), weight_version="v2"))
+        assert b.sims.pool is not None
+        worker = b.sims.pool.decode[0]  # back on its first weights, as after a restart
+        await worker.client.stage_weights(str(tmp_path), "default", 5.0)
+        await worker.client.commit_weights("default", False, 0.0, 5.0)
+        await worker.refresh(2.0)
+        assert worker.stale_weights and not worker.snapshot().healthy
+        assert await b.updater.catch_up() == ["d0"]
+        assert worker.snapshot().healthy and b.versions() == {"v2"}
+        assert (await b.run("r0"))[0].weight_version == "v2"
+        assert await b.updater.catch_up() == []  # nothing left to do

@@ -91,6 +91,12 @@ class Worker:
             self._adopt_role(role)
         self._publish()
 
+    @property
+    def stale_weights(self) -> bool:
+        """Up and ready, but serving other weights than the ones requests run under."""
+        r = self._reported
+        return r.healthy and bool(self.weight_target) and r.weight_version != self.weight_target
+
     def set_weight_target(self, version: str) -> None:
         """Place requests here only while it serves ``version`` ("": whatever it serves)."""
         self.weight_target = version

@@ -24,6 +24,7 @@ every worker as they are, between the caller's ``/pause`` and ``/resume``, as wi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -71,6 +72,10 @@ class WeightUpdater:
         self._pool = pool
         self._gate = gate
         self._lock = asyncio.Lock()
+        # The last update from a folder (version, path): what a worker that comes up on
+        # other weights (a restart, a new one) is brought to before it is placed.
+        self._source: tuple[str, str] | None = None
+        self._catch_up_task: asyncio.Task[None] | None = None
         self._updates = counter(registry, f"{PREFIX}weight_updates", "Cluster weight updates "
                                 "this router ran, by outcome (stage_failed: every worker kept "
                                 "its version)", ["outcome"])
@@ -99,6 +104,7 @@ class WeightUpdater:
             await self._stage(workers, body.model_path, version)
             staged_s = time.monotonic() - started
             committed = await self._switch(workers, version, body.policy, body.drain_timeout_s)
+            self._source = (version, body.model_path)
         seconds = time.monotonic() - started
         self._updates.labels("updated").inc()
         logger.info("weights %s from %s on %d workers in %.2f s (staged in %.2f s)", version,
@@ -194,10 +200,57 @@ class WeightUpdater:
             versions: dict[str, str] = {k: v for k, v in results.items() if isinstance(v, str)}
             new = body.get("weight_version") or body.get("new_version")
             if new:
+                self._source = None  # pushed weights: no folder to bring a newcomer to
                 self._pool.set_weight_target(str(new))
                 self._gate.version = str(new)
                 await asyncio.gather(*(w.refresh(5.0) for w in workers))
             return versions
+
+    # ---- workers out of step ----
+
+    def start(self, interval_s: float = 2.0) -> None:
+        """Bring workers that come up on other weights to the cluster's (in the background)."""
+        self._catch_up_task = asyncio.get_running_loop().create_task(
+            self._catch_up_loop(interval_s))
+
+    async def close(self) -> None:
+        if self._catch_up_task is not None:
+            self._catch_up_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._catch_up_task
+
+    async def _catch_up_loop(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.catch_up()
+            except Exception:  # noqa: BLE001 - the next round tries again
+                logger.exception("bringing workers to the cluster's weights failed")
+
+    async def catch_up(self) -> list[str]:
+        """Stage and commit the last update's folder on every ready worker serving other
+        weights (out of placement meanwhile); the ids of those brought up to date."""
+        if self._source is None or self._lock.locked():
+            return []
+        version, path = self._source
+        stale = [w for w in self._pool.all if w.stale_weights]
+        if not stale:
+            return []
+        async with self._lock:
+            done = []
+            for worker in stale:
+                name = worker.snapshot().worker_id
+                try:
+                    await worker.client.stage_weights(path, version, STAGE_TIMEOUT_S)
+                    await worker.client.commit_weights(version, False, 0.0, COMMIT_SLACK_S)
+                except WorkerCallError as exc:
+                    logger.warning("worker %s stays out of placement: cannot load weights "
+                                   "%s: %s %s", name, version, exc.code, exc.details)
+                    continue
+                await worker.refresh(5.0)
+                logger.info("worker %s brought to weights %s", name, version)
+                done.append(name)
+            return done
 
     # ---- helpers ----
 
