@@ -14,6 +14,7 @@ import pytest
 from pdserve_testing import wait_until_async
 from unit.sim_cluster import SimCluster, sim_cluster
 
+from pdserve.core.block_hash import chain_hashes, salt_root, versioned_salt
 from pdserve.core.types import SamplingSpec
 from pdserve.router.dispatch.base import TokenChunk
 from pdserve.router.dispatch.disagg import DisaggConfig
@@ -41,9 +42,10 @@ class Bench:
 
 
 @contextlib.asynccontextmanager
-async def bench(tmp_path: Path, **sim: float) -> AsyncIterator[Bench]:
-    async with sim_cluster([("p0", "prefill"), ("d0", "decode")], DisaggConfig(mode="always"),
-                           decode_s_per_token=10e-3, **sim) as sims:
+async def bench(tmp_path: Path, num_prefill: int = 1, **sim: float) -> AsyncIterator[Bench]:
+    workers = [*((f"p{i}", "prefill") for i in range(num_prefill)), ("d0", "decode")]
+    async with sim_cluster(workers, DisaggConfig(mode="always"), decode_s_per_token=10e-3,
+                           **sim) as sims:
         assert sims.pool is not None
         yield Bench(sims, WeightUpdater(sims.pool, sims.dispatcher.weights), tmp_path)
 
@@ -153,3 +155,21 @@ async def test_a_worker_back_on_other_weights_is_brought_to_the_clusters(
         assert worker.snapshot().healthy and b.versions() == {"v2"}
         assert (await b.run("r0"))[0].weight_version == "v2"
         assert await b.updater.catch_up() == []  # nothing left to do
+
+
+async def test_after_an_update_the_router_finds_the_prefixes_cached_under_the_new_weights(
+        tmp_path: Path) -> None:
+    async with bench(tmp_path, num_prefill=2) as b:
+        await b.updater.update_from_disk(UpdateFromDiskBody(
+            model_path=str(tmp_path), weight_version="v2"))
+        prompt = tuple(range(1, 200))
+        await b.run("r0", prompt)  # computed under v2 on the prefill worker
+        names = chain_hashes(prompt, 16, salt_root(versioned_salt(None, "v2")))
+        unversioned = chain_hashes(prompt, 16)
+        assert await wait_until_async(lambda: b.sims.index.match(names), 5)
+        assert not b.sims.index.match(unversioned)  # the old weights' names: none
+        # Placement hashes the next ones the same way: each goes to the prefill worker
+        # holding the prompt (cache-aware), which computes none of its full blocks.
+        for i in range(3):
+            again = await b.run(f"r{i + 1}", prompt)
+            assert again[0].num_cached_tokens == len(names) * 16

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 from prometheus_client import CollectorRegistry
 
+from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION, versioned_salt
 from pdserve.core.handle import PoolSource, PushTarget
 from pdserve.core.types import PhaseOutput, PhaseRequest, SamplingSpec
 from pdserve.router.dispatch.base import (
@@ -215,7 +216,8 @@ class PDDispatcher:
     ) -> AsyncGenerator[TokenChunk, None]:
         timeline = timeline or RequestTimeline(request_id)
         route = (self._follow(affinity, prompt_token_ids)
-                 or self._choose(prompt_token_ids, sampling.cache_salt))
+                 or self._choose(prompt_token_ids, versioned_salt(
+                     sampling.cache_salt, ticket.version or DEFAULT_WEIGHT_VERSION)))
         timeline.on_placed()
         involved: list[Worker] = []
         finished = False
