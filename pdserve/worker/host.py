@@ -35,6 +35,7 @@ from pdserve.worker.policy import AdmissionAborted, RolePolicy
 from pdserve.worker.timing import PhaseClock
 from pdserve.worker.vllm_kv_events import KvEventEndpoints, KvEventMirroring
 from pdserve.worker.weights import ENGINE_WEIGHT_CALLS, WeightsState
+from pdserve.worker.weights_ext import check_checkpoint
 
 if TYPE_CHECKING:
     from pdserve.worker.kv_mirror import KvCacheMirror
@@ -225,6 +226,9 @@ class EngineHost:
         engine = self._running_engine()
         self.weights.check_stage(model_path, version)
         self.weights.staged = None  # whatever was staged before is replaced
+        # Checked here first, from the files' headers: a bad folder is the caller's error
+        # (INVALID_ARGUMENT), not an engine worker's failure.
+        await asyncio.to_thread(check_checkpoint, model_path, self.config.model_path)
         staged = await engine.stage_weights(model_path, version)
         self.weights.staged = (version, model_path)
         logger.info("staged weights %s from %s (%d tensors, %.0f MB) in %.2f s", version,

@@ -64,6 +64,14 @@ def layout_problem(new: dict[str, tuple[int, ...]], served: dict[str, tuple[int,
     return None
 
 
+def check_checkpoint(model_path: str | Path, served: str | Path) -> None:
+    """Raises ``StagingError`` unless ``model_path`` can replace the ``served`` model's
+    weights (reads the safetensors headers only)."""
+    problem = layout_problem(checkpoint_layout(model_path), checkpoint_layout(served))
+    if problem is not None:
+        raise StagingError(f"{model_path}: {problem}")
+
+
 def load_checkpoint(folder: str | Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -103,10 +111,7 @@ class WeightsExtension:
     def pdserve_stage_weights(self, model_path: str, version: str) -> dict[str, Any]:
         """Read ``model_path`` into host memory under ``version``; raises ``StagingError``
         for a folder that is not the served model's layout (nothing is staged then)."""
-        served = self.vllm_config.model_config.model
-        problem = layout_problem(checkpoint_layout(model_path), checkpoint_layout(served))
-        if problem is not None:
-            raise StagingError(f"{model_path}: {problem}")
+        check_checkpoint(model_path, self.vllm_config.model_config.model)
         # A private copy, not the files' memory map: the folder may change before the commit.
         tensors = {name: t.clone() for name, t in load_checkpoint(model_path).items()}
         setattr(self, _STAGED, (version, tensors))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 from integration.pd_cases import LOCAL_PREFILL_MAX_TOKENS, LONG, MODEL
 from pdserve_testing import Server, kill_cluster, launch_up, wait_until
@@ -131,6 +133,33 @@ def test_a_failed_stage_leaves_every_worker_on_its_version_serving(cluster: Clus
     assert set(cluster.info()["workers"].values()) == {before}
     tokens, fingerprint, _ = cluster.complete(cluster.prompts[2])
     assert (tokens, fingerprint) == (refs[2], before)
+
+
+def test_a_hung_worker_fails_the_stage_and_the_cluster_keeps_serving(cluster: Cluster) -> None:
+    before = cluster.info()["weight_version"]
+    refs = cluster.refs["perturbed" if before == "v-perturbed" else "original"]
+    prefill = _worker(cluster.server, "prefill-0")
+    prefill.send_signal(signal.SIGSTOP)  # a hung worker: it never answers the stage
+    try:
+        r = httpx.post(f"{cluster.admin}/update_weights_from_disk", timeout=60, json={
+            "model_path": str(cluster.original), "weight_version": "v-hung",
+            "stage_timeout_s": 3})
+    finally:
+        prefill.send_signal(signal.SIGCONT)
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "weight_stage_failed" and "prefill-0" in r.text
+    assert set(cluster.info()["workers"].values()) == {before}  # the decode dropped its stage
+    tokens, fingerprint, _ = cluster.complete(cluster.prompts[2])  # remote: both serve
+    assert (tokens, fingerprint) == (refs[2], before)
+
+
+def _worker(server: Server, worker_id: str) -> psutil.Process:
+    """``up``'s child process that is ``worker_id``."""
+    for p in psutil.Process(server.proc.pid).children():
+        argv = p.cmdline()
+        if "--worker-id" in argv and argv[argv.index("--worker-id") + 1] == worker_id:
+            return p
+    raise AssertionError(f"no {worker_id} process under up")
 
 
 def _stream(base_url: str, prompt: list[int], index: int, out: list[dict[str, Any]]) -> None:

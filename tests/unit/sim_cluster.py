@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve_testing import wait_until_async
@@ -33,6 +33,7 @@ class SimCluster:
     index: PrefixIndex
     registry: CollectorRegistry
     pool: WorkerPool | None = None  # the dispatcher's (None: a subclass that did not keep it)
+    servers: list[Any] = field(default_factory=list)  # the workers' gRPC servers, in order
 
 
 @contextlib.asynccontextmanager
@@ -57,7 +58,7 @@ async def sim_cluster(workers: Sequence[tuple[str, Role]], disagg: DisaggConfig,
     try:
         assert await wait_until_async(lambda: sum(f.num_resyncs for f in feeder.followers)
                                       == len(workers), 5)
-        yield SimCluster(dispatcher, engines, index, registry, pool)
+        yield SimCluster(dispatcher, engines, index, registry, pool, servers)
     finally:
         await feeder.close()
         await pool.close()

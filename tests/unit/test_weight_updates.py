@@ -173,3 +173,23 @@ async def test_after_an_update_the_router_finds_the_prefixes_cached_under_the_ne
         for i in range(3):
             again = await b.run(f"r{i + 1}", prompt)
             assert again[0].num_cached_tokens == len(names) * 16
+
+
+async def test_a_killed_worker_fails_the_stage_and_the_others_keep_their_version(
+        tmp_path: Path) -> None:
+    async with bench(tmp_path, num_prefill=2) as b:
+        assert b.sims.pool is not None
+        dead = b.sims.pool.prefill[1]
+        await b.sims.servers[1].stop(0)  # p1 is gone, still in the view
+        with pytest.raises(APIError) as refused:
+            await b.updater.update_from_disk(UpdateFromDiskBody(
+                model_path=str(tmp_path), weight_version="v2"))
+        assert refused.value.status_code == 503 and "p1" in refused.value.message
+        assert dead.snapshot().worker_id == "p1"
+        for worker in (b.sims.pool.prefill[0], b.sims.pool.decode[0]):
+            with pytest.raises(WorkerCallError, match="nothing is staged"):
+                await worker.client.commit_weights("v2", False, 0.0, 5.0)
+            await worker.refresh(2.0)
+            assert worker.snapshot().weight_version == "default"
+        chunks = await b.run("r0")  # the living serve, on their version
+        assert chunks[0].weight_version == "default" and len(tokens(chunks)) == MAX_TOKENS

@@ -3,16 +3,27 @@ within one version, and a commit needs what was staged and nothing in flight."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from pdserve.core.handle import KVHandle
 from pdserve.decode_worker.policy import DecodePolicy
 from pdserve.prefill_worker.policy import PrefillPolicy
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import EngineStep
+from pdserve.worker.weights_ext import StagingError, check_checkpoint
 from tests.unit.test_engine_host import FakeEngine, Released, handle, request, run, started
+
+
+@pytest.fixture(autouse=True)
+def _any_folder_is_a_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fake engine has no files: the host's header check is tested on its own below."""
+    monkeypatch.setattr("pdserve.worker.host.check_checkpoint", lambda path, served: None)
 
 
 async def test_a_decode_worker_refuses_kv_stamped_with_another_weights_version() -> None:
@@ -75,3 +86,26 @@ def test_a_handle_without_a_version_is_the_first_weights() -> None:
     params = handle().to_params()
     del params["weight_version"]
     assert KVHandle.from_params(params).weight_version == "default"
+
+
+def _checkpoint(folder: Path, **tensors: tuple[int, ...]) -> Path:
+    folder.mkdir()
+    save_file({name: torch.zeros(shape) for name, shape in tensors.items()},
+              str(folder / "model.safetensors"))
+    return folder
+
+
+def test_a_checkpoint_must_have_the_served_models_tensors_and_shapes(tmp_path: Path) -> None:
+    served = _checkpoint(tmp_path / "served", a=(2, 3), b=(4,))
+    check_checkpoint(_checkpoint(tmp_path / "same", a=(2, 3), b=(4,)), served)
+    for name, tensors, problem in (
+            ("missing", {"a": (2, 3)}, "missing, e.g. 'b'"),
+            ("extra", {"a": (2, 3), "b": (4,), "c": (1,)}, "not in the served model"),
+            ("shape", {"a": (3, 2), "b": (4,)}, "'a' has shape [3, 2]")):
+        with pytest.raises(StagingError, match=re.escape(problem)):
+            check_checkpoint(_checkpoint(tmp_path / name, **tensors), served)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(StagingError, match="no \\*.safetensors"):
+        check_checkpoint(tmp_path / "empty", served)
+    with pytest.raises(StagingError, match="not a directory"):
+        check_checkpoint(tmp_path / "nowhere", served)

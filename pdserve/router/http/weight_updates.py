@@ -64,6 +64,9 @@ class UpdateFromDiskBody(BaseModel):
     weight_version: str | None = Field(None, min_length=1, max_length=200)
     policy: Literal["drain", "abort"] = "drain"
     drain_timeout_s: float = Field(DEFAULT_DRAIN_TIMEOUT_S, ge=0, le=3600)
+    # How long a worker may take to read the checkpoint: past it (a hung worker) the
+    # update fails and every worker keeps its version.
+    stage_timeout_s: float = Field(STAGE_TIMEOUT_S, gt=0, le=3600)
 
 
 class WeightUpdater:
@@ -101,7 +104,7 @@ class WeightUpdater:
         async with self._exclusive():
             started = time.monotonic()
             workers = self._workers()
-            await self._stage(workers, body.model_path, version)
+            await self._stage(workers, body.model_path, version, body.stage_timeout_s)
             staged_s = time.monotonic() - started
             committed = await self._switch(workers, version, body.policy, body.drain_timeout_s)
             self._source = (version, body.model_path)
@@ -113,9 +116,10 @@ class WeightUpdater:
                 "weight_version": version, "seconds": seconds, "stage_seconds": staged_s,
                 "workers": committed}
 
-    async def _stage(self, workers: Sequence[Worker], path: str, version: str) -> None:
+    async def _stage(self, workers: Sequence[Worker], path: str, version: str,
+                     timeout_s: float) -> None:
         results = await _each(workers, lambda w: w.client.stage_weights(
-            path, version, STAGE_TIMEOUT_S))
+            path, version, timeout_s))
         failed = {name: exc for name, exc in results.items() if isinstance(exc, Exception)}
         if not failed:
             return
