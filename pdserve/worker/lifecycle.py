@@ -12,7 +12,8 @@ A role switch (``switch_role``) is a drain that ends in the other role instead o
 exit: new requests are refused and health says not ready while the old role's work
 ends (past the drain timeout it is ended: requests aborted, leases released), then
 the backend switches, the worker re-announces itself (``on_role_changed``: its
-membership registration), and serves again.
+membership registration), and serves again. A weight commit (``commit_weights``) is the
+same drain ending in the staged weights (its policy ``abort`` ends the work at once).
 """
 
 from __future__ import annotations
