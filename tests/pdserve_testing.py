@@ -202,6 +202,7 @@ class Server:
     log_path: Path | None = None  # where ``pdserve up`` logs (stderr), if kept
     secret: ClusterSecret | None = None  # the cluster's: direct calls to workers need it
     tls_files: TlsFiles | None = None  # the cluster's certificate, when it runs TLS
+    admin_url: str = ""  # the router's admin listener, when the test started one
     # up's scrape targets (name -> /metrics URL), from the line after the endpoint's.
     metrics_targets: dict[str, str] = field(default_factory=dict)
 

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -99,8 +100,10 @@ def pd_server(model_path: Path, request: pytest.FixtureRequest,
                    PDSERVE_CACHE=os.environ.get("PDSERVE_CACHE", str(model_path.parents[1])))
         folder = tmp_path_factory.mktemp(f"up-{cluster.name}")
         tls = make_test_ca(folder / "tls") if cluster.require_tls else None
-        return launch_up(cluster.argv(free_port(), tls), env, STARTUP_TIMEOUT_S,
-                         log_path=folder / "up.log")
+        admin_port = free_port()  # the router's admin listener (loopback, no key)
+        server = launch_up([*cluster.argv(free_port(), tls), "--admin-port", str(admin_port)],
+                           env, STARTUP_TIMEOUT_S, log_path=folder / "up.log")
+        return replace(server, admin_url=f"http://127.0.0.1:{admin_port}")
 
     return _SLOT.get(getattr(request, "param", TCP), start)
 
