@@ -73,6 +73,7 @@ def register() -> None:
         return
     set_shm_spin(spin_s)
     reliable_notify()
+    seeded_partial_prefills()
 
 
 def reliable_notify() -> None:
@@ -97,6 +98,48 @@ def reliable_notify() -> None:
 
     notify.__pdserve_original__ = original  # type: ignore[attr-defined]
     cls.notify = notify
+
+
+def seeded_partial_prefills() -> None:
+    """On CPU, a seeded request whose prompt is computed over several steps no longer
+    kills the engine (engine processes pdserve started only, like the rest of this
+    plugin).
+
+    vLLM samples a token for every request each step and discards the one of a request
+    still in its prefill (a chunk of its prompt); for a seeded request it then rewinds
+    the request's generator (``gen.set_offset(gen.get_offset() - 4)``), which a CPU
+    generator refuses: ``RuntimeError: CPU Generator does not use offset``, the engine
+    dead. One client request with a ``seed`` and a prompt long enough to be chunked
+    beside other streams (RL rollouts send seeds) took a worker down. While a step's
+    tokens are sampled, the generators of the requests whose tokens will be discarded
+    are set aside: those rows sample from the global generator (a token nobody sees),
+    their own generators draw nothing, which is what vLLM's rewind achieves on GPUs. So
+    a seeded request's tokens do not depend on how its prompt was chunked."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    cls = GPUModelRunner
+    original = getattr(cls.sample_tokens, "__pdserve_original__", cls.sample_tokens)
+
+    @functools.wraps(original)
+    def sample_tokens(self: Any, grammar_output: Any) -> Any:
+        batch = self.input_batch
+        held: dict[int, Any] = {}
+        if batch.generators and self.execute_model_state is not None:
+            for i in self.discard_request_mask.np[:batch.num_reqs].nonzero()[0]:
+                generator = batch.generators.pop(int(i), None)
+                if generator is not None:
+                    held[int(i)] = generator
+        try:
+            return original(self, grammar_output)
+        finally:
+            batch.generators.update(held)
+
+    sample_tokens.__pdserve_original__ = original  # type: ignore[attr-defined]
+    cls.sample_tokens = sample_tokens
 
 
 def set_shm_spin(spin_s: float) -> None:
