@@ -112,8 +112,12 @@ class WeightsExtension:
         """Read ``model_path`` into host memory under ``version``; raises ``StagingError``
         for a folder that is not the served model's layout (nothing is staged then)."""
         check_checkpoint(model_path, self.vllm_config.model_config.model)
-        # A private copy, not the files' memory map: the folder may change before the commit.
-        tensors = {name: t.clone() for name, t in load_checkpoint(model_path).items()}
+        # A private copy, not the files' memory map (the folder may change before the
+        # commit), in the engine's dtype as its first load casts them (a float32
+        # checkpoint staged for a bf16 engine takes half the memory).
+        dtype = self.vllm_config.model_config.dtype
+        tensors = {name: t.to(dtype, copy=True) if t.is_floating_point() else t.clone()
+                   for name, t in load_checkpoint(model_path).items()}
         setattr(self, _STAGED, (version, tensors))
         return {"num_tensors": len(tensors),
                 "num_bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
