@@ -234,6 +234,22 @@ def test_a_new_request_loads_what_the_engine_lost_from_the_tier() -> None:
     assert not side.loads_from_tier("a2")
 
 
+def test_a_weight_update_drops_every_tier_block_and_the_router_hears_of_each() -> None:
+    side = SchedulerSide(CONFIG, BS, TierPlanner(BS, TierIndex(8), TierIndex(8)))
+    side.request_finished(_request("a", 3 * BS + 40), [7, 8, 9, 10])
+    _step(side)
+    _done(side, sending={"a"})
+    stored = side.take_events()
+    assert [stored_ for _, stored_, _ in stored] == [True, True]  # host and disk hold 3
+    assert side.reset_tiers() == 6  # vLLM's reset_prefix_cache(reset_connector=True)
+    removed = side.take_events()
+    assert {(tier, was) for tier, was, _ in removed} == {("host", False), ("disk", False)}
+    assert sorted(h for _, _, hs in removed for h in hs) == sorted(
+        h for _, _, hs in stored for h in hs)
+    again = _request("a2", 3 * BS + 40, computed=0)
+    assert side.get_num_new_matched_tokens(again, 0) == (0, False)  # nothing matches
+
+
 def test_never_the_last_token_and_a_failed_load_forgets_its_blocks() -> None:
     side = SchedulerSide(CONFIG, BS, _host(8))
     side.request_finished(_request("a", 2 * BS), [7, 8])
