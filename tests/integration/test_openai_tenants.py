@@ -76,7 +76,8 @@ class KeyedRouter:
     def _start(self, server: Server) -> None:
         router = _router_child(server)
         port = free_port()
-        argv = _with_flag(_with_flag(router.cmdline(), "--port", str(port)),
+        argv = _with_flag(_with_flag(_with_flag(router.cmdline(), "--port", str(port)),
+                                     "--admin-port", str(free_port())),
                           "--tenant-isolation", "key")
         log = self._log_dir / f"router-{port}.log"
         self._proc = process.spawn(argv, log_path=log, base_env=router.environ(),
