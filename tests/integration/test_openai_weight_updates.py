@@ -140,14 +140,14 @@ def test_a_hung_worker_fails_the_stage_and_the_cluster_keeps_serving(cluster: Cl
     try:
         r = httpx.post(f"{cluster.admin}/update_weights_from_disk", timeout=60, json={
             "model_path": str(cluster.ckpt.perturbed), "weight_version": "v-hung",
-            "stage_timeout_s": 3})
+            "stage_timeout_s": 2})
     finally:
         prefill.send_signal(signal.SIGCONT)
     assert r.status_code == 503, r.text
     assert r.json()["error"]["code"] == "weight_stage_failed" and "prefill-0" in r.text
     assert set(cluster.info()["workers"].values()) == {ORIGINAL}  # the decode dropped its stage
-    tokens, fingerprint, _ = cluster.complete(2)
-    assert (tokens, fingerprint) == (cluster.ckpt.refs[ORIGINAL][2], ORIGINAL)
+    tokens, fingerprint, _ = cluster.complete(0)  # the decode serves at once, prefill or not
+    assert (tokens, fingerprint) == (cluster.ckpt.refs[ORIGINAL][0], ORIGINAL)
 
 
 def _worker(server: Server, worker_id: str) -> psutil.Process:
