@@ -19,6 +19,7 @@ from pdserve.core.types import SamplingSpec
 from pdserve.router.dispatch.base import TokenChunk
 from pdserve.router.dispatch.disagg import DisaggConfig
 from pdserve.router.dispatch.worker_client import WorkerCallError
+from pdserve.router.dispatch.workers import Worker
 from pdserve.router.http.errors import APIError
 from pdserve.router.http.weight_updates import UpdateFromDiskBody, WeightUpdater
 
@@ -115,15 +116,22 @@ async def test_abort_cuts_a_visible_stream_and_reruns_an_invisible_one(tmp_path:
         assert b.sims.registry.get_sample_value("pdserve:weight_update_reruns_total") == 1
 
 
+async def _back_on_first_weights(b: Bench, tmp_path: Path) -> Worker:
+    """The decode worker, back on its first weights, as after a restart."""
+    assert b.sims.pool is not None
+    worker = b.sims.pool.decode[0]
+    await worker.client.stage_weights(str(tmp_path), "default", 5.0)
+    await worker.client.commit_weights("default", False, 0.0, 5.0)
+    await worker.refresh(2.0)
+    return worker
+
+
 async def test_a_worker_on_another_version_is_out_of_placement(tmp_path: Path) -> None:
     async with bench(tmp_path) as b:
         await b.updater.update_from_disk(UpdateFromDiskBody(
             model_path=str(tmp_path), weight_version="v2"))
         assert b.sims.pool is not None
-        worker = b.sims.pool.decode[0]  # back on its first weights, as after a restart
-        await worker.client.stage_weights(str(tmp_path), "default", 5.0)
-        await worker.client.commit_weights("default", False, 0.0, 5.0)
-        await worker.refresh(2.0)
+        worker = await _back_on_first_weights(b, tmp_path)
         assert not worker.snapshot().healthy and worker.snapshot().weight_version == "default"
         assert b.updater.info()["workers"]["d0"] == "default"
 
@@ -146,10 +154,7 @@ async def test_a_worker_back_on_other_weights_is_brought_to_the_clusters(
         await b.updater.update_from_disk(UpdateFromDiskBody(
             model_path=str(tmp_path), weight_version="v2"))
         assert b.sims.pool is not None
-        worker = b.sims.pool.decode[0]  # back on its first weights, as after a restart
-        await worker.client.stage_weights(str(tmp_path), "default", 5.0)
-        await worker.client.commit_weights("default", False, 0.0, 5.0)
-        await worker.refresh(2.0)
+        worker = await _back_on_first_weights(b, tmp_path)
         assert worker.stale_weights and not worker.snapshot().healthy
         assert await b.updater.catch_up() == ["d0"]
         assert worker.snapshot().healthy and b.versions() == {"v2"}

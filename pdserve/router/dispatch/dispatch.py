@@ -51,7 +51,7 @@ from pdserve.router.dispatch.migration import (
 from pdserve.router.dispatch.placement import Choice, Placement, PlacementRequest
 from pdserve.router.dispatch.prefix_routing import PendingPrefix, PrefixRouting
 from pdserve.router.dispatch.timeline import RequestTimeline, TimelineRecorder
-from pdserve.router.dispatch.weights import Ticket, UpdateAborted, WeightGate
+from pdserve.router.dispatch.weights import Ticket, UpdateAborted, WeightGate, versioned
 from pdserve.router.dispatch.worker_client import (
     DEADLINE_EXCEEDED,
     INVALID_ARGUMENT,
@@ -189,25 +189,12 @@ class PDDispatcher:
         before any chunk went out runs it again on the new version; after, it ends
         with finish reason ``abort``."""
         deadline = deadline or Deadline.after(self._timeout)
-        while True:
-            async with self.weights.admitted(request_id, deadline) as ticket:
-                try:
-                    chunks = self._generate(request_id, prompt_token_ids, sampling, timeline,
-                                            deadline, affinity, express, ticket)
-                    async with contextlib.aclosing(chunks):
-                        async for chunk in chunks:
-                            ticket.sent = True
-                            yield chunk
-                    return
-                except (UpdateAborted, WorkerFailedError, NoWorkerAvailableError):
-                    if not ticket.aborted:
-                        raise
-                    if ticket.sent:
-                        yield TokenChunk((), "abort", ended_by_update=True)
-                        return
-            self._metrics.weight_reruns.inc()
-            logger.info("%s ended by a weight update before any output: runs again on "
-                        "the new weights", request_id)
+        chunks = versioned(self.weights, request_id, deadline, lambda ticket: self._generate(
+            request_id, prompt_token_ids, sampling, timeline, deadline, affinity, express,
+            ticket), self._metrics.weight_reruns.inc)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
 
     async def _generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,

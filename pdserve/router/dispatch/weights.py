@@ -21,11 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
-from pdserve.router.dispatch.base import Deadline
+from pdserve.router.dispatch.base import (
+    Deadline,
+    NoWorkerAvailableError,
+    TokenChunk,
+    WorkerFailedError,
+)
+
+logger = logging.getLogger("pdserve.router.dispatch")
 
 POLICIES = ("drain", "abort")
 
@@ -116,3 +124,28 @@ class WeightGate:
         for ticket in tickets:
             ticket.aborted = True
         return tickets
+
+
+async def versioned(gate: WeightGate, request_id: str, deadline: Deadline,
+                    run: Callable[[Ticket], AsyncGenerator[TokenChunk, None]],
+                    on_rerun: Callable[[], None]) -> AsyncGenerator[TokenChunk, None]:
+    """``run``'s chunks under a ticket of ``gate``. A weight update that ends the request
+    before any chunk went out runs it again (``on_rerun``) once the gate reopens on the
+    new version; after one went out, the request ends with finish reason ``abort``."""
+    while True:
+        async with gate.admitted(request_id, deadline) as ticket:
+            try:
+                async with contextlib.aclosing(run(ticket)) as chunks:
+                    async for chunk in chunks:
+                        ticket.sent = True
+                        yield chunk
+                return
+            except (UpdateAborted, WorkerFailedError, NoWorkerAvailableError):
+                if not ticket.aborted:
+                    raise
+                if ticket.sent:
+                    yield TokenChunk((), "abort", ended_by_update=True)
+                    return
+        on_rerun()
+        logger.info("%s ended by a weight update before any output: runs again on the new "
+                    "weights", request_id)
