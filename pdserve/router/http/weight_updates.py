@@ -29,7 +29,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Literal, TypeVar
 
 from prometheus_client import CollectorRegistry
@@ -296,11 +297,6 @@ def _first_error(results: dict[str, Any]) -> str:
     return ""
 
 
-def _most_common(values: Any) -> str:
-    counts: dict[str, int] = {}
-    for v in values:
-        if v:
-            counts[v] = counts.get(v, 0) + 1
-    return max(counts, key=lambda v: counts[v]) if counts else ""
-
-
+def _most_common(values: Iterable[str]) -> str:
+    counts = Counter(v for v in values if v)
+    return counts.most_common(1)[0][0] if counts else ""
