@@ -7,5 +7,5 @@ The packages are layers, each importing only
 those below it (``[tool.importlinter]`` in pyproject.toml, checked by ``make test``):
 ``cli`` > ``bench`` > ``launch`` > ``router`` > ``prefill_worker`` | ``decode_worker`` >
 ``worker`` > ``kv_transfer`` | ``membership`` | ``proto`` > ``core``. README's "Code map"
-is generated from these docstrings (``python tools/code_map.py --write``).
+is generated from these docstrings (``python scripts/code_map.py --write``).
 """

@@ -24,10 +24,10 @@ from pdserve.core.cluster_secret import ClusterSecret, load_cluster_secret, writ
 from pdserve.core.grpc_tls import GrpcTls, TlsFiles
 from pdserve.core.types import WorkerLoadReport
 from pdserve.kv_transfer.base import KVTransport, PeerAddress, TransportOptions, create_transport
+from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
-from pdserve.kv_transfer.wire import TransferError
-from pdserve.router.dispatch.worker_client import probe_load
+from pdserve.router.dispatch.workers.client import probe_load
 
 T = TypeVar("T")
 
@@ -173,7 +173,7 @@ def push_kv(seed: int, dtype_name: str, port: int, transfer_id: str,
     """A prefill's side of layer-wise push: send (layer, first position, our block
     ids, final) to the push inbox at ``port``; puts None or the error text."""
     from pdserve.kv_transfer.base import PeerAddress
-    from pdserve.kv_transfer.wire import TransferError
+    from pdserve.kv_transfer.control.wire import TransferError
 
     dtype = getattr(torch, dtype_name)
     caches = make_caches(seed, dtype)

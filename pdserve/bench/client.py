@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from pdserve.bench.metrics import RequestRecord
-from pdserve.bench.prompts import BenchRequest, PromptEncoder
+from pdserve.bench.workload.prompts import BenchRequest, PromptEncoder
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pdserve.bench.arrivals import arrival_times, arrivals_until
 from pdserve.bench.client import Endpoint, send
 from pdserve.bench.metrics import RequestRecord
-from pdserve.bench.prompts import BenchRequest, PromptEncoder
+from pdserve.bench.workload.arrivals import arrival_times, arrivals_until
+from pdserve.bench.workload.prompts import BenchRequest, PromptEncoder
 
 PROBE_TIMEOUT_S = 10.0
 WARMUP_SEED_OFFSET = 1_000_003  # warm-up prompts are not the measured ones

@@ -21,7 +21,6 @@ import httpx
 from pdserve.bench.client import Endpoint
 from pdserve.bench.config import RunConfig
 from pdserve.bench.metrics import Slo, summarize
-from pdserve.bench.prompts import PromptEncoder
 from pdserve.bench.runner import (
     WARMUP_SEED_OFFSET,
     Outcome,
@@ -30,7 +29,8 @@ from pdserve.bench.runner import (
     check_model,
     list_models,
 )
-from pdserve.bench.workloads import check_workload_flags, make_workload, workload_info
+from pdserve.bench.workload.generators import check_workload_flags, make_workload, workload_info
+from pdserve.bench.workload.prompts import PromptEncoder
 
 RUN_SCHEMA = "pdserve.bench.run/v1"
 DEFAULT_NUM_REQUESTS = 100

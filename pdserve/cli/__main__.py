@@ -1,5 +1,5 @@
 """``python -m pdserve.cli ...``: the same as the ``pdserve`` command (``python -m
-pdserve.cli prefill`` is what ``python -m pdserve.prefill_worker`` was)."""
+pdserve.cli prefill`` is what ``python -m pdserve.roles.prefill`` was)."""
 
 import sys
 

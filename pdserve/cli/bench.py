@@ -1,6 +1,6 @@
 """``pdserve bench``: ``run`` one workload against an endpoint, ``sweep`` it over rates or
 concurrencies, ``compare`` systems, ``gaps`` (lone requests), and the micro-benchmarks
-(``transfer``, ``ttft``, ``router-cost``, ... : ``bench_tools``). Each subcommand's flags
+(``transfer``, ``ttft``, ``router-cost``, ... : ``bench_micro``). Each subcommand's flags
 (``bench_flags``) become its frozen config, which ``pdserve.bench`` runs. Bad input, an
 unreachable endpoint or an unknown model: one ``pdserve bench: error: ...`` line and exit
 code 2, no result file.
@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pdserve.bench import compare, gaps, run, sweep
-from pdserve.cli import bench_flags, bench_tools
+from pdserve.cli import bench_flags, bench_micro
 
 DESCRIPTION = "Load-generator benchmarks against any OpenAI-compatible endpoint."
 PROXY = "disagg-proxy"
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
          "one aggregated vLLM and pdserve configurations on the same cores; per request "
          "TTFT, the largest gap between two tokens and the total. A gap >= --stall-s is a "
          "stall.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    bench_tools.add_tool_commands(sub)
+    bench_micro.add_tool_commands(sub)
     return parser
 
 
@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         args = build_parser().parse_args(argv)
     if getattr(args, "tool", None):  # a micro-benchmark: its own errors, its tracebacks
-        return bench_tools.run_tool(args)
+        return bench_micro.run_tool(args)
     try:
         return int(args.func(args))
     except ValueError as exc:

@@ -30,7 +30,7 @@ from pdserve.bench.config import DEFAULT_MIX, RunConfig, SweepConfig
 from pdserve.bench.cost import Price
 from pdserve.bench.gaps import GapsConfig, check_requests
 from pdserve.bench.systems import EngineSettings
-from pdserve.bench.workloads import WORKLOADS
+from pdserve.bench.workload.generators import WORKLOADS
 from pdserve.core.dtype import DTYPES, DtypeChoice
 
 # How bench runs pdserve itself (`pdserve up`, `pdserve bench run`, the proxy): as this

@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.core.model import ResolvedModel
 from pdserve.membership import MembershipConfig
-from pdserve.router.dispatch.disagg import DisaggConfig
-from pdserve.router.dispatch.planner import PlannerConfig
-from pdserve.router.dispatch.slo import SloConfig
-from pdserve.router.http.edge_config import EdgeConfig, read_api_key_file
-from pdserve.router.http.tenant_table import key_table, parse_key_entry
+from pdserve.router.dispatch.policies.disagg import DisaggConfig
+from pdserve.router.dispatch.policies.planner import PlannerConfig
+from pdserve.router.dispatch.policies.slo import SloConfig
+from pdserve.router.http.edge.config import EdgeConfig, read_api_key_file
+from pdserve.router.http.tenants.table import key_table, parse_key_entry
 
 if TYPE_CHECKING:
     from pdserve.kv_transfer.config import ConnectorConfig
     from pdserve.launch.up import UpConfig
-    from pdserve.router.http.tools import ToolConfig
+    from pdserve.router.http.openai.tool_calls import ToolConfig
     from pdserve.router.server import RouterConfig
     from pdserve.worker.config import WorkerConfig
     from pdserve.worker.engine import EngineConfig, Role
@@ -78,7 +78,7 @@ def planner_config(args: argparse.Namespace) -> PlannerConfig:
 
 def tool_config(args: argparse.Namespace) -> ToolConfig:
     """From ``--tool-call-parser`` and ``--enable-auto-tool-choice``."""
-    from pdserve.router.http.tools import ToolConfig
+    from pdserve.router.http.openai.tool_calls import ToolConfig
 
     return ToolConfig(parser=args.tool_call_parser or None,
                       enable_auto=bool(args.enable_auto_tool_choice))

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
-from pdserve.router.http.tenant_table import check_api_key, parse_key_entry
+from pdserve.router.http.tenants.table import check_api_key, parse_key_entry
 
 Parse = Callable[[str], Any]
 

@@ -29,16 +29,16 @@ from pdserve.kv_transfer.base import transport_names
 from pdserve.launch.cpu_layout import CPU_LAYOUTS
 from pdserve.launch.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S
 from pdserve.membership import DEFAULT_TTL_S
-from pdserve.router.dispatch.disagg import (
+from pdserve.router.dispatch.migration import DEFAULT_MAX_MIGRATIONS
+from pdserve.router.dispatch.policies.disagg import (
     DEFAULT_DISAGG_MODE,
     DEFAULT_LOCAL_DECODE_MAX_RUNNING,
     DEFAULT_LOCAL_PREFILL_MAX_QUEUED_TOKENS,
     DEFAULT_LOCAL_PREFILL_MAX_TOKENS,
     DISAGG_MODES,
 )
-from pdserve.router.dispatch.migration import DEFAULT_MAX_MIGRATIONS
-from pdserve.router.dispatch.placement import DEFAULT_PLACEMENT, PLACEMENTS
-from pdserve.router.dispatch.planner import PLANNER_MODES
+from pdserve.router.dispatch.policies.placement import DEFAULT_PLACEMENT, PLACEMENTS
+from pdserve.router.dispatch.policies.planner import PLANNER_MODES
 from pdserve.worker.engine import WEIGHT_TRANSFER_BACKENDS
 
 # ---- the table ------------------------------------------------------------------------

@@ -3,7 +3,7 @@ of a cluster holds (README "Cluster authentication").
 
 Only proofs derived from it travel: an HMAC token on router→worker gRPC calls
 (``pdserve.core.grpc_auth``) and a mutual challenge-response on every KV connection
-(``pdserve.kv_transfer.auth``). The secret itself never goes on a command line,
+(``pdserve.kv_transfer.control.auth``). The secret itself never goes on a command line,
 into vLLM's config (which vLLM logs) or into a ``repr``: processes pass the
 file's path.
 

@@ -17,10 +17,10 @@ if TYPE_CHECKING:  # kept out of import time: the CLI lists transports without t
     import torch
 
     from pdserve.core.cluster_secret import ClusterSecret
+    from pdserve.kv_transfer.control.tls import KvTls
     from pdserve.kv_transfer.layout import KVLayout
     from pdserve.kv_transfer.leases import LeaseTable
-    from pdserve.kv_transfer.push_inbox import PushInbox
-    from pdserve.kv_transfer.tls import KvTls
+    from pdserve.kv_transfer.push.inbox import PushInbox
 
 
 @dataclass(frozen=True)
@@ -190,9 +190,9 @@ class _Builtin:
     can_push: bool
 
 
-_BUILTIN = {"tcp": _Builtin(".tcp:TcpTransport", can_push=True),
-            "ucx": _Builtin(".ucx:UcxTransport", can_push=False),
-            "torch": _Builtin(".torch_dist:TorchTransport", can_push=False)}
+_BUILTIN = {"tcp": _Builtin(".transports.tcp:TcpTransport", can_push=True),
+            "ucx": _Builtin(".transports.ucx:UcxTransport", can_push=False),
+            "torch": _Builtin(".transports.torch_dist:TorchTransport", can_push=False)}
 _REGISTRY: dict[str, Callable[[TransportOptions], KVTransport]] = {}
 _CAN_PUSH = {name for name, builtin in _BUILTIN.items() if builtin.can_push}
 

@@ -8,7 +8,7 @@ from typing import Any
 from pdserve.core.cluster_secret import ClusterSecret, optional_secret
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.kv_transfer.base import TransportOptions, transport_names
-from pdserve.kv_transfer.tls import KvTls, load_kv_tls
+from pdserve.kv_transfer.control.tls import KvTls, load_kv_tls
 
 
 @dataclass(frozen=True)

@@ -32,12 +32,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.version import __version__ as vllm_version
 
 from pdserve.kv_transfer.config import ConnectorConfig
-from pdserve.kv_transfer.disk_tier import compat_hash, scan
-from pdserve.kv_transfer.host_tier import num_slots
 from pdserve.kv_transfer.metadata import PdserveConnectorMetadata
 from pdserve.kv_transfer.scheduler_side import SchedulerSide
-from pdserve.kv_transfer.tier_index import TierIndex
-from pdserve.kv_transfer.tier_plan import EVENT_MEDIUM, TierPlanner
+from pdserve.kv_transfer.tiers.disk import compat_hash, scan
+from pdserve.kv_transfer.tiers.host import num_slots
+from pdserve.kv_transfer.tiers.index import TierIndex
+from pdserve.kv_transfer.tiers.plan import EVENT_MEDIUM, TierPlanner
 from pdserve.kv_transfer.worker_side import WorkerSide, pool_transport_ok
 
 logger = logging.getLogger("pdserve.kv_transfer")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from pdserve.core.handle import KVHandle, PushTarget
-from pdserve.kv_transfer.push_spec import PushSpec
+from pdserve.kv_transfer.push.spec import PushSpec
 
 __all__ = ["KVHandle", "LeaseSpec", "LoadSpec", "PdserveConnectorMetadata", "PushSpec",
            "PushTarget", "PoolLoad", "TierCopy", "NO_COPY"]

@@ -21,15 +21,21 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from pdserve.kv_transfer import fields
 from pdserve.kv_transfer.base import PeerAddress
-from pdserve.kv_transfer.control import LEASE_WAIT_S, ControlledTransport, Handler
+from pdserve.kv_transfer.control import fields
+from pdserve.kv_transfer.control.channel import LEASE_WAIT_S, ControlledTransport, Handler
+from pdserve.kv_transfer.control.wire import (
+    TransferError,
+    check_reply,
+    recv_msg,
+    send_msg,
+    set_deadline,
+)
 from pdserve.kv_transfer.integrity import checksum, natural_kind
 from pdserve.kv_transfer.layout import chunk_views, paired_runs
 from pdserve.kv_transfer.leases import LeaseError
-from pdserve.kv_transfer.wire import TransferError, check_reply, recv_msg, send_msg, set_deadline
 
-logger = logging.getLogger("pdserve.kv_transfer.control")
+logger = logging.getLogger("pdserve.kv_transfer.control.channel")
 
 # A decode worker that stops reading for this long loses the transfer.
 SEND_TIMEOUT_S = 30.0

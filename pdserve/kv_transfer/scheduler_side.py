@@ -26,8 +26,8 @@ from pdserve.kv_transfer.metadata import (
     PdserveConnectorMetadata,
     PoolLoad,
 )
-from pdserve.kv_transfer.push_plan import PushPlanner
-from pdserve.kv_transfer.tier_plan import TierPlanner
+from pdserve.kv_transfer.push.plan import PushPlanner
+from pdserve.kv_transfer.tiers.plan import TierPlanner
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

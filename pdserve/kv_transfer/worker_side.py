@@ -17,6 +17,7 @@ import torch
 
 from pdserve.kv_transfer.base import KVTransport, PeerAddress, create_transport
 from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.metadata import (
@@ -27,12 +28,11 @@ from pdserve.kv_transfer.metadata import (
     PoolLoad,
     TierCopy,
 )
-from pdserve.kv_transfer.push_inbox import PushInbox
-from pdserve.kv_transfer.push_sender import PushSender
+from pdserve.kv_transfer.push.inbox import PushInbox
+from pdserve.kv_transfer.push.sender import PushSender
 from pdserve.kv_transfer.step_model import StepTimer
 from pdserve.kv_transfer.threads import unpin_current_thread
-from pdserve.kv_transfer.tier_store import TierStore
-from pdserve.kv_transfer.wire import TransferError
+from pdserve.kv_transfer.tiers.store import TierStore
 
 logger = logging.getLogger("pdserve.kv_transfer.worker")
 

@@ -14,14 +14,14 @@ import signal
 from pdserve.core.grpc_options import DEFAULT_KEEPALIVE_S
 from pdserve.core.grpc_tls import GrpcTls
 from pdserve.core.types import Role
-from pdserve.decode_worker.policy import DecodePolicy
 from pdserve.kv_transfer.base import push_transport_names
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.membership import Registrar, WorkerInfo
 from pdserve.membership.static import NullRegistrar
-from pdserve.prefill_worker.admission import AdmissionConfig
-from pdserve.prefill_worker.handle_leases import release_over_control
-from pdserve.prefill_worker.policy import PrefillPolicy
+from pdserve.roles.decode.policy import DecodePolicy
+from pdserve.roles.prefill.admission import AdmissionConfig
+from pdserve.roles.prefill.handle_leases import release_over_control
+from pdserve.roles.prefill.policy import PrefillPolicy
 from pdserve.worker.engine import EngineConfig
 from pdserve.worker.host import EngineHost
 from pdserve.worker.metrics import MetricsListener, start_worker_metrics

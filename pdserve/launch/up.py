@@ -32,10 +32,10 @@ from pdserve.launch.up_targets import METRICS_KEY, scrape_targets, targets_line,
 from pdserve.launch.up_watch import ClusterWatch
 from pdserve.membership.etcd_client import check_etcd_url
 from pdserve.membership.local_etcd import LocalEtcd
-from pdserve.router.dispatch.disagg import DisaggConfig
-from pdserve.router.dispatch.planner import PlannerConfig
-from pdserve.router.http.edge_config import EdgeConfig
-from pdserve.router.http.tools import ToolConfig
+from pdserve.router.dispatch.policies.disagg import DisaggConfig
+from pdserve.router.dispatch.policies.planner import PlannerConfig
+from pdserve.router.http.edge.config import EdgeConfig
+from pdserve.router.http.openai.tool_calls import ToolConfig
 from pdserve.worker.engine import WEIGHT_TRANSFER_BACKENDS
 
 __all__ = ["Child", "UpConfig", "plan", "run_up"]

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.grpc_tls import GrpcTls
-from pdserve.router.dispatch.worker_client import WorkerCallError, probe_health
+from pdserve.router.dispatch.workers.client import WorkerCallError, probe_health
 
 STOP_GRACE_S = 15.0
 console = Console(stderr=True)

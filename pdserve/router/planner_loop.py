@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry, Gauge
 from pdserve.core.tasks import cancel_and_wait
 from pdserve.core.types import Role
 from pdserve.membership import Election, StaticElection
-from pdserve.router.dispatch.demand import DemandWindow
-from pdserve.router.dispatch.planner import (
+from pdserve.router.dispatch.policies.demand import DemandWindow
+from pdserve.router.dispatch.policies.planner import (
     Demand,
     PlannerConfig,
     PlannerDecision,
@@ -33,9 +33,9 @@ from pdserve.router.dispatch.planner import (
     median_cost,
     plan,
 )
-from pdserve.router.dispatch.slo import DERIVED_ITL_FACTOR, SloConfig
-from pdserve.router.dispatch.worker_state import StepCost
-from pdserve.router.dispatch.workers import Worker, WorkerPool
+from pdserve.router.dispatch.policies.slo import DERIVED_ITL_FACTOR, SloConfig
+from pdserve.router.dispatch.workers.pool import Worker, WorkerPool
+from pdserve.router.dispatch.workers.state import StepCost
 from pdserve.router.http.base import APIError
 from pdserve.router.http.roles import RoleSwitcher
 from pdserve.router.metrics import PREFIX, counter, gauge

@@ -30,24 +30,24 @@ from pdserve.membership import (
     create_election,
     create_membership,
 )
-from pdserve.router.dispatch.demand import DemandWindow
-from pdserve.router.dispatch.disagg import DisaggConfig
-from pdserve.router.dispatch.dispatch import PDDispatcher
-from pdserve.router.dispatch.kv_feed import KvIndexFeeder
+from pdserve.router.dispatch.dispatcher import PDDispatcher
 from pdserve.router.dispatch.migration import MigrationConfig
-from pdserve.router.dispatch.placement import DEFAULT_PLACEMENT, create_placement
-from pdserve.router.dispatch.planner import PlannerConfig
-from pdserve.router.dispatch.pool_metrics import register_pool_metrics
-from pdserve.router.dispatch.prefix_index import PrefixIndex
-from pdserve.router.dispatch.prefix_routing import PrefixRouting
-from pdserve.router.dispatch.workers import WorkerPool
+from pdserve.router.dispatch.policies.demand import DemandWindow
+from pdserve.router.dispatch.policies.disagg import DisaggConfig
+from pdserve.router.dispatch.policies.placement import DEFAULT_PLACEMENT, create_placement
+from pdserve.router.dispatch.policies.planner import PlannerConfig
+from pdserve.router.dispatch.prefix.index import PrefixIndex
+from pdserve.router.dispatch.prefix.kv_feed import KvIndexFeeder
+from pdserve.router.dispatch.prefix.routing import PrefixRouting
+from pdserve.router.dispatch.workers.metrics import register_pool_metrics
+from pdserve.router.dispatch.workers.pool import WorkerPool
 from pdserve.router.http.admin import AdminAuth, admin_actions
 from pdserve.router.http.app import create_admin_app, create_app
-from pdserve.router.http.drain import DrainingServer
-from pdserve.router.http.edge_config import EdgeConfig
+from pdserve.router.http.edge.config import EdgeConfig
+from pdserve.router.http.edge.drain import DrainingServer
+from pdserve.router.http.openai.tool_calls import ToolCalling, ToolConfig
 from pdserve.router.http.openapi import ERROR_RESPONSES
 from pdserve.router.http.roles import RoleSwitcher
-from pdserve.router.http.tools import ToolCalling, ToolConfig
 from pdserve.router.http.weight_updates import WeightUpdater
 from pdserve.router.planner_loop import PlannerLoop
 

@@ -95,7 +95,7 @@ def prefill_max_running_default(flag: int | None) -> int:
 
 
 def kv_push_default(flag: bool | None) -> bool:
-    """Measured (bench/transfer_pd.py, 2 CPU cores): push hides the transfer but its
+    """Measured (``pdserve bench transfer-pd``, 2 CPU cores): push hides the transfer but its
     sender thread slows the prefill it overlaps, so it is on only with a GPU."""
     if flag is not None:
         return flag

@@ -63,7 +63,7 @@ class EngineConfig:
     # waits for the whole prompt. Alone in the engine (a prefill worker's usual case)
     # a prompt is not cut. 0: no cap.
     prefill_chunk_tokens: int = 0
-    # The prefill role's admission in front of the engine (prefill_worker/admission.py):
+    # The prefill role's admission in front of the engine (roles/prefill/admission.py):
     # at most this many prompts in the engine at once (0: no limit), the rest waiting in
     # ``prefill_order``. Outside the engine: a role switch carries it, no restart.
     prefill_max_running: int = 0

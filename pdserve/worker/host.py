@@ -26,9 +26,9 @@ from pdserve.core.types import (
     WorkerHealth,
     WorkerLoadReport,
 )
-from pdserve.kv_transfer.dial import request_once
-from pdserve.kv_transfer.tier_store import STATS as TIER_STATS
-from pdserve.kv_transfer.wire import TransferError
+from pdserve.kv_transfer.control.dial import request_once
+from pdserve.kv_transfer.control.wire import TransferError
+from pdserve.kv_transfer.tiers.store import STATS as TIER_STATS
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import Engine, EngineConfig, EngineCounters, EngineStep
 from pdserve.worker.policy import AdmissionAborted, RolePolicy

@@ -49,7 +49,7 @@ class RolePolicy(Protocol):
 
     def admitted(self, request: PhaseRequest) -> AbstractAsyncContextManager[float]:
         """Held while ``request`` is in the engine: it waits here for its turn (prefill:
-        ``prefill_worker/admission.py``); yields the seconds it waited, or raises
+        ``roles/prefill/admission.py``); yields the seconds it waited, or raises
         ``AdmissionAborted`` when ``abort_waiting`` ended the wait. By default every
         request enters at once."""
         return _AT_ONCE

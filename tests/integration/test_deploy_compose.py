@@ -30,7 +30,7 @@ from pdserve_testing import COMPOSE_FILE, compose_services, wait_until
 from pdserve.core import process
 from pdserve.core.cluster_secret import load_cluster_secret, write_cluster_secret
 from pdserve.core.ports import free_port
-from pdserve.router.dispatch.worker_client import probe_load
+from pdserve.router.dispatch.workers.client import probe_load
 
 pytestmark = pytest.mark.integration
 

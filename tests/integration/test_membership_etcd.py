@@ -36,7 +36,7 @@ from pdserve.core import process
 from pdserve.core.ports import free_port
 from pdserve.core.types import WorkerLoadReport
 from pdserve.membership.local_etcd import LocalEtcd
-from pdserve.router.dispatch.worker_client import probe_load
+from pdserve.router.dispatch.workers.client import probe_load
 
 pytestmark = pytest.mark.integration
 TTL_S = 3

@@ -25,7 +25,7 @@ from pdserve_testing import Server, kill_cluster
 
 from pdserve.core import process
 from pdserve.core.ports import free_port
-from pdserve.router.http.tenants import tenant_salt
+from pdserve.router.http.tenants.salt import tenant_salt
 
 pytestmark = pytest.mark.integration
 

@@ -15,10 +15,10 @@ import pytest
 from integration.pd_cases import LONG, MODEL
 from pdserve_testing import Server, wait_until
 
-from pdserve.kv_transfer.dial import request_once
-from pdserve.kv_transfer.tls import load_kv_tls
-from pdserve.kv_transfer.wire import TransferError
-from pdserve.router.dispatch.worker_client import WorkerCallError, probe_health
+from pdserve.kv_transfer.control.dial import request_once
+from pdserve.kv_transfer.control.tls import load_kv_tls
+from pdserve.kv_transfer.control.wire import TransferError
+from pdserve.router.dispatch.workers.client import WorkerCallError, probe_health
 
 pytestmark = pytest.mark.integration
 

@@ -28,8 +28,8 @@ from pdserve_testing import Server, wait_until
 
 from pdserve.core.dtype import resolve_dtype
 from pdserve.core.types import WorkerLoadReport
-from pdserve.kv_transfer.dial import request_once
-from pdserve.router.dispatch.worker_client import probe_health
+from pdserve.kv_transfer.control.dial import request_once
+from pdserve.router.dispatch.workers.client import probe_health
 
 pytestmark = pytest.mark.integration
 

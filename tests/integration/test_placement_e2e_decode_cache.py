@@ -16,7 +16,7 @@ from integration.clusters import TWO_PREFILL, cluster_id
 from pdserve_testing import Server, wait_until
 
 from pdserve.core.types import WorkerLoadReport
-from pdserve.router.dispatch.worker_client import probe_load
+from pdserve.router.dispatch.workers.client import probe_load
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.parametrize("pd_server", [TWO_PREFILL], indirect=True, ids=cluster_id)]

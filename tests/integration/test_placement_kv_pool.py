@@ -28,8 +28,8 @@ from pdserve_testing import Server, wait_until
 
 from pdserve.core.handle import PoolSource
 from pdserve.core.types import PhaseRequest, SamplingSpec, WorkerLoadReport
-from pdserve.kv_transfer.dial import request_once
-from pdserve.router.dispatch.worker_client import WorkerClient, probe_health, probe_load
+from pdserve.kv_transfer.control.dial import request_once
+from pdserve.router.dispatch.workers.client import WorkerClient, probe_health, probe_load
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.parametrize("pd_server", [TWO_PREFILL], indirect=True, ids=cluster_id)]

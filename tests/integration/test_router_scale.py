@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 
-from pdserve.bench.tools.procs import Proc, ProcGroup
+from pdserve.bench.micro.procs import Proc, ProcGroup
 from pdserve.core.ports import free_port
 from pdserve.membership.local_etcd import LocalEtcd
 

@@ -17,11 +17,11 @@ from unit.fake_worker import FakeWorker, FakeWorkerServicer, eventually, start_f
 
 from pdserve.core.types import SamplingSpec
 from pdserve.router.dispatch.base import TokenChunk
-from pdserve.router.dispatch.disagg import DisaggConfig
-from pdserve.router.dispatch.dispatch import PDDispatcher
+from pdserve.router.dispatch.dispatcher import PDDispatcher
 from pdserve.router.dispatch.migration import MigrationConfig
-from pdserve.router.dispatch.placement import RoundRobinPlacement
-from pdserve.router.dispatch.workers import WorkerPool
+from pdserve.router.dispatch.policies.disagg import DisaggConfig
+from pdserve.router.dispatch.policies.placement import RoundRobinPlacement
+from pdserve.router.dispatch.workers.pool import WorkerPool
 
 PROMPT = (11, 12, 13, 14)
 FALLBACKS = "pdserve:prefill_fallbacks_total"

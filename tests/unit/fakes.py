@@ -29,7 +29,7 @@ from pdserve.router.dispatch.base import (
     WorkerFailedError,
 )
 from pdserve.router.http.app import create_app
-from pdserve.router.http.edge_config import EdgeConfig
+from pdserve.router.http.edge.config import EdgeConfig
 
 
 @functools.lru_cache(maxsize=1)

@@ -16,13 +16,13 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.core.types import Role
 from pdserve.launch.sim_worker import start_sim_worker
-from pdserve.router.dispatch.disagg import DisaggConfig
-from pdserve.router.dispatch.dispatch import PDDispatcher
-from pdserve.router.dispatch.kv_feed import KvIndexFeeder
-from pdserve.router.dispatch.placement import create_placement
-from pdserve.router.dispatch.prefix_index import PrefixIndex
-from pdserve.router.dispatch.prefix_routing import PrefixRouting
-from pdserve.router.dispatch.workers import WorkerPool
+from pdserve.router.dispatch.dispatcher import PDDispatcher
+from pdserve.router.dispatch.policies.disagg import DisaggConfig
+from pdserve.router.dispatch.policies.placement import create_placement
+from pdserve.router.dispatch.prefix.index import PrefixIndex
+from pdserve.router.dispatch.prefix.kv_feed import KvIndexFeeder
+from pdserve.router.dispatch.prefix.routing import PrefixRouting
+from pdserve.router.dispatch.workers.pool import WorkerPool
 from pdserve.worker.sim_engine import SimConfig
 
 

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from pdserve.bench.arrivals import arrival_times, arrivals_until
+from pdserve.bench.workload.arrivals import arrival_times, arrivals_until
 
 N = 20_000
 

@@ -16,10 +16,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pdserve.bench.checkpoints import DEFAULT_SCALE
-from pdserve.bench.tools.configs import RolloutConfig
-from pdserve.bench.tools.rollout import Checkpoints, Rounds
-from pdserve.bench.tools.rollout_client import RolloutClient
-from pdserve.bench.tools.rollout_report import (
+from pdserve.bench.micro.configs import RolloutConfig
+from pdserve.bench.micro.rollout.client import RolloutClient
+from pdserve.bench.micro.rollout.loop import Checkpoints, Rounds
+from pdserve.bench.micro.rollout.report import (
     RefitSpan,
     RolloutCheckError,
     StreamRecord,
@@ -213,11 +213,11 @@ async def test_a_failed_update_fails_the_run_and_leaves_no_stream(load: int) -> 
 
 def test_the_cli_builds_its_config_and_refuses_a_url_without_admin(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from pdserve.cli import bench, bench_tools
+    from pdserve.cli import bench, bench_micro
 
     args = bench.build_parser().parse_args(["rollout", "--rounds", "2", "--batch", "4",
                                             "--n", "2", "--max-tokens", "32"])
-    cfg = bench_tools.build_config("rollout", args)
+    cfg = bench_micro.build_config("rollout", args)
     assert (cfg.rounds, cfg.batch, cfg.n, cfg.max_tokens, cfg.url) == (2, 4, 2, 32, None)
     assert bench.main(["rollout", "--url", "http://127.0.0.1:1"]) == 2
     assert "--admin-url" in capsys.readouterr().err

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from pdserve.bench.tools import openai_stub
-from pdserve.bench.tools.configs import RouterCostConfig
-from pdserve.bench.tools.router_stream import itl_limit_ms, verdict
-from pdserve.bench.tools.stream_client import (
+from pdserve.bench.micro.configs import RouterCostConfig
+from pdserve.bench.micro.router_cost import openai_stub
+from pdserve.bench.micro.router_cost.stream import itl_limit_ms, verdict
+from pdserve.bench.micro.router_cost.stream_client import (
     StreamResult,
     exchange,
     itls,
@@ -100,7 +100,7 @@ def test_the_client_counts_every_event_the_stub_streams() -> None:
 
 
 def test_the_replicas_hit_rate_counts_both_clients_together() -> None:
-    from pdserve.bench.tools.router_replicas import hit_rate
+    from pdserve.bench.micro.router_cost.replicas import hit_rate
 
     assert hit_rate([{"input_tokens": 100, "cached_tokens": 90},
                      {"input_tokens": 300, "cached_tokens": 150}]) == 240 / 400

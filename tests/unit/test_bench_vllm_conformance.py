@@ -11,8 +11,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from pdserve.bench.arrivals import arrival_times
 from pdserve.bench.metrics import RequestRecord, Slo, summarize
+from pdserve.bench.workload.arrivals import arrival_times
 
 serve = pytest.importorskip("vllm.benchmarks.serve")
 

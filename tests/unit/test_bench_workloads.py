@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from pdserve.bench.config import RunConfig
-from pdserve.bench.prompts import PromptEncoder
-from pdserve.bench.sharegpt import load_sharegpt
-from pdserve.bench.workloads import check_workload_flags, make_workload, parse_mix
+from pdserve.bench.workload.generators import check_workload_flags, make_workload, parse_mix
+from pdserve.bench.workload.prompts import PromptEncoder
+from pdserve.bench.workload.sharegpt import load_sharegpt
 from pdserve.cli.bench_flags import add_run_flags, run_config
 
 GOOD = {"conversations": [{"from": "human", "value": "Why is the sky blue?"},

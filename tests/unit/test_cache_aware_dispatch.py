@@ -15,7 +15,7 @@ from unit.sim_cluster import SimCluster, sim_cluster
 
 from pdserve.core.block_hash import chain_hashes
 from pdserve.core.types import SamplingSpec
-from pdserve.router.dispatch.disagg import DisaggConfig
+from pdserve.router.dispatch.policies.disagg import DisaggConfig
 
 BS = 16
 # Placement of prefills is under test: every request goes to a prefill worker.

@@ -13,11 +13,11 @@ from unit.fake_worker import WorkerScript, start_fake_worker
 from unit.fakes import Clock
 
 from pdserve.router.dispatch.base import RequestRejectedError, WorkerFailedError
-from pdserve.router.dispatch.breaker import BreakerConfig, CircuitBreaker
-from pdserve.router.dispatch.disagg import DisaggConfig
-from pdserve.router.dispatch.dispatch import PDDispatcher
-from pdserve.router.dispatch.placement import RoundRobinPlacement
-from pdserve.router.dispatch.workers import WorkerPool
+from pdserve.router.dispatch.dispatcher import PDDispatcher
+from pdserve.router.dispatch.policies.disagg import DisaggConfig
+from pdserve.router.dispatch.policies.placement import RoundRobinPlacement
+from pdserve.router.dispatch.workers.breaker import BreakerConfig, CircuitBreaker
+from pdserve.router.dispatch.workers.pool import WorkerPool
 
 EJECTIONS = "pdserve:worker_ejections_total"
 

@@ -17,7 +17,7 @@ from pdserve.core.model import ResolvedModel
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.launch.up import UpConfig, plan
 from pdserve.membership import MembershipConfig
-from pdserve.router.dispatch.disagg import DisaggConfig
+from pdserve.router.dispatch.policies.disagg import DisaggConfig
 from pdserve.router.server import RouterConfig
 from pdserve.worker.config import prefill_chunk_default, prefill_max_running_default
 from pdserve.worker.engine import EngineConfig

@@ -1,5 +1,5 @@
 """README's code map is the tree's: regenerated from the packages' and modules'
-docstrings (``tools/code_map.py``), it must equal what README says."""
+docstrings (``scripts/code_map.py``), it must equal what README says."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def test_readme_code_map_is_the_trees() -> None:
     readme = (REPO / "README.md").read_text()
     start, end = readme.index(code_map.BEGIN), readme.index(code_map.END) + len(code_map.END)
     assert readme[start:end] == code_map.render(), (
-        "README's code map is stale: run `python tools/code_map.py --write`")
+        "README's code map is stale: run `python scripts/code_map.py --write`")
 
 
 def test_every_package_and_module_says_what_it_owns() -> None:

@@ -20,7 +20,7 @@ from unit.fakes import COMPLETIONS, ROUTER_MODEL, asgi_http_client, cmpl_body
 from unit.test_worker_metrics import COUNTERS, GAUGES, TIER_COUNTERS
 
 from pdserve.launch.sim_worker import start_sim_worker
-from pdserve.router.dispatch.disagg import DisaggConfig
+from pdserve.router.dispatch.policies.disagg import DisaggConfig
 from pdserve.router.server import RouterConfig, build_router
 from pdserve.worker.sim_engine import SimConfig
 

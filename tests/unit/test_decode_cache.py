@@ -14,7 +14,7 @@ from unit.sim_cluster import SimCluster, sim_cluster
 
 from pdserve.core.types import SamplingSpec
 from pdserve.router.dispatch.base import TokenChunk
-from pdserve.router.dispatch.disagg import DisaggConfig
+from pdserve.router.dispatch.policies.disagg import DisaggConfig
 
 BS = 16
 # Prompts over 4 blocks are long (remote), unless decode holds all but that many.

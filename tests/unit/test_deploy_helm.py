@@ -23,9 +23,9 @@ from pdserve.cli.main import build_parser
 from pdserve.core.certs import make_test_ca
 from pdserve.core.logs import LOG_FORMATS
 from pdserve.kv_transfer.base import transport_names
-from pdserve.router.dispatch.disagg import DISAGG_MODES
-from pdserve.router.dispatch.placement import PLACEMENTS
-from pdserve.router.dispatch.planner import PLANNER_MODES
+from pdserve.router.dispatch.policies.disagg import DISAGG_MODES
+from pdserve.router.dispatch.policies.placement import PLACEMENTS
+from pdserve.router.dispatch.policies.planner import PLANNER_MODES
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "pdserve"
 KUBE_VERSION = "1.33.0"  # a version kubernetes-validate ships schemas for

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.dispatch.disagg import DisaggConfig, DisaggDecision, choose_disagg
-from pdserve.router.dispatch.placement import PlacementRequest
-from pdserve.router.dispatch.worker_state import WorkerLoad, WorkerState
+from pdserve.router.dispatch.policies.disagg import DisaggConfig, DisaggDecision, choose_disagg
+from pdserve.router.dispatch.policies.placement import PlacementRequest
+from pdserve.router.dispatch.workers.state import WorkerLoad, WorkerState
 
 AUTO = DisaggConfig(mode="auto", local_prefill_max_tokens=256,
                     local_prefill_max_queued_tokens=4096, local_decode_max_running=4)

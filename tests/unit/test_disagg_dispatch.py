@@ -13,9 +13,9 @@ import pytest_asyncio
 from unit.dispatch_cluster import Cluster, collect, running_cluster, spec, tokens
 from unit.fakes import ROUTER_MODEL, asgi_http_client, chat_body, cmpl_body, sse_payloads
 
-from pdserve.router.dispatch.disagg import DisaggConfig, DisaggDecision
+from pdserve.router.dispatch.policies.disagg import DisaggConfig, DisaggDecision
 from pdserve.router.http.app import create_app
-from pdserve.router.http.request_output import DISAGG_HEADER
+from pdserve.router.http.openai.request_output import DISAGG_HEADER
 
 AUTO = DisaggConfig(mode="auto", local_prefill_max_tokens=64)
 SHORT = tuple(range(11, 21))

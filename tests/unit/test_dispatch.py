@@ -26,7 +26,7 @@ from pdserve.router.dispatch.base import (
     RequestRejectedError,
     TokenChunk,
 )
-from pdserve.router.dispatch.disagg import DisaggDecision
+from pdserve.router.dispatch.policies.disagg import DisaggDecision
 
 # ---- the P/D flow ------------------------------------------------------------------------
 

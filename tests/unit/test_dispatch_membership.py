@@ -10,10 +10,10 @@ from prometheus_client import CollectorRegistry
 from unit.fake_worker import start_fake_worker
 
 from pdserve.core.types import SamplingSpec
-from pdserve.router.dispatch.disagg import DisaggConfig
-from pdserve.router.dispatch.dispatch import PDDispatcher
-from pdserve.router.dispatch.placement import RoundRobinPlacement
-from pdserve.router.dispatch.workers import WorkerPool
+from pdserve.router.dispatch.dispatcher import PDDispatcher
+from pdserve.router.dispatch.policies.disagg import DisaggConfig
+from pdserve.router.dispatch.policies.placement import RoundRobinPlacement
+from pdserve.router.dispatch.workers.pool import WorkerPool
 
 PROMPT = (11, 12, 13, 14)
 ALWAYS = DisaggConfig(mode="always")  # these tests are about the P/D handoff

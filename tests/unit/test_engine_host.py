@@ -15,9 +15,9 @@ import pytest
 
 from pdserve.core.handle import KVHandle, PushTarget
 from pdserve.core.types import PhaseOutput, PhaseRequest, Role, SamplingSpec, WeightsStaged
-from pdserve.decode_worker.policy import DecodePolicy
 from pdserve.kv_transfer.config import ConnectorConfig
-from pdserve.prefill_worker.policy import PrefillPolicy
+from pdserve.roles.decode.policy import DecodePolicy
+from pdserve.roles.prefill.policy import PrefillPolicy
 from pdserve.worker import host as host_module
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import EngineConfig, EngineCounters, EngineParams, EngineStep

@@ -1,4 +1,4 @@
-"""The express lane's HTTP side (``router/http/express.py``, ``direct_write.py``) through
+"""The express lane's HTTP side (``router/http/edge/express.py``, ``direct_write.py``) through
 a real uvicorn server: a client too slow to read (the connection pauses, the lane hands
 the chunks back to the body, which waits) gets the same bytes as in-process; a client
 that goes away mid-stream has its request aborted; a server ``DirectWriter`` does not
@@ -24,7 +24,7 @@ from unit.fakes import (
 )
 
 from pdserve.router.http.app import create_app
-from pdserve.router.http.direct_write import SERVER_SEND_KEY, DirectWriter
+from pdserve.router.http.edge.direct_write import SERVER_SEND_KEY, DirectWriter
 
 NUM_TOKENS = 3000
 _IDS = re.compile(rb'"id":"[^"]*"|"created":\d+')

@@ -22,7 +22,7 @@ from unit.fake_worker import greedy_answer
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.router.dispatch.base import Express, TokenChunk
 from pdserve.router.dispatch.migration import MigrationConfig
-from pdserve.router.dispatch.worker_session import SessionStream, StreamTapError
+from pdserve.router.dispatch.workers.session import SessionStream, StreamTapError
 
 WAIT_S = 5.0
 

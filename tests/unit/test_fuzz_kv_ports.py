@@ -19,7 +19,7 @@ from pdserve.bench.fuzz.kv_target import InProcessTarget
 from pdserve.bench.fuzz.report import render
 from pdserve.cli import bench
 from pdserve.core.cluster_secret import ClusterSecret
-from pdserve.kv_transfer.dial import request_once
+from pdserve.kv_transfer.control.dial import request_once
 
 SECRET = ClusterSecret(b"fuzz-test-secret-0123456789abcdef")
 IDLE_S = 1.0
@@ -131,7 +131,7 @@ def test_the_fuzzer_sees_a_handler_crash_and_a_stuck_lease(
     def broken(conn: socket.socket, msg: dict, inbox: object) -> None:
         raise TypeError("injected")
 
-    monkeypatch.setattr("pdserve.kv_transfer.tcp.serve_push_abort", broken)
+    monkeypatch.setattr("pdserve.kv_transfer.transports.tcp.serve_push_abort", broken)
     report = fuzz_port(target, 99, seed=13)  # under 100: no slow input (5 s)
     assert not report.passed
     assert any("TypeError: injected" in c for c in report.crashes), report.crashes

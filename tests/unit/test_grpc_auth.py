@@ -18,8 +18,8 @@ from pdserve.core.grpc_auth import server_interceptors
 from pdserve.core.types import PhaseRequest, SamplingSpec
 from pdserve.launch.sim_worker import start_sim_worker
 from pdserve.launch.up import UpConfig, plan
-from pdserve.router.dispatch.worker_client import WorkerCallError, WorkerClient, probe_health
-from pdserve.router.dispatch.workers import WorkerPool
+from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient, probe_health
+from pdserve.router.dispatch.workers.pool import WorkerPool
 from pdserve.router.server import RouterConfig
 from pdserve.worker.sim_engine import SimConfig
 

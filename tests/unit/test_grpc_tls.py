@@ -15,7 +15,7 @@ from pdserve.cli.health import probe as health_probe
 from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.grpc_tls import GrpcTls, TlsFiles
 from pdserve.launch.sim_worker import start_sim_worker
-from pdserve.router.dispatch.worker_client import WorkerCallError, WorkerClient, probe_health
+from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient, probe_health
 from pdserve.worker.sim_engine import SimConfig
 
 x509 = pytest.importorskip("cryptography.x509")

@@ -41,13 +41,13 @@ def test_the_tree_keeps_its_layers(tree_copy: Path) -> None:
     # the bottom layer reaching the top: shared types importing the router
     ("core/types.py", "import pdserve.router.server", "pdserve.core is not allowed to import"),
     # a host reaching into a role (roles sit on the host, not under it)
-    ("worker/host.py", "import pdserve.prefill_worker.policy",
+    ("worker/host.py", "import pdserve.roles.prefill.policy",
      "pdserve.worker is not allowed to import"),
     # the dispatcher reaching up into the HTTP edge
-    ("router/dispatch/placement.py", "import pdserve.router.http.errors",
+    ("router/dispatch/policies/placement.py", "import pdserve.router.http.errors",
      "pdserve.router.dispatch is not allowed to import"),
     # protobuf leaking past its edge
-    ("router/dispatch/dispatch.py", "import pdserve.proto.pdserve.v1.worker_pb2",
+    ("router/dispatch/dispatcher.py", "import pdserve.proto.pdserve.v1.worker_pb2",
      "protobuf stays at the edge"),
 ])
 def test_an_import_against_the_layers_fails(tree_copy: Path, module: str, upward: str,

@@ -1,4 +1,4 @@
-"""Cluster authentication on KV connections (``kv_transfer/auth.py``), per transport,
+"""Cluster authentication on KV connections (``kv_transfer/control/auth.py``), per transport,
 two transports in this process on 127.0.0.1: the right secret transfers, a wrong
 or missing one is refused before any KV byte leaves, and no secret on both sides
 works as before."""
@@ -22,14 +22,14 @@ from pdserve.core.cluster_secret import (
     num_refusals,
     write_cluster_secret,
 )
-from pdserve.kv_transfer.auth import AuthError, authenticate_to_server
 from pdserve.kv_transfer.base import KVTransport, PeerAddress, TransportOptions, create_transport
 from pdserve.kv_transfer.config import ConnectorConfig
-from pdserve.kv_transfer.dial import request_once
+from pdserve.kv_transfer.control.auth import AuthError, authenticate_to_server
+from pdserve.kv_transfer.control.dial import request_once
+from pdserve.kv_transfer.control.wire import TransferError, recv_msg, send_msg
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
-from pdserve.kv_transfer.push_inbox import PushInbox
-from pdserve.kv_transfer.wire import TransferError, recv_msg, send_msg
+from pdserve.kv_transfer.push.inbox import PushInbox
 
 RIGHT = ClusterSecret(b"the-cluster-secret-0123456789")
 WRONG = ClusterSecret(b"another-cluster-secret-98765")

@@ -21,8 +21,8 @@ from unit.test_kv_tiers import _h
 
 from pdserve.kv_transfer import pull as pull_module
 from pdserve.kv_transfer.base import PeerAddress
+from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.leases import LeaseTable
-from pdserve.kv_transfer.wire import TransferError
 
 NUM_PULLS = 20
 SRC, DST = [1, 2, 3], [4, 5, 6]

@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry
 from pdserve.core.block_hash import chain_hashes, salt_root
 from pdserve.launch.sim_worker import start_sim_worker
 from pdserve.membership.static import static_infos
-from pdserve.router.dispatch.kv_feed import KvIndexFeeder
-from pdserve.router.dispatch.prefix_index import PrefixIndex
-from pdserve.router.dispatch.workers import Worker
+from pdserve.router.dispatch.prefix.index import PrefixIndex
+from pdserve.router.dispatch.prefix.kv_feed import KvIndexFeeder
+from pdserve.router.dispatch.workers.pool import Worker
 from pdserve.worker.kv_mirror import KvCacheMirror
 from pdserve.worker.sim_engine import SimConfig
 from pdserve.worker.vllm_kv_events import VllmEventTranslator

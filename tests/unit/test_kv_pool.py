@@ -16,11 +16,11 @@ from unit.test_kv_tiers import BS, CONFIG, _alloc, _done, _h, _host, _request, _
 
 from pdserve.core.block_hash import chain_hashes, salt_root, tier_hashes
 from pdserve.kv_transfer.base import PeerAddress
+from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.scheduler_side import SchedulerSide
-from pdserve.kv_transfer.tier_store import TierStore
-from pdserve.kv_transfer.wire import TransferError
+from pdserve.kv_transfer.tiers.store import TierStore
 
 TRANSPORTS = ["tcp", "ucx", "torch"]
 

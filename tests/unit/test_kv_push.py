@@ -12,11 +12,11 @@ import torch
 from pdserve_testing import NUM_BLOCKS, compat, make_caches, push_kv
 
 from pdserve.kv_transfer.base import create_transport, transport_names
+from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
-from pdserve.kv_transfer.push_inbox import PushInbox
-from pdserve.kv_transfer.push_plan import PUSH_TRANSPORTS, PushPlanner
-from pdserve.kv_transfer.wire import TransferError
+from pdserve.kv_transfer.push.inbox import PushInbox
+from pdserve.kv_transfer.push.plan import PUSH_TRANSPORTS, PushPlanner
 
 BS = 16
 
@@ -219,8 +219,8 @@ def test_layers_pushed_from_device_kv_land_in_device_kv(dtype) -> None:
     event) and pushes them over tcp, CRC-checked, into a decode inbox over CUDA blocks
     (split K/V layout: two chunks per block)."""
     from pdserve.core.handle import PushTarget
-    from pdserve.kv_transfer.push_sender import PushSender
-    from pdserve.kv_transfer.push_spec import PushSpec
+    from pdserve.kv_transfer.push.sender import PushSender
+    from pdserve.kv_transfer.push.spec import PushSpec
 
     want = make_caches(5, dtype, block_dim=1)
     src_kv = {k: v.to("cuda") for k, v in want.items()}

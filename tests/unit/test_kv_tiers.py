@@ -18,15 +18,15 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from pdserve.kv_transfer.config import ConnectorConfig
-from pdserve.kv_transfer.disk_tier import DiskTier, scan
-from pdserve.kv_transfer.host_tier import HostTier, num_slots
+from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.metadata import NO_COPY, TierCopy
 from pdserve.kv_transfer.scheduler_side import SchedulerSide
-from pdserve.kv_transfer.tier_index import TierIndex
-from pdserve.kv_transfer.tier_plan import TierPlanner
-from pdserve.kv_transfer.tier_store import TierStore
-from pdserve.kv_transfer.wire import TransferError
+from pdserve.kv_transfer.tiers.disk import DiskTier, scan
+from pdserve.kv_transfer.tiers.host import HostTier, num_slots
+from pdserve.kv_transfer.tiers.index import TierIndex
+from pdserve.kv_transfer.tiers.plan import TierPlanner
+from pdserve.kv_transfer.tiers.store import TierStore
 
 BS = 128
 CONFIG = ConnectorConfig(engine_id="worker-0", kv_offload_gib=0.01)

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from pdserve.kv_transfer.base import PeerAddress, create_transport
-from pdserve.kv_transfer.host_tier import HostTier
+from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
-from pdserve.kv_transfer.wire import TransferError
+from pdserve.kv_transfer.tiers.host import HostTier
 
 pytestmark = [
     pytest.mark.gpu,

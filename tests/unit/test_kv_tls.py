@@ -1,4 +1,4 @@
-"""Mutual TLS on KV connections (``kv_transfer/tls.py``): two tcp transports in this
+"""Mutual TLS on KV connections (``kv_transfer/control/tls.py``): two tcp transports in this
 process on 127.0.0.1 with certificates from a throwaway CA. A pull and a push move
 the same bytes as in the clear, and nothing crosses the socket in the clear; a
 plaintext client, a client without a certificate and one from another CA are each
@@ -23,10 +23,10 @@ from pdserve.core.cluster_secret import ClusterSecret, num_refusals
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.kv_transfer.base import KVTransport, PeerAddress, TransportOptions
 from pdserve.kv_transfer.config import ConnectorConfig
-from pdserve.kv_transfer.dial import request_once
+from pdserve.kv_transfer.control.dial import request_once
+from pdserve.kv_transfer.control.tls import KvTls, TlsHandshakeError, load_kv_tls
+from pdserve.kv_transfer.control.wire import TransferError, recv_msg, send_msg
 from pdserve.kv_transfer.leases import LeaseTable
-from pdserve.kv_transfer.tls import KvTls, TlsHandshakeError, load_kv_tls
-from pdserve.kv_transfer.wire import TransferError, recv_msg, send_msg
 
 SRC, DST = [1, 2, 3], [4, 5, 6]
 SECRET = ClusterSecret(b"the-cluster-secret-0123456789")

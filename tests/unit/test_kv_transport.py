@@ -18,10 +18,10 @@ from pdserve.kv_transfer.base import (
     transport_names,
 )
 from pdserve.kv_transfer.config import ConnectorConfig
-from pdserve.kv_transfer.dial import request_once
+from pdserve.kv_transfer.control.dial import request_once
+from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.integrity import checksum
 from pdserve.kv_transfer.leases import LeaseError, LeaseTable
-from pdserve.kv_transfer.wire import TransferError
 
 
 def test_release_and_status_without_transfer() -> None:

@@ -17,9 +17,9 @@ import torch
 from pdserve_testing import NUM_BLOCKS, KVPeer, make_caches, pull_main, start_transport, wait_until
 
 from pdserve.kv_transfer.base import PeerAddress, TransportOptions
-from pdserve.kv_transfer.dial import request_once
+from pdserve.kv_transfer.control.dial import request_once
+from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.leases import LeaseTable
-from pdserve.kv_transfer.wire import TransferError
 
 TRANSPORTS = ["tcp", "ucx", "torch"]
 KEY = (0, "float32")

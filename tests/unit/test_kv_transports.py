@@ -26,8 +26,8 @@ from pdserve_testing import (
 )
 
 from pdserve.kv_transfer.base import KVTransport, PeerAddress, TransportOptions
+from pdserve.kv_transfer.control.wire import IncompatiblePeerError, TransferError
 from pdserve.kv_transfer.leases import LeaseTable
-from pdserve.kv_transfer.wire import IncompatiblePeerError, TransferError
 
 TRANSPORTS = ["tcp", "ucx", "torch"]
 Key = tuple[int, str]

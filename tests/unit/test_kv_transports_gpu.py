@@ -13,8 +13,8 @@ import torch
 from pdserve_testing import CORRUPT_KEY, KVPeer, kv_seed, make_caches, start_transport
 
 from pdserve.kv_transfer.base import PeerAddress, TransportOptions
+from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.leases import LeaseTable
-from pdserve.kv_transfer.wire import TransferError
 
 pytestmark = [
     pytest.mark.gpu,
@@ -69,7 +69,7 @@ def test_device_kv_moves_bit_exact_and_checksummed(name: str, block_dim: int,
 def test_tcp_stages_device_kv_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     """tcp stages device memory through pinned buffers in pieces: chunks larger than a
     piece, cut mid-element, arrive whole and bit-exact (both ends in this process)."""
-    from pdserve.kv_transfer import tcp
+    from pdserve.kv_transfer.transports import tcp
 
     monkeypatch.setattr(tcp, "STAGE_BYTES", 4999)
     want = make_caches(7, torch.bfloat16, block_dim=1)

@@ -22,9 +22,13 @@ from pdserve.membership.etcd import EtcdMembership
 from pdserve.membership.etcd_registrar import EtcdRegistrar
 from pdserve.membership.local_etcd import LocalEtcd
 from pdserve.membership.static import load_workers_file
-from pdserve.router.dispatch.placement import LeastLoadedPlacement, Placement, RoundRobinPlacement
-from pdserve.router.dispatch.worker_state import WorkerState
-from pdserve.router.dispatch.workers import WorkerPool
+from pdserve.router.dispatch.policies.placement import (
+    LeastLoadedPlacement,
+    Placement,
+    RoundRobinPlacement,
+)
+from pdserve.router.dispatch.workers.pool import WorkerPool
+from pdserve.router.dispatch.workers.state import WorkerState
 
 CLUSTER = "unit"
 TTL_S = 2

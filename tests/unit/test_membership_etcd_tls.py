@@ -35,7 +35,7 @@ from pdserve.membership import (
 from pdserve.membership.etcd import EtcdMembership, close_client, etcd_client
 from pdserve.membership.etcd_registrar import EtcdRegistrar
 from pdserve.membership.local_etcd import LocalEtcd
-from pdserve.router.dispatch.workers import WorkerPool
+from pdserve.router.dispatch.workers.pool import WorkerPool
 
 TTL_S = 2
 SETTLE_S = 10.0  # generous: a bound on a watch event reaching the pool on a loaded machine

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pdserve.core.block_hash import chain_hashes
-from pdserve.router.dispatch.placement import (
+from pdserve.router.dispatch.policies.placement import (
     PLACEMENTS,
     CacheAwareConfig,
     CacheAwarePlacement,
@@ -20,9 +20,9 @@ from pdserve.router.dispatch.placement import (
     RoundRobinPlacement,
     create_placement,
 )
-from pdserve.router.dispatch.prefix_index import PrefixIndex
-from pdserve.router.dispatch.prefix_routing import PrefixRouting
-from pdserve.router.dispatch.worker_state import WorkerLoad, WorkerState
+from pdserve.router.dispatch.prefix.index import PrefixIndex
+from pdserve.router.dispatch.prefix.routing import PrefixRouting
+from pdserve.router.dispatch.workers.state import WorkerLoad, WorkerState
 
 BS = 16
 PROMPT = list(range(1000, 1000 + 10 * BS + 5))  # 10 full blocks + 5 tokens

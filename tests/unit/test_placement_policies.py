@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.dispatch.placement import (
+from pdserve.router.dispatch.policies.placement import (
     Choice,
     LeastLoadedPlacement,
     Placement,
     RoundRobinPlacement,
     create_placement,
 )
-from pdserve.router.dispatch.worker_state import WorkerLoad, WorkerState
+from pdserve.router.dispatch.workers.state import WorkerLoad, WorkerState
 
 # ---- placement policies (pure functions) ------------------------------------------------------
 

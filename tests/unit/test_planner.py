@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry
 from unit.fakes import Clock
 
 from pdserve.launch.sim_worker import start_sim_worker
-from pdserve.router.dispatch.demand import DemandWindow
-from pdserve.router.dispatch.planner import (
+from pdserve.router.dispatch.policies.demand import DemandWindow
+from pdserve.router.dispatch.policies.planner import (
     Demand,
     PlannerConfig,
     PlannerDecision,
@@ -27,9 +27,9 @@ from pdserve.router.dispatch.planner import (
     median_cost,
     plan,
 )
-from pdserve.router.dispatch.slo import SloConfig
-from pdserve.router.dispatch.worker_state import StepCost
-from pdserve.router.dispatch.workers import WorkerPool
+from pdserve.router.dispatch.policies.slo import SloConfig
+from pdserve.router.dispatch.workers.pool import WorkerPool
+from pdserve.router.dispatch.workers.state import StepCost
 from pdserve.router.http.roles import RoleSwitcher
 from pdserve.router.planner_loop import PlannerLoop
 from pdserve.worker.sim_engine import SimConfig

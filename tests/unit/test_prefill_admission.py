@@ -1,4 +1,4 @@
-"""Prefill in order (``prefill_worker/admission.py``): at most ``max_running`` prompts in
+"""Prefill in order (``roles/prefill/admission.py``): at most ``max_running`` prompts in
 the engine, the rest waiting in ``fifo`` or ``shortest`` order (a long one not starved
 past ``max_wait_s``), waits that end with their request; and through ``EngineHost`` with
 a fake engine: the second prompt enters the engine only when the first left it, its wait
@@ -14,10 +14,10 @@ import pytest
 from unit.test_engine_host import FakeEngine, config, request, run
 
 from pdserve.core.types import PhaseRequest, Role, SamplingSpec
-from pdserve.decode_worker.policy import DecodePolicy
 from pdserve.launch.serve_worker import role_policy
-from pdserve.prefill_worker.admission import AdmissionConfig, PrefillAdmission
-from pdserve.prefill_worker.policy import PrefillPolicy
+from pdserve.roles.decode.policy import DecodePolicy
+from pdserve.roles.prefill.admission import AdmissionConfig, PrefillAdmission
+from pdserve.roles.prefill.policy import PrefillPolicy
 from pdserve.worker.engine import EngineStep
 from pdserve.worker.host import EngineHost
 from pdserve.worker.policy import RolePolicy

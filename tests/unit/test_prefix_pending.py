@@ -12,11 +12,11 @@ from prometheus_client import CollectorRegistry
 from unit.fakes import Clock
 
 from pdserve.core.block_hash import chain_hashes
-from pdserve.router.dispatch.placement import CacheAwarePlacement, Choice, PlacementRequest
-from pdserve.router.dispatch.prefix_index import PrefixIndex, PrefixMatch
-from pdserve.router.dispatch.prefix_pending import PendingConfig
-from pdserve.router.dispatch.prefix_routing import PrefixRouting
-from pdserve.router.dispatch.worker_state import WorkerState
+from pdserve.router.dispatch.policies.placement import CacheAwarePlacement, Choice, PlacementRequest
+from pdserve.router.dispatch.prefix.index import PrefixIndex, PrefixMatch
+from pdserve.router.dispatch.prefix.pending import PendingConfig
+from pdserve.router.dispatch.prefix.routing import PrefixRouting
+from pdserve.router.dispatch.workers.state import WorkerState
 
 BS = 16
 PROMPT = list(range(5000, 5000 + 10 * BS + 5))  # 10 full blocks + 5 tokens

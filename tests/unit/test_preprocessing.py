@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from pdserve.router.http.preprocess import (
+from pdserve.router.http.openai.preprocess import (
     INLINE_MAX_BODY_BYTES,
     Preprocessing,
     Preprocessor,
 )
-from pdserve.router.http.schemas import ChatCompletionRequest, CompletionRequest
+from pdserve.router.http.openai.schemas import ChatCompletionRequest, CompletionRequest
 
 MODEL = "SmolLM2-135M-Instruct"
 

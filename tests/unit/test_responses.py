@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.core.types import SamplingSpec
-from pdserve.router.http.preprocess import GenerationRequest
-from pdserve.router.http.responses import OutputDelta, formatter_for, sse_event
+from pdserve.router.http.openai.preprocess import GenerationRequest
+from pdserve.router.http.openai.responses import OutputDelta, formatter_for, sse_event
 
 
 def request(endpoint: str, include_usage: bool, return_token_ids: bool) -> GenerationRequest:

@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry
 from unit.fake_worker import FakeWorker, WorkerScript, eventually, start_fake_worker
 
 from pdserve.core.types import PhaseOutput, PhaseRequest, SamplingSpec
-from pdserve.router.dispatch.worker_client import WorkerCallError, WorkerClient
-from pdserve.router.dispatch.workers import WorkerPool
+from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient
+from pdserve.router.dispatch.workers.pool import WorkerPool
 from pdserve.router.http.admin import AdminAuth, admin_actions
 from pdserve.router.http.app import create_admin_app
 from pdserve.router.http.base import APIError

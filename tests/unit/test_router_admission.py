@@ -24,9 +24,9 @@ from unit.fakes import (
     sse_payloads,
 )
 
-from pdserve.router.http.admission import Admission
-from pdserve.router.http.drain import DrainingServer
-from pdserve.router.http.edge_config import EdgeConfig
+from pdserve.router.http.edge.admission import Admission
+from pdserve.router.http.edge.config import EdgeConfig
+from pdserve.router.http.edge.drain import DrainingServer
 from pdserve.router.http.errors import TooManyRequestsError
 
 BURST = 20

@@ -17,10 +17,10 @@ from unit.fakes import COMPLETIONS, asgi_http_client, cmpl_body, make_router_app
 from pdserve.cli.configs import edge_config
 from pdserve.cli.main import build_parser
 from pdserve.membership.static import StaticMembership
-from pdserve.router.dispatch.kv_feed import KvIndexFeeder
-from pdserve.router.dispatch.prefix_index import PrefixIndex
+from pdserve.router.dispatch.prefix.index import PrefixIndex
+from pdserve.router.dispatch.prefix.kv_feed import KvIndexFeeder
 from pdserve.router.http.app import create_admin_app
-from pdserve.router.http.edge_config import EdgeConfig
+from pdserve.router.http.edge.config import EdgeConfig
 from pdserve.router.server import _cluster_views
 
 KEYS = ("key-one-1234", "key-two-5678")

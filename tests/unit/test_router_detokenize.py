@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.router.http.detokenize import IncrementalDetokenizer, StopStringMatcher
+from pdserve.router.http.openai.detokenize import IncrementalDetokenizer, StopStringMatcher
 
 TEXTS = [
     "Plain ASCII, with punctuation: done.",

@@ -25,7 +25,7 @@ from unit.fakes import (
 )
 
 from pdserve.core.logs import make_handler
-from pdserve.router.http.edge_config import EdgeConfig
+from pdserve.router.http.edge.config import EdgeConfig
 
 OUTPUT = list(range(100, 108))
 

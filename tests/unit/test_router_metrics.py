@@ -23,9 +23,9 @@ from unit.fakes import (
 from pdserve.cli.main import build_parser
 from pdserve.core.logs import setup_logging
 from pdserve.core.types import PhaseTiming
-from pdserve.router.dispatch.dispatch import PDDispatcher
-from pdserve.router.dispatch.placement import RoundRobinPlacement
-from pdserve.router.dispatch.pool_metrics import register_pool_metrics
+from pdserve.router.dispatch.dispatcher import PDDispatcher
+from pdserve.router.dispatch.policies.placement import RoundRobinPlacement
+from pdserve.router.dispatch.workers.metrics import register_pool_metrics
 from pdserve.router.http.app import create_app
 
 PLACED = "pdserve:placement_decisions_total"

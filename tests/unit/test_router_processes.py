@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from pdserve.launch.router_processes import check, child_argv, share
-from pdserve.router.http.edge_config import EdgeConfig
+from pdserve.router.http.edge.config import EdgeConfig
 from pdserve.router.server import RouterConfig
 
 

@@ -15,7 +15,7 @@ from pdserve.core.model import ResolvedModel
 from pdserve.core.types import PhaseOutput, PhaseRequest, Role, SamplingSpec
 from pdserve.launch.sim_worker import SimHost, start_sim_worker
 from pdserve.launch.up import plan
-from pdserve.router.dispatch.worker_client import WorkerCallError, WorkerClient
+from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.sim_engine import SimConfig, SimEngine
 from pdserve.worker.weights import WeightsBackend

@@ -8,10 +8,10 @@ import dataclasses
 
 import pytest
 
-from pdserve.router.dispatch.disagg import DisaggConfig, choose_disagg
-from pdserve.router.dispatch.placement import PlacementRequest
-from pdserve.router.dispatch.slo import SloConfig, choose_by_slo, estimate
-from pdserve.router.dispatch.worker_state import StepCost, WorkerLoad, WorkerState
+from pdserve.router.dispatch.policies.disagg import DisaggConfig, choose_disagg
+from pdserve.router.dispatch.policies.placement import PlacementRequest
+from pdserve.router.dispatch.policies.slo import SloConfig, choose_by_slo, estimate
+from pdserve.router.dispatch.workers.state import StepCost, WorkerLoad, WorkerState
 
 # A small model on one CPU core: 40 ms a step, 5 ms per decoding sequence, 1 ms per
 # prompt token (1000 tokens: 1 s).

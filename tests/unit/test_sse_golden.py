@@ -3,7 +3,7 @@ router's streaming fast path (``tests/unit/golden/sse.json``): chat and completi
 with and without logprobs, tools, ``n``, usage, echo, stop strings, several tokens per
 chunk, multi-byte characters split across tokens. Only ids and timestamps are masked.
 Each case runs in-process (ASGI) and through a real uvicorn server, where the express
-lane (``router/http/express.py``) writes the plain chunks itself: the bytes are the
+lane (``router/http/edge/express.py``) writes the plain chunks itself: the bytes are the
 same, and the lane is shown to have carried them exactly where it applies.
 
 The goldens were written by the router as it was before the fast path (``python
@@ -80,7 +80,7 @@ async def _stream(tokenizer: Any, name: str, server: str = "asgi") -> str:
     from unit.fakes import ROUTER_MODEL, FakeDispatcher, asgi_http_client, serve_in_thread
 
     from pdserve.router.http.app import create_app
-    from pdserve.router.http.tools import ToolCalling, ToolConfig
+    from pdserve.router.http.openai.tool_calls import ToolCalling, ToolConfig
 
     path, body, fields, tools = CASES[name]
     fields = dict(fields)

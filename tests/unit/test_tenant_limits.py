@@ -1,5 +1,5 @@
 """Per-tenant limits and accounting: the token bucket and the concurrency count on an
-injected clock (``router/http/tenant_limits.py``), then the router app on the real
+injected clock (``router/http/tenants/limits.py``), then the router app on the real
 dispatcher and fake gRPC workers: a tenant over a limit gets 429 with ``Retry-After``
 while another tenant's requests all succeed, and the ``pdserve:tenant_*`` counters say
 who spent what; and the express lane of a real uvicorn server is counted too."""
@@ -30,10 +30,10 @@ from unit.fakes import (
 
 from pdserve.core.types import SamplingSpec
 from pdserve.router.dispatch.base import Dispatcher, TokenChunk
-from pdserve.router.http.edge_config import EdgeConfig
-from pdserve.router.http.tenant_accounts import accounts_by_name
-from pdserve.router.http.tenant_limits import TenantLimiter, TokenBucket
-from pdserve.router.http.tenant_table import TenantLimits, TenantSpec
+from pdserve.router.http.edge.config import EdgeConfig
+from pdserve.router.http.tenants.accounts import accounts_by_name
+from pdserve.router.http.tenants.limits import TenantLimiter, TokenBucket
+from pdserve.router.http.tenants.table import TenantLimits, TenantSpec
 
 
 def test_the_bucket_admits_until_in_debt_and_retry_after_is_the_time_to_repay() -> None:

@@ -1,4 +1,4 @@
-"""The API key table (``router/http/tenant_table.py``): ``--api-key-file`` lines and
+"""The API key table (``router/http/tenants/table.py``): ``--api-key-file`` lines and
 ``--api-key`` entries with a tenant and its limits; errors that name the line and never
 the key; the table handed from ``pdserve up`` to its router in the environment only, and
 split between ``--processes``."""
@@ -12,8 +12,8 @@ import pytest
 from pdserve.cli.configs import edge_config
 from pdserve.cli.main import build_parser
 from pdserve.launch.router_processes import child_argv
-from pdserve.router.http.edge_config import EdgeConfig, read_api_key_file
-from pdserve.router.http.tenant_table import (
+from pdserve.router.http.edge.config import EdgeConfig, read_api_key_file
+from pdserve.router.http.tenants.table import (
     TenantLimits,
     TenantSpec,
     key_table,
@@ -157,8 +157,8 @@ def test_a_comment_or_blank_entry_is_nothing() -> None:
 
 def test_no_key_shows_in_a_configs_repr() -> None:
     """A logged config, or a traceback's locals, never carries a key."""
-    from pdserve.router.http.edge_config import EdgeConfig
-    from pdserve.router.http.tenant_table import KeyEntry, TenantSpec
+    from pdserve.router.http.edge.config import EdgeConfig
+    from pdserve.router.http.tenants.table import KeyEntry, TenantSpec
 
     key = "sk-never-shown-0123"
     spec = TenantSpec("acme", (key,))

@@ -15,14 +15,12 @@ from unit.fake_worker import WorkerScript, start_fake_worker
 from pdserve.core.block_hash import chain_hashes, tier_hashes
 from pdserve.core.handle import PoolSource
 from pdserve.core.types import PhaseRequest, SamplingSpec, WorkerLoadReport
-from pdserve.prefill_worker.policy import PrefillPolicy
-from pdserve.router.dispatch.disagg import DisaggConfig
-from pdserve.router.dispatch.dispatch import PDDispatcher
-from pdserve.router.dispatch.load_plan import LoadPlan, loadable_tokens, plan_load
-from pdserve.router.dispatch.placement import CacheAwarePlacement, Choice, PlacementRequest
-from pdserve.router.dispatch.prefix_index import PrefixIndex
-from pdserve.router.dispatch.prefix_routing import PrefixRouting
-from pdserve.router.dispatch.tier_cost import (
+from pdserve.roles.prefill.policy import PrefillPolicy
+from pdserve.router.dispatch.dispatcher import PDDispatcher
+from pdserve.router.dispatch.policies.disagg import DisaggConfig
+from pdserve.router.dispatch.policies.load_plan import LoadPlan, loadable_tokens, plan_load
+from pdserve.router.dispatch.policies.placement import CacheAwarePlacement, Choice, PlacementRequest
+from pdserve.router.dispatch.policies.tier_cost import (
     DISK_PRIOR_RATIO,
     HOST_PRIOR_RATIO,
     NOT_MEASURED,
@@ -33,8 +31,10 @@ from pdserve.router.dispatch.tier_cost import (
     load_rates,
     tier_ratios,
 )
-from pdserve.router.dispatch.worker_state import StepCost, WorkerLoad, WorkerState
-from pdserve.router.dispatch.workers import WorkerPool
+from pdserve.router.dispatch.prefix.index import PrefixIndex
+from pdserve.router.dispatch.prefix.routing import PrefixRouting
+from pdserve.router.dispatch.workers.pool import WorkerPool
+from pdserve.router.dispatch.workers.state import StepCost, WorkerLoad, WorkerState
 
 BS = 16
 PROMPT = list(range(1000, 1000 + 10 * BS + 5))  # 10 full blocks + 5 tokens

@@ -17,9 +17,9 @@ from unit.sim_cluster import SimCluster, sim_cluster
 from pdserve.core.block_hash import chain_hashes, salt_root, versioned_salt
 from pdserve.core.types import SamplingSpec
 from pdserve.router.dispatch.base import TokenChunk
-from pdserve.router.dispatch.disagg import DisaggConfig
-from pdserve.router.dispatch.worker_client import WorkerCallError
-from pdserve.router.dispatch.workers import Worker
+from pdserve.router.dispatch.policies.disagg import DisaggConfig
+from pdserve.router.dispatch.workers.client import WorkerCallError
+from pdserve.router.dispatch.workers.pool import Worker
 from pdserve.router.http.errors import APIError
 from pdserve.router.http.weight_updates import UpdateFromDiskBody, WeightUpdater
 

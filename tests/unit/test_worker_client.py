@@ -12,7 +12,7 @@ import pytest
 from pdserve.core.ports import free_port
 from pdserve.core.types import PhaseRequest, SamplingSpec, WorkerHealth, WorkerLoadReport
 from pdserve.launch.sim_worker import start_sim_worker
-from pdserve.router.dispatch.worker_client import (
+from pdserve.router.dispatch.workers.client import (
     UNAVAILABLE,
     WorkerCallError,
     WorkerClient,

@@ -22,8 +22,8 @@ from unit.fake_worker import FakeWorker, WorkerScript, eventually, start_fake_wo
 from pdserve.core import process
 from pdserve.core.ports import free_port
 from pdserve.core.types import PhaseOutput, PhaseRequest, SamplingSpec
-from pdserve.router.dispatch.worker_client import UNAVAILABLE, WorkerCallError, WorkerClient
-from pdserve.router.dispatch.workers import WorkerPool
+from pdserve.router.dispatch.workers.client import UNAVAILABLE, WorkerCallError, WorkerClient
+from pdserve.router.dispatch.workers.pool import WorkerPool
 from pdserve.worker.lifecycle import WORKER_SERVICE
 from pdserve.worker.servicer import _STOP_GRACE_S
 

@@ -35,8 +35,8 @@ from pdserve.launch.sim_worker import SimHost
 from pdserve.launch.up import plan
 from pdserve.launch.up_targets import file_sd, scrape_targets
 from pdserve.membership import WorkerInfo
-from pdserve.prefill_worker.policy import PrefillPolicy
-from pdserve.router.dispatch.worker_client import WorkerClient
+from pdserve.roles.prefill.policy import PrefillPolicy
+from pdserve.router.dispatch.workers.client import WorkerClient
 from pdserve.worker.backend import WorkerBackend
 from pdserve.worker.engine import EngineConfig
 from pdserve.worker.host import EngineHost

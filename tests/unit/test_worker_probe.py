@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pdserve.core.types import WorkerHealth, WorkerLoadReport
 from pdserve.membership import WorkerInfo
-from pdserve.router.dispatch.worker_client import DEADLINE_EXCEEDED, UNAVAILABLE, WorkerCallError
-from pdserve.router.dispatch.workers import MAX_SLOW_PROBES, Worker
+from pdserve.router.dispatch.workers.client import DEADLINE_EXCEEDED, UNAVAILABLE, WorkerCallError
+from pdserve.router.dispatch.workers.pool import MAX_SLOW_PROBES, Worker
 
 
 class ScriptedClient:

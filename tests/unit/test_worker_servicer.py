@@ -24,7 +24,7 @@ from pdserve.core.types import (
     WorkerHealth,
     WorkerLoadReport,
 )
-from pdserve.router.dispatch.worker_client import WorkerCallError, WorkerClient
+from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.kv_mirror import KvCacheMirror
 from pdserve.worker.servicer import start_server

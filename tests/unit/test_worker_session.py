@@ -1,4 +1,4 @@
-"""The worker ``Session`` (``worker/session.py``, ``router/dispatch/worker_session.py``):
+"""The worker ``Session`` (``worker/session.py``, ``router/dispatch/workers/session.py``):
 one stream per (router, worker) carrying every request of the router, one
 ``SessionBatch`` per engine step.
 
@@ -26,7 +26,7 @@ from pdserve.core.types import PhaseOutput, PhaseRequest
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.router.dispatch.migration import MIGRATABLE_CODES, MigrationConfig
-from pdserve.router.dispatch.worker_client import DEADLINE_EXCEEDED, WorkerCallError, WorkerClient
+from pdserve.router.dispatch.workers.client import DEADLINE_EXCEEDED, WorkerCallError, WorkerClient
 from pdserve.worker import servicer as servicer_module
 from pdserve.worker.servicer import WorkerServicer, start_worker_server
 from pdserve.worker.session import RequestFailed, WorkerSession

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from pdserve.core.handle import KVHandle
-from pdserve.decode_worker.policy import DecodePolicy
-from pdserve.prefill_worker.policy import PrefillPolicy
+from pdserve.roles.decode.policy import DecodePolicy
+from pdserve.roles.prefill.policy import PrefillPolicy
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import EngineStep
 from pdserve.worker.weights_ext import StagingError, check_checkpoint

@@ -21,8 +21,8 @@ from typing import Any
 from pdserve.bench.fuzz.kv_inputs import KvInput
 from pdserve.bench.fuzz.kv_mutate import frame
 from pdserve.core.cluster_secret import ClusterSecret
-from pdserve.kv_transfer.auth import authenticate_to_server
-from pdserve.kv_transfer.wire import TransferError
+from pdserve.kv_transfer.control.auth import authenticate_to_server
+from pdserve.kv_transfer.control.wire import TransferError
 
 OUTCOMES = ("error", "ok", "closed", "hung", "refused")
 

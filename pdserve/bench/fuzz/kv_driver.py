@@ -22,7 +22,7 @@ from pdserve.bench.fuzz import kv_inputs
 from pdserve.bench.fuzz.kv_client import Outcome, Peer, send_input
 from pdserve.bench.fuzz.kv_inputs import KvInput, KvSurface
 from pdserve.bench.fuzz.kv_watch import Leaks
-from pdserve.kv_transfer.control import LEASE_WAIT_S
+from pdserve.kv_transfer.control.channel import LEASE_WAIT_S
 
 BATCH = 500
 ANSWER_S = 10.0  # a server answers and closes within this after the client's half-close

@@ -1,4 +1,4 @@
-"""Seeded inputs for a KV control port (``kv_transfer/control_server.py``).
+"""Seeded inputs for a KV control port (``kv_transfer/control/server.py``).
 
 Each input is what one fresh connection sends: an optional preamble the client
 completes properly (``auth`` with the cluster secret, then a ``hello`` the server

@@ -10,10 +10,10 @@ import torch
 
 from pdserve.bench.fuzz.kv_client import Peer
 from pdserve.kv_transfer.base import PeerAddress, TransportOptions, create_transport
+from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
-from pdserve.kv_transfer.push_inbox import PushInbox
-from pdserve.kv_transfer.wire import TransferError
+from pdserve.kv_transfer.push.inbox import PushInbox
 
 SRC, DST = [3, 4, 5], [7, 8, 9]  # blocks pulled from the target, and where they land
 PUSHED = [1, 2]  # the client's blocks pushed into the target's inbox

@@ -10,7 +10,7 @@ import random
 import struct
 from typing import Any
 
-from pdserve.kv_transfer.wire import MAX_MESSAGE_BYTES
+from pdserve.kv_transfer.control.wire import MAX_MESSAGE_BYTES
 
 # Values of every JSON type, and numbers at the edges of every integer width.
 ODD_VALUES: tuple[Any, ...] = (

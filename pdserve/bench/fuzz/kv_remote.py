@@ -26,10 +26,10 @@ from pdserve.bench.fuzz.kv_inputs import KvSurface
 from pdserve.bench.fuzz.kv_mutate import frame
 from pdserve.bench.fuzz.kv_watch import Leaks
 from pdserve.core.cluster_secret import ClusterSecret
-from pdserve.kv_transfer.auth import authenticate_to_server
-from pdserve.kv_transfer.control import LEASE_WAIT_S
-from pdserve.kv_transfer.dial import request_once
-from pdserve.kv_transfer.wire import TransferError, check_reply, recv_msg
+from pdserve.kv_transfer.control.auth import authenticate_to_server
+from pdserve.kv_transfer.control.channel import LEASE_WAIT_S
+from pdserve.kv_transfer.control.dial import request_once
+from pdserve.kv_transfer.control.wire import TransferError, check_reply, recv_msg
 
 NUM_BLOCKS = 64  # the remote's block count is not told: pulls name blocks below this
 _DIFF = re.compile(r"(\w+): server=(.*?) client=None(?=; \w+: server=|\)$)")

@@ -25,13 +25,13 @@ from pdserve.bench.fuzz.kv_inputs import KvSurface
 from pdserve.bench.fuzz.kv_live import pull_and_push
 from pdserve.bench.fuzz.kv_watch import CrashWatch, Leaks, wait_threads
 from pdserve.core.cluster_secret import ClusterSecret
-from pdserve.kv_transfer.auth import AUTH_TIMEOUT_S
 from pdserve.kv_transfer.base import TransportOptions, create_transport
-from pdserve.kv_transfer.dial import request_once
+from pdserve.kv_transfer.control.auth import AUTH_TIMEOUT_S
+from pdserve.kv_transfer.control.dial import request_once
+from pdserve.kv_transfer.control.wire import PROTOCOL_VERSION, TransferError
 from pdserve.kv_transfer.layout import KVLayout, chunk_views
 from pdserve.kv_transfer.leases import LeaseTable
-from pdserve.kv_transfer.push_inbox import PushInbox
-from pdserve.kv_transfer.wire import PROTOCOL_VERSION, TransferError
+from pdserve.kv_transfer.push.inbox import PushInbox
 
 NUM_BLOCKS = 32
 NUM_LAYERS = 4

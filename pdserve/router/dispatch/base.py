@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from pdserve.core.types import FinishReason, SamplingSpec, TokenLogprobs
-from pdserve.router.dispatch.disagg import DisaggDecision
+from pdserve.router.dispatch.policies.disagg import DisaggDecision
 
 if TYPE_CHECKING:
     from pdserve.router.dispatch.timeline import RequestTimeline

@@ -42,8 +42,8 @@ from pdserve.core.types import PhaseOutput, PhaseRequest
 from pdserve.router.metrics import PREFIX, counter
 
 if TYPE_CHECKING:  # flags.py reads the default from here without loading gRPC
-    from pdserve.router.dispatch.worker_client import WorkerCallError
-    from pdserve.router.dispatch.workers import Worker
+    from pdserve.router.dispatch.workers.client import WorkerCallError
+    from pdserve.router.dispatch.workers.pool import Worker
 
 DEFAULT_MAX_MIGRATIONS = 3
 # Status codes that say the worker (or the path to it) failed, not the request.

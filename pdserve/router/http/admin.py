@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Query, Request
 
-from pdserve.router.http.auth import ApiKeys
+from pdserve.router.http.edge.auth import ApiKeys
 from pdserve.router.http.errors import InvalidRequestError, PermissionDeniedError
 from pdserve.router.http.openapi import ERROR_RESPONSES
 from pdserve.router.http.roles import RoleSwitchBody, RoleSwitcher

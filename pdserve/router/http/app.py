@@ -20,27 +20,27 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.router.dispatch.base import Dispatcher
-from pdserve.router.http.admission import Admission, AdmissionMiddleware, draining_error
-from pdserve.router.http.auth import ApiKeyMiddleware, ApiKeys
-from pdserve.router.http.body_limit import BodyLimitMiddleware
-from pdserve.router.http.direct_write import capture_server_send
-from pdserve.router.http.edge_config import EdgeConfig
+from pdserve.router.http.edge.admission import Admission, AdmissionMiddleware, draining_error
+from pdserve.router.http.edge.auth import ApiKeyMiddleware, ApiKeys
+from pdserve.router.http.edge.body_limit import BodyLimitMiddleware
+from pdserve.router.http.edge.config import EdgeConfig
+from pdserve.router.http.edge.direct_write import capture_server_send
+from pdserve.router.http.edge.request_ids import RequestIdMiddleware, arrival_of, request_id_of
 from pdserve.router.http.errors import (
     RouteNotFoundError,
     ServiceUnavailableError,
     error_response,
     install_error_handlers,
 )
+from pdserve.router.http.openai.preprocess import Preprocessing, Preprocessor, Tokenizer
+from pdserve.router.http.openai.response_schemas import ChatCompletionResponse, CompletionResponse
+from pdserve.router.http.openai.schemas import ChatCompletionRequest, CompletionRequest
+from pdserve.router.http.openai.serving import OpenAIServing
+from pdserve.router.http.openai.tool_calls import ToolCalling
 from pdserve.router.http.openapi import ERROR_RESPONSES, stream_responses, without_422
 from pdserve.router.http.outcome import outcome_of
-from pdserve.router.http.preprocess import Preprocessing, Preprocessor, Tokenizer
-from pdserve.router.http.request_ids import RequestIdMiddleware, arrival_of, request_id_of
-from pdserve.router.http.response_schemas import ChatCompletionResponse, CompletionResponse
-from pdserve.router.http.schemas import ChatCompletionRequest, CompletionRequest
-from pdserve.router.http.serving import OpenAIServing
-from pdserve.router.http.tenant_accounts import TenantLimitMiddleware, tenant_accounts
-from pdserve.router.http.tenants import salted
-from pdserve.router.http.tools import ToolCalling
+from pdserve.router.http.tenants.accounts import TenantLimitMiddleware, tenant_accounts
+from pdserve.router.http.tenants.salt import salted
 from pdserve.router.metrics import METRICS_DISABLED_ENV, RouterMetrics
 
 COMPLETIONS_PATH = "/v1/completions"

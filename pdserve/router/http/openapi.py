@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from pdserve.router.http.response_schemas import ErrorResponse
+from pdserve.router.http.openai.response_schemas import ErrorResponse
 
 _ERRORS = {
     400: "invalid request (the field is in error.param)",

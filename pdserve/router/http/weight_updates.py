@@ -37,8 +37,8 @@ from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.router.dispatch.weights import WeightGate
-from pdserve.router.dispatch.worker_client import WorkerCallError
-from pdserve.router.dispatch.workers import Worker, WorkerPool
+from pdserve.router.dispatch.workers.client import WorkerCallError
+from pdserve.router.dispatch.workers.pool import Worker, WorkerPool
 from pdserve.router.http.errors import (
     ConflictError,
     InvalidRequestError,

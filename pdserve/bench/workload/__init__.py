@@ -1,0 +1,2 @@
+"""What a bench run sends: seeded workloads, prompts and their token counts, ShareGPT
+files, and arrival times."""

@@ -1,0 +1,290 @@
+"""``pdserve bench <tool>``: the micro-benchmarks' flags (``pdserve.bench.micro``). Each
+tool's flags become its frozen config (``pdserve.bench.micro.configs``), whose field
+defaults are the flags' defaults; the tool's module is imported only to run it, so
+``--help`` imports neither torch nor vLLM.
+
+``add_tool_commands(sub)`` adds one subparser per tool; ``run_tool(args)`` builds the
+chosen tool's config and runs it (exit code; a bad value: one ``error:`` line, 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.bench.micro import configs
+
+# Flags that mean the same in every tool that takes them, declared once; each tool's
+# default is its own config's (a tool may add words to the help).
+SHARED: dict[str, dict[str, Any]] = {
+    "--reps": {"type": int, "help": "measured repetitions (each after a warm-up)"},
+    "--dtype": {"help": "the engines' dtype (auto: float32 on CPUs without native bf16)"},
+    "--max-tokens": {"type": int, "help": "output tokens per request"},
+    "--port-base": {"type": int, "help": "the first of the ports the bench's processes use"},
+    "--json": {"help": "also write the numbers to this file"},
+    "--seed": {"type": int, "help": "random seed"},
+    "--clients": {"type": int, "help": "concurrent clients"},
+    "--requests": {"type": int, "help": "short requests"},
+    "--long-requests": {"type": int, "help": "long requests"},
+    "--long-tokens": {"type": int, "help": "output tokens of a long request"},
+    "--duration-s": {"type": float, "help": "seconds of load"},
+    "--deadline-s": {"type": float, "help": "a request unanswered after this long counts as hung"},
+}
+
+Flag = str | tuple[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Tool:
+    module: str  # pdserve.bench.micro.<module>: run(config) -> int
+    config: type
+    help: str
+    flags: tuple[Flag, ...]
+
+
+TOOLS: dict[str, Tool] = {
+    "transfer": Tool("transfer", configs.TransferConfig,
+                     "KV transfer GB/s per transport vs memcpy and a raw socket", (
+        ("--transports", {"help": "comma-separated transports"}),
+        ("--dtypes", {"help": "comma-separated KV dtypes"}),
+        ("--tokens", {"help": "comma-separated tokens per transfer (multiples of "
+                      f"{configs.TRANSFER_BLOCK_SIZE})"}),
+        "--reps",
+        ("--checksum", {"action": "store_true", "help": "checksum every transfer"}),
+        ("--device", {"choices": ("cpu", "cuda"),
+                      "help": "where both sides keep the KV (cuda: GPU memory, cuda:0)"}),
+        ("--pd", {"action": "store_true",
+                  "help": "also the P/D part: share of TTFT, pull vs push (real vLLM)"}),
+        ("--pd-tokens", {"type": int, "help": "--pd: prompt tokens"}),
+    )),
+    "transfer-pd": Tool("transfer_pd", configs.TransferPdConfig,
+                        "the KV transfer's share of TTFT in a real P/D run, pull vs push", (
+        ("--tokens", {"type": int, "help": "prompt tokens"}),
+        "--reps", "--max-tokens", "--dtype", "--port-base",
+        ("--tls", {"action": "store_true",
+                   "help": "also push over mutual TLS (gRPC and KV): TTFT ratio"}),
+    )),
+    "ttft": Tool("ttft", configs.TtftConfig,
+                 "TTFT of one prompt: P/D versus two aggregated baselines", (
+        "--reps",
+        ("--prompt-tokens", {"type": int, "help": "tokens of each prompt, exactly"}),
+        "--max-tokens", "--dtype",
+        ("--port-base", {"help": "router port; workers use the next four ports"}),
+    )),
+    "router-cost": Tool("router_cost.parts", configs.RouterCostConfig,
+                        "what the router adds per request and per streamed chunk (sim "
+                        "workers)", (
+        ("--requests", {"help": "(a): short requests each way"}),
+        ("--long-requests", {"help": "(b): long requests each way"}),
+        "--long-tokens",
+        ("--clients", {"help": "(c): concurrent clients"}),
+        ("--duration-s", {"help": "(c): seconds of the closed loop"}),
+        ("--loop-tokens", {"type": int, "help": "(c): max_tokens per request"}),
+        "--json",
+        ("--profile", {"help": "py-spy the router during (c) into this file (raw collapsed "
+                       "stacks: one line per stack, its sample count last)"}),
+        ("--parts", {"nargs": "+", "choices": configs.ROUTER_COST_PARTS,
+                     "help": "latency: (a)-(c); stream: CPU per streamed token with paced "
+                     "engines, the rate per process count, vllm-router beside it; "
+                     "replicas: the prefix hit rate through two routers against one"}),
+        ("--replica-requests", {"type": int, "help": "replicas: requests of each of the "
+                                "two clients"}),
+        ("--streams", {"type": int, "help": "stream: concurrent streams of the paced passes"}),
+        ("--stream-tokens", {"type": int, "help": "stream: tokens per stream, long pass"}),
+        ("--short-rounds", {"type": int, "help": "stream: rounds of 2-token streams"}),
+        ("--lone-requests", {"type": int, "help": "stream: lone requests each way (added "
+                             "TTFT)"}),
+        ("--probe-streams", {"type": int, "help": "stream: streams straight from the "
+                             "engines beside the routed ones (the engines' own ITL)"}),
+        ("--ms-per-token", {"type": float, "help": "stream: the decode engines' pacing"}),
+        ("--processes-list", {"type": int, "nargs": "+",
+                              "help": "stream: router processes, one sweep each"}),
+        ("--sweep-streams", {"type": int, "nargs": "+",
+                             "help": "stream: offered streams, rising, until ITL p99 > "
+                             "1.1 x the engines' own"}),
+        ("--sweep-tokens", {"type": int, "help": "stream: tokens per request in the sweep"}),
+        ("--sweep-window-s", {"type": float, "help": "stream: steady seconds per sweep step"}),
+        ("--skip-vllm-router", {"action": "store_true",
+                                "help": "stream: no vllm-router baseline"}),
+        ("--lockstep", {"action": argparse.BooleanOptionalAction,
+                        "help": "stream: the sim decode steps its running requests together "
+                        "(a real engine's batch); --no-lockstep: each on its own timer"}),
+    )),
+    "metrics-overhead": Tool("metrics_overhead", configs.MetricsOverheadConfig,
+                             "what the router's metrics cost: metrics on vs off (sim "
+                             "workers)", (
+        ("--rounds", {"type": int, "help": "rounds, each running both routers"}),
+        ("--requests", {"help": "short requests per round"}),
+        ("--long-requests", {"help": "long requests per round"}),
+        "--long-tokens",
+        ("--observe-chunks", {"type": int,
+                              "help": "in-process: calls of the per-chunk metric work"}),
+        ("--control", {"action": "store_true", "help": "A/A run: both routers with metrics "
+                       "on; its differences are the bench's own noise and bias"}),
+        "--json",
+    )),
+    "overload": Tool("overload", configs.OverloadConfig,
+                     "admission control under open-loop overload (pdserve up --simulated)", (
+        ("--rates", {"type": float, "nargs": "+",
+                     "help": "offered request rates (req/s), one run each"}),
+        ("--duration-s", {"help": "seconds per rate"}),
+        ("--max-concurrent", {"type": int, "help": "up's --max-concurrent-requests"}),
+        ("--max-queued", {"type": int, "help": "up's --max-queued-requests"}),
+        ("--max-queue-wait-s", {"type": float, "help": "up's --max-queue-wait-s"}),
+        ("--max-tokens", {"help": "per request (sim: 2 ms each)"}),
+        "--deadline-s",
+        ("--max-connections", {"type": int, "help": "the client's connection pool"}),
+        "--seed",
+        ("--json", {"help": "write results here (default: in the log folder)"}),
+    )),
+    "placement": Tool("placement.cache_aware", configs.PlacementConfig,
+                      "cache-aware vs round-robin placement on real vLLM", (
+        "--dtype",
+        ("--max-model-len", {"type": int, "help": "the workers' and router's context"}),
+        ("--num-kv-blocks", {"type": int, "help": "KV blocks (128 tokens) per prefill worker"}),
+        ("--systems", {"type": int, "help": "shared-prefix: system prompts"}),
+        ("--users", {"type": int, "help": "users per system prompt"}),
+        ("--turns", {"type": int, "help": "turns per conversation"}),
+        ("--system-words", {"type": int, "help": "words per system prompt"}),
+        ("--control-systems", {"type": int, "help": "control: system prompts"}),
+        ("--concurrency", {"type": int, "help": "conversations at a time"}),
+        ("--max-tokens", {"help": "reply length per turn (1: prefill answers alone, "
+                          "no decode)"}),
+    )),
+    "placement-decision": Tool("placement.decision", configs.PlacementDecisionConfig,
+                               "placement decision time: many prefill workers, a large "
+                               "prefix index", (
+        ("--workers", {"type": int, "help": "prefill workers"}),
+        ("--blocks", {"type": int, "help": "(worker, block) entries in the index"}),
+        ("--decisions", {"type": int, "help": "decisions timed per policy"}),
+        "--seed",
+    )),
+    "faults": Tool("faults", configs.FaultsConfig,
+                   "a fault matrix under steady load (pdserve up --with-etcd)", (
+        ("--simulated", {"action": "store_true", "help": "sim-worker processes, no vLLM"}),
+        ("--faults", {"nargs": "+", "choices": configs.FAULTS, "metavar": "FAULT",
+                      "help": f"faults to inject, in turn: {', '.join(configs.FAULTS)}"}),
+        ("--num-prefill", {"type": int, "help": "prefill workers"}),
+        ("--num-decode", {"type": int, "help": "decode workers"}),
+        "--clients", "--max-tokens",
+        ("--pre-s", {"type": float, "help": "load before the fault"}),
+        ("--fault-s", {"type": float, "help": "load after the fault"}),
+        ("--stop-s", {"type": float, "help": "stop-decode: SIGCONT after"}),
+        ("--post-s", {"type": float, "help": "load after recovery"}),
+        ("--recover-s", {"type": float, "help": "wait at most this long for every worker "
+                         "to be healthy again"}),
+        "--deadline-s",
+        ("--settle-s", {"type": float, "help": "wait at most this long for the workers to "
+                        "hold nothing"}),
+        ("--startup-timeout-s", {"type": float, "help": "up's --startup-timeout-s"}),
+        ("--json", {"help": "write results here (default: in the log folder)"}),
+    )),
+    "rollout": Tool("rollout.loop", configs.RolloutConfig,
+                    "an RL rollout loop: a batch of n-sample chat completions, a weight "
+                    "update from disk, repeat; tokens/s, refit time, the dip under load", (
+        ("--url", {"help": "an existing cluster's router, http://HOST:PORT (default: "
+                   "start pdserve up on the default model, with an admin port)"}),
+        ("--admin-url", {"help": "with --url: its admin listener, http://HOST:PORT"}),
+        ("--api-key", {"help": "the router's API key"}),
+        ("--admin-key", {"help": "the admin listener's key"}),
+        ("--model-path", {"help": "the checkpoint folder the cluster serves (the rounds "
+                          "alternate between it and a perturbed copy)"}),
+        ("--checkpoint-dir", {"help": "where the perturbed copy goes, kept (reused when "
+                              "it holds one of this scale and seed; default: a "
+                              "folder in the cache, removed at the end)"}),
+        ("--rounds", {"type": int, "help": "generate-then-refit rounds"}),
+        ("--batch", {"type": int, "help": "prompts per round (the chat mix)"}),
+        ("--n", {"type": int, "help": "samples per prompt (OpenAI n)"}),
+        "--max-tokens",
+        ("--temperature", {"type": float, "help": "sampling temperature"}),
+        ("--load", {"type": int, "help": "background streams around each refit (0: none, "
+                    "no timeline)"}),
+        ("--load-max-tokens", {"type": int, "help": "output tokens per background request"}),
+        ("--window-s", {"type": float, "help": "the timeline's window"}),
+        ("--before-s", {"type": float, "help": "load before the refit call, and after "
+                        "its first new token"}),
+        ("--policy", {"choices": configs.ROLLOUT_POLICIES,
+                      "help": "in-flight requests at the switch"}),
+        ("--drain-timeout-s", {"type": float, "help": "drain: at most this long (default: "
+                               "the router's)"}),
+        ("--scale", {"type": float, "help": "the perturbed copy's noise, times each "
+                     "tensor's std"}),
+        ("--deadline-s", {"help": "a request or update unanswered after this long fails "
+                          "the run"}),
+        ("--startup-timeout-s", {"type": float, "help": "pdserve up's start"}),
+        "--dtype", "--seed",
+        ("--json", {"help": "write results here (default: bench/results/rollout-*.json)"}),
+    )),
+    "fuzz": Tool("fuzz", configs.FuzzConfig,
+                 "bad input on the KV port: random, truncated and malformed frames, ops "
+                 "before the handshake, auth garbage, stalls; crashes, leaks, liveness", (
+        ("--inputs", {"type": int, "help": "inputs per port"}),
+        "--seed",
+        ("--concurrency", {"type": int, "help": "connections at a time"}),
+        ("--target", {"help": "a worker's KV port, HOST:PORT (default: two tcp transports "
+                      "on fake KV in this process, one with a cluster secret)"}),
+        ("--cluster-secret-file", {"help": "--target: its cluster secret"}),
+        ("--idle-timeout-s", {"type": float, "help": "in process: the servers' idle "
+                              "deadline, which stalled connections must hit"}),
+        ("--stall-deadline-s", {"type": float, "help": "--target: its idle timeout; "
+                                "stalled inputs must be dropped by it (unset: none sent)"}),
+        "--json",
+    )),
+}
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def _add_flags(p: argparse.ArgumentParser, tool: Tool) -> None:
+    defaults = {f.name: f.default for f in dataclasses.fields(tool.config)}
+    for flag in tool.flags:
+        name, own = (flag, {}) if isinstance(flag, str) else flag
+        kwargs = {**SHARED.get(name, {}), **own}
+        default = defaults[_dest(name)]
+        if kwargs.get("action") != "store_true":
+            kwargs["default"] = list(default) if isinstance(default, tuple) else default
+            if default is not None and "help" in kwargs:
+                kwargs["help"] += " (default: %(default)s)"
+        p.add_argument(name, **kwargs)
+
+
+def add_tool_commands(sub: Any) -> None:
+    """One ``pdserve bench <name>`` subparser per micro-benchmark, on ``sub`` (an
+    ``add_subparsers`` result); each sets ``tool`` so ``run_tool`` finds it, and
+    ``func`` (``run_tool``) as the other ``pdserve bench`` subcommands do."""
+    for name, tool in TOOLS.items():
+        p = sub.add_parser(name, help=tool.help, description=tool.help)
+        _add_flags(p, tool)
+        p.set_defaults(tool=name, func=run_tool)
+
+
+def build_config(name: str, args: argparse.Namespace) -> Any:
+    """The tool's frozen config from its parsed flags (lists become tuples); raises
+    ``ValueError`` for a value the config refuses."""
+    tool = TOOLS[name]
+    values = {}
+    for flag in tool.flags:
+        dest = _dest(flag if isinstance(flag, str) else flag[0])
+        value = getattr(args, dest)
+        values[dest] = tuple(value) if isinstance(value, list) else value
+    return tool.config(**values)
+
+
+def run_tool(args: argparse.Namespace) -> int:
+    """Run the tool ``args.tool`` names with its config; its exit code."""
+    name: str = args.tool
+    try:
+        config = build_config(name, args)
+    except ValueError as exc:
+        print(f"pdserve bench {name}: error: {exc}", file=sys.stderr)
+        return 2
+    run: Callable[[Any], int] = importlib.import_module(
+        f"pdserve.bench.micro.{TOOLS[name].module}").run
+    return run(config)

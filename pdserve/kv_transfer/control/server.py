@@ -1,0 +1,161 @@
+"""The serving end of a transport's control channel: one TCP listener, a thread
+per connection, messages dispatched by ``op``.
+
+``hello`` (the handshake) gates the ops that touch KV: a connection may ask
+``status`` or ``release`` at any time, but a ``pull`` or a transport's own op
+only after its hello was accepted. What each op does is the transport's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from pdserve.core.cluster_secret import ClusterSecret, note_refusal, warn_if_open
+from pdserve.kv_transfer.control.auth import AUTH_TIMEOUT_S, authenticate_client
+from pdserve.kv_transfer.control.tls import KvTls, TlsHandshakeError
+from pdserve.kv_transfer.control.wire import (
+    BadMessageError,
+    TransferError,
+    linger,
+    recv_msg,
+    send_msg,
+    tune,
+)
+from pdserve.kv_transfer.threads import unpin_current_thread
+
+logger = logging.getLogger("pdserve.kv_transfer.control.channel")
+
+# A connection idle this long is closed by the server; clients reuse theirs for half of it.
+IDLE_TIMEOUT_S = 300.0
+_ACCEPT_POLL_S = 1.0
+
+Handler = Callable[[socket.socket, dict[str, Any]], None]
+# Returns whether the peer's handshake was accepted.
+HelloHandler = Callable[[socket.socket, dict[str, Any]], bool]
+
+
+class ControlServer:
+    """With ``tls``, a connection is served nothing until its TLS handshake proved a
+    client certificate the CA signed (``tls.py``); with a cluster ``secret``, nothing,
+    not even ``status``, until it has authenticated (``auth.py``). One that fails
+    either is closed. A connection that sends nothing for ``idle_timeout_s`` (between
+    messages, or inside one) is closed."""
+
+    def __init__(self, hello: HelloHandler, open_ops: dict[str, Handler],
+                 gated_ops: dict[str, Handler], stop: threading.Event,
+                 secret: ClusterSecret | None = None, tls: KvTls | None = None,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
+        self._hello = hello
+        self._idle_timeout_s = idle_timeout_s
+        # A fresh connection's TLS handshake and secret challenge: never longer than the
+        # idle timeout lets an established connection send nothing.
+        self._login_timeout_s = min(AUTH_TIMEOUT_S, idle_timeout_s)
+        self._open_ops = open_ops
+        self._gated_ops = gated_ops
+        self._stop = stop
+        self._secret = secret
+        self._tls = tls
+        self._listener: socket.socket | None = None
+        self._conns: set[socket.socket] = set()  # served now; shut down by close()
+        self._conns_lock = threading.Lock()
+
+    def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0: any free port); returns the bound port."""
+        listener = socket.create_server((host, port), reuse_port=False, backlog=64)
+        warn_if_open("KV endpoint", host, self._secret, self._tls is not None)
+        listener.settimeout(_ACCEPT_POLL_S)
+        self._listener = listener
+        threading.Thread(target=self._accept_loop, args=(listener,), name="pdserve-kv-accept",
+                         daemon=True).start()
+        return int(listener.getsockname()[1])
+
+    def close(self) -> None:
+        """Stop listening and end every connection being served: a closed transport
+        answers nothing more, as a dead process would not (clients see EOF at once)."""
+        if self._listener is not None:
+            self._listener.close()
+        with self._conns_lock:
+            conns, self._conns = self._conns, set()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    def _accept_loop(self, listener: socket.socket) -> None:
+        unpin_current_thread()
+        while not self._stop.is_set():
+            try:
+                conn, addr = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            tune(conn)
+            threading.Thread(
+                target=self._serve_conn, args=(conn, _address(addr)), name="pdserve-kv-conn",
+                daemon=True,
+            ).start()
+
+    def _serve_conn(self, conn: socket.socket, peer: str = "?") -> None:
+        unpin_current_thread()
+        if self._tls is not None:
+            try:  # the handshake is bounded like the secret's challenge
+                conn = self._tls.accept(conn, time.monotonic() + self._login_timeout_s)
+            except TlsHandshakeError as exc:
+                note_refusal("kv", "tls handshake failed", peer)
+                logger.debug("KV connection from %s refused: %s", peer, exc)
+                return
+        verified = False
+        with conn, self._tracked(conn):
+            if self._secret is not None and not authenticate_client(
+                    conn, self._secret, peer, self._login_timeout_s):
+                return
+            try:
+                while not self._stop.is_set():
+                    conn.settimeout(self._idle_timeout_s)
+                    msg = recv_msg(conn)
+                    if msg is None:
+                        return
+                    op = msg.get("op")
+                    if not isinstance(op, str):
+                        raise BadMessageError(f"'op' must be a string, got {type(op).__name__}")
+                    if op == "hello":
+                        verified = self._hello(conn, msg)
+                    elif op in self._open_ops:
+                        self._open_ops[op](conn, msg)
+                    elif op in self._gated_ops and not verified:
+                        send_msg(conn, {"ok": False, "error": f"handshake before {op}"})
+                    elif op in self._gated_ops:
+                        self._gated_ops[op](conn, msg)
+                    else:
+                        send_msg(conn, {"ok": False, "error": f"unknown op {op[:64]!r}"})
+            except BadMessageError as exc:  # answered; what follows cannot be framed
+                logger.debug("KV connection from %s: %s", peer, exc)
+                with contextlib.suppress(OSError):
+                    send_msg(conn, {"ok": False, "error": str(exc)})
+                    linger(conn)  # so the answer is read, not lost to a reset
+            except (OSError, TransferError, ValueError) as exc:  # incl. idle timeout
+                logger.debug("KV connection closed: %s", exc)
+            except Exception:  # a handler's bug: this connection ends, the server serves on
+                logger.exception("KV connection from %s failed; closed", peer)
+
+
+    @contextlib.contextmanager
+    def _tracked(self, conn: socket.socket) -> Iterator[None]:
+        """``conn`` is served (``close`` ends it) for the duration of the block."""
+        with self._conns_lock:
+            self._conns.add(conn)
+        try:
+            yield
+        finally:
+            with self._conns_lock:
+                self._conns.discard(conn)
+
+
+def _address(addr: Any) -> str:
+    return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else str(addr)

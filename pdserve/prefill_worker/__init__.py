@@ -1,7 +1,0 @@
-"""What the prefill role does on the shared worker host: ``PrefillPolicy``
-(``do_remote_decode``, the push target, KV handles held under a lease and released on
-abort or over the control channel).
-
-Sits on ``pdserve.worker`` (the host), beside ``pdserve.decode_worker``; neither role
-imports the other.
-"""

@@ -1,0 +1,196 @@
+"""One request's output as the dispatcher's chunks arrive: per choice
+(``RequestOutput``: text, stop strings, finish reason, logprobs, metrics), and for all
+its choices (``Choices``: OpenAI's ``n``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from starlette.types import Scope
+
+from pdserve.core.types import TokenLogprobs
+from pdserve.router.dispatch.base import Express, TokenChunk, WorkerFailedError
+from pdserve.router.dispatch.policies.disagg import DisaggDecision
+from pdserve.router.http.openai.choices import ChoiceStreams
+from pdserve.router.http.openai.detokenize import IncrementalDetokenizer, TokenDecoder
+from pdserve.router.http.openai.logprobs import CONTEXT_TOKENS
+from pdserve.router.http.openai.preprocess import GenerationRequest
+from pdserve.router.http.openai.responses import ChoiceOutput, FinalOutput, OutputDelta
+from pdserve.router.metrics import RouterMetrics
+
+WEIGHT_VERSION_HEADER = "x-weight-version"  # the weights that produced the response
+DISAGG_HEADER = "x-pdserve-disagg"  # "<local|remote>; reason=<rule>", see router/disagg.py
+
+
+class RequestOutput:
+    """One choice's output as chunks arrive: text, stop strings, finish reason, logprobs,
+    metrics (the time to first token on choice 0 only)."""
+
+    def __init__(self, request: GenerationRequest, decoder: TokenDecoder, metrics: RouterMetrics,
+                 scope: Scope | None = None, index: int = 0):
+        self.request = request
+        self.scope = scope  # the HTTP request's, where the outcome is recorded
+        self.index = index
+        self.detokenizer = IncrementalDetokenizer(
+            decoder, stop=request.stop, skip_special_tokens=request.skip_special_tokens)
+        self.finish_reason: str | None = None
+        self.num_cached_tokens = 0
+        self.disagg: DisaggDecision | None = None
+        self.weight_version: str | None = None  # from the first chunk
+        self.logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+        self._texts: list[str] = []
+        self._metrics = metrics
+        self._last_chunk_s: float | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self._texts)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.detokenizer.token_ids
+
+    @property
+    def stopped_by_string(self) -> bool:
+        return self.detokenizer.stopped
+
+    def consume(self, chunk: TokenChunk) -> OutputDelta:
+        """Add a chunk; chunks after the end (there should be none) add nothing."""
+        self._observe(chunk)
+        if self.finish_reason is not None:
+            return OutputDelta("", [], None, self.index)
+        if chunk.finish_reason in ("error", "abort") and not chunk.ended_by_update:
+            raise WorkerFailedError(f"the workers ended the request ({chunk.finish_reason})")
+        before = len(self.token_ids)
+        # An engine's "stop" is a stop token (end of sequence, stop_token_ids; stop
+        # strings are the router's own): counted, its text not output, as in vLLM.
+        last_stops = (chunk.finish_reason == "stop" and bool(chunk.token_ids)
+                      and chunk.token_ids[-1] in self.request.stop_token_set)
+        text = self.detokenizer.add(chunk.token_ids, last_stops=last_stops)
+        if not self.stopped_by_string and chunk.finish_reason is not None:
+            text += self.detokenizer.finish()
+        if self.stopped_by_string:
+            self.finish_reason = "stop"
+        elif chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+        self._texts.append(text)
+        new_ids = self.token_ids[before:]
+        positions = chunk.logprobs[:len(new_ids)]
+        self.logprobs.extend(positions)
+        if chunk.prompt_logprobs:
+            self.prompt_logprobs = chunk.prompt_logprobs
+        # The tokens before (logprob texts depend on them), copied only when asked for.
+        context = self.token_ids[max(before - CONTEXT_TOKENS, 0):before] if positions else ()
+        return OutputDelta(text, new_ids, self.finish_reason, self.index, positions,
+                           chunk.prompt_logprobs, context)
+
+    def consume_plain(self, token_ids: tuple[int, ...]) -> str:
+        """``consume`` for a chunk of tokens alone (not the first, not the last, no
+        logprobs) of a choice without stop strings: its text (the express lane)."""
+        self._observe_tokens(len(token_ids))
+        if self.finish_reason is not None:
+            return ""
+        text = self.detokenizer.add_plain(token_ids)
+        self._texts.append(text)
+        return text
+
+    def final(self) -> ChoiceOutput:
+        return ChoiceOutput(self.text, self.token_ids, self.check_finished(), self.index,
+                            self.logprobs, self.prompt_logprobs)
+
+    def headers(self) -> dict[str, str]:
+        """The disaggregation decision, known from the first chunk on (before any byte of
+        the body), as a header on streaming and non-streaming responses alike."""
+        headers = {} if self.disagg is None else {DISAGG_HEADER: self.disagg.header()}
+        if self.weight_version:
+            headers[WEIGHT_VERSION_HEADER] = self.weight_version
+        return headers
+
+    def check_finished(self) -> str:
+        if self.finish_reason is None:
+            raise WorkerFailedError("the dispatcher ended the stream without a finish reason")
+        return self.finish_reason
+
+    def _observe(self, chunk: TokenChunk) -> None:
+        if self._last_chunk_s is None:
+            self.num_cached_tokens = chunk.num_cached_tokens or 0
+            self.disagg = chunk.disagg
+            self.weight_version = chunk.weight_version
+            if not self._metrics.enabled:  # metrics off: not even a clock read per chunk
+                self._last_chunk_s = 0.0
+                return
+            now = time.perf_counter()
+            if self.index == 0:
+                self._metrics.time_to_first_token.observe(now - self.request.arrival_s)
+            self._last_chunk_s = now
+            self._metrics.generation_tokens.inc(len(chunk.token_ids))
+        else:
+            self._observe_tokens(len(chunk.token_ids))
+
+    def _observe_tokens(self, num_tokens: int) -> None:
+        """A chunk after the first: the inter-token latency and the token count."""
+        metrics = self._metrics
+        if not metrics.enabled:
+            return
+        now = time.perf_counter()
+        if num_tokens:
+            metrics.inter_token_latency.observe((now - (self._last_chunk_s or now)) / num_tokens)
+        self._last_chunk_s = now
+        metrics.generation_tokens.inc(num_tokens)
+
+
+class Choices:
+    """One request's choices: their outputs and the stream of their chunks."""
+
+    def __init__(self, outputs: list[RequestOutput],
+                 chunks: AsyncIterator[tuple[int, TokenChunk]],
+                 streams: ChoiceStreams | None = None, express: Express | None = None
+                 ) -> None:
+        """``express``: the one choice's express lane, when the dispatcher was given one."""
+        self.outputs = outputs
+        self.chunks = chunks
+        self.express = express
+        self._streams = streams
+
+    @property
+    def first(self) -> RequestOutput:
+        return self.outputs[0]
+
+    def consume(self, index: int, chunk: TokenChunk) -> OutputDelta:
+        return self.outputs[index].consume(chunk)
+
+    def stopped(self, delta: OutputDelta) -> bool:
+        """Whether ``delta``'s choice just ended by its stop string (then ``after``)."""
+        return self.outputs[delta.index].stopped_by_string
+
+    async def after(self, delta: OutputDelta) -> bool:
+        """Whether to read on after ``delta``. A choice ended by its stop string is closed
+        (its workers abort it): with one choice, that is the request (stop reading, the
+        caller closes the stream); with several, that choice alone, and the others are
+        read to their own end."""
+        output = self.outputs[delta.index]
+        if not output.stopped_by_string:
+            return True
+        if self._streams is None:
+            return False
+        await self._streams.close_choice(delta.index)
+        return True
+
+    def final(self) -> FinalOutput:
+        return FinalOutput([o.final() for o in self.outputs], self.first.num_cached_tokens,
+                           decision_of(self.first))
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return completion_tokens(self.outputs)
+
+
+def completion_tokens(outputs: Sequence[RequestOutput]) -> int:
+    return sum(len(o.token_ids) for o in outputs)
+
+
+def decision_of(output: RequestOutput) -> str | None:
+    """Where the prompt was computed ("local"/"remote"), for the usage extension."""
+    return None if output.disagg is None else output.disagg.decision

@@ -1,0 +1,1 @@
+"""Tenants: isolation by API key (salts), the key table, and each tenant's limits."""

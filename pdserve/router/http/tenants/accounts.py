@@ -1,0 +1,158 @@
+"""Tenants at the edge: who sent a request, whether its limits admit it, what it spent.
+
+Every configured key belongs to one tenant (``tenant_table.py``: a named tenant, or the
+key alone as ``key-<n>``), and each tenant has one ``TenantAccount``: its salt (for
+``--tenant-isolation key``), its limiter (``tenant_limits.py``) and its counters
+(``metrics/tenants.py``). ``ApiKeyMiddleware`` puts the account of the key that matched in
+the request's scope (``TENANT``); then, on the generation paths:
+
+1. ``TenantLimitMiddleware`` admits the request or answers 429 with ``Retry-After``
+   before its body is read, and before the global admission (``admission.py``), so a
+   tenant over its limits neither waits in nor takes a place of the global queue;
+2. the endpoint charges the prompt tokens once it has tokenized them (``on_prompt``);
+3. when the response has ended, however it ended (stream, error, client gone), the
+   middleware charges the completion tokens and counts the cached ones from the
+   request's outputs, and frees the tenant's slot.
+
+Nothing is done per streamed token: the counts are read from the outputs at the end,
+whichever path (express lane or not) carried the tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+from prometheus_client import CollectorRegistry
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pdserve.router.http.edge.config import EdgeConfig
+from pdserve.router.http.errors import TooManyRequestsError, send_error
+from pdserve.router.http.openai.request_output import RequestOutput, completion_tokens
+from pdserve.router.http.tenants.limits import REJECT_REASONS, Refusal, TenantLimiter
+from pdserve.router.http.tenants.salt import tenant_name_salt, tenant_salt
+from pdserve.router.http.tenants.table import TenantLimits, key_label
+from pdserve.router.metrics.tenants import TenantCounters, TenantMetrics
+
+TENANT = "pdserve.tenant"  # the ASGI scope key of the request's TenantAccount
+_OUTPUTS = "pdserve.tenant_outputs"  # the request's outputs, read when it ends
+RATE_LIMITED = "rate_limit_exceeded"  # OpenAI's error code for a per-client rate limit
+
+
+class TenantAccount:
+    __slots__ = ("_counters", "_limiter", "name", "salt")
+
+    def __init__(self, name: str, salt: str | None, limiter: TenantLimiter | None,
+                 counters: TenantCounters) -> None:
+        self.name = name
+        self.salt = salt  # None: no --tenant-isolation key
+        self._limiter = limiter
+        self._counters = counters
+
+    @property
+    def limiter(self) -> TenantLimiter | None:
+        return self._limiter
+
+    def admit(self) -> TooManyRequestsError | None:
+        """Take a slot for one request (None), or the 429 to answer."""
+        self._counters.requests.inc()
+        refusal = None if self._limiter is None else self._limiter.acquire()
+        if refusal is None:
+            return None
+        self._counters.rejections[refusal.reason].inc()
+        return TooManyRequestsError(self._message(refusal), refusal.retry_after_s,
+                                    code=RATE_LIMITED)
+
+    def charge_prompt(self, num_tokens: int) -> None:
+        self._counters.prompt_tokens.inc(num_tokens)
+        if self._limiter is not None:
+            self._limiter.charge(num_tokens)
+
+    def end(self, outputs: Sequence[RequestOutput] | None) -> None:
+        """The request has ended: charge what it generated and free its slot."""
+        if outputs:
+            num_completion = completion_tokens(outputs)
+            self._counters.completion_tokens.inc(num_completion)
+            self._counters.cached_tokens.inc(outputs[0].num_cached_tokens)
+            if self._limiter is not None:
+                self._limiter.charge(num_completion)
+        if self._limiter is not None:
+            self._limiter.release()
+
+    def _message(self, refusal: Refusal) -> str:
+        limits = self._limiter.limits if self._limiter is not None else TenantLimits()
+        if refusal.reason == "tokens":
+            return (f"Tenant {self.name} is over its limit of {limits.tokens_per_s:g} tokens "
+                    f"per second (prompt + completion); retry after "
+                    f"{refusal.retry_after_s} s.")
+        return (f"Tenant {self.name} is at its limit of {limits.max_concurrent} concurrent "
+                "requests; retry when one of them has ended.")
+
+
+def tenant_accounts(edge: EdgeConfig, registry: CollectorRegistry | None,
+                    clock: Callable[[], float] = time.monotonic) -> dict[bytes, TenantAccount]:
+    """Every configured key's account (keys of one tenant share one), its counters on
+    ``registry`` (None: metrics off), its limits ``edge.tenant_limits_share`` of the
+    configured ones."""
+    tenants = list(_tenants(edge))
+    metrics = TenantMetrics(registry, [name for name, _, _, _ in tenants], REJECT_REASONS)
+    accounts: dict[bytes, TenantAccount] = {}
+    for name, keys, limits, named in tenants:
+        salt = None
+        if edge.tenant_isolation == "key":
+            salt = tenant_name_salt(name) if named else tenant_salt(keys[0].encode())
+        limiter = None if not limits else \
+            TenantLimiter(limits.share(edge.tenant_limits_share), clock)
+        account = TenantAccount(name, salt, limiter, metrics.of(name))
+        accounts.update((key.encode(), account) for key in keys)
+    return accounts
+
+
+def _tenants(edge: EdgeConfig) -> Iterator[tuple[str, tuple[str, ...], TenantLimits, bool]]:
+    """(label, keys, limits, named) of every tenant: the named ones (salted by their
+    name: every key of a tenant is that one tenant), then each other key alone (salted
+    by the key, as with no names)."""
+    named = {key for tenant in edge.tenants for key in tenant.keys}
+    for tenant in edge.tenants:
+        yield tenant.name, tenant.keys, tenant.limits, True
+    for index, key in enumerate(edge.api_keys):
+        if key not in named:
+            yield key_label(index), (key,), TenantLimits(), False
+
+
+def on_prompt(scope: Scope, num_prompt_tokens: int, outputs: Sequence[RequestOutput]
+              ) -> None:
+    """The request's prompt is tokenized (``outputs``: its choices, read when it ends)."""
+    account: TenantAccount | None = scope.get(TENANT)
+    if account is not None:
+        account.charge_prompt(num_prompt_tokens)
+        scope[_OUTPUTS] = outputs
+
+
+class TenantLimitMiddleware:
+    """Holds a tenant's slot for the whole response of a generation request."""
+
+    def __init__(self, app: ASGIApp, paths: frozenset[str]) -> None:
+        self.app = app
+        self._paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        account: TenantAccount | None = None
+        if scope["type"] == "http" and scope["path"] in self._paths:
+            account = scope.get(TENANT)
+        if account is None:
+            await self.app(scope, receive, send)
+            return
+        refused = account.admit()
+        if refused is not None:
+            await send_error(scope, send, refused)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            account.end(scope.get(_OUTPUTS))
+
+
+def accounts_by_name(accounts: Mapping[bytes, TenantAccount]) -> dict[str, TenantAccount]:
+    """Each tenant's account once, by its label (tests, views)."""
+    return {a.name: a for a in accounts.values()}
