@@ -27,6 +27,7 @@ from typing import Any
 from pdserve.bench.compare_config import CompareConfig
 from pdserve.bench.cost import Price, add_cost
 from pdserve.bench.launch import RunningSystem, StartupError
+from pdserve.bench.plots import write_report
 from pdserve.bench.report import (
     CompareReport,
     RateRun,
@@ -36,7 +37,6 @@ from pdserve.bench.report import (
     machine_info,
     rate_label,
     versions,
-    write_report,
 )
 from pdserve.bench.roles_sampler import RoleSampler
 from pdserve.bench.systems import SystemSpec, pdserve_up, vllm_aggregated, vllm_disagg

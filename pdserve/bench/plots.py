@@ -1,4 +1,5 @@
-"""The compare report's plots (matplotlib, Agg: no display needed).
+"""The compare report written out: ``report.json``, ``report.md`` and its plots
+(matplotlib, Agg: no display needed).
 
 - ``ttft_cdf.png``, ``itl_cdf.png``: per rate, each system's CDF over its completed
   requests' TTFTs / every inter-token gap.
@@ -15,6 +16,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,10 +31,20 @@ from pdserve.bench.report import (  # noqa: E402
     SystemResult,
     metric,
     rate_label,
+    render_markdown,
 )
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+
+
+def write_report(report: CompareReport, out_dir: Path) -> list[Path]:
+    """report.json, report.md and the plots into ``out_dir``; returns the files."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report.to_json(), indent=1,
+                                                    allow_nan=True))
+    (out_dir / "report.md").write_text(render_markdown(report))
+    return [out_dir / "report.json", out_dir / "report.md", *write_plots(report, out_dir)]
 
 
 def write_plots(report: CompareReport, out_dir: Path) -> list[Path]:

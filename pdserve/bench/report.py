@@ -8,14 +8,12 @@ The report is built from ``pdserve bench run`` result JSONs (schema
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
 import subprocess
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 from typing import Any
 
 from pdserve.core.hardware import Hardware
@@ -238,17 +236,6 @@ def _row(system: SystemResult, run: RateRun | None, base: RateRun | None,
     if kinds:
         errors = f"{errors} ({', '.join(f'{k}: {v}' for k, v in sorted(kinds.items()))})"
     return f"| {system.name} | " + " | ".join(cells) + f" | {errors} |"
-
-
-def write_report(report: CompareReport, out_dir: Path) -> list[Path]:
-    """report.json, report.md and the plots into ``out_dir``; returns the files."""
-    from pdserve.bench.plots import write_plots
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.json").write_text(json.dumps(report.to_json(), indent=1,
-                                                    allow_nan=True))
-    (out_dir / "report.md").write_text(render_markdown(report))
-    return [out_dir / "report.json", out_dir / "report.md", *write_plots(report, out_dir)]
 
 
 def machine_info() -> dict[str, Any]:

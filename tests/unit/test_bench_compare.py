@@ -23,7 +23,8 @@ import pytest
 
 from pdserve.bench import compare
 from pdserve.bench.launch import port_free
-from pdserve.bench.report import CompareReport, RateRun, SystemResult, write_report
+from pdserve.bench.plots import write_report
+from pdserve.bench.report import CompareReport, RateRun, SystemResult
 from pdserve.bench.systems import (
     EngineSettings,
     parse_pdserve_entry,
