@@ -259,7 +259,7 @@ def check_workload(argv: list[str]) -> None:
 
 def check_up_flags(name: str, flags: str) -> None:
     """Parse ``flags`` with ``pdserve up``'s own parser: a bad flag fails before any start."""
-    from pdserve.cli.main import build_parser
+    from pdserve.cli.parser import build_parser
 
     err = io.StringIO()
     try:

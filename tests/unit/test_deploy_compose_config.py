@@ -19,7 +19,7 @@ from unit.etcd_from_env import localize, running_etcd, tls_refusals
 
 from pdserve.cli.flags import FLAGS
 from pdserve.cli.health import HealthTarget
-from pdserve.cli.main import build_parser
+from pdserve.cli.parser import build_parser
 
 COMPOSE_DIR = COMPOSE_FILE.parent
 ROOT = COMPOSE_DIR.parents[1]

@@ -19,7 +19,7 @@ from unit.etcd_from_env import localize, running_etcd, tls_refusals
 
 from pdserve.cli.flags import FLAGS
 from pdserve.cli.health import HealthTarget
-from pdserve.cli.main import build_parser
+from pdserve.cli.parser import build_parser
 from pdserve.core.certs import make_test_ca
 from pdserve.core.logs import LOG_FORMATS
 from pdserve.kv_transfer.base import transport_names

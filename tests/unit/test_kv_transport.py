@@ -89,7 +89,7 @@ def test_unknown_transport_lists_valid_ones() -> None:
 
 
 def test_cli_transport_choices_and_flags() -> None:
-    from pdserve.cli.main import build_parser
+    from pdserve.cli.parser import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["prefill", "--transport", "carrier-pigeon"])

@@ -19,7 +19,7 @@ import pytest
 from unit.fake_worker import eventually, start_fake_worker
 
 from pdserve.cli.configs import router_config, worker_config, worker_membership
-from pdserve.cli.main import build_parser
+from pdserve.cli.parser import build_parser
 from pdserve.core.bounded import bounded
 from pdserve.core.certs import make_test_ca
 from pdserve.core.grpc_tls import TlsFiles

@@ -15,7 +15,7 @@ from unit.dispatch_cluster import Cluster, running_cluster
 from unit.fakes import COMPLETIONS, asgi_http_client, cmpl_body, make_router_app
 
 from pdserve.cli.configs import edge_config
-from pdserve.cli.main import build_parser
+from pdserve.cli.parser import build_parser
 from pdserve.membership.static import StaticMembership
 from pdserve.router.dispatch.prefix.index import PrefixIndex
 from pdserve.router.dispatch.prefix.kv_feed import KvIndexFeeder

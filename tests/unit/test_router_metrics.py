@@ -20,7 +20,7 @@ from unit.fakes import (
     make_router_app,
 )
 
-from pdserve.cli.main import build_parser
+from pdserve.cli.parser import build_parser
 from pdserve.core.logs import setup_logging
 from pdserve.core.types import PhaseTiming
 from pdserve.router.dispatch.dispatcher import PDDispatcher

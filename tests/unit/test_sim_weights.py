@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli.configs import sim_config, up_config
-from pdserve.cli.main import build_parser
+from pdserve.cli.parser import build_parser
 from pdserve.core.handle import KVHandle
 from pdserve.core.model import ResolvedModel
 from pdserve.core.types import PhaseOutput, PhaseRequest, Role, SamplingSpec

@@ -20,7 +20,7 @@ from unit.fakes import (
 )
 
 from pdserve.cli.configs import edge_config
-from pdserve.cli.main import build_parser
+from pdserve.cli.parser import build_parser
 from pdserve.router.http.edge.config import EdgeConfig
 
 KEYS = ("tenant-a-key-1234", "tenant-b-key-5678")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli.configs import edge_config
-from pdserve.cli.main import build_parser
+from pdserve.cli.parser import build_parser
 from pdserve.launch.router_processes import child_argv
 from pdserve.router.http.edge.config import EdgeConfig, read_api_key_file
 from pdserve.router.http.tenants.table import (

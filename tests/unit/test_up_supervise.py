@@ -17,7 +17,7 @@ import pytest
 from pdserve_testing import launch_up, stop_up, wait_until
 
 from pdserve.cli.configs import up_config
-from pdserve.cli.main import build_parser
+from pdserve.cli.parser import build_parser
 from pdserve.core.model import ResolvedModel
 from pdserve.core.ports import free_port
 from pdserve.launch.up import plan

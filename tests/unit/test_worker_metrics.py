@@ -24,7 +24,7 @@ from pdserve_testing import launch_up, make_caches, start_transport, stop_up
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cli.configs import up_config
-from pdserve.cli.main import build_parser
+from pdserve.cli.parser import build_parser
 from pdserve.core.model import ResolvedModel
 from pdserve.core.ports import free_port
 from pdserve.core.types import PhaseRequest, SamplingSpec, WorkerHealth, WorkerLoadReport
