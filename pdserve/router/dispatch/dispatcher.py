@@ -1,6 +1,6 @@
 """Runs a request on the workers: prefill on P (first token + KV handle), then
 decode on D with the handle (``remote``), or decode alone computing the prompt
-(``local``), as ``disagg.choose_disagg`` decides per request; falls back to decode
+(``local``), on the route ``route.py`` chooses per request; falls back to decode
 alone when prefill fails.
 
 Cleanup is owned here: however the chunk iterator ends (finished, closed by the
@@ -18,20 +18,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from prometheus_client import CollectorRegistry
 
 from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION, versioned_salt
-from pdserve.core.handle import PoolSource, PushTarget
 from pdserve.core.types import PhaseOutput, PhaseRequest, SamplingSpec
 from pdserve.router.dispatch.base import (
     Deadline,
     DeadlineExceededError,
     Express,
-    NoWorkerAvailableError,
     RequestRejectedError,
     TokenChunk,
     WorkerFailedError,
@@ -47,9 +44,10 @@ from pdserve.router.dispatch.migration import (
     failure_of_output,
 )
 from pdserve.router.dispatch.policies.demand import DemandWindow
-from pdserve.router.dispatch.policies.disagg import DisaggConfig, DisaggDecision, choose_disagg
-from pdserve.router.dispatch.policies.placement import Choice, Placement, PlacementRequest
+from pdserve.router.dispatch.policies.disagg import DisaggConfig, DisaggDecision
+from pdserve.router.dispatch.policies.placement import Placement
 from pdserve.router.dispatch.prefix.routing import PendingPrefix, PrefixRouting
+from pdserve.router.dispatch.route import RouteChooser
 from pdserve.router.dispatch.timeline import RequestTimeline, TimelineRecorder
 from pdserve.router.dispatch.weights import Ticket, UpdateAborted, WeightGate, versioned
 from pdserve.router.dispatch.workers.client import (
@@ -59,34 +57,12 @@ from pdserve.router.dispatch.workers.client import (
     WorkerCallError,
 )
 from pdserve.router.dispatch.workers.pool import Worker, WorkerPool
-from pdserve.router.dispatch.workers.state import WorkerState
 
 logger = logging.getLogger("pdserve.router.dispatch")
 
 _ABORT_TIMEOUT_S = 5.0
 # Only "cannot reach" takes a worker out of placement; a slow request's deadline does not.
 _UNREACHABLE = {UNAVAILABLE}
-
-
-@dataclass(frozen=True)
-class _Route:
-    """Where a request goes, decided from one set of snapshots."""
-
-    prefill: Worker | None  # None: decode computes the prompt (``disagg`` says why)
-    decode: Worker
-    disagg: DisaggDecision
-    uncached_tokens: int = 0  # the prompt tokens not in prefill's prefix cache
-    push_to: PushTarget | None = None
-    pending: PendingPrefix | None = None  # what the prefill made pending in the prefix index
-    pool_source: PoolSource | None = None  # the peer prefill pulls the prompt's head from
-    decode_cached: int = 0  # the prompt tokens decode's own prefix cache holds
-
-
-def _push_target(prefill: WorkerState, decode: WorkerState) -> PushTarget | None:
-    """Have prefill push the KV layer by layer to decode, when both support it."""
-    if not (prefill.kv_push and decode.kv_push and decode.kv_port):
-        return None
-    return PushTarget(host=decode.kv_host, port=decode.kv_port, transfer_id=uuid.uuid4().hex)
 
 
 def _decode_request(request_id: str, prompt: Sequence[int], sampling: SamplingSpec,
@@ -115,69 +91,21 @@ class PDDispatcher:
         planner's measure of the offered load)."""
         self._pool = pool
         self._demand = demand
-        self._placement = placement
         self._prefix = prefix
-        self._disagg = disagg or DisaggConfig()
         self._migration = migration or MigrationConfig()
         self._migration_metrics = MigrationMetrics(registry)
         self._metrics = DispatchMetrics(registry, placement.name)
         pool.on_worker_removed(self._metrics.placements.forget)
+        self._routes = RouteChooser(pool, placement, self._metrics, prefix,
+                                    disagg or DisaggConfig(), demand)
         self._timelines = TimelineRecorder(registry)
         self._timeout = request_timeout_s
         # The weights version requests run under, and the gate an update closes.
         self.weights = WeightGate()
-        self._cursor = 0
         self._cleanups: set[asyncio.Task[None]] = set()
 
     def is_ready(self) -> bool:
         return any(w.snapshot().healthy for w in self._pool.decode)
-
-    def _follow(self, affinity: str | None, prompt: Sequence[int]) -> _Route | None:
-        """The route to the decode worker ``affinity`` names, while it is healthy."""
-        for worker in self._pool.decode if affinity else ():
-            state = worker.snapshot()
-            if state.worker_id == affinity and state.healthy:
-                disagg = DisaggDecision("local", "sibling")
-                self._metrics.on_decision(disagg)
-                self._metrics.placements.on_placed(state)
-                if self._demand is not None:
-                    self._demand.on_arrival(len(prompt))
-                return _Route(None, worker, disagg)
-        return None
-
-    def _choose(self, prompt: Sequence[int], cache_salt: str | None = None) -> _Route:
-        """Placement, then the disaggregation decision, over one snapshot of every
-        worker, taken once per request (the prefix caches matched under its salt)."""
-        prefill, decode = self._pool.prefill, self._pool.decode
-        p_states = [w.snapshot() for w in prefill]
-        d_states = [w.snapshot() for w in decode]
-        request = (self._prefix.request(prompt, p_states, cache_salt)
-                   if self._prefix is not None else PlacementRequest(len(prompt)))
-        choice: Choice | None = self._placement.choose(p_states, d_states, self._cursor, request)
-        self._cursor += 1
-        if choice is None:
-            raise NoWorkerAvailableError("no healthy decode worker is available")
-        p_state = None if choice.prefill is None else p_states[choice.prefill]
-        d_state = d_states[choice.decode]
-        decode_cached = request.decode_cached_tokens(d_state)
-        disagg = choose_disagg(self._disagg, request, p_state, d_state, decode_cached)
-        self._metrics.on_decision(disagg)
-        self._metrics.placements.on_placed(d_state)
-        if self._prefix is not None:
-            self._prefix.on_decode_placed(request.num_prompt_tokens, decode_cached)
-        if choice.prefill is None or p_state is None or not disagg.remote:
-            if self._demand is not None:
-                self._demand.on_arrival(request.num_prompt_tokens - decode_cached)
-            return _Route(None, decode[choice.decode], disagg, decode_cached=decode_cached)
-        if self._demand is not None:
-            self._demand.on_arrival(request.uncached_tokens(p_state))
-        self._metrics.placements.on_placed(p_state)
-        pending = self._prefix.on_placed(request, p_state) if self._prefix is not None else None
-        # Decode pulls only the blocks past what its cache holds; a push would send them all.
-        push = None if decode_cached else _push_target(p_state, d_state)
-        return _Route(prefill[choice.prefill], decode[choice.decode], disagg,
-                      request.uncached_tokens(p_state), push, pending,
-                      request.pool_source(p_state), decode_cached)
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
@@ -202,8 +130,8 @@ class PDDispatcher:
         express: Express | None, ticket: Ticket,
     ) -> AsyncGenerator[TokenChunk, None]:
         timeline = timeline or RequestTimeline(request_id)
-        route = (self._follow(affinity, prompt_token_ids)
-                 or self._choose(prompt_token_ids, versioned_salt(
+        route = (self._routes.follow(affinity, prompt_token_ids)
+                 or self._routes.choose(prompt_token_ids, versioned_salt(
                      sampling.cache_salt, ticket.version or DEFAULT_WEIGHT_VERSION)))
         timeline.on_placed()
         involved: list[Worker] = []
