@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli.configs import disagg_config, router_config, sim_config, up_config, worker_config
-from pdserve.cli.parser import build_parser, main
+from pdserve.cli.main import main
+from pdserve.cli.parser import build_parser
 from pdserve.core.dtype import resolve_dtype
 from pdserve.core.model import ResolvedModel
 from pdserve.kv_transfer.config import ConnectorConfig

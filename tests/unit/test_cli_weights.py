@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli.configs import up_config, worker_config
-from pdserve.cli.parser import build_parser, main
+from pdserve.cli.main import main
+from pdserve.cli.parser import build_parser
 from pdserve.core.model import ResolvedModel
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.launch.up import UpConfig, plan
