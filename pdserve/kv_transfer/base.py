@@ -193,41 +193,28 @@ class _Builtin:
 _BUILTIN = {"tcp": _Builtin(".transports.tcp:TcpTransport", can_push=True),
             "ucx": _Builtin(".transports.ucx:UcxTransport", can_push=False),
             "torch": _Builtin(".transports.torch_dist:TorchTransport", can_push=False)}
-_REGISTRY: dict[str, Callable[[TransportOptions], KVTransport]] = {}
-_CAN_PUSH = {name for name, builtin in _BUILTIN.items() if builtin.can_push}
-
-
-def register_transport(
-    name: str, factory: Callable[[TransportOptions], KVTransport], *, can_push: bool = False
-) -> None:
-    """Add a transport; ``can_push`` says its ``push_channel()`` is not None."""
-    _REGISTRY[name] = factory
-    if can_push:
-        _CAN_PUSH.add(name)
-    else:
-        _CAN_PUSH.discard(name)
 
 
 def transport_names() -> list[str]:
-    """Every registered name; imports no transport module."""
-    return sorted(set(_BUILTIN) | set(_REGISTRY))
+    """Every transport's name; imports no transport module."""
+    return sorted(_BUILTIN)
 
 
 def push_transport_names() -> list[str]:
     """Names of transports that can push, without importing any (the engine host
     decides ``kv_push`` in a process that must not load torch for it)."""
-    return sorted(_CAN_PUSH)
+    return sorted(name for name, builtin in _BUILTIN.items() if builtin.can_push)
 
 
 def create_transport(name: str, options: TransportOptions | None = None) -> KVTransport:
-    """Build a transport by name; an unknown name lists the valid ones."""
-    factory = _REGISTRY.get(name)
-    if factory is None and name in _BUILTIN:
-        module, _, cls = _BUILTIN[name].target.partition(":")
-        factory = getattr(importlib.import_module(module, __package__), cls)
-        _REGISTRY[name] = factory
-    if factory is None:
+    """Build a transport by name, importing its module only now; an unknown name
+    lists the valid ones."""
+    builtin = _BUILTIN.get(name)
+    if builtin is None:
         raise ValueError(
             f"unknown KV transport {name!r}; valid transports: {', '.join(transport_names())}"
         )
+    module, _, cls = builtin.target.partition(":")
+    factory: Callable[[TransportOptions], KVTransport] = getattr(
+        importlib.import_module(module, __package__), cls)
     return factory(options or TransportOptions())

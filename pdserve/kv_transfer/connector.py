@@ -140,7 +140,7 @@ class TierSizes:
         disk = TierIndex(self.disk_slots) if self.disk_slots else None
         if disk is not None and config.kv_disk_dir:
             for slot, block_hash in scan(Path(config.kv_disk_dir), self.disk_compat,
-                                         self.disk_slots).blocks:
+                                         self.disk_slots):
                 disk.adopt(slot, block_hash)
         return TierPlanner(block_size,
                            TierIndex(self.host_slots) if self.host_slots else None, disk)

@@ -248,9 +248,6 @@ class SchedulerSide:
             return False
         return self._tiers.plan_save(request, block_ids, self._meta)
 
-    def loads_from_tier(self, request_id: str) -> bool:
-        return self._tiers is not None and self._tiers.loads(request_id)
-
     def tier_tokens(self, request_id: str) -> dict[str, int]:
         """The tokens a request loads from each tier: ``host``, ``disk``, ``pool``."""
         out = {} if self._tiers is None else self._tiers.tokens_by_tier(request_id)

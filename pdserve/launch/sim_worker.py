@@ -16,8 +16,6 @@ import signal
 from collections.abc import AsyncGenerator
 from typing import Any
 
-import grpc
-
 from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.grpc_options import DEFAULT_KEEPALIVE_S
@@ -200,16 +198,6 @@ class SimHost:
             self.engine.load_weights(str(version))
             self.weights.committed(str(version), "")
         return self.weights.version
-
-
-async def start_sim_worker(config: SimConfig, host: str = "127.0.0.1", port: int = 0,
-                           secret: ClusterSecret | None = None, tls: GrpcTls | None = None
-                           ) -> tuple[grpc.aio.Server, int, SimEngine]:
-    """Start a simulated worker on this event loop; returns (server, bound port, engine).
-    With the cluster ``secret``, calls without its token are refused; ``tls``: TLS only."""
-    engine = SimEngine(config)
-    worker = await start_worker_server(SimHost(engine), host, port, secret=secret, tls=tls)
-    return worker.server, worker.port, engine
 
 
 async def serve_sim_worker(config: SimConfig, host: str, port: int,

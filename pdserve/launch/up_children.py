@@ -1,5 +1,5 @@
 """``pdserve up``'s children: what each is (``Child``), whether it is ready (its
-gRPC Health, or the router's view of its workers) and a status table. ``pdserve up``
+gRPC Health, or the router's view of its workers). ``pdserve up``
 runs its children under ``pdserve.launch.supervisor``.
 """
 
@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 from rich.console import Console
-from rich.table import Table
 
 from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.grpc_tls import GrpcTls
@@ -68,16 +66,6 @@ def probe_child(child: Child, secret: ClusterSecret | None = None,
         return False
     child.state = "ready" if ok else "waiting for workers"
     return ok
-
-
-def _table(children: list[Child], started: float) -> Table:
-    table = Table(title=f"pdserve starting ({time.monotonic() - started:.0f}s)")
-    table.add_column("component")
-    table.add_column("state")
-    table.add_column("log")
-    for c in children:
-        table.add_row(c.name, c.state, str(c.log))
-    return table
 
 
 def tail(path: Path, lines: int = 30) -> str:

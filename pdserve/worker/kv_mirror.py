@@ -86,10 +86,6 @@ class KvCacheMirror:
     def unsubscribe(self, sub: KvSubscription) -> None:
         self._subscribers.discard(sub)
 
-    @property
-    def num_subscribers(self) -> int:
-        return len(self._subscribers)
-
     def _incr(self, h: int) -> bool:
         self._counts[h] += 1
         return self._counts[h] == 1

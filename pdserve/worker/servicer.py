@@ -286,10 +286,3 @@ async def start_worker_server(backend: WorkerBackend, host: str = "127.0.0.1", p
     await server.start()
     return WorkerServer(server, bound, state)
 
-
-async def start_server(backend: WorkerBackend, host: str = "127.0.0.1", port: int = 0, *,
-                       secret: ClusterSecret | None = None, tls: GrpcTls | None = None
-                       ) -> tuple[grpc.aio.Server, int]:
-    """``start_worker_server`` for callers that need only (server, bound port)."""
-    started = await start_worker_server(backend, host, port, secret=secret, tls=tls)
-    return started.server, started.port

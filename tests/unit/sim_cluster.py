@@ -11,11 +11,14 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 from pdserve_testing import wait_until_async
 from prometheus_client import CollectorRegistry
 
+from pdserve.core.cluster_secret import ClusterSecret
+from pdserve.core.grpc_tls import GrpcTls
 from pdserve.core.types import Role
-from pdserve.launch.sim_worker import start_sim_worker
+from pdserve.launch.sim_worker import SimHost
 from pdserve.router.dispatch.dispatcher import PDDispatcher
 from pdserve.router.dispatch.policies.disagg import DisaggConfig
 from pdserve.router.dispatch.policies.placement import create_placement
@@ -23,7 +26,18 @@ from pdserve.router.dispatch.prefix.index import PrefixIndex
 from pdserve.router.dispatch.prefix.kv_feed import KvIndexFeeder
 from pdserve.router.dispatch.prefix.routing import PrefixRouting
 from pdserve.router.dispatch.workers.pool import WorkerPool
-from pdserve.worker.sim_engine import SimConfig
+from pdserve.worker.servicer import start_worker_server
+from pdserve.worker.sim_engine import SimConfig, SimEngine
+
+
+async def start_sim_worker(config: SimConfig, host: str = "127.0.0.1", port: int = 0,
+                           secret: ClusterSecret | None = None, tls: GrpcTls | None = None
+                           ) -> tuple[grpc.aio.Server, int, SimEngine]:
+    """Start a simulated worker on this event loop; returns (server, bound port, engine).
+    With the cluster ``secret``, calls without its token are refused; ``tls``: TLS only."""
+    engine = SimEngine(config)
+    worker = await start_worker_server(SimHost(engine), host, port, secret=secret, tls=tls)
+    return worker.server, worker.port, engine
 
 
 @dataclass

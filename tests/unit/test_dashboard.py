@@ -17,9 +17,9 @@ import pytest_asyncio
 from pdserve_testing import dashboard_exprs, dashboard_metric_names
 from unit.fake_worker import eventually
 from unit.fakes import COMPLETIONS, ROUTER_MODEL, asgi_http_client, cmpl_body
+from unit.sim_cluster import start_sim_worker
 from unit.test_worker_metrics import COUNTERS, GAUGES, TIER_COUNTERS
 
-from pdserve.launch.sim_worker import start_sim_worker
 from pdserve.router.dispatch.policies.disagg import DisaggConfig
 from pdserve.router.server import RouterConfig, build_router
 from pdserve.worker.sim_engine import SimConfig

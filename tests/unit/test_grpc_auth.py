@@ -12,11 +12,11 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
+from unit.sim_cluster import start_sim_worker
 
 from pdserve.core.cluster_secret import ClusterSecret, num_refusals, write_cluster_secret
 from pdserve.core.grpc_auth import server_interceptors
 from pdserve.core.types import PhaseRequest, SamplingSpec
-from pdserve.launch.sim_worker import start_sim_worker
 from pdserve.launch.up import UpConfig, plan
 from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient, probe_health
 from pdserve.router.dispatch.workers.pool import WorkerPool

@@ -9,12 +9,12 @@ import ipaddress
 from pathlib import Path
 
 import pytest
+from unit.sim_cluster import start_sim_worker
 
 from pdserve.cli.health import HealthTarget
 from pdserve.cli.health import probe as health_probe
 from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.grpc_tls import GrpcTls, TlsFiles
-from pdserve.launch.sim_worker import start_sim_worker
 from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient, probe_health
 from pdserve.worker.sim_engine import SimConfig
 

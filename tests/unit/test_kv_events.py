@@ -11,9 +11,9 @@ from typing import Any
 import pytest_asyncio
 from pdserve_testing import wait_until_async
 from prometheus_client import CollectorRegistry
+from unit.sim_cluster import start_sim_worker
 
 from pdserve.core.block_hash import chain_hashes, salt_root
-from pdserve.launch.sim_worker import start_sim_worker
 from pdserve.membership.static import static_infos
 from pdserve.router.dispatch.prefix.index import PrefixIndex
 from pdserve.router.dispatch.prefix.kv_feed import KvIndexFeeder
@@ -104,7 +104,8 @@ async def test_subscriber_overflow_drops_and_heartbeats_say_where_we_are() -> No
     beat = await sub.next(0.01)
     assert beat.is_heartbeat and beat.seq == 5
     sub.close()
-    assert m.num_subscribers == 0
+    m.apply(False, [9], [])  # not offered to a closed subscription: only heartbeats
+    assert (await sub.next(0.01)).is_heartbeat
 
 
 def in_sync(index: PrefixIndex, engine: Any) -> bool:

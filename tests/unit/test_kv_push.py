@@ -11,12 +11,12 @@ import pytest
 import torch
 from pdserve_testing import NUM_BLOCKS, compat, make_caches, push_kv
 
-from pdserve.kv_transfer.base import create_transport, transport_names
+from pdserve.kv_transfer.base import create_transport, push_transport_names, transport_names
 from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.push.inbox import PushInbox
-from pdserve.kv_transfer.push.plan import PUSH_TRANSPORTS, PushPlanner
+from pdserve.kv_transfer.push.plan import PushPlanner
 
 BS = 16
 
@@ -206,7 +206,7 @@ def test_the_registry_says_can_push_exactly_where_push_channel_is_given(name: st
     # they must agree with the typed capability the connector uses.
     transport = create_transport(name)
     try:
-        assert (transport.push_channel() is not None) == (name in PUSH_TRANSPORTS)
+        assert (transport.push_channel() is not None) == (name in push_transport_names())
     finally:
         transport.close()
 

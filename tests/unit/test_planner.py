@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import pytest
 from prometheus_client import CollectorRegistry
 from unit.fakes import Clock
+from unit.sim_cluster import start_sim_worker
 
-from pdserve.launch.sim_worker import start_sim_worker
 from pdserve.router.dispatch.policies.demand import DemandWindow
 from pdserve.router.dispatch.policies.planner import (
     Demand,

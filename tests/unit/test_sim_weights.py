@@ -7,13 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from unit.sim_cluster import start_sim_worker
 
 from pdserve.cli.configs import sim_config, up_config
 from pdserve.cli.parser import build_parser
 from pdserve.core.handle import KVHandle
 from pdserve.core.model import ResolvedModel
 from pdserve.core.types import PhaseOutput, PhaseRequest, Role, SamplingSpec
-from pdserve.launch.sim_worker import SimHost, start_sim_worker
+from pdserve.launch.sim_worker import SimHost
 from pdserve.launch.up import plan
 from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient
 from pdserve.worker.backend import WorkerError

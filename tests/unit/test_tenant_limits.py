@@ -31,7 +31,6 @@ from unit.fakes import (
 from pdserve.core.types import SamplingSpec
 from pdserve.router.dispatch.base import Dispatcher, TokenChunk
 from pdserve.router.http.edge.config import EdgeConfig
-from pdserve.router.http.tenants.accounts import accounts_by_name
 from pdserve.router.http.tenants.limits import TenantLimiter, TokenBucket
 from pdserve.router.http.tenants.table import TenantLimits, TenantSpec
 
@@ -196,7 +195,8 @@ async def test_a_tenant_over_its_limit_gets_429_while_another_tenants_requests_a
             post(tenant, path, {**body, **(stream if is_stream else {})})
             for tenant, path, body, is_stream in asks))
         usages = [usage_of(reply, ask[3]) for reply, ask in zip(replies, asks, strict=True)]
-        assert accounts_by_name(app.state.tenants)["acme"].limiter.num_running == 1
+        acme = next(a for a in app.state.tenants.values() if a.name == "acme")
+        assert acme.limiter.num_running == 1
         dispatcher.release.set()
         held_usage = usage_of(await held, False)
     after = counters(app)
@@ -221,7 +221,7 @@ async def test_a_tenant_over_its_limit_gets_429_while_another_tenants_requests_a
     assert grew == expected
     # Nothing held: every tenant's slots and the global admission are free again.
     assert all(a.limiter is None or a.limiter.num_running == 0
-               for a in accounts_by_name(app.state.tenants).values())
+               for a in app.state.tenants.values())
     assert app.state.admission.num_running == 0 and app.state.admission.num_waiting == 0
 
 

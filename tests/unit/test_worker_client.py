@@ -8,10 +8,10 @@ import asyncio
 import contextlib
 
 import pytest
+from unit.sim_cluster import start_sim_worker
 
 from pdserve.core.ports import free_port
 from pdserve.core.types import PhaseRequest, SamplingSpec, WorkerHealth, WorkerLoadReport
-from pdserve.launch.sim_worker import start_sim_worker
 from pdserve.router.dispatch.workers.client import (
     UNAVAILABLE,
     WorkerCallError,

@@ -27,7 +27,7 @@ from pdserve.core.types import (
 from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.kv_mirror import KvCacheMirror
-from pdserve.worker.servicer import start_server
+from pdserve.worker.servicer import start_worker_server
 
 HANDLE = KVHandle("p0", "r1-x", (3, 4), 4, "tcp", "127.0.0.1", 7001, "x-1", 123, pushed=True)
 # Sampling floats travel as float32: these are exact there.
@@ -96,11 +96,11 @@ class Served:
 @pytest_asyncio.fixture(loop_scope="function")
 async def served() -> AsyncIterator[Served]:
     backend = Backend()
-    server, port = await start_server(backend)
-    client = WorkerClient(f"127.0.0.1:{port}")
+    worker = await start_worker_server(backend)
+    client = WorkerClient(f"127.0.0.1:{worker.port}")
     yield Served(backend, client)
     await client.close()
-    await server.stop(None)
+    await worker.server.stop(None)
 
 
 async def test_generate_round_trip(served: Served) -> None:

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from pdserve.bench.micro import RESULTS_DIR
-from pdserve.bench.micro.configs import TRANSFER_BLOCK_SIZE, TRANSFER_TOKENS, TransferConfig
+from pdserve.bench.micro.configs import TRANSFER_BLOCK_SIZE, TransferConfig
 from pdserve.core.certs import make_test_ca
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.core.hardware import Hardware
@@ -54,7 +54,7 @@ from pdserve.kv_transfer.layout import KVLayout, as_bytes
 from pdserve.kv_transfer.leases import LeaseTable
 
 NUM_LAYERS, KV_HEADS, HEAD_DIM2 = 30, 3, 128
-BLOCK_SIZE, TOKENS = TRANSFER_BLOCK_SIZE, TRANSFER_TOKENS
+BLOCK_SIZE = TRANSFER_BLOCK_SIZE
 TARGET_VS_SOCKET = 0.7  # ucx and tcp, for transfers of 4 MiB and more
 TARGET_TLS_VS_TCP = 0.8  # tcp+tls, every size
 TLS_SUFFIX = "+tls"
@@ -100,7 +100,7 @@ def start(name: str, kv: list[torch.Tensor], leases: LeaseTable,
 # ---- the serving process ----------------------------------------------------------
 
 def serve(names: list[str], dtype_name: str, num_blocks: int, checksum: bool, device: str,
-          tls: TlsFiles | None, cmds: mp.Queue, replies: mp.Queue) -> None:  # type: ignore[type-arg]
+          tls: TlsFiles | None, cmds: mp.Queue, replies: mp.Queue) -> None:
     """Prefill side: every transport over one set of KV tensors, plus a raw socket."""
     torch.set_num_threads(1)
     if device.startswith("cuda"):

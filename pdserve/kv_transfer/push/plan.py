@@ -18,16 +18,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdserve.core.handle import PushTarget
-from pdserve.kv_transfer.base import push_transport_names
 from pdserve.kv_transfer.push.spec import PushSpec
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
-
-# Transports whose KV endpoint accepts pushes: the registry's ``can_push``, which
-# test_kv_push checks against each transport's ``push_channel()`` (the engine
-# host reads this without importing any transport).
-PUSH_TRANSPORTS = frozenset(push_transport_names())
 
 
 @dataclass

@@ -24,7 +24,6 @@ import os
 import struct
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,18 +43,11 @@ def compat_hash(compat: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(compat, sort_keys=True).encode()).hexdigest()[:16]
 
 
-@dataclass(frozen=True)
-class ScanResult:
-    """What a disk tier folder held at start: its blocks in least-recently-used order
-    (``(slot, hash)``), and how many files belong to another model (ignored)."""
-
-    blocks: list[tuple[int, bytes]]
-    num_foreign: int
-
-
-def scan(root: Path, compat: str, num_slots: int) -> ScanResult:
-    """Read the headers of ``root/compat``'s slot files (oldest first); slots past
-    ``num_slots`` and unreadable files are left out (their slots are rewritten)."""
+def scan(root: Path, compat: str, num_slots: int) -> list[tuple[int, bytes]]:
+    """What a disk tier folder held at start: the ``(slot, hash)`` of ``root/compat``'s
+    slot files, least recently used first. Slots past ``num_slots`` and unreadable files
+    are left out (their slots are rewritten); files of another model or layout are
+    ignored, with a warning saying how many."""
     folder = root / compat
     foreign = sum(1 for d in root.iterdir() if d.is_dir() and d.name != compat
                   for _ in d.glob("*.kv")) if root.is_dir() else 0
@@ -73,7 +65,7 @@ def scan(root: Path, compat: str, num_slots: int) -> ScanResult:
     if foreign:
         logger.warning("disk tier %s: %d block files of another model or layout ignored",
                        root, foreign)
-    return ScanResult([(slot, h) for _, slot, h in sorted(found)], foreign)
+    return [(slot, h) for _, slot, h in sorted(found)]
 
 
 class DiskTier:

@@ -71,9 +71,6 @@ class TierPlanner:
     def index(self, tier: str) -> TierIndex | None:
         return self._index.get(tier)
 
-    def loads(self, request_id: str) -> bool:
-        return request_id in self._loading
-
     def tokens_by_tier(self, request_id: str) -> dict[str, int]:
         """The tokens a request loads from each tier (none: not loading from a tier)."""
         match = self._loading.get(request_id)

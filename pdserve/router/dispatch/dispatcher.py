@@ -133,7 +133,6 @@ class PDDispatcher:
         route = (self._routes.follow(affinity, prompt_token_ids)
                  or self._routes.choose(prompt_token_ids, versioned_salt(
                      sampling.cache_salt, ticket.version or DEFAULT_WEIGHT_VERSION)))
-        timeline.on_placed()
         involved: list[Worker] = []
         finished = False
         num_tokens = 0

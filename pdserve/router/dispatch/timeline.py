@@ -48,14 +48,13 @@ class RequestTimeline:
     """Mutable, owned by the one task serving the request; per-chunk marks are a clock
     read and two additions."""
 
-    __slots__ = ("request_id", "arrival_s", "placed_s", "first_call_s", "prefill", "decode",
+    __slots__ = ("request_id", "arrival_s", "first_call_s", "prefill", "decode",
                  "first_decode_s", "last_decode_s", "num_decode_steps", "num_migrations",
                  "transport", "num_kv_tokens")
 
     def __init__(self, request_id: str, arrival_s: float | None = None) -> None:
         self.request_id = request_id
         self.arrival_s = time.perf_counter() if arrival_s is None else arrival_s
-        self.placed_s = 0.0
         self.first_call_s = 0.0
         self.prefill: PhaseTiming | None = None
         self.decode: PhaseTiming | None = None
@@ -65,9 +64,6 @@ class RequestTimeline:
         self.num_migrations = 0  # decode workers replaced mid-request (router/migration.py)
         self.transport = ""  # the KV handle's, when prefill handed one over
         self.num_kv_tokens = 0
-
-    def on_placed(self) -> None:
-        self.placed_s = time.perf_counter()
 
     def on_call(self) -> None:
         """A worker call is about to go out; only the first one ends the router phase."""

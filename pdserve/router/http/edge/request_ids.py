@@ -55,10 +55,6 @@ class RequestIdMiddleware:
         self._unique_paths = unique_paths
         self._active: set[str] = set()  # client ids of running unique-path requests
 
-    @property
-    def num_active(self) -> int:
-        return len(self._active)
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)

@@ -114,10 +114,6 @@ class IncrementalDetokenizer:
         """True once a stop string matched; further ids are ignored."""
         return self._matcher.matched is not None
 
-    @property
-    def matched_stop(self) -> str | None:
-        return self._matcher.matched
-
     def add(self, token_ids: Sequence[int], *, last_stops: bool = False) -> str:
         """Consume ids (stopping early at a stop string) and return the safe text delta.
         ``last_stops``: the last id is the stop token that ended the output (end of

@@ -21,7 +21,7 @@ whichever path (express lane or not) carried the tokens.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -151,8 +151,3 @@ class TenantLimitMiddleware:
             await self.app(scope, receive, send)
         finally:
             account.end(scope.get(_OUTPUTS))
-
-
-def accounts_by_name(accounts: Mapping[bytes, TenantAccount]) -> dict[str, TenantAccount]:
-    """Each tenant's account once, by its label (tests, views)."""
-    return {a.name: a for a in accounts.values()}
