@@ -52,6 +52,8 @@ PASSTHROUGH: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--max-concurrency", {"type": int}), ("--slo", {}),
     ("--request-timeout-s", {"type": float}),
 )
+# `vllm bench serve`'s spelling of our flags, accepted as the same flag.
+VLLM_SPELLINGS: dict[str, tuple[str, ...]] = {"--num-requests": ("--num-prompts",)}
 
 
 # --- run, sweep ---------------------------------------------------------------------
@@ -107,8 +109,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="shared-prefix, no-reuse: tokens of each user turn")
     w.add_argument("--dataset", help="sharegpt: a .json or .jsonl file")
     s = p.add_argument_group("traffic")
-    s.add_argument("--num-requests", type=int, help="requests to draw (default 100 unless "
-                   "--duration-s)")
+    s.add_argument("--num-requests", *VLLM_SPELLINGS["--num-requests"], type=int,
+                   help="requests to draw (default 100 unless --duration-s)")
     s.add_argument("--duration-s", type=float, help="send for this long instead")
     s.add_argument("--num-warmup", type=int, default=1, help="unmeasured requests first")
     s.add_argument("--request-rate", type=_rate, default=float("inf"),
@@ -206,7 +208,8 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
                    "(0.05 or 0.05/core) or of the node (2.4/node); the report gains $ per "
                    "million input, output and within-SLO tokens")
     for flag, kwargs in PASSTHROUGH:
-        p.add_argument(flag, default=None, help="passed to pdserve bench run", **kwargs)
+        p.add_argument(flag, *VLLM_SPELLINGS.get(flag, ()), default=None,
+                       help="passed to pdserve bench run", **kwargs)
 
 
 def compare_config(args: argparse.Namespace) -> CompareConfig:

@@ -220,6 +220,15 @@ def test_pdserve_entries_and_workload_flags_are_passed_as_given() -> None:
         "--num-requests", "40", "--slo", "ttft=2s,tpot=100ms", "--no-ignore-eos"]
 
 
+def test_num_prompts_is_num_requests_as_vllm_bench_serve_spells_it() -> None:
+    run = bench_cli.build_parser().parse_args(
+        ["run", "--base-url", "http://x", "--num-prompts", "10"])
+    assert bench_flags.run_config(run).num_requests == 10
+    # compare hands it to every run under pdserve's own name
+    assert bench_flags.workload_args(_parse(["--num-prompts", "40"]))[-2:] == [
+        "--num-requests", "40"]
+
+
 def test_each_rate_has_prompts_of_its_own_and_every_system_the_same() -> None:
     """Rate i runs with seed + i: the same seed at every rate sent the same prompts again,
     and the server's prefix cache then answered the later rates (measured: 78-84 % of
