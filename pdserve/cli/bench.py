@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
          "ITL, E2E, throughput and goodput as vllm bench serve defines them.")
     _add(sub, "sweep", bench_flags.add_sweep_flags, _sweep,
          help="run at several rates or concurrencies; the highest meeting the SLO",
-         description=(sweep.__doc__ or "").split("\n\n")[0])
+         description="One workload at several rates (or concurrencies), and the highest "
+         "one that meets the SLO.")
     _add(sub, "compare", bench_flags.add_compare_flags, _compare,
          help="aggregated vLLM vs pdserve (and vLLM's own P/D) on the same cores, "
          "same workload and rates; one report",
@@ -85,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 def build_proxy_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"pdserve bench {PROXY}", description="The proxy in front of vLLM's own "
-        "disaggregated serving (``vllm-disagg`` in compare).")
+        "disaggregated serving (the vllm-disagg system of compare).")
     bench_flags.add_disagg_proxy_flags(parser)
     parser.set_defaults(func=_disagg_proxy)
     return parser
