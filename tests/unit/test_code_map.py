@@ -1,5 +1,5 @@
-"""README's code map is the tree's: regenerated from the packages' and modules'
-docstrings (``scripts/code_map.py``), it must equal what README says."""
+"""docs/code-map.md is the tree's: regenerated from the packages' and modules'
+docstrings (``scripts/code_map.py``), it must equal what the page says."""
 
 from __future__ import annotations
 
@@ -10,19 +10,31 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _code_map():  # noqa: ANN202 - a module loaded from a path
-    spec = importlib.util.spec_from_file_location("code_map", REPO / "tools" / "code_map.py")
+    spec = importlib.util.spec_from_file_location("code_map", REPO / "scripts" / "code_map.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_readme_code_map_is_the_trees() -> None:
+def test_docs_code_map_is_the_trees() -> None:
     code_map = _code_map()
-    readme = (REPO / "README.md").read_text()
-    start, end = readme.index(code_map.BEGIN), readme.index(code_map.END) + len(code_map.END)
-    assert readme[start:end] == code_map.render(), (
-        "README's code map is stale: run `python scripts/code_map.py --write`")
+    assert code_map.PAGE == REPO / "docs" / "code-map.md"
+    assert code_map.PAGE.read_text() == code_map.render(), (
+        "docs/code-map.md is stale: run `.venv/bin/python scripts/code_map.py --write`")
+
+
+def test_the_page_says_how_to_regenerate_it() -> None:
+    header = _code_map().render().split("\n\n")[1]
+    assert "`.venv/bin/python scripts/code_map.py --write`" in header
+
+
+def test_write_reports_a_change_once(tmp_path: Path) -> None:
+    code_map = _code_map()
+    page = tmp_path / "code-map.md"
+    assert code_map.write(page) is True
+    assert code_map.write(page) is False
+    assert page.read_text() == code_map.render()
 
 
 def test_every_package_and_module_says_what_it_owns() -> None:
