@@ -5,7 +5,7 @@ follows imports finds the code).
 
 The packages are layers, each importing only
 those below it (``[tool.importlinter]`` in pyproject.toml, checked by ``make test``):
-``cli`` > ``bench`` > ``launch`` > ``router`` > ``prefill_worker`` | ``decode_worker`` >
-``worker`` > ``kv_transfer`` | ``membership`` | ``proto`` > ``core``. README's "Code map"
-is generated from these docstrings (``python scripts/code_map.py --write``).
+``cli`` > ``bench`` > ``launch`` > ``router`` > ``roles`` > ``worker`` > ``kv_transfer`` |
+``membership`` | ``proto`` > ``core``. docs/code-map.md is generated from these docstrings
+(``.venv/bin/python scripts/code_map.py --write``).
 """

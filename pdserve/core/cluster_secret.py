@@ -1,5 +1,5 @@
 """The shared cluster secret: one file, read once per process, that every member
-of a cluster holds (README "Cluster authentication").
+of a cluster holds (docs/security.md, "Cluster secret").
 
 Only proofs derived from it travel: an HMAC token on router→worker gRPC calls
 (``pdserve.core.grpc_auth``) and a mutual challenge-response on every KV connection

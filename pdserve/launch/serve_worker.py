@@ -58,7 +58,7 @@ def engine_host(config: EngineConfig, worker_id: str, metrics_endpoint: str = ""
 
 
 def worker_info(host: EngineHost, advertise_host: str, grpc_port: int) -> WorkerInfo:
-    """What this worker registers (README "Membership"), once its engine is ready."""
+    """What this worker registers (docs/architecture.md, "Membership"), once its engine is ready."""
     health = host.health()
     cfg = host.config
     capacity: dict[str, float] = {"kv_cache_gib": cfg.kv_cache_gib,

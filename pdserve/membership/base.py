@@ -8,8 +8,8 @@ Two sides meet here:
   ``MembershipSink`` (the router's worker pool): a full listing first, then
   changes.
 
-etcd layout (README "Membership"): key ``/pdserve/<cluster>/workers/<role>/<worker_id>``
-holds ``WorkerInfo.to_json()`` under a lease.
+etcd layout (docs/architecture.md, "Membership"): key
+``/pdserve/<cluster>/workers/<role>/<worker_id>`` holds ``WorkerInfo.to_json()`` under a lease.
 """
 
 from __future__ import annotations

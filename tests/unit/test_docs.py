@@ -1,0 +1,196 @@
+"""The documentation says only what the repository has: every relative link in README.md,
+docs/, bench/README.md and deploy's READMEs reaches a file (and its ``#anchor`` a heading
+there), every flag named in a ``pdserve ...`` command is one that command's parser accepts,
+and README.md stays short. Flags of other programs (``vllm serve``, ``curl``, ``helm``, ...)
+are not checked."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pdserve.cli import bench as bench_cli
+from pdserve.cli.parser import build_parser
+
+REPO = Path(__file__).resolve().parents[2]
+README_MAX_LINES = 250
+
+_FENCE = re.compile(r"^ {0,3}(```|~~~)")
+_INLINE_CODE = re.compile(r"(`+)(.+?)\1")
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+_HEADING = re.compile(r"^ {0,3}#{1,6}\s+(.*?)\s*#*\s*$")
+# pdserve in command position: first, after && ; | ` or VAR=value, or as a path (.venv/bin/pdserve)
+_COMMAND = re.compile(r"(?:^|&&|;|\||`)\s*(?:[A-Z_]+=\S*\s+)*(?:\S*/)?pdserve"
+                      r"((?:\s+[a-z][a-z-]*)*)(?=\s|$)(.*)")
+_FLAG = re.compile(r"(?<![\w-])--[a-z0-9][a-z0-9-]*")
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+
+
+def doc_files() -> list[Path]:
+    """The pages checked: README.md, docs/*.md, bench/README.md, deploy/**/README.md."""
+    found = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
+             *sorted((REPO / "deploy").rglob("README.md"))]
+    bench = REPO / "bench" / "README.md"
+    return found + ([bench] if bench.exists() else [])
+
+
+def split_code(text: str) -> tuple[list[str], list[str]]:
+    """The page's prose lines (fenced blocks blanked) and its fenced code lines."""
+    prose, code, fenced = [], [], False
+    for line in text.splitlines():
+        if _FENCE.match(line):
+            fenced = not fenced
+            prose.append("")
+        elif fenced:
+            code.append(line)
+            prose.append("")
+        else:
+            prose.append(line)
+    return prose, code
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: the rendered text lowercased, punctuation other than
+    ``-`` and ``_`` dropped, spaces made ``-``."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+    text = re.sub(r"[^\w\- ]", "", text.lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Every heading's anchor in a page, numbered as GitHub numbers repeats (``-1``, ...)."""
+    seen: dict[str, int] = {}
+    found = set()
+    for line in split_code(path.read_text())[0]:
+        match = _HEADING.match(line)
+        if not match:
+            continue
+        base = slug(match.group(1))
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        found.add(base if count == 0 else f"{base}-{count}")
+    return found
+
+
+def dead_links(path: Path) -> Iterator[str]:
+    """Relative links in ``path``'s prose whose file or heading does not exist."""
+    for line in split_code(path.read_text())[0]:
+        for target in _LINK.findall(_INLINE_CODE.sub("", line)):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+                continue
+            file, _, anchor = target.partition("#")
+            resolved = (path.parent / file).resolve() if file else path
+            if not resolved.exists():
+                yield f"{target}: no such file"
+            elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+                yield f"{target}: no heading #{anchor} in {resolved.name}"
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    return {o for action in parser._actions for o in action.option_strings}
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def command_flags() -> dict[tuple[str, ...], set[str]]:
+    """Every ``pdserve`` command (``("up",)``, ``("bench", "run")``, ...) and its options;
+    ``pdserve bench``'s own parser stands in for the top-level one's placeholder."""
+    commands: dict[tuple[str, ...], set[str]] = {(): _option_strings(build_parser())}
+    for name, sub in _subparsers(build_parser()).items():
+        commands[(name,)] = _option_strings(sub)
+    bench = bench_cli.build_parser()
+    commands[("bench",)] = _option_strings(bench)
+    for name, sub in _subparsers(bench).items():
+        commands[("bench", name)] = _option_strings(sub)
+    return commands
+
+
+def command_lines(path: Path) -> Iterator[str]:
+    """Each ``pdserve ...`` command the page shows: in inline code, or a fenced code line
+    (continuations joined, a trailing ``# comment`` dropped)."""
+    prose, code = split_code(path.read_text())
+    for line in prose:
+        for _, span in _INLINE_CODE.findall(line):
+            yield span.replace("\\|", "|")
+    joined = "\n".join(code).replace("\\\n", " ")
+    for line in joined.splitlines():
+        yield re.sub(r"\s#\s.*$", "", line)
+
+
+def bad_flags(path: Path, commands: dict[tuple[str, ...], set[str]]) -> Iterator[str]:
+    """Flags (or subcommands) named in ``path``'s ``pdserve`` commands that do not exist.
+    Quoted arguments are skipped: they are another command's flags (``--pdserve
+    name='--disagg slo'`` passes ``pdserve up``'s flags through ``bench compare``)."""
+    for line in command_lines(path):
+        for match in _COMMAND.finditer(line):
+            words = match.group(1).split()
+            command = _longest_command(tuple(words), commands)
+            if command is None:
+                yield f"`pdserve {' '.join(words)}`: no such command"
+                continue
+            rest = " ".join(words[len(command):]) + " " + _QUOTED.sub("", match.group(2))
+            for flag in _FLAG.findall(rest):
+                if flag not in commands[command]:
+                    yield f"`pdserve {' '.join(command)} {flag}`: no such flag"
+
+
+def _longest_command(words: tuple[str, ...], commands: dict[tuple[str, ...], set[str]]
+                     ) -> tuple[str, ...] | None:
+    """The longest known command ``words`` start with (``()``: none named); None when its
+    first word is no command (a positional argument after a known one is not a command)."""
+    for size in range(min(len(words), 2), 0, -1):
+        if words[:size] in commands:
+            return words[:size]
+    return None if words else ()
+
+
+@pytest.fixture(scope="module")
+def commands() -> dict[tuple[str, ...], set[str]]:
+    return command_flags()
+
+
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_resolves(path: Path) -> None:
+    assert list(dead_links(path)) == []
+
+
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_pdserve_flag_exists(path: Path, commands: dict[tuple[str, ...], set[str]]
+                                   ) -> None:
+    assert list(bad_flags(path, commands)) == []
+
+
+def test_readme_is_short() -> None:
+    lines = (REPO / "README.md").read_text().count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines: move detail to docs/"
+
+
+def test_the_checks_catch_a_dead_link_and_a_bogus_flag(
+        tmp_path: Path, commands: dict[tuple[str, ...], set[str]]) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("# Top\n\n[there](missing.md) [here](#nowhere) [ok](#top)\n\n"
+                    "```bash\npdserve up --port 8000 \\\n    --no-such-flag\n```\n"
+                    "`pdserve bench run --request-rate 1 --bogus` `pdserve frobnicate`\n"
+                    "`vllm serve --anything` `pdserve bench compare --pdserve x='--disagg slo'`\n")
+    assert list(dead_links(page)) == ["missing.md: no such file",
+                                      "#nowhere: no heading #nowhere in page.md"]
+    assert sorted(bad_flags(page, commands)) == [
+        "`pdserve bench run --bogus`: no such flag",
+        "`pdserve frobnicate`: no such command",
+        "`pdserve up --no-such-flag`: no such flag",
+    ]
+
+
+def test_slug_follows_github() -> None:
+    assert slug("Conditional disaggregation (`--disagg auto|always|never|slo`)") == (
+        "conditional-disaggregation---disagg-autoalwaysneverslo")
+    assert slug("KV tiers under each engine's cache") == "kv-tiers-under-each-engines-cache"
