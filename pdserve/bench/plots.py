@@ -113,7 +113,7 @@ def _cdf(report: CompareReport, kind: str, path: Path) -> Path:
     for ax, rate in zip(axes[0], report.rates, strict=False):
         for system in report.systems:
             run = system.run_at(rate)
-            values = np.sort(_samples(run.result, kind)) if run and run.result else []
+            values = np.sort(_samples(run.result, kind) if run and run.result else [])
             if len(values):
                 ax.step(values * (1e3 if kind == "itl" else 1.0),
                         np.arange(1, len(values) + 1) / len(values), where="post",

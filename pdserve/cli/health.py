@@ -88,7 +88,8 @@ def _probe_grpc(target: HealthTarget, timeout_s: float, tls: GrpcTls | None) -> 
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+            reply = stub.Check(  # type: ignore[attr-defined]  # the stubs' HealthStub lists no methods
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
         except grpc.RpcError as exc:
             return HealthResult(False, f"grpc health {target.authority}: {exc.code().name}")
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

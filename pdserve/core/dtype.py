@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, TypeGuard, get_args
 
 from pdserve.core.hardware import Hardware
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+EngineDtype = Literal["float32", "bfloat16", "float16"]  # vLLM's --dtype, as engines run it
+DTYPES = ("auto", *get_args(EngineDtype))
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,7 @@ class DtypeChoice:
     """The dtype engines run (never ``auto``), what was asked, and why."""
 
     requested: str
-    dtype: str
+    dtype: EngineDtype
     reason: str
     hardware: Hardware
 
@@ -43,11 +45,11 @@ def resolve_dtype(requested: str = "auto", hardware: Hardware | None = None,
                   cuda_bf16: bool | None = None) -> DtypeChoice:
     """``requested`` as the engines will run it on ``hardware`` (this machine by
     default). ``model_path`` (its ``config.json``) matters only on CUDA."""
-    if requested not in DTYPES:
+    if _is_engine_dtype(requested):
+        return DtypeChoice(requested, requested, "as requested", hardware or Hardware.detect())
+    if requested != "auto":
         raise ValueError(f"unknown dtype {requested!r}; valid: {', '.join(DTYPES)}")
     hw = hardware or Hardware.detect()
-    if requested != "auto":
-        return DtypeChoice(requested, requested, "as requested", hw)
     if hw.cuda:
         return _cuda_choice(hw, model_path, cuda_bf16)
     if hw.native_bf16:
@@ -64,12 +66,18 @@ def _cuda_choice(hw: Hardware, model_path: str | Path | None,
         import torch
 
         cuda_bf16 = bool(torch.cuda.is_bf16_supported())
-    preferred = "bfloat16" if cuda_bf16 else "float16"
+    preferred: EngineDtype = "bfloat16" if cuda_bf16 else "float16"
     config = _model_dtype(model_path)
-    if config in ("bfloat16", "float16") and (config != "bfloat16" or cuda_bf16):
+    if (_is_engine_dtype(config) and config != "float32"
+            and (config != "bfloat16" or cuda_bf16)):
         return DtypeChoice("auto", config, f"CUDA: the model's {config}", hw)
     return DtypeChoice("auto", preferred,
                        f"CUDA: the model's {config or 'unknown dtype'} as {preferred}", hw)
+
+
+def _is_engine_dtype(name: str | None) -> TypeGuard[EngineDtype]:
+    """Whether ``name`` is a dtype engines run (not ``auto``, not unknown)."""
+    return name in get_args(EngineDtype)
 
 
 def _model_dtype(model_path: str | Path | None) -> str | None:

@@ -47,7 +47,7 @@ def spawn(argv: Sequence[str], *, log_path: Path | None = None,
                                 stdin=subprocess.DEVNULL, cwd=cwd,
                                 env={**base, **(env or {})}, start_new_session=True)
     finally:
-        if log_path is not None:
+        if not isinstance(out, int):  # our log file, not DEVNULL
             out.close()  # the child holds its own copy
 
 

@@ -46,8 +46,7 @@ def resolve_layout(layout: str) -> str:
     return "split" if len(os.sched_getaffinity(0)) >= 2 else "shared"
 
 
-def core_sets(num_prefill: int, num_decode: int, layout: str) -> tuple[
-        list[str | None], list[str | None]]:
+def core_sets(num_prefill: int, num_decode: int, layout: str) -> tuple[list[str], list[str]]:
     """Cores for each engine's compute threads (CPU backend only).
 
     ``shared``: every engine may use every core (best for one request at a time).
@@ -68,7 +67,7 @@ def core_sets(num_prefill: int, num_decode: int, layout: str) -> tuple[
     return _split(cores[:half], num_prefill), _split(cores[half:], num_decode)
 
 
-def _split(group: list[int], n: int) -> list[str | None]:
+def _split(group: list[int], n: int) -> list[str]:
     """``n`` slices of ``group``, disjoint while there are enough cores."""
     size = max(1, len(group) // max(n, 1))
     return [",".join(map(str, (group[(i * size) % len(group):] + group)[:size]))

@@ -87,7 +87,7 @@ def send_input(peer: Peer, item: KvInput, answer_s: float, stall_deadline_s: flo
 
 def read_until_eof(sock: socket.socket, deadline: float) -> tuple[bytes, bool]:
     """Everything the peer sends until it closes (True) or ``deadline`` (False)."""
-    chunks = []
+    chunks: list[bytes] = []
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:

@@ -200,7 +200,7 @@ def _before_hello(rng: random.Random, surface: KvSurface, serial: int, auth: boo
 def _unknown_pull(rng: random.Random, surface: KvSurface, serial: int, auth: bool) -> KvInput:
     """Pulls and releases of requests whose lease ended (refused at once)."""
     ids = surface.ended_ids or (f"fz-none-{serial}",)
-    msg = {"op": rng.choice(("pull", "pull", "release")), "req": rng.choice(ids)}
+    msg: dict[str, Any] = {"op": rng.choice(("pull", "pull", "release")), "req": rng.choice(ids)}
     if msg["op"] == "pull":
         msg["runs"] = _runs(rng, surface)
     return KvInput("unknown_pull", frame(msg), auth=auth, hello=True)

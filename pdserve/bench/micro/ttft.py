@@ -89,7 +89,8 @@ def build_prompts(num_prompts: int, num_tokens: int) -> list[str]:
         lead = f"Request {i} ({words[i % len(words)]} {rng.randint(0, 10**6)}):"
         ids = tokenizer.encode(f"{lead} {body}", add_special_tokens=True)
         for cut in sorted(range(num_tokens - 8, num_tokens + 8), key=lambda c: abs(c - num_tokens)):
-            text = tokenizer.decode(ids[:cut], skip_special_tokens=True)  # may not round-trip
+            # batch_decode: typed str per sequence (decode says str | list[str]); may not round-trip
+            text = tokenizer.batch_decode([ids[:cut]], skip_special_tokens=True)[0]
             if len(tokenizer.encode(text, add_special_tokens=True)) == num_tokens:
                 prompts.append(text)
                 break

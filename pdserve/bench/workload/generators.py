@@ -10,7 +10,7 @@
   answers) and the new turn; all users' turn 0 go first, then turn 1, and so on, so each
   turn's prefix was computed a round before: a cache-aware placement reuses it. After
   the last turn a new set of users starts. This is the multi-turn chat workload of the
-  KV tiers' benchmark (bench/README.md, "Multi-turn reuse"): with more users than the
+  KV tiers' benchmark (docs/benchmarks.md, "Multi-turn reuse"): with more users than the
   engine's cache holds, a user's history is evicted before its next turn comes, and only
   a tier below the cache can serve it.
 - ``no-reuse``: shared-prefix's control: request ``i`` has the shape of shared-prefix's
@@ -202,10 +202,15 @@ def check_workload_flags(cfg: RunConfig) -> ShareGptData | None:
     if cfg.workload in ("shared-prefix", "no-reuse"):
         _shape(cfg)
     if cfg.workload == "sharegpt":
-        if not cfg.dataset:
-            raise ValueError("--workload sharegpt needs --dataset PATH (.json or .jsonl)")
-        return load_sharegpt(cfg.dataset)
+        return _sharegpt_data(cfg)
     return None
+
+
+def _sharegpt_data(cfg: RunConfig) -> ShareGptData:
+    """The conversations ``--dataset`` names (sharegpt needs one)."""
+    if not cfg.dataset:
+        raise ValueError("--workload sharegpt needs --dataset PATH (.json or .jsonl)")
+    return load_sharegpt(cfg.dataset)
 
 
 def _shape(cfg: RunConfig) -> SharedPrefixShape:
@@ -245,7 +250,7 @@ def make_workload(cfg: RunConfig, encoder: PromptEncoder, seed: int,
     if cfg.workload == "no-reuse":
         return NoReuseWorkload(encoder, _shape(cfg), seed)
     if cfg.workload == "sharegpt":
-        return ShareGptWorkload(encoder, dataset or load_sharegpt(cfg.dataset),
+        return ShareGptWorkload(encoder, dataset or _sharegpt_data(cfg),
                                 cfg.output_len, seed)
     raise ValueError(f"unknown workload {cfg.workload!r}; choose one of {', '.join(WORKLOADS)}")
 

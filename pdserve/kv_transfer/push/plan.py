@@ -65,12 +65,12 @@ class PushPlanner:
             if target is None or new.prompt_token_ids is None:
                 continue
             num_tokens = len(new.prompt_token_ids)
-            state = _PushState(
+            pushed = _PushState(
                 target, num_tokens, -(-num_tokens // self._block_size), list(new.block_ids[0])
             )
-            self._reqs[new.req_id] = state
+            self._reqs[new.req_id] = pushed
             end = new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0)
-            self._add(specs, new.req_id, state.spec(0, end, self._block_size))
+            self._add(specs, new.req_id, pushed.spec(0, end, self._block_size))
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._reqs.get(req_id)
