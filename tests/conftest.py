@@ -1,5 +1,7 @@
 """Puts tests/ on sys.path so the shared helpers module (``pdserve_testing``) is
-importable from test modules and from the processes they spawn."""
+importable from test modules and from the processes they spawn; skips the tests marked
+``gpu`` where there is no CUDA/ROCm device, the only skip the suite allows (a test that
+needs anything else the install provides fails where it is missing)."""
 
 import asyncio
 import io
@@ -9,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
@@ -23,10 +26,16 @@ UNIT_TIMEOUT_S = 300.0
 DUMP_BEFORE_TIMEOUT_S = 10.0
 
 
+NO_GPU = pytest.mark.skip(reason="gpu test: no CUDA/ROCm device on this machine")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    has_gpu = torch.cuda.is_available()
     for item in items:
         if "/unit/" in str(item.path) and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S))
+        if item.get_closest_marker("gpu") is not None and not has_gpu:
+            item.add_marker(NO_GPU)
 
 
 def _dump_asyncio_tasks(nodeid: str) -> None:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib.util
 import json
 import multiprocessing as mp
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -17,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import psutil
 import torch
 
 from pdserve.core import process
@@ -59,11 +64,26 @@ def compat(dtype: torch.dtype) -> dict[str, object]:
     return {"model": "m", "dtype": str(dtype), "block_size": 16, "tp_size": 1}
 
 
+# The module an optional KV transport imports, and the package that installs it (the
+# cpu and gpu extras both do).
+TRANSPORT_PACKAGES = {"ucx": ("ucxx", "ucxx-cu12")}
+
+
+def require_transport(name: str) -> None:
+    """Raises, naming what to install, where transport ``name`` needs a package the
+    install lacks: a test of a transport the install provides fails, never skips."""
+    module, package = TRANSPORT_PACKAGES.get(name, ("", ""))
+    if module and importlib.util.find_spec(module) is None:
+        raise ModuleNotFoundError(f"the {name} transport needs {module}: pip install "
+                                  f"{package} (pip install -e '.[cpu,test]' brings it)")
+
+
 def start_transport(name: str, caches: dict[str, torch.Tensor], leases: LeaseTable,
                     options: TransportOptions | None = None, port: int = 0
                     ) -> tuple[KVTransport, int]:
     """A transport over ``caches``, serving on 127.0.0.1 (``port``; 0: any free one), as
     the worker side starts it."""
+    require_transport(name)
     dtype = next(iter(caches.values())).dtype
     layout = KVLayout.from_kv_caches(caches, NUM_BLOCKS, 16)
     transport = create_transport(name, options)
@@ -128,6 +148,7 @@ class KVPeer:
 
     def __init__(self, name: str, options: dict[str, Any] | None = None,
                  device: str = "cpu") -> None:
+        require_transport(name)
         ctx = mp.get_context("spawn")
         self._cmds, self._replies = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=kv_peer_main, daemon=True,
@@ -205,6 +226,7 @@ class Server:
     admin_url: str = ""  # the router's admin listener, when the test started one
     # up's scrape targets (name -> /metrics URL), from the line after the endpoint's.
     metrics_targets: dict[str, str] = field(default_factory=dict)
+    temp_dir: Path | None = None  # launch_up's (the cluster secret's): gone once it stops
 
     @property
     def tls(self) -> GrpcTls | None:
@@ -364,12 +386,13 @@ def launch_up(args: list[str], env: dict[str, str], timeout_s: float = 600,
     ``log_path`` when given. The cluster's secret is a file of the test's (up's own
     would leave with it), so the test can call workers directly (``Server.secret``)."""
     import sys
-    import tempfile
     import threading
 
+    own_dir = None
     if "--cluster-secret-file" not in args:
-        path = Path(tempfile.mkdtemp(prefix="pdserve-test-")) / "cluster-secret"
-        args = [*args, "--cluster-secret-file", str(write_cluster_secret(path))]
+        own_dir = Path(tempfile.mkdtemp(prefix="pdserve-test-"))
+        path = write_cluster_secret(own_dir / "cluster-secret")
+        args = [*args, "--cluster-secret-file", str(path)]
     secret = load_cluster_secret(args[args.index("--cluster-secret-file") + 1])
     tls = TlsFiles(*(args[args.index(f) + 1] if f in args else None
                      for f in ("--tls-cert", "--tls-key", "--tls-ca")))
@@ -378,6 +401,8 @@ def launch_up(args: list[str], env: dict[str, str], timeout_s: float = 600,
         log_path.write_bytes(b"")  # fresh: spawn appends
     proc = process.spawn([sys.executable, "-m", "pdserve.cli.main", "up", *args],
                          log_path=log_path, base_env=env, pipe_stdout=True)
+    if own_dir is not None:
+        _OWN_DIRS[proc.pid] = own_dir
     lines: queue.Queue[str] = queue.Queue()
 
     def pump() -> None:
@@ -398,7 +423,7 @@ def launch_up(args: list[str], env: dict[str, str], timeout_s: float = 600,
             if line.startswith("http://"):
                 return Server(line.strip(), proc, log_path, secret,
                               tls_files=tls if tls.enabled else None,
-                              metrics_targets=_targets(lines))
+                              metrics_targets=_targets(lines), temp_dir=own_dir)
         raise TimeoutError(f"pdserve up not ready after {timeout_s}s")
     except BaseException:
         stop_up(proc)
@@ -417,18 +442,50 @@ def _targets(lines: queue.Queue[str]) -> dict[str, str]:
     return dict(item.split("=", 1) for item in line.removeprefix("metrics: ").split())
 
 
+# The temp directory ``launch_up`` made for each ``pdserve up`` it started (pid -> dir,
+# the cluster secret's), removed when the server is stopped or killed.
+_OWN_DIRS: dict[int, Path] = {}
+
+
 def stop_up(proc: subprocess.Popen[bytes]) -> process.StopReport:
     """SIGTERM ``pdserve up``'s group, then SIGKILL what is left of it and every
-    descendant (workers in their own sessions, engines) after 40 s; reaped on return."""
-    return process.stop([proc], grace_s=40)
+    descendant (workers in their own sessions, engines) after 40 s; reaped on return,
+    the temp directories it leaves removed."""
+    return _stop_and_clean(proc, grace_s=40, sig=signal.SIGTERM)
 
 
 def kill_cluster(proc: subprocess.Popen[bytes]) -> process.StopReport:
     """SIGKILL a server's group (``pdserve up``, ``vllm serve``) and every descendant at
-    once; reaped on return. How a fixture ends one whose stop no test checks: a graceful
-    stop waits seconds for each engine to shut down (``test_up_supervise.py`` checks
-    up's, on simulated workers)."""
-    return process.stop([proc], grace_s=0, sig=signal.SIGKILL)
+    once; reaped on return, the temp directories it leaves removed. How a fixture ends
+    one whose stop no test checks: a graceful stop waits seconds for each engine to shut
+    down (``test_up_supervise.py`` checks up's, on simulated workers)."""
+    return _stop_and_clean(proc, grace_s=0, sig=signal.SIGKILL)
+
+
+def _stop_and_clean(proc: subprocess.Popen[bytes], grace_s: float, sig: int
+                    ) -> process.StopReport:
+    """``process.stop`` on ``proc``, then removes what it leaves in the temp dir: the
+    directory ``launch_up`` made for it, and the data directory of the etcd it ran
+    (``up --with-etcd`` removes that only when it is not killed first)."""
+    leftovers = [*_etcd_data_dirs(proc)]
+    if proc.pid in _OWN_DIRS:
+        leftovers.append(_OWN_DIRS.pop(proc.pid))
+    report = process.stop([proc], grace_s=grace_s, sig=sig)
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    return report
+
+
+def _etcd_data_dirs(proc: subprocess.Popen[bytes]) -> list[Path]:
+    """The ``--data-dir`` of every etcd among ``proc``'s descendants."""
+    dirs = []
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                argv = child.cmdline()
+                if argv and Path(argv[0]).name == "etcd" and "--data-dir" in argv:
+                    dirs.append(Path(argv[argv.index("--data-dir") + 1]))
+    return dirs
 
 
 COMPOSE_FILE = Path(__file__).resolve().parents[1] / "deploy" / "compose" / "docker-compose.yml"

@@ -78,12 +78,12 @@ class LocalEtcd:
 
     def _wait_healthy(self, timeout_s: float) -> None:
         """``RuntimeError`` (``NotReadyError``) if etcd exits first, or is not healthy
-        within ``timeout_s`` (then it is stopped)."""
+        within ``timeout_s``; then it is stopped and its data directory removed (no
+        ``with`` block exits for a start that failed, so nothing else would)."""
         try:
             process.wait_ready(self._health, timeout_s, exited=self._exited, interval_s=0.1)
         except process.NotReadyError as exc:
-            if self.proc is not None and self.proc.poll() is None:
-                self.stop()
+            self.stop()
             raise process.NotReadyError(f"etcd {exc}") from None
 
     def _health(self) -> str:

@@ -88,7 +88,13 @@ def test_compare_writes_the_report_and_leaves_nothing_behind(tmp_path: Path) -> 
         assert (result["completed"], result["failed"]) == (NUM_REQUESTS, 0)
         assert result["config"]["seed"] == 1
         assert result["ttft_s"]["p50"] > 0 and result["output_tokens"] == NUM_REQUESTS * 8
-        assert result["goodput_derived"] >= 0
+        # Goodput under the SLOs derived from the baseline's unloaded run: this run's
+        # requests within them, over the run's duration.
+        slo = report["derived_slo"]
+        within = [r for r in result["requests"]
+                  if r["ttft_s"] <= slo["ttft_s"] and r["tpot_s"] <= slo["tpot_s"]]
+        assert result["goodput_derived"] == pytest.approx(
+            len(within) / NUM_REQUESTS * result["request_throughput"])
         assert port_free(system["spec"]["port"])
 
     md = (out / "report.md").read_text()

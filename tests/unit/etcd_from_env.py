@@ -51,7 +51,8 @@ def running_etcd(env: Mapping[str, str], log: Path) -> Iterator[str]:
     certificate when the URL is https). Stopped, with its process group, on exit."""
     binary = shutil.which("etcd")
     if binary is None:
-        pytest.skip("no etcd binary (make etcd installs one)")
+        pytest.fail("no etcd binary: make etcd installs one (apt-get install etcd-server)",
+                    pytrace=False)
     client_url = env["ETCD_ADVERTISE_CLIENT_URLS"].split(",")[0]
     verify: ssl.SSLContext | bool = False
     if client_url.startswith("https://"):

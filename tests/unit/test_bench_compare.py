@@ -312,7 +312,6 @@ def test_disagg_proxy_prefills_one_token_then_streams_decode_with_its_kv_params(
 
 def test_the_vllm_plugin_gives_nixl_progress_threads_a_poll_delay(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("nixl_cu12")
     from pdserve.worker import vllm_plugin
 
     monkeypatch.setenv("PDSERVE_NIXL_PROGRESS_DELAY_US", "1000")

@@ -10,11 +10,10 @@ import asyncio
 
 import numpy as np
 import pytest
+from vllm.benchmarks import serve
 
 from pdserve.bench.metrics import RequestRecord, Slo, summarize
 from pdserve.bench.workload.arrivals import arrival_times
-
-serve = pytest.importorskip("vllm.benchmarks.serve")
 
 
 def _records() -> list[RequestRecord]:

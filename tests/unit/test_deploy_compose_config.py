@@ -29,7 +29,8 @@ PDSERVE_SERVICES = ("router", "prefill", "decode")
 def docker_compose(*args: str, cwd: Path = COMPOSE_DIR) -> subprocess.CompletedProcess[str]:
     binary = shutil.which("docker-compose")
     if binary is None:
-        pytest.skip("docker-compose is not installed (make etcd installs Debian's)")
+        pytest.fail("docker-compose is not installed: make etcd installs Debian's "
+                    "(apt-get install docker-compose)", pytrace=False)
     return subprocess.run([binary, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=60)
 

@@ -9,6 +9,10 @@ import ipaddress
 from pathlib import Path
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from unit.sim_cluster import start_sim_worker
 
 from pdserve.cli.health import HealthTarget
@@ -17,11 +21,6 @@ from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.grpc_tls import GrpcTls, TlsFiles
 from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient, probe_health
 from pdserve.worker.sim_engine import SimConfig
-
-x509 = pytest.importorskip("cryptography.x509")
-from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
-from cryptography.x509.oid import NameOID  # noqa: E402
 
 SECRET = ClusterSecret(b"the-cluster-secret-0123456789")
 

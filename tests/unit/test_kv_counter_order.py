@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from pdserve_testing import make_caches, start_transport
-from unit.test_kv_pool import TRANSPORTS, _Pair, _skip_missing
+from unit.test_kv_pool import TRANSPORTS, _Pair
 from unit.test_kv_tiers import _h
 
 from pdserve.kv_transfer import pull as pull_module
@@ -48,7 +48,6 @@ def slow_after_trailer(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(params=TRANSPORTS)
 def name(request: pytest.FixtureRequest) -> str:
-    _skip_missing(request.param)
     return str(request.param)
 
 

@@ -5,7 +5,9 @@ leaves the index)."""
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest_asyncio
@@ -20,7 +22,7 @@ from pdserve.router.dispatch.prefix.kv_feed import KvIndexFeeder
 from pdserve.router.dispatch.workers.pool import Worker
 from pdserve.worker.kv_mirror import KvCacheMirror
 from pdserve.worker.sim_engine import SimConfig
-from pdserve.worker.vllm_kv_events import VllmEventTranslator
+from pdserve.worker.vllm_kv_events import VllmEventTranslator, remove_stale_sockets
 
 BS = 4
 TOKENS = list(range(100, 100 + 6 * BS))
@@ -201,3 +203,27 @@ async def test_sim_engine_evicts_lru_and_reports_it(sims: SimCluster) -> None:
     await engine.prefill(b)  # 6 new blocks in a cache of 8: a's oldest 4 go
     assert engine.mirror.snapshot()[1] == chain_hashes(a, BS)[4:] + chain_hashes(b, BS)
     assert await engine.prefill(a) == 0  # a's first block is gone: no prefix hit
+
+
+def test_the_socket_files_of_killed_engines_are_removed_and_live_ones_kept(
+        tmp_path: Path) -> None:
+    """A killed engine leaves its bound ipc files; nothing accepts on them any more."""
+    def bound(name: str, listening: bool) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(tmp_path / name))
+        if listening:
+            sock.listen()
+        return sock
+
+    live = [bound("pdserve-kvev-decode-0-7.pub", True),
+            bound("pdserve-kvev-decode-0-7.replay", True)]
+    for name in ("pdserve-kvev-decode-0-5.pub", "pdserve-kvev-decode-0-5.replay",
+                 "other-9.pub"):
+        bound(name, False).close()  # the process died: its file stays
+    try:
+        remove_stale_sockets(tmp_path)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "other-9.pub", "pdserve-kvev-decode-0-7.pub", "pdserve-kvev-decode-0-7.replay"]
+    finally:
+        for sock in live:
+            sock.close()

@@ -25,11 +25,6 @@ from pdserve.kv_transfer.tiers.store import TierStore
 TRANSPORTS = ["tcp", "ucx", "torch"]
 
 
-def _skip_missing(name: str) -> None:
-    if name == "ucx":
-        pytest.importorskip("ucxx", reason="ucxx (ucxx-cu12) not installed")
-
-
 def _block(caches: dict[str, torch.Tensor], block: int) -> list[torch.Tensor]:
     return [t[block].clone() for t in caches.values()]
 
@@ -58,7 +53,6 @@ class _Pair:
 
 @pytest.fixture(params=TRANSPORTS)
 def pair(request: pytest.FixtureRequest) -> Any:
-    _skip_missing(request.param)
     p = _Pair(request.param)
     yield p
     p.close()

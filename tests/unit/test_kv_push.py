@@ -183,7 +183,6 @@ def test_unclaimed_pushes_expire_and_free_their_memory() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_pushed_layers_land_in_device_kv() -> None:
     """GPU path: the inbox stages in pinned host memory and copies into CUDA blocks."""
     caches = {k: torch.zeros_like(v, device="cuda") for k, v in
@@ -212,7 +211,6 @@ def test_the_registry_says_can_push_exactly_where_push_channel_is_given(name: st
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layers_pushed_from_device_kv_land_in_device_kv(dtype) -> None:
     """GPU path end to end: a prefill's PushSender reads CUDA blocks (after the layer's

@@ -22,10 +22,7 @@ from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.tiers.host import HostTier
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device"),
-]
+pytestmark = pytest.mark.gpu  # skipped where there is no device (tests/conftest.py)
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_LAYERS = 64, 16, 8
 # (2, num_blocks, block_size, kv_heads, head_dim): CUDA flash-attention's layout.

@@ -72,7 +72,7 @@ def test_a_pull_over_tls_moves_the_same_bytes(sender: tuple, files: TlsFiles) ->
     got = _pull(port, load_kv_tls(files))
     assert all(torch.equal(caches[k][SRC], got[k][DST]) for k in caches)
     assert leases.take_done() == {"r"}
-    assert transport.stats()["bytes_sent"] > 0
+    assert transport.stats()["bytes_sent"] == sum(t[SRC].nbytes for t in caches.values())
 
 
 def test_the_secret_challenge_runs_inside_tls(files: TlsFiles) -> None:

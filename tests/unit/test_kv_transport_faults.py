@@ -34,8 +34,6 @@ def _sending(port: int) -> bool:
 
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_sender_killed_mid_transfer_fails_the_pull_early(name: str) -> None:
-    if name == "ucx":
-        pytest.importorskip("ucxx")
     peer = KVPeer(name, {"throttle_bytes_per_s": SLOW.throttle_bytes_per_s})
     caches = make_caches(0, torch.float32)
     transport, _ = start_transport(name, caches, LeaseTable())
@@ -72,8 +70,6 @@ def test_sender_killed_mid_transfer_fails_the_pull_early(name: str) -> None:
 
 @pytest.mark.parametrize("name", TRANSPORTS)
 def test_receiver_killed_mid_transfer_ends_the_lease(name: str) -> None:
-    if name == "ucx":
-        pytest.importorskip("ucxx")
     table = LeaseTable()
     table.add("victim", ALL, time.time() + 60)
     table.add("next", [1, 2], time.time() + 60)

@@ -40,7 +40,9 @@ def test_a_decode_only_engine_says_it_never_saw_a_prefill() -> None:
         model.add(n % 8 + 1, 0, 0.02 + 0.001 * (n % 8 + 1))
     est = model.estimate()
     assert est.num_prefill_steps == 0 and est.num_decode_steps == 49
-    assert est.per_token_ns >= 0  # the prior's, finite: the consumer knows it is unmeasured
+    # No prefill step says otherwise: the prior's 1 ms per 100 prompt tokens, finite (the
+    # consumer knows from num_prefill_steps that it is unmeasured).
+    assert est.per_token_ns == 10_000
 
 
 def test_empty_or_nonsense_steps_are_ignored() -> None:

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
 
+from pdserve.core.process import NotReadyError
 from pdserve.launch.up import UpConfig, plan
 from pdserve.membership.local_etcd import LocalEtcd
 
@@ -44,3 +46,14 @@ def test_local_etcd_starts_and_stops_cleanly() -> None:
     assert etcd.proc is not None and etcd.proc.poll() is None
     etcd.stop()
     assert etcd.proc is None and not data_dir.exists()
+
+
+def test_local_etcd_that_fails_to_start_leaves_no_data_directory() -> None:
+    """Its client port taken, etcd exits at once: no ``with`` block will stop it."""
+    etcd = LocalEtcd()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", etcd.client_port))
+        taken.listen()
+        with pytest.raises(NotReadyError, match="exit code"):
+            etcd.start()
+    assert etcd.proc is None and not etcd.data_dir.exists()

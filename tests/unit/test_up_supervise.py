@@ -130,6 +130,7 @@ def test_sigkilled_decode_is_restarted_and_rejoins_while_requests_keep_succeedin
     assert server.proc.returncode == 0
     left = [p.pid for p in tree if _alive(p)]
     assert not left, "processes left after stopping pdserve up"
+    assert server.temp_dir is not None and not server.temp_dir.exists()
     # up stopped its own children within the grace: nothing needed the SIGKILL
     assert stopped.clean, stopped.killed
 
