@@ -15,7 +15,9 @@ pass through as they are: one stream, one seq, one snapshot.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 import tempfile
 import threading
 from collections.abc import Callable, Hashable, Iterable
@@ -42,7 +44,11 @@ class KvEventEndpoints:
 
     @classmethod
     def for_worker(cls, worker_id: str) -> KvEventEndpoints:
-        base = Path(tempfile.gettempdir()) / f"pdserve-kvev-{worker_id}"
+        """The endpoints of ``worker_id``'s engine; first removes the socket files that
+        engines killed before their worker could remove them left behind."""
+        directory = Path(tempfile.gettempdir())
+        remove_stale_sockets(directory)
+        base = directory / f"pdserve-kvev-{worker_id}"
         return cls(pub=f"ipc://{base}.pub", replay=f"ipc://{base}.replay")
 
     def remove_files(self) -> None:
@@ -50,6 +56,28 @@ class KvEventEndpoints:
         for endpoint in (self.pub, self.replay):
             if endpoint.startswith("ipc://"):
                 Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
+
+
+def remove_stale_sockets(directory: Path) -> None:
+    """Deletes the KV event socket files in ``directory`` that nothing listens on any
+    more (a live engine's refuse no connection; another user's are left alone)."""
+    for path in directory.glob("pdserve-kvev-*"):
+        if path.suffix in (".pub", ".replay") and not _listened_on(path):
+            with contextlib.suppress(PermissionError):  # another user's, in a sticky /tmp
+                path.unlink(missing_ok=True)
+
+
+def _listened_on(path: Path) -> bool:
+    """Whether a process accepts connections on the Unix socket ``path`` (a refused
+    connection: its owner is gone; any other error: not ours to judge, kept)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except ConnectionRefusedError:
+            return False
+        except OSError:
+            return True
+    return True
 
 
 class VllmEventTranslator:
