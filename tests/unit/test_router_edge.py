@@ -187,7 +187,8 @@ async def test_stream_failing_midway_counts_as_failed_not_200(tokenizer: Any) ->
         metrics = (await http.get("/metrics")).text
     assert reply.status_code == 200  # the stream had started
     assert sse_payloads(reply.text)[-2]["error"]["code"] == "worker_failed"
-    assert 'endpoint="/v1/completions",status_code="200"' not in metrics
+    assert ('pdserve:http_requests_total{endpoint="/v1/completions",status_code="200"} 0.0'
+            in metrics)
     assert ('pdserve:http_requests_total{endpoint="/v1/completions",status_code="500"} 1.0'
             in metrics)
     assert ('pdserve:request_failures_total{endpoint="/v1/completions",'

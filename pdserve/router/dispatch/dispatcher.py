@@ -95,6 +95,9 @@ class PDDispatcher:
         self._migration = migration or MigrationConfig()
         self._migration_metrics = MigrationMetrics(registry)
         self._metrics = DispatchMetrics(registry, placement.name)
+        for worker in pool.all:  # static members joined before the dispatcher existed
+            self._metrics.placements.on_joined(worker.snapshot())
+        pool.on_worker_added(self._metrics.placements.on_joined)
         pool.on_worker_removed(self._metrics.placements.forget)
         self._routes = RouteChooser(pool, placement, self._metrics, prefix,
                                     disagg or DisaggConfig(), demand)

@@ -7,10 +7,13 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter
 
 from pdserve.core.types import PHASES
+from pdserve.kv_transfer.base import transport_names
 from pdserve.router.dispatch.policies.disagg import DECISION_REASONS, DisaggDecision
 from pdserve.router.dispatch.workers.state import WorkerState
 from pdserve.router.metrics import PREFIX, NullMetric, counter, gauge
 
+# pdserve:kv_handoffs_total{transport,mode}: layer by layer into decode's inbox, or pulled.
+HANDOFF_MODES = ("push", "pull")
 # pdserve:slo_estimate_seconds{what}: the last SLO decision's inputs.
 SLO_ESTIMATES = ("local_ttft", "local_step", "remote_ttft", "ttft_objective", "itl_objective")
 
@@ -54,6 +57,9 @@ class DispatchMetrics:
             self.disagg_decisions.labels(decision, reason)
         for what in SLO_ESTIMATES:
             self.slo_estimates.labels(what)
+        for transport in transport_names():
+            for mode in HANDOFF_MODES:
+                self.handoffs.labels(transport, mode)
 
     def on_decision(self, disagg: DisaggDecision) -> None:
         self.disagg_decisions.labels(disagg.decision, disagg.reason).inc()
@@ -80,12 +86,20 @@ class PlacementCounts:
         self._children: dict[str, tuple[str, Counter | NullMetric]] = {}
 
     def on_placed(self, worker: WorkerState) -> None:
+        self._child(worker).inc()
+
+    def on_joined(self, worker: WorkerState) -> None:
+        """A member's series exists (at 0) from when it joins the view, not its first
+        placement: a fresh cluster's dashboard shows every worker."""
+        self._child(worker)
+
+    def _child(self, worker: WorkerState) -> Counter | NullMetric:
         entry = self._children.get(worker.member_id)
         if entry is None or entry[0] != worker.worker_id:
             self.forget(worker)
             entry = self._children[worker.member_id] = (worker.worker_id, self._family.labels(
                 self._policy, worker.role, worker.worker_id))
-        entry[1].inc()
+        return entry[1]
 
     def forget(self, worker: WorkerState) -> None:
         entry = self._children.pop(worker.member_id, None)

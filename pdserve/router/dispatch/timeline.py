@@ -33,6 +33,7 @@ import time
 from prometheus_client import CollectorRegistry
 
 from pdserve.core.types import PhaseOutput, PhaseTiming
+from pdserve.kv_transfer.base import transport_names
 from pdserve.router.metrics import PREFIX, counter, histogram
 
 logger = logging.getLogger("pdserve.timeline")
@@ -134,6 +135,9 @@ class TimelineRecorder:
         self._kv_tokens = counter(
             registry, f"{PREFIX}kv_handoff_tokens", "Prompt tokens whose KV prefill handed "
             "to decode, by the handle's transport.", ["transport"])
+        for transport in transport_names():  # at 0 from start-up, not from the first handoff
+            self._kv_seconds.labels(transport)
+            self._kv_tokens.labels(transport)
         self._enabled = registry is not None
 
     def record(self, timeline: RequestTimeline) -> None:

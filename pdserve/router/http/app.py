@@ -80,7 +80,7 @@ def create_app(
     elif registry is None:
         registry = CollectorRegistry()
     admission = Admission(edge.max_concurrent, edge.max_queued, edge.max_queue_wait_s)
-    metrics = RouterMetrics(registry, served_model_name, admission)
+    metrics = RouterMetrics(registry, served_model_name, admission, sorted(_GENERATION_PATHS))
     typed_tokenizer: Tokenizer = tokenizer
     preprocessing = Preprocessing(lambda t: Preprocessor(
         served_model_name=served_model_name,

@@ -21,6 +21,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 PREFIX = "pdserve:"
 METRICS_DISABLED_ENV = "PDSERVE_DISABLE_METRICS"
+# Series at 0 from start-up, so that a fresh cluster's dashboard has every one: a finished
+# generation's reasons, and the statuses and failure reasons of the cluster's own troubles
+# (overload, a failed or missing worker, a timeout) and of a client that went away. Other
+# label values appear with their first event.
+FINISH_REASONS = ("stop", "length")
+STARTUP_STATUSES = ("200", "429", "500", "503", "504")
+STARTUP_FAILURE_REASONS = ("too_many_requests", "worker_failed", "no_worker_available",
+                           "timeout", "client_closed")
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
@@ -92,7 +100,10 @@ class RouterMetrics:
     Token metrics are observed once per chunk, and only when ``enabled``."""
 
     def __init__(self, registry: CollectorRegistry | None, model_name: str = "",
-                 admission: AdmissionState | None = None) -> None:
+                 admission: AdmissionState | None = None,
+                 endpoints: Sequence[str] = ()) -> None:
+        """``endpoints``: the generation paths, whose request and failure series exist
+        (at 0) from start-up, with the finish reasons' success series."""
         self.registry = registry
         self.enabled = registry is not None
         self.model_name = model_name
@@ -107,7 +118,13 @@ class RouterMetrics:
         self._success = counter(r, f"{PREFIX}request_success", "Generation requests that "
                                 "finished, by finish reason (stop, length).",
                                 ["model_name", "finished_reason"])
-        self._success_by_reason: dict[str, Counter | NullMetric] = {}
+        self._success_by_reason: dict[str, Counter | NullMetric] = {
+            reason: self._success.labels(model_name, reason) for reason in FINISH_REASONS}
+        for endpoint in endpoints:
+            for status in STARTUP_STATUSES:
+                self.requests.labels(endpoint, status)
+            for reason in STARTUP_FAILURE_REASONS:
+                self.request_failures.labels(endpoint, reason)
         if registry is not None and admission is not None:
             running = Gauge(f"{PREFIX}num_requests_running", "Generation requests holding "
                             "an admission slot.", ["model_name"], registry=registry)

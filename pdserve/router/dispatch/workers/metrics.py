@@ -72,6 +72,9 @@ def register_pool_metrics(pool: WorkerPool, registry: CollectorRegistry) -> None
     registry.register(PoolCollector(pool))
     changes = Counter(f"{PREFIX}membership_changes", "Workers that joined or left the "
                       "router's view, by role.", ["role", "change"], registry=registry)
+    for role in ROLES:  # at 0 from start-up
+        for change in ("joined", "left"):
+            changes.labels(role, change)
 
     def joined(state: WorkerState) -> None:
         changes.labels(state.role, "joined").inc()
