@@ -229,8 +229,9 @@ class PdserveConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             return ()
         events: list[KVCacheEvent] = []
-        for tier, stored, hashes in self._scheduler.take_events():
+        for tier, stored, tier_hashes in self._scheduler.take_events():
             medium = EVENT_MEDIUM[tier]
+            hashes: list[bytes | int] = list(tier_hashes)  # vLLM's hashes are bytes or int
             events.append(BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
                                       block_size=self._block_size, lora_id=None,
                                       medium=medium, lora_name=None) if stored

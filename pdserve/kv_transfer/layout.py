@@ -115,4 +115,4 @@ def as_bytes(chunk: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
     if not chunk.is_contiguous():
         raise ValueError("KV chunk is not contiguous; this layout needs a staging copy")
-    return memoryview(chunk.view(torch.uint8).numpy()).cast("B")
+    return chunk.view(torch.uint8).numpy().data.cast("B")

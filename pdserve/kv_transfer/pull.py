@@ -105,10 +105,11 @@ class PullTransport(ControlledTransport):
 
     def _on_pull(self, conn: socket.socket, msg: dict[str, Any]) -> None:
         assert self._leases is not None and self._layout is not None
+        leases = self._leases
         req = fields.text(msg, "req")  # read before the lease is touched: a bad pull ends none
         src_runs = fields.block_runs(msg, "runs", self._layout.num_blocks)
         try:
-            held = set(self._leases.checkout(req, LEASE_WAIT_S))
+            held = set(leases.checkout(req, LEASE_WAIT_S))
         except LeaseError as exc:
             send_msg(conn, {"ok": False, "error": str(exc)})
             return
@@ -118,9 +119,9 @@ class PullTransport(ControlledTransport):
                 send_msg(conn, {"ok": False, "error": f"blocks {sorted(wanted - held)} not leased"})
                 return
             self._send(conn, msg, list(chunk_views(self._kv, self._layout, src_runs)), req,
-                       on_sent=lambda: self._leases.finish(req) or True)  # before the trailer
+                       on_sent=lambda: leases.finish(req) or True)  # before the trailer
         finally:
-            self._leases.finish(req)  # a failed send: ended here (a second finish is a no-op)
+            leases.finish(req)  # a failed send: ended here (a second finish is a no-op)
 
     def _on_pool_pull(self, conn: socket.socket, msg: dict[str, Any]) -> None:
         """A peer pulls blocks held in this worker's host tier, named by hash (the

@@ -113,7 +113,8 @@ class SchedulerSide:
         grammar is the request's own (``accept_tokens`` is what vLLM's scheduler calls
         after each step); nothing of vLLM is patched. No reasoning parser runs in a
         pdserve engine, so the grammar applies from the first output token on."""
-        if not request.use_structured_output or request.request_id in self._continued:
+        if (not request.use_structured_output or request.request_id in self._continued
+                or request.sampling_params is None):
             return
         prior = (request.sampling_params.extra_args or {}).get(OUTPUT_IN_PROMPT)
         structured = request.structured_output_request

@@ -44,7 +44,7 @@ async def refresh_lease_once(client: aetcd.Client, lease_id: int) -> Any:
     keepalive. Returns etcd's reply (``TTL <= 0`` once the lease is gone).
     """
     await client.connect()
-    call = client.leasestub.LeaseKeepAlive(  # type: ignore[union-attr]
+    call = client.leasestub.LeaseKeepAlive(
         iter([aetcd_rpc.LeaseKeepAliveRequest(ID=lease_id)]),
         timeout=client._timeout, metadata=client.metadata)
     try:

@@ -79,6 +79,8 @@ def check_etcd_url(url: str, tls: TlsFiles | None) -> EtcdEndpoint:
 class TlsClient(aetcd.Client):
     """``aetcd.Client`` over a TLS channel (see the module docstring)."""
 
+    _is_connecting: bool  # aetcd.Client's own flag (set in its __init__)
+
     def __init__(self, endpoint: EtcdEndpoint, credentials: grpc.ChannelCredentials,
                  timeout: float) -> None:
         super().__init__(endpoint.host, endpoint.port, timeout=timeout)
@@ -115,8 +117,7 @@ def etcd_client(url: str, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     plaintext URL under ``--require-tls``)."""
     endpoint = check_etcd_url(url, tls)
     if not endpoint.tls:
-        return aetcd.Client(endpoint.host, endpoint.port,
-                            timeout=call_timeout_s)  # type: ignore[arg-type]
+        return aetcd.Client(endpoint.host, endpoint.port, timeout=call_timeout_s)
     loaded = (tls or TlsFiles()).load()
     credentials = (loaded.channel_credentials() if loaded is not None
                    else grpc.ssl_channel_credentials())  # no --tls-*: the system roots

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from pdserve.core.bounded import bounded
 from pdserve.core.grpc_tls import TlsFiles
@@ -27,6 +29,8 @@ from pdserve.membership.etcd import (
 )
 
 logger = logging.getLogger("pdserve.membership.registrar")
+
+T = TypeVar("T")
 
 DEFAULT_TTL_S = 10
 
@@ -127,6 +131,6 @@ class EtcdRegistrar:
         logger.info("registered %s at %s (lease %x, TTL %ds)", self._key, self._url, lease.id,
                     self.ttl_s)
 
-    async def _call(self, coro):  # type: ignore[no-untyped-def]
+    async def _call(self, coro: Awaitable[T]) -> T:
         """Every etcd call has a deadline (aetcd's own, and this one as a backstop)."""
         return await bounded(coro, self._call_timeout_s + 1)

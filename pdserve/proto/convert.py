@@ -49,7 +49,7 @@ FINISH_TO_PB: dict[FinishReason | None, pb.FinishReason] = {
 FINISH_FROM_PB: dict[pb.FinishReason, FinishReason | None] = {
     v: k for k, v in FINISH_TO_PB.items()}
 _KIND = pb.StructuredOutput.Kind
-STRUCTURED_TO_PB: dict[StructuredKind, pb.StructuredOutput.Kind.ValueType] = {
+STRUCTURED_TO_PB: dict[StructuredKind, pb.StructuredOutput.Kind] = {
     "json": _KIND.KIND_JSON, "json_object": _KIND.KIND_JSON_OBJECT, "regex": _KIND.KIND_REGEX,
     "choice": _KIND.KIND_CHOICE, "grammar": _KIND.KIND_GRAMMAR,
     "structural_tag": _KIND.KIND_STRUCTURAL_TAG,

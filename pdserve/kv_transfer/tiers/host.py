@@ -120,8 +120,8 @@ class HostTier:
             if h != want:
                 raise TransferError(f"host tier slot {slot} holds another block")
         if self._verify:
-            for slot, want in zip(slots, sums, strict=True):
-                if want is not None and self._checksum(slot) != want:
+            for slot, want_sum in zip(slots, sums, strict=True):
+                if want_sum is not None and self._checksum(slot) != want_sum:
                     raise TransferError(f"host tier slot {slot}: checksum mismatch")
         dst = _index(block_ids, self._kv[0])
         runs = _runs(slots)

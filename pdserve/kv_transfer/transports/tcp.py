@@ -214,8 +214,8 @@ def _recv_device(conn: socket.socket, chunks: Sequence[torch.Tensor], deadline: 
             recv_into_exact(conn, as_bytes(buf))
             with torch.cuda.stream(stream):
                 received += _copy(piece, buf, to_device=True)
-                copied[i % 2] = torch.cuda.Event()
-                copied[i % 2].record(stream)
+                copied[i % 2] = event = torch.cuda.Event()
+                event.record(stream)
     finally:
         stream.synchronize()  # nothing writes into the blocks once we return
     return received

@@ -250,7 +250,8 @@ def _new_group(backend: str, store: Any, prefix: str, rank: int, host: str,
         pg = dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
         pg.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
         return pg
-    opts = dist.ProcessGroupGloo._Options()
+    # Gloo's own options (its devices) are _Options at run time (Options is Backend's).
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in torch's stubs
     opts._timeout = timeout
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(prefixed, rank, 2, opts)
