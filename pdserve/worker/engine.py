@@ -244,7 +244,7 @@ def build_engine(config: EngineConfig, counters: EngineCounters) -> AsyncLLM:
     _quiet_shm_spin(config.shm_spin_s)
     dtype = resolve_dtype(config.dtype, model_path=config.model_path)
     logger.info("%s engine: %s", config.role, dtype.describe())
-    from vllm.config import KVEventsConfig, KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig, WeightTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -277,7 +277,7 @@ def build_engine(config: EngineConfig, counters: EngineCounters) -> AsyncLLM:
         # Penalties count the output a decode call gets inside its prompt.
         logits_processors=[OUTPUT_IN_PROMPT_PROCESSOR],
         worker_extension_cls=WORKER_EXTENSION,
-        weight_transfer_config=None if config.weight_transfer_backend is None else {
-            "backend": config.weight_transfer_backend},
+        weight_transfer_config=None if config.weight_transfer_backend is None else
+        WeightTransferConfig(backend=config.weight_transfer_backend),
     )
     return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(counters)])

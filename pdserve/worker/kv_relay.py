@@ -4,7 +4,7 @@ converts them). Shared by the vLLM prefill worker and the simulated one."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from pdserve.core.types import KvChange, KvSnapshot
 from pdserve.worker.kv_mirror import KvCacheMirror
@@ -13,7 +13,7 @@ HEARTBEAT_S = 2.0
 
 
 async def kv_changes(mirror: KvCacheMirror, heartbeat_s: float = HEARTBEAT_S
-                     ) -> AsyncIterator[KvChange]:
+                     ) -> AsyncGenerator[KvChange, None]:
     """First a heartbeat with the current seq, then every batch in order (with
     heartbeats while idle) until the caller closes the iterator."""
     sub = mirror.subscribe()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
@@ -163,7 +163,7 @@ class WorkerSample:
     role: str = ""  # the role it serves at the sample (a role switch changes it)
 
 
-Sampler = Callable[[], Awaitable[WorkerSample]]
+Sampler = Callable[[], Coroutine[None, None, WorkerSample]]  # run_coroutine_threadsafe's
 
 
 def backend_sampler(backend: WorkerBackend, state: ServingState) -> Sampler:

@@ -82,3 +82,4 @@ class RolePolicy(Protocol):
 
     def prune(self, now_ns: int) -> None:
         """Forget what expired by ``now_ns`` (unix ns); called on every GetLoad."""
+        return None

@@ -79,7 +79,13 @@ def _structured(spec: StructuredOutput | None) -> Any:
         return StructuredOutputsParams(json_object=True)
     if spec.kind == "choice":
         return StructuredOutputsParams(choice=json.loads(spec.spec))
-    return StructuredOutputsParams(**{spec.kind: spec.spec})
+    if spec.kind == "json":
+        return StructuredOutputsParams(json=spec.spec)
+    if spec.kind == "regex":
+        return StructuredOutputsParams(regex=spec.spec)
+    if spec.kind == "grammar":
+        return StructuredOutputsParams(grammar=spec.spec)
+    return StructuredOutputsParams(structural_tag=spec.spec)
 
 
 def _logprobs(token_ids: Sequence[int], positions: Any) -> tuple[TokenLogprobs, ...]:

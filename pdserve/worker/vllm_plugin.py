@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 # Under "vllm": the engine processes configure only vLLM's loggers.
@@ -52,6 +53,20 @@ SPIN_ENV = "PDSERVE_VLLM_SHM_SPIN_S"
 NIXL_DELAY_ENV = "PDSERVE_NIXL_PROGRESS_DELAY_US"
 # The longest an idle shared-memory reader sleeps before it looks at its queue again.
 RECHECK_MS = 100
+
+
+def _original(cls: type, name: str) -> Callable[..., Any]:
+    """``cls.<name>`` as vLLM defined it, not a wrapper of ours from an earlier call."""
+    method = getattr(cls, name)
+    return getattr(method, "__pdserve_original__", method)
+
+
+def _patch(cls: type, name: str, original: Callable[..., Any],
+           wrapper: Callable[..., Any]) -> None:
+    """``wrapper`` (of ``original``) in place of ``cls.<name>``; a later patch wraps
+    ``original`` again, never ``wrapper``."""
+    vars(wrapper)["__pdserve_original__"] = original
+    setattr(cls, name, wrapper)
 
 
 def register() -> None:
@@ -87,7 +102,7 @@ def reliable_notify() -> None:
         shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS, RECHECK_MS)
 
     cls = shm_broadcast.SpinCondition
-    original = getattr(cls.notify, "__pdserve_original__", cls.notify)
+    original = _original(cls, "notify")
 
     @functools.wraps(original)
     def notify(self: Any) -> None:
@@ -96,8 +111,7 @@ def reliable_notify() -> None:
         self.local_notify_socket.getsockopt(zmq.EVENTS)
         original(self)
 
-    notify.__pdserve_original__ = original  # type: ignore[attr-defined]
-    cls.notify = notify
+    _patch(cls, "notify", original, notify)
 
 
 def seeded_partial_prefills() -> None:
@@ -122,7 +136,7 @@ def seeded_partial_prefills() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     cls = GPUModelRunner
-    original = getattr(cls.sample_tokens, "__pdserve_original__", cls.sample_tokens)
+    original = _original(cls, "sample_tokens")
 
     @functools.wraps(original)
     def sample_tokens(self: Any, grammar_output: Any) -> Any:
@@ -138,8 +152,7 @@ def seeded_partial_prefills() -> None:
         finally:
             batch.generators.update(held)
 
-    sample_tokens.__pdserve_original__ = original  # type: ignore[attr-defined]
-    cls.sample_tokens = sample_tokens
+    _patch(cls, "sample_tokens", original, sample_tokens)
 
 
 def set_shm_spin(spin_s: float) -> None:
@@ -147,7 +160,7 @@ def set_shm_spin(spin_s: float) -> None:
     from vllm.distributed.device_communicators import shm_broadcast
 
     cls = shm_broadcast.SpinCondition
-    original = getattr(cls.__init__, "__pdserve_original__", cls.__init__)
+    original = _original(cls, "__init__")
 
     @functools.wraps(original)
     def init(self: Any, is_reader: bool, context: Any, notify_address: str,
@@ -156,8 +169,7 @@ def set_shm_spin(spin_s: float) -> None:
         if is_reader:
             self.busy_loop_s = spin_s
 
-    init.__pdserve_original__ = original  # type: ignore[attr-defined]
-    cls.__init__ = init
+    _patch(cls, "__init__", original, init)
     logger.info("pdserve: vLLM shared-memory readers in pid %d spin %.3g s", os.getpid(), spin_s)
 
 

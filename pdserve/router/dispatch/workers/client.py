@@ -20,7 +20,7 @@ seconds, whatever the calls' deadlines.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -92,7 +92,7 @@ class WorkerClient:
 
     async def generate(self, request: PhaseRequest, timeout_s: float,
                        tap: Callable[[tuple[int, ...]], bool] | None = None
-                       ) -> AsyncIterator[PhaseOutput]:
+                       ) -> AsyncGenerator[PhaseOutput, None]:
         """The phase's outputs as the worker streams them; closing this cancels the
         request on the worker. Over the worker's ``Session`` (one stream per worker for
         all of this router's requests, ``worker_session.py``); over ``Generate`` for a
@@ -136,7 +136,7 @@ class WorkerClient:
             raise WorkerCallError(code_name(output.status_code), output.status_details)
 
     async def _generate_call(self, request: PhaseRequest, timeout_s: float
-                             ) -> AsyncIterator[PhaseOutput]:
+                             ) -> AsyncGenerator[PhaseOutput, None]:
         """``generate`` over one ``Generate`` call of its own."""
         call = self._stub.Generate(convert.phase_request_to_pb(request), timeout=timeout_s,
                                    metadata=self._md)
@@ -161,7 +161,7 @@ class WorkerClient:
         return convert.load_from_pb(
             await self._unary(self._stub.GetLoad, pb.GetLoadRequest(), timeout_s))
 
-    async def kv_events(self) -> AsyncIterator[KvChange]:
+    async def kv_events(self) -> AsyncGenerator[KvChange, None]:
         """The worker's prefix-cache changes, until it or the caller ends the stream."""
         call = self._stub.StreamKvEvents(pb.KvEventsRequest(), metadata=self._md)
         async for msg in _stream(call):

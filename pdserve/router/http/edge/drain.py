@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from collections.abc import Sequence
 from types import FrameType
 
@@ -36,7 +37,7 @@ class DrainingServer(uvicorn.Server):
         self._drain: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def serve(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         try:
             await super().serve(sockets)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from pdserve.router.http.base import TokenDecoder
@@ -67,7 +68,7 @@ class StopStringMatcher:
         return longest
 
 
-def rust_tokenizer(tokenizer: Any) -> Any | None:
+def rust_tokenizer(tokenizer: Any) -> Tokenizer | None:
     """The ``tokenizers.Tokenizer`` behind a Hugging Face fast tokenizer whose ``decode``
     is exactly that tokenizer's (no clean-up of spaces afterwards); else None."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -156,7 +157,7 @@ class IncrementalDetokenizer:
         return text if self.stopped else text + self._matcher.flush()
 
     def _decode_next(self) -> str:
-        if self._stream is not None:
+        if self._stream is not None and self._rust is not None:
             try:
                 delta = self._stream.step(self._rust, self.token_ids[-1])
             except Exception:  # noqa: BLE001 - Rust's InvalidPrefix: decode in Python

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
 
 from pdserve.core.types import SamplingSpec, StructuredOutput
-from pdserve.router.http.base import TokenDecoder
 from pdserve.router.http.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
     ModelNotFoundError,
 )
+from pdserve.router.http.openai.logprobs import PieceTokenizer
 from pdserve.router.http.openai.schemas import (
     LOGIT_BIAS_LIMIT,
     ChatCompletionRequest,
@@ -43,8 +43,8 @@ Endpoint = Literal["completions", "chat"]
 T = TypeVar("T")
 
 
-class Tokenizer(TokenDecoder, Protocol):
-    """The part of a Hugging Face tokenizer the router uses."""
+class Tokenizer(PieceTokenizer, Protocol):
+    """The part of a Hugging Face tokenizer the router uses (logprob texts' too)."""
 
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 

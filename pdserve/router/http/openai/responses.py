@@ -364,9 +364,8 @@ class ChatFormatter(ResponseFormatter):
         self, index: int, delta: ChatDelta, finish_reason: str | None,
         token_ids: Sequence[int], logprobs: ChatLogprobs | None = None, first: bool = False,
     ) -> ChatCompletionChunk:
-        extra = {} if logprobs is None else {"logprobs": logprobs}
         choice = ChatStreamChoice(index=index, delta=delta, finish_reason=finish_reason,
-                                  **extra, **self._token_ids(token_ids))
+                                  logprobs=logprobs, **self._token_ids(token_ids))
         return self.chunk_class(choices=[choice], **self._envelope(first))
 
 

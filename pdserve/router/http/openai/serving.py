@@ -30,7 +30,7 @@ from pdserve.router.dispatch.base import (
     WorkerFailedError,
 )
 from pdserve.router.dispatch.timeline import RequestTimeline
-from pdserve.router.http.base import APIError, TokenDecoder
+from pdserve.router.http.base import APIError
 from pdserve.router.http.edge.cancellation import (
     ClientDisconnectedError,
     ClosingStreamingResponse,
@@ -42,7 +42,7 @@ from pdserve.router.http.edge.express import close_express, open_express
 from pdserve.router.http.edge.request_timeout import TIMEOUT_HEADER, request_timeout_s
 from pdserve.router.http.errors import to_api_error
 from pdserve.router.http.openai.choices import ChoiceStreams, fan_in, single_choice
-from pdserve.router.http.openai.logprobs import LogprobText
+from pdserve.router.http.openai.logprobs import LogprobText, PieceTokenizer
 from pdserve.router.http.openai.preprocess import GenerationRequest
 from pdserve.router.http.openai.request_output import (
     Choices,
@@ -69,7 +69,7 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; only in me
 class OpenAIServing:
     """Answers ``GenerationRequest``s: a JSON body, or an SSE stream."""
 
-    def __init__(self, *, dispatcher: Dispatcher, decoder: TokenDecoder, metrics: RouterMetrics,
+    def __init__(self, *, dispatcher: Dispatcher, decoder: PieceTokenizer, metrics: RouterMetrics,
                  request_timeout_s: float = 600.0):
         self._dispatcher = dispatcher
         self._request_timeout_s = request_timeout_s

@@ -20,6 +20,7 @@ tenant's (a tenant name is public, on ``/metrics``; the derivation is in this fi
 from __future__ import annotations
 
 import hmac
+from collections.abc import Mapping
 from hashlib import blake2b, sha256
 from typing import Any
 
@@ -42,7 +43,7 @@ def tenant_name_salt(name: str) -> str:
     return DERIVED + hmac.new(_NAME_LABEL, name.encode(), sha256).hexdigest()[:SALT_CHARS]
 
 
-def salted(scope: dict[str, Any], cache_salt: str | None) -> str | None:
+def salted(scope: Mapping[str, Any], cache_salt: str | None) -> str | None:
     """The request's salt: its tenant's combined with its own (a hash of both: the same
     own salt under two tenants gives two salts), its own without a tenant."""
     tenant = scope.get(TENANT_SALT)
