@@ -41,13 +41,6 @@ def _push_target(prefill: WorkerState, decode: WorkerState) -> PushTarget | None
     return PushTarget(host=decode.kv_host, port=decode.kv_port, transfer_id=uuid.uuid4().hex)
 
 
-def _push_target(prefill: WorkerState, decode: WorkerState) -> PushTarget | None:
-    """Have prefill push the KV layer by layer to decode, when both support it."""
-    if not (prefill.kv_push and decode.kv_push and decode.kv_port):
-        return None
-    return PushTarget(host=decode.kv_host, port=decode.kv_port, transfer_id=uuid.uuid4().hex)
-
-
 class RouteChooser:
     """Chooses each request's route; round-robin tie-breaks turn a cursor kept here."""
 
