@@ -19,6 +19,7 @@ test: install etcd
 	@$(BIN)/pdserve machine
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/mypy
 	HF_HUB_OFFLINE=1 $(BIN)/pdserve prepare-model
 	HF_HUB_OFFLINE=1 $(BIN)/pytest --durations=25 $(PYTEST_ARGS)
 
@@ -57,6 +58,7 @@ proto: | $(BIN)/python
 lint:
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info
