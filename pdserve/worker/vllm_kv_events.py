@@ -1,6 +1,6 @@
 """vLLM's KV cache events -> the worker's ``KvCacheMirror``.
 
-The prefill engine publishes ``BlockStored`` / ``BlockRemoved`` /
+Every worker's engine (whatever its role) publishes ``BlockStored`` / ``BlockRemoved`` /
 ``AllBlocksCleared`` batches on a ZMQ PUB socket (EngineCore process) with
 sequence numbers and a replay ROUTER socket. ``ZmqKvEventSource`` subscribes from
 the worker's own process on a thread, replays missed batches on a seq gap, and
