@@ -75,9 +75,9 @@ def test_http_health_is_200_only(http_port: int, capsys: pytest.CaptureFixture[s
     started = time.monotonic()
     late = probe(HealthTarget("http", "127.0.0.1", http_port, "/slow"), timeout_s=0.2)
     assert not late.healthy and "Timeout" in late.detail
-    # The deadline, not the server (which answers only after the test), ended it; 5 s
-    # of slack over the 0.2 s deadline for a loaded machine.
-    assert time.monotonic() - started < 5.0
+    # The 0.2 s deadline ended it, not the server, which holds /slow until the test
+    # ends (60 s at most).
+    assert time.monotonic() - started < 20.0
     refused = probe(HealthTarget("http", "127.0.0.1", _closed_port(), "/health"), 1.0)
     assert not refused.healthy
 

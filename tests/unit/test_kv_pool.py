@@ -108,9 +108,10 @@ def test_a_worker_without_a_pool_refuses_and_a_gone_peer_fails_in_time() -> None
         server.close()
         start = time.monotonic()
         with pytest.raises(TransferError):
-            client.pull_pool(PeerAddress("127.0.0.1", port), [_h(1)], [1],
-                             time.monotonic() + 5)
-        assert time.monotonic() - start < 6
+            client.pull_pool(PeerAddress("127.0.0.1", port), [_h(1)], [1], start + 5)
+        # Ended by the refusal or the 5 s deadline (10 s of slack for a loaded machine),
+        # not a hang.
+        assert time.monotonic() - start < 15
     finally:
         client.close()
         server.close()

@@ -60,7 +60,8 @@ def test_sender_killed_mid_transfer_fails_the_pull_early(name: str) -> None:
         assert not puller.is_alive(), "the pull hung past its deadline"
         assert isinstance(outcome["result"], TransferError), outcome
         noticed = outcome["ended"] - killed  # from the kill: the setup's time is not counted
-        assert noticed < 10, f"noticed the dead sender only {noticed:.1f} s after the kill"
+        # The dead sender's closed socket ended it, well before the pull's deadline would.
+        assert noticed < DEADLINE_S / 2, f"noticed the dead sender {noticed:.1f} s after the kill"
         stats = transport.stats()
         assert stats["transfers_failed"] == 1 and stats["inflight_pulls"] == 0
     finally:
@@ -82,9 +83,9 @@ def test_receiver_killed_mid_transfer_ends_the_lease(name: str) -> None:
         receiver.start()
         assert wait_until(lambda: _sending(port), timeout_s=60, interval_s=0.05)
         receiver.kill()
-        killed = time.monotonic()
-        assert wait_until(lambda: table.num_held == 1, timeout_s=DEADLINE_S), "lease still held"
-        assert time.monotonic() - killed < 10
+        # The dead receiver's closed socket ended it, well before the pull's deadline would.
+        assert wait_until(lambda: table.num_held == 1, timeout_s=DEADLINE_S / 2), \
+            "lease still held"
         assert "victim" in table.take_done()  # the scheduler frees its blocks next step
         assert wait_until(lambda: sender.stats()["transfers_failed"] == 1, timeout_s=5)
         assert not _sending(port)

@@ -81,7 +81,8 @@ def test_stop_kills_after_the_grace_and_leaves_no_descendant(tmp_path: Path) -> 
     assert os.getsid(grandchild) != os.getsid(stubborn.pid)  # out of the group's reach
     started = time.monotonic()
     report = process.stop([sleeper, stubborn], grace_s=0.5)
-    assert 0.5 <= time.monotonic() - started < 10
+    # The 0.5 s grace, then the kill: not less, and not the stubborn child's 60 s sleep.
+    assert 0.5 <= time.monotonic() - started < 30
     assert sleeper.returncode == -signal.SIGTERM
     assert stubborn.returncode == -signal.SIGKILL  # it ignored the SIGTERM
     assert not report.clean and report.left_behind == []

@@ -149,6 +149,7 @@ def test_stop_leaves_no_process_of_any_group_behind(tmp_path: Path) -> None:
     pids = [c.proc.pid for c in sup.children.values() if c.proc is not None]
     started = time.monotonic()
     sup.stop(grace_s=1)
-    assert time.monotonic() - started < 10
+    # The 1 s grace, then the kill: well under the children's 60 s sleep.
+    assert time.monotonic() - started < 30
     assert not [p for p in [*pids, grandchild] if _alive(p)]
     assert sup.poll() == []  # stopping: nothing is restarted
