@@ -1,6 +1,6 @@
 """The planner's leader election (``pdserve.membership.election``): the etcd
 implementation against a real etcd (one leader among candidates; a clean stop hands
-over at once, a dead leader within one TTL and never two leaders at once; a leader
+over at once, a dead leader once its TTL has run out and never two leaders at once; a leader
 whose lease is lost stops leading), the static one, and planner loops that decide only
 in the leader."""
 
@@ -115,7 +115,7 @@ async def test_a_stopped_leader_hands_over_at_once(etcd: LocalEtcd, candidates: 
     await eventually(lambda: other.is_leader, SETTLE_S, "the survivor leads")
 
 
-async def test_a_dead_leader_hands_over_within_one_ttl_never_two_at_once(
+async def test_a_dead_leader_hands_over_once_its_ttl_runs_out_never_two_at_once(
         candidates: Any) -> None:
     pair = await candidates(TTL_S)
     await eventually(lambda: len(leaders(pair)) == 1, SETTLE_S, "one leader")
