@@ -167,7 +167,8 @@ def parse_api_keys(text: str) -> tuple[str, ...]:
 
 def parse_api_key_entries(text: str) -> tuple[str, ...]:
     """Comma-separated key entries, each a key with its tenant fields or none (an
-    ``--api-key-file`` line: ``tenant_table.py``), checked here, read by ``edge_config``."""
+    ``--api-key-file`` line: ``router/http/tenants/table.py``), checked here, read by
+    ``router/http/edge/config.py``."""
     entries = tuple(e.strip() for e in text.split(",") if e.strip())
     for number, entry in enumerate(entries, 1):
         try:

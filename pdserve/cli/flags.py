@@ -218,7 +218,7 @@ FLAGS = _flags(
     Flag("disable-metrics", "turn the router's metrics off: no metric work per request or "
          "chunk, and /metrics answers 404 (to measure their cost, or where nothing scrapes)",
          False, parse_bool, switch=True),
-    # the router's HTTP edge (router/edge_config.py)
+    # the router's HTTP edge (router/http/edge/config.py)
     Flag("api-key", "require `Authorization: Bearer <key>` on /v1/* (and on /metrics, "
          "/workers, /prefix_index of the main port); repeatable; the environment variable "
          "may hold several, comma-separated; each may name its tenant and limits as a line "

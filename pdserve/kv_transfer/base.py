@@ -52,7 +52,7 @@ class TransportOptions:
     before its first message. None: plaintext.
     ``idle_timeout_s``: the server closes a control connection that sends nothing this
     long, between messages or inside one (a stalled peer holds no thread for longer);
-    clients reuse theirs for half of it. None: ``control_server.IDLE_TIMEOUT_S``.
+    clients reuse theirs for half of it. None: ``control/server.IDLE_TIMEOUT_S``.
     """
 
     checksum: bool = False

@@ -230,7 +230,7 @@ def phase_output_from_pb(msg: pb.GenerateResponse) -> PhaseOutput:
 def plain_token_ids(msg: pb.GenerateResponse) -> tuple[int, ...] | None:
     """The token ids of an output that carries nothing else (every decode token but the
     last: no finish reason, handle, timing or logprobs); None for any other output. The
-    express lane's one look at a message (``worker_client.WorkerClient.generate``)."""
+    express lane's one look at a message (``workers/client.WorkerClient.generate``)."""
     if (msg.finish_reason or msg.logprobs or msg.prompt_logprobs or msg.HasField("kv_handle")
             or msg.HasField("timing") or msg.weight_version):
         return None

@@ -1,6 +1,6 @@
 """The per-role half of a worker: ``RolePolicy``. ``EngineHost`` is the same for
-both roles; each role folder supplies a policy (``prefill_worker.policy``,
-``decode_worker.policy``) instead of phase branches in the host."""
+both roles; each role folder supplies a policy (``roles/prefill/policy.py``,
+``roles/decode/policy.py``) instead of phase branches in the host."""
 
 from __future__ import annotations
 

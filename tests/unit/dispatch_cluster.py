@@ -72,7 +72,7 @@ class Cluster:
 
 # A Session's tasks (its readers on the router and the worker, grpc's own that sends the
 # router's side and waits for the call's end): a session outlives its last request
-# (``worker_session.SESSION_IDLE_S``); ``test_worker_session`` checks that it ends.
+# (``workers/session.SESSION_IDLE_S``); ``test_worker_session`` checks that it ends.
 _SESSION_TASKS = {"RouterSession._read", "WorkerSession._read",
                   "_StreamRequestMixin._consume_request_iterator",
                   "StreamStreamCall._prepare_rpc"}

@@ -1,4 +1,4 @@
-"""The router's dispatcher (``router/dispatch.py``) against scripted gRPC workers
+"""The router's dispatcher (``router/dispatch/dispatcher.py``) against scripted gRPC workers
 (``fake_worker.py``): the P/D flow, the aggregated fallback and prefill failures.
 Decode failures and the cleanup contract are in ``test_dispatch_cleanup.py``; the
 placement policies in ``test_placement_policies.py``."""

@@ -1,6 +1,6 @@
 """Cluster authentication of router→worker gRPC (``pdserve/core/grpc_auth.py``): the real
 ``WorkerService`` servicer in front of a simulated worker, called through the router's
-own client (``router/worker_client.py``), its blocking probes and its worker pool."""
+own client (``router/dispatch/workers/client.py``), its blocking probes and its worker pool."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The router's metrics (``router/metrics.py``, ``pool_metrics.py``): per-worker label
+"""The router's metrics (``router/metrics.py``, ``dispatch/workers/metrics.py``): per-worker label
 sets leave with their worker, the workers-by-state view, the KV handoff per transport,
 the metrics switch, and readiness (``/v1/models`` lists the model only when servable)."""
 

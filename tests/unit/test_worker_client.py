@@ -1,4 +1,4 @@
-"""The router's gRPC adapter (``router/worker_client.py``) against a simulated worker:
+"""The router's gRPC adapter (``router/dispatch/workers/client.py``) against a simulated worker:
 domain types out, a typed error carrying the status code's name, and the blocking
 probes the launcher, tests and benchmarks use."""
 

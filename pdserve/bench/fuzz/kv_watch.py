@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-SERVER_THREAD = "pdserve-kv-conn"  # control_server.py's name for a connection's thread
+SERVER_THREAD = "pdserve-kv-conn"  # control/server.py's name for a connection's thread
 # Where the control server logs a handler's unexpected failure (its safety net).
 CONTROL_LOGGER = "pdserve.kv_transfer.control.channel"
 

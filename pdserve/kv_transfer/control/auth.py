@@ -1,6 +1,6 @@
 """Cluster authentication on a KV control connection, before anything else on it.
 
-Every transport's KV moves only after a control-channel exchange (``control.py``),
+Every transport's KV moves only after a control-channel exchange (``channel.py``),
 so authenticating that channel gates every transport: tcp's bytes travel on it,
 ucx's endpoints and torch's process groups are negotiated on it. With a cluster
 secret, a connection's first messages are a mutual challenge-response::

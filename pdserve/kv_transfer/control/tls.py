@@ -1,6 +1,6 @@
 """Mutual TLS on KV control connections (``--tls-cert``, ``--tls-key``, ``--tls-ca``).
 
-Every KV connection starts on the control channel (``control.py``), so TLS there
+Every KV connection starts on the control channel (``channel.py``), so TLS there
 covers everything the tcp transport sends: its KV bytes travel on that connection.
 ucx and torch.distributed negotiate on it but move KV on their own paths, which
 stay unencrypted: ``--require-tls`` refuses them (``config.py``).

@@ -43,7 +43,7 @@ class TcpTransport(PullTransport):
         # Where pushed KV lands on a decode worker (None: pushes are refused).
         self._inbox: PushInbox | None = None
 
-    # ---- layer-wise push (see push_wire.py) ----------------------------------------
+    # ---- layer-wise push (see push/wire.py) ----------------------------------------
 
     def push_channel(self) -> PushChannel:
         return self

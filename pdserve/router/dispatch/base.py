@@ -1,7 +1,7 @@
 """Domain types shared by the router's HTTP layer and its dispatcher.
 
 The HTTP layer (``app.py``) validates OpenAI requests, tokenizes once and turns
-token chunks into OpenAI responses. The dispatcher (``dispatch.py``) owns the
+token chunks into OpenAI responses. The dispatcher (``dispatcher.py``) owns the
 workers: it picks a prefill and a decode worker, runs the two phases and yields
 token chunks. Neither knows the other's internals; this module is the contract.
 """

@@ -4,7 +4,7 @@ Validation lives in ``schemas.py``, tokenization in ``preprocess.py``, running r
 in ``serving.py``, error rendering in ``errors.py``. The edge in front of the routes is
 one ASGI middleware per concern, outermost first: metrics (``RequestMetricsMiddleware``),
 request ids (``request_ids.py``), client keys and their tenants (``auth.py``), the body
-limit (``body_limit.py``), the tenants' limits (``tenant_accounts.py``), admission
+limit (``body_limit.py``), the tenants' limits (``tenants/accounts.py``), admission
 (``admission.py``). This module wires them to routes.
 """
 

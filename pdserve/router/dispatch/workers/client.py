@@ -95,7 +95,7 @@ class WorkerClient:
                        ) -> AsyncGenerator[PhaseOutput, None]:
         """The phase's outputs as the worker streams them; closing this cancels the
         request on the worker. Over the worker's ``Session`` (one stream per worker for
-        all of this router's requests, ``worker_session.py``); over ``Generate`` for a
+        all of this router's requests, ``workers/session.py``); over ``Generate`` for a
         worker without it. The hot path of every streamed token: one deque pop and one
         conversion per output, no further layer. ``tap``: offered the token ids of each
         output that carries nothing else (``convert.plain_token_ids``) and arrives while

@@ -1,6 +1,6 @@
 """One worker as the router sees it (``Worker``): its gRPC client, its health checks,
 its circuit breaker, the role it serves now, and the immutable ``WorkerState`` snapshot
-placement reads. The set of them is ``workers.WorkerPool``."""
+placement reads. The set of them is ``pool.WorkerPool``."""
 
 from __future__ import annotations
 

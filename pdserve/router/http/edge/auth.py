@@ -3,7 +3,7 @@
 A presented key is compared with every configured key in constant time
 (``hmac.compare_digest``, and no early exit), so neither the response time nor which
 key matched says anything about the keys. Without configured keys nothing is checked.
-The matched key's tenant (``tenant_accounts.py``) goes in the request's scope.
+The matched key's tenant (``tenants/accounts.py``) goes in the request's scope.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class ApiKeys:
 
 class ApiKeyMiddleware:
     """Puts each matched key's tenant in the scope (``TENANT``), and its salt
-    (``TENANT_SALT``) under ``--tenant-isolation key`` (``tenants.py``)."""
+    (``TENANT_SALT``) under ``--tenant-isolation key`` (``tenants/salt.py``)."""
 
     def __init__(self, app: ASGIApp, keys: ApiKeys,
                  tenants: Mapping[bytes, TenantAccount] | None = None) -> None:

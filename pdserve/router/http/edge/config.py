@@ -16,7 +16,7 @@ Defaults, and why:
 - 30 s drain: what Kubernetes gives a pod between SIGTERM and SIGKILL by default.
 
 The keys and their tenants come from ``--api-key`` and ``--api-key-file`` entries, one
-syntax for both (``tenant_table.py``); ``pdserve up`` hands them all to its router in the
+syntax for both (``tenants/table.py``); ``pdserve up`` hands them all to its router in the
 environment, never on a command line that ``ps`` shows.
 """
 
@@ -54,7 +54,7 @@ class EdgeConfig:
     max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
-    # ``key``: every request's cache salt is derived from its API key (``tenants.py``), so
+    # ``key``: every request's cache salt is derived from its API key (``tenants/salt.py``), so
     # clients of different keys share no cached KV; ``off``: only the requests' own salts.
     tenant_isolation: str = "off"
     # The named tenants (their keys are among api_keys); every other key is a tenant of
@@ -127,7 +127,7 @@ class EdgeConfig:
 
 
 def read_api_key_file(path: Path) -> Iterator[tuple[str, KeyEntry]]:
-    """The file's key entries (``tenant_table.py``), each with where it is, for errors
+    """The file's key entries (``tenants/table.py``), each with where it is, for errors
     (``key_table``); a bad line raises ValueError naming its number, never its key."""
     try:
         lines = path.read_text().splitlines()

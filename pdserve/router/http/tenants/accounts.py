@@ -1,8 +1,8 @@
 """Tenants at the edge: who sent a request, whether its limits admit it, what it spent.
 
-Every configured key belongs to one tenant (``tenant_table.py``: a named tenant, or the
+Every configured key belongs to one tenant (``table.py``: a named tenant, or the
 key alone as ``key-<n>``), and each tenant has one ``TenantAccount``: its salt (for
-``--tenant-isolation key``), its limiter (``tenant_limits.py``) and its counters
+``--tenant-isolation key``), its limiter (``limits.py``) and its counters
 (``metrics/tenants.py``). ``ApiKeyMiddleware`` puts the account of the key that matched in
 the request's scope (``TENANT``); then, on the generation paths:
 

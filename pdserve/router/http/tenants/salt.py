@@ -1,7 +1,7 @@
 """Tenant isolation by API key (``--tenant-isolation key``): each key is a tenant, and
 every request it authenticates is salted with ``tenant_salt(key)``, a keyed hash of the
 key (never the key), combined with the request's own ``cache_salt`` if it sent one, never
-replaced by it. Keys that name one tenant in the key table (``tenant_table.py``) are that
+replaced by it. Keys that name one tenant in the key table (``table.py``) are that
 one tenant: their requests are salted with ``tenant_name_salt(name)``, so the tenant's
 cache survives adding or rotating its keys. Requests under different salts share no
 cached KV anywhere in the cluster (``core.block_hash.salt_root``, vLLM's own

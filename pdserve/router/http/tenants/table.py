@@ -14,7 +14,7 @@ separated by spaces, the key first::
 - Limits (a named tenant's; on any of its lines, once, or repeated identically):
   ``max_concurrent`` (requests at once), ``tokens_per_s`` (prompt + completion tokens,
   a token bucket refilled at that rate) and ``burst`` (the bucket's size; default one
-  second's worth, ``DEFAULT_BURST_S``). ``tenant_limits.py`` enforces them.
+  second's worth, ``DEFAULT_BURST_S``). ``limits.py`` enforces them.
 - Blank lines and ``#`` comments are skipped, a ``#`` field ends the line.
 
 Errors name where the entry was (``--api-key-file PATH line 3``) and never echo the key.
