@@ -1,4 +1,5 @@
-"""The layer contract (pyproject's ``[tool.importlinter]``) holds on the tree, and an
+"""The import contracts (pyproject's ``[tool.importlinter]``: layers, the roles' rooms, pure
+policies, protobuf at the edge) hold on the tree, and an
 import against it fails ``lint-imports``: the contract is checked, not decoration."""
 
 from __future__ import annotations
@@ -49,6 +50,14 @@ def test_the_tree_keeps_its_layers(tree_copy: Path) -> None:
     # protobuf leaking past its edge
     ("router/dispatch/dispatcher.py", "import pdserve.proto.pdserve.v1.worker_pb2",
      "protobuf stays at the edge"),
+    # one role reaching into the other's room
+    ("roles/decode/policy.py", "import pdserve.roles.prefill.policy",
+     "each role lives in its own room"),
+    # a pure policy calling a worker, or waiting on the event loop
+    ("router/dispatch/policies/slo.py", "import pdserve.router.dispatch.workers.client",
+     "the dispatcher's policies are pure"),
+    ("router/dispatch/policies/planner.py", "import asyncio",
+     "the dispatcher's policies are pure"),
 ])
 def test_an_import_against_the_layers_fails(tree_copy: Path, module: str, upward: str,
                                             rule: str) -> None:
