@@ -35,7 +35,7 @@ from pdserve.kv_transfer.integrity import checksum, natural_kind
 from pdserve.kv_transfer.layout import chunk_views, paired_runs
 from pdserve.kv_transfer.leases import LeaseError
 
-logger = logging.getLogger("pdserve.kv_transfer.control.channel")
+logger = logging.getLogger("pdserve.kv_transfer.control")
 
 # A decode worker that stops reading for this long loses the transfer.
 SEND_TIMEOUT_S = 30.0

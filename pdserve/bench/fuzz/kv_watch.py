@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 SERVER_THREAD = "pdserve-kv-conn"  # control/server.py's name for a connection's thread
 # Where the control server logs a handler's unexpected failure (its safety net).
-CONTROL_LOGGER = "pdserve.kv_transfer.control.channel"
+CONTROL_LOGGER = "pdserve.kv_transfer.control"
 
 
 @dataclass(frozen=True)

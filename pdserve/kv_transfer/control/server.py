@@ -29,7 +29,7 @@ from pdserve.kv_transfer.control.wire import (
 )
 from pdserve.kv_transfer.threads import unpin_current_thread
 
-logger = logging.getLogger("pdserve.kv_transfer.control.channel")
+logger = logging.getLogger("pdserve.kv_transfer.control")
 
 # A connection idle this long is closed by the server; clients reuse theirs for half of it.
 IDLE_TIMEOUT_S = 300.0

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.kv_transfer.control.wire import TransferError, set_deadline
 
-logger = logging.getLogger("pdserve.kv_transfer.control.tls")
+logger = logging.getLogger("pdserve.kv_transfer.tls")
 
 
 class TlsHandshakeError(TransferError):

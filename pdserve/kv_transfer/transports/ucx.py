@@ -45,7 +45,7 @@ from pdserve.kv_transfer.control.wire import (
 from pdserve.kv_transfer.layout import as_bytes
 from pdserve.kv_transfer.pull import PullTransport
 
-logger = logging.getLogger("pdserve.kv_transfer.transports.ucx")
+logger = logging.getLogger("pdserve.kv_transfer.ucx")
 
 _EPOLL_TIMEOUT_MS = 100
 _INDEX_BITS = 24
