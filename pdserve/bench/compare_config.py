@@ -116,7 +116,7 @@ def check_vllm_disagg() -> None:
 
     if not any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12", "nixl_cu13")):
         raise ValueError("--with-vllm-disagg needs NIXL for vLLM's NixlConnector: "
-                         "pip install nixl-cu12")
+                         "pip install 'pdserve[bench]'")
     if len(_affinity()) < 2:
         raise ValueError("--with-vllm-disagg needs 2+ cores (prefill and decode engines on "
                          "separate cores)")

