@@ -1,8 +1,9 @@
 """The documentation says only what the repository has: every relative link in README.md,
 docs/, bench/README.md and deploy's READMEs reaches a file (and its ``#anchor`` a heading
 there), every flag named in a ``pdserve ...`` command is one that command's parser accepts,
-and README.md stays short. Flags of other programs (``vllm serve``, ``curl``, ``helm``, ...)
-are not checked."""
+every other flag in inline code or a code block is one some ``pdserve`` parser accepts or
+another program's flag from a short list (that program named beside it), and README.md stays
+short."""
 
 from __future__ import annotations
 
@@ -21,13 +22,29 @@ README_MAX_LINES = 250
 
 _FENCE = re.compile(r"^ {0,3}(```|~~~)")
 _INLINE_CODE = re.compile(r"(`+)(.+?)\1")
+# an inline code span within one paragraph: it may wrap onto the next lines, not past a blank one
+_WRAPPED_CODE = re.compile(r"(`+)((?:(?!\n[ \t]*\n).)+?)\1", re.S)
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _HEADING = re.compile(r"^ {0,3}#{1,6}\s+(.*?)\s*#*\s*$")
-# pdserve in command position: first, after && ; | ` or VAR=value, or as a path (.venv/bin/pdserve)
-_COMMAND = re.compile(r"(?:^|&&|;|\||`)\s*(?:[A-Z_]+=\S*\s+)*(?:\S*/)?pdserve"
+# pdserve in command position: first, after && ; | ` or VAR=value, or as a path (.venv/bin/pdserve);
+# not an error message's ``pdserve router: error: ...``
+_COMMAND = re.compile(r"(?:^|&&|;|\||`)\s*(?:[A-Z_]+=\S*\s+)*(?:\S*/)?pdserve(?!\s+[a-z-]+:)"
                       r"((?:\s+[a-z][a-z-]*)*)(?=\s|$)(.*)")
 _FLAG = re.compile(r"(?<![\w-])--[a-z0-9][a-z0-9-]*")
 _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+
+# Other programs' flags the pages name, by program: one passes only where its program is named
+# on the same line (in the same code block). The rest must be some pdserve parser's.
+FOREIGN_FLAGS = {
+    "vllm": {"--max-num-seqs", "--long-prefill-token-threshold",
+             "--enable-prompt-tokens-details"},
+    "vllm-router": {"--vllm-pd-disaggregation"},
+    "etcd": {"--cert-file", "--key-file", "--trusted-ca-file", "--client-cert-auth"},
+    "docker": {"--build-arg"},
+    "helm": {"--set", "--set-file"},
+    "pip": {"--no-deps"},
+    "code_map.py": {"--write"},
+}
 
 
 def doc_files() -> list[Path]:
@@ -39,18 +56,33 @@ def doc_files() -> list[Path]:
 
 
 def split_code(text: str) -> tuple[list[str], list[str]]:
-    """The page's prose lines (fenced blocks blanked) and its fenced code lines."""
-    prose, code, fenced = [], [], False
+    """The page's prose lines (fenced blocks blanked) and its fenced code blocks' texts."""
+    prose: list[str] = []
+    blocks: list[list[str]] = []
+    fenced = False
     for line in text.splitlines():
         if _FENCE.match(line):
             fenced = not fenced
+            if fenced:
+                blocks.append([])
             prose.append("")
         elif fenced:
-            code.append(line)
+            blocks[-1].append(line)
             prose.append("")
         else:
             prose.append(line)
-    return prose, code
+    return prose, ["\n".join(block) for block in blocks]
+
+
+def inline_code(prose: list[str]) -> Iterator[tuple[str, str]]:
+    """Each inline code span of the prose (one wrapped onto the next lines joined by a space)
+    with the source lines it sits on."""
+    text = "\n".join(prose)
+    for match in _WRAPPED_CODE.finditer(text):
+        start = text.rfind("\n", 0, match.start()) + 1
+        end = text.find("\n", match.end())
+        lines = text[start:end if end >= 0 else len(text)]
+        yield match.group(2).replace("\n", " "), lines
 
 
 def slug(heading: str) -> str:
@@ -117,13 +149,12 @@ def command_flags() -> dict[tuple[str, ...], set[str]]:
 def command_lines(path: Path) -> Iterator[str]:
     """Each ``pdserve ...`` command the page shows: in inline code, or a fenced code line
     (continuations joined, a trailing ``# comment`` dropped)."""
-    prose, code = split_code(path.read_text())
-    for line in prose:
-        for _, span in _INLINE_CODE.findall(line):
-            yield span.replace("\\|", "|")
-    joined = "\n".join(code).replace("\\\n", " ")
-    for line in joined.splitlines():
-        yield re.sub(r"\s#\s.*$", "", line)
+    prose, blocks = split_code(path.read_text())
+    for span, _ in inline_code(prose):
+        yield span.replace("\\|", "|")
+    for block in blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            yield re.sub(r"\s#\s.*$", "", line)
 
 
 def bad_flags(path: Path, commands: dict[tuple[str, ...], set[str]]) -> Iterator[str]:
@@ -143,6 +174,35 @@ def bad_flags(path: Path, commands: dict[tuple[str, ...], set[str]]) -> Iterator
                     yield f"`pdserve {' '.join(command)} {flag}`: no such flag"
 
 
+def pdserve_flags() -> set[str]:
+    """Every option of every ``pdserve`` parser (commands and ``bench`` subcommands)."""
+    return set().union(*command_flags().values())
+
+
+def code_with_context(path: Path) -> Iterator[tuple[str, str]]:
+    """The page's code: each inline span with its source lines, each fenced block with
+    itself."""
+    prose, blocks = split_code(path.read_text())
+    yield from inline_code(prose)
+    yield from ((block, block) for block in blocks)
+
+
+def unknown_flags(path: Path, known: set[str]) -> Iterator[str]:
+    """Flags in ``path``'s inline code and code blocks that no ``pdserve`` parser has and that
+    are not a program's in ``FOREIGN_FLAGS`` named beside them."""
+    for code, context in code_with_context(path):
+        for flag in _FLAG.findall(code):
+            if flag not in known and not _foreign(flag, context):
+                yield f"{flag}: no pdserve option (in: {' '.join(context.split())[:80]})"
+
+
+def _foreign(flag: str, context: str) -> bool:
+    """Whether ``flag`` is the flag of a program ``context`` names."""
+    return any(flag in flags and re.search(rf"(?<![\w-]){re.escape(program)}(?![\w-])",
+                                           context, re.I)
+               for program, flags in FOREIGN_FLAGS.items())
+
+
 def _longest_command(words: tuple[str, ...], commands: dict[tuple[str, ...], set[str]]
                      ) -> tuple[str, ...] | None:
     """The longest known command ``words`` start with (``()``: none named); None when its
@@ -158,6 +218,11 @@ def commands() -> dict[tuple[str, ...], set[str]]:
     return command_flags()
 
 
+@pytest.fixture(scope="module")
+def known_flags() -> set[str]:
+    return pdserve_flags()
+
+
 @pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(REPO)))
 def test_every_relative_link_resolves(path: Path) -> None:
     assert list(dead_links(path)) == []
@@ -167,6 +232,12 @@ def test_every_relative_link_resolves(path: Path) -> None:
 def test_every_pdserve_flag_exists(path: Path, commands: dict[tuple[str, ...], set[str]]
                                    ) -> None:
     assert list(bad_flags(path, commands)) == []
+
+
+@pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_flag_in_code_is_pdserves_or_a_named_programs(path: Path, known_flags: set[str]
+                                                           ) -> None:
+    assert list(unknown_flags(path, known_flags)) == []
 
 
 def test_readme_is_short() -> None:
@@ -180,7 +251,8 @@ def test_the_checks_catch_a_dead_link_and_a_bogus_flag(
     page.write_text("# Top\n\n[there](missing.md) [here](#nowhere) [ok](#top)\n\n"
                     "```bash\npdserve up --port 8000 \\\n    --no-such-flag\n```\n"
                     "`pdserve bench run --request-rate 1 --bogus` `pdserve frobnicate`\n"
-                    "`vllm serve --anything` `pdserve bench compare --pdserve x='--disagg slo'`\n")
+                    "`vllm serve --anything` `pdserve bench compare --pdserve x='--disagg slo'`\n"
+                    "`pdserve router: error: argument --nothing: invalid value` (a message)\n")
     assert list(dead_links(page)) == ["missing.md: no such file",
                                       "#nowhere: no heading #nowhere in page.md"]
     assert sorted(bad_flags(page, commands)) == [
@@ -188,6 +260,15 @@ def test_the_checks_catch_a_dead_link_and_a_bogus_flag(
         "`pdserve frobnicate`: no such command",
         "`pdserve up --no-such-flag`: no such flag",
     ]
+
+
+def test_the_check_catches_a_flag_no_one_has(tmp_path: Path, known_flags: set[str]) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("Set `--kv-cache-gib` and `--no-such-option`; give vLLM `--max-num-seqs`,\n"
+                    "not here `--max-num-seqs`. A span that `--wraps\nonto` the next line.\n\n"
+                    "```bash\nhelm install x --set a=1\n```\n```bash\ndocker run --set b\n```\n")
+    assert [flag.split(":")[0] for flag in unknown_flags(page, known_flags)] == [
+        "--no-such-option", "--max-num-seqs", "--wraps", "--set"]
 
 
 def test_slug_follows_github() -> None:
