@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,6 @@ from typing import Any
 from pdserve.bench.compare_config import CompareConfig
 from pdserve.bench.cost import Price, add_cost
 from pdserve.bench.launch import RunningSystem, StartupError
-from pdserve.bench.plots import write_report
 from pdserve.bench.report import (
     CompareReport,
     RateRun,
@@ -43,18 +43,30 @@ from pdserve.bench.systems import SystemSpec, pdserve_up, vllm_aggregated, vllm_
 from pdserve.bench.worker_counters import counters_delta, read_counters
 from pdserve.core import process
 
-__all__ = ["main", "run_compare"]
+__all__ = ["main", "report_writer", "run_compare"]
 # Every ratio is to aggregated vLLM tuned as pdserve's engines are (systems.py).
 BASELINE = "vllm-tuned"
+# Writes the report (JSON, Markdown, plots) into a folder: ``plots.write_report``.
+ReportWriter = Callable[[CompareReport, Path], object]
 
 
-def main(cfg: CompareConfig) -> int:
-    """Run ``cfg`` (checked when built: the CLI's ``compare_config``) and print where the
-    report is."""
+def report_writer() -> ReportWriter:
+    """``plots.write_report``; ModuleNotFoundError where matplotlib (the bench extra) is
+    not installed. Imported here, not at the top: matplotlib is an optional dependency
+    that only compare's plots need, so the rest of ``pdserve bench`` runs without it."""
+    from pdserve.bench.plots import write_report
+
+    return write_report
+
+
+def main(cfg: CompareConfig, write_report: ReportWriter) -> int:
+    """Run ``cfg`` (checked when built: the CLI's ``compare_config``), write the report
+    with ``write_report`` (``report_writer()``, got before anything starts) and print
+    where it is."""
     _say(cfg.dtype.describe())
     previous = signal.signal(signal.SIGTERM, _interrupt)  # stop the systems, then exit
     try:
-        report = run_compare(cfg)
+        report = run_compare(cfg, write_report)
     finally:
         signal.signal(signal.SIGTERM, previous)
     failed = [s.name for s in report.systems if s.error]
@@ -84,7 +96,7 @@ def build_systems(cfg: CompareConfig) -> list[SystemSpec]:
     return systems
 
 
-def run_compare(cfg: CompareConfig) -> CompareReport:
+def run_compare(cfg: CompareConfig, write_report: ReportWriter) -> CompareReport:
     started = datetime.now(UTC).isoformat(timespec="seconds")
     parent = cfg.output_dir.absolute().parent
     parent.mkdir(parents=True, exist_ok=True)

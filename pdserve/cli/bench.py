@@ -20,6 +20,10 @@ from pdserve.cli import bench_flags, bench_micro
 
 DESCRIPTION = "Load-generator benchmarks against any OpenAI-compatible endpoint."
 PROXY = "disagg-proxy"
+# What only the bench extra installs and the commands that need it (compare's plots);
+# without it they say how to get it.
+BENCH_EXTRA_MODULES = frozenset({"matplotlib"})
+BENCH_EXTRA_INSTALL = "pip install 'pdserve[bench]'"
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -31,7 +35,8 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    return compare.main(bench_flags.compare_config(args))
+    write_report = compare.report_writer()  # first: without matplotlib, nothing starts
+    return compare.main(bench_flags.compare_config(args), write_report)
 
 
 def _gaps(args: argparse.Namespace) -> int:
@@ -104,6 +109,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except ValueError as exc:
         print(f"pdserve bench: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        if exc.name not in BENCH_EXTRA_MODULES:
+            raise
+        print(f"pdserve bench: error: {exc.name} is not installed; {BENCH_EXTRA_INSTALL}",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("pdserve bench: interrupted; no result written", file=sys.stderr)

@@ -18,10 +18,6 @@ from pdserve.cli.parser import build_parser
 from pdserve.core.logs import setup_logging
 from pdserve.core.model import ResolvedModel
 
-# What only the bench extra installs; ``pdserve bench`` without it says how to get it.
-BENCH_EXTRA_MODULES = frozenset({"matplotlib"})
-BENCH_EXTRA_INSTALL = "pip install 'pdserve[bench]'"
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -40,16 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_bench(argv: list[str]) -> int:
-    """``pdserve bench``, imported only here: its plots need the bench extra, which the
-    router and worker images do not install. Without it: one line saying how to get it."""
-    try:
-        from pdserve.cli.bench import main as bench_main
-    except ModuleNotFoundError as exc:
-        if exc.name not in BENCH_EXTRA_MODULES:
-            raise
-        print(f"pdserve bench: error: {exc.name} is not installed; {BENCH_EXTRA_INSTALL}",
-              file=sys.stderr)
-        return 2
+    """``pdserve bench``, imported only here so that starting a router or a worker does
+    not import the load generator and the benchmarks."""
+    from pdserve.cli.bench import main as bench_main
+
     return bench_main(argv)
 
 

@@ -4,11 +4,13 @@ errors with exit code 2, and each component's config comes from its flags."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -280,13 +282,25 @@ def test_kv_offload_reaches_every_engine_from_up(tmp_path: Path) -> None:
         build_parser().parse_args(["decode", "--kv-offload-gib", "-1"])
 
 
-def test_bench_without_the_bench_extra_says_how_to_install_it(
+def test_bench_without_the_bench_extra_runs_and_only_compare_asks_for_it(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    # As on a router or worker image: matplotlib missing, pdserve.bench not yet imported.
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    """Without matplotlib (a router or worker image) ``bench run`` works; ``bench compare``
+    (its plots) says how to get it in one line before it checks its flags or starts a
+    system."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # pdserve.bench not yet imported
     for name in [n for n in sys.modules if n.startswith(("pdserve.bench", "pdserve.cli.bench"))]:
         monkeypatch.delitem(sys.modules, name)
-    assert main(["bench", "compare", "--out", "x"]) == 2
+    fresh = importlib.import_module("pdserve.cli.bench")  # every subcommand's module
+    ran: list[Any] = []
+    monkeypatch.setattr(fresh.run, "main", lambda cfg: ran.append(cfg) or 0)
+    assert main(["bench", "run", "--base-url", "http://x", "--num-prompts", "3"]) == 0
+    assert [cfg.num_requests for cfg in ran] == [3]
+
+    def started(args: argparse.Namespace) -> None:
+        pytest.fail("compare went on without matplotlib")
+
+    monkeypatch.setattr(fresh.bench_flags, "compare_config", started)
+    assert main(["bench", "compare", "--output-dir", "x"]) == 2
     assert capsys.readouterr().err == ("pdserve bench: error: matplotlib is not installed; "
                                        "pip install 'pdserve[bench]'\n")
 
