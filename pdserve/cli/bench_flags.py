@@ -283,7 +283,8 @@ def add_gaps_flags(p: argparse.ArgumentParser) -> None:
                    help="a pdserve configuration (pdserve up flags); repeatable "
                    "(default: default='')")
     p.add_argument("--no-vllm", action="store_true", help="skip the aggregated baseline")
-    p.add_argument("--num-requests", type=int, default=6, help="lone requests per kind")
+    p.add_argument("--num-requests", *VLLM_SPELLINGS["--num-requests"], type=int, default=6,
+                   help="lone requests per kind")
     p.add_argument("--stall-s", type=float, default=1.0,
                    help="a gap this long between two tokens counts as a stall")
     p.add_argument("--seed", type=int, default=0)

@@ -80,6 +80,11 @@ def test_bad_input_fails_before_any_start(argv: list[str], message: str) -> None
         bench_flags.gaps_config(_parse(argv))
 
 
+def test_num_prompts_is_num_requests_as_vllm_bench_serve_spells_it() -> None:
+    assert _parse(["--num-prompts", "4"]).num_requests == 4
+    assert _parse([]).num_requests == 6
+
+
 def test_a_run_on_simulated_workers_writes_both_kinds(tmp_path: Path) -> None:
     out = tmp_path / "gaps"
     proc = subprocess.run(
