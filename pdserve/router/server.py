@@ -70,19 +70,19 @@ class RouterConfig:
     health_interval_s: float = 2.0
     request_timeout_s: float = 600.0  # the longest a request may take; see Deadline
     grpc_keepalive_s: float = DEFAULT_KEEPALIVE_S  # see pdserve.core.grpc_options
-    disagg: DisaggConfig = DisaggConfig()  # remote/local per request (router/disagg.py)
+    disagg: DisaggConfig = DisaggConfig()  # remote/local per request (dispatch/policies/disagg.py)
     log_timeline: bool = False
     metrics: bool = True  # False (--disable-metrics): no metric work, /metrics answers 404
-    migration: MigrationConfig = MigrationConfig()  # decode failover (router/migration.py)
+    migration: MigrationConfig = MigrationConfig()  # decode failover (dispatch/migration.py)
     edge: EdgeConfig = EdgeConfig()  # keys, admin listener, admission, body limit, drain
     # etcd, or static (then ``prefill``/``decode`` or its workers file name the workers)
     membership: MembershipConfig = MembershipConfig()
     # The cluster secret's file: calls to workers carry its token. None: unauthenticated.
     cluster_secret_file: str | None = None
     tls: TlsFiles = TlsFiles()  # gRPC to workers over TLS when set
-    planner: PlannerConfig = PlannerConfig()  # roles that follow the load (router/planner.py)
+    planner: PlannerConfig = PlannerConfig()  # roles by load (dispatch/policies/planner.py)
     reuse_port: bool = False  # bind with SO_REUSEPORT (one of --processes on one port)
-    tools: ToolConfig = ToolConfig()  # tool calling with vLLM's parser (router/tools.py)
+    tools: ToolConfig = ToolConfig()  # tool calling with vLLM's parser (http/openai/tool_calls.py)
 
     def __post_init__(self) -> None:
         static = self.membership.kind == "static"

@@ -62,7 +62,7 @@ class RequestTimeline:
         self.first_decode_s = 0.0
         self.last_decode_s = 0.0
         self.num_decode_steps = 0  # tokens received after decode's first output
-        self.num_migrations = 0  # decode workers replaced mid-request (router/migration.py)
+        self.num_migrations = 0  # decode workers replaced mid-request (migration.py)
         self.transport = ""  # the KV handle's, when prefill handed one over
         self.num_kv_tokens = 0
 

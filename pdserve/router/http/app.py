@@ -1,11 +1,12 @@
 """The router's OpenAI-compatible HTTP layer: a thin FastAPI adapter.
 
-Validation lives in ``schemas.py``, tokenization in ``preprocess.py``, running requests
-in ``serving.py``, error rendering in ``errors.py``. The edge in front of the routes is
-one ASGI middleware per concern, outermost first: metrics (``RequestMetricsMiddleware``),
-request ids (``request_ids.py``), client keys and their tenants (``auth.py``), the body
-limit (``body_limit.py``), the tenants' limits (``tenants/accounts.py``), admission
-(``admission.py``). This module wires them to routes.
+Validation lives in ``openai/schemas.py``, tokenization in ``openai/preprocess.py``,
+running requests in ``openai/serving.py``, error rendering in ``errors.py``. The edge in
+front of the routes is one ASGI middleware per concern, outermost first: metrics
+(``RequestMetricsMiddleware``), request ids (``edge/request_ids.py``), client keys and their
+tenants (``edge/auth.py``), the body limit (``edge/body_limit.py``), the tenants' limits
+(``tenants/accounts.py``), admission (``edge/admission.py``). This module wires them to
+routes.
 """
 
 from __future__ import annotations
@@ -68,12 +69,12 @@ def create_app(
     without one the app gets a fresh registry. ``edge``: keys, admission and body limits
     (default: ``EdgeConfig()``, no keys). ``request_timeout_s`` is the longest deadline a
     request gets (``Deadline``). ``metrics_enabled=False``: no metric work per request,
-    and ``/metrics`` answers 404 (``metrics.py``). ``app.state`` holds ``metrics`` (the
+    and ``/metrics`` answers 404 (``router/metrics/``). ``app.state`` holds ``metrics`` (the
     ``RouterMetrics``), ``registry`` (None with metrics off), ``admission`` (drain it with
     ``start_drain()``), ``tenants`` (each key's ``TenantAccount``). ``tool_calling``:
-    vLLM's tool parser (``tools.py``); None: tool choices other than ``none`` are refused.
-    ``eos_token_ids``: the ids the engines end a sequence on (default: the tokenizer's end
-    of sequence)."""
+    vLLM's tool parser (``openai/tool_calls.py``); None: tool choices other than ``none``
+    are refused. ``eos_token_ids``: the ids the engines end a sequence on (default: the
+    tokenizer's end of sequence)."""
     edge = edge or EdgeConfig()
     if not metrics_enabled:
         registry = None

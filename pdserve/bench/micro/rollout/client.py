@@ -3,7 +3,7 @@ completions, streamed requests timed per token) and its admin listener (the weig
 update, ``/weight_info``), one ``httpx.AsyncClient`` for each, every call under the
 bench's deadline. What a response must carry (``system_fingerprint`` and the
 ``x-weight-version`` header, both the weight version that produced it) is checked here
-for batches and answers, and recorded for streams (``rollout_report`` checks them).
+for batches and answers, and recorded for streams (``report.py`` checks them).
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ decode, no modelled compute) and one router, each a process of its own.
 Prints ratios against the targets (added p50 <= 1 ms per request, <= 50 us per chunk).
 Those are ``--parts latency`` (the default); ``--parts stream`` measures the router's CPU
 per streamed token with engines that pace their tokens, the rate one process sustains
-per process count, and vLLM's ``vllm-router`` beside it (``router_stream``);
+per process count, and vLLM's ``vllm-router`` beside it (``stream.py``);
 ``--parts replicas`` the prefix hit rate through two routers active-active against one
-(``router_replicas``).
+(``replicas.py``).
 
     pdserve bench router-cost            # --requests 300 --clients 16
     pdserve bench router-cost --parts latency stream

@@ -1,4 +1,4 @@
-"""``router_stream``'s results as tables (markdown, to paste as they are) and as ratios to
+"""``stream.py``'s results as tables (markdown, to paste as they are) and as ratios to
 the targets: router CPU per streamed token, added TTFT p50, scaling with router
 processes, CPU per token against ``vllm-router``."""
 

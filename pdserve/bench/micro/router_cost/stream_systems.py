@@ -1,4 +1,4 @@
-"""The systems ``router_stream`` measures, each started and stopped with ``ProcGroup``:
+"""The systems ``stream.py`` measures, each started and stopped with ``ProcGroup``:
 ``pdserve router --processes N`` in front of two sim workers (decode paced at
 ``--ms-per-token``), and ``vllm-router`` (vLLM's P/D router, ``--vllm-pd-disaggregation``)
 in front of two ``openai_stub`` engines with the same pacing. Each comes with its direct

@@ -55,14 +55,14 @@ DEFAULT_LOCAL_DECODE_MAX_RUNNING = 4
 class DisaggConfig:
     """``always``: every request goes prefill → decode (the handoff); ``never``: every
     request runs on decode alone; ``auto``: the static rules of ``choose_disagg``;
-    ``slo``: the SLO rule on the engines' measured costs (``router/slo.py``), the static
+    ``slo``: the SLO rule on the engines' measured costs (``slo.py``), the static
     rules only until both engines have measured their steps."""
 
     mode: DisaggMode = DEFAULT_DISAGG_MODE
     local_prefill_max_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_TOKENS
     local_prefill_max_queued_tokens: int = DEFAULT_LOCAL_PREFILL_MAX_QUEUED_TOKENS
     local_decode_max_running: int = DEFAULT_LOCAL_DECODE_MAX_RUNNING
-    # ``slo``'s objectives (router/slo.py; 0: derived from the measurements).
+    # ``slo``'s objectives (slo.py; 0: derived from the measurements).
     slo: SloConfig = SloConfig()
 
     def __post_init__(self) -> None:
@@ -110,7 +110,7 @@ def choose_disagg(
 
     ``prefill`` is None when placement found no healthy prefill worker compatible with
     ``decode``: then the prompt is computed on decode, whatever the mode. In ``slo``, the
-    SLO rule decides (``router/slo.py``) once both engines have measured their steps.
+    SLO rule decides (``slo.py``) once both engines have measured their steps.
     In ``auto``, and in ``slo`` until then (start-up), the first static rule that holds
     (``local tokens`` = the prompt tokens outside decode's own prefix cache,
     ``decode_cached_tokens``: what decode computes if local):

@@ -3,7 +3,7 @@
 Blocks are pdserve chained hashes (``pdserve.core.block_hash``): a hash names a
 block *and* everything before it, so a worker's match for a prompt is the
 number of leading prompt blocks it holds. Fed by each worker's KV events
-(``router/kv_feed.py``) and, for prefills in flight, by the placement itself
+(``kv_feed.py``) and, for prefills in flight, by the placement itself
 (pending blocks, ``prefix/pending.py``); reads (``match``) change it only
 by expiring pending blocks past their deadline.
 """

@@ -118,7 +118,7 @@ class EdgeConfig:
 
     @property
     def admin_action_keys(self) -> tuple[str, ...]:
-        """Who may call the admin actions (``router/admin.py``)."""
+        """Who may call the admin actions (``http/admin.py``)."""
         return self.admin_keys or self.api_keys
 
     def probe_headers(self) -> dict[str, str]:

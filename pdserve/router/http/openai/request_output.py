@@ -20,7 +20,8 @@ from pdserve.router.http.openai.responses import ChoiceOutput, FinalOutput, Outp
 from pdserve.router.metrics import RouterMetrics
 
 WEIGHT_VERSION_HEADER = "x-weight-version"  # the weights that produced the response
-DISAGG_HEADER = "x-pdserve-disagg"  # "<local|remote>; reason=<rule>", see router/disagg.py
+# "<local|remote>; reason=<rule>", the rules in router/dispatch/policies/disagg.py
+DISAGG_HEADER = "x-pdserve-disagg"
 
 
 class RequestOutput:

@@ -280,7 +280,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     """``logprobs`` with ``top_logprobs`` candidates per token; ``tools`` and
-    ``tool_choice`` as OpenAI defines them (``tools.py`` validates the pair)."""
+    ``tool_choice`` as OpenAI defines them (``tool_calls.py`` validates the pair)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
