@@ -16,8 +16,9 @@ from typing import Any
 import httpx
 import pytest_asyncio
 from pdserve_testing import dashboard_exprs, dashboard_metric_names
+from prometheus_client.parser import text_string_to_metric_families
 from unit.fake_worker import eventually
-from unit.fakes import COMPLETIONS, ROUTER_MODEL, asgi_http_client, cmpl_body
+from unit.fakes import CHAT_COMPLETIONS, COMPLETIONS, ROUTER_MODEL, asgi_http_client, cmpl_body
 from unit.sim_cluster import start_sim_worker
 from unit.test_worker_metrics import COUNTERS, GAUGES, TIER_COUNTERS
 
@@ -134,10 +135,44 @@ async def test_every_router_name_of_the_dashboard_is_scraped(router_metrics: str
     assert _missing_router_names(router_metrics) == set()
 
 
+def _per_worker_series(metrics: str) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
+    """Each sample of ``metrics`` labelled by worker (``worker_id``, or ``worker`` as
+    role/worker id): its name and label set."""
+    return {(sample.name, tuple(sorted(sample.labels.items())))
+            for family in text_string_to_metric_families(metrics)
+            for sample in family.samples if {"worker_id", "worker"} & set(sample.labels)}
+
+
+def _worker_id(labels: tuple[tuple[str, str], ...]) -> str:
+    named = dict(labels)
+    return named["worker_id"] if "worker_id" in named else named["worker"].split("/", 1)[1]
+
+
+def _http_status_series(metrics: str) -> set[tuple[str, str]]:
+    return {(sample.labels["endpoint"], sample.labels["status_code"])
+            for family in text_string_to_metric_families(metrics)
+            for sample in family.samples if sample.name == "pdserve:http_requests_total"}
+
+
 async def test_every_router_name_of_the_dashboard_exists_before_the_first_request(
         tokenizer: Any) -> None:
     # A fresh cluster's dashboard: its workers up, no request yet, so no request's event
     # has created a series.
     async with _router(tokenizer) as (router, http):
         await _both_workers_healthy(router)
-        assert _missing_router_names((await http.get("/metrics")).text) == set()
+        fresh = (await http.get("/metrics")).text
+        assert _missing_router_names(fresh) == set()
+        # The failures panel reads the non-2xx statuses of the generation endpoints.
+        assert {(path, status) for path in (COMPLETIONS, CHAT_COMPLETIONS)
+                for status in ("429", "500", "503", "504")} <= _http_status_series(fresh)
+        # Per-worker series carry the ids the workers' Health gives (a static member's
+        # endpoint stood in before): none vanishes at the first placement.
+        reported = {w.snapshot().worker_id for w in router.pool.all}
+        assert reported == {"sim-prefill", "sim-decode"}
+        series = _per_worker_series(fresh)
+        assert {_worker_id(labels) for _, labels in series} == reported
+        assert {name for name, _ in series} >= {"pdserve:placement_decisions_total",
+                                                "pdserve:worker_assigned_requests"}
+        reply = await http.post(COMPLETIONS, json=cmpl_body(max_tokens=4))
+        assert reply.status_code == 200, reply.text
+        assert series <= _per_worker_series((await http.get("/metrics")).text)

@@ -91,8 +91,12 @@ async def test_workers_by_role_and_state(cluster: Cluster) -> None:
     assert workers("prefill", "unhealthy") == 0
     assert registry.get_sample_value("pdserve:membership_changes_total",
                                      {"role": "prefill", "change": "left"}) == 1
+    # Labelled role/id with the id the worker's Health gives, not the static member's
+    # endpoint that stood in for it before.
+    decode = cluster.pool.decode[0].snapshot()
+    assert decode.worker_id != decode.endpoint
     assert [s["worker"] for s in label_sets(registry, "pdserve:worker_assigned_requests")] \
-        == [cluster.pool.decode[0].member_id]
+        == [f"decode/{decode.worker_id}"]
 
 
 async def test_metrics_off_serve_requests_and_answer_404(tokenizer: Any,

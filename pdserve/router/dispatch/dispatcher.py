@@ -99,6 +99,7 @@ class PDDispatcher:
             self._metrics.placements.on_joined(worker.snapshot())
         pool.on_worker_added(self._metrics.placements.on_joined)
         pool.on_worker_removed(self._metrics.placements.forget)
+        pool.on_worker_renamed(self._metrics.placements.on_renamed)
         self._routes = RouteChooser(pool, placement, self._metrics, prefix,
                                     disagg or DisaggConfig(), demand)
         self._timelines = TimelineRecorder(registry)

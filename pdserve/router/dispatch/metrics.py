@@ -74,8 +74,8 @@ class DispatchMetrics:
 class PlacementCounts:
     """``pdserve:placement_decisions_total{policy,role,worker_id}``. Each member's child
     is looked up once; its label set is removed when the member leaves the view
-    (``forget``) or reports another id (a static member restarted), so worker ids
-    churning across restarts do not pile up."""
+    (``forget``) or reports another id (``on_renamed``: a static member restarted), so
+    worker ids churning across restarts do not pile up."""
 
     def __init__(self, registry: CollectorRegistry | None, policy: str) -> None:
         self._family = counter(registry, f"{PREFIX}placement_decisions", "Requests placed, "
@@ -89,8 +89,16 @@ class PlacementCounts:
         self._child(worker).inc()
 
     def on_joined(self, worker: WorkerState) -> None:
-        """A member's series exists (at 0) from when it joins the view, not its first
-        placement: a fresh cluster's dashboard shows every worker."""
+        """A member's series exists (at 0) before its first placement, under the id
+        placement counts it by: from when it joins the view, or, for a static member
+        (whose id is its endpoint until then), from its first Health (``on_renamed``).
+        A fresh cluster's dashboard shows every worker, and no series vanishes."""
+        if worker.id_known:
+            self._child(worker)
+
+    def on_renamed(self, worker: WorkerState) -> None:
+        """Its Health names another id (first answer, or a restart): its series is the
+        new id's, at 0; the old id's label set goes."""
         self._child(worker)
 
     def _child(self, worker: WorkerState) -> Counter | NullMetric:

@@ -41,7 +41,7 @@ class PoolCollector(Collector):
             key = (state.role, "ejected" if worker.ejected
                    else "healthy" if state.healthy else "unhealthy")
             counts[key] = counts.get(key, 0) + 1
-            assigned.add_metric([state.role, state.member_id], state.num_assigned)
+            assigned.add_metric([state.role, _worker_label(state)], state.num_assigned)
         workers = GaugeMetricFamily(f"{PREFIX}workers", "Workers in the router's view, by "
                                     "role and state (healthy, unhealthy, ejected).",
                                     labels=["role", "state"])
@@ -63,8 +63,14 @@ class PoolCollector(Collector):
             if cost is not None:
                 for term, value in (("base", cost.base_s), ("per_seq", cost.per_seq_s),
                                     ("per_token", cost.per_token_s)):
-                    steps.add_metric([state.role, state.member_id, term], value)
+                    steps.add_metric([state.role, _worker_label(state), term], value)
         return steps
+
+
+def _worker_label(state: WorkerState) -> str:
+    """``role/worker id``, the id as the worker's Health names it (the one placement
+    counts it by): a static member's endpoint stands in only until its first answer."""
+    return f"{state.role}/{state.worker_id}"
 
 
 def register_pool_metrics(pool: WorkerPool, registry: CollectorRegistry) -> None:

@@ -6,7 +6,8 @@ The set is dynamic: the pool is the ``MembershipSink`` of a ``Membership`` (stat
 flags, or etcd) and adds/removes workers as it reports them. A new worker gets a
 health check at once and is placed only once that passes; a removed worker's
 channel is closed once its requests end (bounded). ``on_worker_added`` /
-``on_worker_removed`` let other router state (e.g. a prefix index) follow.
+``on_worker_removed`` / ``on_worker_renamed`` let other router state (e.g. a prefix
+index, per-worker metrics) follow.
 
 A worker is placeable when its last health check passed (a draining worker answers
 not ready: it gets nothing new, and its streams go on) and its circuit breaker
@@ -67,6 +68,7 @@ class WorkerPool:
         self.decode: list[Worker] = []
         self._added: list[Listener] = []
         self._removed: list[Listener] = []
+        self._renamed: list[Listener] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
         self._membership_task: asyncio.Task[None] | None = None
@@ -84,6 +86,12 @@ class WorkerPool:
     def on_worker_removed(self, listener: Listener) -> None:
         """Call ``listener(snapshot)`` when a worker leaves the view."""
         self._removed.append(listener)
+
+    def on_worker_renamed(self, listener: Listener) -> None:
+        """Call ``listener(snapshot)`` when a member's Health names another id than its
+        snapshot did: a static member's first answer (its id was its endpoint until
+        then), or a static member restarted under a new id."""
+        self._renamed.append(listener)
 
     def describe(self) -> list[dict[str, object]]:
         """The current view, for ``GET /workers``."""
@@ -120,7 +128,7 @@ class WorkerPool:
 
     def _worker(self, info: WorkerInfo) -> Worker:
         worker = Worker(info, self._secret, self._tls, self._keepalive_s, self._breaker,
-                        self._role_changed)
+                        self._role_changed, self._id_changed)
         worker.weight_target = self.weight_target
         return worker
 
@@ -138,6 +146,10 @@ class WorkerPool:
         self._rebuild()
         self._notify(self._removed, replace(worker.snapshot(), role=old_role))
         self._notify(self._added, worker.snapshot())
+
+    def _id_changed(self, worker: Worker) -> None:
+        if self._members.get(worker.member_id) is worker:  # not a replaced one's late probe
+            self._notify(self._renamed, worker.snapshot())
 
     def find(self, worker_id: str) -> Worker | None:
         """A member by the id it reports, its registered id, or its member id."""

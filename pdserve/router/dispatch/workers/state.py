@@ -81,6 +81,12 @@ class WorkerState:
     # ends; a decode worker's local prefills until their first token.
     num_assigned_tokens: int = 0
 
+    @property
+    def id_known(self) -> bool:
+        """Whether ``worker_id`` is the worker's own (registered, or named by its Health),
+        not its endpoint standing in for a static member's until its first Health."""
+        return self.worker_id != self.endpoint
+
 
 class InFlight:
     """This router's requests on one worker: sent, not yet seen finish."""

@@ -35,11 +35,15 @@ class Worker:
     def __init__(self, info: WorkerInfo, secret: ClusterSecret | None = None,
                  tls: GrpcTls | None = None, keepalive_s: float = DEFAULT_KEEPALIVE_S,
                  breaker: BreakerConfig = DEFAULT_BREAKER,
-                 on_role_changed: Callable[[Worker, str], None] | None = None) -> None:
+                 on_role_changed: Callable[[Worker, str], None] | None = None,
+                 on_id_changed: Callable[[Worker], None] | None = None) -> None:
         """``on_role_changed(worker, old_role)``: the worker now reports another role
-        (a role switch); its pool files it under the new one."""
+        (a role switch); its pool files it under the new one. ``on_id_changed(worker)``:
+        its Health names another id than its snapshot did (a static member's first
+        answer, or a static member restarted)."""
         self.info = info
         self._on_role_changed = on_role_changed
+        self._on_id_changed = on_id_changed
         # Registered members must answer with the id they registered (a stale record
         # may point at a port another worker now uses). Static members, whose id is
         # their endpoint until Health tells, learn it.
@@ -185,17 +189,24 @@ class Worker:
             self.mark_unhealthy(str(exc))
             return
         self._slow_probes = 0
+        self._adopt_health(health, load)
+
+    def _adopt_health(self, health: WorkerHealth, load: WorkerLoadReport) -> None:
+        """The worker answered: its role, id and load as it reports them."""
         self.metrics_endpoint = health.metrics_endpoint
         self._adopt_role(health.role)
         if not self._reported.healthy and health.ready:
             logger.info("%s worker %s at %s is healthy", self._reported.role, health.worker_id,
                         self._reported.endpoint)
+        old_id = self._reported.worker_id
         self._report(healthy=health.ready, worker_id=health.worker_id,
                      compatibility_hash=health.compatibility_hash, model=health.model,
                      max_model_len=health.max_model_len, kv_host=health.kv_host,
                      kv_port=health.kv_port, kv_push=health.kv_push,
                      prefill_chunk_tokens=health.prefill_chunk_tokens,
                      weight_version=health.weight_version, load=_placement_load(load))
+        if health.worker_id != old_id and self._on_id_changed is not None:
+            self._on_id_changed(self)
 
     def _check_identity(self, health: WorkerHealth) -> None:
         endpoint = self._reported.endpoint
