@@ -42,6 +42,7 @@ from pdserve.bench.roles_sampler import RoleSampler
 from pdserve.bench.systems import SystemSpec, pdserve_up, vllm_aggregated, vllm_disagg
 from pdserve.bench.worker_counters import counters_delta, read_counters
 from pdserve.core import process
+from pdserve.core.ports import free_port
 
 __all__ = ["main", "report_writer", "run_compare"]
 # Every ratio is to aggregated vLLM tuned as pdserve's engines are (systems.py).
@@ -80,8 +81,6 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def build_systems(cfg: CompareConfig) -> list[SystemSpec]:
-    from pdserve.core.ports import free_port
-
     systems = []
     if cfg.with_vllm:
         systems.append(vllm_aggregated(cfg.settings, free_port(), BASELINE, tuned=True))

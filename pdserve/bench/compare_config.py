@@ -5,6 +5,7 @@ non-empty output folder) runs before any system starts. The CLI
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import time
@@ -14,7 +15,8 @@ from pathlib import Path
 
 from pdserve.bench.cost import Price
 from pdserve.bench.systems import EngineSettings, parse_pdserve_entry, pdserve_command
-from pdserve.core.dtype import DtypeChoice
+from pdserve.core.dtype import DtypeChoice, resolve_dtype
+from pdserve.core.model import resolve_model
 
 DEFAULT_RATES = "0.5,1,1.5"
 
@@ -94,9 +96,6 @@ def engine_settings(model: str | None = None, dtype: str = "auto", kv_cache_gib:
     """What every system's engines share (the model, the dtype resolved once, the KV
     cache per engine, the context length, this process's cores), and how the dtype was
     chosen. The defaults are the flags' (``--model`` etc.)."""
-    from pdserve.core.dtype import resolve_dtype
-    from pdserve.core.model import resolve_model
-
     resolved = resolve_model(model)
     choice = resolve_dtype(dtype, model_path=resolved.path)
     settings = EngineSettings(str(resolved.path), resolved.served_name, choice.dtype,
@@ -112,8 +111,6 @@ def _affinity() -> set[int]:
 def check_vllm_disagg() -> None:
     """vLLM's NixlConnector imports ``nixl``; on CPU the ``nixl-cu12`` wheel serves
     (pdserve's vLLM plugin maps ``nixl`` onto it when the meta package is missing)."""
-    import importlib.util
-
     if not any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12", "nixl_cu13")):
         raise ValueError("--with-vllm-disagg needs NIXL for vLLM's NixlConnector: "
                          "pip install 'pdserve[bench]'")

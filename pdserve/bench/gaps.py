@@ -31,6 +31,7 @@ from pdserve.bench.systems import (
     vllm_aggregated,
 )
 from pdserve.core.dtype import DtypeChoice
+from pdserve.core.ports import free_port
 
 SCHEMA = "pdserve.bench.gaps/v1"
 # kind -> (prompt tokens, output tokens): a chat turn, and a long document prompt.
@@ -72,8 +73,6 @@ def main(cfg: GapsConfig) -> int:
 
 
 def systems(cfg: GapsConfig) -> list[SystemSpec]:
-    from pdserve.core.ports import free_port
-
     specs = [vllm_aggregated(cfg.settings, free_port())] if cfg.with_vllm else []
     return specs + [pdserve_up(cfg.settings, free_port(), n, f, cfg.pdserve_command)
                     for n, f in cfg.pdserve]

@@ -31,6 +31,9 @@ from pdserve.bench.runner import (
 )
 from pdserve.bench.workload.generators import check_workload_flags, make_workload, workload_info
 from pdserve.bench.workload.prompts import PromptEncoder
+from pdserve.core.dtype import resolve_dtype
+from pdserve.core.model import DEFAULT_MODEL_NAME, cache_dir
+from pdserve.core.version import version
 
 RUN_SCHEMA = "pdserve.bench.run/v1"
 DEFAULT_NUM_REQUESTS = 100
@@ -45,8 +48,6 @@ def schedule(cfg: RunConfig) -> Schedule:
 
 
 def _tokenizer_path(cfg: RunConfig) -> Path:
-    from pdserve.core.model import DEFAULT_MODEL_NAME, cache_dir
-
     if cfg.tokenizer:
         path = Path(cfg.tokenizer).expanduser()
     elif cfg.model and Path(cfg.model).expanduser().is_dir():
@@ -60,6 +61,8 @@ def _tokenizer_path(cfg: RunConfig) -> Path:
 
 
 def _load_tokenizer(path: Path) -> Any:
+    # Imported here: transformers takes seconds to import, and only a run pays it (the
+    # flag checks of compare and gaps build a Session without loading a tokenizer).
     from transformers import AutoTokenizer
 
     try:
@@ -75,8 +78,6 @@ def _json_safe(value: Any) -> Any:
 
 
 def _versions() -> dict[str, str]:
-    from pdserve.core.version import version
-
     return {"pdserve": version(), "python": platform.python_version(),
             "httpx": httpx.__version__}
 
@@ -84,8 +85,6 @@ def _versions() -> dict[str, str]:
 def _machine() -> dict[str, Any]:
     """This machine's CPU, and what ``--dtype auto`` runs on it (what a server started
     here with ``auto`` runs): results from different machines are not comparable."""
-    from pdserve.core.dtype import resolve_dtype
-
     choice = resolve_dtype("auto")
     return {"cpu_model": choice.hardware.cpu_model, "cores": list(choice.hardware.cores),
             "cpu_flags": choice.hardware.flag_table(), "auto_dtype": choice.dtype,

@@ -29,8 +29,10 @@ from pdserve.bench.compare_config import engine_settings as _engine_settings
 from pdserve.bench.config import DEFAULT_MIX, RunConfig, SweepConfig
 from pdserve.bench.cost import Price
 from pdserve.bench.gaps import GapsConfig, check_requests
+from pdserve.bench.session import Session
 from pdserve.bench.systems import EngineSettings
 from pdserve.bench.workload.generators import WORKLOADS
+from pdserve.cli.parser import build_parser
 from pdserve.core.dtype import DTYPES, DtypeChoice
 
 # How bench runs pdserve itself (`pdserve up`, `pdserve bench run`, the proxy): as this
@@ -246,8 +248,6 @@ def workload_args(args: argparse.Namespace) -> list[str]:
 def check_workload(argv: list[str]) -> None:
     """The workload flags as ``pdserve bench run`` checks them (SLO, mix, dataset...),
     so a bad one fails before any system starts, not at its first run."""
-    from pdserve.bench.session import Session
-
     parser = argparse.ArgumentParser(prog="pdserve bench run")
     add_run_flags(parser)
     err = io.StringIO()
@@ -262,8 +262,6 @@ def check_workload(argv: list[str]) -> None:
 
 def check_up_flags(name: str, flags: str) -> None:
     """Parse ``flags`` with ``pdserve up``'s own parser: a bad flag fails before any start."""
-    from pdserve.cli.parser import build_parser
-
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
