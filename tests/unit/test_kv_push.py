@@ -135,7 +135,7 @@ def test_pushed_layers_land_bit_exact_in_the_decode_blocks(decode_side, dtype) -
         for s, d in zip(src[1:], dst, strict=True):
             assert torch.equal(tensor[d].view(torch.uint8), want[name][s].view(torch.uint8))
         assert not tensor[[b for b in range(NUM_BLOCKS) if b not in dst]].any()
-    assert inbox.num_entries == 0  # consumed
+    assert inbox.num_bytes == 0  # consumed: its staging freed
 
 
 def test_a_layer_is_not_taken_before_its_final_push(decode_side) -> None:
@@ -177,12 +177,13 @@ def test_unclaimed_pushes_expire_and_free_their_memory() -> None:
     caches = make_caches(0, torch.float32)
     inbox = PushInbox(KVLayout.from_kv_caches(caches, NUM_BLOCKS, BS), 64 << 20, ttl_s=0.05)
     inbox.receive_views("t", 0, 0, 2, 2)
-    assert inbox.num_entries == 1
     block = caches["layer.0"][0]
     assert inbox.num_bytes == len(caches) * 2 * block.numel() * block.element_size()
     time.sleep(0.1)
     inbox.expire()
-    assert inbox.num_entries == 0 and inbox.num_bytes == 0
+    assert inbox.num_bytes == 0
+    with pytest.raises(TransferError, match="gone"):  # its entry went with its bytes
+        inbox.commit("t", 0, 0, 2, final=True)
 
 
 @pytest.mark.gpu

@@ -49,11 +49,6 @@ class PushInbox:
         self._pin = torch.cuda.is_available() and layout.device == "cuda"
 
     @property
-    def num_entries(self) -> int:
-        with self._cond:
-            return len(self._entries)
-
-    @property
     def num_bytes(self) -> int:
         """Bytes staged for transfers not yet consumed (at most ``capacity_bytes``)."""
         with self._cond:

@@ -140,11 +140,6 @@ class HostTier:
         if self._kv[0].device.type == "cuda":
             torch.cuda.current_stream(self._kv[0].device).synchronize()
 
-    def slot_views(self, slot: int) -> list[torch.Tensor]:
-        """The slot's bytes in every layer (the checksum's input; tests corrupt them)."""
-        return [host.select(dim, slot) for host, dim in zip(self._host, self._dims,
-                                                            strict=True)]
-
     def _checksum(self, slot: int) -> int:
         # Contiguous pieces (a slot of a CUDA layout, blocks in dim 1, is two per layer).
         return checksum(list(chunk_views(self._host, self._layout, [(slot, 1)])), self._kind)
