@@ -41,3 +41,14 @@ def test_still_serves_a_normal_request_afterwards() -> None:
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["finish_reason"] == "length"
     assert (APP.state.admission.num_running, APP.state.admission.num_waiting) == (0, 0)
+
+
+def test_the_schema_documents_no_422() -> None:
+    """Invalid input gets OpenAI's 400 (documented), never FastAPI's 422: the schema
+    names none (``RouterApp.openapi``), also when asked again."""
+    for _ in range(2):
+        spec = APP.openapi()
+        statuses = {status for item in spec["paths"].values() for operation in item.values()
+                    for status in operation["responses"]}
+        assert "400" in statuses and "422" not in statuses
+        assert "HTTPValidationError" not in spec["components"]["schemas"]

@@ -119,12 +119,20 @@ async def run_rounds(args: MetricsOverheadConfig, urls: dict[str, str], pids: di
     return rounds
 
 
+class NoText:
+    """A ``TokenDecoder`` that decodes nothing: ``observe_ns`` times the metric path only,
+    which never decodes."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return ""
+
+
 def observe_ns(enabled: bool, n: int) -> float:
     """ns per ``RequestOutput._observe`` of a one-token chunk (the per-chunk metric path)."""
     request = GenerationRequest("bench", "completions", "m", (1, 2, 3), SamplingSpec(16),
                                 (), True, False, False, 0, time.perf_counter())
     metrics = RouterMetrics(CollectorRegistry() if enabled else None, "m")
-    output = RequestOutput(request, decoder=None, metrics=metrics)  # type: ignore[arg-type]
+    output = RequestOutput(request, decoder=NoText(), metrics=metrics)
     chunk = TokenChunk((7,))
     observe = output._observe
     best = float("inf")

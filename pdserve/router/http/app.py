@@ -109,7 +109,6 @@ def create_app(
     app.include_router(_openai_routes(preprocessing, serving))
     app.include_router(_operations_routes(preprocessing.threaded, dispatcher, admission))
     app.include_router(admin_routes(registry))
-    without_422(app)
     return app
 
 
@@ -214,6 +213,13 @@ class RouterApp(FastAPI):
         if scope["type"] == "http":
             capture_server_send(scope, send)
         await super().__call__(scope, receive, send)
+
+    def openapi(self) -> dict[str, Any]:
+        """FastAPI's schema (built on the first call, then kept in ``openapi_schema``)
+        less the 422s this router never answers (``openapi.without_422``)."""
+        if self.openapi_schema is None:
+            self.openapi_schema = without_422(super().openapi())
+        return self.openapi_schema
 
 
 class RequestMetricsMiddleware:

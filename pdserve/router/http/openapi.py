@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI
 from pydantic import BaseModel
 
 from pdserve.router.http.openai.response_schemas import ErrorResponse
@@ -35,21 +34,13 @@ def stream_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     return {200: ok, **ERROR_RESPONSES}
 
 
-def without_422(app: FastAPI) -> None:
-    """FastAPI documents a 422 for every route with a body; this router answers invalid
-    input with OpenAI's 400 instead (``errors.py``), so the 422 goes from the schema."""
-    build = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = build()
-            for item in schema.get("paths", {}).values():
-                for operation in item.values():
-                    operation.get("responses", {}).pop("422", None)
-            schemas = schema.get("components", {}).get("schemas", {})
-            for name in ("HTTPValidationError", "ValidationError"):
-                schemas.pop(name, None)
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
+def without_422(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` (FastAPI's) less its 422s: FastAPI documents a 422 for every route with
+    a body; this router answers invalid input with OpenAI's 400 instead (``errors.py``)."""
+    for item in schema.get("paths", {}).values():
+        for operation in item.values():
+            operation.get("responses", {}).pop("422", None)
+    schemas = schema.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    return schema

@@ -33,6 +33,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypedDict
 
 import httpx
 import psutil
@@ -50,6 +51,14 @@ from pdserve.router.dispatch.workers.client import WorkerClient
 PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. " * 4
 TARGET_REQUEST_S = 1e-3
 TARGET_CHUNK_S = 50e-6
+
+
+class Measured(TypedDict):
+    """``measure``'s result: each request's stamps (``direct``, ``via_router``) both ways,
+    and the router's CPU seconds per request while it served them."""
+    direct: list[list[float]]
+    router: list[list[float]]
+    router_cpu_s_per_request: float
 
 
 def sim_worker(role: str, port: int, log_dir: Path) -> Proc:
@@ -122,7 +131,7 @@ def cpu_s(pid: int) -> float:
 
 
 async def measure(http: httpx.AsyncClient, p: WorkerClient, d: WorkerClient, pid: int,
-                  max_tokens: int, n: int) -> dict[str, object]:
+                  max_tokens: int, n: int) -> Measured:
     """``n`` sequential requests each way; the router's CPU per request while it served."""
     prompt = tuple(range(10, 10 + 40))
     direct_runs = await sequential(lambda i: direct(p, d, prompt, max_tokens, i), n)
@@ -152,14 +161,13 @@ async def closed_loop(url: str, pid: int, clients: int, duration_s: float, max_t
         return {"req_per_s": done / wall, "router_cpu_pct": 100 * (cpu_s(pid) - cpu0) / wall}
 
 
-def summarize(short: dict[str, object], long: dict[str, object], long_tokens: int
-              ) -> dict[str, float]:
-    r_e2e = [s[-1] - s[0] for s in short["router"]]  # type: ignore[attr-defined]
-    d_e2e = [s[-1] - s[0] for s in short["direct"]]  # type: ignore[attr-defined]
-    r_gap = statistics.median(gaps(long["router"]))  # type: ignore[arg-type]
-    d_gap = statistics.median(gaps(long["direct"]))  # type: ignore[arg-type]
-    cpu_short = float(short["router_cpu_s_per_request"])  # type: ignore[arg-type]
-    cpu_long = float(long["router_cpu_s_per_request"])  # type: ignore[arg-type]
+def summarize(short: Measured, long: Measured, long_tokens: int) -> dict[str, float]:
+    r_e2e = [s[-1] - s[0] for s in short["router"]]
+    d_e2e = [s[-1] - s[0] for s in short["direct"]]
+    r_gap = statistics.median(gaps(long["router"]))
+    d_gap = statistics.median(gaps(long["direct"]))
+    cpu_short = short["router_cpu_s_per_request"]
+    cpu_long = long["router_cpu_s_per_request"]
     return {
         "router_e2e_p50_ms": 1e3 * pct(r_e2e, 0.5), "router_e2e_p99_ms": 1e3 * pct(r_e2e, 0.99),
         "direct_e2e_p50_ms": 1e3 * pct(d_e2e, 0.5), "direct_e2e_p99_ms": 1e3 * pct(d_e2e, 0.99),
