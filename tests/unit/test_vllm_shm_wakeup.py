@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 import zmq
 from vllm.distributed.device_communicators import shm_broadcast
+from vllm.platforms import current_platform
 from vllm.plugins import load_plugins_by_group
 from vllm.utils.network_utils import get_open_zmq_ipc_path
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from pdserve.worker import vllm_plugin
 
@@ -26,6 +28,10 @@ VLLM_RECHECK_MS = 5000  # vLLM's SHM_READER_RECHECK_INTERVAL_MS
 HANG_MS = 10_000
 
 SpinCondition = shm_broadcast.SpinCondition
+# Every method the plugin replaces (``vllm_plugin.register`` under ``SPIN_ENV``; its NIXL
+# patch runs only under ``NIXL_DELAY_ENV``, which ``stock`` unsets).
+PATCHED = ((SpinCondition, "notify"), (SpinCondition, "__init__"),
+           (GPUModelRunner, "sample_tokens"))
 
 
 class Recorder:
@@ -49,24 +55,28 @@ class Recorder:
 
 
 @pytest.fixture
-def stock(monkeypatch: pytest.MonkeyPatch) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """``SpinCondition`` and the recheck interval as vLLM ships them, the flag unset; the
-    plugin's patches (process-wide) are undone after the test. Yields the stock
-    ``notify`` and ``__init__``."""
-    originals = []
-    for name in ("notify", "__init__"):
-        current = getattr(SpinCondition, name)
+def stock(monkeypatch: pytest.MonkeyPatch) -> dict[str, Callable[..., Any]]:
+    """vLLM as it ships: the ``PATCHED`` methods and the recheck interval, the plugin's
+    flags unset. Every one is put back after the test (the plugin's patches are
+    process-wide: later tests in this process see stock vLLM). The stock methods, by
+    ``Class.name``."""
+    originals = {}
+    for cls, name in PATCHED:
+        current = getattr(cls, name)
         original = getattr(current, "__pdserve_original__", current)
-        monkeypatch.setattr(SpinCondition, name, original)
-        originals.append(original)
+        monkeypatch.setattr(cls, name, original)
+        originals[f"{cls.__name__}.{name}"] = original
     monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", VLLM_RECHECK_MS)
-    monkeypatch.delenv(vllm_plugin.SPIN_ENV, raising=False)
-    return originals[0], originals[1]
+    for env in (vllm_plugin.SPIN_ENV, vllm_plugin.NIXL_DELAY_ENV):
+        monkeypatch.delenv(env, raising=False)
+    return originals
 
 
-def load_plugin() -> None:
-    """pdserve's general plugin, found by its entry point and run, as vLLM does."""
-    load_plugins_by_group("vllm.general_plugins")["pdserve"]()
+@pytest.fixture
+def load_plugin(stock: object) -> Callable[[], None]:
+    """pdserve's general plugin, found by its entry point and run, as vLLM does; what it
+    patches is undone after the test (``stock``)."""
+    return load_plugins_by_group("vllm.general_plugins")["pdserve"]
 
 
 @pytest.fixture
@@ -106,26 +116,31 @@ def lost_second_pings(writer: Any, reader: Any) -> int:
 
 
 def test_without_the_flag_vllm_is_left_as_it_is(
-        stock: tuple[Callable[..., Any], Callable[..., Any]]) -> None:
+        stock: dict[str, Callable[..., Any]], load_plugin: Callable[[], None]) -> None:
     """A plain ``vllm serve`` in the same environment loads the plugin too: untouched."""
     load_plugin()
-    assert (SpinCondition.notify, SpinCondition.__init__) == stock
+    assert {f"{cls.__name__}.{name}": getattr(cls, name) for cls, name in PATCHED} == stock
     assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == VLLM_RECHECK_MS
 
 
 def test_the_flag_patches_the_writer_the_reader_and_the_recheck_once(
-        stock: tuple[Callable[..., Any], Callable[..., Any]],
+        stock: dict[str, Callable[..., Any]], load_plugin: Callable[[], None],
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(vllm_plugin.SPIN_ENV, "0")
     load_plugin()
     load_plugin()  # vLLM may load plugins twice: no double wrapping
-    assert SpinCondition.notify.__pdserve_original__ is stock[0]
-    assert SpinCondition.__init__.__pdserve_original__ is stock[1]
+    wrapped = {f"{cls.__name__}.{name}": getattr(getattr(cls, name), "__pdserve_original__",
+                                                 None) for cls, name in PATCHED}
+    # sample_tokens (the seeded partial prefills' fix) is patched on a CPU platform only.
+    cpu = current_platform.is_cpu()
+    assert wrapped == {key: original if cpu or key.startswith("SpinCondition.") else None
+                       for key, original in stock.items()}
     assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == vllm_plugin.RECHECK_MS
 
 
 def test_the_patched_writer_runs_its_mailbox_right_before_each_ping(
-        pair: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+        pair: tuple[Any, Any], load_plugin: Callable[[], None],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The fix itself: ``getsockopt(EVENTS)`` credits the ping the reader took, then the
     ping goes out (and arrives)."""
     monkeypatch.setenv(vllm_plugin.SPIN_ENV, "0")
@@ -141,6 +156,7 @@ def test_the_patched_writer_runs_its_mailbox_right_before_each_ping(
 
 
 def test_the_patched_writer_never_drops_a_ping(pair: tuple[Any, Any],
+                                               load_plugin: Callable[[], None],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(vllm_plugin.SPIN_ENV, "0")
     load_plugin()
@@ -149,7 +165,8 @@ def test_the_patched_writer_never_drops_a_ping(pair: tuple[Any, Any],
 
 @pytest.mark.parametrize("should_warn", [False, True])
 def test_an_idle_reader_whose_ping_is_lost_looks_again_after_recheck_ms(
-        pair: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, should_warn: bool) -> None:
+        pair: tuple[Any, Any], load_plugin: Callable[[], None],
+        monkeypatch: pytest.MonkeyPatch, should_warn: bool) -> None:
     """No ping comes (the one that went missing): the reader sleeps ``RECHECK_MS``,
     not vLLM's 5 s, and returns to look at its queue."""
     monkeypatch.setenv(vllm_plugin.SPIN_ENV, "0")
@@ -162,7 +179,7 @@ def test_an_idle_reader_whose_ping_is_lost_looks_again_after_recheck_ms(
     assert poller.calls == [("poll", (), {"timeout": vllm_plugin.RECHECK_MS})]
 
 
-def test_the_recheck_is_capped_never_raised(stock: object,
+def test_the_recheck_is_capped_never_raised(load_plugin: Callable[[], None],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", 20)
     monkeypatch.setenv(vllm_plugin.SPIN_ENV, "0")
