@@ -69,6 +69,8 @@ def probe_child(child: Child, secret: ClusterSecret | None = None,
 
 
 def tail(path: Path, lines: int = 30) -> str:
+    """The last ``lines`` lines of the log at ``path`` ("" where it cannot be read): what
+    a process printed before it exited (``pdserve up``, the micro-benchmarks)."""
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:

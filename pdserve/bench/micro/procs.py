@@ -12,6 +12,7 @@ import httpx
 
 from pdserve.core import process
 from pdserve.core.grpc_tls import GrpcTls
+from pdserve.launch.up_children import tail
 from pdserve.router.dispatch.workers.client import WorkerCallError, probe_health
 
 STOP_GRACE_S = 15.0
@@ -44,13 +45,6 @@ def probe(p: Proc) -> str:
     except httpx.HTTPError:
         return "no answer"
     return "" if status == 200 else f"HTTP {status}"
-
-
-def tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 class ProcGroup:

@@ -49,7 +49,7 @@ from pdserve.core.grpc_tls import TlsFiles
 from pdserve.core.hardware import Hardware
 from pdserve.kv_transfer.base import PeerAddress, TransportOptions, create_transport
 from pdserve.kv_transfer.control.tls import KvTls, load_kv_tls
-from pdserve.kv_transfer.control.wire import SOCK_BUF, recv_into_exact
+from pdserve.kv_transfer.control.wire import recv_into_exact, tune
 from pdserve.kv_transfer.layout import KVLayout, as_bytes
 from pdserve.kv_transfer.leases import LeaseTable
 
@@ -131,18 +131,12 @@ def serve(names: list[str], dtype_name: str, num_blocks: int, checksum: bool, de
 
 def _stream(raw: socket.socket, kv: list[torch.Tensor], num_blocks: int, reps: int) -> None:
     conn, _ = raw.accept()
-    _tune(conn)
+    tune(conn)
     with conn:
         for _ in range(reps):
             conn.recv(1)  # go
             for layer in kv:
                 conn.sendall(as_bytes(layer[:num_blocks]))
-
-
-def _tune(conn: socket.socket) -> None:
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
-    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
 
 
 # ---- measurements (the pulling process) --------------------------------------------
@@ -227,7 +221,7 @@ def measure_size(dtype_name: str, num_tokens: int, reps: int,
     ask("socket", n, reps + 1)
     timings: dict[str, list[float]] = {k: [] for k in ["memcpy", "socket", *transports]}
     with socket.create_connection(("127.0.0.1", socket_port)) as conn:
-        _tune(conn)
+        tune(conn)
         # Round-robin, so a change in the machine's load hits every method alike;
         # round 0 is the warm-up (connections, groups, endpoints, page faults).
         for rep in range(reps + 1):
