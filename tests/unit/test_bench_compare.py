@@ -310,22 +310,6 @@ def test_disagg_proxy_prefills_one_token_then_streams_decode_with_its_kv_params(
     assert seen["decode"] == dict(body, kv_transfer_params=params)
 
 
-def test_the_vllm_plugin_gives_nixl_progress_threads_a_poll_delay(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    from pdserve.worker import vllm_plugin
-
-    monkeypatch.setenv("PDSERVE_NIXL_PROGRESS_DELAY_US", "1000")
-    vllm_plugin.register()
-    vllm_plugin.register()  # vLLM may load plugins twice: the delay must not stack
-    import nixl._api as api
-
-    config = api.nixlBind.nixlAgentConfig()
-    config.pthrDelay = 0  # what nixl_agent sets
-    assert config.pthrDelay == 1000
-    config.pthrDelay = 5  # any other value is left alone
-    assert config.pthrDelay == 5
-
-
 def test_the_tuned_baseline_gets_pdserves_engine_tuning_and_stock_does_not() -> None:
     from pdserve.worker.config import prefill_chunk_default
     from pdserve.worker.vllm_plugin import SPIN_ENV

@@ -8,6 +8,7 @@ went missing anyway looks at its queue again after ``RECHECK_MS``, not vLLM's 5 
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -185,3 +186,36 @@ def test_the_recheck_is_capped_never_raised(load_plugin: Callable[[], None],
     monkeypatch.setenv(vllm_plugin.SPIN_ENV, "0")
     load_plugin()
     assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 20
+
+
+@pytest.fixture
+def stock_nixl(stock: object, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """NIXL's modules and agent config as installed, and UCX's environment, put back
+    after the test (the NIXL tweak replaces the config class, process-wide)."""
+    monkeypatch.delenv("UCX_RCACHE_MAX_UNRELEASED", raising=False)  # restored after
+    modules = {k: v for k, v in sys.modules.items() if k == "nixl" or k.startswith("nixl.")}
+    yield
+    api = sys.modules.get("nixl._api")
+    if api is not None:
+        config = api.nixlBind.nixlAgentConfig
+        api.nixlBind.nixlAgentConfig = getattr(config, "__pdserve_base__", config)
+    for name in [k for k in sys.modules if k == "nixl" or k.startswith("nixl.")]:
+        if name not in modules:
+            del sys.modules[name]
+    sys.modules.update(modules)
+
+
+def test_the_nixl_tweak_gives_progress_threads_a_poll_delay_once(
+        stock_nixl: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``PDSERVE_NIXL_PROGRESS_DELAY_US`` (bench compare's vLLM P/D baseline on CPU),
+    a NIXL agent asking for a busy progress thread (``pthrDelay = 0``) gets the delay."""
+    monkeypatch.setenv(vllm_plugin.NIXL_DELAY_ENV, "1000")
+    vllm_plugin.register()
+    vllm_plugin.register()  # vLLM may load plugins twice: the delay must not stack
+    import nixl._api as api
+
+    config = api.nixlBind.nixlAgentConfig()
+    config.pthrDelay = 0  # what nixl_agent sets
+    assert config.pthrDelay == 1000
+    config.pthrDelay = 5  # any other value is left alone
+    assert config.pthrDelay == 5
