@@ -8,6 +8,7 @@ went missing anyway looks at its queue again after ``RECHECK_MS``, not vLLM's 5 
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -187,12 +188,14 @@ def test_the_recheck_is_capped_never_raised(load_plugin: Callable[[], None],
     load_plugin()
     assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 20
 
+UCX_RCACHE_ENV = "UCX_RCACHE_MAX_UNRELEASED"  # the NIXL tweak sets it, as vLLM would
+
 
 @pytest.fixture
-def stock_nixl(stock: object, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def stock_nixl(stock: object) -> Iterator[None]:
     """NIXL's modules and agent config as installed, and UCX's environment, put back
     after the test (the NIXL tweak replaces the config class, process-wide)."""
-    monkeypatch.delenv("UCX_RCACHE_MAX_UNRELEASED", raising=False)  # restored after
+    ucx_env = os.environ.get(UCX_RCACHE_ENV)
     modules = {k: v for k, v in sys.modules.items() if k == "nixl" or k.startswith("nixl.")}
     yield
     api = sys.modules.get("nixl._api")
@@ -203,6 +206,10 @@ def stock_nixl(stock: object, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
         if name not in modules:
             del sys.modules[name]
     sys.modules.update(modules)
+    if ucx_env is None:
+        os.environ.pop(UCX_RCACHE_ENV, None)
+    else:
+        os.environ[UCX_RCACHE_ENV] = ucx_env
 
 
 def test_the_nixl_tweak_gives_progress_threads_a_poll_delay_once(
