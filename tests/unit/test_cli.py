@@ -8,13 +8,12 @@ import importlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from unit.cli_parsers import all_parsers
 
-from pdserve.cli import bench as bench_cli
 from pdserve.cli.configs import disagg_config, router_config, sim_config, up_config, worker_config
 from pdserve.cli.main import main
 from pdserve.cli.parser import build_parser
@@ -305,17 +304,7 @@ def test_bench_without_the_bench_extra_runs_and_only_compare_asks_for_it(
                                        "pip install 'pdserve[bench]'\n")
 
 
-def _helps(parser: argparse.ArgumentParser) -> Iterator[tuple[str, str]]:
-    """``parser``'s help and every subcommand's below it, each with its ``prog``."""
-    yield parser.prog, parser.format_help()
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                yield from _helps(sub)
-
-
 def test_every_help_is_plain_text_without_rest_markup() -> None:
-    parsers = (build_parser(), bench_cli.build_parser(), bench_cli.build_proxy_parser())
-    helps = dict(h for parser in parsers for h in _helps(parser))
+    helps = {parser.prog: parser.format_help() for parser in all_parsers().values()}
     assert {"pdserve up", "pdserve bench sweep", "pdserve bench disagg-proxy"} <= set(helps)
     assert [prog for prog, text in helps.items() if "``" in text] == []

@@ -13,9 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from pdserve.cli import bench as bench_cli
-from pdserve.cli.parser import build_parser
+from unit.cli_parsers import all_parsers
 
 REPO = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 250
@@ -126,24 +124,9 @@ def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
     return {o for action in parser._actions for o in action.option_strings}
 
 
-def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
-
-
 def command_flags() -> dict[tuple[str, ...], set[str]]:
-    """Every ``pdserve`` command (``("up",)``, ``("bench", "run")``, ...) and its options;
-    ``pdserve bench``'s own parser stands in for the top-level one's placeholder."""
-    commands: dict[tuple[str, ...], set[str]] = {(): _option_strings(build_parser())}
-    for name, sub in _subparsers(build_parser()).items():
-        commands[(name,)] = _option_strings(sub)
-    bench = bench_cli.build_parser()
-    commands[("bench",)] = _option_strings(bench)
-    for name, sub in _subparsers(bench).items():
-        commands[("bench", name)] = _option_strings(sub)
-    return commands
+    """Every ``pdserve`` command (``("up",)``, ``("bench", "run")``, ...) and its options."""
+    return {words: _option_strings(parser) for words, parser in all_parsers().items()}
 
 
 def command_lines(path: Path) -> Iterator[str]:
