@@ -143,6 +143,23 @@ def _healthy(stack: Stack, service: str) -> bool:
                           capture_output=True, timeout=30).returncode == 0
 
 
+def assert_served_chat(body: dict, max_tokens: int) -> None:
+    """What a served chat answer shows whatever the CPU (bf16 under AMX changes the
+    text itself): one choice with non-empty content, a finish reason, and the usage
+    counting the tokens it ran (never what the model knows)."""
+    assert len(body["choices"]) == 1, body
+    choice = body["choices"][0]
+    content = choice["message"]["content"]
+    assert isinstance(content, str) and content.strip(), f"empty answer: {body}"
+    assert choice["finish_reason"] in ("stop", "length"), body
+    usage = body["usage"]
+    assert 1 <= usage["completion_tokens"] <= max_tokens, usage
+    assert usage["prompt_tokens"] > 0, usage
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"], usage
+    if choice["finish_reason"] == "length":
+        assert usage["completion_tokens"] == max_tokens, body
+
+
 def test_compose_services_serve_a_chat_request(stack: Stack) -> None:
     admin = stack.url("router", "PDSERVE_ADMIN_PORT")
 
@@ -177,7 +194,7 @@ def test_compose_services_serve_a_chat_request(stack: Stack) -> None:
     headers = {"Authorization": f"Bearer {stack.api_key}"}
     answer = httpx.post(api, json=question, headers=headers, timeout=120)
     assert answer.status_code == 200, answer.text
-    assert "Paris" in answer.json()["choices"][0]["message"]["content"]
+    assert_served_chat(answer.json(), question["max_tokens"])
 
     # A long prompt goes prefill → decode: decode loads its KV over the transport from
     # the KV endpoint prefill advertised.
@@ -188,3 +205,22 @@ def test_compose_services_serve_a_chat_request(stack: Stack) -> None:
     assert reply.status_code == 200, reply.text
     after = probe_load(endpoints["decode"], timeout_s=5, secret=secret).prompt_tokens_external
     assert after - before >= 256, f"decode loaded {after - before} prompt tokens\n{stack.tail()}"
+
+
+def _chat_body(content: str, completion_tokens: int, finish_reason: str = "length") -> dict:
+    return {"choices": [{"index": 0, "finish_reason": finish_reason,
+                         "message": {"role": "assistant", "content": content}}],
+            "usage": {"prompt_tokens": 9, "completion_tokens": completion_tokens,
+                      "total_tokens": 9 + completion_tokens}}
+
+
+def test_the_compose_check_holds_any_text_and_fails_an_empty_answer() -> None:
+    """The check above on answers the router could give: any non-empty text passes (the
+    AMX machine's French answer too); an empty answer, or one whose usage does not add
+    up, fails."""
+    assert_served_chat(_chat_body(" L'Étoile, la Marseillaise", 24), 24)
+    assert_served_chat(_chat_body("Paris.", 3, "stop"), 24)
+    for bad in (_chat_body("", 24), _chat_body("  \n", 24), _chat_body("Paris", 0, "stop"),
+                _chat_body("Paris", 5, "length"), {"choices": [], "usage": {}}):
+        with pytest.raises(AssertionError):
+            assert_served_chat(bad, 24)
