@@ -21,7 +21,11 @@ from pdserve.membership import MembershipConfig
 from pdserve.router.dispatch.policies.disagg import DisaggConfig
 from pdserve.router.dispatch.policies.planner import PlannerConfig
 from pdserve.router.dispatch.policies.slo import SloConfig
-from pdserve.router.http.edge.config import EdgeConfig, read_api_key_file
+from pdserve.router.http.edge.config import (
+    EdgeConfig,
+    read_admin_key_file,
+    read_api_key_file,
+)
 from pdserve.router.http.tenants.table import key_table, parse_key_entry
 
 if TYPE_CHECKING:
@@ -86,16 +90,22 @@ def tool_config(args: argparse.Namespace) -> ToolConfig:
 
 def edge_config(args: argparse.Namespace) -> EdgeConfig:
     """From the edge flags (keys and tenants, admin listener, admission, body size,
-    drain); reads ``--api-key-file``."""
+    drain, weight-transfer routes); reads ``--api-key-file`` and ``--admin-key-file``."""
     entries = [(f"--api-key entry {number}", entry)
                for number, text in enumerate(args.api_key or (), 1)
                if (entry := parse_key_entry(text)) is not None]
     if args.api_key_file:
         entries += read_api_key_file(Path(args.api_key_file))
     keys, tenants = key_table(entries)
+    admin_keys = tuple(args.admin_key or ())
+    if args.admin_key_file:
+        admin_keys += read_admin_key_file(Path(args.admin_key_file))
     return EdgeConfig(api_keys=keys, tenants=tenants, admin_host=args.admin_host,
                       admin_port=args.admin_port,
-                      admin_keys=tuple(dict.fromkeys(args.admin_key or ())),
+                      admin_keys=tuple(dict.fromkeys(admin_keys)),
+                      weight_transfer_backend=args.weight_transfer_backend,
+                      weight_transfer_allow=tuple(dict.fromkeys(
+                          args.weight_transfer_allow or ())),
                       max_concurrent=args.max_concurrent_requests,
                       max_queued=args.max_queued_requests,
                       max_queue_wait_s=args.max_queue_wait_s,

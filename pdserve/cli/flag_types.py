@@ -7,6 +7,7 @@ flags themselves are declared once, in ``flags.py``.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -163,6 +164,16 @@ def parse_api_keys(text: str) -> tuple[str, ...]:
     for key in keys:
         check_api_key(key)
     return keys
+
+
+def parse_cidrs(text: str) -> tuple[str, ...]:
+    """Comma-separated networks (``10.0.0.0/8``, ``fd00::/8``; an address alone is its
+    own /32 or /128), each normalized."""
+    nets = tuple(str(ipaddress.ip_network(n.strip(), strict=False))
+                 for n in text.split(",") if n.strip())
+    if not nets:
+        raise ValueError("expected a CIDR such as 10.0.0.0/8")
+    return nets
 
 
 def parse_api_key_entries(text: str) -> tuple[str, ...]:

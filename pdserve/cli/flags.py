@@ -16,6 +16,7 @@ from pdserve.cli.flag_types import (
     parse_api_keys,
     parse_bool,
     parse_chunk_tokens,
+    parse_cidrs,
     parse_float,
     parse_int,
     parse_port,
@@ -238,14 +239,25 @@ FLAGS = _flags(
     Flag("tenant-limits-share", "the part of each tenant's limits this router process "
          "enforces: --processes N gives each of its processes 1/N (max_concurrent rounded "
          "up)", 1.0, parse_float(0, strict=True)),
-    Flag("admin-port", "serve /metrics, /workers, /prefix_index and /health without a key "
-         "on this port (0: no admin listener), and the admin actions (POST "
-         "/admin/workers/{id}/role) with --admin-key", 0, parse_port),
-    Flag("admin-key", "require `Authorization: Bearer <key>` on the admin actions; "
-         "repeatable (default: the --api-key keys; with no key at all, actions are served "
-         "only on a loopback --admin-host)", None, parse_api_keys, repeat=True,
+    Flag("admin-port", "the admin plane's listener (0: none): the views (/metrics with "
+         "every series, /workers, /prefix_index), the admin actions (pause, abort_requests, "
+         "weight updates, POST /admin/workers/{id}/role) and /health; with an admin key every "
+         "route but /health needs it; without one it binds loopback only, open to the "
+         "machine's own users", 0, parse_port),
+    Flag("admin-key", "the admin plane's key (`Authorization: Bearer <key>`), never a "
+         "client --api-key key (refused if it is one); repeatable; the environment variable "
+         "may hold several, comma-separated", None, parse_api_keys, repeat=True,
          metavar="KEY", secret=True),
-    Flag("admin-host", "the admin listener's bind address", "127.0.0.1"),
+    Flag("admin-key-file", "admin keys, one per line (blank lines and # comments skipped), "
+         "added to --admin-key", metavar="PATH"),
+    Flag("admin-host", "the admin listener's bind address (without an admin key: loopback, "
+         "whatever this says)", "127.0.0.1"),
+    Flag("weight-transfer-allow", "router: the addresses (CIDR, repeatable; the environment "
+         "variable may hold several, comma-separated) that the weight-transfer routes' "
+         "init_info may send workers to (master_address and every other host field; a host "
+         "name is resolved and each of its addresses checked); others get 403 before any "
+         "worker is called; none: every address is refused", None, parse_cidrs, repeat=True,
+         metavar="CIDR"),
     Flag("processes", "router processes on this one --port (SO_REUSEPORT: the kernel spreads "
          "connections), each a full router following membership and KV events; "
          "--max-concurrent/queued-requests are split between them, process i serves its "

@@ -31,7 +31,8 @@ DISAGG = ("disagg", "local-prefill-max-tokens", "local-prefill-max-queued-tokens
           "planner-interval-s", "planner-window-s", "planner-hold-s", "planner-cooldown-s",
           "planner-demand-scale")
 OPENAI = ("tool-call-parser", "enable-auto-tool-choice")
-EDGE = ("api-key", "api-key-file", "admin-port", "admin-host", "admin-key",
+EDGE = ("api-key", "api-key-file", "admin-port", "admin-host", "admin-key", "admin-key-file",
+        "weight-transfer-backend", "weight-transfer-allow",
         "max-concurrent-requests", "max-queued-requests", "max-queue-wait-s", "max-body-bytes",
         "drain-timeout-s", "tenant-isolation", "tenant-limits-share")
 ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement", "kv-pool",
@@ -53,6 +54,11 @@ SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",
 
 _HTTP = {"host": {"help": "the router's HTTP bind address"},
          "port": {"help": "the router's HTTP port"}}
+_ROUTER_TRANSFER = {"weight-transfer-backend": {
+    "help": "the workers' vLLM weight-transfer engine (nccl, ipc): turns on the admin "
+            "routes that pass a trainer's calls to it (init_weight_transfer_engine, "
+            "update_weights, ...; off: 404), their addresses held to "
+            "--weight-transfer-allow"}}
 _GRPC = {"host": {"help": "gRPC bind address"}}
 
 
@@ -75,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
              dict(_HTTP, **{"num-kv-blocks": {"help": "KV blocks per prefill worker "
                                               "(overrides --kv-cache-gib; 0: unset)"}}))
     _command(sub, "router", "the OpenAI-compatible HTTP router",
-             COMMON + ROUTER + MEMBERSHIP + SECURITY, _HTTP)
+             COMMON + ROUTER + MEMBERSHIP + SECURITY, dict(_HTTP, **_ROUTER_TRANSFER))
     for role, port in (("prefill", 50051), ("decode", 50061)):
         _command(sub, role, f"a {role} worker (vLLM engine + gRPC)",
                  COMMON + ENGINE + TRANSPORT + MEMBERSHIP + WORKER + SECURITY,

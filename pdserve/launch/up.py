@@ -135,6 +135,7 @@ class UpConfig:
 
 
 def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
+    cfg = replace(cfg, edge=probed_edge(cfg.edge))
     py = [sys.executable, "-m", "pdserve.cli.main"]
     common = ["--model", cfg.model, "--max-model-len", str(cfg.max_model_len),
               "--log-level", cfg.log_level, "--log-format", cfg.log_format]
@@ -184,12 +185,22 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     # Ready once the router itself sees every worker healthy: a worker's own Health
     # turns ready up to one router health interval before the router places on it,
     # and a request in between would skip a prefill worker that is up.
-    children.append(Child("router", router_argv, log_dir / "router.log",
-                          f"http://{probe_host}:{cfg.port}/workers",
+    views = (f"http://{router_metrics_endpoint(cfg, probe_host).split(',')[0]}/workers"
+             if cfg.edge.admin_port else f"http://{probe_host}:{cfg.port}/workers")
+    children.append(Child("router", router_argv, log_dir / "router.log", views,
                           extra={"num_workers": str(cfg.num_prefill + cfg.num_decode),
                                  METRICS_KEY: router_metrics_endpoint(cfg, probe_host)},
-                          env=cfg.edge.env(), probe_headers=cfg.edge.probe_headers()))
+                          env=cfg.edge.env(), probe_headers=cfg.edge.admin_probe_headers()))
     return children
+
+
+def probed_edge(edge: EdgeConfig) -> EdgeConfig:
+    """The router's edge as up runs it: with API keys the cluster views (which up's
+    readiness probe reads) are the admin plane's only, so a router without an admin
+    listener gets one on a free loopback port."""
+    if edge.api_keys and not edge.admin_port:
+        return replace(edge, admin_port=free_port(), admin_host="127.0.0.1")
+    return edge
 
 
 def _engine_flags(cfg: UpConfig, role: str, cores: str, name: str) -> list[str]:
@@ -254,12 +265,12 @@ def _print_layout(cfg: UpConfig, children: list[Child]) -> None:
 
 
 def router_metrics_endpoint(cfg: UpConfig, probe_host: str) -> str:
-    """Where the router's /metrics is open: its admin listener if it has one (the main
-    port's needs the API key when keys are set); with several router processes, each
-    one's admin port (``--admin-port + i``), comma-separated (``up_targets``). Without
+    """Where the router's full /metrics is: its admin listener if it has one (with keys
+    the main port's shows a tenant its own series only); with several router processes,
+    each one's admin port (``--admin-port + i``), comma-separated (``up_targets``). Without
     an admin port they share the main port, where each scrape reaches one of them."""
     if cfg.edge.admin_port:
-        admin = cfg.edge.admin_host
+        admin = cfg.edge.admin_bind_host
         host = "127.0.0.1" if admin in ("0.0.0.0", "::") else admin
         return ",".join(f"{host}:{cfg.edge.admin_port + i}"
                         for i in range(cfg.router_processes))

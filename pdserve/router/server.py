@@ -41,8 +41,10 @@ from pdserve.router.dispatch.prefix.kv_feed import KvIndexFeeder
 from pdserve.router.dispatch.prefix.routing import PrefixRouting
 from pdserve.router.dispatch.workers.metrics import register_pool_metrics
 from pdserve.router.dispatch.workers.pool import WorkerPool
-from pdserve.router.http.admin import AdminAuth, admin_actions
-from pdserve.router.http.app import create_admin_app, create_app
+from pdserve.router.http.admin.actions import admin_actions
+from pdserve.router.http.admin.app import create_admin_app
+from pdserve.router.http.admin.transfer import WeightTransferPolicy
+from pdserve.router.http.app import create_app
 from pdserve.router.http.edge.config import EdgeConfig
 from pdserve.router.http.edge.drain import DrainingServer
 from pdserve.router.http.openai.tool_calls import ToolCalling, ToolConfig
@@ -168,7 +170,8 @@ def build_router(config: RouterConfig, tokenizer: Any) -> Router:
                      tool_calling=ToolCalling.load(config.tools, tokenizer),
                      eos_token_ids=model_eos_token_ids(config.model_path, tokenizer))
     views = _cluster_views(pool, membership, index, feeder, election)
-    app.include_router(views)
+    if not config.edge.api_keys:  # with keys, the views are the admin plane's only
+        app.include_router(views)
     return Router(app, pool, feeder, membership, views, registry, switcher, planner, election,
                   WeightUpdater(pool, dispatcher.weights, registry))
 
@@ -182,14 +185,14 @@ async def serve_router(config: RouterConfig) -> None:
     router = build_router(config, tokenizer)
     app = router.app
     admin: list[uvicorn.Server] = []
-    if config.edge.admin_port:
-        actions = admin_actions(router.switcher, AdminAuth(config.edge.admin_action_keys,
-                                                            config.edge.admin_host),
-                                router.weights)
+    edge = config.edge
+    if edge.admin_port:
         admin.append(_QuietServer(uvicorn.Config(
-            create_admin_app(router.registry, router.views, actions),
-            host=config.edge.admin_host,
-            port=config.edge.admin_port, log_level="warning", lifespan="off")))
+            admin_app(router, edge), host=edge.admin_bind_host, port=edge.admin_port,
+            log_level="warning", lifespan="off")))
+        if edge.admin_bind_host != edge.admin_host:
+            logger.warning("no admin key (--admin-key-file): the admin listener binds %s "
+                           "only, not --admin-host %s", edge.admin_bind_host, edge.admin_host)
     server = DrainingServer(
         uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                        timeout_graceful_shutdown=5),
@@ -200,7 +203,8 @@ async def serve_router(config: RouterConfig) -> None:
                 config.host, config.port, router.membership.name, config.placement,
                 config.disagg.mode, config.planner.mode,
                 config.edge.keys_summary(), config.edge.max_concurrent, config.edge.max_queued,
-                f", admin on http://{config.edge.admin_host}:{config.edge.admin_port}"
+                f", admin on http://{config.edge.admin_bind_host}:{config.edge.admin_port} "
+                f"({'admin key' if config.edge.admin_keys else 'no admin key: loopback only'})"
                 if admin else "", "" if config.metrics else ", metrics off")
     sockets = [_reuse_port_socket(config.host, config.port)] if config.reuse_port else None
     try:
@@ -209,10 +213,18 @@ async def serve_router(config: RouterConfig) -> None:
         await router.close()
 
 
+def admin_app(router: Router, edge: EdgeConfig) -> FastAPI:
+    """The admin plane's app: the full views, the actions, behind the admin key."""
+    actions = admin_actions(router.switcher, router.weights, WeightTransferPolicy(
+        edge.weight_transfer_backend, edge.weight_transfer_allow))
+    return create_admin_app(router.registry, router.views, actions, keys=edge.admin_keys,
+                            bind_host=edge.admin_bind_host, max_body_bytes=edge.max_body_bytes)
+
+
 def _cluster_views(pool: WorkerPool, membership: Membership, index: PrefixIndex,
                    feeder: KvIndexFeeder, election: Election | None = None) -> APIRouter:
     """``/workers`` (with whether this replica's planner leads) and ``/prefix_index``: on
-    the main port (behind the key, when keys are set) and on the admin listener."""
+    the admin listener, and on the main port only without API keys (an open router)."""
     election = election or StaticElection(False)
     router = APIRouter()
     router.add_api_route("/workers", lambda: {"workers": pool.describe(),

@@ -19,8 +19,8 @@ from unit.fake_worker import FakeWorker, WorkerScript, eventually, start_fake_wo
 from pdserve.core.types import PhaseOutput, PhaseRequest, SamplingSpec
 from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient
 from pdserve.router.dispatch.workers.pool import WorkerPool
-from pdserve.router.http.admin import AdminAuth, admin_actions
-from pdserve.router.http.app import create_admin_app
+from pdserve.router.http.admin.actions import admin_actions
+from pdserve.router.http.admin.app import create_admin_app
 from pdserve.router.http.base import APIError
 from pdserve.router.http.roles import RoleSwitcher
 
@@ -249,7 +249,8 @@ async def test_placement_skips_a_worker_while_this_router_switches_it() -> None:
 async def admin_client(keys: tuple[str, ...] = (), host: str = "127.0.0.1"
                        ) -> AsyncIterator[tuple[httpx.AsyncClient, list[FakeWorker]]]:
     async with pool_of(("prefill", "decode", "decode")) as (pool, workers):
-        app = create_admin_app(None, admin_actions(RoleSwitcher(pool), AdminAuth(keys, host)))
+        app = create_admin_app(None, admin_actions(RoleSwitcher(pool)), keys=keys,
+                               bind_host=host)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://admin") as http:
             yield http, workers

@@ -19,12 +19,14 @@ from pdserve.cli.parser import build_parser
 from pdserve.membership.static import StaticMembership
 from pdserve.router.dispatch.prefix.index import PrefixIndex
 from pdserve.router.dispatch.prefix.kv_feed import KvIndexFeeder
-from pdserve.router.http.app import create_admin_app
+from pdserve.router.http.admin.app import create_admin_app
 from pdserve.router.http.edge.config import EdgeConfig
 from pdserve.router.server import _cluster_views
 
 KEYS = ("key-one-1234", "key-two-5678")
-GETS = ("/v1/models", "/metrics", "/workers", "/prefix_index")
+ADMIN_KEY = "admin-key-0001"
+GETS = ("/v1/models", "/metrics")
+VIEWS = ("/workers", "/prefix_index")  # the admin plane's only, with keys set
 
 
 class Apps:
@@ -34,16 +36,16 @@ class Apps:
 
 @pytest_asyncio.fixture(loop_scope="function")
 async def apps(tokenizer: Any) -> AsyncIterator[Apps]:
-    """The router as ``serve_router`` wires it: the main app with keys and the cluster
-    views, and the admin app on the same registry."""
+    """The router as ``serve_router`` wires it: the main app with keys (and so without
+    the cluster views), and the admin app with them, behind the admin key, on the same
+    registry."""
     async with running_cluster() as c:
         membership = StaticMembership([c.prefill.endpoint], [c.decode.endpoint])
         index = PrefixIndex()
         views = _cluster_views(c.pool, membership, index,
                                KvIndexFeeder(lambda: c.pool.prefill, index, c.registry))
         main = make_router_app(tokenizer, c.dispatcher, EdgeConfig(api_keys=KEYS), c.registry)
-        main.include_router(views)
-        yield Apps(c, main, create_admin_app(c.registry, views))
+        yield Apps(c, main, create_admin_app(c.registry, views, keys=(ADMIN_KEY,)))
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -79,10 +81,13 @@ async def test_each_configured_key_opens_every_endpoint(apps: Apps, key: str) ->
         for path in GETS:
             reply = await http.get(path, headers=bearer(key))
             assert reply.status_code == 200, (path, reply.text)
+        for path in VIEWS:  # the admin plane's: not here at all
+            assert (await http.get(path, headers=bearer(key))).status_code == 404
         reply = await http.post(COMPLETIONS, json=cmpl_body(max_tokens=3), headers=bearer(key))
         assert reply.status_code == 200, reply.text
         assert len(reply.json()["choices"][0]["text"]) > 0
-        metrics = (await http.get("/metrics", headers=bearer(key))).text
+    async with asgi_http_client(apps.admin) as http:
+        metrics = (await http.get("/metrics", headers=bearer(ADMIN_KEY))).text
     assert 'pdserve:http_requests_total{endpoint="/metrics",status_code="401"}' not in metrics
     assert [g.phase for g in apps.cluster.d.generates] == ["decode"]
 
@@ -90,22 +95,46 @@ async def test_each_configured_key_opens_every_endpoint(apps: Apps, key: str) ->
 async def test_401s_are_counted_by_status(apps: Apps) -> None:
     async with asgi_http_client(apps.main) as http:
         await http.post(COMPLETIONS, json=cmpl_body(), headers=bearer("nope-nope"))
-        metrics = (await http.get("/metrics", headers=bearer(KEYS[0]))).text
+    async with asgi_http_client(apps.admin) as http:
+        metrics = (await http.get("/metrics", headers=bearer(ADMIN_KEY))).text
     assert ('pdserve:http_requests_total{endpoint="/v1/completions",status_code="401"} 1.0'
             in metrics)
     assert ('pdserve:request_failures_total{endpoint="/v1/completions",'
             'reason="invalid_api_key"} 1.0' in metrics)
 
 
-async def test_admin_listener_serves_views_without_a_key(apps: Apps) -> None:
+async def test_admin_listener_serves_views_with_the_admin_key_only(apps: Apps) -> None:
     async with asgi_http_client(apps.admin) as http:
-        for path in ("/metrics", "/workers", "/prefix_index", "/health"):
-            reply = await http.get(path)
+        for path in ("/metrics", *VIEWS):
+            for headers in ({}, bearer(KEYS[0]), bearer(KEYS[1])):  # a client key is none
+                assert_401(await http.get(path, headers=headers))
+            reply = await http.get(path, headers=bearer(ADMIN_KEY))
             assert reply.status_code == 200, (path, reply.text)
-        workers = (await http.get("/workers")).json()["workers"]
+        assert (await http.get("/health")).status_code == 200  # probes: no key
+        workers = (await http.get("/workers", headers=bearer(ADMIN_KEY))).json()["workers"]
         assert {w["healthy"] for w in workers} == {True}
-        assert (await http.post(COMPLETIONS, json=cmpl_body())).status_code == 404
-        assert (await http.get("/v1/models")).status_code == 404
+        admin = bearer(ADMIN_KEY)
+        assert (await http.post(COMPLETIONS, json=cmpl_body(), headers=admin)).status_code \
+            == 404
+        assert (await http.get("/v1/models", headers=admin)).status_code == 404
+
+
+async def test_a_tenant_reads_only_its_own_series_on_the_main_port(apps: Apps) -> None:
+    async with asgi_http_client(apps.main) as http:
+        sent = await http.post(COMPLETIONS, json=cmpl_body(max_tokens=3), headers=bearer(KEYS[0]))
+        assert sent.status_code == 200, sent.text
+        own = (await http.get("/metrics", headers=bearer(KEYS[0]))).text
+        other = (await http.get("/metrics", headers=bearer(KEYS[1]))).text
+    async with asgi_http_client(apps.admin) as http:
+        full = (await http.get("/metrics", headers=bearer(ADMIN_KEY))).text
+    series = [line for line in own.splitlines() if line and not line.startswith("#")]
+    assert series and all(line.startswith("pdserve:tenant_") and 'tenant="key-1"' in line
+                          for line in series), own
+    assert 'pdserve:tenant_requests_total{tenant="key-1"} 1.0' in own
+    assert 'tenant="key-1"' not in other and 'tenant="key-2"' in other
+    # the admin plane's /metrics has both tenants and the cluster's own series
+    assert 'tenant="key-1"' in full and 'tenant="key-2"' in full
+    assert "pdserve:http_requests_total" in full and "pdserve:http_requests_total" not in own
 
 
 def test_keys_from_flags_environment_and_file(tmp_path: Path,
@@ -138,7 +167,8 @@ def test_up_hands_the_edge_flags_to_its_router_and_keys_only_in_its_environment(
     assert not any(key in arg for key in KEYS for arg in router.argv)  # not shown by ps
     # Every key in the environment, so the router reads no key file of its own.
     assert router.env == {"PDSERVE_API_KEY": ",".join(KEYS), "PDSERVE_API_KEY_FILE": ""}
-    assert router.probe_headers == bearer(KEYS[0])
+    assert router.probe_headers == {}  # no admin key: the admin listener is loopback's
+    assert router.probe == "http://127.0.0.1:9100/workers"
     argv = router.argv[router.argv.index("router"):]
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PDSERVE_API_KEY", router.env["PDSERVE_API_KEY"])

@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -28,11 +28,11 @@ from pdserve.router.http.edge.config import EdgeConfig
 from pdserve.router.http.edge.direct_write import capture_server_send
 from pdserve.router.http.edge.request_ids import RequestIdMiddleware, arrival_of, request_id_of
 from pdserve.router.http.errors import (
-    RouteNotFoundError,
     ServiceUnavailableError,
     error_response,
     install_error_handlers,
 )
+from pdserve.router.http.metrics_route import metrics_routes
 from pdserve.router.http.openai.preprocess import Preprocessing, Preprocessor, Tokenizer
 from pdserve.router.http.openai.response_schemas import ChatCompletionResponse, CompletionResponse
 from pdserve.router.http.openai.schemas import ChatCompletionRequest, CompletionRequest
@@ -42,7 +42,7 @@ from pdserve.router.http.openapi import ERROR_RESPONSES, stream_responses, witho
 from pdserve.router.http.outcome import outcome_of
 from pdserve.router.http.tenants.accounts import TenantLimitMiddleware, tenant_accounts
 from pdserve.router.http.tenants.salt import salted
-from pdserve.router.metrics import METRICS_DISABLED_ENV, RouterMetrics
+from pdserve.router.metrics import RouterMetrics
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
@@ -108,24 +108,7 @@ def create_app(
         app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     app.include_router(_openai_routes(preprocessing, serving))
     app.include_router(_operations_routes(preprocessing.threaded, dispatcher, admission))
-    app.include_router(admin_routes(registry))
-    return app
-
-
-def create_admin_app(registry: CollectorRegistry | None, *routers: APIRouter) -> FastAPI:
-    """The admin listener's app: ``/metrics`` (404 with metrics off: ``registry`` None)
-    and ``routers`` (the cluster views), without keys; bind it to a private address
-    (``--admin-host``)."""
-    app = FastAPI(title="pdserve router admin", docs_url=None, redoc_url=None)
-    install_error_handlers(app)
-    app.include_router(admin_routes(registry))
-    for router in routers:
-        app.include_router(router)
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
+    app.include_router(metrics_routes(registry, per_tenant=bool(edge.api_keys)))
     return app
 
 
@@ -187,20 +170,6 @@ def _operations_routes(
         return error_response(
             ServiceUnavailableError("no healthy worker route", code="no_worker_available")
         )
-
-    return router
-
-
-def admin_routes(registry: CollectorRegistry | None) -> APIRouter:
-    router = APIRouter()
-
-    @router.get("/metrics", response_class=Response, responses=ERROR_RESPONSES)
-    async def prometheus_metrics() -> Response:
-        if registry is None:
-            return error_response(RouteNotFoundError(
-                "metrics are disabled on this router (--disable-metrics / "
-                f"{METRICS_DISABLED_ENV})", code="metrics_disabled"))
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return router
 

@@ -66,7 +66,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self._keys and is_protected(scope["path"]):
-            found = self._keys.match(_authorization(scope))
+            found = self._keys.match(authorization_header(scope))
             if isinstance(found, AuthenticationError):
                 await send_error(scope, send, found)
                 return
@@ -78,7 +78,7 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def _authorization(scope: Scope) -> bytes | None:
+def authorization_header(scope: Scope) -> bytes | None:
     for name, value in scope["headers"]:
         if name == b"authorization":
             return bytes(value)

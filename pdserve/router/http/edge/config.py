@@ -22,6 +22,7 @@ environment, never on a command line that ``ps`` shows.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +49,9 @@ class EdgeConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no client authentication
     admin_host: str = "127.0.0.1"
     admin_port: int = 0  # 0: no admin listener
-    admin_keys: tuple[str, ...] = field(default=(), repr=False)  # admin actions'; empty: api_keys
+    # The admin plane's keys (``--admin-key``, ``--admin-key-file``), never a client key;
+    # empty: the admin listener binds loopback only, whatever admin_host says.
+    admin_keys: tuple[str, ...] = field(default=(), repr=False)
     max_concurrent: int = DEFAULT_MAX_CONCURRENT
     max_queued: int = DEFAULT_MAX_QUEUED
     max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S
@@ -62,6 +65,10 @@ class EdgeConfig:
     # process enforces (1/N in each of ``--processes N``).
     tenants: tuple[TenantSpec, ...] = ()
     tenant_limits_share: float = 1.0
+    # The weight-transfer routes that make workers connect somewhere: off unless a backend
+    # is named; the addresses they may reach (CIDRs) are the operator's (``admin/transfer.py``).
+    weight_transfer_backend: str | None = None
+    weight_transfer_allow: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_concurrent < 1 or self.max_queued < 0 or self.max_body_bytes < 1:
@@ -83,6 +90,11 @@ class EdgeConfig:
                 or len(set(self.api_keys)) != len(self.api_keys)):
             raise ValueError("the API keys must be distinct, the tenants' names too, and each "
                              "tenant's keys distinct API keys of no other tenant")
+        if set(self.admin_keys) & set(self.api_keys):
+            raise ValueError("an admin key (--admin-key, --admin-key-file) must not also be a "
+                             "client API key: a tenant would hold the admin plane")
+        if not self.weight_transfer_backend and self.weight_transfer_allow:
+            raise ValueError("--weight-transfer-allow needs --weight-transfer-backend")
 
     def flags(self) -> list[str]:
         """The router flags that give this config back, but the keys: ``pdserve up``
@@ -95,7 +107,11 @@ class EdgeConfig:
                 "--max-body-bytes", str(self.max_body_bytes),
                 "--drain-timeout-s", str(self.drain_timeout_s),
                 "--tenant-limits-share", repr(self.tenant_limits_share),
-                "--tenant-isolation", self.tenant_isolation]
+                "--tenant-isolation", self.tenant_isolation,
+                *(["--weight-transfer-backend", self.weight_transfer_backend]
+                  if self.weight_transfer_backend else []),
+                *(a for cidr in self.weight_transfer_allow
+                  for a in ("--weight-transfer-allow", cidr))]
 
     def env(self) -> dict[str, str]:
         """The keys and their tenants as ``--api-key`` entries (and no key file: they are
@@ -106,6 +122,7 @@ class EdgeConfig:
             env["PDSERVE_API_KEY_FILE"] = ""
         if self.admin_keys:
             env["PDSERVE_ADMIN_KEY"] = ",".join(self.admin_keys)
+            env["PDSERVE_ADMIN_KEY_FILE"] = ""
         return env
 
     def keys_summary(self) -> str:
@@ -117,13 +134,46 @@ class EdgeConfig:
                 f"({limited} with limits)")
 
     @property
-    def admin_action_keys(self) -> tuple[str, ...]:
-        """Who may call the admin actions (``http/admin.py``)."""
-        return self.admin_keys or self.api_keys
+    def admin_bind_host(self) -> str:
+        """Where the admin listener binds: ``admin_host`` with an admin key, loopback
+        without one (the admin plane is then open to the machine's own users only)."""
+        if self.admin_keys or is_loopback(self.admin_host):
+            return self.admin_host
+        return "::1" if ":" in self.admin_host else "127.0.0.1"
 
-    def probe_headers(self) -> dict[str, str]:
-        """What a probe of the main port's admin views sends (``pdserve up``'s)."""
-        return {"Authorization": f"Bearer {self.api_keys[0]}"} if self.api_keys else {}
+    def admin_probe_headers(self) -> dict[str, str]:
+        """What a probe of the admin listener's views sends (``pdserve up``'s)."""
+        return {"Authorization": f"Bearer {self.admin_keys[0]}"} if self.admin_keys else {}
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a bind address) is this machine's own."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_admin_key_file(path: Path) -> tuple[str, ...]:
+    """``--admin-key-file``: one key per line (blank lines and # comments skipped); a bad
+    line raises ValueError naming its number, never its key."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"cannot read --admin-key-file {path}: {exc.strerror}") from None
+    keys = []
+    for number, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        try:
+            check_api_key(text)
+        except ValueError as exc:
+            raise ValueError(f"--admin-key-file {path} line {number}: {exc}") from None
+        keys.append(text)
+    return tuple(keys)
 
 
 def read_api_key_file(path: Path) -> Iterator[tuple[str, KeyEntry]]:
