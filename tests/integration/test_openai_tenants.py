@@ -75,9 +75,9 @@ class KeyedRouter:
 
     def _start(self, server: Server) -> None:
         router = _router_child(server)
-        port = free_port()
+        port, admin_port = free_port(), free_port()
         argv = _with_flag(_with_flag(_with_flag(router.cmdline(), "--port", str(port)),
-                                     "--admin-port", str(free_port())),
+                                     "--admin-port", str(admin_port)),
                           "--tenant-isolation", "key")
         log = self._log_dir / f"router-{port}.log"
         self._proc = process.spawn(argv, log_path=log, base_env=router.environ(),
@@ -88,7 +88,8 @@ class KeyedRouter:
 
         def ready() -> str:
             try:
-                view = httpx.get(f"{url}/workers", timeout=2, headers=_auth(KEYS[0])).json()
+                # with keys the views are the admin plane's (loopback, no admin key: open)
+                view = httpx.get(f"http://127.0.0.1:{admin_port}/workers", timeout=2).json()
             except (httpx.HTTPError, ValueError):
                 return "no /workers yet"
             healthy = sum(w["healthy"] for w in view["workers"])

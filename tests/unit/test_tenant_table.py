@@ -117,7 +117,8 @@ def test_up_hands_the_table_to_its_router_in_the_environment_only(tmp_path: Path
     from pdserve.launch.up import UpConfig, plan
 
     keys, tenants = table(GOOD, tmp_path)
-    edge = EdgeConfig(api_keys=keys, tenants=tenants, tenant_isolation="key")
+    # An admin port of its own: with keys, up's probe reads /workers there.
+    edge = EdgeConfig(api_keys=keys, tenants=tenants, tenant_isolation="key", admin_port=9400)
     router = plan(UpConfig(model="/models/tiny", edge=edge), tmp_path)[-1]
     assert not any(key in arg for key in keys for arg in router.argv)  # not shown by ps
     assert router.env["PDSERVE_API_KEY_FILE"] == ""  # its router reads no file of its own
@@ -162,6 +163,7 @@ def test_no_key_shows_in_a_configs_repr() -> None:
 
     key = "sk-never-shown-0123"
     spec = TenantSpec("acme", (key,))
-    edge = EdgeConfig(api_keys=(key,), admin_keys=(key,), tenants=(spec,))
-    assert key not in repr(edge) and key not in repr(spec)
+    admin = "sk-admin-never-shown-0123"
+    edge = EdgeConfig(api_keys=(key,), admin_keys=(admin,), tenants=(spec,))
+    assert key not in repr(edge) and key not in repr(spec) and admin not in repr(edge)
     assert key not in repr(KeyEntry(key, "acme"))
