@@ -89,6 +89,7 @@ class Stack:
     procs: dict[str, subprocess.Popen[bytes]]
     logs: Path
     api_key: str
+    admin_key: str
 
     def url(self, service: str, port_var: str) -> str:
         return f"http://127.0.0.1:{self.local.env(service)[port_var]}"
@@ -120,12 +121,14 @@ def stack(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     write_cluster_secret(tmp / "secrets" / "cluster_secret")
     api_key = "sk-compose-test-key"
     (tmp / "secrets" / "api_key").write_text(api_key + "\n")
+    admin_key = "adm-compose-test-key"
+    (tmp / "secrets" / "admin_key").write_text(admin_key + "\n")
     services = compose_services()
     local = Localizer(services, tmp)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PDSERVE_", "ETCD_"))}
     base.update(HF_HUB_OFFLINE="1", PDSERVE_CACHE=str(model_path.parents[1]))
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    stack = Stack(local, procs, tmp, api_key)
+    stack = Stack(local, procs, tmp, api_key, admin_key)
     try:
         for name in SERVICES:
             service = services[name]
@@ -168,7 +171,9 @@ def test_compose_services_serve_a_chat_request(stack: Stack) -> None:
         if stack.dead():
             raise AssertionError(f"{stack.dead()} exited\n{stack.tail()}")
         try:
-            view = httpx.get(admin + "/workers", timeout=5).json()["workers"]
+            view = httpx.get(admin + "/workers", timeout=5,
+                             headers={"Authorization": f"Bearer {stack.admin_key}"}
+                             ).json()["workers"]
         except httpx.HTTPError:
             return {}
         return {w["role"]: w["endpoint"] for w in view if w["healthy"]}
@@ -186,6 +191,13 @@ def test_compose_services_serve_a_chat_request(stack: Stack) -> None:
     # Servable, and every service's own container health check says so.
     assert httpx.get(stack.url("router", "PDSERVE_PORT") + "/health", timeout=5).is_success
     assert all(_healthy(stack, s) for s in ("prefill", "decode", "router"))
+    # The admin plane takes the admin key only (what Prometheus sends), never a client's.
+    for headers in ({}, {"Authorization": f"Bearer {stack.api_key}"}):
+        for path in ("/workers", "/metrics"):
+            assert httpx.get(admin + path, headers=headers, timeout=5).status_code == 401
+    scraped = httpx.get(admin + "/metrics", timeout=5,
+                        headers={"Authorization": f"Bearer {stack.admin_key}"})
+    assert scraped.status_code == 200 and "pdserve:" in scraped.text
 
     api = stack.url("router", "PDSERVE_PORT") + "/v1/chat/completions"
     question = {"model": "SmolLM2-135M-Instruct", "max_tokens": 24, "temperature": 0,

@@ -88,8 +88,11 @@ def test_workers_scale_and_each_replica_advertises_itself() -> None:
     # The router is healthy when servable: its main port's /health (open without a key).
     assert (target.scheme, target.port, target.path) == (
         "http", int(router_env["PDSERVE_PORT"]), "/health")
-    assert set(services["router"]["secrets"]) == {"cluster_secret", "api_key"}
+    assert set(services["router"]["secrets"]) == {"cluster_secret", "api_key", "admin_key"}
     assert router_env["PDSERVE_API_KEY_FILE"] == "/run/secrets/api_key"
+    # The admin plane on every interface (for Prometheus) only behind its own key.
+    assert router_env["PDSERVE_ADMIN_HOST"] == "0.0.0.0"
+    assert router_env["PDSERVE_ADMIN_KEY_FILE"] == "/run/secrets/admin_key"
     for name in PDSERVE_SERVICES:
         assert services[name]["environment"]["PDSERVE_CLUSTER_SECRET_FILE"] == (
             "/run/secrets/cluster_secret")
@@ -106,6 +109,15 @@ def test_prometheus_scrapes_the_router_admin_port_and_every_worker_by_dns() -> N
     jobs = _prometheus_jobs()
     admin_port = services["router"]["environment"]["PDSERVE_ADMIN_PORT"]
     assert jobs["pdserve-router"]["static_configs"][0]["targets"] == [f"router:{admin_port}"]
+    # It sends the router's admin key: the secret the router reads, mounted in Prometheus.
+    auth = jobs["pdserve-router"]["authorization"]
+    key_file = services["router"]["environment"]["PDSERVE_ADMIN_KEY_FILE"]
+    assert (auth["type"], auth["credentials_file"]) == ("Bearer", key_file)
+    assert key_file == f"/run/secrets/{services['prometheus']['secrets'][0]}"
+    compose = yaml.safe_load(COMPOSE_FILE.read_text())
+    assert compose["secrets"]["admin_key"] == {"file": "./secrets/admin_key"}
+    for role in ("prefill", "decode"):
+        assert "authorization" not in jobs[f"pdserve-{role}"]  # workers' metrics: no key
     for role in ("prefill", "decode"):
         (sd,) = jobs[f"pdserve-{role}"]["dns_sd_configs"]
         metrics_port = int(services[role]["environment"]["PDSERVE_METRICS_PORT"])

@@ -126,6 +126,32 @@ def test_service_monitor_scrapes_the_router_admin_and_worker_metrics_ports(chart
     endpoints = monitor["spec"]["endpoints"]
     assert {e["port"] for e in endpoints} == {"admin", "metrics"} <= ports
     assert all(e["path"] == "/metrics" for e in endpoints)
+    # The router's admin plane is scraped with the admin key (the router's own Secret);
+    # the workers' metrics ports need none.
+    secrets = by_kind(docs, "Secret")
+    for endpoint in endpoints:
+        if endpoint["port"] == "admin":
+            auth = endpoint["authorization"]
+            assert auth["type"] == "Bearer"
+            assert auth["credentials"]["key"] in secrets[auth["credentials"]["name"]]["data"]
+        else:
+            assert "authorization" not in endpoint
+
+
+def test_without_an_admin_key_the_admin_plane_is_the_pods_own(chart: Any) -> None:
+    """adminKey off: no key file, no scrape of the admin port (loopback only), and the
+    liveness probe asks from inside the pod."""
+    docs = render(chart, {**EVERYTHING, "adminKey": {"create": False}})
+    router = by_kind(docs, "Deployment")["pd-pdserve-router"]
+    assert "PDSERVE_ADMIN_KEY_FILE" not in env_of(router)
+    assert "pd-pdserve-admin-key" not in by_kind(docs, "Secret")
+    probe = container(router)["livenessProbe"]
+    assert probe["exec"]["command"][:2] == ["pdserve", "health"]
+    assert "http://127.0.0.1:8001/health" in probe["exec"]["command"]
+    (monitor,) = by_kind(docs, "ServiceMonitor").values()
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} == {"metrics"}
+    keyed = by_kind(render(chart, EVERYTHING), "Deployment")["pd-pdserve-router"]
+    assert container(keyed)["livenessProbe"]["httpGet"]["port"] == "admin"
 
 
 def test_workers_probe_grpc_health_and_advertise_their_pod_ip(chart: Any) -> None:
@@ -175,19 +201,28 @@ def test_every_pdserve_variable_is_a_flag_the_process_reads(chart: Any) -> None:
 def test_secrets_are_generated_or_taken_from_existing_ones(chart: Any) -> None:
     generated = render(chart)
     secrets = by_kind(generated, "Secret")
-    assert set(secrets) == {"pd-pdserve-cluster-secret", "pd-pdserve-api-key"}
+    assert set(secrets) == {"pd-pdserve-cluster-secret", "pd-pdserve-api-key",
+                            "pd-pdserve-admin-key"}
     assert len(secrets["pd-pdserve-cluster-secret"]["data"]["cluster-secret"]) >= 32
     router = by_kind(generated, "Deployment")["pd-pdserve-router"]
     assert env_of(router)["PDSERVE_API_KEY_FILE"] == "/etc/pdserve/api-key/api-key"
+    assert env_of(router)["PDSERVE_ADMIN_KEY_FILE"] == "/etc/pdserve/admin-key/admin-key"
+    assert secrets["pd-pdserve-admin-key"]["data"]["admin-key"] != secrets[
+        "pd-pdserve-api-key"]["data"]["api-key"]
 
     own = render(chart, {"clusterSecret": {"existingSecret": "ours"},
-                         "apiKey": {"existingSecret": "keys", "secretKey": "k"}})
+                         "apiKey": {"existingSecret": "keys", "secretKey": "k"},
+                         "adminKey": {"existingSecret": "ops", "secretKey": "a"}})
     assert not by_kind(own, "Secret")
     deployments = by_kind(own, "Deployment")
     for deployment in deployments.values():
         volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
         assert volumes["cluster-secret"]["secret"]["secretName"] == "ours"
     assert env_of(deployments["pd-pdserve-router"])["PDSERVE_API_KEY_FILE"].endswith("/k")
+    assert env_of(deployments["pd-pdserve-router"])["PDSERVE_ADMIN_KEY_FILE"].endswith("/a")
+    volumes = {v["name"]: v for v in
+               deployments["pd-pdserve-router"]["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["admin-key"]["secret"]["secretName"] == "ops"
 
     open_router = by_kind(render(chart, {"apiKey": {"create": False}}), "Deployment")
     assert "PDSERVE_API_KEY_FILE" not in env_of(open_router["pd-pdserve-router"])
@@ -230,6 +265,9 @@ BAD_VALUES = {
         "algorithm": "ECDSA", "size": 2048}}}},
     "an unknown tls key": {"tls": {"enable": True}},
     "tls.require as text": {"tls": {"require": "yes"}},
+    "an admin key with no secret key": {"adminKey": {"secretKey": ""}},
+    "an unknown adminKey field": {"adminKey": {"key": "adm-inline-key"}},
+    "adminKey.create as text": {"adminKey": {"create": "no"}},
 }
 
 

@@ -51,6 +51,14 @@ app.kubernetes.io/component: {{ .component }}
 {{ .Values.apiKey.existingSecret | default (printf "%s-api-key" (include "pdserve.fullname" .)) }}
 {{- end -}}
 
+{{- define "pdserve.adminKeySecretName" -}}
+{{ .Values.adminKey.existingSecret | default (printf "%s-admin-key" (include "pdserve.fullname" .)) }}
+{{- end -}}
+
+{{- define "pdserve.adminKeyEnabled" -}}
+{{- if or .Values.adminKey.existingSecret .Values.adminKey.create -}}true{{- end -}}
+{{- end -}}
+
 {{- define "pdserve.apiKeyEnabled" -}}
 {{- if or .Values.apiKey.existingSecret .Values.apiKey.create -}}true{{- end -}}
 {{- end -}}
