@@ -90,8 +90,8 @@ class KeyedRouter:
             try:
                 # with keys the views are the admin plane's (loopback, no admin key: open)
                 view = httpx.get(f"http://127.0.0.1:{admin_port}/workers", timeout=2).json()
-            except (httpx.HTTPError, ValueError):
-                return "no /workers yet"
+            except (httpx.HTTPError, ValueError) as exc:
+                return f"no /workers yet ({exc})"
             healthy = sum(w["healthy"] for w in view["workers"])
             return "" if healthy == num_workers else f"{healthy}/{num_workers} healthy"
 

@@ -349,9 +349,36 @@ async def test_the_main_port_keeps_the_views_only_without_api_keys(
             for path in ("/workers", "/prefix_index"):
                 reply = await http.get(path, headers=main_headers)
                 assert reply.status_code == (404 if keys else 200), (path, reply.text)
+            # open: the full /metrics; keyed: the caller's tenant series only
+            metrics = (await http.get("/metrics", headers=main_headers)).text
+            assert ("pdserve:http_requests_total" in metrics) == (not keys)
         async with client(admin_app(router, edge)) as http:
             for path in ("/workers", "/prefix_index", "/metrics"):
                 assert (await http.get(path, headers=main_headers)).status_code == 401
                 assert (await http.get(path, headers=bearer(ADMIN))).status_code == 200
     finally:
         await router.close()
+
+
+def test_each_router_process_has_its_admin_listener_behind_the_same_keys(
+        tmp_path: Path) -> None:
+    """``--processes N``: process i's admin listener on --admin-port + i, each with the
+    admin keys (its key file read again) and the weight-transfer rules."""
+    from pdserve.cli.configs import router_config
+    from pdserve.core.model import ResolvedModel
+    from pdserve.launch.router_processes import child_argv
+
+    path = tmp_path / "admin-keys"
+    path.write_text(f"{ADMIN}\n")
+    argv = ["router", "--decode", "127.0.0.1:9", "--admin-port", "9500", "--admin-host",
+            "0.0.0.0", "--admin-key-file", str(path), "--weight-transfer-backend", "nccl",
+            "--weight-transfer-allow", "10.0.0.0/8", "--processes", "3"]
+    model = ResolvedModel(tmp_path, "tiny")
+    parent = router_config(build_parser().parse_args(argv), model)
+    for index in range(3):
+        line = child_argv(argv, parent, 3, index)
+        edge = edge_config(build_parser().parse_args(line[line.index("router"):]))
+        assert edge.admin_port == 9500 + index and edge.admin_keys == (ADMIN,)
+        assert edge.admin_bind_host == "0.0.0.0"
+        assert (edge.weight_transfer_backend, edge.weight_transfer_allow) == (
+            "nccl", ("10.0.0.0/8",))
