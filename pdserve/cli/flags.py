@@ -220,8 +220,9 @@ FLAGS = _flags(
          "chunk, and /metrics answers 404 (to measure their cost, or where nothing scrapes)",
          False, parse_bool, switch=True),
     # the router's HTTP edge (router/http/edge/config.py)
-    Flag("api-key", "require `Authorization: Bearer <key>` on /v1/* (and on /metrics, "
-         "/workers, /prefix_index of the main port); repeatable; the environment variable "
+    Flag("api-key", "require `Authorization: Bearer <key>` on /v1/* and /metrics of the main "
+         "port (where /metrics then shows the caller's tenant only, and /workers and "
+         "/prefix_index are the admin plane's only); repeatable; the environment variable "
          "may hold several, comma-separated; each may name its tenant and limits as a line "
          "of --api-key-file does", None, parse_api_key_entries, repeat=True, metavar="KEY",
          secret=True),

@@ -190,9 +190,9 @@ async def serve_router(config: RouterConfig) -> None:
         admin.append(_QuietServer(uvicorn.Config(
             admin_app(router, edge), host=edge.admin_bind_host, port=edge.admin_port,
             log_level="warning", lifespan="off")))
-        if edge.admin_bind_host != edge.admin_host:
-            logger.warning("no admin key (--admin-key-file): the admin listener binds %s "
-                           "only, not --admin-host %s", edge.admin_bind_host, edge.admin_host)
+        note = admin_bind_note(edge)
+        if note:
+            logger.warning("%s", note)
     server = DrainingServer(
         uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                        timeout_graceful_shutdown=5),
@@ -211,6 +211,15 @@ async def serve_router(config: RouterConfig) -> None:
         await asyncio.gather(server.serve(sockets), *(a.serve() for a in admin))
     finally:
         await router.close()
+
+
+def admin_bind_note(edge: EdgeConfig) -> str:
+    """What the start-up log says when the admin listener is not where --admin-host asks
+    ("": it is)."""
+    if edge.admin_bind_host == edge.admin_host:
+        return ""
+    return (f"no admin key (--admin-key-file): the admin listener binds "
+            f"{edge.admin_bind_host} only, not --admin-host {edge.admin_host}")
 
 
 def admin_app(router: Router, edge: EdgeConfig) -> FastAPI:

@@ -266,7 +266,14 @@ def test_a_client_key_is_never_an_admin_key() -> None:
     ("0.0.0.0", (ADMIN,), "0.0.0.0"), ("10.0.0.5", (ADMIN,), "10.0.0.5")])
 def test_without_an_admin_key_the_listener_binds_loopback(
         host: str, keys: tuple[str, ...], bound: str) -> None:
-    assert EdgeConfig(admin_host=host, admin_port=8001, admin_keys=keys).admin_bind_host == bound
+    from pdserve.router.server import admin_bind_note
+
+    edge = EdgeConfig(admin_host=host, admin_port=8001, admin_keys=keys)
+    assert edge.admin_bind_host == bound
+    # said at start whenever the listener is not where --admin-host asked
+    assert (admin_bind_note(edge) != "") == (bound != host)
+    if bound != host:
+        assert bound in admin_bind_note(edge) and "--admin-key-file" in admin_bind_note(edge)
 
 
 def test_admin_keys_from_file_flag_and_environment(tmp_path: Path,

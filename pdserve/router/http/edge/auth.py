@@ -17,7 +17,8 @@ from pdserve.router.http.errors import AuthenticationError, send_error
 from pdserve.router.http.tenants.accounts import TENANT, TenantAccount
 from pdserve.router.http.tenants.salt import TENANT_SALT
 
-# Served on the main port only with a key (when keys are set); on the admin port without.
+# On the main port with keys set: behind a client key, /metrics showing the caller's tenant
+# only, and the cluster views not served at all (404); the admin plane has its own key.
 ADMIN_PATHS = frozenset({"/metrics", "/workers", "/prefix_index"})
 
 

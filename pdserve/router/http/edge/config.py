@@ -16,8 +16,10 @@ Defaults, and why:
 - 30 s drain: what Kubernetes gives a pod between SIGTERM and SIGKILL by default.
 
 The keys and their tenants come from ``--api-key`` and ``--api-key-file`` entries, one
-syntax for both (``tenants/table.py``); ``pdserve up`` hands them all to its router in the
-environment, never on a command line that ``ps`` shows.
+syntax for both (``tenants/table.py``); the admin plane's keys from ``--admin-key`` and
+``--admin-key-file``, never a client key (a key that is both is refused). ``pdserve up``
+hands them all to its router in the environment, never on a command line that ``ps``
+shows.
 """
 
 from __future__ import annotations
