@@ -3,10 +3,13 @@ unknown name listing the valid ones.
 
 - ``lru``: least recently used.
 - ``wtinylfu``: W-TinyLFU, a 1 % LRU window and frequency admission into the rest.
+- ``wtinylfu-climb``: W-TinyLFU whose window share tunes itself by hill climbing
+  (Caffeine's scheme; measured behind ``default``).
 - ``ttl`` / ``ttl:SECONDS``: LRU whose blocks expire that long after they were saved
   (default 3600).
-- ``default``: W-TinyLFU whose window tunes itself by hill climbing (measured on
-  Mooncake's public traces: docs/benchmarks.md).
+- ``default``: a W-TinyLFU that follows whichever of two shadows (LRU, W-TinyLFU) has
+  hit more lately (``adaptive.py``; measured on Mooncake's public traces:
+  docs/benchmarks.md).
 - ``quota:NAME``: NAME (any of the above) with per-tenant quotas; ``quota`` alone wraps
   ``default``.
 """
@@ -46,7 +49,7 @@ POLICIES: dict[str, Factory] = {
     "wtinylfu": lambda capacity, arg: TinyLfuPolicy(capacity),
     "ttl": _ttl,
     "default": lambda capacity, arg: DefaultPolicy(capacity),
-    "climb": lambda capacity, arg: AdaptiveTinyLfuPolicy(capacity),
+    "wtinylfu-climb": lambda capacity, arg: AdaptiveTinyLfuPolicy(capacity),
     "quota": _quota,
 }
 _TAKES_ARG = ("ttl", "quota")

@@ -1,6 +1,7 @@
 """A count-min sketch of how often keys were asked for, with aging: TinyLFU's
 frequency estimate. Four rows of 4-bit counters (capped at 15); after ``sample``
-increments every counter is halved, so old popularity fades."""
+increments every counter is halved, so old popularity fades. Keys are hashed from
+their bytes, not Python's salted ``hash``, so a replay gives the same numbers every run."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class CountMinSketch:
         self._added = 0
 
     def _cells(self, key: bytes) -> list[int]:
-        h = hash(key) & _MASK64
+        h = int.from_bytes(key[:8], "little")  # block hashes: random bytes; same every run
         w = self._width
         return [row * w + ((((h * seed) & _MASK64) >> 32) & (w - 1))
                 for row, seed in enumerate(_SEEDS)]
