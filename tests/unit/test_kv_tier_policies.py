@@ -6,14 +6,24 @@ listing the valid ones, and the flag and the connector's config use it."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
+from pdserve.cli.configs import up_config, worker_config
 from pdserve.cli.flags import FLAGS
+from pdserve.cli.parser import build_parser
+from pdserve.core.model import ResolvedModel
 from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.kv_transfer.connector import TierSizes
 from pdserve.kv_transfer.tiers.index import TierIndex
+from pdserve.kv_transfer.tiers.policies.lru import TtlPolicy
 from pdserve.kv_transfer.tiers.policies.quota import QuotaPolicy
 from pdserve.kv_transfer.tiers.policies.registry import make_policy, policy_names
+from pdserve.kv_transfer.tiers.policies.tinylfu import TinyLfuPolicy
+from pdserve.launch.up import plan
+
+MODEL = ResolvedModel(Path("/models/tiny"), "tiny")
 
 SPECS = ["lru", "wtinylfu", "wtinylfu-climb", "default", "ttl", "ttl:5", "quota",
          "quota:lru"]
@@ -138,3 +148,31 @@ def test_an_unknown_policy_lists_the_valid_ones() -> None:
     flag = FLAGS["kv-tier-policy"]
     assert flag.default == "default"
     assert ConnectorConfig(engine_id="w").kv_tier_policy == "default"
+
+
+def test_the_flag_reaches_both_tiers_from_up_and_from_the_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    args = build_parser().parse_args(["up", "--kv-offload-gib", "0.5", "--num-prefill", "1",
+                                      "--kv-tier-policy", "quota:ttl:30"])
+    workers = [c for c in plan(up_config(args, MODEL), tmp_path) if c.name != "router"]
+    assert len(workers) == 2
+    for child in workers:
+        connector = worker_config(build_parser().parse_args(child.argv[3:]),
+                                  MODEL).engine.connector
+        assert connector.kv_tier_policy == "quota:ttl:30"
+    planner = TierSizes(host_slots=8, disk_slots=4).planner(connector, 16)
+    assert planner is not None
+    for tier in ("host", "disk"):
+        index = planner.index(tier)
+        assert index is not None and isinstance(index.policy, QuotaPolicy)
+        assert isinstance(index.policy.inner, TtlPolicy) and index.policy.inner.ttl_s == 30
+    monkeypatch.setenv("PDSERVE_KV_TIER_POLICY", "wtinylfu")
+    env_args = build_parser().parse_args(["prefill"])
+    connector = worker_config(env_args, MODEL).engine.connector
+    assert connector.kv_tier_policy == "wtinylfu"
+    planner = TierSizes(host_slots=8).planner(connector, 16)
+    index = planner.index("host") if planner is not None else None
+    assert index is not None and isinstance(index.policy, TinyLfuPolicy)
+    monkeypatch.setenv("PDSERVE_KV_TIER_POLICY", "bogus")
+    with pytest.raises(SystemExit):
+        worker_config(build_parser().parse_args(["prefill"]), MODEL)
