@@ -39,6 +39,12 @@ SHARED: dict[str, dict[str, Any]] = {
 Flag = str | tuple[str, dict[str, Any]]
 
 
+def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    def parse(text: str) -> list[Any]:
+        return [kind(part) for part in text.split(",") if part.strip()]
+    return parse
+
+
 @dataclass(frozen=True)
 class Tool:
     module: str  # pdserve.bench.micro.<module>: run(config) -> int
@@ -233,6 +239,17 @@ TOOLS: dict[str, Tool] = {
                               "deadline, which stalled connections must hit"}),
         ("--stall-deadline-s", {"type": float, "help": "--target: its idle timeout; "
                                 "stalled inputs must be dropped by it (unset: none sent)"}),
+        "--json",
+    )),
+    "cache-sim": Tool("cache_sim.main", configs.CacheSimConfig,
+                      "KV tier eviction policies' prefix-hit ratio on a Mooncake-format "
+                      "trace, beside Belady's optimum and an infinite cache", (
+        ("--trace", {"help": "a Mooncake-format JSONL trace (timestamp, input_length, "
+                     "output_length, hash_ids)"}),
+        ("--capacity-blocks", {"type": _csv(int), "help": "comma-separated tier sizes in "
+                               "blocks"}),
+        ("--policy", {"type": _csv(str), "help": "comma-separated policies (--kv-tier-policy "
+                      "names, and belady, infinite)"}),
         "--json",
     )),
 }

@@ -27,6 +27,7 @@ from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.core.grpc_options import DEFAULT_KEEPALIVE_S, MIN_KEEPALIVE_S
 from pdserve.core.logs import DEFAULT_LOG_FORMAT, LOG_FORMATS
 from pdserve.kv_transfer.base import transport_names
+from pdserve.kv_transfer.tiers.policies.registry import DEFAULT_POLICY, check_policy, policy_names
 from pdserve.launch.cpu_layout import CPU_LAYOUTS
 from pdserve.launch.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S
 from pdserve.membership import DEFAULT_TTL_S
@@ -81,6 +82,10 @@ FLAGS = _flags(
          "survive restarts (with --kv-disk-gib)", None, metavar="DIR"),
     Flag("kv-disk-gib", "the disk tier's size in GiB (0: off; needs --kv-disk-dir)", 0.0,
          parse_float(0)),
+    Flag("kv-tier-policy", "which block the host and disk tiers evict and admit: "
+         f"{', '.join(policy_names())} (ttl:SECONDS, quota:NAME for per-tenant quotas; "
+         "default: adaptive, see docs/benchmarks.md)", DEFAULT_POLICY, check_policy,
+         metavar="NAME"),
     Flag("weight-version", "the version the weights the worker starts with serve under "
          "(vLLM's name for a model's own: default): it is in the worker's compatibility "
          "hash, its KV handles and cache names, so only workers of one version pair; give a "

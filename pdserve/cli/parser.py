@@ -19,8 +19,8 @@ DESCRIPTION = ("disaggregated prefill/decode LLM serving on vLLM. Every flag als
 # Flags by concern; a subcommand takes the groups it needs.
 COMMON = ("model", "max-model-len", "log-level", "log-format")
 ENGINE = ("dtype", "kv-cache-gib", "num-kv-blocks", "kv-offload-gib", "kv-disk-dir",
-          "kv-disk-gib", "shm-spin-s", "prefill-chunk-tokens", "prefill-max-running",
-          "prefill-order", "weight-version", "weight-transfer-backend")
+          "kv-disk-gib", "kv-tier-policy", "shm-spin-s", "prefill-chunk-tokens",
+          "prefill-max-running", "prefill-order", "weight-version", "weight-transfer-backend")
 TRANSPORT = ("transport", "kv-checksum", "kv-throttle-mib-s", "kv-push")
 MEMBERSHIP = ("etcd", "cluster", "etcd-ttl-s")
 WORKER = ("host", "port", "advertise-host", "kv-port", "kv-host", "cpu-cores", "lease-s",

@@ -9,6 +9,7 @@ from pdserve.core.cluster_secret import ClusterSecret, optional_secret
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.kv_transfer.base import TransportOptions, transport_names
 from pdserve.kv_transfer.control.tls import KvTls, load_kv_tls
+from pdserve.kv_transfer.tiers.policies.registry import check_policy
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class ConnectorConfig:
     # are written through to slot files there and survive a restart of the worker.
     kv_disk_dir: str | None = None
     kv_disk_gib: float = 0.0
+    # Which block both tiers evict and admit (``tiers.policies.registry``).
+    kv_tier_policy: str = "default"
     # The cluster secret's file (never the secret: this config lands in vLLM's, which
     # vLLM logs); None: KV connections are not authenticated.
     cluster_secret_file: str | None = None
@@ -62,6 +65,7 @@ class ConnectorConfig:
             raise ValueError("kv_offload_gib and kv_disk_gib must be >= 0")
         if bool(self.kv_disk_dir) != (self.kv_disk_gib > 0):
             raise ValueError("the disk tier needs both kv_disk_dir and kv_disk_gib > 0")
+        check_policy(self.kv_tier_policy)
         if self.kv_throttle_mib_s < 0:
             raise ValueError(f"kv_throttle_mib_s must be >= 0, got {self.kv_throttle_mib_s}")
         names = transport_names()

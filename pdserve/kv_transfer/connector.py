@@ -38,6 +38,7 @@ from pdserve.kv_transfer.tiers.disk import compat_hash, scan
 from pdserve.kv_transfer.tiers.host import num_slots
 from pdserve.kv_transfer.tiers.index import TierIndex
 from pdserve.kv_transfer.tiers.plan import EVENT_MEDIUM, TierPlanner
+from pdserve.kv_transfer.tiers.policies.registry import make_policy
 from pdserve.kv_transfer.worker_side import WorkerSide, pool_transport_ok
 
 logger = logging.getLogger("pdserve.kv_transfer")
@@ -137,13 +138,16 @@ class TierSizes:
         what its folder still holds from before (oldest first)."""
         if not (self.host_slots or self.disk_slots):
             return None
-        disk = TierIndex(self.disk_slots) if self.disk_slots else None
+        policy = config.kv_tier_policy
+        disk = (TierIndex(self.disk_slots, make_policy(policy, self.disk_slots))
+                if self.disk_slots else None)
         if disk is not None and config.kv_disk_dir:
             for slot, block_hash in scan(Path(config.kv_disk_dir), self.disk_compat,
                                          self.disk_slots):
                 disk.adopt(slot, block_hash)
         return TierPlanner(block_size,
-                           TierIndex(self.host_slots) if self.host_slots else None, disk)
+                           TierIndex(self.host_slots, make_policy(policy, self.host_slots))
+                           if self.host_slots else None, disk)
 
 
 class PdserveConnector(KVConnectorBase_V1):

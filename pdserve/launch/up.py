@@ -63,6 +63,7 @@ class UpConfig:
     kv_offload_gib: float = 0.0
     kv_disk_dir: str | None = None  # each worker gets its own folder below it
     kv_disk_gib: float = 0.0
+    kv_tier_policy: str = "default"  # the tiers' eviction policy (--kv-tier-policy)
     kv_throttle_mib_s: float = 0.0
     # Membership: static (default), an etcd at ``etcd``, or a local one (``with_etcd``).
     etcd: str = ""
@@ -214,6 +215,8 @@ def _engine_flags(cfg: UpConfig, role: str, cores: str, name: str) -> list[str]:
     if cfg.kv_disk_dir and cfg.kv_disk_gib:
         argv += ["--kv-disk-dir", str(Path(cfg.kv_disk_dir) / name),
                  "--kv-disk-gib", repr(cfg.kv_disk_gib)]
+    if cfg.kv_offload_gib or cfg.kv_disk_gib:
+        argv += ["--kv-tier-policy", cfg.kv_tier_policy]
     if cfg.shm_spin_s is not None:
         argv += ["--shm-spin-s", repr(cfg.shm_spin_s)]
     if cfg.prefill_chunk_tokens is not None:

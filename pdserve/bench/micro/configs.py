@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.kv_transfer.tiers.policies.registry import check_policy
+
 # transfer: tokens per transfer, and the KV block size of the default model's layout.
 TRANSFER_TOKENS = (1024, 4096, 16384)
 TRANSFER_BLOCK_SIZE = 128
@@ -262,3 +264,24 @@ class RolloutConfig:
                              "--window-s")
         if self.n > 1 and self.temperature <= 0:
             raise ValueError("--n > 1 needs --temperature > 0 (greedy samples are equal)")
+
+
+# cache-sim: the policies the simulator alone has (they need the future, or no bound).
+CACHE_SIM_ONLY = ("belady", "infinite")
+
+
+@dataclass(frozen=True)
+class CacheSimConfig:
+    trace: str = ""  # a Mooncake-format JSONL trace
+    capacity_blocks: tuple[int, ...] = (1000, 3000, 10000)
+    policy: tuple[str, ...] = ("lru", "default", "wtinylfu", "belady", "infinite")
+    json: str | None = None  # also write the JSON lines to this file
+
+    def __post_init__(self) -> None:
+        if not self.trace:
+            raise ValueError("--trace FILE is required")
+        if not self.capacity_blocks or min(self.capacity_blocks) < 1:
+            raise ValueError("--capacity-blocks must be blocks >= 1")
+        for spec in self.policy:
+            if spec not in CACHE_SIM_ONLY:
+                check_policy(spec)

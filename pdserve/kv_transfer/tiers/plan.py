@@ -147,7 +147,7 @@ class TierPlanner:
         hashes = request.block_hashes[:num]
         copies = {}
         for tier, index in self._index.items():
-            reserved = index.reserve(hashes)
+            reserved = index.reserve(hashes, request.cache_salt)
             self._drain(tier)
             if reserved:
                 copies[tier] = TierCopy(tuple(block_ids[i] for i, _ in reserved),
