@@ -117,7 +117,8 @@ class CallVerifier:
         if abs(int(time.time() * 1000) - int(ts)) > self._window_ms:
             return "stale token", ""
         if hmac.compare_digest(mac.encode(), self._mac(self.worker_id, method, ts, nonce)):
-            return self._nonces.add(nonce), nonce
+            refused = self._nonces.add(nonce)
+            return (None, nonce) if refused is None else (refused, "")
         if hmac.compare_digest(mac.encode(), self._mac("", method, ts, nonce)):
             return "audience unknown", ""  # a router asking whom it talks to
         return "wrong token", ""  # another secret, or signed for another worker

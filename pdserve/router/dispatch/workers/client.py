@@ -253,7 +253,7 @@ class WorkerClient:
 def open_channel(endpoint: str, keepalive_s: float = DEFAULT_KEEPALIVE_S,
                  tls: GrpcTls | None = None) -> grpc.aio.Channel:
     """The router's channel to one worker: every option it needs, set here only (TLS
-    with ``tls``; the cluster token travels per call)."""
+    with ``tls``; the cluster proofs travel per call)."""
     return aio_channel(endpoint, client_options(keepalive_s), tls)
 
 
