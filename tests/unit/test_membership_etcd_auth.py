@@ -17,9 +17,9 @@ from aetcd import rpc
 from prometheus_client import CollectorRegistry
 from unit.fake_worker import eventually
 
-from pdserve.membership import MembershipConfig, WorkerInfo
-from pdserve.membership.etcd import EtcdMembership
-from pdserve.membership.etcd_client import EtcdAuth
+from pdserve.membership import MembershipConfig, WorkerInfo, worker_key
+from pdserve.membership.etcd import EtcdMembership, close_client
+from pdserve.membership.etcd_client import EtcdAuth, etcd_client
 from pdserve.membership.etcd_registrar import EtcdRegistrar
 from pdserve.membership.local_etcd import LocalEtcd
 
@@ -136,3 +136,35 @@ def test_flags_go_together(password_file: Path) -> None:
     with pytest.raises(ValueError, match="cannot read"):
         EtcdAuth(USER, str(password_file) + ".missing").credentials()
     assert PASSWORD not in repr(EtcdAuth(USER, str(password_file)))
+
+
+@pytest.fixture(scope="module")
+def short_tokens() -> Iterator[LocalEtcd]:
+    """An etcd with auth whose tokens lapse after 1 s unused (``--auth-token-ttl``)."""
+    with LocalEtcd(extra_args=("--auth-token-ttl", "1")) as server:
+        asyncio.run(_enable_auth(server.url.removeprefix("http://")))
+        yield server
+
+
+async def test_an_expired_token_is_renewed(short_tokens: LocalEtcd,
+                                           password_file: Path) -> None:
+    """The registrar's token lapses between its keepalives (lease keepalives need none);
+    its lease is then revoked, so it must write its entry again: that put fails
+    UNAUTHENTICATED on the old token, the registrar reconnects, authenticates again and
+    registers (without the renewal it would retry the dead token for ever)."""
+    auth = EtcdAuth(USER, str(password_file))
+    registrar = EtcdRegistrar(short_tokens.url, "auth-renew", ttl_s=6, auth=auth)
+    other = etcd_client(short_tokens.url, auth=auth)
+    key = worker_key("auth-renew", "decode", "d-3").encode()
+    try:
+        await registrar.start(_info("d-3"))
+        assert registrar.num_registrations == 1 and registrar.lease_id is not None
+        await asyncio.sleep(1.5)  # the registrar's token lapses
+        await other.revoke_lease(registrar.lease_id)  # (a fresh client: a fresh token)
+        await eventually(lambda: registrar.num_registrations == 2, SETTLE_S,
+                         "registered again with a renewed token")
+        await close_client(other)  # its own token lapsed meanwhile: a fresh one
+        assert await other.get(key) is not None
+    finally:
+        await registrar.close()
+        await close_client(other)

@@ -45,6 +45,7 @@ import psutil
 
 from pdserve.bench.micro.configs import RouterCostConfig
 from pdserve.bench.micro.procs import Proc, ProcGroup
+from pdserve.bench.micro.router_cost.auth import run_auth
 from pdserve.bench.micro.router_cost.replicas import run_replicas
 from pdserve.bench.micro.router_cost.stream import run_stream
 from pdserve.bench.micro.router_cost.stream_report import report as stream_report
@@ -246,33 +247,10 @@ def run_latency(cfg: RouterCostConfig, auth: str = "none") -> dict[str, float]:
                                        else None))
 
 
-AUTH_COMPARED = ("router_cpu_ms_per_request", "router_cpu_us_per_chunk", "router_cpu_pct",
-                 "req_per_s", "added_p50_ms")
-
-
-def run_auth(cfg: RouterCostConfig) -> dict[str, object]:
-    """One latency run per ``cfg.auth`` entry; with both modes, the medians side by side."""
-    runs: dict[str, list[dict[str, float]]] = {}
-    for auth in cfg.auth:
-        runs.setdefault(auth, []).append(run_latency(cfg, auth))
-    if len(runs) == 1:
-        return dict(next(iter(runs.values()))[-1])
-    medians = {mode: {k: statistics.median(r[k] for r in rs) for k in AUTH_COMPARED}
-               for mode, rs in runs.items()}
-    print(f"auth side by side (median of {', '.join(f'{len(r)} {m}' for m, r in runs.items())}"
-          " runs):")
-    print(f"  {'':28s} {'none':>10s} {'secret':>10s} {'secret/none':>12s}")
-    for key in AUTH_COMPARED:
-        none, secret = medians["none"][key], medians["secret"][key]
-        ratio = secret / none if none else float("nan")
-        print(f"  {key:28s} {none:10.3f} {secret:10.3f} {ratio:12.3f}")
-    return {"auth": {"runs": runs, "medians": medians}}
-
-
 def run(cfg: RouterCostConfig) -> int:
     numbers: dict[str, object] = {}
     if "latency" in cfg.parts:
-        numbers.update(run_auth(cfg))
+        numbers.update(run_auth(cfg, run_latency))
     if "stream" in cfg.parts:
         numbers["stream"] = stream_report(cfg, run_stream(cfg))
     if "replicas" in cfg.parts:
