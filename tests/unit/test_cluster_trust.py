@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,7 @@ from unit.fake_worker import eventually
 
 from pdserve.core.cluster_secret import ClusterSecret, num_refusals
 from pdserve.core.grpc_auth import CallAuth
-from pdserve.core.types import Role, SamplingSpec
+from pdserve.core.types import PhaseOutput, PhaseRequest, Role, SamplingSpec
 from pdserve.launch.sim_worker import SimHost, sim_worker_info
 from pdserve.membership import WorkerInfo, worker_key
 from pdserve.membership.etcd import EtcdMembership
@@ -39,6 +39,8 @@ from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.router.dispatch.dispatcher import PDDispatcher
 from pdserve.router.dispatch.policies.disagg import DisaggConfig
 from pdserve.router.dispatch.policies.placement import RoundRobinPlacement
+from pdserve.router.dispatch.workers import session as session_module
+from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient
 from pdserve.router.dispatch.workers.pool import WorkerPool
 from pdserve.worker.servicer import ServingState, WorkerServicer, start_worker_server
 from pdserve.worker.sim_engine import SimConfig, SimEngine
@@ -91,10 +93,22 @@ async def start_worker(role: Role, worker_id: str, secret: ClusterSecret | None)
     return Worker(host, served.server, served.port)
 
 
+class CountingHost(SimHost):
+    """A simulated worker that records every request it is given to run."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        super().__init__(engine)
+        self.started: list[str] = []
+
+    def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
+        self.started.append(request.request_id)
+        return super().generate(request)
+
+
 async def start_rogue(worker_id: str) -> Worker:
     """A decode worker that serves anyone (no secret) and counts what it receives."""
     counter = CallCounter()
-    host = SimHost(SimEngine(SimConfig("decode", worker_id, block_size=16)))
+    host = CountingHost(SimEngine(SimConfig("decode", worker_id, block_size=16)))
     server = grpc.aio.server(interceptors=[counter])
     state = ServingState(host)
     pb_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(host, state), server)
@@ -231,3 +245,29 @@ async def test_a_captured_header_replayed_fails(workers: dict[str, Worker],
                 await stub.GetLoad(pb.GetLoadRequest(), metadata=header, timeout=5)
             assert other_method.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert num_refusals("grpc", reason) > before[reason]
+
+
+async def test_a_session_sends_no_prompt_before_the_worker_proved_the_secret(
+        workers: dict[str, Worker], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Straight to the rogue's Session, its id known (as from membership): the call opens,
+    the rogue cannot prove the secret, and the request fails UNAUTHENTICATED without the
+    rogue ever being given it."""
+    rogue = workers["rogue"]
+    assert isinstance(rogue.host, CountingHost)
+    # A server that answers nothing before its first message (as grpc does by default)
+    # fails the wait for its proof, not the request's deadline.
+    monkeypatch.setattr(session_module, "PROOF_TIMEOUT_S", 0.5)
+    before = num_refusals("grpc", "no worker proof")
+    client = WorkerClient(rogue.endpoint, SECRET, worker_id="rogue")
+    request = PhaseRequest("secret-prompt", "decode", tuple(range(40)),
+                           SamplingSpec(max_tokens=2))
+    try:
+        with pytest.raises(WorkerCallError) as refused:
+            async with contextlib.aclosing(client.generate(request, timeout_s=5)) as outputs:
+                [o async for o in outputs]
+        assert refused.value.code == "UNAUTHENTICATED"
+    finally:
+        await client.close()
+    assert any(m.endswith("/Session") for m in rogue.counter.calls)  # it was dialled
+    assert rogue.host.started == []  # and given nothing
+    assert num_refusals("grpc", "no worker proof") == before + 1

@@ -27,7 +27,8 @@ Ownership and errors:
   those requests, so the pool's health check comes first.
 - With cluster authentication (``auth``), the session's call is signed when it opens and
   nothing is written to it (no prompt) until the worker's answer proved the secret
-  (``grpc_auth``); a worker that cannot fails the session's streams UNAUTHENTICATED.
+  (``grpc_auth``); a worker that cannot (or sends nothing within ``PROOF_TIMEOUT_S``)
+  fails the session's streams UNAUTHENTICATED.
   Once per session, not per request or token.
 """
 
@@ -52,6 +53,9 @@ DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
 # costs both sides a call); then it ends, and nothing lingers on either side.
 SESSION_IDLE_S = 10.0
 SESSION_METHOD = "/pdserve.v1.WorkerService/Session"
+# A worker sends its proof as soon as the session opens; one that has not within this
+# long fails the session (it has been sent nothing).
+PROOF_TIMEOUT_S = 10.0
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
@@ -212,9 +216,11 @@ class RouterSession:
         """None once the worker's answer proved the secret; else why not."""
         assert self._auth is not None
         try:
-            metadata = await call.initial_metadata()
+            metadata = await asyncio.wait_for(call.initial_metadata(), PROOF_TIMEOUT_S)
         except grpc.aio.AioRpcError:
             return None  # the call failed: ``read`` raises its status next
+        except TimeoutError:
+            metadata = None  # no answer at all: no proof
         if call.done() and not metadata:
             return None  # it ended before answering: ``read`` says how; nothing was sent
         reason = self._auth.verify(SESSION_METHOD, nonce, metadata)
