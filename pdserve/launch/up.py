@@ -101,6 +101,9 @@ class UpConfig:
             raise ValueError("give --etcd URL or --with-etcd, not both")
         if self.etcd:
             check_etcd_url(self.etcd, self.tls)  # --require-tls: https:// only
+        if self.etcd_auth.user and not self.etcd:
+            raise ValueError("--etcd-user needs --etcd URL (--with-etcd starts an etcd "
+                             "without users)")
         if self.num_decode < 1 or self.num_prefill < 0:
             raise ValueError("need --num-decode >= 1 and --num-prefill >= 0")
         if bool(self.kv_disk_dir) != (self.kv_disk_gib > 0):

@@ -17,6 +17,7 @@ from aetcd import rpc
 from prometheus_client import CollectorRegistry
 from unit.fake_worker import eventually
 
+from pdserve.launch.up import UpConfig, plan
 from pdserve.membership import MembershipConfig, WorkerInfo, worker_key
 from pdserve.membership.etcd import EtcdMembership, close_client
 from pdserve.membership.etcd_client import EtcdAuth, etcd_client
@@ -168,3 +169,16 @@ async def test_an_expired_token_is_renewed(short_tokens: LocalEtcd,
     finally:
         await registrar.close()
         await close_client(other)
+
+
+def test_up_hands_the_password_file_never_the_password(password_file: Path,
+                                                       tmp_path: Path) -> None:
+    auth = EtcdAuth(USER, str(password_file))
+    children = plan(UpConfig(model="/m", etcd="http://10.0.0.5:2379", etcd_auth=auth), tmp_path)
+    for child in children:
+        i = child.argv.index("--etcd-user")
+        assert child.argv[i + 1] == USER
+        assert child.argv[child.argv.index("--etcd-password-file") + 1] == str(password_file)
+        assert PASSWORD not in " ".join(child.argv)
+    with pytest.raises(ValueError, match="--etcd-user needs --etcd"):
+        UpConfig(model="/m", with_etcd=True, etcd_auth=auth)
