@@ -65,6 +65,18 @@ async def refresh_lease_once(client: aetcd.Client, lease_id: int) -> Any:
     return reply
 
 
+# What etcd says when it refuses a client's user/password auth (or its lack).
+_REFUSED_CREDENTIALS = ("user name is empty", "authentication failed", "invalid auth token",
+                        "permission denied", "authentication is not enabled")
+
+
+def outage(exc: BaseException) -> str:
+    """How a failed etcd call reads in the log: its credentials refused, or unreachable."""
+    if any(text in str(exc) for text in _REFUSED_CREDENTIALS):
+        return "refused our credentials (check --etcd-user and --etcd-password-file)"
+    return "unreachable"
+
+
 async def renew_if_unauthenticated(client: aetcd.Client, exc: BaseException,
                                    timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> None:
     """After a call failed UNAUTHENTICATED (an expired or invalidated etcd auth token),
@@ -127,7 +139,7 @@ class EtcdMembership:
             try:
                 await self._list_and_watch(client, sink)
             except ETCD_ERRORS as exc:
-                self._set_connected(False, f"{type(exc).__name__}: {exc}")
+                self._set_connected(False, f"{type(exc).__name__}: {exc}", outage(exc))
             finally:
                 await close_client(client, self._call_timeout_s)
             await asyncio.sleep(self._retry_s)
@@ -189,13 +201,13 @@ class EtcdMembership:
             return None
         return info
 
-    def _set_connected(self, connected: bool, detail: str) -> None:
+    def _set_connected(self, connected: bool, detail: str, what: str = "unreachable") -> None:
         """Log each transition once: one warning per outage, one line on recovery."""
         if connected and not self.connected:
             logger.info("etcd %s: watching %s (%s)", self._url, self._prefix, detail)
         elif not connected and not self._outage_logged:
-            logger.warning("etcd %s unreachable (%s); keeping the last-known worker set, "
-                           "retrying every %.1fs", self._url, detail, self._retry_s)
+            logger.warning("etcd %s %s (%s); keeping the last-known worker set, "
+                           "retrying every %.1fs", self._url, what, detail, self._retry_s)
         self._outage_logged = not connected
         self.connected = connected
         self._metrics.up.set(1 if connected else 0)

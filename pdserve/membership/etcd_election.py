@@ -34,6 +34,7 @@ from pdserve.membership.etcd import (
     ETCD_ERRORS,
     close_client,
     etcd_client,
+    outage,
     refresh_lease_once,
     renew_if_unauthenticated,
 )
@@ -194,8 +195,9 @@ class EtcdElection:
         except ETCD_ERRORS as exc:
             await renew_if_unauthenticated(self._client, exc, self._call_timeout_s)
             if not self._outage_logged:
-                logger.warning("etcd %s unreachable (%s: %s); the planner's leadership lapses "
-                               "with the lease, retrying", self._url, type(exc).__name__, exc)
+                logger.warning("etcd %s %s (%s: %s); the planner's leadership lapses with the "
+                               "lease, retrying", self._url, outage(exc), type(exc).__name__,
+                               exc)
             self._outage_logged = True
 
     async def _call(self, aw: Awaitable[T]) -> T:

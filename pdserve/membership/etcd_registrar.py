@@ -26,6 +26,7 @@ from pdserve.membership.etcd import (
     ETCD_ERRORS,
     close_client,
     etcd_client,
+    outage,
     refresh_lease_once,
     renew_if_unauthenticated,
 )
@@ -111,8 +112,8 @@ class EtcdRegistrar:
         except ETCD_ERRORS as exc:
             await renew_if_unauthenticated(self._client, exc, self._call_timeout_s)
             if not self._outage_logged:
-                logger.warning("etcd %s unreachable (%s: %s); retrying every %.1fs",
-                               self._url, type(exc).__name__, exc, self.ttl_s / 3)
+                logger.warning("etcd %s %s (%s: %s); retrying every %.1fs", self._url,
+                               outage(exc), type(exc).__name__, exc, self.ttl_s / 3)
             self._outage_logged = True
             return
         if self._outage_logged:
