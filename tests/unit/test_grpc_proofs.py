@@ -7,8 +7,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from prometheus_client import CollectorRegistry
 
-from pdserve.core.cluster_secret import ClusterSecret
+from pdserve.core.cluster_secret import ClusterSecret, export_refusals, note_refusal
 from pdserve.core.grpc_proofs import (
     WINDOW_S,
     CallVerifier,
@@ -89,3 +90,14 @@ def test_the_workers_proof_binds_its_id_the_method_and_the_routers_nonce() -> No
     # The router's header is never a worker's proof (the labels differ).
     header, nonce = sign_call(SECRET, "d0", HEALTH)
     assert not check_worker_proof(SECRET, "d0", HEALTH, nonce, header.rsplit(".", 1)[1])
+
+
+def test_refusals_show_on_a_registry_of_its_own() -> None:
+    """The router's /metrics registry shows the process's refusals (``export_refusals``)."""
+    registry = CollectorRegistry()
+    export_refusals(registry)
+    labels = {"plane": "membership", "reason": "entry without MAC"}
+    before = registry.get_sample_value("pdserve_cluster_auth_refusals_total", labels) or 0.0
+    note_refusal("membership", "entry without MAC", "/pdserve/x/workers/decode/rogue")
+    assert registry.get_sample_value("pdserve_cluster_auth_refusals_total",
+                                     labels) == before + 1
