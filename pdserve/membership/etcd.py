@@ -191,7 +191,7 @@ class EtcdMembership:
             return None
         try:
             info = WorkerInfo.from_json(value)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RecursionError) as exc:  # (deeply nested JSON)
             logger.warning("ignoring bad registration at %s: %s", key.decode(errors="replace"),
                            exc)
             return None
