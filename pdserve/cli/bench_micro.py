@@ -100,6 +100,10 @@ TOOLS: dict[str, Tool] = {
                      "replicas: the prefix hit rate through two routers against one"}),
         ("--replica-requests", {"type": int, "help": "replicas: requests of each of the "
                                 "two clients"}),
+        ("--auth", {"nargs": "+", "choices": configs.ROUTER_COST_AUTH,
+                    "help": "latency: one run per entry, in order (repeat to interleave): "
+                    "none, or secret (a cluster secret on every process); with both, the "
+                    "router's CPU per request and per chunk side by side"}),
         ("--streams", {"type": int, "help": "stream: concurrent streams of the paced passes"}),
         ("--stream-tokens", {"type": int, "help": "stream: tokens per stream, long pass"}),
         ("--short-rounds", {"type": int, "help": "stream: rounds of 2-token streams"}),

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.core.model import ResolvedModel
-from pdserve.membership import MembershipConfig
+from pdserve.membership import EtcdAuth, MembershipConfig
 from pdserve.router.dispatch.policies.disagg import DisaggConfig
 from pdserve.router.dispatch.policies.planner import PlannerConfig
 from pdserve.router.dispatch.policies.slo import SloConfig
@@ -49,9 +49,16 @@ def tls_files(args: argparse.Namespace) -> TlsFiles:
 
 def worker_membership(args: argparse.Namespace) -> MembershipConfig:
     """A worker's registration (vLLM or simulated): etcd with ``--etcd`` (TLS for an
-    https:// URL, with the ``--tls-*`` files), else static."""
+    https:// URL, with the ``--tls-*`` files), else static. Its entry is signed with the
+    cluster secret (``--cluster-secret-file``), if any."""
     return MembershipConfig.from_flags(args.etcd, args.cluster, args.etcd_ttl_s,
-                                       tls=tls_files(args))
+                                       tls=tls_files(args), auth=etcd_auth(args),
+                                       secret_file=args.cluster_secret_file)
+
+
+def etcd_auth(args: argparse.Namespace) -> EtcdAuth:
+    """``--etcd-user``, ``--etcd-password-file`` (router, workers, ``up``)."""
+    return EtcdAuth(args.etcd_user or "", args.etcd_password_file or "")
 
 
 def metrics_listener(args: argparse.Namespace, advertise_host: str) -> MetricsListener:
@@ -134,7 +141,7 @@ def router_config(args: argparse.Namespace, model: ResolvedModel) -> RouterConfi
         edge=edge_config(args),
         membership=MembershipConfig.from_flags(
             args.etcd, args.cluster, args.etcd_ttl_s, prefill, decode, args.workers_file,
-            tls_files(args)),
+            tls_files(args), etcd_auth(args), args.cluster_secret_file),
         cluster_secret_file=args.cluster_secret_file, tls=tls_files(args),
         planner=planner_config(args), tools=tool_config(args), reuse_port=args.reuse_port,
     )
@@ -247,7 +254,8 @@ def up_config(args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
         kv_disk_gib=args.kv_disk_gib, kv_tier_policy=args.kv_tier_policy,
         kv_throttle_mib_s=args.kv_throttle_mib_s, kv_push=args.kv_push,
         etcd=args.etcd or "", with_etcd=args.with_etcd, cluster=args.cluster,
-        etcd_ttl_s=args.etcd_ttl_s, num_kv_blocks=args.num_kv_blocks or None,
+        etcd_ttl_s=args.etcd_ttl_s, etcd_auth=etcd_auth(args),
+        num_kv_blocks=args.num_kv_blocks or None,
         shm_spin_s=args.shm_spin_s, prefill_chunk_tokens=args.prefill_chunk_tokens,
         prefill_max_running=args.prefill_max_running, prefill_order=args.prefill_order,
         weight_version=args.weight_version, weight_transfer_backend=transfer,

@@ -116,6 +116,9 @@ FLAGS = _flags(
          "default"),
     Flag("etcd-ttl-s", "lease TTL of a worker's registration (keepalive every TTL/3)",
          DEFAULT_TTL_S, parse_int(1)),
+    Flag("etcd-user", "authenticate to etcd as this user (etcd's user/password auth; with "
+         "--etcd-password-file)", metavar="NAME"),
+    Flag("etcd-password-file", "file holding --etcd-user's password", metavar="PATH"),
     # worker
     Flag("advertise-host", "address the router and peers use to reach this worker "
          "(default: --host; when --host is 0.0.0.0, the address this machine's hostname "

@@ -23,9 +23,12 @@ import secrets
 import stat
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from prometheus_client import Counter
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 logger = logging.getLogger("pdserve.auth")
 
@@ -139,6 +142,19 @@ _REFUSALS = _Refusals()
 def note_refusal(plane: str, reason: str, peer: str) -> None:
     """Count (``pdserve_cluster_auth_refusals_total{plane,reason}``) and log a refusal."""
     _REFUSALS.note(plane, reason, peer)
+
+
+class _RefusalsCollector(Collector):
+    """``AUTH_REFUSALS`` (kept in the process's default registry) for another registry."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield from AUTH_REFUSALS.collect()
+
+
+def export_refusals(registry: CollectorRegistry) -> None:
+    """Show this process's refusals on ``registry`` too (the router's ``/metrics`` has a
+    registry of its own; workers export the default one)."""
+    registry.register(_RefusalsCollector())
 
 
 def num_refusals(plane: str, reason: str | None = None) -> int:

@@ -1,7 +1,7 @@
 """Optional TLS on router→worker gRPC (``--tls-cert``, ``--tls-key``, ``--tls-ca``); the same
 files as an ``ssl`` context for the sockets that are not gRPC (KV connections, etcd's health).
 
-The cluster token (``grpc_auth``) proves who calls; TLS keeps the token and the
+The cluster secret's proofs (``grpc_auth``) show both ends hold the secret; TLS keeps the
 prompts from eavesdroppers and proves to the router that it talks to a worker
 whose certificate the CA signed. One set of flags serves both ends:
 

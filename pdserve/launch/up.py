@@ -30,7 +30,7 @@ from pdserve.launch.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WIND
 from pdserve.launch.up_children import STOP_GRACE_S, Child, console
 from pdserve.launch.up_targets import METRICS_KEY, scrape_targets, targets_line, write_file_sd
 from pdserve.launch.up_watch import ClusterWatch
-from pdserve.membership.etcd_client import check_etcd_url
+from pdserve.membership.etcd_client import EtcdAuth, check_etcd_url
 from pdserve.membership.local_etcd import LocalEtcd
 from pdserve.router.dispatch.policies.disagg import DisaggConfig
 from pdserve.router.dispatch.policies.planner import PlannerConfig
@@ -70,6 +70,7 @@ class UpConfig:
     with_etcd: bool = False
     cluster: str = "default"
     etcd_ttl_s: int = 10
+    etcd_auth: EtcdAuth = EtcdAuth()  # --etcd-user/--etcd-password-file, for every child
     num_kv_blocks: int | None = None  # prefill workers' KV blocks (overrides kv_cache_gib)
     shm_spin_s: float | None = None  # every engine's (None: the workers' default)
     prefill_chunk_tokens: int | None = None  # every engine's (None: the workers' default)
@@ -101,6 +102,9 @@ class UpConfig:
             raise ValueError("give --etcd URL or --with-etcd, not both")
         if self.etcd:
             check_etcd_url(self.etcd, self.tls)  # --require-tls: https:// only
+        if self.etcd_auth.user and not self.etcd:
+            raise ValueError("--etcd-user needs --etcd URL (--with-etcd starts an etcd "
+                             "without users)")
         if self.num_decode < 1 or self.num_prefill < 0:
             raise ValueError("need --num-decode >= 1 and --num-prefill >= 0")
         if bool(self.kv_disk_dir) != (self.kv_disk_gib > 0):
@@ -146,6 +150,9 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     common += security
     membership = (["--etcd", cfg.etcd, "--cluster", cfg.cluster, "--etcd-ttl-s",
                    str(cfg.etcd_ttl_s)] if cfg.etcd else [])
+    if cfg.etcd and cfg.etcd_auth.user:  # the password's file, never the password
+        membership += ["--etcd-user", cfg.etcd_auth.user,
+                       "--etcd-password-file", cfg.etcd_auth.password_file]
     p_cores, d_cores = core_sets(cfg.num_prefill, cfg.num_decode, cfg.cpu_layout)
     children: list[Child] = []
     endpoints: dict[str, list[str]] = {"prefill": [], "decode": []}

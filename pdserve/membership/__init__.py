@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
+from pdserve.core.cluster_secret import optional_secret
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.membership.base import (
     Membership,
@@ -23,14 +24,14 @@ from pdserve.membership.base import (
 )
 from pdserve.membership.election import Election, StaticElection, leader_key
 from pdserve.membership.etcd import EtcdMembership
-from pdserve.membership.etcd_client import check_etcd_url
+from pdserve.membership.etcd_client import EtcdAuth, check_etcd_url
 from pdserve.membership.etcd_election import EtcdElection
 from pdserve.membership.etcd_registrar import DEFAULT_TTL_S, EtcdRegistrar
 from pdserve.membership.static import NullRegistrar, StaticMembership, load_workers_file
 
 MEMBERSHIPS = ("static", "etcd")
 
-__all__ = ["DEFAULT_TTL_S", "MEMBERSHIPS", "Election", "Membership", "MembershipConfig",
+__all__ = ["DEFAULT_TTL_S", "EtcdAuth", "MEMBERSHIPS", "Election", "Membership", "MembershipConfig",
            "MembershipSink", "Registrar", "StaticElection", "WorkerInfo", "check_name",
            "create_election", "create_membership", "create_registrar", "leader_key",
            "worker_key"]
@@ -49,6 +50,11 @@ class MembershipConfig:
     # etcd: an https:// URL is TLS with these files (the client certificate, the CA);
     # ``required`` (--require-tls) refuses an http:// one.
     tls: TlsFiles = TlsFiles()
+    # etcd's user/password auth (--etcd-user, --etcd-password-file)
+    auth: EtcdAuth = EtcdAuth()
+    # the cluster secret's file: registrations are signed with it, and read only if they
+    # verify (``signed.py``)
+    secret_file: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in MEMBERSHIPS:
@@ -63,14 +69,19 @@ class MembershipConfig:
     def from_flags(cls, etcd_url: str | None, cluster: str, ttl_s: int,
                    prefill: tuple[str, ...] = (), decode: tuple[str, ...] = (),
                    workers_file: str | None = None,
-                   tls: TlsFiles | None = None) -> MembershipConfig:
+                   tls: TlsFiles | None = None, auth: EtcdAuth | None = None,
+                   secret_file: str | None = None) -> MembershipConfig:
         """etcd when ``--etcd`` is given, else static."""
         tls = tls or TlsFiles()
+        auth = auth or EtcdAuth()
+        if auth.user and not etcd_url:
+            raise ValueError("--etcd-user needs --etcd")
         if etcd_url and (prefill or decode or workers_file):
             raise ValueError("give either --etcd or static workers (--prefill/--decode/"
                              "--workers-file), not both")
         if etcd_url:
-            return cls("etcd", etcd_url=etcd_url, cluster=cluster, ttl_s=ttl_s, tls=tls)
+            return cls("etcd", etcd_url=etcd_url, cluster=cluster, ttl_s=ttl_s, tls=tls,
+                       auth=auth, secret_file=secret_file or "")
         return cls("static", cluster=cluster, ttl_s=ttl_s, prefill=prefill, decode=decode,
                    workers_file=workers_file or "", tls=tls)
 
@@ -78,7 +89,8 @@ class MembershipConfig:
 def create_membership(config: MembershipConfig,
                       registry: CollectorRegistry | None = None) -> Membership:
     if config.kind == "etcd":
-        return EtcdMembership(config.etcd_url, config.cluster, registry=registry, tls=config.tls)
+        return EtcdMembership(config.etcd_url, config.cluster, registry=registry, tls=config.tls,
+                              secret=optional_secret(config.secret_file), auth=config.auth)
     prefill, decode = config.prefill, config.decode
     if config.workers_file:
         file_prefill, file_decode = load_workers_file(config.workers_file)
@@ -88,7 +100,8 @@ def create_membership(config: MembershipConfig,
 
 def create_registrar(config: MembershipConfig) -> Registrar:
     if config.kind == "etcd":
-        return EtcdRegistrar(config.etcd_url, config.cluster, config.ttl_s, tls=config.tls)
+        return EtcdRegistrar(config.etcd_url, config.cluster, config.ttl_s, tls=config.tls,
+                             secret=optional_secret(config.secret_file), auth=config.auth)
     return NullRegistrar()
 
 
@@ -97,5 +110,5 @@ def create_election(config: MembershipConfig, candidate: bool, candidate_id: str
     process leads iff it is a candidate."""
     if config.kind == "etcd" and candidate:
         return EtcdElection(config.etcd_url, config.cluster, candidate_id, config.ttl_s,
-                            tls=config.tls)
+                            tls=config.tls, auth=config.auth)
     return StaticElection(candidate, candidate_id)

@@ -5,6 +5,9 @@ logged once, ``pdserve:membership_etcd_up`` drops to 0, and on reconnect
 the whole prefix is listed again (``..._etcd_reconnects_total``). A liveness probe
 (``Status`` with a deadline) runs beside the watch, because a watch stream to a
 hung (not dead) etcd may never fail by itself.
+
+With the cluster secret, only entries whose MAC verifies are read (``signed.py``); the
+others are ignored, counted and logged (``note_refusal``, plane ``membership``).
 """
 
 from __future__ import annotations
@@ -21,13 +24,16 @@ from aetcd import rpc as aetcd_rpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve.core.bounded import bounded
+from pdserve.core.cluster_secret import ClusterSecret, note_refusal
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.membership.base import MembershipSink, WorkerInfo, workers_prefix
 from pdserve.membership.etcd_client import (
     DEFAULT_CALL_TIMEOUT_S,
+    EtcdAuth,
     check_etcd_url,
     etcd_client,
 )
+from pdserve.membership.signed import unverified
 
 logger = logging.getLogger("pdserve.membership.etcd")
 
@@ -59,6 +65,26 @@ async def refresh_lease_once(client: aetcd.Client, lease_id: int) -> Any:
     return reply
 
 
+# What etcd says when it refuses a client's user/password auth (or its lack).
+_REFUSED_CREDENTIALS = ("user name is empty", "authentication failed", "invalid auth token",
+                        "permission denied", "authentication is not enabled")
+
+
+def outage(exc: BaseException) -> str:
+    """How a failed etcd call reads in the log: its credentials refused, or unreachable."""
+    if any(text in str(exc) for text in _REFUSED_CREDENTIALS):
+        return "refused our credentials (check --etcd-user and --etcd-password-file)"
+    return "unreachable"
+
+
+async def renew_if_unauthenticated(client: aetcd.Client, exc: BaseException,
+                                   timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> None:
+    """After a call failed UNAUTHENTICATED (an expired or invalidated etcd auth token),
+    drop the connection: the next call connects and authenticates again."""
+    if isinstance(exc, aetcd_exceptions.UnauthenticatedError):
+        await close_client(client, timeout_s)
+
+
 async def close_client(client: aetcd.Client, timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> None:
     with contextlib.suppress(*ETCD_ERRORS):
         await bounded(client.close(), timeout_s)
@@ -84,8 +110,11 @@ class EtcdMembership:
                  registry: CollectorRegistry | None = None,
                  call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
                  probe_interval_s: float = 1.0, retry_s: float = 0.5,
-                 tls: TlsFiles | None = None) -> None:
+                 tls: TlsFiles | None = None, secret: ClusterSecret | None = None,
+                 auth: EtcdAuth | None = None) -> None:
         self._tls_on = check_etcd_url(url, tls).tls
+        self._secret = secret
+        self._auth = auth
         self._url = url
         self._tls = tls
         self._cluster = cluster
@@ -106,11 +135,11 @@ class EtcdMembership:
 
     async def run(self, sink: MembershipSink) -> None:
         while True:
-            client = etcd_client(self._url, self._call_timeout_s, self._tls)
+            client = etcd_client(self._url, self._call_timeout_s, self._tls, self._auth)
             try:
                 await self._list_and_watch(client, sink)
             except ETCD_ERRORS as exc:
-                self._set_connected(False, f"{type(exc).__name__}: {exc}")
+                self._set_connected(False, f"{type(exc).__name__}: {exc}", outage(exc))
             finally:
                 await close_client(client, self._call_timeout_s)
             await asyncio.sleep(self._retry_s)
@@ -156,9 +185,13 @@ class EtcdMembership:
             await bounded(client.status(), self._call_timeout_s + 1)
 
     def _parse(self, key: bytes, value: bytes) -> WorkerInfo | None:
+        refused = unverified(self._secret, key.decode(errors="replace"), value)
+        if refused is not None:
+            note_refusal("membership", refused, key.decode(errors="replace"))
+            return None
         try:
             info = WorkerInfo.from_json(value)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RecursionError) as exc:  # (deeply nested JSON)
             logger.warning("ignoring bad registration at %s: %s", key.decode(errors="replace"),
                            exc)
             return None
@@ -168,13 +201,13 @@ class EtcdMembership:
             return None
         return info
 
-    def _set_connected(self, connected: bool, detail: str) -> None:
+    def _set_connected(self, connected: bool, detail: str, what: str = "unreachable") -> None:
         """Log each transition once: one warning per outage, one line on recovery."""
         if connected and not self.connected:
             logger.info("etcd %s: watching %s (%s)", self._url, self._prefix, detail)
         elif not connected and not self._outage_logged:
-            logger.warning("etcd %s unreachable (%s); keeping the last-known worker set, "
-                           "retrying every %.1fs", self._url, detail, self._retry_s)
+            logger.warning("etcd %s %s (%s); keeping the last-known worker set, "
+                           "retrying every %.1fs", self._url, what, detail, self._retry_s)
         self._outage_logged = not connected
         self.connected = connected
         self._metrics.up.set(1 if connected else 0)

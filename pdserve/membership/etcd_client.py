@@ -16,14 +16,22 @@ unchanged over either channel. Moving to etcd3aio would rewrite every call site
 What the subclass leans on (``_connected``, ``_is_connecting``, ``_options``, the stub
 attributes) is pinned (aetcd 1.0.x) in pyproject.toml and exercised by the TLS tests.
 
-Key material stays in the grpc credentials object: nothing here logs, formats or
-repr()s it, and errors name the URL (``host:port``) only.
+With ``--etcd-user`` and ``--etcd-password-file`` (``EtcdAuth``), the client authenticates
+with etcd's user/password auth (``Auth.Authenticate`` over the same gRPC channel; aetcd
+sends the token etcd returns on every call). A token expires (etcd's
+``--auth-token-ttl``, 300 s by default) or is invalidated by an etcd restart; a call then
+fails UNAUTHENTICATED and ``renew_if_unauthenticated`` drops the connection, so the next
+call connects and authenticates again.
+
+Key material stays in the grpc credentials object, the password in the client: nothing
+here logs, formats or repr()s it, and errors name the URL (``host:port``) only.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import aetcd
@@ -55,7 +63,8 @@ def parse_etcd_url(url: str) -> EtcdEndpoint:
     parts = urlsplit(url if "://" in url else "http://" + url)
     if "@" in parts.netloc:  # checked first: the messages below quote the URL
         raise ValueError("--etcd takes no user or password in the URL; authenticate with a "
-                         "client certificate (https:// and --tls-cert/--tls-key)")
+                         "client certificate (https:// and --tls-cert/--tls-key) or with "
+                         "--etcd-user and --etcd-password-file")
     if "," in url:
         raise ValueError(f"--etcd takes one endpoint, not a list: {url!r}")
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -76,19 +85,49 @@ def check_etcd_url(url: str, tls: TlsFiles | None) -> EtcdEndpoint:
     return endpoint
 
 
+@dataclass(frozen=True)
+class EtcdAuth:
+    """etcd user/password authentication: ``--etcd-user`` and ``--etcd-password-file``
+    (a file, so the password shows in no command line). Empty: none."""
+
+    user: str = ""
+    password_file: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        if bool(self.user) != bool(self.password_file):
+            raise ValueError("--etcd-user and --etcd-password-file go together")
+
+    def credentials(self) -> tuple[str | None, str | None]:
+        """(user, password) for aetcd, (None, None) without auth; ``ValueError`` in one
+        line for an unreadable or empty password file."""
+        if not self.user:
+            return None, None
+        try:
+            password = Path(self.password_file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read --etcd-password-file {self.password_file}: "
+                             f"{exc.strerror or exc}") from None
+        if not password:
+            raise ValueError(f"--etcd-password-file {self.password_file} is empty")
+        return self.user, password
+
+
 class TlsClient(aetcd.Client):
     """``aetcd.Client`` over a TLS channel (see the module docstring)."""
 
     _is_connecting: bool  # aetcd.Client's own flag (set in its __init__)
 
     def __init__(self, endpoint: EtcdEndpoint, credentials: grpc.ChannelCredentials,
-                 timeout: float) -> None:
-        super().__init__(endpoint.host, endpoint.port, timeout=timeout)
+                 timeout: float, auth: EtcdAuth | None = None) -> None:
+        user, password = (auth or EtcdAuth()).credentials()
+        super().__init__(endpoint.host, endpoint.port, username=user, password=password,
+                         timeout=timeout)
         self._credentials = credentials
+        self._user, self._secret = user, password
 
     async def connect(self) -> None:
-        """As ``aetcd.Client.connect`` (no user/password auth: pdserve authenticates with
-        the client certificate), with ``secure_channel``."""
+        """As ``aetcd.Client.connect`` (user/password auth as there), with
+        ``secure_channel``."""
         if self._connected.is_set():
             return
         if self._is_connecting:  # another task is connecting: wait for it
@@ -99,6 +138,11 @@ class TlsClient(aetcd.Client):
             self.channel = grpc.aio.secure_channel(f"{self._host}:{self._port}",
                                                    self._credentials,
                                                    options=list(self._options.items()))
+            if self._user is not None:
+                self.auth_stub = aetcd_rpc.AuthStub(self.channel)
+                reply = await self.auth_stub.Authenticate(aetcd_rpc.AuthenticateRequest(
+                    name=self._user, password=self._secret), timeout=self._timeout)
+                self.metadata = (("token", reply.token),)
             self.kvstub = aetcd_rpc.KVStub(self.channel)
             self.clusterstub = aetcd_rpc.ClusterStub(self.channel)
             self.leasestub = aetcd_rpc.LeaseStub(self.channel)
@@ -111,14 +155,16 @@ class TlsClient(aetcd.Client):
 
 
 def etcd_client(url: str, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
-                tls: TlsFiles | None = None) -> aetcd.Client:
+                tls: TlsFiles | None = None, auth: EtcdAuth | None = None) -> aetcd.Client:
     """A client whose every call carries a ``call_timeout_s`` deadline; TLS for an
     ``https://`` URL with ``tls``'s files (``ValueError`` for an unreadable one, or for a
-    plaintext URL under ``--require-tls``)."""
+    plaintext URL under ``--require-tls``); etcd's user/password auth with ``auth``."""
     endpoint = check_etcd_url(url, tls)
     if not endpoint.tls:
-        return aetcd.Client(endpoint.host, endpoint.port, timeout=call_timeout_s)
+        user, password = (auth or EtcdAuth()).credentials()
+        return aetcd.Client(endpoint.host, endpoint.port, username=user, password=password,
+                            timeout=call_timeout_s)
     loaded = (tls or TlsFiles()).load()
     credentials = (loaded.channel_credentials() if loaded is not None
                    else grpc.ssl_channel_credentials())  # no --tls-*: the system roots
-    return TlsClient(endpoint, credentials, call_timeout_s)
+    return TlsClient(endpoint, credentials, call_timeout_s, auth)

@@ -34,8 +34,11 @@ from pdserve.membership.etcd import (
     ETCD_ERRORS,
     close_client,
     etcd_client,
+    outage,
     refresh_lease_once,
+    renew_if_unauthenticated,
 )
+from pdserve.membership.etcd_client import EtcdAuth
 from pdserve.membership.etcd_registrar import DEFAULT_TTL_S
 
 logger = logging.getLogger("pdserve.membership.election")
@@ -48,10 +51,10 @@ class EtcdElection:
     def __init__(self, url: str, cluster: str, candidate_id: str, ttl_s: int = DEFAULT_TTL_S,
                  *, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S, retry_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic,
-                 tls: TlsFiles | None = None) -> None:
+                 tls: TlsFiles | None = None, auth: EtcdAuth | None = None) -> None:
         if ttl_s < 2:
             raise ValueError("--etcd-ttl-s must be >= 2 (etcd's minimum lease TTL)")
-        self._client = etcd_client(url, call_timeout_s, tls)
+        self._client = etcd_client(url, call_timeout_s, tls, auth)
         self._url = url
         self.key = leader_key(cluster)
         self._key = self.key.encode()
@@ -190,9 +193,11 @@ class EtcdElection:
         try:
             await work
         except ETCD_ERRORS as exc:
+            await renew_if_unauthenticated(self._client, exc, self._call_timeout_s)
             if not self._outage_logged:
-                logger.warning("etcd %s unreachable (%s: %s); the planner's leadership lapses "
-                               "with the lease, retrying", self._url, type(exc).__name__, exc)
+                logger.warning("etcd %s %s (%s: %s); the planner's leadership lapses with the "
+                               "lease, retrying", self._url, outage(exc), type(exc).__name__,
+                               exc)
             self._outage_logged = True
 
     async def _call(self, aw: Awaitable[T]) -> T:

@@ -5,7 +5,7 @@ When a keepalive finds the lease gone (the process was paused past its TTL, or
 etcd lost it), the info is written again under a new lease. While etcd is
 unreachable the loop keeps trying at the same pace, logging once per outage.
 ``close()`` revokes the lease, so the router drops the worker at once instead of
-after the TTL.
+after the TTL. With the cluster secret the entry carries its MAC (``signed.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 from pdserve.core.bounded import bounded
+from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.core.tasks import cancel_and_wait
 from pdserve.membership.base import WorkerInfo, worker_key
@@ -25,8 +26,12 @@ from pdserve.membership.etcd import (
     ETCD_ERRORS,
     close_client,
     etcd_client,
+    outage,
     refresh_lease_once,
+    renew_if_unauthenticated,
 )
+from pdserve.membership.etcd_client import EtcdAuth
+from pdserve.membership.signed import signed_value
 
 logger = logging.getLogger("pdserve.membership.registrar")
 
@@ -38,10 +43,12 @@ DEFAULT_TTL_S = 10
 class EtcdRegistrar:
     def __init__(self, url: str, cluster: str = "default", ttl_s: int = DEFAULT_TTL_S,
                  call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
-                 tls: TlsFiles | None = None) -> None:
+                 tls: TlsFiles | None = None, secret: ClusterSecret | None = None,
+                 auth: EtcdAuth | None = None) -> None:
         if ttl_s < 2:
             raise ValueError("--etcd-ttl-s must be >= 2 (etcd's minimum lease TTL)")
-        self._client = etcd_client(url, call_timeout_s, tls)
+        self._client = etcd_client(url, call_timeout_s, tls, auth)
+        self._secret = secret
         self._url = url
         self._cluster = cluster
         self.ttl_s = ttl_s
@@ -103,9 +110,10 @@ class EtcdRegistrar:
             if self.lease_id is None or not await self._refresh():
                 await self._register()
         except ETCD_ERRORS as exc:
+            await renew_if_unauthenticated(self._client, exc, self._call_timeout_s)
             if not self._outage_logged:
-                logger.warning("etcd %s unreachable (%s: %s); retrying every %.1fs",
-                               self._url, type(exc).__name__, exc, self.ttl_s / 3)
+                logger.warning("etcd %s %s (%s: %s); retrying every %.1fs", self._url,
+                               outage(exc), type(exc).__name__, exc, self.ttl_s / 3)
             self._outage_logged = True
             return
         if self._outage_logged:
@@ -125,7 +133,8 @@ class EtcdRegistrar:
     async def _register(self) -> None:
         assert self._info is not None
         lease = await self._call(self._client.lease(self.ttl_s))
-        await self._call(self._client.put(self._key.encode(), self._info.to_json(), lease=lease))
+        value = signed_value(self._secret, self._key, self._info)
+        await self._call(self._client.put(self._key.encode(), value, lease=lease))
         self.lease_id = lease.id
         self.num_registrations += 1
         logger.info("registered %s at %s (lease %x, TTL %ds)", self._key, self._url, lease.id,

@@ -18,6 +18,7 @@ import signal
 import ssl
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -38,8 +39,11 @@ def etcd_binary() -> str:
 
 
 class LocalEtcd:
-    def __init__(self, log_path: Path | None = None, tls: TlsFiles | None = None) -> None:
+    def __init__(self, log_path: Path | None = None, tls: TlsFiles | None = None,
+                 extra_args: Sequence[str] = ()) -> None:
+        """``extra_args``: more of etcd's own flags (tests: ``--auth-token-ttl``)."""
         self._binary = etcd_binary()
+        self._extra_args = tuple(extra_args)
         # (cert, key, ca) as absolute paths (etcd runs in its own directory), and the
         # health check's client context; None: plaintext
         self._files = _tls_paths(tls) if tls is not None else None
@@ -63,7 +67,7 @@ class LocalEtcd:
         argv = [self._binary, "--name", "pdserve", "--data-dir", str(self.data_dir),
                 "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"pdserve={peer}", *self._tls_flags()]
+                "--initial-cluster", f"pdserve={peer}", *self._tls_flags(), *self._extra_args]
         self.proc = process.spawn(argv, log_path=self._log_path)
         self._wait_healthy(timeout_s)
         return self

@@ -19,7 +19,7 @@ import uvloop
 from fastapi import APIRouter, FastAPI
 from prometheus_client import CollectorRegistry
 
-from pdserve.core.cluster_secret import optional_secret
+from pdserve.core.cluster_secret import export_refusals, optional_secret
 from pdserve.core.grpc_options import DEFAULT_KEEPALIVE_S
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.membership import (
@@ -148,6 +148,7 @@ def build_router(config: RouterConfig, tokenizer: Any) -> Router:
                       keepalive_s=config.grpc_keepalive_s, close_grace_s=config.request_timeout_s)
     if registry is not None:
         register_pool_metrics(pool, registry)
+        export_refusals(registry)  # cluster auth: refused workers and etcd entries
     index = PrefixIndex()
     feeder = KvIndexFeeder((lambda: [*pool.prefill, *pool.decode]) if config.decode_cache
                            else (lambda: pool.prefill), index, registry)

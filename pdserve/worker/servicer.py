@@ -268,12 +268,12 @@ async def start_worker_server(backend: WorkerBackend, host: str = "127.0.0.1", p
                               tls: GrpcTls | None = None) -> WorkerServer:
     """Serve ``backend`` and the standard health service on ``host:port`` (0: any free
     port). Health says SERVING at once if the backend is ready; else call
-    ``state.update()`` once it is. With the cluster ``secret``, calls without its token
-    are refused (``grpc_auth``; the standard health service stays open); with ``tls``,
-    only TLS is served (``grpc_tls``)."""
+    ``state.update()`` once it is. With the cluster ``secret``, calls without a fresh
+    proof for this worker are refused and answers prove the secret (``grpc_auth``; the
+    standard health service stays open); with ``tls``, only TLS is served (``grpc_tls``)."""
     warn_if_open("worker gRPC", host, secret)
     server = grpc.aio.server(options=server_options(keepalive_s),
-                             interceptors=server_interceptors(secret))
+                             interceptors=server_interceptors(secret, backend.health().worker_id))
     state = ServingState(backend)
     pb_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(backend, state), server)
     health_pb2_grpc.add_HealthServicer_to_server(state.health, server)

@@ -59,7 +59,9 @@ async def test_worker_refuses_a_client_without_the_token(endpoint: str,
             await asyncio.to_thread(probe_health, endpoint, 5, secret)
     finally:
         await client.close()
-    assert num_refusals("grpc", reason) == before + 3
+    # Each of the 3 calls refused at least once (a signed one may be retried once for the
+    # worker id its refusal named).
+    assert num_refusals("grpc", reason) >= before + 3
 
 
 async def test_worker_serves_a_client_with_the_token(endpoint: str) -> None:

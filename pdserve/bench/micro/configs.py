@@ -13,6 +13,8 @@ TRANSFER_BLOCK_SIZE = 128
 FAULTS = ("kill-prefill", "kill-decode", "stop-decode", "kill-etcd", "restart-router")
 # router-cost: (a)-(c), the latency and per-chunk cost; stream, the paced streaming cost.
 ROUTER_COST_PARTS = ("latency", "stream", "replicas")
+# router-cost --auth: the cluster's authentication in the latency part's runs
+ROUTER_COST_AUTH = ("none", "secret")
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,13 @@ class RouterCostConfig:
     # batch does (one Session message per step); False: each stream on its own timer
     lockstep: bool = True
     replica_requests: int = 300  # replicas: requests of each of the two clients
+    # latency: one run per entry, in order (repeat them to interleave): "none", or
+    # "secret" (a cluster secret on every process: signed calls, worker proofs)
+    auth: tuple[str, ...] = ("none",)
 
     def __post_init__(self) -> None:
+        if not self.auth or set(self.auth) - set(ROUTER_COST_AUTH):
+            raise ValueError(f"--auth takes {', '.join(ROUTER_COST_AUTH)}")
         if self.replica_requests < 1:
             raise ValueError("--replica-requests must be >= 1")
         unknown = [p for p in self.parts if p not in ROUTER_COST_PARTS]

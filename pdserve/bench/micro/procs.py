@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.core import process
+from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.grpc_tls import GrpcTls
 from pdserve.launch.up_children import tail
 from pdserve.router.dispatch.workers.client import WorkerCallError, probe_health
@@ -30,13 +31,15 @@ class Proc:
     log: Path
     probe: str
     tls: GrpcTls | None = field(default=None, repr=False)  # a worker that serves TLS
+    secret: ClusterSecret | None = field(default=None, repr=False)  # one that needs it
 
 
 def probe(p: Proc) -> str:
     """'' once ``p`` is ready, else what it is waiting for."""
     if p.probe.startswith("grpc:"):
         try:
-            health = probe_health(p.probe.removeprefix("grpc:"), timeout_s=1, tls=p.tls)
+            health = probe_health(p.probe.removeprefix("grpc:"), timeout_s=1,
+                                  secret=p.secret, tls=p.tls)
         except WorkerCallError:
             return "no answer"
         return "" if health.ready else "loading engine"

@@ -12,6 +12,10 @@ decode, no modelled compute) and one router, each a process of its own.
       router process's CPU %.
 
 Prints ratios against the targets (added p50 <= 1 ms per request, <= 50 us per chunk).
+``--auth none secret`` runs (a)-(c) once per entry, in order (repeat entries to interleave),
+without and with a cluster secret on every process (signed calls, worker proofs:
+``pdserve.core.grpc_auth``), and prints the router's CPU per request and per chunk of
+each beside the other (medians over a mode's runs).
 Those are ``--parts latency`` (the default); ``--parts stream`` measures the router's CPU
 per streamed token with engines that pace their tokens, the rate one process sustains
 per process count, and vLLM's ``vllm-router`` beside it (``stream.py``);
@@ -20,6 +24,7 @@ per process count, and vLLM's ``vllm-router`` beside it (``stream.py``);
 
     pdserve bench router-cost            # --requests 300 --clients 16
     pdserve bench router-cost --parts latency stream
+    pdserve bench router-cost --auth none secret none secret --requests 200
 """
 
 from __future__ import annotations
@@ -40,10 +45,12 @@ import psutil
 
 from pdserve.bench.micro.configs import RouterCostConfig
 from pdserve.bench.micro.procs import Proc, ProcGroup
+from pdserve.bench.micro.router_cost.auth import run_auth
 from pdserve.bench.micro.router_cost.replicas import run_replicas
 from pdserve.bench.micro.router_cost.stream import run_stream
 from pdserve.bench.micro.router_cost.stream_report import report as stream_report
 from pdserve.core import process
+from pdserve.core.cluster_secret import ClusterSecret, load_cluster_secret, write_cluster_secret
 from pdserve.core.ports import free_port
 from pdserve.core.types import PhaseRequest, SamplingSpec
 from pdserve.router.dispatch.workers.client import WorkerClient
@@ -61,23 +68,27 @@ class Measured(TypedDict):
     router_cpu_s_per_request: float
 
 
-def sim_worker(role: str, port: int, log_dir: Path) -> Proc:
-    """A sim worker with no modelled compute."""
+def sim_worker(role: str, port: int, log_dir: Path, secret_file: str | None = None) -> Proc:
+    """A sim worker with no modelled compute (needing the cluster secret in ``secret_file``)."""
+    auth = ("--cluster-secret-file", secret_file) if secret_file else ()
     return Proc(role, (sys.executable, "-m", "pdserve.cli.main", "sim-worker", "--role", role,
                        "--port", str(port), "--prefill-us-per-token", "0",
-                       "--decode-ms-per-token", "0", "--log-level", "WARNING"),
-                log_dir / f"{role}.log", f"grpc:127.0.0.1:{port}")
+                       "--decode-ms-per-token", "0", "--log-level", "WARNING", *auth),
+                log_dir / f"{role}.log", f"grpc:127.0.0.1:{port}",
+                secret=load_cluster_secret(secret_file) if secret_file else None)
 
 
-def children(log_dir: Path) -> tuple[list[Proc], str, str, str]:
+def children(log_dir: Path, secret_file: str | None = None
+             ) -> tuple[list[Proc], str, str, str]:
     """Sim prefill + sim decode (no modelled compute) + a router in front of them."""
     py = (sys.executable, "-m", "pdserve.cli.main")
     ports = {name: free_port() for name in ("prefill", "decode", "router")}
-    sims = [sim_worker(role, ports[role], log_dir) for role in ("prefill", "decode")]
+    sims = [sim_worker(role, ports[role], log_dir, secret_file) for role in ("prefill", "decode")]
     p, d = (f"127.0.0.1:{ports[r]}" for r in ("prefill", "decode"))
     url = f"http://127.0.0.1:{ports['router']}"
+    auth = ("--cluster-secret-file", secret_file) if secret_file else ()
     router = Proc("router", (*py, "router", "--port", str(ports["router"]), "--prefill", p,
-                             "--decode", d, "--log-level", "WARNING"),
+                             "--decode", d, "--log-level", "WARNING", *auth),
                   log_dir / "router.log", f"{url}/health")
     return [*sims, router], url, p, d
 
@@ -201,8 +212,8 @@ def profiler(pid: int, out: str | None, duration_s: float, log_dir: Path
 
 
 async def measure_all(cfg: RouterCostConfig, url: str, p_ep: str, d_ep: str, pid: int,
-                      log_dir: Path) -> dict[str, float]:
-    p, d = WorkerClient(p_ep), WorkerClient(d_ep)
+                      log_dir: Path, secret: ClusterSecret | None = None) -> dict[str, float]:
+    p, d = WorkerClient(p_ep, secret), WorkerClient(d_ep, secret)
     try:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             short = await measure(http, p, d, pid, 2, cfg.requests)
@@ -222,19 +233,24 @@ async def measure_all(cfg: RouterCostConfig, url: str, p_ep: str, d_ep: str, pid
     return {**summary, **loop}
 
 
-def run_latency(cfg: RouterCostConfig) -> dict[str, float]:
-    """(a)-(c) against their own sims and router."""
+def run_latency(cfg: RouterCostConfig, auth: str = "none") -> dict[str, float]:
+    """(a)-(c) against their own sims and router; ``auth`` "secret": a cluster secret on
+    every process and on this script's own calls."""
     log_dir = Path(tempfile.mkdtemp(prefix="bench-router-cost-"))
-    procs, url, p_ep, d_ep = children(log_dir)
+    secret_file = str(write_cluster_secret(log_dir / "secret")) if auth == "secret" else None
+    print(f"-- auth: {auth}")
+    procs, url, p_ep, d_ep = children(log_dir, secret_file)
     with ProcGroup(procs) as group:
         group.wait_ready(120)
-        return asyncio.run(measure_all(cfg, url, p_ep, d_ep, group.pid("router"), log_dir))
+        return asyncio.run(measure_all(cfg, url, p_ep, d_ep, group.pid("router"), log_dir,
+                                       load_cluster_secret(secret_file) if secret_file
+                                       else None))
 
 
 def run(cfg: RouterCostConfig) -> int:
     numbers: dict[str, object] = {}
     if "latency" in cfg.parts:
-        numbers.update(run_latency(cfg))
+        numbers.update(run_auth(cfg, run_latency))
     if "stream" in cfg.parts:
         numbers["stream"] = stream_report(cfg, run_stream(cfg))
     if "replicas" in cfg.parts:

@@ -12,6 +12,11 @@ close them (``contextlib.aclosing``) as soon as they stop reading.
 ``probe_health`` / ``probe_load`` are blocking one-shot calls for tools (the
 launcher, tests, benchmarks).
 
+With the cluster secret every call is signed for this worker and its answer must prove
+the secret before it is used (``pdserve.core.grpc_auth``); one that does not fails
+UNAUTHENTICATED, counted. A refusal that names another worker id (the id was not known,
+or the worker behind the endpoint changed) is retried once, signed for that id.
+
 Channels are made in one place (``open_channel``, ``_probe``) with the options of
 ``pdserve.core.grpc_options``: keepalive pings turn a hung worker into UNAVAILABLE within
 seconds, whatever the calls' deadlines.
@@ -26,7 +31,7 @@ from typing import Any
 import grpc
 
 from pdserve.core.cluster_secret import ClusterSecret
-from pdserve.core.grpc_auth import aio_channel, call_metadata, sync_channel
+from pdserve.core.grpc_auth import CallAuth, aio_channel, refused_for, sync_channel
 from pdserve.core.grpc_options import DEFAULT_KEEPALIVE_S, client_options
 from pdserve.core.grpc_tls import GrpcTls
 from pdserve.core.types import (
@@ -58,6 +63,8 @@ INVALID_ARGUMENT = "INVALID_ARGUMENT"
 UNIMPLEMENTED = "UNIMPLEMENTED"
 DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
 CANCELLED = "CANCELLED"
+UNAUTHENTICATED = "UNAUTHENTICATED"
+_SERVICE = "/" + pb.DESCRIPTOR.services_by_name["WorkerService"].full_name + "/"
 
 
 class WorkerCallError(RuntimeError):
@@ -82,13 +89,14 @@ class WorkerClient:
 
     def __init__(self, endpoint: str, secret: ClusterSecret | None = None, *,
                  tls: GrpcTls | None = None, keepalive_s: float = DEFAULT_KEEPALIVE_S,
-                 session_idle_s: float = SESSION_IDLE_S) -> None:
+                 session_idle_s: float = SESSION_IDLE_S, worker_id: str = "") -> None:
+        """``worker_id``: the worker's id when membership knows it (else learnt)."""
         self.endpoint = endpoint
-        # Every call carries the cluster token with a ``secret`` (``_md``); TLS with ``tls``.
+        # Every call is signed with a ``secret`` (``_auth``); TLS with ``tls``.
         self._channel = open_channel(endpoint, keepalive_s, tls)
         self._stub = pb_grpc.WorkerServiceStub(self._channel)
-        self._md = call_metadata(secret)
-        self._session = RouterSession(self._stub, self._md, session_idle_s)
+        self._auth = None if secret is None else CallAuth(secret, endpoint, worker_id)
+        self._session = RouterSession(self._stub, self._auth, session_idle_s)
 
     async def generate(self, request: PhaseRequest, timeout_s: float,
                        tap: Callable[[tuple[int, ...]], bool] | None = None
@@ -101,6 +109,8 @@ class WorkerClient:
         output that carries nothing else (``convert.plain_token_ids``) and arrives while
         this iterator's reader waits for the next; an output it takes (True) is not
         yielded (``SessionStream.tap``; over ``Session`` only)."""
+        if self._auth is not None and not self._auth.audience:
+            await self.health(timeout_s)  # once: learn whom to sign the session for
         if self._session.unsupported:
             async for out in self._generate_call(request, timeout_s):
                 yield out
@@ -138,14 +148,15 @@ class WorkerClient:
     async def _generate_call(self, request: PhaseRequest, timeout_s: float
                              ) -> AsyncGenerator[PhaseOutput, None]:
         """``generate`` over one ``Generate`` call of its own."""
+        md, nonce = self._sign("Generate")
         call = self._stub.Generate(convert.phase_request_to_pb(request), timeout=timeout_s,
-                                   metadata=self._md)
-        async for msg in _stream(call):
+                                   metadata=md)
+        async for msg in _stream(call, self._auth, _SERVICE + "Generate", nonce):
             yield convert.phase_output_from_pb(msg)
 
     async def abort(self, request_id: str, timeout_s: float) -> bool:
         """Whether the worker had the request (running, or holding its KV)."""
-        reply = await self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id),
+        reply = await self._unary("Abort", pb.AbortRequest(request_id=request_id),
                                   timeout_s)
         return reply.found
 
@@ -153,66 +164,84 @@ class WorkerClient:
         """Raises ``ValueError`` if the worker names no known role. A worker that does not
         say it serves ``Session`` (an older one) is called over ``Generate`` from then on
         (the pool checks health before it places anything on a worker)."""
-        reply = await self._unary(self._stub.Health, pb.HealthRequest(), timeout_s)
+        reply = await self._unary("Health", pb.HealthRequest(), timeout_s)
         self._session.unsupported = not reply.session
         return convert.health_from_pb(reply)
 
     async def load(self, timeout_s: float) -> WorkerLoadReport:
         return convert.load_from_pb(
-            await self._unary(self._stub.GetLoad, pb.GetLoadRequest(), timeout_s))
+            await self._unary("GetLoad", pb.GetLoadRequest(), timeout_s))
 
     async def kv_events(self) -> AsyncGenerator[KvChange, None]:
         """The worker's prefix-cache changes, until it or the caller ends the stream."""
-        call = self._stub.StreamKvEvents(pb.KvEventsRequest(), metadata=self._md)
-        async for msg in _stream(call):
+        md, nonce = self._sign("StreamKvEvents")
+        call = self._stub.StreamKvEvents(pb.KvEventsRequest(), metadata=md)
+        async for msg in _stream(call, self._auth, _SERVICE + "StreamKvEvents", nonce):
             yield convert.kv_change_from_pb(msg)
 
     async def kv_snapshot(self, timeout_s: float) -> KvSnapshot:
         return convert.kv_snapshot_from_pb(
-            await self._unary(self._stub.GetKvSnapshot, pb.KvSnapshotRequest(), timeout_s))
+            await self._unary("GetKvSnapshot", pb.KvSnapshotRequest(), timeout_s))
 
     async def set_role(self, role: Role, drain_timeout_s: float, timeout_s: float
                        ) -> RoleSwitch:
         """Switch the worker to ``role`` (``SetRole``); ``timeout_s`` must leave room for
         the drain."""
         return convert.role_switch_from_pb(await self._unary(
-            self._stub.SetRole, convert.set_role_to_pb(role, drain_timeout_s), timeout_s))
+            "SetRole", convert.set_role_to_pb(role, drain_timeout_s), timeout_s))
 
     # ---- weights (the worker's ``StageWeights`` ... ``EngineWeightCall``) ----
 
     async def stage_weights(self, model_path: str, version: str, timeout_s: float
                             ) -> WeightsStaged:
         return convert.staged_from_pb(await self._unary(
-            self._stub.StageWeights,
+            "StageWeights",
             pb.StageWeightsRequest(model_path=model_path, weight_version=version), timeout_s))
 
     async def commit_weights(self, version: str, abort: bool, drain_timeout_s: float,
                              timeout_s: float) -> WeightsCommitted:
         """``timeout_s`` must leave room for the drain."""
         return convert.committed_from_pb(await self._unary(
-            self._stub.CommitWeights, pb.CommitWeightsRequest(
+            "CommitWeights", pb.CommitWeightsRequest(
                 weight_version=version, abort=abort,
                 drain_timeout_ns=int(max(drain_timeout_s, 0.0) * 1e9)), timeout_s))
 
     async def discard_weights(self, timeout_s: float) -> bool:
-        reply = await self._unary(self._stub.DiscardWeights, pb.DiscardWeightsRequest(),
+        reply = await self._unary("DiscardWeights", pb.DiscardWeightsRequest(),
                                   timeout_s)
         return reply.discarded
 
     async def engine_weight_call(self, method: str, body_json: str, timeout_s: float) -> str:
         """One of vLLM's weight-transfer calls; the version the worker serves after it."""
-        reply = await self._unary(self._stub.EngineWeightCall, pb.EngineWeightCallRequest(
+        reply = await self._unary("EngineWeightCall", pb.EngineWeightCallRequest(
             method=method, body_json=body_json), timeout_s)
         return reply.weight_version
 
-    async def _unary(self, method: Any, request: Any, timeout_s: float) -> Any:
-        """One unary call with this client's metadata, its failure as a ``WorkerCallError``."""
-        try:
-            return await method(request, timeout=timeout_s, metadata=self._md)
-        except grpc.aio.AioRpcError as exc:
-            raise WorkerCallError.from_rpc(exc) from exc
-        except grpc.aio.UsageError as exc:  # the channel was closed (the worker left the view)
-            raise WorkerCallError("UNAVAILABLE", f"channel closed: {exc}") from exc
+    def _sign(self, name: str) -> tuple[tuple[tuple[str, str], ...], str]:
+        return ((), "") if self._auth is None else self._auth.sign(_SERVICE + name)
+
+    async def _unary(self, name: str, request: Any, timeout_s: float) -> Any:
+        """One unary call of the stub's method ``name``, signed, its answer's proof checked;
+        its failure as a ``WorkerCallError``."""
+        method = getattr(self._stub, name)
+        for attempt in (0, 1):
+            md, nonce = self._sign(name)
+            try:
+                call = method(request, timeout=timeout_s, metadata=md)
+                reply = await call
+                if self._auth is not None:
+                    reason = self._auth.verify(_SERVICE + name, nonce,
+                                               await call.initial_metadata())
+                    if reason is not None:
+                        raise WorkerCallError(UNAUTHENTICATED, refused_for(self.endpoint, reason))
+                return reply
+            except grpc.aio.AioRpcError as exc:
+                if attempt == 0 and _learnt(self._auth, exc):
+                    continue
+                raise WorkerCallError.from_rpc(exc) from exc
+            except grpc.aio.UsageError as exc:  # the channel was closed (the worker left)
+                raise WorkerCallError("UNAVAILABLE", f"channel closed: {exc}") from exc
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def close(self, grace_s: float | None = None) -> None:
         """Close the channel; with ``grace_s`` the calls running on it (the session's
@@ -224,14 +253,28 @@ class WorkerClient:
 def open_channel(endpoint: str, keepalive_s: float = DEFAULT_KEEPALIVE_S,
                  tls: GrpcTls | None = None) -> grpc.aio.Channel:
     """The router's channel to one worker: every option it needs, set here only (TLS
-    with ``tls``; the cluster token travels per call)."""
+    with ``tls``; the cluster proofs travel per call)."""
     return aio_channel(endpoint, client_options(keepalive_s), tls)
 
 
-async def _stream(call: Any) -> AsyncIterator[Any]:
-    """A streaming call's messages; its failure as a ``WorkerCallError``; cancelled
-    when the caller stops reading."""
+def _learnt(auth: CallAuth | None, exc: grpc.RpcError) -> bool:
+    """Whether ``exc`` is a refusal that named another worker id (now signed for)."""
+    return (auth is not None and isinstance(exc, grpc.aio.AioRpcError | grpc.Call)
+            and exc.code() == grpc.StatusCode.UNAUTHENTICATED
+            and auth.learn(exc.trailing_metadata()))
+
+
+async def _stream(call: Any, auth: CallAuth | None, method: str, nonce: str
+                  ) -> AsyncIterator[Any]:
+    """A streaming call's messages, once its answer proved the secret (with ``auth``); its
+    failure as a ``WorkerCallError``; cancelled when the caller stops reading."""
     try:
+        if auth is not None:
+            metadata = await call.initial_metadata()
+            if not (call.done() and not metadata):  # else iterating raises its status
+                reason = auth.verify(method, nonce, metadata)
+                if reason is not None:
+                    raise WorkerCallError(UNAUTHENTICATED, refused_for(auth.peer, reason))
         async for msg in call:
             yield msg
     except grpc.aio.AioRpcError as exc:
@@ -244,24 +287,35 @@ def probe_health(endpoint: str, timeout_s: float, secret: ClusterSecret | None =
                  tls: GrpcTls | None = None) -> WorkerHealth:
     """One blocking ``Health`` call; raises ``WorkerCallError`` (or ``ValueError``
     for a worker that names no known role)."""
-    return convert.health_from_pb(_probe(endpoint, lambda stub: stub.Health, pb.HealthRequest(),
-                                         timeout_s, secret, tls))
+    return convert.health_from_pb(_probe(endpoint, "Health", pb.HealthRequest(), timeout_s,
+                                         secret, tls))
 
 
 def probe_load(endpoint: str, timeout_s: float, secret: ClusterSecret | None = None,
                tls: GrpcTls | None = None) -> WorkerLoadReport:
     """One blocking ``GetLoad`` call; raises ``WorkerCallError``."""
-    return convert.load_from_pb(_probe(endpoint, lambda stub: stub.GetLoad, pb.GetLoadRequest(),
-                                       timeout_s, secret, tls))
+    return convert.load_from_pb(_probe(endpoint, "GetLoad", pb.GetLoadRequest(), timeout_s,
+                                       secret, tls))
 
 
-def _probe(endpoint: str, method: Callable[[pb_grpc.WorkerServiceStub], Any], request: Any,
-           timeout_s: float, secret: ClusterSecret | None, tls: GrpcTls | None) -> Any:
-    """One blocking unary call (``method`` picks it from the stub) on a channel of its own,
-    carrying the cluster token when there is a ``secret``, over TLS with ``tls``."""
-    with sync_channel(endpoint, secret, tls, client_options()) as channel:
-        call = method(pb_grpc.WorkerServiceStub(channel))
-        try:
-            return call(request, timeout=timeout_s)
-        except grpc.RpcError as exc:
-            raise WorkerCallError.from_rpc(exc) from exc
+def _probe(endpoint: str, name: str, request: Any, timeout_s: float,
+           secret: ClusterSecret | None, tls: GrpcTls | None) -> Any:
+    """One blocking unary call of the method ``name`` on a channel of its own, signed and
+    its answer's proof checked when there is a ``secret``, over TLS with ``tls``."""
+    auth = None if secret is None else CallAuth(secret, endpoint)
+    with sync_channel(endpoint, tls, client_options()) as channel:
+        method = getattr(pb_grpc.WorkerServiceStub(channel), name)
+        for attempt in (0, 1):
+            md, nonce = ((), "") if auth is None else auth.sign(_SERVICE + name)
+            try:
+                reply, call = method.with_call(request, timeout=timeout_s, metadata=md)
+            except grpc.RpcError as exc:
+                if attempt == 0 and _learnt(auth, exc):
+                    continue
+                raise WorkerCallError.from_rpc(exc) from exc
+            if auth is not None:
+                reason = auth.verify(_SERVICE + name, nonce, call.initial_metadata())
+                if reason is not None:
+                    raise WorkerCallError(UNAUTHENTICATED, refused_for(endpoint, reason))
+            return reply
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -25,6 +25,11 @@ Ownership and errors:
   uses ``Generate``. A client that never read its health learns it from UNIMPLEMENTED
   instead; grpc may end such a call INTERNAL if a write is in flight, which then fails
   those requests, so the pool's health check comes first.
+- With cluster authentication (``auth``), the session's call is signed when it opens and
+  nothing is written to it (no prompt) until the worker's answer proved the secret
+  (``grpc_auth``); a worker that cannot (or sends nothing within ``PROOF_TIMEOUT_S``)
+  fails the session's streams UNAUTHENTICATED.
+  Once per session, not per request or token.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from typing import Any
 
 import grpc
 
+from pdserve.core.grpc_auth import CallAuth, refused_for
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 
 logger = logging.getLogger("pdserve.router.dispatch")
@@ -46,6 +52,10 @@ DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
 # A session with no request left stays open this long for the next one (opening one
 # costs both sides a call); then it ends, and nothing lingers on either side.
 SESSION_IDLE_S = 10.0
+SESSION_METHOD = "/pdserve.v1.WorkerService/Session"
+# A worker sends its proof as soon as the session opens; one that has not within this
+# long fails the session (it has been sent nothing).
+PROOF_TIMEOUT_S = 10.0
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
@@ -126,11 +136,12 @@ class SessionStream:
 class RouterSession:
     """The session to one worker; opened on the first ``start``, again after a failure."""
 
-    def __init__(self, stub: Any, metadata: tuple[tuple[str, str], ...],
+    def __init__(self, stub: Any, auth: CallAuth | None,
                  idle_s: float = SESSION_IDLE_S) -> None:
-        """``idle_s``: how long a session without requests stays open for the next."""
+        """``idle_s``: how long a session without requests stays open for the next;
+        ``auth``: the cluster's authentication (None: an unauthenticated cluster)."""
         self._stub = stub
-        self._md = metadata
+        self._auth = auth
         self._idle_s = idle_s
         self._streams: dict[int, SessionStream] = {}
         self._outbox: asyncio.Queue[pb.SessionRequest | None] | None = None
@@ -201,23 +212,48 @@ class RouterSession:
             reader.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
 
+    async def _proof(self, call: Any, nonce: str) -> str | None:
+        """None once the worker's answer proved the secret; else why not."""
+        assert self._auth is not None
+        try:
+            metadata = await asyncio.wait_for(call.initial_metadata(), PROOF_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return None  # the call failed: ``read`` raises its status next
+        except TimeoutError:
+            metadata = None  # no answer at all: no proof
+        if call.done() and not metadata:
+            return None  # it ended before answering: ``read`` says how; nothing was sent
+        reason = self._auth.verify(SESSION_METHOD, nonce, metadata)
+        return None if reason is None else refused_for(self._auth.peer, reason)
+
     def _expire(self, stream: SessionStream, timeout_s: float) -> None:
         stream.push(SessionCallError(
             DEADLINE_EXCEEDED, f"the call's deadline ({timeout_s:.3g} s) passed"))
 
     def _open(self) -> None:
         outbox: asyncio.Queue[pb.SessionRequest | None] = asyncio.Queue()
-        call = self._stub.Session(_drain(outbox), metadata=self._md)
+        md, nonce = self._auth.sign(SESSION_METHOD) if self._auth is not None else ((), "")
+        proven = asyncio.Event()
+        if self._auth is None:
+            proven.set()
+        call = self._stub.Session(_drain(outbox, proven), metadata=md)
         self._outbox = outbox
         self._streams = {}
-        reader = asyncio.create_task(self._read(call, outbox, self._streams))
+        reader = asyncio.create_task(self._read(call, outbox, self._streams, nonce, proven))
         self._readers.add(reader)
         reader.add_done_callback(self._readers.discard)
 
     async def _read(self, call: Any, outbox: asyncio.Queue[pb.SessionRequest | None],
-                    streams: dict[int, SessionStream]) -> None:
+                    streams: dict[int, SessionStream], nonce: str,
+                    proven: asyncio.Event) -> None:
         error = SessionCallError("UNAVAILABLE", "the worker ended the session")
         try:
+            if not proven.is_set():
+                reason = await self._proof(call, nonce)
+                if reason is not None:
+                    error = SessionCallError("UNAUTHENTICATED", reason)
+                    return
+                proven.set()  # now the requests may go
             while (batch := await call.read()) is not _EOF:
                 for output in batch.outputs:
                     stream = streams.get(output.stream_id)
@@ -227,6 +263,8 @@ class RouterSession:
             error = SessionCallError(exc.code().name, exc.details() or "")
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self.unsupported = True
+            elif exc.code() == grpc.StatusCode.UNAUTHENTICATED and self._auth is not None:
+                self._auth.learn(exc.trailing_metadata())  # the next session signs for it
         except asyncio.CancelledError:
             error = SessionCallError("CANCELLED", "the router closed the session")
             raise
@@ -241,8 +279,9 @@ class RouterSession:
                 logger.info("session with a worker ended: %s", error)
 
 
-async def _drain(outbox: asyncio.Queue[pb.SessionRequest | None]
+async def _drain(outbox: asyncio.Queue[pb.SessionRequest | None], proven: asyncio.Event
                  ) -> AsyncIterator[pb.SessionRequest]:
+    await proven.wait()  # no request to a worker that has not proved itself
     while (msg := await outbox.get()) is not None:
         yield msg
 

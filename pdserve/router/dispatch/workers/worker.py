@@ -50,7 +50,7 @@ class Worker:
         static = info.worker_id == info.grpc_endpoint
         self._expected_id = None if static else info.worker_id
         self.client = WorkerClient(info.grpc_endpoint, secret, tls=tls,
-                                   keepalive_s=keepalive_s)
+                                   keepalive_s=keepalive_s, worker_id=self._expected_id or "")
         self._inflight = InFlight()
         # The last report, as a snapshot with nothing in flight.
         self._reported = WorkerState(endpoint=info.grpc_endpoint, role=info.role,
