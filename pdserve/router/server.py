@@ -45,6 +45,7 @@ from pdserve.router.http.admin import AdminAuth, admin_actions
 from pdserve.router.http.app import create_admin_app, create_app
 from pdserve.router.http.edge.config import EdgeConfig
 from pdserve.router.http.edge.drain import DrainingServer
+from pdserve.router.http.edge.pipelining import PipelinedHttpToolsProtocol
 from pdserve.router.http.openai.tool_calls import ToolCalling, ToolConfig
 from pdserve.router.http.openapi import ERROR_RESPONSES
 from pdserve.router.http.roles import RoleSwitcher
@@ -192,7 +193,7 @@ async def serve_router(config: RouterConfig) -> None:
             port=config.edge.admin_port, log_level="warning", lifespan="off")))
     server = DrainingServer(
         uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                       timeout_graceful_shutdown=5),
+                       timeout_graceful_shutdown=5, http=PipelinedHttpToolsProtocol),
         app.state.admission, config.edge.drain_timeout_s, companions=admin)
     await router.start()
     logger.info("router on http://%s:%d/v1: %s membership, placement %s, disagg %s, "
