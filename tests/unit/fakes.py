@@ -81,6 +81,7 @@ class FakeDispatcher:
     decode_worker_id: str | None = None
     logprobs: bool = False
     end_token: int | None = None  # appended to a "stop" output, as an engine's end of text
+    weight_version: str | None = None  # the chunks' (the workers' weights)
     calls: list[DispatchCall] = field(default_factory=list)
     express_taken: int = 0  # tokens the express lanes of its requests carried
     completed: list[str] = field(default_factory=list)
@@ -147,6 +148,7 @@ class FakeDispatcher:
                 logprobs=tuple(fake_logprobs(t) for t in piece) if self.logprobs else (),
                 prompt_logprobs=self._prompt_logprobs(sampling) if index == 0 else (),
                 decode_worker_id=self.decode_worker_id,
+                weight_version=self.weight_version,
             )
 
     def _prompt_logprobs(self, sampling: SamplingSpec) -> tuple[TokenLogprobs, ...]:
