@@ -190,7 +190,8 @@ async def serve_router(config: RouterConfig) -> None:
         admin.append(_QuietServer(uvicorn.Config(
             create_admin_app(router.registry, router.views, actions),
             host=config.edge.admin_host,
-            port=config.edge.admin_port, log_level="warning", lifespan="off")))
+            port=config.edge.admin_port, log_level="warning", lifespan="off",
+            http=PipelinedHttpToolsProtocol)))
     server = DrainingServer(
         uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                        timeout_graceful_shutdown=5, http=PipelinedHttpToolsProtocol),
