@@ -184,6 +184,17 @@ def _nothing_held(cluster: Cluster, cache_too: bool) -> bool:
                     if cache_too or k != "kv_cache_usage"))
 
 
+def _resume(cluster: Cluster) -> None:
+    """Undo a pause the fuzz may have asked for (an admin may pause the cluster: then
+    requests wait, as they should): every admin route named ``resume``, if any."""
+    schema = cluster.get(cluster.admin, "/openapi.json").json()
+    for path in _post_paths(schema):
+        if path.rsplit("/", 1)[-1] == "resume":
+            reply = httpx.post(cluster.admin.url + path, headers=cluster.admin.headers(0),
+                               timeout=TIMEOUT_S)
+            assert reply.status_code == 200, reply.text
+
+
 def _serves(cluster: Cluster) -> None:
     body = {"model": cluster.model, "prompt": "Hello", "max_tokens": 4}
     reply = httpx.post(cluster.root + "/v1/completions", json=body,
@@ -199,6 +210,7 @@ def _check(cluster: Cluster, tallies: list[tuple[Port, Tally]], cache_too: bool)
         assert len(tally.statuses) > 3, tally.report(port)  # more than one kind of answer
     if cluster.main.keys != (None,):  # the wrong key was refused somewhere
         assert tallies[0][1].statuses[401] > 0, tallies[0][1].report(tallies[0][0])
+    _resume(cluster)
     assert wait_until(lambda: _nothing_held(cluster, cache_too), 60), (
         _gauges(cluster), _held(cluster))
     _serves(cluster)
