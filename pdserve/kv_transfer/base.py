@@ -53,6 +53,8 @@ class TransportOptions:
     ``idle_timeout_s``: the server closes a control connection that sends nothing this
     long, between messages or inside one (a stalled peer holds no thread for longer);
     clients reuse theirs for half of it. None: ``control/server.IDLE_TIMEOUT_S``.
+    ``max_connections``: control connections the server serves at once; one more is
+    closed on accept and counted as a refusal. None: ``control/server.MAX_CONNECTIONS``.
     """
 
     checksum: bool = False
@@ -60,12 +62,15 @@ class TransportOptions:
     secret: ClusterSecret | None = field(default=None, repr=False)
     tls: KvTls | None = field(default=None, repr=False)
     idle_timeout_s: float | None = None
+    max_connections: int | None = None
 
     def __post_init__(self) -> None:
         if self.throttle_bytes_per_s < 0:
             raise ValueError(f"throttle_bytes_per_s must be >= 0, got {self.throttle_bytes_per_s}")
         if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
 
 
 class KVTransport(Protocol):

@@ -35,6 +35,7 @@ from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.metadata import PdserveConnectorMetadata
 from pdserve.kv_transfer.scheduler_side import SchedulerSide
 from pdserve.kv_transfer.tiers.disk import compat_hash, scan
+from pdserve.kv_transfer.tiers.fingerprint import checkpoint_fingerprint
 from pdserve.kv_transfer.tiers.host import num_slots
 from pdserve.kv_transfer.tiers.index import TierIndex
 from pdserve.kv_transfer.tiers.plan import EVENT_MEDIUM, TierPlanner
@@ -99,6 +100,18 @@ def hashes_name_blocks(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
     return ""
 
 
+def disk_folder(vllm_config: VllmConfig, block_bytes: int, num_tensors: int,
+                disk_dir: str | None) -> str:
+    """The disk tier's folder for this engine. The tier outlives the process: the name
+    covers the weights' content (``fingerprint.py``), not only the model's path and
+    served name, and the vLLM that laid the blocks out."""
+    model = str(vllm_config.model_config.model)
+    compat = dict(compat_of(vllm_config), block_bytes=block_bytes, num_tensors=num_tensors,
+                  model_path=model, vllm=vllm_version,
+                  weights=checkpoint_fingerprint(model, disk_dir) if disk_dir else "")
+    return compat_hash(compat)
+
+
 @dataclass(frozen=True)
 class TierSizes:
     """The KV tiers' sizes in blocks (0: off) and the disk tier's model folder, the
@@ -120,18 +133,14 @@ class TierSizes:
             return cls()
         block_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors) // (
             kv_cache_config.num_blocks)
-        # The disk tier outlives the process: its folder names the weights too (the
-        # model's path, not only its served name) and the vLLM that laid the blocks out.
-        compat = dict(compat_of(vllm_config), block_bytes=block_bytes,
-                      num_tensors=len(kv_cache_config.kv_cache_tensors),
-                      model_path=str(vllm_config.model_config.model),
-                      vllm=vllm_version)
         disk_gib = config.kv_disk_gib
         if disk_gib and vllm_config.parallel_config.tensor_parallel_size > 1:
             logger.warning("disk tier off: one folder cannot hold several TP ranks' shards")
             disk_gib = 0.0
         return cls(num_slots(config.kv_offload_gib, block_bytes),
-                   num_slots(disk_gib, block_bytes), compat_hash(compat))
+                   num_slots(disk_gib, block_bytes),
+                   disk_folder(vllm_config, block_bytes, len(kv_cache_config.kv_cache_tensors),
+                               config.kv_disk_dir) if disk_gib else "")
 
     def planner(self, config: ConnectorConfig, block_size: int) -> TierPlanner | None:
         """The scheduler side's plan over the tiers; the disk tier's index starts with

@@ -47,6 +47,7 @@ from pdserve.router.http.admin.transfer import WeightTransferPolicy
 from pdserve.router.http.app import create_app
 from pdserve.router.http.edge.config import EdgeConfig
 from pdserve.router.http.edge.drain import DrainingServer
+from pdserve.router.http.edge.pipelining import PipelinedHttpToolsProtocol
 from pdserve.router.http.openai.tool_calls import ToolCalling, ToolConfig
 from pdserve.router.http.openapi import ERROR_RESPONSES
 from pdserve.router.http.roles import RoleSwitcher
@@ -190,13 +191,13 @@ async def serve_router(config: RouterConfig) -> None:
     if edge.admin_port:
         admin.append(_QuietServer(uvicorn.Config(
             admin_app(router, edge), host=edge.admin_bind_host, port=edge.admin_port,
-            log_level="warning", lifespan="off")))
+            log_level="warning", lifespan="off", http=PipelinedHttpToolsProtocol)))
         note = admin_bind_note(edge)
         if note:
             logger.warning("%s", note)
     server = DrainingServer(
         uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                       timeout_graceful_shutdown=5),
+                       timeout_graceful_shutdown=5, http=PipelinedHttpToolsProtocol),
         app.state.admission, config.edge.drain_timeout_s, companions=admin)
     await router.start()
     logger.info("router on http://%s:%d/v1: %s membership, placement %s, disagg %s, "

@@ -256,6 +256,11 @@ class EngineHost:
         """vLLM's own weight-transfer call; the version served after it."""
         if method not in ENGINE_WEIGHT_CALLS:
             raise ValueError(f"unknown weight call {method!r}; one of {ENGINE_WEIGHT_CALLS}")
+        if method != "update_weight_version" and self.config.weight_transfer_backend is None:
+            # vLLM would fail deep in its engine (an internal error, a 500 at the router):
+            # a call this worker was not started for is the caller's mistake.
+            raise WorkerError("failed_precondition", f"{method}: weight transfer is off on "
+                              "this worker (start it with --weight-transfer-backend)")
         version = await self._running_engine().weight_call(method, body)
         if version != self.weights.version:
             self.weights.committed(version, "")

@@ -30,6 +30,7 @@ from pdserve.router.dispatch.base import (
 )
 from pdserve.router.http.app import create_app
 from pdserve.router.http.edge.config import EdgeConfig
+from pdserve.router.http.edge.pipelining import PipelinedHttpToolsProtocol
 
 
 @functools.lru_cache(maxsize=1)
@@ -80,6 +81,7 @@ class FakeDispatcher:
     decode_worker_id: str | None = None
     logprobs: bool = False
     end_token: int | None = None  # appended to a "stop" output, as an engine's end of text
+    weight_version: str | None = None  # the chunks' (the workers' weights)
     calls: list[DispatchCall] = field(default_factory=list)
     express_taken: int = 0  # tokens the express lanes of its requests carried
     completed: list[str] = field(default_factory=list)
@@ -146,6 +148,7 @@ class FakeDispatcher:
                 logprobs=tuple(fake_logprobs(t) for t in piece) if self.logprobs else (),
                 prompt_logprobs=self._prompt_logprobs(sampling) if index == 0 else (),
                 decode_worker_id=self.decode_worker_id,
+                weight_version=self.weight_version,
             )
 
     def _prompt_logprobs(self, sampling: SamplingSpec) -> tuple[TokenLogprobs, ...]:
@@ -185,16 +188,19 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: Any, send_buffer: int | None = None) -> Iterator[str]:
+def serve_in_thread(app: Any, send_buffer: int | None = None,
+                    http: Any = PipelinedHttpToolsProtocol) -> Iterator[str]:
     """Run ``app`` in a real uvicorn server on 127.0.0.1 (a free port); yield its base URL.
-    ``send_buffer``: the connections' kernel send buffer (bytes), to fill it soon."""
+    ``send_buffer``: the connections' kernel send buffer (bytes), to fill it soon.
+    ``http``: uvicorn's HTTP protocol (by default the one ``pdserve router`` runs)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if send_buffer is not None:  # accepted connections inherit it
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
+                            http=http)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -388,3 +388,24 @@ async def test_a_role_switch_needs_a_policy_factory_and_nothing_in_flight() -> N
     assert (await stream)[-1].finish_reason == "abort"
     host.set_role("prefill")
     assert host.health().role == "prefill"
+
+
+@pytest.mark.parametrize("method", ["init_weight_transfer_engine", "start_weight_update",
+                                    "update_weights", "finish_weight_update",
+                                    "shutdown_weight_transfer_engine"])
+async def test_a_weight_transfer_call_without_a_backend_is_refused_before_the_engine(
+        method: str) -> None:
+    """Found by the socket fuzz on vLLM: the engine failed deep inside (a 500 at the
+    router); a call the worker was not started for is the caller's mistake."""
+    host = EngineHost(config("decode"), "w0", DecodePolicy(), lambda c, n: FakeEngine())
+    host.start()
+    with pytest.raises(WorkerError, match="weight transfer is off") as caught:
+        await host.engine_weight_call(method, {})
+    assert caught.value.kind == "failed_precondition"
+    assert await host.engine_weight_call("update_weight_version", {"new_version": "v3"}) == "v3"
+    on = EngineHost(replace(config("decode"), weight_transfer_backend="nccl"), "w0",
+                    DecodePolicy(), lambda c, n: FakeEngine())
+    on.start()
+    assert await on.engine_weight_call(method, {}) == "default"
+    host.shutdown()
+    on.shutdown()

@@ -22,6 +22,7 @@ from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.metadata import NO_COPY, TierCopy
 from pdserve.kv_transfer.scheduler_side import SchedulerSide
+from pdserve.kv_transfer.tiers import disk as disk_module
 from pdserve.kv_transfer.tiers.disk import DiskTier, scan
 from pdserve.kv_transfer.tiers.host import HostTier, num_slots
 from pdserve.kv_transfer.tiers.index import TierIndex
@@ -344,7 +345,7 @@ def test_a_full_disk_is_a_counted_save_failure_then_a_recompute(
     def full(*args: Any, **kwargs: Any) -> Any:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(Path, "open", full)
+    monkeypatch.setattr(disk_module, "_open_private", full)  # how a block file is written
     copy = TierCopy((1,), (0,), (_h(1),))
     assert store.save("r", NO_COPY, copy) == 0  # never raises: the blocks can be freed
     monkeypatch.undo()

@@ -133,6 +133,17 @@ BAD_INPUTS = [
      {"param": "logit_bias"}),
     ("logit_bias_out_of_vocab", "POST", C, cmpl_body(logit_bias={"1000000": 1}), 400,
      {"param": "logit_bias"}),
+    # Past int()'s 4,300-digit limit: a 400 naming the field, not a 500.
+    ("logit_bias_key_4400_digits", "POST", C, cmpl_body(logit_bias={"9" * 4400: 1}), 400,
+     {"param": "logit_bias"}),
+    ("logit_bias_key_4400_digits_chat", "POST", CHAT,
+     chat_body(logit_bias={"1" * 4400: 1}), 400, {"param": "logit_bias"}),
+    ("logit_bias_key_past_uint32", "POST", C, cmpl_body(logit_bias={str(2**32): 1}), 400,
+     {"param": "logit_bias"}),
+    ("logit_bias_key_arabic_digit", "POST", C, cmpl_body(logit_bias={"\u0663": 1}), 400,
+     {"param": "logit_bias"}),
+    ("int_4400_digits", "POST", C, b'{"model": "m", "prompt": "hi", "max_tokens": '
+     + b"9" * 4400 + b"}", 400, {"param": None}),
     ("stop_token_ids_out_of_vocab", "POST", C, cmpl_body(stop_token_ids=[10**6]), 400,
      {"param": "stop_token_ids"}),
     ("min_tokens_over_max", "POST", C, cmpl_body(min_tokens=9, max_tokens=2), 400,

@@ -20,7 +20,12 @@ from pdserve.core.cluster_secret import num_refusals
 from pdserve.kv_transfer.base import PeerAddress, PushChannel, TransportOptions
 from pdserve.kv_transfer.control import fields
 from pdserve.kv_transfer.control.pool import ConnectionPool
-from pdserve.kv_transfer.control.server import IDLE_TIMEOUT_S, ControlServer, Handler
+from pdserve.kv_transfer.control.server import (
+    IDLE_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    ControlServer,
+    Handler,
+)
 from pdserve.kv_transfer.control.wire import (
     PROTOCOL_VERSION,
     TransferError,
@@ -102,6 +107,7 @@ class ControlledTransport:
             self.options.secret,
             self.options.tls,
             self._idle_timeout_s,
+            self.options.max_connections or MAX_CONNECTIONS,
         )
         return self._server.start(host, port)
 

@@ -1,6 +1,13 @@
 """The serving end of a transport's control channel: one TCP listener, a thread
 per connection, messages dispatched by ``op``.
 
+At most ``max_connections`` connections are served at once (their threads start
+before a peer has authenticated, so a stranger could otherwise start any number):
+one past the cap is closed at once, counted and logged as a refusal
+(``note_refusal``, plane ``kv``). The accept loop survives whatever one connection
+does to it (a thread that cannot start, a socket that breaks while tuned): it ends
+only when the server is closed.
+
 ``hello`` (the handshake) gates the ops that touch KV: a connection may ask
 ``status`` or ``release`` at any time, but a ``pull`` or a transport's own op
 only after its hello was accepted. What each op does is the transport's.
@@ -33,7 +40,11 @@ logger = logging.getLogger("pdserve.kv_transfer.control")
 
 # A connection idle this long is closed by the server; clients reuse theirs for half of it.
 IDLE_TIMEOUT_S = 300.0
+# Connections served at once: a peer keeps a few pooled connections per concurrent pull.
+MAX_CONNECTIONS = 256
 _ACCEPT_POLL_S = 1.0
+# After an accept error (out of file descriptors, say), wait this long before the next.
+_ACCEPT_BACKOFF_S = 0.1
 
 Handler = Callable[[socket.socket, dict[str, Any]], None]
 # Returns whether the peer's handshake was accepted.
@@ -50,8 +61,12 @@ class ControlServer:
     def __init__(self, hello: HelloHandler, open_ops: dict[str, Handler],
                  gated_ops: dict[str, Handler], stop: threading.Event,
                  secret: ClusterSecret | None = None, tls: KvTls | None = None,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
+                 idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self._hello = hello
+        self._slots = threading.BoundedSemaphore(max_connections)
         self._idle_timeout_s = idle_timeout_s
         # A fresh connection's TLS handshake and secret challenge: never longer than the
         # idle timeout lets an established connection send nothing.
@@ -93,13 +108,40 @@ class ControlServer:
                 conn, addr = listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                return
+            except OSError as exc:
+                if self._stop.is_set() or listener.fileno() == -1:
+                    return  # closed
+                logger.warning("KV accept failed (serving on): %s", exc)
+                self._stop.wait(_ACCEPT_BACKOFF_S)
+                continue
+            try:
+                self._admit(conn, _address(addr))
+            except Exception:  # never the end of the loop: this connection only
+                logger.exception("KV connection from %s not served", _address(addr))
+                with contextlib.suppress(OSError):
+                    conn.close()
+
+    def _admit(self, conn: socket.socket, peer: str) -> None:
+        """Serve ``conn`` on a thread of its own, or close it when ``max_connections``
+        are served already. The slot taken here is given back when the thread ends,
+        or at once when it could not start (``RuntimeError``: no more threads)."""
+        if not self._slots.acquire(blocking=False):
+            note_refusal("kv", "too many connections", peer)
+            conn.close()
+            return
+        try:
             tune(conn)
-            threading.Thread(
-                target=self._serve_conn, args=(conn, _address(addr)), name="pdserve-kv-conn",
-                daemon=True,
-            ).start()
+            threading.Thread(target=self._serve_slot, args=(conn, peer),
+                             name="pdserve-kv-conn", daemon=True).start()
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def _serve_slot(self, conn: socket.socket, peer: str) -> None:
+        try:
+            self._serve_conn(conn, peer)
+        finally:
+            self._slots.release()
 
     def _serve_conn(self, conn: socket.socket, peer: str = "?") -> None:
         unpin_current_thread()

@@ -1,12 +1,14 @@
 """The disk tier: KV blocks in files under ``--kv-disk-dir``, below the host tier.
 
 The folder holds one sub-folder per model compatibility hash (model, dtype, block size,
-TP, bytes per block): files of another model are never read, and are reported once at
-start. Inside, a fixed number of slot files ``<slot>.kv`` (``--kv-disk-gib`` decides
-how many), each one block of every layer, so the tier never grows past its size: a
-new block overwrites the least recently used slot (written to a temporary file and
-renamed, so a reader sees the old block or the new one, never half of each). A file
-starts with a header (magic, the block's content hash, the payload's length and
+TP, bytes per block, and the checkpoint's content: ``fingerprint.py``): files of another
+model, or of weights since overwritten under the same path, are never read, and are
+reported once at start. Block files are the owner's only (0600, their folder 0700): a
+prompt's KV is the prompt. Inside, a fixed number of slot files ``<slot>.kv``
+(``--kv-disk-gib`` decides how many), each one block of every layer, so the tier never
+grows past its size: a new block overwrites the least recently used slot (written to a
+temporary file and renamed, so a reader sees the old block or the new one, never half of
+each). A file starts with a header (magic, the block's content hash, the payload's length and
 CRC32); a load checks all of it and raises ``TransferError`` for a truncated, corrupt
 or re-used file, copying nothing, so vLLM recomputes the blocks.
 
@@ -25,7 +27,7 @@ import struct
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -72,7 +74,9 @@ class DiskTier:
     def __init__(self, root: Path, compat: str, kv: Sequence[torch.Tensor],
                  layout: KVLayout) -> None:
         self.folder = root / compat
-        self.folder.mkdir(parents=True, exist_ok=True)
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.folder.mkdir(exist_ok=True, mode=0o700)
+        os.chmod(self.folder, 0o700)  # also a folder an older pdserve left open
         self._kv = list(kv)
         self._dims = [layer.block_dim for layer in layout.layers]
         self._shapes = [tuple(t.select(d, 0).shape) for t, d in zip(self._kv, self._dims,
@@ -93,7 +97,7 @@ class DiskTier:
                 for kv, d in zip(self._kv, self._dims, strict=True))
             tmp = self.path(slot).with_suffix(".tmp")
             try:
-                with tmp.open("wb") as f:
+                with _open_private(tmp) as f:
                     f.write(_header(block_hash, payload))
                     f.write(payload)
                 os.replace(tmp, self.path(slot))
@@ -134,6 +138,18 @@ class DiskTier:
         if zlib.crc32(payload) != crc:
             raise TransferError(f"disk tier slot {slot}: checksum mismatch")
         return payload
+
+
+def _open_private(path: Path) -> BinaryIO:
+    """``path`` opened for writing, readable by its owner only (0600 whatever the umask,
+    and whatever mode a stale temporary file had)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    except OSError:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "wb")
 
 
 def _header(block_hash: bytes, payload: bytes) -> bytes:

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pdserve.router.dispatch.weights import WeightGate
 from pdserve.router.dispatch.workers.client import WorkerCallError
 from pdserve.router.dispatch.workers.pool import Worker, WorkerPool
+from pdserve.router.http.base import APIError
 from pdserve.router.http.errors import (
     ConflictError,
     InvalidRequestError,
@@ -200,8 +201,7 @@ class WeightUpdater:
             results = await _each(workers, lambda w: w.client.engine_weight_call(
                 method, json.dumps(body), CALL_TIMEOUT_S))
             if any(isinstance(r, Exception) for r in results.values()):
-                raise ServerError(f"{method} failed: {_first_error(results)}",
-                                  code="weight_call_failed")
+                raise _call_error(method, results)
             versions: dict[str, str] = {k: v for k, v in results.items() if isinstance(v, str)}
             new = body.get("weight_version") or body.get("new_version")
             if new:
@@ -288,6 +288,20 @@ async def _quietly(call: Awaitable[Any]) -> None:
         await call
     except WorkerCallError:
         pass
+
+
+def _call_error(method: str, results: dict[str, Any]) -> APIError:
+    """What a failed engine call answers: the caller's mistake (a body a worker refused,
+    a call it was not started for) when every worker said so, else a server error."""
+    message = f"{method} failed: {_first_error(results)}"
+    codes = {r.code if isinstance(r, WorkerCallError) else "" for r in results.values()
+             if isinstance(r, Exception)}
+    if codes == {"INVALID_ARGUMENT"}:
+        return InvalidRequestError(message, code="weight_call_invalid")
+    if codes <= {"INVALID_ARGUMENT", "FAILED_PRECONDITION"}:
+        return ConflictError(message, code="weight_transfer_off"
+                             if codes == {"FAILED_PRECONDITION"} else "weight_call_refused")
+    return ServerError(message, code="weight_call_failed")
 
 
 def _first_error(results: dict[str, Any]) -> str:

@@ -5,16 +5,19 @@ the worker session's reader, not from the task serving the request: no task is w
 and no ASGI ``send`` (with the middlewares' wrappers) runs per token. It writes what
 the server's own ``send`` would for an ``http.response.body`` message: for uvicorn's
 httptools protocol with chunked transfer encoding, a chunk's size line, the bytes and
-CRLF, with ``transport.write``. That is uvicorn's internal state, so it is checked, not
-assumed: ``DirectWriter.of`` answers None for any other server, protocol or framing (a
-test client, uvicorn's h11 protocol, a response without chunked encoding), and the
+CRLF, with ``transport.write``. That is uvicorn's internal state (read from the versions
+``pyproject.toml`` pins), so it is checked once per response, not assumed:
+``DirectWriter.of`` answers None for any other server, protocol or framing (a test
+client, uvicorn's h11 protocol, a response without chunked encoding) and for a uvicorn
+whose cycle lacks one of the fields it reads or has it of another type, and the
 response then goes through ``send`` as before.
 
 Only the body bytes between the first and the last take this path; the response's
 start, its last chunks and its end go through ``send``, and the writer is ``ready``
-only while the response has started and not ended, the client is connected and the
-connection is not paused for a slow reader (uvicorn's flow control: a full socket
-buffer). When it is not ready, the chunk takes the usual path, which waits.
+only while the response has started and not ended, the client is connected, the
+transport is not closing, and the connection is not paused for a slow reader (uvicorn's
+flow control: a full socket buffer). When it is not ready, the chunk takes the usual
+path, which waits.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from starlette.types import Scope, Send
 
 # Where ``RouterApp`` leaves the server's own ``send`` in an HTTP request's scope.
 SERVER_SEND_KEY = "pdserve.server_send"
+# The cycle's flags ``ready`` reads (each a bool on uvicorn's httptools cycle).
+_FLAGS = ("response_started", "response_complete", "disconnected")
 
 
 def capture_server_send(scope: Scope, send: Send) -> None:
@@ -49,11 +54,11 @@ class DirectWriter:
         cycle = getattr(scope.get(SERVER_SEND_KEY), "__self__", None)
         if cycle is None or getattr(cycle, "chunked_encoding", None) is not True:
             return None
-        flow = getattr(cycle, "flow", None)
-        if (getattr(cycle, "transport", None) is None
+        flow, transport = getattr(cycle, "flow", None), getattr(cycle, "transport", None)
+        if (not callable(getattr(transport, "write", None))
+                or not callable(getattr(transport, "is_closing", None))
                 or not isinstance(getattr(flow, "write_paused", None), bool)
-                or not isinstance(getattr(cycle, "disconnected", None), bool)
-                or not isinstance(getattr(cycle, "response_complete", None), bool)):
+                or not all(isinstance(getattr(cycle, name, None), bool) for name in _FLAGS)):
             return None
         return cls(cycle)
 
@@ -61,7 +66,8 @@ class DirectWriter:
         """Whether a write now goes out as ``send`` would send it, without waiting."""
         cycle = self._cycle
         return (cycle.response_started and not cycle.response_complete
-                and not cycle.disconnected and not self._flow.write_paused)
+                and not cycle.disconnected and not self._flow.write_paused
+                and not self._transport.is_closing())
 
     def write(self, data: bytes) -> None:
         """One body message's bytes (never empty: an empty chunk ends the response);

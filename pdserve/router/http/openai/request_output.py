@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
+from urllib.parse import quote
 
 from starlette.types import Scope
 
@@ -20,6 +21,8 @@ from pdserve.router.http.openai.responses import ChoiceOutput, FinalOutput, Outp
 from pdserve.router.metrics import RouterMetrics
 
 WEIGHT_VERSION_HEADER = "x-weight-version"  # the weights that produced the response
+# What a header value may hold as is: printable ASCII but "%" (the rest is percent-encoded).
+_HEADER_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 # "<local|remote>; reason=<rule>", the rules in router/dispatch/policies/disagg.py
 DISAGG_HEADER = "x-pdserve-disagg"
 
@@ -106,7 +109,9 @@ class RequestOutput:
         the body), as a header on streaming and non-streaming responses alike."""
         headers = {} if self.disagg is None else {DISAGG_HEADER: self.disagg.header()}
         if self.weight_version:
-            headers[WEIGHT_VERSION_HEADER] = self.weight_version
+            # A version is the admin's text (or a folder's name): one that is not printable
+            # ASCII would fail every response's headers (a 500), so it is percent-encoded.
+            headers[WEIGHT_VERSION_HEADER] = quote(self.weight_version, safe=_HEADER_SAFE)
         return headers
 
     def check_finished(self) -> str:

@@ -37,6 +37,7 @@ MAX_STOP_STRINGS = 4
 # Ranges of the protobuf fields these values travel in (proto/pdserve/v1/worker.proto):
 # out of range they would fail in the conversion, a 500, instead of a 400 naming the field.
 UINT32_MAX = 2**32 - 1
+_UINT32_DIGITS = len(str(UINT32_MAX))
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -146,8 +147,12 @@ class _SamplingRequest(BaseModel):
     @classmethod
     def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
-            if not key.isdecimal():
-                raise ValueError(f"keys must be token ids, not {key!r}")
+            # ASCII digits, at most uint32's ten: int() is then cheap and within its
+            # 4,300-digit limit, and "\u0663" (a decimal to str.isdecimal) is refused.
+            if not (key.isascii() and key.isdecimal() and len(key) <= _UINT32_DIGITS
+                    and int(key) <= UINT32_MAX):
+                raise ValueError(f"keys must be token ids, not {key[:32]!r}"
+                                 + ("..." if len(key) > 32 else ""))
         # Biases beyond +-LOGIT_BIAS_LIMIT are clamped (preprocess.py), as vLLM does.
         return value
 
