@@ -40,6 +40,8 @@ DEFAULT_MAX_QUEUE_WAIT_S = 30.0
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 TENANT_ISOLATION = ("off", "key")
+NEEDS_SECRET = ("--tenant-isolation key needs --cluster-secret-file: the tenants' cache "
+                "salts are keyed by the cluster secret")
 
 
 @dataclass(frozen=True)

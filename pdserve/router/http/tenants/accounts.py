@@ -26,7 +26,8 @@ from collections.abc import Callable, Iterator, Sequence
 from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdserve.router.http.edge.config import EdgeConfig
+from pdserve.core.cluster_secret import ClusterSecret
+from pdserve.router.http.edge.config import NEEDS_SECRET, EdgeConfig
 from pdserve.router.http.errors import TooManyRequestsError, send_error
 from pdserve.router.http.openai.request_output import RequestOutput, completion_tokens
 from pdserve.router.http.tenants.limits import REJECT_REASONS, Refusal, TenantLimiter
@@ -90,17 +91,22 @@ class TenantAccount:
 
 
 def tenant_accounts(edge: EdgeConfig, registry: CollectorRegistry | None,
+                    secret: ClusterSecret | None = None,
                     clock: Callable[[], float] = time.monotonic) -> dict[bytes, TenantAccount]:
     """Every configured key's account (keys of one tenant share one), its counters on
     ``registry`` (None: metrics off), its limits ``edge.tenant_limits_share`` of the
-    configured ones."""
+    configured ones. ``secret``: the cluster secret, which keys the salts of
+    ``--tenant-isolation key`` (ValueError without one then)."""
+    if edge.tenant_isolation == "key" and secret is None:
+        raise ValueError(NEEDS_SECRET)
     tenants = list(_tenants(edge))
     metrics = TenantMetrics(registry, [name for name, _, _, _ in tenants], REJECT_REASONS)
     accounts: dict[bytes, TenantAccount] = {}
     for name, keys, limits, named in tenants:
         salt = None
-        if edge.tenant_isolation == "key":
-            salt = tenant_name_salt(name) if named else tenant_salt(keys[0].encode())
+        if secret is not None and edge.tenant_isolation == "key":
+            salt = (tenant_name_salt(secret, name) if named
+                    else tenant_salt(secret, keys[0].encode()))
         limiter = None if not limits else \
             TenantLimiter(limits.share(edge.tenant_limits_share), clock)
         account = TenantAccount(name, salt, limiter, metrics.of(name))
