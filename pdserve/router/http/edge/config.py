@@ -61,9 +61,13 @@ class EdgeConfig:
     tenant_isolation: str = "off"
     # The named tenants (their keys are among api_keys); every other key is a tenant of
     # its own, key-<n>. ``tenant_limits_share``: the part of each tenant's limits this
-    # process enforces (1/N in each of ``--processes N``).
+    # router enforces (1/R in each of R replicas; the processes of one router share
+    # their state instead, ``tenant_ledger``).
     tenants: tuple[TenantSpec, ...] = ()
     tenant_limits_share: float = 1.0
+    # The file of the tenants' limit state that the processes of ``--processes N`` share
+    # (``tenants/ledger.py``), set by their parent; None: this process's own memory.
+    tenant_ledger: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_concurrent < 1 or self.max_queued < 0 or self.max_body_bytes < 1:
