@@ -9,6 +9,7 @@ import os
 import select
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -118,14 +119,18 @@ def test_two_processes_enforce_one_max_concurrent_together(
 
 def test_a_process_that_dies_holding_slots_frees_them_and_its_successor_starts_clean(
         ledger: Path, holders: list[Holder]) -> None:
-    here = TenantLimiter(TenantLimits(max_concurrent=2), ledger=TenantLedger.open(ledger, 2))
+    ours = TenantLedger.open(ledger, 2, reclaim_every_s=0.5)
+    here = TenantLimiter(TenantLimits(max_concurrent=2), ledger=ours)
     dead = Holder(ledger, 0, 2)
     holders.append(dead)
     assert dead.first == "held"
     assert here.num_running == 2 and here.acquire() is not None  # while it lives: full
     dead.stop()  # SIGKILL: it never released
     assert here.num_running == 2
-    # The next refusal checks the owners: the dead one's two slots are freed.
+    # Refusals check the owners at most every 0.5 s: the one just now did.
+    assert here.acquire() is not None and here.num_running == 2
+    time.sleep(0.5)
+    # The next refusal checks them: the dead one's two slots are freed.
     assert here.acquire() is None and here.num_running == 1
     here.release()
     # A successor takes the dead process's column, zeroed, and holds its own two.

@@ -16,8 +16,9 @@ in-flight sequences in its own column, owned by (pid, process start time); a ten
 total is the sum of the columns. Whenever a tenant would be refused for concurrency, the
 owners of its columns with slots held are checked (``psutil``, outside the lock: a
 process gone or a zombie is dead; a start time that differs is a reused pid), and a
-dead owner's slots are freed, then the request is tried again. A restarted process
-(the supervisor's) claims a dead owner's column and zeroes it at once.
+dead owner's slots are freed, then the request is tried again; at most once per
+``RECLAIM_EVERY_S`` per process, so a storm of refusals costs no more than before. A
+restarted process (the supervisor's) claims a dead owner's column and zeroes it at once.
 
 Layout: 8-byte words, native order; ints and floats are two views of one buffer::
 
@@ -35,6 +36,7 @@ import math
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +44,7 @@ from pathlib import Path
 import psutil
 
 _MAGIC = 0x7064746E6C656467  # "pdtnledg"
+RECLAIM_EVERY_S = 1.0
 _HEADER = 4
 _WORD = 8
 
@@ -68,7 +71,8 @@ class TenantLedger:
     """The shared counts and buckets of ``num_tenants`` tenants (by index)."""
 
     def __init__(self, buffer: mmap.mmap, fd: int | None, slot: int,
-                 alive: Callable[[int, float], bool] = owner_alive) -> None:
+                 alive: Callable[[int, float], bool] = owner_alive,
+                 reclaim_every_s: float = RECLAIM_EVERY_S) -> None:
         self._buffer = buffer
         self._ints = memoryview(buffer).cast("q")
         self._floats = memoryview(buffer).cast("d")
@@ -78,6 +82,8 @@ class TenantLedger:
         self.num_slots = self._ints[2]
         self.slot = slot
         self._alive = alive
+        self._reclaim_every_s = reclaim_every_s
+        self._next_reclaim = 0.0  # time.monotonic() from which reclaim looks again
 
     # ---- making and opening ----------------------------------------------------------
 
@@ -95,7 +101,8 @@ class TenantLedger:
 
     @classmethod
     def open(cls, path: Path, num_tenants: int,
-             alive: Callable[[int, float], bool] = owner_alive) -> TenantLedger:
+             alive: Callable[[int, float], bool] = owner_alive,
+             reclaim_every_s: float = RECLAIM_EVERY_S) -> TenantLedger:
         """Map the ledger at ``path`` and claim a column for this process (a free one,
         or a dead process's). ValueError if it is not a ledger of at least
         ``num_tenants`` tenants, or every column has a live owner."""
@@ -108,7 +115,7 @@ class TenantLedger:
         except BaseException:
             os.close(fd)
             raise
-        ledger = cls(buffer, fd, -1, alive)
+        ledger = cls(buffer, fd, -1, alive, reclaim_every_s)
         if (ledger._ints[0] != _MAGIC or ledger.num_tenants < num_tenants
                 or size != _size(ledger.num_tenants, ledger.num_slots)):
             ledger.close()
@@ -181,7 +188,12 @@ class TenantLedger:
 
     def reclaim(self, tenant: int) -> int:
         """Free the slots that dead processes hold for ``tenant`` (their whole columns);
-        the number freed. Checks the owners outside the lock."""
+        the number freed. Checks the owners outside the lock, at most once per
+        ``reclaim_every_s``."""
+        now = time.monotonic()
+        if now < self._next_reclaim:
+            return 0
+        self._next_reclaim = now + self._reclaim_every_s
         base = _tenant_base(self.num_slots, tenant) + 2
         suspects = [(slot, self._owner(slot)) for slot in range(self.num_slots)
                     if slot != self.slot and self._ints[base + slot] > 0]
