@@ -149,6 +149,8 @@ def test_every_column_with_a_live_owner_refuses_one_more_process(
     first.close()
     with pytest.raises(ValueError, match="not a tenant ledger of 3"):
         TenantLedger.open(ledger, 3)
+    with pytest.raises(ValueError, match="cannot open the tenant ledger"):
+        TenantLedger.open(ledger.with_name("missing"), 2)
 
 
 def test_the_token_bucket_is_one_for_every_process(ledger: Path) -> None:

@@ -106,7 +106,10 @@ class TenantLedger:
         """Map the ledger at ``path`` and claim a column for this process (a free one,
         or a dead process's). ValueError if it is not a ledger of at least
         ``num_tenants`` tenants, or every column has a live owner."""
-        fd = os.open(path, os.O_RDWR)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise ValueError(f"cannot open the tenant ledger {path}: {exc.strerror}") from None
         try:
             size = os.fstat(fd).st_size
             if size < _WORD * _HEADER:
