@@ -11,6 +11,7 @@ builder, so one subcommand does not load every other one's dependencies.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -138,7 +139,7 @@ def router_config(args: argparse.Namespace, model: ResolvedModel) -> RouterConfi
         request_timeout_s=args.request_timeout_s,
         grpc_keepalive_s=args.grpc_keepalive_s,
         migration=MigrationConfig(max_migrations=args.max_migrations),
-        edge=edge_config(args),
+        edge=dataclasses.replace(edge_config(args), tenant_ledger=args.tenant_ledger),
         membership=MembershipConfig.from_flags(
             args.etcd, args.cluster, args.etcd_ttl_s, prefill, decode, args.workers_file,
             tls_files(args), etcd_auth(args), args.cluster_secret_file),

@@ -245,9 +245,12 @@ FLAGS = _flags(
          "router's prefix index): every request is salted with a keyed hash of its tenant "
          "(never the key), combined with its own cache_salt if it sends one; off: only the "
          "requests' own cache_salt", "off", choices=("off", "key")),
-    Flag("tenant-limits-share", "the part of each tenant's limits this router process "
-         "enforces: --processes N gives each of its processes 1/N (max_concurrent rounded "
-         "up)", 1.0, parse_float(0, strict=True)),
+    Flag("tenant-limits-share", "the part of each tenant's limits this router enforces: "
+         "give each of R replicas 1/R (max_concurrent rounded up); the processes of "
+         "--processes N share their state and enforce the whole limits exactly",
+         1.0, parse_float(0, strict=True)),
+    Flag("tenant-ledger", "set by --processes for its processes: the file (in /dev/shm) "
+         "of the tenants' limit state they share", metavar="PATH"),
     Flag("admin-port", "the admin plane's listener (0: none): the views (/metrics with "
          "every series, /workers, /prefix_index), the admin actions (pause, abort_requests, "
          "weight updates, POST /admin/workers/{id}/role) and /health; with an admin key every "

@@ -4,10 +4,13 @@ One Python process streams a few thousand tokens per second before its core is f
 (the GIL: one core per process). Each process here is a whole router: it binds the same
 port with SO_REUSEPORT (the kernel gives each new connection to one of them), follows
 membership and every worker's KV events itself, and keeps its own sessions to the
-workers. Nothing is shared between them but what every router reads; so the configured
-limits still hold by splitting them: process ``i`` admits its share of
-``--max-concurrent-requests`` and ``--max-queued-requests`` and enforces 1/N of each
-tenant's limits (``--tenant-limits-share``), serves its admin listener
+workers. The global admission limits hold by splitting them: process ``i`` admits its
+share of ``--max-concurrent-requests`` and ``--max-queued-requests``. The tenants'
+limits hold exactly, whole: this process creates their state (a ``TenantLedger``, a
+small file in ``/dev/shm``) before it starts the processes, and every process maps it
+(``--tenant-ledger``) and counts each tenant's sequences and tokens there, under a lock
+held for microseconds; a process that dies frees its slots (``tenants/ledger.py``).
+The ledger file goes when this process ends. Each process serves its admin listener
 (its ``/metrics``: one scrape target per process, summed by Prometheus) on
 ``--admin-port + i``, and only process 0 may run (or campaign for) the planner.
 
@@ -26,6 +29,8 @@ from pathlib import Path
 from types import FrameType
 
 from pdserve.launch.supervisor import ChildSpec, RestartPolicy, Supervisor
+from pdserve.router.http.tenants.accounts import num_tenants
+from pdserve.router.http.tenants.ledger import TenantLedger, ledger_path
 from pdserve.router.server import RouterConfig
 
 logger = logging.getLogger("pdserve.router")
@@ -38,15 +43,15 @@ def share(total: int, num: int, index: int) -> int:
     return total // num + (1 if index < total % num else 0)
 
 
-def child_argv(argv: Sequence[str], config: RouterConfig, num: int, index: int
-               ) -> list[str]:
+def child_argv(argv: Sequence[str], config: RouterConfig, num: int, index: int,
+               ledger: Path) -> list[str]:
     """Process ``index``'s command line: the router's own, then its overrides (argparse
     keeps the last value of a flag, and a flag wins over ``PDSERVE_*``)."""
     edge = config.edge
     overrides = ["--processes", "1", "--reuse-port",
                  "--max-concurrent-requests", str(share(edge.max_concurrent, num, index)),
                  "--max-queued-requests", str(share(edge.max_queued, num, index)),
-                 "--tenant-limits-share", repr(edge.tenant_limits_share / num),
+                 "--tenant-ledger", str(ledger),
                  "--admin-port", str(edge.admin_port + index if edge.admin_port else 0)]
     if index > 0:
         overrides += ["--planner", "off"]
@@ -69,7 +74,17 @@ def run_router_processes(argv: Sequence[str], config: RouterConfig, num: int,
     """Start ``num`` routers on ``config.port`` and keep them running until SIGTERM or
     SIGINT (then drain and stop them all). Their output is this process's."""
     check(config, num)
-    specs = [ChildSpec(f"router-{i}", child_argv(argv, config, num, i),
+    ledger = ledger_path()
+    TenantLedger.create(ledger, num_tenants(config.edge), num)
+    try:
+        return _supervise(argv, config, num, log_dir, ledger)
+    finally:
+        ledger.unlink(missing_ok=True)
+
+
+def _supervise(argv: Sequence[str], config: RouterConfig, num: int, log_dir: Path | None,
+               ledger: Path) -> int:
+    specs = [ChildSpec(f"router-{i}", child_argv(argv, config, num, i, ledger),
                        log_dir / f"router-{i}.log" if log_dir else _STDERR,
                        fresh_log=log_dir is not None) for i in range(num)]
     supervisor = Supervisor(specs, RestartPolicy())

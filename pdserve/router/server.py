@@ -45,7 +45,7 @@ from pdserve.router.http.admin.actions import admin_actions
 from pdserve.router.http.admin.app import create_admin_app
 from pdserve.router.http.admin.transfer import WeightTransferPolicy
 from pdserve.router.http.app import create_app
-from pdserve.router.http.edge.config import EdgeConfig
+from pdserve.router.http.edge.config import NEEDS_SECRET, EdgeConfig
 from pdserve.router.http.edge.drain import DrainingServer
 from pdserve.router.http.edge.pipelining import PipelinedHttpToolsProtocol
 from pdserve.router.http.openai.tool_calls import ToolCalling, ToolConfig
@@ -94,6 +94,8 @@ class RouterConfig:
                              "--workers-file, or --etcd URL)")
         create_placement(self.placement)  # validates the name
         optional_secret(self.cluster_secret_file)  # a bad secret file fails here, in one line
+        if self.edge.tenant_isolation == "key" and not self.cluster_secret_file:
+            raise ValueError(NEEDS_SECRET)
         self.tls.load()  # and an unreadable TLS file
 
 
@@ -168,6 +170,7 @@ def build_router(config: RouterConfig, tokenizer: Any) -> Router:
     app = create_app(served_model_name=config.served_model_name,
                      max_model_len=config.max_model_len, tokenizer=tokenizer,
                      dispatcher=dispatcher, registry=registry, edge=config.edge,
+                     secret=optional_secret(config.cluster_secret_file),
                      request_timeout_s=config.request_timeout_s, metrics_enabled=config.metrics,
                      tool_calling=ToolCalling.load(config.tools, tokenizer),
                      eos_token_ids=model_eos_token_ids(config.model_path, tokenizer))

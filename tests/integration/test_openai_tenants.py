@@ -24,6 +24,7 @@ from integration.pd_cases import MODEL
 from pdserve_testing import Server, kill_cluster
 
 from pdserve.core import process
+from pdserve.core.cluster_secret import load_cluster_secret
 from pdserve.core.ports import free_port
 from pdserve.router.http.tenants.salt import tenant_salt
 
@@ -152,7 +153,9 @@ def test_api_keys_are_tenants_that_share_no_cached_tokens(
     assert _cached(keyed_router, path, one) == 0
     assert _cached(keyed_router, path, one) >= 128
     assert _cached(keyed_router, path, two) == 0
-    derived = tenant_salt(one.encode())
+    argv = _router_child(pd_server).cmdline()  # up gives its router a cluster secret
+    secret = load_cluster_secret(argv[argv.index("--cluster-secret-file") + 1])
+    derived = tenant_salt(secret, one.encode())
     for salt in (derived.removeprefix("@"), one):
         assert _cached(keyed_router, path, two, salt) == 0
     assert _cached(pd_server.base_url, path, None) == 0

@@ -19,6 +19,7 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.model import DEFAULT_MODEL_NAME
 from pdserve.core.types import FinishReason, SamplingSpec, TokenLogprobs
 from pdserve.router.dispatch.base import (
@@ -223,9 +224,14 @@ CHAT_COMPLETIONS = "/v1/chat/completions"
 USER_MESSAGES = [{"role": "user", "content": "hi"}]
 
 
+# The cluster secret of the routers built here: it keys the tenants' salts.
+ROUTER_SECRET = ClusterSecret(b"router-test-cluster-secret-0123456789")
+
+
 def make_router_app(tokenizer: Any, dispatcher: Dispatcher,
                     edge: EdgeConfig | None = None,
-                    registry: CollectorRegistry | None = None) -> FastAPI:
+                    registry: CollectorRegistry | None = None,
+                    secret: ClusterSecret | None = ROUTER_SECRET) -> FastAPI:
     return create_app(
         served_model_name=ROUTER_MODEL,
         max_model_len=ROUTER_MAX_MODEL_LEN,
@@ -233,6 +239,7 @@ def make_router_app(tokenizer: Any, dispatcher: Dispatcher,
         dispatcher=dispatcher,
         edge=edge,
         registry=registry,
+        secret=secret,
     )
 
 

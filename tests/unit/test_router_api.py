@@ -91,7 +91,8 @@ async def test_chat_non_streaming_applies_template(tokenizer: Any) -> None:
     call = fake.calls[0]
     assert list(call.prompt_token_ids) == prompt_ids
     assert call.sampling.max_tokens == ROUTER_MAX_MODEL_LEN - len(prompt_ids)
-    assert call.request_id.startswith("chatcmpl-") and result.id == call.request_id
+    # The workers' id: the response's, and 128 random bits.
+    assert call.request_id.startswith(f"{result.id}.") and result.id.startswith("chatcmpl-")
     assert result.object == "chat.completion"
     assert result.choices[0].message.role == "assistant"
     assert result.choices[0].message.content == MULTIBYTE
@@ -133,7 +134,7 @@ async def test_chat_streaming_with_usage(tokenizer: Any) -> None:
     assert chunks[-1].usage.completion_tokens == len(answer_ids)
     assert chunks[-1].usage.prompt_tokens_details is not None
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 2
-    assert {c.id for c in chunks} == {fake.calls[0].request_id}
+    assert {f"{c.id}." for c in chunks} == {fake.calls[0].request_id[:-32]}
 
 
 async def test_completion_streaming(tokenizer: Any) -> None:

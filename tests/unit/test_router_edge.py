@@ -102,7 +102,7 @@ async def test_the_largest_values_in_range_go_through_protobuf_to_the_workers(
 # --- request ids -------------------------------------------------------------------------
 
 
-async def test_client_request_id_is_echoed_and_is_the_workers_request_id(
+async def test_client_request_id_is_echoed_and_the_workers_id_adds_128_random_bits(
         tokenizer: Any, cluster: Cluster) -> None:
     app = make_router_app(tokenizer, cluster.dispatcher, registry=cluster.registry)
     async with asgi_http_client(app) as http:
@@ -120,9 +120,15 @@ async def test_client_request_id_is_echoed_and_is_the_workers_request_id(
     assert error.status_code == 404 and error.headers["x-request-id"] == "client-err"
     own = generated.headers["x-request-id"]
     assert len(own) == 32 and generated.json()["id"] == f"cmpl-{own}"
-    sent = {(g.phase, g.request_id) for g in cluster.p.generates + cluster.d.generates}
-    assert sent == {(phase, rid) for phase in ("prefill", "decode")
-                    for rid in ("cmpl-client-abc.123", "chatcmpl-client-def", f"cmpl-{own}")}
+    sent = [(g.phase, g.request_id) for g in cluster.p.generates + cluster.d.generates]
+    by_id: dict[str, set[str]] = {}
+    for phase, rid in sent:
+        visible, dot, suffix = rid.rpartition(".")
+        assert dot and len(suffix) == 32 and int(suffix, 16) >= 0  # 128 random bits
+        by_id.setdefault(visible, set()).add(phase)
+    assert by_id == {rid: {"prefill", "decode"} for rid in
+                     ("cmpl-client-abc.123", "chatcmpl-client-def", f"cmpl-{own}")}
+    assert len({rid for _, rid in sent}) == 3  # prefill and decode of one request: one id
 
 
 @pytest.mark.parametrize("bad", ["has space", "x" * 129, "tab\there", "ünïcode"])
@@ -136,7 +142,10 @@ async def test_unusable_request_id_is_400(tokenizer: Any, bad: str) -> None:
     assert reply.headers["x-request-id"] != bad and fake.calls == []
 
 
-async def test_a_running_request_id_cannot_be_reused_at_once(tokenizer: Any) -> None:
+async def test_one_client_id_twice_at_once_is_two_requests_on_the_workers(
+        tokenizer: Any) -> None:
+    """A client id is a label: a second request with a running one's id (another
+    tenant's, say) runs as a request of its own, and learns nothing of the first."""
     import asyncio
 
     gate = asyncio.Event()  # the first request runs until the second has been answered
@@ -147,13 +156,17 @@ async def test_a_running_request_id_cannot_be_reused_at_once(tokenizer: Any) -> 
                                               headers={"X-Request-Id": "same"}))
         while not fake.calls:
             await asyncio.sleep(0.01)
-        second = await http.post(COMPLETIONS, json=cmpl_body(), headers={"X-Request-Id": "same"})
-        assert second.status_code == 409
-        assert not first.done()
+        second = asyncio.create_task(http.post(COMPLETIONS, json=cmpl_body(),
+                                               headers={"X-Request-Id": "same"}))
+        while len(fake.calls) < 2:
+            await asyncio.sleep(0.01)
+        assert not first.done() and not second.done()  # both run at once
         gate.set()
-        assert (await first).status_code == 200
-        again = await http.post(COMPLETIONS, json=cmpl_body(), headers={"X-Request-Id": "same"})
-    assert again.status_code == 200  # free again once the first one ended
+        replies = [await first, await second]
+    assert [r.status_code for r in replies] == [200, 200]
+    assert [r.json()["id"] for r in replies] == ["cmpl-same", "cmpl-same"]
+    worker_ids = [call.request_id for call in fake.calls]
+    assert len(set(worker_ids)) == 2 and all(i.startswith("cmpl-same.") for i in worker_ids)
 
 
 async def test_log_lines_about_a_request_carry_its_id(tokenizer: Any) -> None:

@@ -4,6 +4,7 @@ command line, the limits' split, and the refusals."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -25,7 +26,8 @@ def test_the_shares_add_up_to_the_limit_and_differ_by_one_at_most(total: int, nu
 def test_each_process_gets_its_share_its_admin_port_and_only_the_first_the_planner() -> None:
     argv = ["router", "--port", "8000", "--planner", "on", "--admin-port", "9000"]
     cfg = config(max_concurrent=7, max_queued=3, admin_port=9000)
-    lines = [child_argv(argv, cfg, 2, i) for i in range(2)]
+    ledger = Path("/dev/shm/pdserve-tenants-x")
+    lines = [child_argv(argv, cfg, 2, i, ledger) for i in range(2)]
     for i, line in enumerate(lines):
         assert line[line.index("router"):][:len(argv)] == argv  # the router's own first
         tail = line[line.index("router") + len(argv):]
@@ -33,11 +35,14 @@ def test_each_process_gets_its_share_its_admin_port_and_only_the_first_the_plann
         assert tail[tail.index("--admin-port") + 1] == str(9000 + i)
     assert [ln[ln.index("--max-concurrent-requests") + 1] for ln in lines] == ["4", "3"]
     assert [ln[ln.index("--max-queued-requests") + 1] for ln in lines] == ["2", "1"]
+    # The tenants' limits are not split: every process maps the one ledger.
+    assert [ln[ln.index("--tenant-ledger") + 1] for ln in lines] == [str(ledger)] * 2
+    assert all("--tenant-limits-share" not in ln for ln in lines)
     assert "--planner" not in lines[0][lines[0].index("--reuse-port"):]
     assert lines[1][-2:] == ["--planner", "off"]
     # The planner's process sees half of the requests: it plans for twice its demand.
     assert lines[0][-2:] == ["--planner-demand-scale", "2.0"]
-    no_admin = child_argv(argv, config(), 2, 1)
+    no_admin = child_argv(argv, config(), 2, 1, ledger)
     assert no_admin[no_admin.index("--admin-port", len(no_admin) - 8) + 1] == "0"
 
 

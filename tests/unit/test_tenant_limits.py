@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from pdserve_testing import wait_until
 from prometheus_client import generate_latest
 from unit.dispatch_cluster import Cluster
 from unit.fakes import (
@@ -253,6 +254,10 @@ def test_the_express_lane_of_a_real_server_is_counted_and_limited(tokenizer: Any
     body = cmpl_body(prompt=PROMPT, max_tokens=num_tokens, stream=True)
     with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=10.0) as http:
         first = http.post(COMPLETIONS, json=body, headers=bearer("lone"))
+        # The completion is charged once the response has ended, just after the client
+        # read its last byte: wait for it, or the next request may come in before.
+        assert wait_until(lambda: app.state.registry.get_sample_value(
+            "pdserve:tenant_completion_tokens_total", {"tenant": "solo"}) == num_tokens, 10.0)
         second = http.post(COMPLETIONS, content=json.dumps(body),
                            headers={**bearer("lone"), "content-type": "application/json"})
     assert first.status_code == 200 and sse_payloads(first.text)[-1] == "[DONE]"

@@ -141,14 +141,17 @@ def test_edge_config_refuses_an_inconsistent_table(bad: dict[str, object]) -> No
         EdgeConfig(api_keys=("sk-key-one-111", "sk-key-two-222"), **bad)  # type: ignore[arg-type]
 
 
-def test_router_processes_split_each_tenants_limits() -> None:
+def test_replicas_split_each_tenants_limits_and_router_processes_share_them() -> None:
     limits = TenantLimits(max_concurrent=3, tokens_per_s=100.0, burst=400.0)
     assert limits.share(0.5) == TenantLimits(max_concurrent=2, tokens_per_s=50.0, burst=200.0)
     assert TenantLimits(max_concurrent=1).share(0.25).max_concurrent == 1
     assert limits.share(1.0) is limits
-    cfg = RouterConfig("m", "m", ("p:1",), ("d:1",), edge=EdgeConfig())
-    line = child_argv(["router"], cfg, 4, 1)
-    assert line[line.index("--tenant-limits-share") + 1] == "0.25"
+    cfg = RouterConfig("m", "m", ("p:1",), ("d:1",),
+                       edge=EdgeConfig(tenant_limits_share=0.5))  # one of two replicas
+    line = child_argv(["router"], cfg, 4, 1, Path("/dev/shm/ledger"))
+    # Its processes keep the replica's share (given once, by the operator) and share
+    # one ledger: the limits are not split again between them.
+    assert "--tenant-limits-share" not in line and "--tenant-ledger" in line
 
 
 def test_a_comment_or_blank_entry_is_nothing() -> None:

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.router.dispatch.base import Dispatcher
 from pdserve.router.http.edge.admission import Admission, AdmissionMiddleware, draining_error
 from pdserve.router.http.edge.auth import ApiKeyMiddleware, ApiKeys
@@ -63,6 +64,7 @@ def create_app(
     metrics_enabled: bool = True,
     tool_calling: ToolCalling | None = None,
     eos_token_ids: frozenset[int] | None = None,
+    secret: ClusterSecret | None = None,
 ) -> FastAPI:
     """Build the router app. ``tokenizer`` is a Hugging Face tokenizer (see
     ``preprocess.Tokenizer``). Pass the dispatcher's ``registry`` so ``/metrics`` serves both;
@@ -74,7 +76,8 @@ def create_app(
     ``start_drain()``), ``tenants`` (each key's ``TenantAccount``). ``tool_calling``:
     vLLM's tool parser (``openai/tool_calls.py``); None: tool choices other than ``none``
     are refused. ``eos_token_ids``: the ids the engines end a sequence on (default: the
-    tokenizer's end of sequence)."""
+    tokenizer's end of sequence). ``secret``: the cluster secret, which keys the tenants'
+    salts (``tenants/salt.py``; needed with ``--tenant-isolation key``)."""
     edge = edge or EdgeConfig()
     if not metrics_enabled:
         registry = None
@@ -97,13 +100,13 @@ def create_app(
     app.state.metrics = metrics
     app.state.registry = registry
     app.state.admission = admission
-    tenants = app.state.tenants = tenant_accounts(edge, registry)
+    tenants = app.state.tenants = tenant_accounts(edge, registry, secret)
     install_error_handlers(app)
     app.add_middleware(AdmissionMiddleware, admission=admission, paths=_GENERATION_PATHS)
     app.add_middleware(TenantLimitMiddleware, paths=_GENERATION_PATHS)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=edge.max_body_bytes)
     app.add_middleware(ApiKeyMiddleware, keys=ApiKeys(edge.api_keys), tenants=tenants)
-    app.add_middleware(RequestIdMiddleware, unique_paths=_GENERATION_PATHS)
+    app.add_middleware(RequestIdMiddleware)
     if metrics.enabled:
         app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     app.include_router(_openai_routes(preprocessing, serving))

@@ -155,8 +155,8 @@ def to_api_error(exc: BaseException) -> APIError:
 
 def error_response(exc: BaseException) -> JSONResponse:
     error = to_api_error(exc)
-    headers = getattr(exc, "headers", None)
-    return JSONResponse(error.body(), status_code=error.status_code, headers=headers)
+    headers = {**error_headers(error), **(getattr(exc, "headers", None) or {})}
+    return JSONResponse(error.body(), status_code=error.status_code, headers=headers or None)
 
 
 def error_headers(error: APIError) -> dict[str, str]:

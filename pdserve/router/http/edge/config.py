@@ -43,6 +43,8 @@ DEFAULT_MAX_QUEUE_WAIT_S = 30.0
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 TENANT_ISOLATION = ("off", "key")
+NEEDS_SECRET = ("--tenant-isolation key needs --cluster-secret-file: the tenants' cache "
+                "salts are keyed by the cluster secret")
 
 
 @dataclass(frozen=True)
@@ -64,13 +66,17 @@ class EdgeConfig:
     tenant_isolation: str = "off"
     # The named tenants (their keys are among api_keys); every other key is a tenant of
     # its own, key-<n>. ``tenant_limits_share``: the part of each tenant's limits this
-    # process enforces (1/N in each of ``--processes N``).
+    # router enforces (1/R in each of R replicas; the processes of one router share
+    # their state instead, ``tenant_ledger``).
     tenants: tuple[TenantSpec, ...] = ()
     tenant_limits_share: float = 1.0
     # The weight-transfer routes that make workers connect somewhere: off unless a backend
     # is named; the addresses they may reach (CIDRs) are the operator's (``admin/transfer.py``).
     weight_transfer_backend: str | None = None
     weight_transfer_allow: tuple[str, ...] = ()
+    # The file of the tenants' limit state that the processes of ``--processes N`` share
+    # (``tenants/ledger.py``), set by their parent; None: this process's own memory.
+    tenant_ledger: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_concurrent < 1 or self.max_queued < 0 or self.max_body_bytes < 1:

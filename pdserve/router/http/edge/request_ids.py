@@ -2,23 +2,26 @@
 
 The id is echoed in the ``X-Request-Id`` response header (errors and streams included),
 set in ``pdserve.core.logs.request_id_var`` for the request's log lines, and put in the scope
-(``request_id_of``), where the routes read it: the workers get ``cmpl-<id>`` /
-``chatcmpl-<id>`` as their request id, the OpenAI ``id`` of the response.
+(``request_id_of``), where the routes read it: ``cmpl-<id>`` / ``chatcmpl-<id>`` is the
+OpenAI ``id`` of the response. A fresh id is 128 bits from ``secrets`` (unguessable).
 
-Two generation requests running at once with the same client id would share one id on
-the workers, where an abort of one would end both: the second is refused (409).
+The client's id is a label, never a handle: the workers' id of a request is its response
+id and 128 more random bits (``openai/preprocess.py``), so two requests with one client
+id (of one tenant or two, in one router process or several) are two requests on the
+workers, an abort of one never ends the other, and no client learns whether an id it
+guessed is running (there is no "already running" answer to probe).
 """
 
 from __future__ import annotations
 
+import secrets
 import time
-import uuid
 
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.core.logs import request_id_var
-from pdserve.router.http.errors import ConflictError, InvalidRequestError, send_error
+from pdserve.router.http.errors import InvalidRequestError, send_error
 
 HEADER = "x-request-id"
 MAX_REQUEST_ID_LEN = 128
@@ -50,10 +53,8 @@ def check_request_id(value: str) -> str | None:
 class RequestIdMiddleware:
     """The outermost middleware: every response below it carries the id."""
 
-    def __init__(self, app: ASGIApp, unique_paths: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self._unique_paths = unique_paths
-        self._active: set[str] = set()  # client ids of running unique-path requests
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -61,10 +62,10 @@ class RequestIdMiddleware:
             return
         scope[_ARRIVAL_KEY] = time.perf_counter()
         given = _header(scope)
-        request_id = given if given is not None else uuid.uuid4().hex
+        request_id = given if given is not None else secrets.token_hex(16)
         problem = None if given is None else check_request_id(given)
         if problem is not None:
-            request_id = uuid.uuid4().hex  # the bad one is not echoed back
+            request_id = secrets.token_hex(16)  # the bad one is not echoed back
         scope[_ID_KEY] = request_id
         token = request_id_var.set(request_id)
 
@@ -73,23 +74,13 @@ class RequestIdMiddleware:
                 MutableHeaders(scope=message)[HEADER] = request_id
             await send(message)
 
-        claimed = given is not None and problem is None and scope["path"] in self._unique_paths
         try:
             if problem is not None:
                 await send_error(scope, send_with_id, InvalidRequestError(
                     f"X-Request-Id {problem}", param="X-Request-Id", code="invalid_request_id"))
-            elif claimed and request_id in self._active:
-                claimed = False
-                await send_error(scope, send_with_id, ConflictError(
-                    f"a request with X-Request-Id {request_id!r} is already running",
-                    param="X-Request-Id", code="duplicate_request_id"))
             else:
-                if claimed:
-                    self._active.add(request_id)
                 await self.app(scope, receive, send_with_id)
         finally:
-            if claimed:
-                self._active.discard(request_id)
             request_id_var.reset(token)
 
 

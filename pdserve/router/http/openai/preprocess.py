@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import copy
+import secrets
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -58,7 +58,13 @@ class Tokenizer(PieceTokenizer, Protocol):
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One request, validated and tokenized, with what is needed to answer it."""
+    """One request, validated and tokenized, with what is needed to answer it.
+
+    ``request_id``: the workers' id of the request (what an abort names), unique and
+    unguessable: the response's id, a dot, 128 random bits (``secrets``), so that no
+    client id (``X-Request-Id``), however chosen, names another request on the workers,
+    of another router process, replica or tenant. ``response_id``: the OpenAI ``id``
+    the client sees, ``cmpl-<edge id>`` / ``chatcmpl-<edge id>`` as vLLM's."""
 
     request_id: str
     endpoint: Endpoint
@@ -72,6 +78,7 @@ class GenerationRequest:
     created: int  # unix seconds, echoed in every response object
     arrival_s: float  # time.perf_counter() when the request arrived
     n: int = 1  # choices: sequences sampled from the one prompt
+    response_id: str = ""  # "": the request_id
     echo_text: str | None = None  # completions' echo: the prompt's text, put before each
     tools: ToolSession | None = None  # chat with tools, on a router with a tool parser
     skip_special_tokens: bool = True
@@ -200,8 +207,10 @@ class Preprocessor:
         n = body.n or 1
         self._check_sampling(n, sampling)
         prefix = "cmpl" if endpoint == "completions" else "chatcmpl"
+        response_id = f"{prefix}-{request_id or secrets.token_hex(16)}"
         return GenerationRequest(
-            request_id=f"{prefix}-{request_id or uuid.uuid4().hex}",
+            request_id=f"{response_id}.{secrets.token_hex(16)}",
+            response_id=response_id,
             endpoint=endpoint,
             model=self.served_model_name,
             prompt_token_ids=tuple(prompt_ids),

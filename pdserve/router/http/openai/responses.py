@@ -184,7 +184,7 @@ class ResponseFormatter:
     def _envelope(self, first: bool = False) -> dict[str, Any]:
         """Common top-level fields. Optional ones are passed only when they must appear."""
         fields: dict[str, Any] = {
-            "id": self.request.request_id,
+            "id": self.request.response_id or self.request.request_id,
             "created": self.request.created,
             "model": self.request.model,
         }

@@ -58,7 +58,7 @@ from pdserve.router.http.openai.responses import (
     sse_event,
 )
 from pdserve.router.http.outcome import CLIENT_CLOSED, outcome_reason, record_outcome
-from pdserve.router.http.tenants.accounts import on_prompt
+from pdserve.router.http.tenants.accounts import on_prompt, on_sequences
 from pdserve.router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ class OpenAIServing:
         self._metrics = metrics
 
     async def serve(self, request: GenerationRequest, http: Request) -> Response:
+        on_sequences(http.scope, request.n)  # its tenant's slots for every sequence
         self._metrics.prompt_tokens.inc(len(request.prompt_token_ids))
         outputs = [RequestOutput(request, self._decoder, self._metrics,
                                  http.scope if i == 0 else None, i) for i in range(request.n)]

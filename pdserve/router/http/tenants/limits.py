@@ -10,8 +10,12 @@ bucket, and a long prompt is never refused outright for being longer than the bu
 
 Over ``max_concurrent``: Retry-After 1 (a slot frees when one of its requests ends,
 which the router cannot foresee). The token limit is checked first, as the longer wait.
+A request takes one slot per sequence it samples (``n``): ``acquire(num)``.
 
-Pure but for the clock, which is injected (``time.monotonic`` by default).
+The state lives in a ``TenantLedger`` (``ledger.py``): this process's memory, or the
+memory that every process of ``--processes N`` maps, so the limits hold exactly across
+them (``time.monotonic`` is one clock for every process of a host). Pure but for the
+ledger and the clock, which is injected (``time.monotonic`` by default).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from pdserve.router.http.tenants.ledger import TenantLedger
 from pdserve.router.http.tenants.table import TenantLimits
 
 RejectReason = Literal["concurrency", "tokens"]
@@ -32,11 +37,17 @@ CONCURRENCY_RETRY_AFTER_S = 1
 class TokenBucket:
     __slots__ = ("capacity", "rate", "_at", "_level")
 
-    def __init__(self, rate: float, capacity: float, now: float) -> None:
+    def __init__(self, rate: float, capacity: float, now: float,
+                 level: float | None = None) -> None:
         self.rate = rate
         self.capacity = capacity
-        self._level = capacity
+        self._level = capacity if level is None else level
         self._at = now
+
+    @property
+    def state(self) -> tuple[float, float]:
+        """(level, at): what ``TokenBucket(rate, capacity, at, level)`` restores."""
+        return self._level, self._at
 
     def level(self, now: float) -> float:
         """The tokens in the bucket at ``now`` (negative: in debt)."""
@@ -61,35 +72,70 @@ class Refusal:
 
 
 class TenantLimiter:
-    """A tenant's requests in flight and its token bucket. ``acquire`` a request (None:
-    admitted) and ``release`` it exactly once when it ends; ``charge`` its tokens."""
+    """A tenant's sequences in flight and its token bucket, kept in ``ledger`` at
+    ``index`` (default: a ledger of its own). ``acquire`` slots for a request (None:
+    admitted) and ``release`` them exactly once when it ends; ``charge`` its tokens."""
 
     def __init__(self, limits: TenantLimits,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 ledger: TenantLedger | None = None, index: int = 0) -> None:
         self.limits = limits
-        self.num_running = 0
         self._clock = clock
-        self._bucket = (None if limits.tokens_per_s is None
-                        else TokenBucket(limits.tokens_per_s, limits.capacity, clock()))
+        self._ledger = ledger if ledger is not None else TenantLedger.local(1)
+        self._index = index
 
-    def acquire(self) -> Refusal | None:
-        if self._bucket is not None:
-            wait_s = self._bucket.retry_after_s(self._clock())
-            if wait_s:
-                return Refusal("tokens", wait_s)
-        if self.limits.max_concurrent is not None and \
-                self.num_running >= self.limits.max_concurrent:
-            return Refusal("concurrency", CONCURRENCY_RETRY_AFTER_S)
-        self.num_running += 1
-        return None
+    @property
+    def num_running(self) -> int:
+        """The tenant's sequences in flight, in every process of the ledger."""
+        return self._ledger.num_running(self._index)
 
-    def release(self) -> None:
-        self.num_running -= 1
+    def acquire(self, num: int = 1) -> Refusal | None:
+        refusal = self._try_acquire(num)
+        if refusal is not None and refusal.reason == "concurrency" and \
+                self._ledger.reclaim(self._index):  # a dead process held some: try again
+            refusal = self._try_acquire(num)
+        return refusal
+
+    def release(self, num: int = 1) -> None:
+        with self._ledger.locked():
+            self._ledger.add(self._index, -num)
 
     def charge(self, num_tokens: int) -> None:
-        if self._bucket is not None and num_tokens:
-            self._bucket.charge(num_tokens, self._clock())
+        if self.limits.tokens_per_s is None or not num_tokens:
+            return
+        now = self._clock()
+        with self._ledger.locked():
+            bucket = self._bucket(now)
+            bucket.charge(num_tokens, now)
+            self._ledger.set_bucket(self._index, *bucket.state)
 
     def level(self) -> float | None:
         """The bucket's tokens now (None: no token limit)."""
-        return None if self._bucket is None else self._bucket.level(self._clock())
+        if self.limits.tokens_per_s is None:
+            return None
+        now = self._clock()
+        with self._ledger.locked():
+            return self._bucket(now).level(now)
+
+    def _try_acquire(self, num: int) -> Refusal | None:
+        now = self._clock()
+        maximum = self.limits.max_concurrent
+        with self._ledger.locked():
+            if self.limits.tokens_per_s is not None:
+                bucket = self._bucket(now)
+                wait_s = bucket.retry_after_s(now)
+                self._ledger.set_bucket(self._index, *bucket.state)
+                if wait_s:
+                    return Refusal("tokens", wait_s)
+            if maximum is not None and self._ledger.num_running(self._index) + num > maximum:
+                return Refusal("concurrency", CONCURRENCY_RETRY_AFTER_S)
+            self._ledger.add(self._index, num)
+        return None
+
+    def _bucket(self, now: float) -> TokenBucket:
+        """The tenant's bucket as the ledger holds it (under the lock)."""
+        rate = self.limits.tokens_per_s or 0.0
+        level, at = self._ledger.bucket(self._index)
+        if math.isnan(at):  # never used: full
+            return TokenBucket(rate, self.limits.capacity, now)
+        return TokenBucket(rate, self.limits.capacity, at, level)
