@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-from pdserve_testing import wait_until
 from prometheus_client import generate_latest
 from unit.dispatch_cluster import Cluster
 from unit.fakes import (
@@ -254,10 +253,8 @@ def test_the_express_lane_of_a_real_server_is_counted_and_limited(tokenizer: Any
     body = cmpl_body(prompt=PROMPT, max_tokens=num_tokens, stream=True)
     with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=10.0) as http:
         first = http.post(COMPLETIONS, json=body, headers=bearer("lone"))
-        # The completion is charged once the response has ended, just after the client
-        # read its last byte: wait for it, or the next request may come in before.
-        assert wait_until(lambda: app.state.registry.get_sample_value(
-            "pdserve:tenant_completion_tokens_total", {"tenant": "solo"}) == num_tokens, 10.0)
+        # No wait: the completion is charged before the response's last bytes are sent,
+        # so the next request, sent as soon as the first is read, is refused.
         second = http.post(COMPLETIONS, content=json.dumps(body),
                            headers={**bearer("lone"), "content-type": "application/json"})
     assert first.status_code == 200 and sse_payloads(first.text)[-1] == "[DONE]"
@@ -292,3 +289,31 @@ async def test_keys_of_one_tenant_share_its_salt_and_a_lone_key_keeps_its_own(
         assert (beta, beta2, lone, acme) == (None, None, None, None)
     else:
         assert beta == beta2 and len({beta, lone, acme}) == 3 and None not in (beta, lone)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_the_tenant_is_settled_before_the_responses_last_bytes(
+        tokenizer: Any, stream: bool) -> None:
+    """A client that sends its next request as soon as it has read the last byte finds
+    its slot free and its completion charged: both happen before that byte is sent."""
+    app = make_router_app(tokenizer, FakeDispatcher(output_ids=[5, 6, 7]), EDGE)
+    limiter = app.state.tenants[KEYS["acme"].encode()].limiter
+    series = ("pdserve:tenant_completion_tokens_total", {"tenant": "acme"})
+    at_last_byte: list[tuple[int, float | None]] = []
+
+    async def watching(scope: Any, receive: Any, send: Any) -> None:
+        async def send_watched(message: Any) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                at_last_byte.append((limiter.num_running,
+                                     app.state.registry.get_sample_value(*series)))
+            await send(message)
+        await app(scope, receive, send_watched)
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=watching),
+                                 base_url="http://test") as http:
+        reply = await http.post(COMPLETIONS, json=cmpl_body(stream=stream, max_tokens=3),
+                                headers=bearer("acme"))
+    assert reply.status_code == 200
+    charged = app.state.registry.get_sample_value(*series)
+    assert charged is not None and charged > 0
+    assert at_last_byte == [(0, charged)]

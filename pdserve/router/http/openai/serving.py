@@ -58,7 +58,7 @@ from pdserve.router.http.openai.responses import (
     sse_event,
 )
 from pdserve.router.http.outcome import CLIENT_CLOSED, outcome_reason, record_outcome
-from pdserve.router.http.tenants.accounts import on_prompt, on_sequences
+from pdserve.router.http.tenants.accounts import end_request, on_prompt, on_sequences
 from pdserve.router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
@@ -199,10 +199,12 @@ class OpenAIServing:
         return JSONResponse(error.body(), status_code=error.status_code)
 
     def _finish(self, outputs: list[RequestOutput], status: int, reason: str) -> None:
-        """Log the request's end, and record its outcome for the HTTP metrics."""
+        """Log the request's end, record its outcome for the HTTP metrics, and settle its
+        tenant's account: before the response's last bytes are written."""
         output = outputs[0]
         if output.scope is not None:
             record_outcome(output.scope, status, reason)
+            end_request(output.scope)
         latency_s = time.perf_counter() - output.request.arrival_s
         if status == 200:
             self._metrics.e2e_latency.observe(latency_s)

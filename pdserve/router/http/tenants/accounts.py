@@ -15,9 +15,12 @@ the request's scope (``TENANT``); then, on the generation paths:
    over the tenant's ``max_concurrent`` (it could never run). ``best_of`` > 1 is
    refused by the schema (vLLM's V1 engine has none), so it never counts more;
 3. the endpoint charges the prompt tokens once it has tokenized them (``on_prompt``);
-4. when the response has ended, however it ended (stream, error, client gone), the
-   middleware charges the completion tokens and counts the cached ones from the
-   request's outputs, and frees the tenant's slots.
+4. when the generation has ended, however it ended (stream, error, client gone), the
+   completion tokens are charged, the cached ones counted from the request's outputs,
+   and the tenant's slots freed (``end_request``): by the endpoint before it writes the
+   response's last bytes, so a client that sends its next request as soon as it has read
+   the last one finds it charged and its slots free; else by the middleware, once the
+   response is over.
 
 The limits' state is in a ``TenantLedger`` (``ledger.py``), shared by every process of
 ``--processes N`` (``edge.tenant_ledger``): the limits hold exactly across them.
@@ -170,6 +173,15 @@ def on_sequences(scope: Scope, num_sequences: int) -> None:
     scope[_HELD] = num_sequences
 
 
+def end_request(scope: Scope) -> None:
+    """The request's generation has ended: its tenant is charged for what it generated
+    and its slots are freed, once (later calls do nothing)."""
+    held = scope.pop(_HELD, 0)
+    account: TenantAccount | None = scope.get(TENANT)
+    if held and account is not None:
+        account.end(scope.get(_OUTPUTS), held)
+
+
 def on_prompt(scope: Scope, num_prompt_tokens: int, outputs: Sequence[RequestOutput]
               ) -> None:
     """The request's prompt is tokenized (``outputs``: its choices, read when it ends)."""
@@ -201,4 +213,4 @@ class TenantLimitMiddleware:
         try:
             await self.app(scope, receive, send)
         finally:
-            account.end(scope.get(_OUTPUTS), scope[_HELD])
+            end_request(scope)
