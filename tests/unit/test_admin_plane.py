@@ -382,10 +382,13 @@ def test_each_router_process_has_its_admin_listener_behind_the_same_keys(
             "--weight-transfer-allow", "10.0.0.0/8", "--processes", "3"]
     model = ResolvedModel(tmp_path, "tiny")
     parent = router_config(build_parser().parse_args(argv), model)
+    ledger = tmp_path / "ledger"
     for index in range(3):
-        line = child_argv(argv, parent, 3, index)
-        edge = edge_config(build_parser().parse_args(line[line.index("router"):]))
+        line = child_argv(argv, parent, 3, index, ledger)
+        edge = router_config(build_parser().parse_args(line[line.index("router"):]),
+                             model).edge
         assert edge.admin_port == 9500 + index and edge.admin_keys == (ADMIN,)
+        assert edge.tenant_ledger == str(ledger)  # the processes share the tenants' limits
         assert edge.admin_bind_host == "0.0.0.0"
         assert (edge.weight_transfer_backend, edge.weight_transfer_allow) == (
             "nccl", ("10.0.0.0/8",))
