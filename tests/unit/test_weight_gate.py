@@ -5,11 +5,16 @@ marks) the requests in flight."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from typing import Any
 
 import pytest
+from unit.fakes import ROUTER_MODEL, chat_body, cmpl_body
 
 from pdserve.router.dispatch.base import Deadline, DeadlineExceededError
 from pdserve.router.dispatch.weights import WeightGate
+from pdserve.router.http.openai.preprocess import Preprocessor
+from pdserve.router.http.openai.schemas import ChatCompletionRequest, CompletionRequest
 
 
 async def test_a_request_arriving_during_an_update_runs_under_the_new_version() -> None:
@@ -62,3 +67,29 @@ async def test_abort_by_id_reaches_every_choice_of_an_n_request() -> None:
     async with gate.admitted("req-0", Deadline.after(5)), \
             gate.admitted("req-1", Deadline.after(5)), gate.admitted("other", Deadline.after(5)):
         assert sorted(t.request_id for t in gate.abort(["req"])) == ["req-0", "req-1"]
+
+
+@pytest.mark.parametrize("endpoint", ["completion", "chat"])
+@pytest.mark.parametrize("n", [1, 2])
+async def test_an_abort_finds_a_request_by_the_ids_its_client_knows(
+        tokenizer: Any, endpoint: str, n: int) -> None:
+    """The workers' id of a request adds 128 random bits to the response id: an abort by
+    the response id the client saw, or by its ``X-Request-Id``, still finds it (and
+    every choice of it), and no other request."""
+    preprocessor = Preprocessor(served_model_name=ROUTER_MODEL, max_model_len=4096,
+                                tokenizer=tokenizer)
+    build = preprocessor.completion if endpoint == "completion" else preprocessor.chat
+    body = (CompletionRequest(**cmpl_body(n=n)) if endpoint == "completion"
+            else ChatCompletionRequest(**chat_body(n=n)))
+    mine = build(body, "my-client-id")
+    other = build(body.model_copy(), "someone-else")
+    assert mine.request_id.startswith(f"{mine.response_id}.")
+    ids = [mine.request_id] if n == 1 else [f"{mine.request_id}-{i}" for i in range(n)]
+    for name in (mine.response_id, "my-client-id", *ids[:1]):
+        gate = WeightGate("v1")
+        async with contextlib.AsyncExitStack() as stack:
+            for request_id in (*ids, other.request_id):
+                await stack.enter_async_context(gate.admitted(request_id, Deadline.after(5)))
+            aborted = gate.abort([name])
+        expected = ids if name != ids[0] or n == 1 else ids[:1]
+        assert sorted(t.request_id for t in aborted) == sorted(expected), name

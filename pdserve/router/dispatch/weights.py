@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
@@ -36,6 +37,24 @@ from pdserve.router.dispatch.base import (
 logger = logging.getLogger("pdserve.router.dispatch")
 
 POLICIES = ("drain", "abort")
+# The workers' id of a request: ``<response id>.<32 hex>``, and ``-<i>`` after it for
+# choice i of ``n`` > 1 (``openai/preprocess.py``, ``openai/serving.py``).
+_WORKER_ID = re.compile(r"^(?P<response>.+)\.[0-9a-f]{32}(?:-\d+)?$")
+
+
+def request_names(request_id: str) -> set[str]:
+    """The names an abort may give a request: the workers' id, that id's request without
+    its choice suffix, the response id its client saw (``chatcmpl-X``), and the client's
+    own ``X-Request-Id`` (``X``)."""
+    names = {request_id, request_id.rsplit("-", 1)[0]}
+    match = _WORKER_ID.match(request_id)
+    if match is not None:
+        response = match["response"]
+        names.add(response)
+        prefix, _, client = response.partition("-")
+        if prefix in ("cmpl", "chatcmpl") and client:
+            names.add(client)
+    return names
 
 
 @dataclass(eq=False)
@@ -116,11 +135,11 @@ class WeightGate:
         return True
 
     def abort(self, request_ids: Iterable[str] | None = None) -> list[Ticket]:
-        """Mark the running requests (all, or those ids) ended by an update; the tickets."""
+        """Mark the running requests (all, or those named: ``request_names``) ended by an
+        update; the tickets."""
         wanted = None if request_ids is None else set(request_ids)
         tickets = [t for t in self._running
-                   if wanted is None or t.request_id in wanted
-                   or t.request_id.rsplit("-", 1)[0] in wanted]  # a choice of n > 1
+                   if wanted is None or not wanted.isdisjoint(request_names(t.request_id))]
         for ticket in tickets:
             ticket.aborted = True
         return tickets
