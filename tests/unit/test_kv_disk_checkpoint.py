@@ -127,3 +127,20 @@ def test_a_restart_reads_the_sidecar_instead_of_hashing_again(
 def test_a_model_without_local_files_is_keyed_by_its_name(tmp_path: Path) -> None:
     _restart()
     assert checkpoint_fingerprint("no-such-org/no-such-model-xyz", tmp_path) == ""
+
+
+def test_block_folders_an_older_pdserve_left_open_are_closed_and_the_root_is_left(
+        tmp_path: Path) -> None:
+    root = tmp_path / "kv"
+    old = root / "old-weights"
+    old.mkdir(parents=True)
+    (old / "0.kv").write_bytes(b"a prompt's kv")
+    other = root / "not-ours"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    for path, mode in ((root, 0o755), (old, 0o755), (other, 0o755)):
+        os.chmod(path, mode)
+    _tier(root, "new-weights")
+    assert _mode(old) == 0o700  # its 0644 files cannot be reached through it any more
+    assert _mode(root / "new-weights") == 0o700
+    assert _mode(root) == 0o755 and _mode(other) == 0o755  # not ours to change

@@ -70,6 +70,25 @@ def scan(root: Path, compat: str, num_slots: int) -> list[tuple[int, bytes]]:
     return [(slot, h) for _, slot, h in sorted(found)]
 
 
+def close_block_folders(root: Path) -> None:
+    """Make every sub-folder of ``root`` that holds block files (``*.kv``) its owner's
+    only: an older pdserve, or other weights, left theirs readable by all (0755 folders
+    of 0644 files), and a block is a prompt's KV. ``root`` itself is the operator's
+    (it may be a shared folder), so it is left as it is."""
+    for folder in root.iterdir():
+        try:
+            if (folder.is_symlink() or not folder.is_dir()
+                    or not folder.stat().st_mode & 0o077 or not any(folder.glob("*.kv"))):
+                continue
+            os.chmod(folder, 0o700)
+        except OSError as exc:
+            logger.warning("disk tier %s: cannot close %s to its owner: %s", root, folder,
+                           exc.strerror or exc)
+            continue
+        logger.warning("disk tier %s: %s held block files others could read; now 0700",
+                       root, folder.name)
+
+
 class DiskTier:
     def __init__(self, root: Path, compat: str, kv: Sequence[torch.Tensor],
                  layout: KVLayout) -> None:
@@ -77,6 +96,7 @@ class DiskTier:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.folder.mkdir(exist_ok=True, mode=0o700)
         os.chmod(self.folder, 0o700)  # also a folder an older pdserve left open
+        close_block_folders(root)  # and those of other weights beside it
         self._kv = list(kv)
         self._dims = [layer.block_dim for layer in layout.layers]
         self._shapes = [tuple(t.select(d, 0).shape) for t, d in zip(self._kv, self._dims,
