@@ -1,8 +1,9 @@
 """The shared cluster secret: one file, read once per process, that every member
 of a cluster holds (docs/security.md, "Cluster secret").
 
-Only proofs derived from it travel: an HMAC token on router→worker gRPC calls
-(``pdserve.core.grpc_auth``) and a mutual challenge-response on every KV connection
+Only proofs derived from it travel: signed, single-use proofs both ways on router↔worker
+gRPC calls (``pdserve.core.grpc_proofs``, ``grpc_auth``), MACs on membership entries, and a
+mutual challenge-response on every KV connection
 (``pdserve.kv_transfer.control.auth``). The secret itself never goes on a command line,
 into vLLM's config (which vLLM logs) or into a ``repr``: processes pass the
 file's path.
@@ -33,7 +34,6 @@ from prometheus_client.registry import Collector
 logger = logging.getLogger("pdserve.auth")
 
 MIN_SECRET_BYTES = 16
-_GRPC_LABEL = b"pdserve-grpc-v1"
 _LOG_EVERY_S = 10.0
 
 AUTH_REFUSALS = Counter(
@@ -51,7 +51,6 @@ class ClusterSecret:
                              f"base64 > FILE`)")
         self._key = key
         self.source = source
-        self._grpc_token = self.mac(_GRPC_LABEL).hex().encode()
 
     def __repr__(self) -> str:
         return f"ClusterSecret(source={self.source!r})"
@@ -59,18 +58,6 @@ class ClusterSecret:
     def mac(self, *parts: bytes) -> bytes:
         """HMAC-SHA256 over ``parts`` joined by NUL bytes (a label first, by convention)."""
         return hmac.new(self._key, b"\0".join(parts), hashlib.sha256).digest()
-
-    @property
-    def grpc_token(self) -> str:
-        """What a gRPC client sends in ``x-pdserve-cluster-token``: proves the secret
-        without revealing it (a bearer token: TLS keeps it from eavesdroppers)."""
-        return self._grpc_token.decode()
-
-    def check_grpc_token(self, token: str | bytes | None) -> bool:
-        if token is None:
-            return False
-        given = token.encode() if isinstance(token, str) else token
-        return hmac.compare_digest(given, self._grpc_token)
 
 
 @functools.lru_cache(maxsize=8)

@@ -109,7 +109,8 @@ class CallVerifier:
             return "no token", ""
         text = header.decode(errors="replace") if isinstance(header, bytes) else header
         parts = text.split(".")
-        if (len(parts) != 4 or parts[0] != VERSION or not parts[1].isdigit()
+        if (len(parts) != 4 or parts[0] != VERSION or not parts[1].isascii()
+                or not parts[1].isdigit()
                 or len(parts[1]) > 16):  # (int() refuses 4,300+ digits: never let it raise)
             return "malformed token", ""
         _, ts, nonce, mac = parts

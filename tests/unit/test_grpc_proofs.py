@@ -55,7 +55,9 @@ def test_a_header_outside_the_window_fails(skew_s: float) -> None:
 
 @pytest.mark.parametrize("header", [None, "", "v1.1.2.3", "v2.x.00.00", "v2.1.short.00",
                                     "garbage", "v2.1." + "0" * 32 + ".00.extra",
-                                    "v2." + "9" * 5000 + "." + "0" * 32 + ".00"])
+                                    "v2." + "9" * 5000 + "." + "0" * 32 + ".00",
+                                    "v2.\u00b2." + "0" * 32 + ".00",  # isdigit, int() raises
+                                    "v2.\u0661\u0662." + "0" * 32 + ".00"])
 def test_a_malformed_header_fails(header: str | None) -> None:
     reason, nonce = CallVerifier(SECRET, "d0").check(header, HEALTH)
     assert reason in ("no token", "malformed token", "stale token") and nonce == ""

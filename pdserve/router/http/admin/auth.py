@@ -33,7 +33,12 @@ class AdminAuthMiddleware:
         self._open = not keys and is_loopback(bind_host)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":  # no websocket (or other) route: refused unread
+            return
+        if scope["path"] not in PUBLIC_PATHS:
             if self._keys:
                 error = self._keys.check(authorization_header(scope))
                 if error is not None:
