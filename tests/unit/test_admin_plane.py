@@ -205,10 +205,8 @@ async def test_transfer_routes_are_404_without_a_backend(updater: RecordingUpdat
 @pytest.mark.parametrize("init_info", [
     dict(NCCL_INIT, master_address="10.1.2.3"),
     dict(NCCL_INIT, master_address="::ffff:10.1.2.3"),
-    dict(NCCL_INIT, nested={"peer_host": "192.168.0.9"}),
-    dict(NCCL_INIT, store_hosts=["127.0.0.2", "8.8.8.8"]),
     dict(NCCL_INIT, master_address="no-such-host.invalid"),
-], ids=["outside", "mapped-v6", "nested-host", "one-of-a-list", "unresolvable"])
+], ids=["outside", "mapped-v6", "unresolvable"])
 async def test_an_address_outside_the_allowed_networks_is_refused_before_any_worker(
         updater: RecordingUpdater, init_info: dict[str, Any]) -> None:
     async with client(admin_app(updater)) as http:
@@ -217,6 +215,29 @@ async def test_an_address_outside_the_allowed_networks_is_refused_before_any_wor
     assert reply.status_code == 403, reply.text
     assert reply.json()["error"]["code"] == "weight_transfer_address_refused"
     assert updater.calls == []
+
+
+@pytest.mark.parametrize("init_info", [
+    dict(NCCL_INIT, nested={"peer_host": "192.168.0.9"}),
+    dict(NCCL_INIT, store_hosts=["127.0.0.2", "8.8.8.8"]),
+    dict(NCCL_INIT, init_method="tcp://8.8.8.8:29500"),  # no host-like name at all
+], ids=["nested-host", "one-of-a-list", "url-field"])
+async def test_a_field_the_backends_engine_does_not_take_is_refused_before_any_worker(
+        updater: RecordingUpdater, init_info: dict[str, Any]) -> None:
+    """Only vLLM's own fields of the named backend pass: a host under a name the host
+    check would not know cannot reach the workers."""
+    async with client(admin_app(updater)) as http:
+        reply = await http.post("/init_weight_transfer_engine", json={"init_info": init_info},
+                                headers=bearer(ADMIN))
+    assert reply.status_code == 400, reply.text
+    unknown = (set(init_info) - set(NCCL_INIT)).pop()
+    assert unknown in reply.json()["error"]["message"]
+    assert updater.calls == []
+
+
+def test_an_unknown_weight_transfer_backend_is_refused_naming_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match="ipc, nccl"):
+        WeightTransferPolicy("gloo", ("127.0.0.0/8",))
 
 
 async def test_allowed_addresses_pass_and_names_are_pinned_to_the_checked_address(

@@ -34,6 +34,19 @@ IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 HOST_FIELD = re.compile(r"(^|_)(address|addr|host|hostname|ip)(es|s)?$", re.IGNORECASE)
 REFUSED_FIELDS = frozenset({"ipc_handles_pickled"})
+# The fields vLLM 0.32's engines take, per (backend, body): anything else is refused, so
+# a field a later engine adds (an ``init_method`` URL, an endpoint) cannot slip past the
+# host check under a name it does not know (vllm/distributed/weight_transfer/).
+_TENSORS = frozenset({"names", "dtype_names", "shapes"})
+KNOWN_FIELDS: dict[tuple[str, str], frozenset[str]] = {
+    ("nccl", "init_info"): frozenset({"master_address", "master_port", "rank_offset",
+                                      "world_size", "packed", "packed_buffer_size_bytes",
+                                      "packed_num_buffers"}),
+    ("nccl", "update_info"): _TENSORS,
+    ("ipc", "init_info"): frozenset({"packed"}),
+    ("ipc", "update_info"): _TENSORS | {"ipc_handles", "tensor_sizes"},
+}
+BACKENDS = tuple(sorted({backend for backend, _ in KNOWN_FIELDS}))
 RESOLVE_TIMEOUT_S = 5.0
 REFUSED = "weight_transfer_address_refused"
 
@@ -45,6 +58,9 @@ class WeightTransferPolicy:
     _networks: tuple[IpNetwork, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"--weight-transfer-backend must be one of {', '.join(BACKENDS)}, "
+                             f"not {self.backend!r}")
         try:
             nets = tuple(ipaddress.ip_network(c, strict=False) for c in self.allow)
         except ValueError as exc:
@@ -63,6 +79,13 @@ class WeightTransferPolicy:
         """``info`` with every host checked (and names pinned to an address); raises the
         403 (400 for a host field that is not a string) before any worker is called."""
         self.require_enabled()
+        known = KNOWN_FIELDS.get((str(self.backend), param), frozenset())
+        unknown = sorted(str(key) for key in info if key not in known and
+                         key not in REFUSED_FIELDS)
+        if unknown:
+            raise InvalidRequestError(
+                f"{param}: {', '.join(unknown)} not among the {self.backend} engine's fields "
+                f"({', '.join(sorted(known))})", param=param)
         return await self._walk(info, param)
 
     async def _walk(self, value: Any, where: str) -> Any:
