@@ -9,8 +9,12 @@ write to etcd but lacks the secret cannot add a worker, nor move or change one. 
 secret, entries are written and read as before (no ``mac``, none checked).
 
 A signed entry can be copied back after its worker left (etcd keeps no history of who
-wrote it); such a stale entry names an endpoint that must still answer with a proof of
-the secret for the worker's id (``pdserve.core.grpc_auth``) before anything is sent to it.
+wrote it, and a client may choose its lease id). Such a stale entry names an endpoint
+that must still answer with a proof of the secret for the worker's id
+(``pdserve.core.grpc_auth``) before anything is sent to it; that stops a stranger, but not
+one who took over the old address and relays the router's calls to the real worker, now
+elsewhere, to borrow its proofs (the proof covers the router's nonce, not the
+connection). gRPC TLS that checks the worker's host name (``--tls-ca``) closes that.
 """
 
 from __future__ import annotations

@@ -271,7 +271,10 @@ async def _stream(call: Any, auth: CallAuth | None, method: str, nonce: str
     try:
         if auth is not None:
             metadata = await call.initial_metadata()
-            if not (call.done() and not metadata):  # else iterating raises its status
+            # A call that failed before answering has no proof to check: iterating raises
+            # its status. Anything else (an OK end included) must carry the proof.
+            failed = call.done() and not metadata and await call.code() != grpc.StatusCode.OK
+            if not failed:
                 reason = auth.verify(method, nonce, metadata)
                 if reason is not None:
                     raise WorkerCallError(UNAUTHENTICATED, refused_for(auth.peer, reason))

@@ -221,8 +221,8 @@ class RouterSession:
             return None  # the call failed: ``read`` raises its status next
         except TimeoutError:
             metadata = None  # no answer at all: no proof
-        if call.done() and not metadata:
-            return None  # it ended before answering: ``read`` says how; nothing was sent
+        if call.done() and not metadata and await call.code() != grpc.StatusCode.OK:
+            return None  # it failed before answering: ``read`` says how; nothing was sent
         reason = self._auth.verify(SESSION_METHOD, nonce, metadata)
         return None if reason is None else refused_for(self._auth.peer, reason)
 
@@ -253,7 +253,8 @@ class RouterSession:
                 if reason is not None:
                     error = SessionCallError("UNAUTHENTICATED", reason)
                     return
-                proven.set()  # now the requests may go
+                if not call.done():
+                    proven.set()  # now the requests may go
             while (batch := await call.read()) is not _EOF:
                 for output in batch.outputs:
                     stream = streams.get(output.stream_id)
@@ -261,8 +262,8 @@ class RouterSession:
                         stream.offer(output)
         except grpc.aio.AioRpcError as exc:
             error = SessionCallError(exc.code().name, exc.details() or "")
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                self.unsupported = True
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED and proven.is_set():
+                self.unsupported = True  # a worker that proved itself says it has no Session
             elif exc.code() == grpc.StatusCode.UNAUTHENTICATED and self._auth is not None:
                 self._auth.learn(exc.trailing_metadata())  # the next session signs for it
         except asyncio.CancelledError:
