@@ -55,6 +55,8 @@ class TransportOptions:
     clients reuse theirs for half of it. None: ``control/server.IDLE_TIMEOUT_S``.
     ``max_connections``: control connections the server serves at once; one more is
     closed on accept and counted as a refusal. None: ``control/server.MAX_CONNECTIONS``.
+    ``max_logins``: of those, how many may still be authenticating (with a secret or
+    TLS); one more ends the oldest. None: ``control/server.MAX_LOGINS``.
     """
 
     checksum: bool = False
@@ -63,14 +65,17 @@ class TransportOptions:
     tls: KvTls | None = field(default=None, repr=False)
     idle_timeout_s: float | None = None
     max_connections: int | None = None
+    max_logins: int | None = None
 
     def __post_init__(self) -> None:
         if self.throttle_bytes_per_s < 0:
             raise ValueError(f"throttle_bytes_per_s must be >= 0, got {self.throttle_bytes_per_s}")
         if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
-        if self.max_connections is not None and self.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        for name, value in (("max_connections", self.max_connections),
+                            ("max_logins", self.max_logins)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 class KVTransport(Protocol):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from pdserve_testing import make_caches, start_transport, wait_until
 
-from pdserve.core.cluster_secret import num_refusals
+from pdserve.core.cluster_secret import ClusterSecret, num_refusals
 from pdserve.kv_transfer.base import KVTransport, PeerAddress, TransportOptions
 from pdserve.kv_transfer.control.dial import request_once
 from pdserve.kv_transfer.control.wire import TransferError
@@ -113,3 +113,36 @@ def test_a_thread_that_cannot_start_does_not_end_the_accept_loop(
     finally:
         for s in held:
             s.close()
+
+
+def test_strangers_that_never_log_in_cannot_starve_a_peer_with_the_secret() -> None:
+    """With a secret, connections still logging in are capped (``max_logins``): each
+    one past it ends the oldest, so a flood of silent connections holds no slot for
+    long, and a peer that authenticates in a round trip still pulls."""
+    secret = ClusterSecret(b"k" * 32)
+    leases = LeaseTable()
+    leases.add("r", SRC, time.time() + 60)
+    caches = make_caches(1, torch.float32)
+    sender, port = start_transport("tcp", caches, leases, TransportOptions(
+        secret=secret, max_connections=64, max_logins=CAP))
+    before = num_refusals("kv", "login evicted")
+    silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(3 * CAP)]
+    try:
+        # The oldest 2 * CAP were ended as newer ones came: they see EOF, long before
+        # their 5 s to authenticate is up; the newest CAP are still waiting.
+        assert all(_closed_by_server(s, timeout_s=2.0) for s in silent[:2 * CAP])
+        assert not _closed_by_server(silent[-1], timeout_s=0.2)
+        receiver_caches = make_caches(2, torch.float32)
+        receiver, _ = start_transport("tcp", receiver_caches, LeaseTable(),
+                                      TransportOptions(secret=secret))
+        try:
+            receiver.pull(PeerAddress("127.0.0.1", port), "r", SRC, DST,
+                          time.monotonic() + 20)
+        finally:
+            receiver.close()
+        assert _moved(caches, receiver_caches)
+        assert num_refusals("kv", "login evicted") - before >= 2 * CAP
+    finally:
+        for s in silent:
+            s.close()
+        sender.close()

@@ -23,6 +23,7 @@ from pdserve.kv_transfer.control.pool import ConnectionPool
 from pdserve.kv_transfer.control.server import (
     IDLE_TIMEOUT_S,
     MAX_CONNECTIONS,
+    MAX_LOGINS,
     ControlServer,
     Handler,
 )
@@ -108,6 +109,7 @@ class ControlledTransport:
             self.options.tls,
             self._idle_timeout_s,
             self.options.max_connections or MAX_CONNECTIONS,
+            self.options.max_logins or MAX_LOGINS,
         )
         return self._server.start(host, port)
 

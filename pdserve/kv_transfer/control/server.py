@@ -4,9 +4,12 @@ per connection, messages dispatched by ``op``.
 At most ``max_connections`` connections are served at once (their threads start
 before a peer has authenticated, so a stranger could otherwise start any number):
 one past the cap is closed at once, counted and logged as a refusal
-(``note_refusal``, plane ``kv``). The accept loop survives whatever one connection
-does to it (a thread that cannot start, a socket that breaks while tuned): it ends
-only when the server is closed.
+(``note_refusal``, plane ``kv``). With a secret or TLS, at most ``max_logins`` of them
+may still be logging in: one more evicts the oldest (counted, ``login evicted``), so a
+stranger who opens connections and never authenticates holds no slot longer than the
+next arrivals let it, and cannot starve the peers that log in within milliseconds.
+The accept loop survives whatever one connection does to it (a thread that cannot
+start, a socket that breaks while tuned): it ends only when the server is closed.
 
 ``hello`` (the handshake) gates the ops that touch KV: a connection may ask
 ``status`` or ``release`` at any time, but a ``pull`` or a transport's own op
@@ -20,6 +23,7 @@ import logging
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,8 +44,11 @@ logger = logging.getLogger("pdserve.kv_transfer.control")
 
 # A connection idle this long is closed by the server; clients reuse theirs for half of it.
 IDLE_TIMEOUT_S = 300.0
-# Connections served at once: a peer keeps a few pooled connections per concurrent pull.
-MAX_CONNECTIONS = 256
+# Connections served at once: a peer keeps a few pooled connections per concurrent pull
+# (64 decode peers pulling 4 prompts each hold 256).
+MAX_CONNECTIONS = 1024
+# Connections still in their TLS handshake or secret challenge (a peer's takes a round trip).
+MAX_LOGINS = 64
 _ACCEPT_POLL_S = 1.0
 # After an accept error (out of file descriptors, say), wait this long before the next.
 _ACCEPT_BACKOFF_S = 0.1
@@ -62,11 +69,15 @@ class ControlServer:
                  gated_ops: dict[str, Handler], stop: threading.Event,
                  secret: ClusterSecret | None = None, tls: KvTls | None = None,
                  idle_timeout_s: float = IDLE_TIMEOUT_S,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
-        if max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+                 max_connections: int = MAX_CONNECTIONS, max_logins: int = MAX_LOGINS
+                 ) -> None:
+        if max_connections < 1 or max_logins < 1:
+            raise ValueError(f"max_connections and max_logins must be >= 1, got "
+                             f"{max_connections} and {max_logins}")
         self._hello = hello
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._max_logins = max_logins
+        self._logins: OrderedDict[socket.socket, str] = OrderedDict()  # oldest first
         self._idle_timeout_s = idle_timeout_s
         # A fresh connection's TLS handshake and secret challenge: never longer than the
         # idle timeout lets an established connection send nothing.
@@ -131,20 +142,40 @@ class ControlServer:
             return
         try:
             tune(conn)
+            if self._secret is not None or self._tls is not None:
+                self._start_login(conn)
             threading.Thread(target=self._serve_slot, args=(conn, peer),
                              name="pdserve-kv-conn", daemon=True).start()
         except BaseException:
+            self._end_login(conn)
             self._slots.release()
             raise
+
+    def _start_login(self, conn: socket.socket) -> None:
+        """``conn`` is logging in; past ``max_logins`` the oldest login is ended."""
+        with self._conns_lock:
+            self._logins[conn] = ""
+            evicted = (self._logins.popitem(last=False)[0]
+                       if len(self._logins) > self._max_logins else None)
+        if evicted is not None:
+            note_refusal("kv", "login evicted", _peer_of(evicted))
+            with contextlib.suppress(OSError):
+                evicted.shutdown(socket.SHUT_RDWR)  # its thread ends on the closed socket
+
+    def _end_login(self, conn: socket.socket) -> None:
+        with self._conns_lock:
+            self._logins.pop(conn, None)
 
     def _serve_slot(self, conn: socket.socket, peer: str) -> None:
         try:
             self._serve_conn(conn, peer)
         finally:
+            self._end_login(conn)
             self._slots.release()
 
     def _serve_conn(self, conn: socket.socket, peer: str = "?") -> None:
         unpin_current_thread()
+        raw = conn  # the accepted socket (the login's key), before TLS wraps it
         if self._tls is not None:
             try:  # the handshake is bounded like the secret's challenge
                 conn = self._tls.accept(conn, time.monotonic() + self._login_timeout_s)
@@ -157,6 +188,7 @@ class ControlServer:
             if self._secret is not None and not authenticate_client(
                     conn, self._secret, peer, self._login_timeout_s):
                 return
+            self._end_login(raw)
             try:
                 while not self._stop.is_set():
                     conn.settimeout(self._idle_timeout_s)
@@ -197,6 +229,13 @@ class ControlServer:
         finally:
             with self._conns_lock:
                 self._conns.discard(conn)
+
+
+def _peer_of(conn: socket.socket) -> str:
+    try:
+        return _address(conn.getpeername())
+    except OSError:
+        return "?"
 
 
 def _address(addr: Any) -> str:
