@@ -30,6 +30,7 @@ here logs, formats or repr()s it, and errors name the URL (``host:port``) only.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -39,7 +40,10 @@ import grpc
 from aetcd import rpc as aetcd_rpc
 from aetcd import watcher as aetcd_watcher
 
+from pdserve.core.cluster_secret import is_loopback
 from pdserve.core.grpc_tls import TlsFiles
+
+logger = logging.getLogger("pdserve.membership")
 
 DEFAULT_CALL_TIMEOUT_S = 2.0
 
@@ -162,6 +166,10 @@ def etcd_client(url: str, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     endpoint = check_etcd_url(url, tls)
     if not endpoint.tls:
         user, password = (auth or EtcdAuth()).credentials()
+        if user is not None and not is_loopback(endpoint.host):
+            logger.warning("etcd at %s is plaintext: the password of --etcd-user %s and its "
+                           "tokens cross the network in the clear (use https:// with "
+                           "--tls-ca)", url, user)
         return aetcd.Client(endpoint.host, endpoint.port, username=user, password=password,
                             timeout=call_timeout_s)
     loaded = (tls or TlsFiles()).load()
