@@ -212,9 +212,8 @@ class RouterSession:
             reader.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
 
-    async def _proof(self, call: Any, nonce: str) -> str | None:
+    async def _proof(self, auth: CallAuth, call: Any, nonce: str) -> str | None:
         """None once the worker's answer proved the secret; else why not."""
-        assert self._auth is not None
         try:
             metadata = await asyncio.wait_for(call.initial_metadata(), PROOF_TIMEOUT_S)
         except grpc.aio.AioRpcError:
@@ -223,8 +222,8 @@ class RouterSession:
             metadata = None  # no answer at all: no proof
         if call.done() and not metadata and await call.code() != grpc.StatusCode.OK:
             return None  # it failed before answering: ``read`` says how; nothing was sent
-        reason = self._auth.verify(SESSION_METHOD, nonce, metadata)
-        return None if reason is None else refused_for(self._auth.peer, reason)
+        reason = auth.verify(SESSION_METHOD, nonce, metadata)
+        return None if reason is None else refused_for(auth.peer, reason)
 
     def _expire(self, stream: SessionStream, timeout_s: float) -> None:
         stream.push(SessionCallError(
@@ -248,8 +247,8 @@ class RouterSession:
                     proven: asyncio.Event) -> None:
         error = SessionCallError("UNAVAILABLE", "the worker ended the session")
         try:
-            if not proven.is_set():
-                reason = await self._proof(call, nonce)
+            if self._auth is not None and not proven.is_set():
+                reason = await self._proof(self._auth, call, nonce)
                 if reason is not None:
                     error = SessionCallError("UNAUTHENTICATED", reason)
                     return
