@@ -1,5 +1,5 @@
-"""The cluster KV store on a real redis-server (and a 3-shard Redis Cluster), both
-started once for the module on loopback."""
+"""The cluster KV store on a real redis-server, started once for the module on loopback
+(Redis Cluster: test_kv_store_redis_cluster.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from unit.kv_store_helpers import fresh_names, random_blocks
 
 from pdserve.kv_transfer.remote.base import (
     StoreError,
@@ -16,22 +17,11 @@ from pdserve.kv_transfer.remote.base import (
     StoreTimeoutError,
     create_store,
 )
-from pdserve.kv_transfer.remote.local_redis import LocalRedis, LocalRedisCluster
-from pdserve.kv_transfer.remote.names import BlockName, KVIdentity
+from pdserve.kv_transfer.remote.local_redis import LocalRedis
+from pdserve.kv_transfer.remote.names import KVIdentity
 from pdserve.kv_transfer.remote.redis_store import RedisKVStore
 
-IDENT = KVIdentity("fp0", "default", "bfloat16", "cpu", 16, (2, 16, 128))
-_prompts = iter(range(1, 1 << 30))
-
-
-def _names(n: int, ident: KVIdentity = IDENT) -> list[BlockName]:
-    """``n`` block names of a prompt no other test uses."""
-    base = next(_prompts) << 16
-    return ident.names([base + i for i in range(n)])
-
-
-def _blocks(n: int, size: int = 4096) -> list[bytes]:
-    return [os.urandom(size) for _ in range(n)]
+_names, _blocks = fresh_names, random_blocks
 
 
 @pytest.fixture(scope="module")
@@ -144,39 +134,22 @@ def test_an_unreachable_server_is_a_store_error() -> None:
         s.lookup_prefix(_names(1))
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalRedisCluster]:
-    start = time.monotonic()
-    with LocalRedisCluster(masters=3, maxmemory="32mb") as c:
-        assert time.monotonic() - start < 10
-        yield c
-
-
-def test_a_cluster_serves_a_prompts_blocks_from_one_shard(cluster: LocalRedisCluster) -> None:
-    store = create_store(cluster.url, StoreOptions(timeout_s=1.0))
-    try:
-        prompts = [(_names(5), _blocks(5)) for _ in range(12)]
-        for names, blocks in prompts:
-            assert store.put_blocks(list(zip(names, blocks, strict=True)), ttl_s=60) == 5
-        shards_used = set()
-        for names, blocks in prompts:
-            assert store.lookup_prefix(names) == 5
-            assert [bytes(b or b"") for b in store.get_blocks(names)] == blocks
-            with cluster.nodes[0].client() as c:
-                slots = {c.cluster("keyslot", name.key) for name in names}
-            assert len(slots) == 1  # the whole prompt in one slot, so on one shard
-            shards_used.add(_holder(cluster, slots.pop()))
-        assert len(shards_used) > 1  # and prompts spread over the shards
-    finally:
+def test_a_full_store_refuses_writes_or_evicts_by_its_policy() -> None:
+    value = os.urandom(256 << 10)
+    with LocalRedis(maxmemory="4mb", policy="noeviction") as full:
+        store = create_store(full.url, StoreOptions(timeout_s=1.0))
+        before = store.stats()
+        with pytest.raises(StoreError, match="OutOfMemoryError: command not allowed when "
+                           "used memory > 'maxmemory'.$"):  # no block bytes in it
+            for _ in range(40):  # 10 MiB into 4
+                store.put_blocks([(_names(1)[0], value)], ttl_s=60)
+        assert store.stats()["errors"] - before["errors"] == 1
         store.close()
-
-
-def _holder(cluster: LocalRedisCluster, slot: int) -> int:
-    """The port of the node whose keys fill ``slot``."""
-    holders = []
-    for node in cluster.nodes:
-        with node.client() as c:
-            if c.cluster("countkeysinslot", slot):
-                holders.append(node.port)
-    assert len(holders) == 1
-    return holders[0]
+    with LocalRedis(maxmemory="4mb", policy="allkeys-lru") as lru:
+        store = create_store(lru.url, StoreOptions(timeout_s=1.0))
+        names = [_names(1)[0] for _ in range(40)]
+        for name in names:
+            assert store.put_blocks([(name, value)], ttl_s=60) == 1
+        held = [store.lookup_prefix([n]) for n in names]
+        assert held[-1] == 1 and 0 < sum(held) < len(names)  # the oldest evicted
+        store.close()

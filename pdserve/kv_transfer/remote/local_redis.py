@@ -52,7 +52,9 @@ class LocalRedis:
                       "--maxmemory-policy", policy, "--dir", str(self.data_dir)]
         if cluster:
             self._argv += ["--cluster-enabled", "yes", "--cluster-config-file",
-                           f"nodes-{self.port}.conf", "--cluster-node-timeout", "2000"]
+                           f"nodes-{self.port}.conf", "--cluster-node-timeout", "2000",
+                           # a cache: the shards left keep serving when one is lost
+                           "--cluster-require-full-coverage", "no"]
         self._log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 

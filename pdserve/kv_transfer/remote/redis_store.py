@@ -3,9 +3,17 @@
 
 Sync on purpose: the connector's saves and loads run on its own threads (never on an
 engine step), and one pipeline per call is one round trip either way. Each call is one
-non-transactional pipeline: ``lookup_prefix`` one EXISTS per name, ``get_blocks`` one GET
-per name, ``put_blocks`` one ``SET NX PX`` per block. In cluster mode a prompt's keys
-share a hash tag (``names.py``), so the pipeline goes to one shard: still one round trip.
+non-transactional pipeline per server: ``lookup_prefix`` one EXISTS per name,
+``get_blocks`` one GET per name, ``put_blocks`` one ``SET NX PX`` per block.
+
+In cluster mode a prompt's keys share a hash tag (``names.py``), so they are one slot on
+one shard, and the store sends them as one plain pipeline to the node that owns the slot
+(``_ClusterTargets``): one round trip. Not redis-py's ``ClusterPipeline``: on a timeout it
+resends each failed command alone (a stopped shard then costs a deadline per command,
+measured 2 s for a 0.5 s deadline and three blocks). Names of several prompts in one call
+go to each owner in turn. A connection error or a redirect (MOVED/ASK: a slot moved, a
+replica took over) fails the call (``StoreError``) and the next call first reloads the
+slot table.
 
 Deadlines: ``socket_connect_timeout`` and ``socket_timeout`` are the options' timeout,
 and redis-py's retries are off (``Retry(NoBackoff(), 0)``), so a call waits at most about
@@ -23,7 +31,8 @@ from urllib.parse import urlsplit
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import AskError, MovedError, RedisClusterException, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -36,12 +45,58 @@ STATS = ("lookups", "lookup_blocks", "lookup_hit_blocks", "gets", "get_blocks",
          "put_bytes", "errors", "timeouts")
 
 
+class _SingleTarget:
+    """Every key on one server."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+
+    def groups(self, keys: Sequence[str]) -> list[tuple[redis.Redis, list[int]]]:
+        return [(self.client, list(range(len(keys))))]
+
+    def failed(self, exc: Exception) -> None:
+        pass
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class _ClusterTargets:
+    """Keys grouped by the node that owns their slot, in the order first seen; the slot
+    table reloaded before the next call after a connection error or a redirect."""
+
+    def __init__(self, client: RedisCluster) -> None:
+        self.client = client
+        self._stale = False
+
+    def groups(self, keys: Sequence[str]) -> list[tuple[redis.Redis, list[int]]]:
+        if self._stale:
+            self.client.nodes_manager.initialize()
+            self._stale = False
+        by_node: dict[str, tuple[redis.Redis, list[int]]] = {}
+        for i, key in enumerate(keys):
+            node = self.client.get_node_from_key(key)
+            if node.name not in by_node:
+                by_node[node.name] = (self.client.get_redis_connection(node), [])
+            by_node[node.name][1].append(i)
+        return list(by_node.values())
+
+    def failed(self, exc: Exception) -> None:
+        if isinstance(exc, RedisConnectionError | MovedError | AskError):
+            self._stale = True
+
+    def close(self) -> None:
+        self.client.close()
+
+
 class RedisKVStore:
     """One client (a ``redis.Redis`` or a ``RedisCluster``) shared by the caller's
     threads (redis-py's pools are thread-safe); counters under a lock."""
 
-    def __init__(self, client: Any, where: str) -> None:
-        self._client = client
+    def __init__(self, client: redis.Redis | RedisCluster, where: str) -> None:
+        self._targets: _SingleTarget | _ClusterTargets = (
+            _ClusterTargets(client) if isinstance(client, RedisCluster)
+            else _SingleTarget(client))
         self._where = where
         self._stats = dict.fromkeys(STATS, 0)
         self._lock = threading.Lock()
@@ -89,29 +144,40 @@ class RedisKVStore:
 
     def close(self) -> None:
         try:
-            self._client.close()
+            self._targets.close()
         except (RedisError, RedisClusterException, OSError):
             pass  # closing a broken connection: nothing left to end
 
     def _pipeline(self, what: str, ops: Sequence[tuple[Any, ...]]) -> list[Any]:
         if not ops:
             return []
+        replies: list[Any] = [None] * len(ops)
         try:
-            pipe = self._client.pipeline(transaction=False)
-            for op in ops:
-                if op[0] == "set":
-                    pipe.set(op[1], op[2], nx=True, px=op[3])
-                else:
-                    getattr(pipe, op[0])(op[1])
-            return list(pipe.execute())
-        except RedisTimeoutError as exc:
-            self._count(errors=1, timeouts=1)
-            raise StoreTimeoutError(f"KV store {self._where}: {what} timed out: {exc}"
-                                    ) from exc
+            for client, indices in self._targets.groups([op[1] for op in ops]):
+                pipe = client.pipeline(transaction=False)
+                for i in indices:
+                    op = ops[i]
+                    if op[0] == "set":
+                        pipe.set(op[1], op[2], nx=True, px=op[3])
+                    else:
+                        getattr(pipe, op[0])(op[1])
+                for i, reply in zip(indices, pipe.execute(), strict=True):
+                    replies[i] = reply
+            return replies
         except (RedisError, RedisClusterException, OSError) as exc:
-            self._count(errors=1)
-            raise StoreError(f"KV store {self._where}: {what} failed: "
-                             f"{type(exc).__name__}: {exc}") from exc
+            self._targets.failed(exc)
+            raise self._error(what, exc) from exc
+
+    def _error(self, what: str, exc: Exception) -> StoreError:
+        # redis-py names a pipeline's failed command with its arguments: a block's bytes
+        why = str(exc).rsplit("caused error: ", 1)[-1][:200]
+        why = why.encode("ascii", "backslashreplace").decode()
+        if isinstance(exc, RedisTimeoutError):
+            self._count(errors=1, timeouts=1)
+            return StoreTimeoutError(f"KV store {self._where}: {what} timed out: {why}")
+        self._count(errors=1)
+        return StoreError(f"KV store {self._where}: {what} failed: "
+                          f"{type(exc).__name__}: {why}")
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
