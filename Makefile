@@ -24,13 +24,18 @@ test: install etcd
 	HF_HUB_OFFLINE=1 $(BIN)/pytest --durations=25 $(PYTEST_ARGS)
 
 # System tools the tests run (sudo when not root): a real etcd for the membership tests
-# (Debian's etcd-server), and Debian's docker-compose, which checks deploy/compose offline.
+# (Debian's etcd-server), Debian's redis-server (redis-server and redis-cli: the cluster
+# KV store's tests start their own), and Debian's docker-compose, which checks
+# deploy/compose offline.
 etcd:
-	@command -v etcd >/dev/null && command -v docker-compose >/dev/null || { \
+	@command -v etcd >/dev/null && command -v redis-server >/dev/null && command -v redis-cli >/dev/null \
+		&& command -v docker-compose >/dev/null || { \
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
-			etcd-server docker-compose; }
+			etcd-server redis-server docker-compose; }
 	@command -v etcd >/dev/null || { echo "etcd is not installed (apt-get install etcd-server)"; exit 1; }
+	@for tool in redis-server redis-cli; do command -v $$tool >/dev/null || { \
+		echo "$$tool is not installed (apt-get install redis-server)"; exit 1; }; done
 	@command -v docker-compose >/dev/null || { echo "docker-compose is not installed (apt-get install docker-compose)"; exit 1; }
 
 venv: $(BIN)/python

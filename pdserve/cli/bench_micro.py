@@ -256,6 +256,16 @@ TOOLS: dict[str, Tool] = {
                       "names, and belady, infinite)"}),
         "--json",
     )),
+    "kv-store": Tool("kv_store", configs.KvStoreConfig,
+                     "the cluster KV store's SET/GET GiB/s on its values beside a memcpy of "
+                     "the same bytes", (
+        ("--url", {"help": "a KV store URL, redis://HOST:PORT or redis-cluster://... "
+                   "(default: a local redis-server started for the run)"}),
+        ("--value-mib", {"type": _csv(float), "help": "comma-separated value sizes in MiB"}),
+        ("--total-mib", {"type": int, "help": "MiB written and read per size and rep"}),
+        ("--batch-mib", {"type": int, "help": "MiB per call (one round trip each)"}),
+        "--reps", "--json",
+    )),
 }
 
 

@@ -40,6 +40,8 @@ FOREIGN_FLAGS = {
     "etcd": {"--cert-file", "--key-file", "--trusted-ca-file", "--client-cert-auth",
              "--auth-token-ttl"},
     "etcdctl": {"--prefix"},
+    "redis-server": {"--save", "--appendonly", "--maxmemory", "--maxmemory-policy"},
+    "redis-cli": {"--cluster"},
     "docker": {"--build-arg"},
     "helm": {"--set", "--set-file"},
     "pip": {"--no-deps"},

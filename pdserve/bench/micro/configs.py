@@ -292,3 +292,21 @@ class CacheSimConfig:
         for spec in self.policy:
             if spec not in CACHE_SIM_ONLY:
                 check_policy(spec)
+
+
+@dataclass(frozen=True)
+class KvStoreConfig:
+    url: str = ""  # a store URL; "" starts a local redis-server for the run
+    value_mib: tuple[float, ...] = (0.09, 1.0, 4.0)
+    total_mib: int = 128  # bytes written (and read) per value size and repetition
+    batch_mib: int = 16  # bytes per put_blocks / get_blocks call (one round trip)
+    reps: int = 3
+    json: str | None = None  # also write the JSON lines to this file
+
+    def __post_init__(self) -> None:
+        if not self.value_mib or min(self.value_mib) <= 0:
+            raise ValueError("--value-mib must be sizes > 0")
+        if max(self.value_mib) > min(self.total_mib, 512):
+            raise ValueError("--value-mib must be <= --total-mib (and 512)")
+        if self.batch_mib < 1 or self.reps < 1:
+            raise ValueError("--batch-mib and --reps must be >= 1")

@@ -1,0 +1,106 @@
+"""The cluster KV store's contract: blocks every worker can read, named by content.
+
+A store holds immutable values under ``BlockName`` keys (``names.py``). It is shared by
+the whole cluster and trusted by none of it blindly: every value carries a checksum
+(``codec.py``) and a value that fails it is a miss, never data.
+
+Ownership: ``put_blocks`` copies the caller's bytes before it returns (the caller may
+reuse its buffers at once); the views ``get_blocks`` returns belong to the caller (the
+store keeps no reference). The store owns its connections; ``close()`` ends them.
+
+Every call has a deadline: ``StoreOptions.timeout_s`` bounds connecting and each wait
+for the server's bytes (a socket timeout, no retries), so a stopped, partitioned or
+dead server makes a call fail within about ``timeout_s``, never hang. What each failure
+means:
+
+- ``StoreError``: the call did not complete (unreachable, timed out, refused, a
+  shard moving); nothing can be concluded about the keys. The caller treats it as a
+  miss (load) or a skipped write (save); the next call may succeed.
+- ``StoreTimeoutError`` (a ``StoreError``): the same, because the deadline passed.
+- A corrupt value (bad header, length or checksum) is not an error: the block reads as
+  missing and ``stats()["bad_blocks"]`` counts it.
+
+Immutability: ``put_blocks`` writes a key only if it is absent (SET NX), in one
+atomic command per block, so a reader sees either no value or the whole first one, and
+two writers of one block cannot interleave. A value lives ``ttl_s`` seconds at most;
+the server's memory cap (``maxmemory`` with an eviction policy, set by whoever runs it:
+``local_redis.py`` does) may drop it sooner. A prefix whose middle block was dropped
+reads only up to the hole: ``lookup_prefix`` counts the contiguous run.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+from urllib.parse import urlsplit
+
+from pdserve.kv_transfer.remote.names import BlockName
+
+
+class StoreError(Exception):
+    """A store call did not complete; the message names the server and the cause."""
+
+
+class StoreTimeoutError(StoreError):
+    """A store call passed its deadline (``StoreOptions.timeout_s``)."""
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    timeout_s: float = 1.0  # connect, and each wait for the server's reply
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, not {self.timeout_s}")
+
+
+class KVStore(Protocol):
+    def lookup_prefix(self, names: Sequence[BlockName]) -> int:
+        """How many of ``names`` (one prompt's blocks, in order) are held from the first
+        on, stopping at the first missing one; one round trip. ``StoreError``."""
+        ...
+
+    def get_blocks(self, names: Sequence[BlockName]) -> list[memoryview | None]:
+        """Each block's payload, or None where missing or corrupt (counted); one round
+        trip. ``StoreError``."""
+        ...
+
+    def put_blocks(self, items: Sequence[tuple[BlockName, bytes | memoryview]],
+                   ttl_s: float) -> int:
+        """Publish blocks not yet held, each for ``ttl_s`` seconds; a held one keeps its
+        first value. Returns how many were written; one round trip. ``StoreError``."""
+        ...
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start: calls, blocks, hits, misses, bad_blocks, errors, ..."""
+        ...
+
+    def close(self) -> None:
+        """End the connections; the store is not used after."""
+        ...
+
+
+# URL scheme -> "module:factory", imported only when one is created (the redis package)
+_BUILTIN = {"redis": ".redis_store:open_redis", "redis-cluster": ".redis_store:open_redis"}
+
+
+def store_schemes() -> list[str]:
+    """Every store's URL scheme; imports no store module."""
+    return sorted(_BUILTIN)
+
+
+def create_store(url: str, options: StoreOptions | None = None) -> KVStore:
+    """The store ``url`` names (``redis://HOST:PORT[/DB]``,
+    ``redis-cluster://HOST:PORT[,HOST:PORT...]``); an unknown scheme lists the valid
+    ones (``ValueError``). Connecting may raise ``StoreError``."""
+    scheme = urlsplit(url).scheme
+    target = _BUILTIN.get(scheme)
+    if target is None:
+        raise ValueError(f"unknown KV store URL scheme {scheme!r} in {url!r}; valid "
+                         f"schemes: {', '.join(f'{s}://' for s in store_schemes())}")
+    module, _, name = target.partition(":")
+    build: Callable[[str, StoreOptions], KVStore] = getattr(
+        importlib.import_module(module, __package__), name)
+    return build(url, options or StoreOptions())

@@ -1,0 +1,180 @@
+"""A local redis-server, or a Redis Cluster of several on one machine, for
+``pdserve up`` and tests (Debian: ``apt-get install redis-server``; ``make etcd``
+installs it).
+
+Each server is a cache, never a database: no snapshots (``--save ''``), no append-only
+file, a memory cap (``--maxmemory``) and an eviction policy the server applies when the
+cap is reached (``allkeys-lru`` by default; ``volatile-ttl`` evicts the soonest to
+expire), bound to 127.0.0.1 in a temporary directory that ``stop()`` removes.
+``LocalRedisCluster`` starts ``masters`` cluster-enabled servers (each with ``replicas``
+replicas) and joins them with ``redis-cli --cluster create``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+import redis
+
+from pdserve.core import process
+from pdserve.core.ports import free_port
+
+START_TIMEOUT_S = 15.0
+POLICIES = ("allkeys-lru", "allkeys-lfu", "volatile-ttl", "volatile-lru", "noeviction")
+
+
+def redis_binary(name: str = "redis-server") -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise RuntimeError(f"no `{name}` binary on PATH; install it (Debian/Ubuntu: "
+                           "`sudo apt-get install redis-server`) or pass a store URL")
+    return path
+
+
+class LocalRedis:
+    def __init__(self, maxmemory: str = "256mb", policy: str = "allkeys-lru",
+                 port: int | None = None, cluster: bool = False,
+                 data_dir: Path | None = None, log_path: Path | None = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown maxmemory policy {policy!r}; valid: "
+                             f"{', '.join(POLICIES)}")
+        self._binary = redis_binary()
+        self.port = port or free_port()
+        self._own_dir = data_dir is None
+        self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
+        self._argv = [self._binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                      "--save", "", "--appendonly", "no", "--maxmemory", maxmemory,
+                      "--maxmemory-policy", policy, "--dir", str(self.data_dir)]
+        if cluster:
+            self._argv += ["--cluster-enabled", "yes", "--cluster-config-file",
+                           f"nodes-{self.port}.conf", "--cluster-node-timeout", "2000",
+                           # a cache: the shards left keep serving when one is lost
+                           "--cluster-require-full-coverage", "no"]
+        self._log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> LocalRedis:
+        self.proc = process.spawn(self._argv, log_path=self._log_path)
+        try:
+            process.wait_ready(self._ping, timeout_s, exited=self._exited, interval_s=0.05)
+        except process.NotReadyError as exc:
+            self.stop()
+            raise process.NotReadyError(f"redis-server {exc}") from None
+        return self
+
+    def client(self, timeout_s: float = 1.0) -> redis.Redis:
+        """A plain client of this server (tests: raw keys, CONFIG, CLUSTER INFO)."""
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=timeout_s,
+                           socket_connect_timeout=timeout_s)
+
+    def _ping(self) -> str:
+        with self.client(timeout_s=0.5) as c:
+            return "" if c.ping() else "no PONG"
+
+    def _exited(self) -> str | None:
+        rc = None if self.proc is None else self.proc.poll()
+        return None if rc is None else f"exit code {rc}"
+
+    def send_signal(self, sig: int) -> None:
+        """``sig`` to the server (tests: SIGSTOP and SIGCONT)."""
+        if self.proc is not None:
+            process.signal_group(self.proc.pid, sig)
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        """``sig`` (SIGKILL: nothing to save) to the server, SIGKILL after 5 s; its
+        directory removed when this object made it."""
+        if self.proc is not None and self.proc.poll() is None:
+            process.signal_group(self.proc.pid, signal.SIGCONT)  # a stopped one dies too
+            process.stop([self.proc], grace_s=5, sig=sig)
+        self.proc = None
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class LocalRedisCluster:
+    def __init__(self, masters: int = 3, replicas: int = 0, maxmemory: str = "256mb",
+                 policy: str = "allkeys-lru", log_path: Path | None = None) -> None:
+        if masters < 3:
+            raise ValueError(f"a Redis Cluster needs >= 3 masters, not {masters}")
+        self.data_dir = Path(tempfile.mkdtemp(prefix="pdserve-redis-cluster-"))
+        self.nodes: list[LocalRedis] = []
+        for _ in range(masters * (1 + replicas)):
+            port = _cluster_port()
+            node_dir = self.data_dir / str(port)
+            node_dir.mkdir()
+            self.nodes.append(LocalRedis(maxmemory, policy, port, cluster=True,
+                                         data_dir=node_dir, log_path=log_path))
+        self._replicas = replicas
+
+    @property
+    def url(self) -> str:
+        return "redis-cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> LocalRedisCluster:
+        try:
+            for node in self.nodes:
+                node.start(timeout_s)
+            argv = [redis_binary("redis-cli"), "--cluster", "create",
+                    *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                    "--cluster-replicas", str(self._replicas), "--cluster-yes"]
+            done = subprocess.run(argv, capture_output=True, timeout=timeout_s, check=False)
+            if done.returncode != 0:
+                raise process.NotReadyError(f"redis-cli --cluster create: exit "
+                                            f"{done.returncode}: {done.stdout[-500:]!r}")
+            process.wait_ready(self._cluster_ok, timeout_s, interval_s=0.1)
+        except (process.NotReadyError, subprocess.TimeoutExpired):
+            self.stop()
+            raise
+        return self
+
+    def _cluster_ok(self) -> str:
+        for node in self.nodes:
+            with node.client(timeout_s=0.5) as c:
+                info = c.cluster("info")
+            if info.get("cluster_state") != "ok":
+                return f"node {node.port}: cluster_state {info.get('cluster_state')}"
+        return ""
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalRedisCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too."""
+    for _ in range(100):
+        port = free_port()
+        if port + 10000 < 65536 and _is_free(port + 10000):
+            return port
+    raise RuntimeError("no free port pair (port, port + 10000) for a Redis Cluster node")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
