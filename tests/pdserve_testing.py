@@ -545,3 +545,22 @@ def dashboard_metric_names(path: str | Path) -> set[str]:
             expr = pattern.sub(" ", expr)
         names.update(n for n in _NAME.findall(expr) if n.lower() not in _PROMQL_WORDS)
     return names
+
+
+def router_child(server: Server) -> psutil.Process:
+    """The router process of a ``pdserve up`` (to start a second one as it was started)."""
+    for p in psutil.Process(server.proc.pid).children():
+        try:
+            if p.cmdline()[3:4] == ["router"]:
+                return p
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError("the cluster has no router process")
+
+
+def with_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    """``argv`` with ``flag``'s value replaced (or the flag added)."""
+    if flag not in argv:
+        return [*argv, flag, value]
+    i = argv.index(flag) + 1
+    return [*argv[:i], value, *argv[i + 1:]]

@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 from integration.pd_cases import MODEL
-from pdserve_testing import Server, kill_cluster, launch_up, wait_until
+from pdserve_testing import Server, kill_cluster, launch_up, router_child, wait_until, with_flag
 
 from pdserve.core import process
 from pdserve.core.ports import free_port
@@ -188,30 +187,15 @@ def test_the_main_port_has_no_views_and_a_tenant_sees_only_its_own_series(
 
 # ---- weight transfer held to the allowed networks ------------------------------------
 
-def _router_child(server: Server) -> psutil.Process:
-    for p in psutil.Process(server.proc.pid).children():
-        try:
-            if p.cmdline()[3:4] == ["router"]:
-                return p
-        except psutil.NoSuchProcess:
-            continue
-    raise AssertionError("the cluster has no router process")
-
-
-def _with_flag(argv: list[str], flag: str, value: str) -> list[str]:
-    if flag not in argv:
-        return [*argv, flag, value]
-    i = argv.index(flag) + 1
-    return [*argv[:i], value, *argv[i + 1:]]
 
 
 @pytest.fixture(scope="module")
 def transfer_router(plane: Plane) -> Iterator[str]:
     """A second router of the same worker with the transfer routes on, allowed to send
     workers to 127.0.0.1 only; its admin listener's URL (keys as ``up`` handed them)."""
-    router = _router_child(plane.server)
+    router = router_child(plane.server)
     port, admin_port = free_port(), free_port()
-    argv = _with_flag(_with_flag(router.cmdline(), "--port", str(port)),
+    argv = with_flag(with_flag(router.cmdline(), "--port", str(port)),
                       "--admin-port", str(admin_port))
     argv += ["--weight-transfer-backend", "nccl", "--weight-transfer-allow", "127.0.0.1/32"]
     log = plane.log_dir / "transfer-router.log"

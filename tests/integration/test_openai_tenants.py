@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 from integration.pd_cases import MODEL
-from pdserve_testing import Server, kill_cluster
+from pdserve_testing import Server, kill_cluster, router_child, with_flag
 
 from pdserve.core import process
 from pdserve.core.cluster_secret import load_cluster_secret
@@ -40,22 +39,6 @@ TEXTS = {"local": " ".join(f"Row {i}: the ferry leaves the pier at noon." for i 
                             for i in range(34))}
 
 
-def _router_child(server: Server) -> psutil.Process:
-    for p in psutil.Process(server.proc.pid).children():
-        try:
-            if p.cmdline()[3:4] == ["router"]:
-                return p
-        except psutil.NoSuchProcess:
-            continue
-    raise AssertionError("the cluster has no router process")
-
-
-def _with_flag(argv: list[str], flag: str, value: str) -> list[str]:
-    """``argv`` with ``flag``'s value replaced (or the flag added)."""
-    if flag not in argv:
-        return [*argv, flag, value]
-    i = argv.index(flag) + 1
-    return [*argv[:i], value, *argv[i + 1:]]
 
 
 class KeyedRouter:
@@ -75,9 +58,9 @@ class KeyedRouter:
         return self.url
 
     def _start(self, server: Server) -> None:
-        router = _router_child(server)
+        router = router_child(server)
         port, admin_port = free_port(), free_port()
-        argv = _with_flag(_with_flag(_with_flag(router.cmdline(), "--port", str(port)),
+        argv = with_flag(with_flag(with_flag(router.cmdline(), "--port", str(port)),
                                      "--admin-port", str(admin_port)),
                           "--tenant-isolation", "key")
         log = self._log_dir / f"router-{port}.log"
@@ -153,7 +136,7 @@ def test_api_keys_are_tenants_that_share_no_cached_tokens(
     assert _cached(keyed_router, path, one) == 0
     assert _cached(keyed_router, path, one) >= 128
     assert _cached(keyed_router, path, two) == 0
-    argv = _router_child(pd_server).cmdline()  # up gives its router a cluster secret
+    argv = router_child(pd_server).cmdline()  # up gives its router a cluster secret
     secret = load_cluster_secret(argv[argv.index("--cluster-secret-file") + 1])
     derived = tenant_salt(secret, one.encode())
     for salt in (derived.removeprefix("@"), one):
