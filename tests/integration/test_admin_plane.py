@@ -1,5 +1,6 @@
 """The admin plane on a real cluster: ``pdserve up --api-key-file K --admin-key-file A
---admin-host 0.0.0.0``, one decode worker (vLLM, float32), through real sockets.
+--admin-host 0.0.0.0``, a prefill and a decode worker (vLLM, float32), KV handed over on
+every request, through real sockets.
 
 Every route of the admin listener (listed from its own ``/openapi.json``, so a route added
 later is covered) refuses a tenant's key and no key, and takes the admin key; the main
@@ -8,7 +9,8 @@ routes are off on that router (its workers have no transfer engine: ``up`` refus
 ``--weight-transfer-backend`` without a GPU), so a second router of the same workers,
 started as ``up`` started its own plus ``--weight-transfer-backend nccl
 --weight-transfer-allow 127.0.0.1/32``, shows an address outside the allowed network
-refused before anything is contacted."""
+refused before anything is contacted. Last, both ports are fuzzed through their sockets
+(``http_fuzz.py``) and the cluster holds nothing afterwards."""
 
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ from typing import Any
 
 import httpx
 import pytest
+from integration.http_fuzz import WRONG_KEY, Cluster, check_after_fuzz, fuzz_port
 from integration.pd_cases import MODEL
+from integration.socket_fuzz import Port
 from pdserve_testing import Server, kill_cluster, launch_up, router_child, wait_until, with_flag
 
 from pdserve.core import process
@@ -62,8 +66,8 @@ def plane(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                PDSERVE_CACHE=os.environ.get("PDSERVE_CACHE", str(model_path.parents[1])))
     port, admin_port = free_port(), free_port()
     server = launch_up(["--dtype", "float32", "--port", str(port), "--kv-cache-gib", "1",
-                        "--max-model-len", "1024", "--num-prefill", "0", "--num-decode", "1",
-                        "--disagg", "never", "--api-key-file", str(keys),
+                        "--max-model-len", "1024", "--num-prefill", "1", "--num-decode", "1",
+                        "--disagg", "always", "--api-key-file", str(keys),
                         "--admin-key-file", str(admin_keys), "--admin-host", "0.0.0.0",
                         "--admin-port", str(admin_port)], env, STARTUP_TIMEOUT_S,
                        log_path=folder / "up.log")
@@ -141,8 +145,9 @@ def test_the_admin_key_opens_every_route(plane: Plane) -> None:
         assert http.get(plane.admin + "/is_paused").json() == {"is_paused": True}
         assert http.post(plane.admin + "/resume").status_code == 200
         assert http.get(plane.admin + "/is_paused").json() == {"is_paused": False}
-        (worker,) = http.get(plane.admin + "/workers").json()["workers"]
-        assert worker["healthy"] and worker["role"] == "decode"
+        workers = http.get(plane.admin + "/workers").json()["workers"]
+        assert sorted((w["role"], w["healthy"]) for w in workers) == [
+            ("decode", True), ("prefill", True)]
     assert complete(plane.root, TENANTS["acme"]).status_code == 200  # still serving
 
 
@@ -207,7 +212,7 @@ def transfer_router(plane: Plane) -> Iterator[str]:
             view = httpx.get(admin + "/workers", headers=bearer(ADMIN_KEY), timeout=2).json()
         except (httpx.HTTPError, ValueError):
             return "no /workers yet"
-        return "" if [w["healthy"] for w in view["workers"]] == [True] else "not healthy"
+        return "" if [w["healthy"] for w in view["workers"]] == [True, True] else "not healthy"
 
     def exited() -> str | None:
         return None if proc.poll() is None else f"router: {log.read_text()[-2000:]}"
@@ -246,3 +251,19 @@ def test_init_weight_transfer_to_an_address_outside_the_allow_list_is_refused(
     assert info == plane.admin_get("/weight_info").json()
     assert wait_until(lambda: complete(plane.root, TENANTS["globex"]).status_code == 200,
                       30, interval_s=1)
+
+
+# ---- both ports fuzzed through real sockets (last: it may pause, abort, refit) ---------
+
+def test_a_short_fuzz_of_both_ports_leaves_the_cluster_holding_nothing(plane: Plane) -> None:
+    """The socket fuzz (``http_fuzz.py``; its long run is on simulated workers in
+    ``test_http_fuzz_sockets.py``) on these real engines: 0 crashes, then no request,
+    lease, pending transfer or KV block held, and a request served."""
+    acme, globex = TENANTS["acme"], TENANTS["globex"]
+    cluster = Cluster(plane.server,
+                      Port("main/keys", plane.root, True, (acme, WRONG_KEY, None, globex)),
+                      Port("admin/keys", plane.admin, False, (ADMIN_KEY, WRONG_KEY, None, acme)),
+                      MODEL)
+    tallies = [(cluster.main, fuzz_port(cluster, cluster.main, 60, 40)),
+               (cluster.admin, fuzz_port(cluster, cluster.admin, 40, 10))]
+    check_after_fuzz(cluster, tallies, cache_too=True)
