@@ -264,6 +264,6 @@ def test_a_short_fuzz_of_both_ports_leaves_the_cluster_holding_nothing(plane: Pl
                       Port("main/keys", plane.root, True, (acme, WRONG_KEY, None, globex)),
                       Port("admin/keys", plane.admin, False, (ADMIN_KEY, WRONG_KEY, None, acme)),
                       MODEL)
-    tallies = [(cluster.main, fuzz_port(cluster, cluster.main, 60, 40)),
-               (cluster.admin, fuzz_port(cluster, cluster.admin, 40, 10))]
+    tallies = [(cluster.main, fuzz_port(cluster, cluster.main, 40, 30)),
+               (cluster.admin, fuzz_port(cluster, cluster.admin, 30, 10))]
     check_after_fuzz(cluster, tallies, cache_too=True)

@@ -30,8 +30,8 @@ from pdserve.core.ports import free_port
 
 CLIENT_KEY, TENANT_KEY, ADMIN_KEY = "fuzz-client-key-1", "fuzz-client-key-2", "fuzz-admin-key"
 SIM_STARTUP_S = 300  # the router imports transformers: ~20 s on idle cores, minutes on busy
-NUM_SCHEMA = 160  # per port, over its operations
-NUM_RAW = 80  # per port
+NUM_SCHEMA = 100  # per port, over its operations
+NUM_RAW = 50  # per port
 
 
 def _admin_key_args(tmp_path: Path, key: str) -> list[str]:
