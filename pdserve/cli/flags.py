@@ -86,6 +86,22 @@ FLAGS = _flags(
          f"{', '.join(policy_names())} (ttl:SECONDS, quota:NAME for per-tenant quotas; "
          "default: adaptive, see docs/benchmarks.md)", DEFAULT_POLICY, check_policy,
          metavar="NAME"),
+    Flag("kv-store", "the cluster KV store every worker shares, below its own tiers: "
+         "redis://HOST:PORT[/DB] or redis-cluster://HOST:PORT[,HOST:PORT...] (no password in "
+         "the URL: --kv-store-password-file). Finished requests' blocks are published behind "
+         "the request; a prompt's leading blocks load from it when that is faster than "
+         "computing them (default: off)", None, metavar="URL"),
+    Flag("kv-store-ttl-s", "how long a block published to the KV store lives there at most, "
+         "in seconds (the server's memory cap may drop it sooner)", 3600.0, parse_float(1)),
+    Flag("kv-store-timeout-s", "the deadline of each KV store call, in seconds: a stopped "
+         "or unreachable store costs a request at most this, and the block is computed",
+         0.5, parse_float(0.001)),
+    Flag("kv-store-password-file", "a file holding the KV store's password (Redis AUTH); "
+         "never on the command line", None, metavar="FILE"),
+    Flag("kv-compression", "how KV blocks are encoded in the KV store: none, lossless "
+         "(bit-identical), int8 or fp8 (lossy, per-block per-head scales); workers with "
+         "different settings never share a block", "none",
+         choices=("none", "lossless", "int8", "fp8")),
     Flag("weight-version", "the version the weights the worker starts with serve under "
          "(vLLM's name for a model's own: default): it is in the worker's compatibility "
          "hash, its KV handles and cache names, so only workers of one version pair; give a "

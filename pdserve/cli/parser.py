@@ -20,7 +20,9 @@ DESCRIPTION = ("disaggregated prefill/decode LLM serving on vLLM. Every flag als
 COMMON = ("model", "max-model-len", "log-level", "log-format")
 ENGINE = ("dtype", "kv-cache-gib", "num-kv-blocks", "kv-offload-gib", "kv-disk-dir",
           "kv-disk-gib", "kv-tier-policy", "shm-spin-s", "prefill-chunk-tokens",
-          "prefill-max-running", "prefill-order", "weight-version", "weight-transfer-backend")
+          "prefill-max-running", "prefill-order", "weight-version", "weight-transfer-backend",
+          "kv-store", "kv-store-ttl-s", "kv-store-timeout-s", "kv-store-password-file",
+          "kv-compression")
 TRANSPORT = ("transport", "kv-checksum", "kv-throttle-mib-s", "kv-push")
 MEMBERSHIP = ("etcd", "cluster", "etcd-ttl-s", "etcd-user", "etcd-password-file")
 WORKER = ("host", "port", "advertise-host", "kv-port", "kv-host", "cpu-cores", "lease-s",

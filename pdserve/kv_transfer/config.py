@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from pdserve.core.cluster_secret import ClusterSecret, optional_secret
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.kv_transfer.base import TransportOptions, transport_names
 from pdserve.kv_transfer.control.tls import KvTls, load_kv_tls
+from pdserve.kv_transfer.remote.base import store_schemes
 from pdserve.kv_transfer.tiers.policies.registry import check_policy
+
+KV_COMPRESSIONS = ("none", "lossless", "int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,14 @@ class ConnectorConfig:
     kv_disk_gib: float = 0.0
     # Which block both tiers evict and admit (``tiers.policies.registry``).
     kv_tier_policy: str = "default"
+    # The cluster KV store (``remote/``): its URL (None: off), each block's lifetime in
+    # it, each call's deadline, the password's file (never the password: this config
+    # lands in vLLM's, which vLLM logs) and how its blocks are encoded.
+    kv_store: str | None = None
+    kv_store_ttl_s: float = 3600.0
+    kv_store_timeout_s: float = 0.5
+    kv_store_password_file: str | None = None
+    kv_compression: str = "none"
     # The cluster secret's file (never the secret: this config lands in vLLM's, which
     # vLLM logs); None: KV connections are not authenticated.
     cluster_secret_file: str | None = None
@@ -66,6 +78,7 @@ class ConnectorConfig:
         if bool(self.kv_disk_dir) != (self.kv_disk_gib > 0):
             raise ValueError("the disk tier needs both kv_disk_dir and kv_disk_gib > 0")
         check_policy(self.kv_tier_policy)
+        self._check_store()
         if self.kv_throttle_mib_s < 0:
             raise ValueError(f"kv_throttle_mib_s must be >= 0, got {self.kv_throttle_mib_s}")
         names = transport_names()
@@ -77,6 +90,23 @@ class ConnectorConfig:
             raise ValueError(f"--require-tls: the {self.transport} transport moves KV bytes "
                              "outside the TLS control channel, unencrypted; use --transport tcp")
         self.kv_tls()  # and so do bad TLS files
+
+    def _check_store(self) -> None:
+        if self.kv_store_ttl_s <= 0 or self.kv_store_timeout_s <= 0:
+            raise ValueError("kv_store_ttl_s and kv_store_timeout_s must be > 0")
+        if self.kv_compression not in KV_COMPRESSIONS:
+            raise ValueError(f"unknown KV compression {self.kv_compression!r}; valid: "
+                             f"{', '.join(KV_COMPRESSIONS)}")
+        if self.kv_store is None:
+            return
+        parts = urlsplit(self.kv_store)
+        if parts.scheme not in store_schemes():
+            raise ValueError(f"unknown KV store URL scheme {parts.scheme!r} in "
+                             f"{self.kv_store!r}; valid schemes: "
+                             + ", ".join(f"{s}://" for s in store_schemes()))
+        if parts.password is not None:
+            raise ValueError("the KV store URL carries a password, which vLLM would log: "
+                             "give it in a file (--kv-store-password-file)")
 
     def tls_files(self) -> TlsFiles:
         return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca, required=self.require_tls)
