@@ -75,9 +75,12 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_H
 # the hash XOR a fixed 64-bit mask per tier. One stream, one seq and one snapshot cover
 # the engine and its tiers; a reader asks for a tier by masking the prompt's hashes.
 KV_TIERS = ("host", "disk")
+# The cluster KV store's blocks travel the same way, announced by the worker that
+# published them (any worker on the store can load them).
+STORE_TIER = "store"
 _TIER_MASK = {tier: int.from_bytes(blake2b(f"pdserve-kv-tier:{tier}".encode(),
                                            digest_size=8).digest(), "little")
-              for tier in KV_TIERS}
+              for tier in (*KV_TIERS, STORE_TIER)}
 
 
 def tier_hashes(hashes: Sequence[int], tier: str) -> list[int]:

@@ -230,6 +230,26 @@ class WorkerLoadReport:
     kv_tier_miss_blocks: int = 0
     kv_tier_evictions: int = 0
     kv_disk_evictions: int = 0
+    # The cluster KV store (GetLoad's kv_store_*).
+    kv_store_lookups: int = 0
+    kv_store_hit_blocks: int = 0
+    kv_store_lookup_errors: int = 0
+    kv_store_lookup_timeouts: int = 0
+    kv_store_lookups_skipped: int = 0
+    kv_store_fetch_chosen: int = 0
+    kv_store_compute_chosen: int = 0
+    kv_store_loads: int = 0
+    kv_store_load_blocks: int = 0
+    kv_store_load_bytes: int = 0
+    kv_store_load_time_ns: int = 0
+    kv_store_load_failures: int = 0
+    kv_store_load_missing: int = 0
+    kv_store_bad_blocks: int = 0
+    kv_store_timeouts: int = 0
+    kv_store_save_blocks: int = 0
+    kv_store_save_dropped: int = 0
+    kv_store_put_written: int = 0
+    kv_store_put_failures: int = 0
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -10,7 +11,7 @@ from pdserve.core.cluster_secret import ClusterSecret, optional_secret
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.kv_transfer.base import TransportOptions, transport_names
 from pdserve.kv_transfer.control.tls import KvTls, load_kv_tls
-from pdserve.kv_transfer.remote.base import store_schemes
+from pdserve.kv_transfer.remote.base import StoreOptions, store_schemes
 from pdserve.kv_transfer.tiers.policies.registry import check_policy
 
 KV_COMPRESSIONS = ("none", "lossless", "int8", "fp8")
@@ -107,6 +108,20 @@ class ConnectorConfig:
         if parts.password is not None:
             raise ValueError("the KV store URL carries a password, which vLLM would log: "
                              "give it in a file (--kv-store-password-file)")
+        self.store_options()  # a bad password file fails here, in the worker, not in vLLM
+
+    def store_options(self) -> StoreOptions:
+        """The KV store client's deadline and password (read from its file now)."""
+        password = None
+        if self.kv_store_password_file:
+            try:
+                password = Path(self.kv_store_password_file).read_text().strip()
+            except OSError as exc:
+                raise ValueError(f"--kv-store-password-file: {exc}") from exc
+            if not password:
+                raise ValueError(f"--kv-store-password-file {self.kv_store_password_file} "
+                                 "is empty")
+        return StoreOptions(timeout_s=self.kv_store_timeout_s, password=password)
 
     def tls_files(self) -> TlsFiles:
         return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca, required=self.require_tls)

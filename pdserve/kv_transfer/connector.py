@@ -26,13 +26,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.version import __version__ as vllm_version
 
+from pdserve.core.block_hash import STORE_TIER
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.metadata import PdserveConnectorMetadata
+from pdserve.kv_transfer.remote.setup import store_planner, store_worker
 from pdserve.kv_transfer.scheduler_side import SchedulerSide
 from pdserve.kv_transfer.tiers.disk import compat_hash, scan
 from pdserve.kv_transfer.tiers.fingerprint import checkpoint_fingerprint
@@ -44,7 +47,9 @@ from pdserve.kv_transfer.worker_side import WorkerSide, pool_transport_ok
 
 logger = logging.getLogger("pdserve.kv_transfer")
 _SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK,
-            "pool": CacheHitSource.P2P}
+            "pool": CacheHitSource.P2P, "store": CacheHitSource.EXTERNAL_UNSPECIFIED}
+# The medium of the KV events announcing blocks published to the cluster store.
+_MEDIUM = {**EVENT_MEDIUM, STORE_TIER: f"pdserve:{STORE_TIER}"}
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -179,14 +184,16 @@ class PdserveConnector(KVConnectorBase_V1):
             if pool_off:
                 logger.info("KV pool loads off: %s", pool_off)
             self._scheduler = SchedulerSide(config, block_size, tiers.planner(config, block_size),
-                                            pool=not pool_off)
+                                            pool=not pool_off,
+                                            store=store_planner(config, vllm_config,
+                                                                kv_cache_config))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self._worker = WorkerSide(
                 config, compat_of(vllm_config), get_tensor_model_parallel_rank(), block_size,
                 kv_cache_config.num_blocks, tiers.host_slots, tiers.disk_slots,
-                tiers.disk_compat,
+                tiers.disk_compat, store=store_worker(config, vllm_config, kv_cache_config),
             )
 
     # ---- scheduler side --------------------------------------------------------
@@ -243,7 +250,7 @@ class PdserveConnector(KVConnectorBase_V1):
             return ()
         events: list[KVCacheEvent] = []
         for tier, stored, tier_hashes in self._scheduler.take_events():
-            medium = EVENT_MEDIUM[tier]
+            medium = _MEDIUM[tier]
             hashes: list[bytes | int] = list(tier_hashes)  # vLLM's hashes are bytes or int
             events.append(BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
                                       block_size=self._block_size, lora_id=None,
@@ -303,6 +310,9 @@ class PdserveConnector(KVConnectorBase_V1):
         return KVConnectorTransferResults(
             finished_sending=sending, finished_recving=recving, failed_recving=failed
         )
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.feedback() if self._worker is not None else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is None:  # the scheduler side asks too; it has none of its own

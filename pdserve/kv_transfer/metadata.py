@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from pdserve.core.handle import KVHandle, PushTarget
 from pdserve.kv_transfer.push.spec import PushSpec
+from pdserve.kv_transfer.remote.names import BlockName
 
 __all__ = ["KVHandle", "LeaseSpec", "LoadSpec", "PdserveConnectorMetadata", "PushSpec",
-           "PushTarget", "PoolLoad", "TierCopy", "NO_COPY"]
+           "PushTarget", "PoolLoad", "StoreCopy", "StoreFeedback", "TierCopy", "NO_COPY"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,16 @@ class PoolLoad:
     block_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class StoreCopy:
+    """The cluster KV store: the blocks named ``names`` go between the store and the
+    cache's ``block_ids`` (a load: store → cache; a save: cache → store, behind the
+    request)."""
+
+    block_ids: tuple[int, ...]
+    names: tuple[BlockName, ...]
+
+
 @dataclass
 class PdserveConnectorMetadata(KVConnectorMetadata):
     """One engine step's work for the worker side; rebuilt every step."""
@@ -79,6 +93,10 @@ class PdserveConnectorMetadata(KVConnectorMetadata):
     disk_loads: dict[str, TierCopy] = field(default_factory=dict)
     # A new request's blocks pulled from a peer's host tier (after any tier load).
     pool_loads: dict[str, PoolLoad] = field(default_factory=dict)
+    # The cluster KV store: blocks loaded from it (after the tiers' and the pool's),
+    # and a finished request's blocks copied out and published to it.
+    store_loads: dict[str, StoreCopy] = field(default_factory=dict)
+    store_saves: dict[str, StoreCopy] = field(default_factory=dict)
     # The scheduler side's tier counters since the last step (misses, evictions).
     tier_counts: dict[str, int] = field(default_factory=dict)
     # Nothing is scheduled this step: the engine only steps to learn about transfers.
@@ -87,3 +105,22 @@ class PdserveConnectorMetadata(KVConnectorMetadata):
     # and prompt tokens computed.
     num_decode_seqs: int = 0
     num_prefill_tokens: int = 0
+
+
+@dataclass
+class StoreFeedback(KVConnectorWorkerMetadata):
+    """Worker side → scheduler side, with a step's output: what the fetch-or-compute
+    decision learns (``remote.decision``): the engine's prefill time per prompt token
+    (the step model's fit, 0: not yet known), the store loads that ended (bytes,
+    nanoseconds) and the blocks whose publication failed (the store may not hold them)."""
+
+    per_token_ns: int = 0
+    loads: list[tuple[int, int]] = field(default_factory=list)
+    unpublished: list[str] = field(default_factory=list)  # keys a write failed to publish
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, StoreFeedback):
+            self.per_token_ns = max(self.per_token_ns, other.per_token_ns)
+            self.loads.extend(other.loads)
+            self.unpublished.extend(other.unpublished)
+        return self

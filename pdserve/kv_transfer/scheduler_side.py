@@ -27,6 +27,7 @@ from pdserve.kv_transfer.metadata import (
     PoolLoad,
 )
 from pdserve.kv_transfer.push.plan import PushPlanner
+from pdserve.kv_transfer.remote.plan import StorePlanner
 from pdserve.kv_transfer.tiers.plan import TierPlanner
 
 if TYPE_CHECKING:
@@ -40,7 +41,8 @@ logger = logging.getLogger("pdserve.kv_transfer.scheduler")
 
 class SchedulerSide:
     def __init__(self, config: ConnectorConfig, block_size: int,
-                 tiers: TierPlanner | None = None, pool: bool = True) -> None:
+                 tiers: TierPlanner | None = None, pool: bool = True,
+                 store: StorePlanner | None = None) -> None:
         self._config = config
         self._block_size = block_size
         self._meta = PdserveConnectorMetadata()
@@ -56,6 +58,9 @@ class SchedulerSide:
         self._pool_matched: dict[str, tuple[PoolSource, tuple[bytes, ...]]] = {}
         self._pool_loading: dict[str, int] = {}
         self._pool_failed: set[str] = set()  # a pool load failed: the rest is computed
+        self._store = store  # the cluster KV store (None: off)
+        # Decode: blocks a request received from its prefill (which publishes them).
+        self._received: dict[str, int] = {}
 
     @property
     def tiers(self) -> TierPlanner | None:
@@ -99,6 +104,7 @@ class SchedulerSide:
                 f"(remote has {len(handle.block_ids)}, local allocated {len(dst)})"
             )
         self._recving.add(request.request_id)
+        self._received[request.request_id] = num_local + num_pull
         self._meta.loads[request.request_id] = LoadSpec(
             handle, tuple(src), tuple(dst), first_position=num_local
         )
@@ -180,7 +186,14 @@ class SchedulerSide:
         host tier holds (the router named it: ``pool``): loaded asynchronously (the
         request waits, as for a remote load)."""
         count = self._tiers.match(request, num_computed_tokens) if self._tiers else 0
-        count += self._match_pool(request, num_computed_tokens + count)
+        pool = self._match_pool(request, num_computed_tokens + count)
+        count += pool
+        if self._store is not None:
+            store = (self._store.match(request, num_computed_tokens + count)
+                     if not pool and request.request_id not in self._pool_failed else 0)
+            if not store:
+                self._store.unmatch(request.request_id)
+            count += store
         return (count, True) if count else (0, False)
 
     def _match_pool(self, request: Request, num_tokens: int) -> int:
@@ -218,21 +231,27 @@ class SchedulerSide:
             self._tiers.plan_load(request, dst[:num_tier], self._meta)
         pool = self._pool_matched.pop(req_id, None)
         rest = dst[num_tier:]
-        if rest and (pool is None or num_tier != matched or len(rest) > len(pool[1])):
-            # Not tokens this side reported (a preempted request's second allocation):
-            # nothing loads into them, as before the pool.
-            logger.debug("%s: %d external blocks beyond the tiers' %d are not the pool's",
-                         req_id, len(rest), num_tier)
-        elif rest:  # what the tiers do not cover is the pool's, in _match_tier's order
-            assert pool is not None
+        in_store = self._store.num_matched(req_id) if self._store is not None else 0
+        if rest and num_tier == matched and pool is not None and len(rest) <= len(pool[1]):
+            # what the tiers do not cover is the pool's, in _match_tier's order
             source, hashes = pool
             self._meta.pool_loads[req_id] = PoolLoad(source.host, source.port,
                                                      hashes[:len(rest)], rest)
             self._pool_loading[req_id] = len(rest) * self._block_size
+        elif rest and num_tier == matched and len(rest) <= in_store:
+            assert self._store is not None  # in_store > 0
+            self._store.plan_load(req_id, rest, self._meta)  # or the store's
+        elif rest:
+            # Not tokens this side reported (a preempted request's second allocation):
+            # nothing loads into them, as before the pool.
+            logger.debug("%s: %d external blocks beyond the tiers' %d are neither the "
+                         "pool's nor the store's", req_id, len(rest), num_tier)
+        if self._store is not None:
+            self._store.unmatch(req_id)
+        elsewhere = req_id in self._meta.pool_loads or req_id in self._meta.store_loads
         if self._tiers is not None:
-            self._tiers.count_misses(req_id, len(rest) if req_id in self._meta.pool_loads
-                                     else 0)
-        if req_id in self._meta.tier_loads or req_id in self._meta.pool_loads:
+            self._tiers.count_misses(req_id, len(rest) if elsewhere else 0)
+        if req_id in self._meta.tier_loads or elsewhere:
             self._recving.add(req_id)
 
     def _save_tier(self, request: Request, block_ids: list[int]) -> bool:
@@ -240,29 +259,38 @@ class SchedulerSide:
         self._pool_failed.discard(request.request_id)
         # Aborted mid-pull: its failure, reported later, must not mark it again.
         self._pool_loading.pop(request.request_id, None)
-        if self._tiers is None:
-            return False
-        self._tiers.unmatch(request.request_id)  # matched, never allocated: unpin
-        if not block_ids:
-            return False
-        if request.request_id in self._recving:  # aborted mid-load: its KV is incomplete
-            return False
-        return self._tiers.plan_save(request, block_ids, self._meta)
+        skip = self._received.pop(request.request_id, 0)
+        if self._tiers is not None:
+            self._tiers.unmatch(request.request_id)  # matched, never allocated: unpin
+        if self._store is not None:
+            self._store.unmatch(request.request_id)
+        if not block_ids or request.request_id in self._recving:
+            return False  # nothing, or aborted mid-load: its KV is incomplete
+        saving = (self._tiers is not None
+                  and self._tiers.plan_save(request, block_ids, self._meta))
+        publishing = (self._store is not None
+                      and self._store.plan_save(request, block_ids, self._meta, skip))
+        return saving or publishing
 
     def tier_tokens(self, request_id: str) -> dict[str, int]:
         """The tokens a request loads from each tier: ``host``, ``disk``, ``pool``."""
         out = {} if self._tiers is None else self._tiers.tokens_by_tier(request_id)
         if request_id in self._pool_loading:
             out["pool"] = self._pool_loading[request_id]
+        if self._store is not None and (store := self._store.tokens_loading(request_id)):
+            out["store"] = store
         return out
 
     def reset_tiers(self) -> int:
         """Forget every tier block (their KV was computed under other weights)."""
-        return self._tiers.drop_all() if self._tiers is not None else 0
+        dropped = self._store.drop_all() if self._store is not None else 0
+        return dropped + (self._tiers.drop_all() if self._tiers is not None else 0)
 
     def take_events(self) -> list[tuple[str, bool, list[int]]]:
-        """The tiers' residency changes since the last step (``TierPlanner.take_changes``)."""
-        return self._tiers.take_changes() if self._tiers is not None else []
+        """The tiers' residency changes since the last step (``TierPlanner.take_changes``),
+        then the blocks published to the store."""
+        events = self._tiers.take_changes() if self._tiers is not None else []
+        return events + (self._store.take_changes() if self._store is not None else [])
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Transfers that ended: tier loads unpin their slots (a failed one's slots are
@@ -274,12 +302,16 @@ class SchedulerSide:
                 self._pool_failed.add(req_id)  # vLLM recomputes: never ask the peer again
         if self._tiers is not None:
             self._tiers.update(output)
+        if self._store is not None:
+            self._store.update(output)
 
     def build_connector_meta(self, so: SchedulerOutput) -> PdserveConnectorMetadata:
         meta, self._meta = self._meta, PdserveConnectorMetadata()
         meta.idle = so.total_num_scheduled_tokens == 0
         if self._tiers is not None:
             meta.tier_counts = self._tiers.take_counts()
+        if self._store is not None:
+            meta.tier_counts.update(self._store.take_counts())
         meta.num_decode_seqs = sum(n == 1 for n in so.num_scheduled_tokens.values())
         meta.num_prefill_tokens = so.total_num_scheduled_tokens - meta.num_decode_seqs
         if self._push.num_tracked or so.scheduled_new_reqs:

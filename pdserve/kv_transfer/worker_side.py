@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -26,10 +27,14 @@ from pdserve.kv_transfer.metadata import (
     LoadSpec,
     PdserveConnectorMetadata,
     PoolLoad,
+    StoreCopy,
+    StoreFeedback,
     TierCopy,
 )
 from pdserve.kv_transfer.push.inbox import PushInbox
 from pdserve.kv_transfer.push.sender import PushSender
+from pdserve.kv_transfer.remote.plan import COUNTS as STORE_COUNTS
+from pdserve.kv_transfer.remote.worker import StoreWorker
 from pdserve.kv_transfer.step_model import StepTimer
 from pdserve.kv_transfer.threads import unpin_current_thread
 from pdserve.kv_transfer.tiers.store import TierStore
@@ -51,8 +56,11 @@ class WorkerSide:
     def __init__(
         self, config: ConnectorConfig, compat: dict[str, Any], tp_rank: int, block_size: int,
         num_blocks: int, tier_slots: int = 0, disk_slots: int = 0, disk_compat: str = "",
+        store: Callable[[list[torch.Tensor], KVLayout], StoreWorker] | None = None,
     ) -> None:
         self._config = config
+        self._make_store = store  # the cluster KV store's side, once the caches exist
+        self._store: StoreWorker | None = None
         self._tier_slots = tier_slots
         self._disk_slots = disk_slots
         self._disk_compat = disk_compat
@@ -89,7 +97,7 @@ class WorkerSide:
         self._load_stats = dict.fromkeys(
             ("loads", "load_time_ns", "push_loads", "push_fallbacks", "pool_loads",
              "pool_load_blocks", "pool_load_time_ns", "pool_load_failures", "pool_load_bytes",
-             "tier_miss_blocks", "tier_evictions", "disk_evictions"), 0)
+             "tier_miss_blocks", "tier_evictions", "disk_evictions", *STORE_COUNTS), 0)
         self._load_lock = threading.Lock()
         self.steps = StepTimer()  # the engine's step times (the status op shows the fit)
         self.port = 0  # the KV endpoint's port, once registered
@@ -110,6 +118,8 @@ class WorkerSide:
             if self._tiers.host is not None and pool_transport_ok(
                     self._config.transport, layout.device):  # peers may pull from it: the pool
                 self._transport.serve_pool(self._tiers.serve)
+        if self._make_store is not None:
+            self._store = self._make_store(self._kv, layout)
         self._transport.add_status(self._status)
         channel = self._transport.push_channel()
         if channel is not None:
@@ -207,29 +217,37 @@ class WorkerSide:
     def _start_tiers(self, meta: PdserveConnectorMetadata) -> None:
         if meta.tier_counts and self._tp_rank == 0:  # one count per engine, not per rank
             self._count_load(**meta.tier_counts)
-        for req_id, copy in meta.tier_saves.items():
+        for req_id in meta.tier_saves.keys() | meta.store_saves.keys():
             if req_id in meta.leases:
                 self._parts[req_id] = 2
-            if self._tiers is None:  # the sides disagree: the save ends, nothing waits
-                done: Future[int] = Future()
-                done.set_result(0)
-                self._saves[req_id] = done
-                continue
-            future = self._pool.submit(self._tiers.save, req_id, copy,
-                                       meta.disk_saves.get(req_id, NO_COPY))
+            future = self._pool.submit(self._save, req_id, meta.tier_saves.get(req_id),
+                                       meta.disk_saves.get(req_id, NO_COPY),
+                                       meta.store_saves.get(req_id))
             future.add_done_callback(lambda _: self._progress.set())
             self._saves[req_id] = future
-        for req_id in meta.tier_loads.keys() | meta.pool_loads.keys():
+        for req_id in meta.tier_loads.keys() | meta.pool_loads.keys() | meta.store_loads.keys():
             future = self._pool.submit(self._load_tiers, req_id, meta.tier_loads.get(req_id),
                                        meta.disk_loads.get(req_id, NO_COPY),
-                                       meta.pool_loads.get(req_id))
+                                       meta.pool_loads.get(req_id), meta.store_loads.get(req_id))
             future.add_done_callback(lambda _: self._progress.set())
             self._pulls[req_id] = future
 
+    def _save(self, req_id: str, host: TierCopy | None, disk: TierCopy,
+              store: StoreCopy | None) -> int:
+        """A finished request's blocks written to this worker's tiers and copied out for
+        the store (published behind it); the bytes. Never raises: where a side is off
+        (the two sides disagree), nothing is saved there and the save still ends."""
+        nbytes = 0
+        if host is not None and self._tiers is not None:
+            nbytes += self._tiers.save(req_id, host, disk)
+        if store is not None and self._store is not None:
+            nbytes += self._store.save(req_id, store)
+        return nbytes
+
     def _load_tiers(self, req_id: str, host: TierCopy | None, disk: TierCopy,
-                    pool: PoolLoad | None) -> int:
-        """A request's blocks from this worker's tiers, then from a peer's (the pool);
-        ``TransferError`` if any part fails (vLLM then recomputes them)."""
+                    pool: PoolLoad | None, store: StoreCopy | None = None) -> int:
+        """A request's blocks from this worker's tiers, then from a peer's (the pool) or
+        the cluster store; ``TransferError`` if any part fails (vLLM then recomputes)."""
         nbytes = 0
         if host is not None and (host.slots or disk.slots):
             if self._tiers is None:
@@ -237,7 +255,23 @@ class WorkerSide:
             nbytes += self._tiers.load(req_id, host, disk)
         if pool is not None and pool.hashes:
             nbytes += self._pull_pool(req_id, pool)
+        if store is not None and store.names:
+            if self._store is None:
+                raise TransferError("no KV store on this worker")
+            nbytes += self._store.load(req_id, store)
         return nbytes
+
+    def feedback(self) -> StoreFeedback | None:
+        """What the scheduler side's fetch-or-compute decision learns from this step
+        (None without a store, or with nothing new)."""
+        if self._store is None:
+            return None
+        loads, unpublished = self._store.take_feedback()
+        estimate = self.steps.estimate()
+        per_token = estimate.per_token_ns if estimate.num_prefill_steps else 0
+        if not (loads or unpublished or per_token):
+            return None
+        return StoreFeedback(per_token, loads, unpublished)
 
     def _pull_pool(self, req_id: str, pool: PoolLoad) -> int:
         peer = PeerAddress(pool.host, pool.port + self._tp_rank)
@@ -274,6 +308,8 @@ class WorkerSide:
             out = dict(self._load_stats)
         if self._tiers is not None:
             out.update(self._tiers.stats())
+        if self._store is not None:
+            out.update(self._store.stats())
         if self._sender is not None:
             out.update(layers_pushed=self._sender.num_layers_pushed,
                        pushes_failed=self._sender.num_pushes_failed)
@@ -288,6 +324,8 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._store is not None:
+            self._store.close()
         if self._sender is not None:
             self._sender.close()
         self._transport.close()

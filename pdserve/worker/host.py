@@ -28,6 +28,7 @@ from pdserve.core.types import (
 )
 from pdserve.kv_transfer.control.dial import request_once
 from pdserve.kv_transfer.control.wire import TransferError
+from pdserve.kv_transfer.remote.worker import REPORTED as STORE_STATS
 from pdserve.kv_transfer.tiers.store import STATS as TIER_STATS
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import Engine, EngineConfig, EngineCounters, EngineStep
@@ -327,7 +328,7 @@ def load_report(c: EngineCounters, status: dict[str, Any], num_inflight: int,
             step_per_token_ns=stat("step_per_token_ns"),
             step_decode_samples=stat("step_decode_samples"),
             step_prefill_samples=stat("step_prefill_samples"),
-            **{f"kv_{name}": stat(name) for name in TIER_STATS})
+            **{f"kv_{name}": stat(name) for name in (*TIER_STATS, *STORE_STATS)})
 
 
 def _timing(request: PhaseRequest, step: EngineStep, clock: PhaseClock) -> PhaseTiming:

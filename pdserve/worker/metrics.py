@@ -82,6 +82,25 @@ _SERVE_ROWS: Rows = (
     ("serve_blocks", "KV blocks served to peers"),
     ("serve_failures", "peers' pulls that failed: refused (block no longer held) or broken"))
 
+_STORE_ROWS: Rows = (
+    ("lookups", "lookups of a prompt's blocks (one round trip each)"),
+    ("hit_blocks", "KV blocks the lookups found"),
+    ("lookup_errors", "lookups that failed (the store unreachable, refusing, or too "
+     "slow); the prompt was computed"),
+    ("lookup_timeouts", "lookups that passed their deadline (--kv-store-timeout-s)"),
+    ("lookups_skipped", "lookups not made while the store was down after a failure"),
+    ("fetch_chosen", "prompts whose stored blocks were loaded: fetching beat computing"),
+    ("compute_chosen", "prompts whose stored blocks were computed: computing beat "
+     "fetching"),
+    *_load_rows("from the store", "(a block missing, bad or the store failing)"),
+    ("load_missing", "KV blocks a load found missing (expired, evicted) or refused"),
+    ("bad_blocks", "KV blocks refused: checksum or encoding wrong"),
+    ("timeouts", "store calls (loads, writes) that passed their deadline"),
+    ("save_blocks", "KV blocks copied out of the cache to publish"),
+    ("save_dropped", "KV blocks not published: the writer's queue was full"),
+    ("put_written", "KV blocks written to the store (new to it)"),
+    ("put_failures", "writes to the store that failed"))
+
 # Counters' names end in _total.
 _COUNTERS: tuple[LoadMetric, ...] = (
     ("pdserve:kv_transfers_completed_total",
@@ -118,6 +137,7 @@ _COUNTERS: tuple[LoadMetric, ...] = (
     *_kv_counters("pool", "KV pool",
                   _load_rows("from a peer's host tier", "(peer gone, blocks no longer held)")
                   + _SERVE_ROWS),
+    *_kv_counters("store", "KV store", _STORE_ROWS),
 )
 _GAUGES: tuple[LoadMetric, ...] = (
     ("pdserve:kv_leases_held", "Prefill: requests whose KV is held for a decode",

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -50,6 +50,7 @@ class StoreTimeoutError(StoreError):
 @dataclass(frozen=True)
 class StoreOptions:
     timeout_s: float = 1.0  # connect, and each wait for the server's reply
+    password: str | None = field(default=None, repr=False)  # AUTH; never in a URL or log
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:

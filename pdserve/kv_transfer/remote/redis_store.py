@@ -191,6 +191,8 @@ def open_redis(url: str, options: StoreOptions) -> RedisKVStore:
     timeouts: dict[str, Any] = {"socket_timeout": options.timeout_s,
                                 "socket_connect_timeout": options.timeout_s,
                                 "retry": Retry(NoBackoff(), 0)}
+    if options.password is not None:
+        timeouts["password"] = options.password
     parts = urlsplit(url)
     if parts.scheme == "redis":
         return RedisKVStore(redis.Redis.from_url(url, **timeouts), parts.netloc)

@@ -323,7 +323,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "num_pending_transfers", "prompt_tokens_computed", "prompt_tokens_local_cache_hit", "prompt_tokens_external", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_completed", "kv_transfers_failed", "kv_transfer_time_ns", "num_inflight_reqs", "kv_leases_expired", "kv_loads", "kv_load_time_ns", "kv_push_loads", "kv_push_fallbacks", "kv_layers_pushed", "kv_pushes_failed", "kv_leases_held", "kv_push_inbox_bytes", "num_cached_blocks", "step_base_us", "step_per_seq_us", "step_per_token_ns", "step_decode_samples", "step_prefill_samples", "kv_tier_loads", "kv_tier_load_blocks", "kv_tier_load_time_ns", "kv_tier_load_failures", "kv_tier_saves", "kv_tier_save_blocks", "kv_tier_save_failures", "kv_disk_loads", "kv_disk_load_blocks", "kv_disk_load_time_ns", "kv_disk_load_failures", "kv_disk_saves", "kv_disk_save_blocks", "kv_disk_save_failures", "kv_pool_loads", "kv_pool_load_blocks", "kv_pool_load_time_ns", "kv_pool_load_failures", "kv_pool_serves", "kv_pool_serve_blocks", "kv_pool_serve_failures", "kv_tier_load_bytes", "kv_disk_load_bytes", "kv_pool_load_bytes", "kv_tier_miss_blocks", "kv_tier_evictions", "kv_disk_evictions")
+    __slots__ = ("num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "num_pending_transfers", "prompt_tokens_computed", "prompt_tokens_local_cache_hit", "prompt_tokens_external", "kv_bytes_sent", "kv_bytes_received", "kv_transfers_completed", "kv_transfers_failed", "kv_transfer_time_ns", "num_inflight_reqs", "kv_leases_expired", "kv_loads", "kv_load_time_ns", "kv_push_loads", "kv_push_fallbacks", "kv_layers_pushed", "kv_pushes_failed", "kv_leases_held", "kv_push_inbox_bytes", "num_cached_blocks", "step_base_us", "step_per_seq_us", "step_per_token_ns", "step_decode_samples", "step_prefill_samples", "kv_tier_loads", "kv_tier_load_blocks", "kv_tier_load_time_ns", "kv_tier_load_failures", "kv_tier_saves", "kv_tier_save_blocks", "kv_tier_save_failures", "kv_disk_loads", "kv_disk_load_blocks", "kv_disk_load_time_ns", "kv_disk_load_failures", "kv_disk_saves", "kv_disk_save_blocks", "kv_disk_save_failures", "kv_pool_loads", "kv_pool_load_blocks", "kv_pool_load_time_ns", "kv_pool_load_failures", "kv_pool_serves", "kv_pool_serve_blocks", "kv_pool_serve_failures", "kv_tier_load_bytes", "kv_disk_load_bytes", "kv_pool_load_bytes", "kv_tier_miss_blocks", "kv_tier_evictions", "kv_disk_evictions", "kv_store_lookups", "kv_store_hit_blocks", "kv_store_lookup_errors", "kv_store_lookup_timeouts", "kv_store_lookups_skipped", "kv_store_fetch_chosen", "kv_store_compute_chosen", "kv_store_loads", "kv_store_load_blocks", "kv_store_load_bytes", "kv_store_load_time_ns", "kv_store_load_failures", "kv_store_load_missing", "kv_store_bad_blocks", "kv_store_timeouts", "kv_store_save_blocks", "kv_store_save_dropped", "kv_store_put_written", "kv_store_put_failures")
     NUM_RUNNING_REQS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -379,6 +379,25 @@ class GetLoadResponse(_message.Message):
     KV_TIER_MISS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_TIER_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     KV_DISK_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_LOOKUP_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_LOOKUP_TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_LOOKUPS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_FETCH_CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_COMPUTE_CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_LOADS_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_LOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_LOAD_TIME_NS_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_LOAD_MISSING_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_BAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_SAVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_SAVE_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_PUT_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_PUT_FAILURES_FIELD_NUMBER: _ClassVar[int]
     num_running_reqs: int
     num_waiting_reqs: int
     kv_cache_usage: float
@@ -434,7 +453,26 @@ class GetLoadResponse(_message.Message):
     kv_tier_miss_blocks: int
     kv_tier_evictions: int
     kv_disk_evictions: int
-    def __init__(self, num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_pending_transfers: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_local_cache_hit: _Optional[int] = ..., prompt_tokens_external: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_completed: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_time_ns: _Optional[int] = ..., num_inflight_reqs: _Optional[int] = ..., kv_leases_expired: _Optional[int] = ..., kv_loads: _Optional[int] = ..., kv_load_time_ns: _Optional[int] = ..., kv_push_loads: _Optional[int] = ..., kv_push_fallbacks: _Optional[int] = ..., kv_layers_pushed: _Optional[int] = ..., kv_pushes_failed: _Optional[int] = ..., kv_leases_held: _Optional[int] = ..., kv_push_inbox_bytes: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., step_base_us: _Optional[int] = ..., step_per_seq_us: _Optional[int] = ..., step_per_token_ns: _Optional[int] = ..., step_decode_samples: _Optional[int] = ..., step_prefill_samples: _Optional[int] = ..., kv_tier_loads: _Optional[int] = ..., kv_tier_load_blocks: _Optional[int] = ..., kv_tier_load_time_ns: _Optional[int] = ..., kv_tier_load_failures: _Optional[int] = ..., kv_tier_saves: _Optional[int] = ..., kv_tier_save_blocks: _Optional[int] = ..., kv_tier_save_failures: _Optional[int] = ..., kv_disk_loads: _Optional[int] = ..., kv_disk_load_blocks: _Optional[int] = ..., kv_disk_load_time_ns: _Optional[int] = ..., kv_disk_load_failures: _Optional[int] = ..., kv_disk_saves: _Optional[int] = ..., kv_disk_save_blocks: _Optional[int] = ..., kv_disk_save_failures: _Optional[int] = ..., kv_pool_loads: _Optional[int] = ..., kv_pool_load_blocks: _Optional[int] = ..., kv_pool_load_time_ns: _Optional[int] = ..., kv_pool_load_failures: _Optional[int] = ..., kv_pool_serves: _Optional[int] = ..., kv_pool_serve_blocks: _Optional[int] = ..., kv_pool_serve_failures: _Optional[int] = ..., kv_tier_load_bytes: _Optional[int] = ..., kv_disk_load_bytes: _Optional[int] = ..., kv_pool_load_bytes: _Optional[int] = ..., kv_tier_miss_blocks: _Optional[int] = ..., kv_tier_evictions: _Optional[int] = ..., kv_disk_evictions: _Optional[int] = ...) -> None: ...
+    kv_store_lookups: int
+    kv_store_hit_blocks: int
+    kv_store_lookup_errors: int
+    kv_store_lookup_timeouts: int
+    kv_store_lookups_skipped: int
+    kv_store_fetch_chosen: int
+    kv_store_compute_chosen: int
+    kv_store_loads: int
+    kv_store_load_blocks: int
+    kv_store_load_bytes: int
+    kv_store_load_time_ns: int
+    kv_store_load_failures: int
+    kv_store_load_missing: int
+    kv_store_bad_blocks: int
+    kv_store_timeouts: int
+    kv_store_save_blocks: int
+    kv_store_save_dropped: int
+    kv_store_put_written: int
+    kv_store_put_failures: int
+    def __init__(self, num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_pending_transfers: _Optional[int] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_local_cache_hit: _Optional[int] = ..., prompt_tokens_external: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfers_completed: _Optional[int] = ..., kv_transfers_failed: _Optional[int] = ..., kv_transfer_time_ns: _Optional[int] = ..., num_inflight_reqs: _Optional[int] = ..., kv_leases_expired: _Optional[int] = ..., kv_loads: _Optional[int] = ..., kv_load_time_ns: _Optional[int] = ..., kv_push_loads: _Optional[int] = ..., kv_push_fallbacks: _Optional[int] = ..., kv_layers_pushed: _Optional[int] = ..., kv_pushes_failed: _Optional[int] = ..., kv_leases_held: _Optional[int] = ..., kv_push_inbox_bytes: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., step_base_us: _Optional[int] = ..., step_per_seq_us: _Optional[int] = ..., step_per_token_ns: _Optional[int] = ..., step_decode_samples: _Optional[int] = ..., step_prefill_samples: _Optional[int] = ..., kv_tier_loads: _Optional[int] = ..., kv_tier_load_blocks: _Optional[int] = ..., kv_tier_load_time_ns: _Optional[int] = ..., kv_tier_load_failures: _Optional[int] = ..., kv_tier_saves: _Optional[int] = ..., kv_tier_save_blocks: _Optional[int] = ..., kv_tier_save_failures: _Optional[int] = ..., kv_disk_loads: _Optional[int] = ..., kv_disk_load_blocks: _Optional[int] = ..., kv_disk_load_time_ns: _Optional[int] = ..., kv_disk_load_failures: _Optional[int] = ..., kv_disk_saves: _Optional[int] = ..., kv_disk_save_blocks: _Optional[int] = ..., kv_disk_save_failures: _Optional[int] = ..., kv_pool_loads: _Optional[int] = ..., kv_pool_load_blocks: _Optional[int] = ..., kv_pool_load_time_ns: _Optional[int] = ..., kv_pool_load_failures: _Optional[int] = ..., kv_pool_serves: _Optional[int] = ..., kv_pool_serve_blocks: _Optional[int] = ..., kv_pool_serve_failures: _Optional[int] = ..., kv_tier_load_bytes: _Optional[int] = ..., kv_disk_load_bytes: _Optional[int] = ..., kv_pool_load_bytes: _Optional[int] = ..., kv_tier_miss_blocks: _Optional[int] = ..., kv_tier_evictions: _Optional[int] = ..., kv_disk_evictions: _Optional[int] = ..., kv_store_lookups: _Optional[int] = ..., kv_store_hit_blocks: _Optional[int] = ..., kv_store_lookup_errors: _Optional[int] = ..., kv_store_lookup_timeouts: _Optional[int] = ..., kv_store_lookups_skipped: _Optional[int] = ..., kv_store_fetch_chosen: _Optional[int] = ..., kv_store_compute_chosen: _Optional[int] = ..., kv_store_loads: _Optional[int] = ..., kv_store_load_blocks: _Optional[int] = ..., kv_store_load_bytes: _Optional[int] = ..., kv_store_load_time_ns: _Optional[int] = ..., kv_store_load_failures: _Optional[int] = ..., kv_store_load_missing: _Optional[int] = ..., kv_store_bad_blocks: _Optional[int] = ..., kv_store_timeouts: _Optional[int] = ..., kv_store_save_blocks: _Optional[int] = ..., kv_store_save_dropped: _Optional[int] = ..., kv_store_put_written: _Optional[int] = ..., kv_store_put_failures: _Optional[int] = ...) -> None: ...
 
 class KvEventsRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,80 @@
+"""The cluster KV store's identity of one engine's blocks, from what vLLM tells the
+connector, the same on its scheduler side and its worker side.
+
+Both sides of the connector get vLLM's config and the KV cache's config before any
+tensor exists, so the identity is built from those (the worker side's registered
+tensors are not needed): the model's checkpoint fingerprint (its files' content,
+``tiers/fingerprint.py``), the KV cache's spec (tokens per block, KV heads, head size,
+dtype), the number of cache tensors (layers), the bytes of one block, the device type
+(a CPU cache is laid out ``(blocks, heads, tokens, 2 * head_dim)``, a CUDA one ``(2,
+blocks, tokens, heads, head_dim)``: the same spec, other bytes) and the encoding of the
+stored values (``--kv-compression``).
+
+A request adds its ``cache_salt``. pdserve caches a request under its *versioned* salt
+(``core.block_hash.versioned_salt``: the tenant's salt, then ``@weights:`` and the
+version after the first weight update), so ``for_request`` splits it: the weight
+version and the tenant each get their own field of the name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
+from pdserve.kv_transfer.remote.names import KVIdentity
+from pdserve.kv_transfer.tiers.fingerprint import checkpoint_fingerprint
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+_VERSION_MARK = "@weights:"
+
+
+def engine_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                    encoding: str, fingerprint_dir: str | None) -> KVIdentity:
+    """This engine's blocks' identity, without a salt (``for_request`` adds one)."""
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    num_tensors = len(kv_cache_config.kv_cache_tensors)
+    block_bytes = (sum(t.size for t in kv_cache_config.kv_cache_tensors)
+                   // max(kv_cache_config.num_blocks, 1))
+    heads = int(getattr(spec, "num_kv_heads", 0))
+    head_size = int(getattr(spec, "head_size", 0))
+    dtype = str(getattr(spec, "dtype", vllm_config.model_config.dtype)).removeprefix("torch.")
+    device = str(vllm_config.device_config.device_type)
+    parallel = vllm_config.parallel_config
+    model = str(vllm_config.model_config.model)
+    layout = (f"{device}:{type(spec).__name__}:layers{num_tensors}:heads{heads}:"
+              f"head{head_size}:bytes{block_bytes}:tp{parallel.tensor_parallel_size}:"
+              f"enc-{encoding}")
+    return KVIdentity(
+        model_fingerprint=checkpoint_fingerprint(model, fingerprint_dir or _cache_dir())
+        or f"name:{model}",
+        weight_version=DEFAULT_WEIGHT_VERSION, kv_dtype=dtype, kv_layout=layout,
+        block_size=vllm_config.cache_config.block_size,
+        block_shape=(num_tensors, heads, head_size))
+
+
+def for_request(identity: KVIdentity, versioned_salt: str | None) -> KVIdentity:
+    """``identity`` for a request cached under ``versioned_salt`` (its tenant's salt and
+    the weights' version, as vLLM saw it)."""
+    salt, version = versioned_salt, DEFAULT_WEIGHT_VERSION
+    if versioned_salt is not None and _VERSION_MARK in versioned_salt:
+        tenant, _, version = versioned_salt.rpartition(_VERSION_MARK)
+        salt = tenant or None
+    return dataclasses.replace(identity, cache_salt=salt, weight_version=version)
+
+
+def _cache_dir() -> str:
+    """Where the checkpoint's file hashes are remembered without a disk tier."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    folder = Path(base) / "pdserve" / "kv-store"
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError:
+        folder = Path(tempfile.gettempdir())
+    return str(folder)

@@ -1,0 +1,265 @@
+"""The cluster KV store's plan, on the connector's scheduler side: how many of a new
+request's blocks load from the store, which of a finished request's blocks are
+published to it, and what the worker side's reports teach.
+
+A prompt's blocks are looked for in the engine's cache (vLLM), the worker's own tiers,
+a peer's host tier (the pool), then the store: the blocks after those are named
+(``names.py``: model, weights, tenant, KV format, tokens) and looked up in one round
+trip (``lookup_prefix``: the contiguous run from the first). The run is loaded only
+when ``FetchDecision`` says fetching beats computing it, and only from
+``MIN_FETCH_BLOCKS`` blocks on (a round trip for one block rarely pays). A lookup that
+fails (the store down, stopped, full of errors) costs at most the store's deadline and
+suspends lookups for ``BACKOFF_S``: requests are computed meanwhile, never delayed
+again and again. A load that finds a block missing or corrupt fails; vLLM computes
+the blocks instead (``kv_load_failure_policy="recompute"``).
+
+A finished request's computed full blocks that the store is not known to hold are
+published behind it: the worker side copies them out of the cache (the blocks stay
+allocated until then), and a background thread writes them; the request never waits
+for the store. Published blocks are announced to the router (KV events, tier
+``store``), since any worker on the store can load them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from pdserve.core.block_hash import STORE_TIER, chain_hashes, salt_root, tier_hashes
+from pdserve.kv_transfer.metadata import PdserveConnectorMetadata, StoreCopy, StoreFeedback
+from pdserve.kv_transfer.remote.base import KVStore, StoreError, StoreTimeoutError
+from pdserve.kv_transfer.remote.decision import FetchDecision
+from pdserve.kv_transfer.remote.engine_identity import for_request
+from pdserve.kv_transfer.remote.names import BlockName, KVIdentity
+
+if TYPE_CHECKING:
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("pdserve.kv_transfer.store")
+
+MIN_FETCH_BLOCKS = 1
+BACKOFF_S = 2.0  # lookups pause this long after a failed one
+KNOWN_MAX = 200_000  # blocks remembered as held by the store (not published again)
+
+# The scheduler side's counters (GetLoad's kv_store_*; the worker side has its own).
+COUNTS = ("store_lookups", "store_lookup_blocks", "store_hit_blocks", "store_lookup_errors",
+          "store_lookup_timeouts", "store_lookups_skipped", "store_fetch_chosen",
+          "store_compute_chosen", "store_fetch_blocks", "store_load_failed",
+          "store_publish_blocks")
+
+
+class StorePlanner:
+    def __init__(self, open_store: Callable[[], KVStore], identity: KVIdentity,
+                 block_size: int, decision: FetchDecision, ttl_s: float) -> None:
+        self._open = open_store
+        self._store: KVStore | None = None
+        self._identity = identity
+        self._bs = block_size
+        self.decision = decision
+        self._ttl_s = ttl_s
+        self._down_until = 0.0
+        # Per request: the store's run found (names, from which block), until allocated.
+        self._matched: dict[str, tuple[int, tuple[BlockName, ...]]] = {}
+        self._loading: dict[str, tuple[StoreCopy, float]] = {}
+        self._saving: dict[str, StoreCopy] = {}
+        self._known: OrderedDict[str, float] = OrderedDict()  # key -> expiry (monotonic)
+        self._changes: list[int] = []  # published blocks' pdserve hashes, to announce
+        self._counts = dict.fromkeys(COUNTS, 0)
+
+    # ---- loads ---------------------------------------------------------------------
+
+    def match(self, request: Request, num_tokens: int) -> int:
+        """Tokens after ``num_tokens`` (a block boundary) the store holds and that are
+        worth loading (0: none, or not worth it); one lookup per request and start."""
+        req_id = request.request_id
+        start = num_tokens // self._bs
+        end = (request.num_tokens - 1) // self._bs
+        if num_tokens % self._bs or end - start < MIN_FETCH_BLOCKS:
+            self._matched.pop(req_id, None)
+            return 0
+        cached = self._matched.get(req_id)
+        if cached is not None and cached[0] == start:
+            return len(cached[1]) * self._bs
+        self._matched.pop(req_id, None)
+        names = self.names(request, end)[start:]
+        found = self._lookup(names)
+        if found < MIN_FETCH_BLOCKS:
+            return 0
+        if not self.decision.fetch(found):
+            self._count(store_compute_chosen=1)
+            return 0
+        self._count(store_fetch_chosen=1)
+        self._matched[req_id] = (start, tuple(names[:found]))
+        return found * self._bs
+
+    def num_matched(self, request_id: str) -> int:
+        matched = self._matched.get(request_id)
+        return 0 if matched is None else len(matched[1])
+
+    def unmatch(self, request_id: str) -> None:
+        self._matched.pop(request_id, None)
+
+    def plan_load(self, request_id: str, dst: tuple[int, ...],
+                  meta: PdserveConnectorMetadata) -> int:
+        """Load the first ``len(dst)`` matched blocks into ``dst``; the blocks planned."""
+        matched = self._matched.pop(request_id, None)
+        if matched is None or not dst:
+            return 0
+        names = matched[1][:len(dst)]
+        copy = StoreCopy(dst[:len(names)], names)
+        meta.store_loads[request_id] = copy
+        self._loading[request_id] = (copy, time.monotonic())
+        self._count(store_fetch_blocks=len(names))
+        return len(names)
+
+    def tokens_loading(self, request_id: str) -> int:
+        loading = self._loading.get(request_id)
+        return 0 if loading is None else len(loading[0].names) * self._bs
+
+    # ---- saves ---------------------------------------------------------------------
+
+    def plan_save(self, request: Request, block_ids: list[int],
+                  meta: PdserveConnectorMetadata, skip: int = 0) -> bool:
+        """Publish a finished request's computed full blocks the store is not known to
+        hold, after its first ``skip`` (a decode's blocks its prefill computed, and
+        publishes); True if there is anything to copy (its blocks then stay allocated)."""
+        self._matched.pop(request.request_id, None)
+        num = min(request.num_computed_tokens // self._bs, len(block_ids))
+        if num <= 0 or self._store_down():
+            return False
+        names = self.names(request, num)
+        now = time.monotonic()
+        picked = [(i, n) for i, n in enumerate(names)
+                  if i >= skip and not self._is_known(n.key, now)]
+        if not picked:
+            return False
+        copy = StoreCopy(tuple(block_ids[i] for i, _ in picked), tuple(n for _, n in picked))
+        meta.store_saves[request.request_id] = copy
+        self._saving[request.request_id] = copy
+        return True
+
+    # ---- reports -------------------------------------------------------------------
+
+    def update(self, output: KVConnectorOutput) -> None:
+        failed = output.failed_recving or set()
+        now = time.monotonic()
+        for req_id in output.finished_recving or ():
+            loading = self._loading.pop(req_id, None)
+            if loading is None:
+                continue
+            if req_id in failed:
+                self._count(store_load_failed=1)
+                for name in loading[0].names:  # a block that failed is not trusted held
+                    self._known.pop(name.key, None)
+            else:
+                self._remember(loading[0].names, now)
+        for req_id in output.finished_sending or ():
+            copy = self._saving.pop(req_id, None)
+            if copy is not None:  # copied out: the writer publishes it now
+                self._remember(copy.names, now)
+                self._changes.extend(n.block_hash for n in copy.names)
+                self._count(store_publish_blocks=len(copy.names))
+        feedback = output.kv_connector_worker_meta
+        if isinstance(feedback, StoreFeedback):
+            if feedback.per_token_ns:
+                self.decision.on_per_token(feedback.per_token_ns * 1e-9)
+            for nbytes, ns in feedback.loads:
+                self.decision.on_load(nbytes, ns * 1e-9)
+            for key in feedback.unpublished:
+                self._known.pop(key, None)
+
+    def forget(self, request_id: str) -> None:
+        """A request ended before its load was planned or reported."""
+        self._matched.pop(request_id, None)
+
+    def drop_all(self) -> int:
+        """The weights changed: their blocks' names differ from now on (the version is
+        in them), so nothing is deleted; the memory of what the store holds is."""
+        dropped = len(self._known)
+        self._known.clear()
+        return dropped
+
+    def take_changes(self) -> list[tuple[str, bool, list[int]]]:
+        """The blocks published since the last call, in the store's namespace."""
+        if not self._changes:
+            return []
+        names, self._changes = self._changes, []
+        return [(STORE_TIER, True, tier_hashes(names, STORE_TIER))]
+
+    def take_counts(self) -> dict[str, Any]:
+        counts = {k: v for k, v in self._counts.items() if v}
+        self._counts = dict.fromkeys(COUNTS, 0)
+        return counts
+
+    def stats(self) -> dict[str, float]:
+        d = self.decision
+        return {"store_break_even_tokens": d.break_even_tokens(),
+                "store_rtt_us": d.rtt_s * 1e6, "store_mib_s": d.bytes_per_s / (1 << 20)}
+
+    # ---- helpers -------------------------------------------------------------------
+
+    def names(self, request: Request, num_blocks: int) -> list[BlockName]:
+        """The store's names of the request's first ``num_blocks`` blocks."""
+        salt = request.cache_salt
+        hashes = chain_hashes(request.all_token_ids[:num_blocks * self._bs], self._bs,
+                              salt_root(salt))
+        return for_request(self._identity, salt).names(hashes)
+
+    def _lookup(self, names: list[BlockName]) -> int:
+        if self._store_down():
+            self._count(store_lookups_skipped=1)
+            return 0
+        start = time.monotonic()
+        try:
+            store = self._connect()
+            found = store.lookup_prefix(names)
+        except StoreError as exc:
+            self._down_until = time.monotonic() + BACKOFF_S
+            self._count(store_lookup_errors=1,
+                        store_lookup_timeouts=int(isinstance(exc, StoreTimeoutError)))
+            logger.warning("KV store lookup failed, computing (lookups pause %.0f s): %s",
+                           BACKOFF_S, exc)
+            return 0
+        self.decision.on_rtt(time.monotonic() - start)
+        self._count(store_lookups=1, store_lookup_blocks=len(names), store_hit_blocks=found)
+        return found
+
+    def _connect(self) -> KVStore:
+        if self._store is None:
+            self._store = self._open()
+        return self._store
+
+    def _store_down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def _is_known(self, key: str, now: float) -> bool:
+        expiry = self._known.get(key)
+        if expiry is None:
+            return False
+        if expiry <= now:
+            del self._known[key]
+            return False
+        self._known.move_to_end(key)
+        return True
+
+    def _remember(self, names: tuple[BlockName, ...], now: float) -> None:
+        # A little short of the TTL: the store may still hold it, but never believed
+        # held after it surely expired.
+        expiry = now + 0.9 * self._ttl_s
+        for name in names:
+            self._known[name.key] = expiry
+            self._known.move_to_end(name.key)
+        while len(self._known) > KNOWN_MAX:
+            self._known.popitem(last=False)
+
+    def _count(self, **deltas: int) -> None:
+        for key, value in deltas.items():
+            self._counts[key] += value
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()

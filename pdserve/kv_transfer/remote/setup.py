@@ -1,0 +1,89 @@
+"""The cluster KV store's two sides of the connector, built from its settings: the
+scheduler side's ``StorePlanner`` and the worker side's ``StoreWorker``, or None where
+the store is off (no ``--kv-store``) or cannot serve this engine:
+
+- several tensor-parallel ranks: each holds its own heads, so one block would be one
+  value per rank, and a lookup would have to agree across ranks (not built);
+- prefix-cache hashes that do not name one KV block (hybrid or sliding-window
+  attention), as for the tiers and the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.remote.base import KVStore, create_store
+from pdserve.kv_transfer.remote.decision import FetchDecision
+from pdserve.kv_transfer.remote.engine_identity import engine_identity
+from pdserve.kv_transfer.remote.names import KVIdentity
+from pdserve.kv_transfer.remote.plan import StorePlanner
+from pdserve.kv_transfer.remote.worker import RawCodec, StoreWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger("pdserve.kv_transfer.store")
+
+
+def _why_off(config: ConnectorConfig, vllm_config: VllmConfig,
+             kv_cache_config: KVCacheConfig) -> str:
+    from pdserve.kv_transfer.connector import hashes_name_blocks  # the tiers' own rule
+
+    if vllm_config.parallel_config.tensor_parallel_size > 1:
+        return "tensor parallelism (one value per rank is not built)"
+    if not kv_cache_config.num_blocks:
+        return "no KV cache"
+    return hashes_name_blocks(vllm_config, kv_cache_config)
+
+
+def _identity(config: ConnectorConfig, vllm_config: VllmConfig,
+              kv_cache_config: KVCacheConfig) -> KVIdentity | None:
+    if not config.kv_store:
+        return None
+    why = _why_off(config, vllm_config, kv_cache_config)
+    if why:
+        logger.warning("KV store off: %s", why)
+        return None
+    return engine_identity(vllm_config, kv_cache_config, config.kv_compression,
+                           config.kv_disk_dir)
+
+
+def _opener(config: ConnectorConfig) -> Callable[[], KVStore]:
+    url = config.kv_store
+    assert url is not None  # only called with a store
+    options = config.store_options()
+    return lambda: create_store(url, options)
+
+
+def store_planner(config: ConnectorConfig, vllm_config: VllmConfig,
+                  kv_cache_config: KVCacheConfig) -> StorePlanner | None:
+    identity = _identity(config, vllm_config, kv_cache_config)
+    if identity is None:
+        return None
+    block_bytes = (sum(t.size for t in kv_cache_config.kv_cache_tensors)
+                   // kv_cache_config.num_blocks)
+    decision = FetchDecision(block_bytes=block_bytes, block_size=identity.block_size)
+    logger.info("KV store %s: blocks of %d bytes, published for %.0f s", config.kv_store,
+                block_bytes, config.kv_store_ttl_s)
+    return StorePlanner(_opener(config), identity, identity.block_size, decision,
+                        config.kv_store_ttl_s)
+
+
+def store_worker(config: ConnectorConfig, vllm_config: VllmConfig,
+                 kv_cache_config: KVCacheConfig
+                 ) -> Callable[[list[torch.Tensor], KVLayout], StoreWorker] | None:
+    if _identity(config, vllm_config, kv_cache_config) is None:
+        return None
+    opener = _opener(config)
+
+    def build(kv: list[torch.Tensor], layout: KVLayout) -> StoreWorker:
+        return StoreWorker(opener(), kv, layout, RawCodec(), config.kv_store_ttl_s)
+
+    return build

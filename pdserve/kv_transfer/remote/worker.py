@@ -1,0 +1,218 @@
+"""The cluster KV store on the connector's worker side: blocks loaded from the store into
+the engine's cache, and a finished request's blocks copied out and published behind it.
+
+A load gets the planned blocks in one round trip, checks each (the value's CRC, the
+encoding's header: ``codec.py``, ``compression``), and writes them into the blocks vLLM
+allocated; a block missing or bad fails the whole load with ``TransferError`` and
+nothing of it is trusted (vLLM computes those tokens). A save copies the blocks' bytes
+out of the cache on the pull threads (the blocks stay allocated until it returns), then
+hands them to one writer thread that publishes them (``SET NX``, with the TTL): the
+request's blocks are released at once and no request waits for the store. The writer's
+queue is bounded (``QUEUE_BYTES``); a save that does not fit is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from pdserve.kv_transfer.control.wire import TransferError
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.metadata import StoreCopy
+from pdserve.kv_transfer.remote.base import KVStore, StoreError
+from pdserve.kv_transfer.remote.names import BlockName
+
+logger = logging.getLogger("pdserve.kv_transfer.store")
+
+QUEUE_BYTES = 256 << 20  # copied-out blocks waiting for the writer, at most
+
+STATS = ("store_loads", "store_load_blocks", "store_load_bytes", "store_load_time_ns",
+         "store_load_failures", "store_load_missing", "store_bad_blocks", "store_timeouts",
+         "store_saves", "store_save_blocks", "store_save_bytes", "store_save_dropped",
+         "store_put_blocks", "store_put_written", "store_put_failures")
+
+
+# GetLoad's kv_store_* counters: the scheduler side's (``plan.COUNTS``, which reach the
+# worker side with each step) and this side's.
+REPORTED = ("store_lookups", "store_hit_blocks", "store_lookup_errors",
+            "store_lookup_timeouts", "store_lookups_skipped", "store_fetch_chosen",
+            "store_compute_chosen", "store_loads", "store_load_blocks", "store_load_bytes",
+            "store_load_time_ns", "store_load_failures", "store_load_missing",
+            "store_bad_blocks", "store_timeouts", "store_save_blocks", "store_save_dropped",
+            "store_put_written", "store_put_failures")
+
+
+class BlockCodec(Protocol):
+    """One block's per-layer tensors to a stored payload and back (``compression``)."""
+
+    def encode(self, chunks: Sequence[torch.Tensor]) -> bytes: ...
+
+    def decode(self, payload: bytes | memoryview, out: Sequence[torch.Tensor]) -> None: ...
+
+
+class RawCodec:
+    """The layers' bytes, concatenated (``--kv-compression none``)."""
+
+    def encode(self, chunks: Sequence[torch.Tensor]) -> bytes:
+        return b"".join(c.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+                        for c in chunks)
+
+    def decode(self, payload: bytes | memoryview, out: Sequence[torch.Tensor]) -> None:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        offset = 0
+        for dst in out:
+            n = dst.numel() * dst.element_size()
+            if offset + n > data.numel():
+                raise ValueError(f"payload of {data.numel()} bytes is short of the block")
+            dst.copy_(data[offset:offset + n].view(dst.dtype).view(dst.shape))
+            offset += n
+        if offset != data.numel():
+            raise ValueError(f"payload of {data.numel()} bytes is not one block ({offset})")
+
+
+class StoreWorker:
+    def __init__(self, store: KVStore, kv: Sequence[torch.Tensor], layout: KVLayout,
+                 codec: BlockCodec, ttl_s: float) -> None:
+        self._store = store
+        self._kv = list(kv)
+        self._dims = [lay.block_dim for lay in layout.layers]
+        self._codec = codec
+        self._ttl_s = ttl_s
+        self._stats = dict.fromkeys(STATS, 0)
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[list[tuple[BlockName, bytes]], int] | None] = (
+            queue.Queue())
+        self._queued_bytes = 0
+        self._feedback_loads: list[tuple[int, int]] = []
+        self._unpublished: list[str] = []
+        self._writer = threading.Thread(target=self._write_loop, name="pdserve-kv-store-put",
+                                        daemon=True)
+        self._writer.start()
+
+    def _block(self, block_id: int) -> list[torch.Tensor]:
+        return [kv.select(dim, block_id) for kv, dim in zip(self._kv, self._dims, strict=True)]
+
+    def load(self, req_id: str, copy: StoreCopy) -> int:
+        """Copy the blocks ``copy`` names from the store into its ``block_ids``; the bytes
+        read. ``TransferError`` (counted) when any is missing, bad, or the store fails."""
+        start = time.perf_counter_ns()
+        try:
+            payloads = self._store.get_blocks(copy.names)
+            nbytes = self._write_blocks(copy, payloads)
+        except (StoreError, TransferError) as exc:
+            self._count(store_load_failures=1)
+            logger.warning("KV store load for %s failed, computing: %s", req_id, exc)
+            raise TransferError(str(exc)) from exc
+        elapsed = time.perf_counter_ns() - start
+        self._count(store_loads=1, store_load_blocks=len(copy.names), store_load_bytes=nbytes,
+                    store_load_time_ns=elapsed)
+        with self._lock:
+            self._feedback_loads.append((nbytes, elapsed))
+        return nbytes
+
+    def _write_blocks(self, copy: StoreCopy, payloads: list[memoryview | None]) -> int:
+        missing = sum(p is None for p in payloads)
+        if missing:
+            self._count(store_load_missing=missing)
+            raise TransferError(f"{missing} of {len(payloads)} blocks missing or bad in the "
+                                "KV store")
+        nbytes = 0
+        for block_id, payload in zip(copy.block_ids, payloads, strict=True):
+            if payload is None:  # counted above: unreachable
+                raise TransferError("a KV store block is missing")
+            try:
+                self._codec.decode(payload, self._block(block_id))
+            except ValueError as exc:
+                self._count(store_bad_blocks=1)
+                raise TransferError(f"a KV store block does not decode: {exc}") from exc
+            nbytes += len(payload)
+        if self._kv and self._kv[0].device.type == "cuda":
+            torch.cuda.synchronize(self._kv[0].device)
+        return nbytes
+
+    def save(self, req_id: str, copy: StoreCopy) -> int:
+        """Copy the blocks out of the cache and queue them for the writer; the bytes
+        queued (0: dropped, the queue is full). Never raises."""
+        try:
+            items = [(name, self._codec.encode(self._block(b)))
+                     for b, name in zip(copy.block_ids, copy.names, strict=True)]
+        except Exception:  # noqa: BLE001 - the block is simply not published
+            logger.exception("KV store save for %s: copying the blocks out failed", req_id)
+            self._unpublish(copy.names)
+            return 0
+        nbytes = sum(len(p) for _, p in items)
+        with self._lock:
+            if self._queued_bytes + nbytes > QUEUE_BYTES:
+                self._stats["store_save_dropped"] += len(items)
+                self._unpublished.extend(n.key for n in copy.names)
+                return 0
+            self._queued_bytes += nbytes
+            self._stats["store_saves"] += 1
+            self._stats["store_save_blocks"] += len(items)
+            self._stats["store_save_bytes"] += nbytes
+        self._queue.put((items, nbytes))
+        return nbytes
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            items, nbytes = job
+            try:
+                written = self._store.put_blocks(items, self._ttl_s)
+                self._count(store_put_blocks=len(items), store_put_written=written)
+            except StoreError as exc:
+                self._count(store_put_failures=1)
+                self._unpublish(tuple(n for n, _ in items))
+                logger.warning("KV store publish of %d blocks failed: %s", len(items), exc)
+            finally:
+                with self._lock:
+                    self._queued_bytes -= nbytes
+
+    def _unpublish(self, names: Sequence[BlockName]) -> None:
+        with self._lock:
+            self._unpublished.extend(n.key for n in names)
+
+    def take_feedback(self) -> tuple[list[tuple[int, int]], list[str]]:
+        """Loads that ended and keys not published, since the last call."""
+        with self._lock:
+            loads, self._feedback_loads = self._feedback_loads, []
+            unpublished, self._unpublished = self._unpublished, []
+        return loads, unpublished
+
+    def stats(self) -> dict[str, int]:
+        """This side's counters; a bad block is one the store's checksum refused (the
+        client counts those) or whose encoding did not decode."""
+        client = self._store.stats()
+        with self._lock:
+            out = dict(self._stats)
+        out["store_bad_blocks"] += client.get("bad_blocks", 0)
+        out["store_timeouts"] += client.get("timeouts", 0)
+        return out
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the writer's queue to empty (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._queued_bytes == 0:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._writer.join(timeout=2.0)
+        self._store.close()
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for key, value in deltas.items():
+                self._stats[key] += value

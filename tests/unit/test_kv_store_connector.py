@@ -1,0 +1,244 @@
+"""The cluster KV store's two connector sides on a real ``redis-server`` (no vLLM):
+blocks one worker publishes behind a request are found by another worker's scheduler
+side in one lookup and loaded bit-exact into its cache; another salt or weight version
+never finds them; a stopped store costs one deadline and then is skipped; a corrupt or
+missing block fails the load (vLLM recomputes); and the fetch-or-compute decision
+computes when computing is faster."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from pdserve.kv_transfer.control.wire import TransferError
+from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.metadata import PdserveConnectorMetadata, StoreFeedback
+from pdserve.kv_transfer.remote.base import StoreOptions, create_store
+from pdserve.kv_transfer.remote.decision import FetchDecision
+from pdserve.kv_transfer.remote.local_redis import LocalRedis
+from pdserve.kv_transfer.remote.names import KVIdentity
+from pdserve.kv_transfer.remote.plan import StorePlanner
+from pdserve.kv_transfer.remote.worker import RawCodec, StoreWorker
+
+BS, NUM_BLOCKS, HEADS, HEAD2 = 4, 16, 2, 8
+IDENT = KVIdentity("fp-test", "default", "float32", "cpu:test", BS, (2, HEADS, HEAD2))
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    all_token_ids: list[int]
+    cache_salt: str | None = None
+    num_computed_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+@dataclass
+class FakeOutput:
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+    finished_sending: set[str] = field(default_factory=set)
+    kv_connector_worker_meta: StoreFeedback | None = None
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LocalRedis]:
+    with LocalRedis(maxmemory="64mb") as redis_server:
+        yield redis_server
+
+
+def _caches(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn((NUM_BLOCKS, HEADS, BS, HEAD2), generator=gen) for _ in range(2)]
+
+
+class Side:
+    """One worker: its scheduler side's planner and its worker side over its cache."""
+
+    def __init__(self, url: str, seed: int, per_token_s: float = 1e-3) -> None:
+        options = StoreOptions(timeout_s=0.3)
+        self.kv = _caches(seed)
+        layout = KVLayout.from_kv_caches({f"l{i}": t for i, t in enumerate(self.kv)},
+                                         NUM_BLOCKS, BS)
+        decision = FetchDecision(block_bytes=2 * HEADS * BS * HEAD2 * 4, block_size=BS,
+                                 per_token_s=per_token_s)
+        self.plan = StorePlanner(lambda: create_store(url, options), IDENT, BS, decision,
+                                 ttl_s=60)
+        self.worker = StoreWorker(create_store(url, options), self.kv, layout, RawCodec(),
+                                  ttl_s=60)
+
+    def publish(self, request: FakeRequest, block_ids: list[int]) -> None:
+        meta = PdserveConnectorMetadata()
+        assert self.plan.plan_save(request, block_ids, meta)
+        copy = meta.store_saves[request.request_id]
+        assert self.worker.save(request.request_id, copy) > 0
+        assert self.worker.flush(5.0)
+        self.plan.update(FakeOutput(finished_sending={request.request_id}))
+
+    def load(self, request: FakeRequest, dst: list[int]) -> int:
+        meta = PdserveConnectorMetadata()
+        num = self.plan.plan_load(request.request_id, tuple(dst), meta)
+        copy = meta.store_loads[request.request_id]
+        try:
+            self.worker.load(request.request_id, copy)
+        except TransferError:
+            self.plan.update(FakeOutput({request.request_id}, {request.request_id}))
+            raise
+        return num
+
+    def close(self) -> None:
+        self.worker.close()
+        self.plan.close()
+
+
+def _prompt(tag: int, num_tokens: int = 5 * BS + 1) -> list[int]:
+    return [(tag * 1000 + i) % 50000 for i in range(num_tokens)]
+
+
+@pytest.fixture
+def sides(server: LocalRedis) -> Iterator[tuple[Side, Side]]:
+    a, b = Side(server.url, 1), Side(server.url, 2)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_blocks_published_by_one_worker_load_bit_exact_on_another(
+        sides: tuple[Side, Side]) -> None:
+    a, b = sides
+    tokens = _prompt(1)
+    a.publish(FakeRequest("a1", tokens, num_computed_tokens=len(tokens)), [3, 5, 7, 9, 11])
+    changes = a.plan.take_changes()
+    assert changes and changes[0][0] == "store" and len(changes[0][2]) == 5
+    # b's engine holds nothing: the store has all five full blocks, the last token's
+    # block is never loaded (it is computed)
+    request = FakeRequest("b1", tokens)
+    assert b.plan.match(request, 0) == 5 * BS
+    assert b.load(request, [0, 1, 2, 4, 6]) == 5
+    for src, dst in zip([3, 5, 7, 9, 11], [0, 1, 2, 4, 6], strict=True):
+        for layer_a, layer_b in zip(a.kv, b.kv, strict=True):
+            assert torch.equal(layer_a[src], layer_b[dst])
+    counts = b.plan.take_counts()
+    assert counts["store_lookups"] == 1 and counts["store_hit_blocks"] == 5
+    assert counts["store_fetch_chosen"] == 1
+    assert b.worker.stats()["store_load_blocks"] == 5
+
+
+def test_a_later_start_looks_up_only_the_rest_and_a_hole_stops_the_run(
+        sides: tuple[Side, Side], server: LocalRedis) -> None:
+    a, b = sides
+    tokens = _prompt(2)
+    a.publish(FakeRequest("a2", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
+    request = FakeRequest("b2", tokens)
+    assert b.plan.match(request, 2 * BS) == 3 * BS  # the engine holds the first two
+    b.plan.unmatch("b2")
+    names = b.plan.names(request, 5)
+    server.client().delete(names[3].key)  # evicted from the middle
+    assert b.plan.match(FakeRequest("b3", tokens), 0) == 3 * BS  # only up to the hole
+
+
+def test_another_salt_or_weight_version_never_finds_the_blocks(
+        sides: tuple[Side, Side]) -> None:
+    a, b = sides
+    tokens = _prompt(3)
+    a.publish(FakeRequest("a3", tokens, cache_salt="tenant-a",
+                          num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
+    assert b.plan.match(FakeRequest("x", tokens, cache_salt="tenant-a"), 0) == 5 * BS
+    b.plan.unmatch("x")
+    for salt in (None, "tenant-b", "tenant-a@weights:v2", "@weights:v2"):
+        assert b.plan.match(FakeRequest(f"y{salt}", tokens, cache_salt=salt), 0) == 0
+    # and the identity's fields split the versioned salt: tenant and version each named
+    v2 = b.plan.names(FakeRequest("z", tokens, cache_salt="tenant-a@weights:v2"), 1)[0]
+    assert (v2.identity.cache_salt, v2.identity.weight_version) == ("tenant-a", "v2")
+
+
+def test_a_missing_or_corrupt_block_fails_the_load_and_is_counted(
+        sides: tuple[Side, Side], server: LocalRedis) -> None:
+    a, b = sides
+    tokens = _prompt(4)
+    a.publish(FakeRequest("a4", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
+    request = FakeRequest("b4", tokens)
+    assert b.plan.match(request, 0) == 5 * BS
+    key = b.plan.names(request, 5)[1].key
+    client = server.client()
+    value = bytearray(client.get(key))
+    value[-1] ^= 0xFF  # a flipped byte in the payload
+    client.set(key, bytes(value))
+    before = [t.clone() for t in b.kv]
+    with pytest.raises(TransferError):
+        b.load(request, [0, 1, 2, 3, 4])
+    assert b.worker.stats()["store_bad_blocks"] == 1
+    assert b.worker.stats()["store_load_failures"] == 1
+    assert b.plan.take_counts()["store_load_failed"] == 1
+    assert all(torch.equal(x, y) for x, y in zip(before, b.kv, strict=True))  # nothing written
+
+
+def test_a_stopped_store_costs_one_deadline_then_lookups_pause(server: LocalRedis) -> None:
+    with LocalRedis(maxmemory="16mb") as paused:
+        side = Side(paused.url, 3)
+        try:
+            side.plan.match(FakeRequest("warm", _prompt(5)), 0)  # connected
+            paused.send_signal(signal.SIGSTOP)
+            start = time.monotonic()
+            assert side.plan.match(FakeRequest("p1", _prompt(6)), 0) == 0
+            first = time.monotonic() - start
+            start = time.monotonic()
+            assert side.plan.match(FakeRequest("p2", _prompt(7)), 0) == 0
+            second = time.monotonic() - start
+            # a publish while down is not even planned
+            assert not side.plan.plan_save(FakeRequest("p3", _prompt(8),
+                                                       num_computed_tokens=21),
+                                           [0, 1, 2, 3, 4], PdserveConnectorMetadata())
+            paused.send_signal(signal.SIGCONT)
+        finally:
+            side.close()
+        counts = side.plan.take_counts()
+        assert counts["store_lookup_timeouts"] == 1 and counts["store_lookups_skipped"] == 1
+        assert first < 2.0 and second < 0.05
+
+
+def test_computing_wins_when_the_engine_is_faster_than_the_store(
+        server: LocalRedis) -> None:
+    a, fast = Side(server.url, 4), Side(server.url, 5, per_token_s=1e-9)
+    try:
+        tokens = _prompt(9)
+        a.publish(FakeRequest("a9", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
+        assert fast.plan.match(FakeRequest("f9", tokens), 0) == 0
+        assert fast.plan.take_counts()["store_compute_chosen"] == 1
+        # what the worker side reports moves the decision: a slow engine fetches again
+        fast.plan.update(FakeOutput(kv_connector_worker_meta=StoreFeedback(per_token_ns=10**6)))
+        assert fast.plan.match(FakeRequest("f10", tokens), 0) == 5 * BS
+    finally:
+        a.close()
+        fast.close()
+
+
+def test_blocks_a_worker_knows_it_published_are_not_published_again(
+        sides: tuple[Side, Side]) -> None:
+    a, _ = sides
+    tokens = _prompt(10)
+    a.publish(FakeRequest("a10", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
+    longer = tokens + _prompt(11, 2 * BS)
+    meta = PdserveConnectorMetadata()
+    assert a.plan.plan_save(FakeRequest("a11", longer, num_computed_tokens=len(longer)),
+                            list(range(7)), meta)
+    assert len(meta.store_saves["a11"].names) == 2  # only the two new blocks
+    a.plan.update(FakeOutput(finished_sending={"a11"}))  # copied out: known published
+    again = PdserveConnectorMetadata()
+    assert not a.plan.plan_save(FakeRequest("a12", longer, num_computed_tokens=len(longer)),
+                                list(range(7)), again)
+    # a publication that failed is forgotten: the next request publishes it again
+    a.plan.update(FakeOutput(kv_connector_worker_meta=StoreFeedback(
+        unpublished=[n.key for n in meta.store_saves["a11"].names])))
+    assert a.plan.plan_save(FakeRequest("a13", longer, num_computed_tokens=len(longer)),
+                            list(range(7)), again)
+    assert len(again.store_saves["a13"].names) == 2
