@@ -32,6 +32,7 @@ from pdserve.router.http.tenants.table import key_table, parse_key_entry
 if TYPE_CHECKING:
     from pdserve.kv_transfer.config import ConnectorConfig
     from pdserve.launch.up import UpConfig
+    from pdserve.launch.up_store import KvStoreUp
     from pdserve.router.http.openai.tool_calls import ToolConfig
     from pdserve.router.server import RouterConfig
     from pdserve.worker.config import WorkerConfig
@@ -233,6 +234,17 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
 
 # ---- ``up`` ---------------------------------------------------------------------------
 
+def up_store(args: argparse.Namespace) -> KvStoreUp:
+    """The workers' KV store flags, or ``--with-redis`` and its ``--redis-maxmemory``."""
+    from pdserve.launch.up_store import KvStoreUp
+
+    return KvStoreUp(url=args.kv_store or None, ttl_s=args.kv_store_ttl_s,
+                     timeout_s=args.kv_store_timeout_s,
+                     password_file=args.kv_store_password_file or None,
+                     compression=args.kv_compression, with_redis=args.with_redis,
+                     redis_maxmemory=args.redis_maxmemory)
+
+
 def up_config(args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
     """From the ``up`` subcommand's flags; ``--dtype auto`` resolved here, once, for
     every engine (simulated workers have no dtype)."""
@@ -258,6 +270,7 @@ def up_config(args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
         kv_offload_gib=args.kv_offload_gib, kv_disk_dir=args.kv_disk_dir,
         kv_disk_gib=args.kv_disk_gib, kv_tier_policy=args.kv_tier_policy,
         kv_throttle_mib_s=args.kv_throttle_mib_s, kv_push=args.kv_push,
+        kv_store=up_store(args),
         etcd=args.etcd or "", with_etcd=args.with_etcd, cluster=args.cluster,
         etcd_ttl_s=args.etcd_ttl_s, etcd_auth=etcd_auth(args),
         num_kv_blocks=args.num_kv_blocks or None,

@@ -30,6 +30,7 @@ from pdserve.kv_transfer.base import transport_names
 from pdserve.kv_transfer.tiers.policies.registry import DEFAULT_POLICY, check_policy, policy_names
 from pdserve.launch.cpu_layout import CPU_LAYOUTS
 from pdserve.launch.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S
+from pdserve.launch.up_store import DEFAULT_REDIS_MAXMEMORY, check_maxmemory
 from pdserve.membership import DEFAULT_TTL_S
 from pdserve.router.dispatch.migration import DEFAULT_MAX_MIGRATIONS
 from pdserve.router.dispatch.policies.disagg import (
@@ -318,6 +319,14 @@ FLAGS = _flags(
          "--tls-cert/--tls-key/--tls-ca it serves only TLS and requires client certificates",
          False,
          parse_bool, switch=True),
+    Flag("with-redis", "start a local redis-server (Debian's redis-server) as the workers' "
+         "KV store (--kv-store is set to it): bound to 127.0.0.1, a password of its own "
+         "(or --kv-store-password-file's), capped at --redis-maxmemory with allkeys-lru "
+         "eviction, stopped with up; its log is redis.log in the run's log folder", False,
+         parse_bool, switch=True),
+    Flag("redis-maxmemory", "--with-redis: the local server's memory cap (redis "
+         "maxmemory: 512mb, 2gb, ...); beyond it the least recently used blocks are evicted",
+         DEFAULT_REDIS_MAXMEMORY, check_maxmemory, metavar="SIZE"),
     Flag("startup-timeout-s", "fail the start if no decode worker is ready after this many "
          "seconds (workers still starting then keep being supervised)", 600.0,
          parse_float(0, strict=True)),

@@ -44,7 +44,7 @@ ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement", "kv-
           ) + DISAGG + EDGE + OPENAI
 UP = ("host", "port", "num-prefill", "num-decode", "placement", "kv-pool", "decode-cache",
       "cpu-layout",
-      "with-etcd",
+      "with-etcd", "with-redis", "redis-maxmemory",
       "startup-timeout-s", "max-restarts", "restart-window-s", "simulated", "worker-metrics",
       "metrics-targets-file", "router-processes") + DISAGG + EDGE + OPENAI
 # The cluster secret: the router, every worker and up (which hands it to its children).

@@ -28,6 +28,7 @@ from pdserve.kv_transfer.base import transport_names
 from pdserve.launch.cpu_layout import CPU_LAYOUTS, DEFAULT_CPU_LAYOUT, core_sets, resolve_layout
 from pdserve.launch.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S, RestartPolicy
 from pdserve.launch.up_children import STOP_GRACE_S, Child, console
+from pdserve.launch.up_store import KvStoreUp, LocalStore
 from pdserve.launch.up_targets import METRICS_KEY, scrape_targets, targets_line, write_file_sd
 from pdserve.launch.up_watch import ClusterWatch
 from pdserve.membership.etcd_client import EtcdAuth, check_etcd_url
@@ -65,6 +66,8 @@ class UpConfig:
     kv_disk_gib: float = 0.0
     kv_tier_policy: str = "default"  # the tiers' eviction policy (--kv-tier-policy)
     kv_throttle_mib_s: float = 0.0
+    # The cluster KV store (--kv-store*, --kv-compression), or a local one (--with-redis).
+    kv_store: KvStoreUp = KvStoreUp()
     # Membership: static (default), an etcd at ``etcd``, or a local one (``with_etcd``).
     etcd: str = ""
     with_etcd: bool = False
@@ -133,6 +136,9 @@ class UpConfig:
         if self.weight_transfer_backend and self.simulated:
             raise ValueError("--weight-transfer-backend: simulated workers have no "
                              "weight-transfer engine")
+        if self.simulated and (self.kv_store.enabled or self.kv_store.compression != "none"):
+            raise ValueError("--kv-store, --with-redis, --kv-compression: simulated workers "
+                             "have no KV cache to store")
 
     @property
     def restart_policy(self) -> RestartPolicy:
@@ -235,12 +241,13 @@ def _engine_flags(cfg: UpConfig, role: str, cores: str, name: str) -> list[str]:
         argv += ["--weight-transfer-backend", cfg.weight_transfer_backend]
     if role == "prefill" and cfg.num_kv_blocks:
         argv += ["--num-kv-blocks", str(cfg.num_kv_blocks)]
-    return argv
+    return argv + cfg.kv_store.flags()
 
 
 def run_up(cfg: UpConfig) -> int:
     log_dir = cache_dir() / "logs" / time.strftime("%Y%m%d-%H%M%S")
     etcd: LocalEtcd | None = None
+    store: LocalStore | None = None
     own_secret: tempfile.TemporaryDirectory[str] | None = None
     if not cfg.cluster_secret_file:  # this cluster's own, gone with it
         own_secret = tempfile.TemporaryDirectory(prefix="pdserve-up-")
@@ -256,8 +263,15 @@ def run_up(cfg: UpConfig) -> int:
         console.print(f"local etcd at {etcd.url} (data {etcd.data_dir})")
         cfg = replace(cfg, etcd=etcd.url, with_etcd=False)
     try:
+        if cfg.kv_store.with_redis:  # a password of its own unless given one
+            store = LocalStore(cfg.kv_store, log_dir).start()
+            console.print(f"local redis at {store.server.url} (KV store, "
+                          f"maxmemory {cfg.kv_store.redis_maxmemory})")
+            cfg = replace(cfg, kv_store=store.store)
         return _run_children(cfg, log_dir, etcd)
     finally:
+        if store is not None:
+            store.stop()
         if etcd is not None:
             etcd.stop()
         if own_secret is not None:

@@ -5,7 +5,10 @@ installs it).
 Each server is a cache, never a database: no snapshots (``--save ''``), no append-only
 file, a memory cap (``--maxmemory``) and an eviction policy the server applies when the
 cap is reached (``allkeys-lru`` by default; ``volatile-ttl`` evicts the soonest to
-expire), bound to 127.0.0.1 in a temporary directory that ``stop()`` removes.
+expire), bound to 127.0.0.1 in a temporary directory that ``stop()`` removes. With a
+``password_file`` (``pdserve up --with-redis`` makes one) the server requires that
+password (``requirepass``), given in a config file in its own directory, never on its
+command line.
 ``LocalRedisCluster`` starts ``masters`` cluster-enabled servers (each with ``replicas``
 replicas) and joins them with ``redis-cli --cluster create``.
 """
@@ -39,11 +42,13 @@ def redis_binary(name: str = "redis-server") -> str:
 class LocalRedis:
     def __init__(self, maxmemory: str = "256mb", policy: str = "allkeys-lru",
                  port: int | None = None, cluster: bool = False,
-                 data_dir: Path | None = None, log_path: Path | None = None) -> None:
+                 data_dir: Path | None = None, log_path: Path | None = None,
+                 password_file: Path | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown maxmemory policy {policy!r}; valid: "
                              f"{', '.join(POLICIES)}")
         self._binary = redis_binary()
+        self.password = read_password(password_file) if password_file else None
         self.port = port or free_port()
         self._own_dir = data_dir is None
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
@@ -63,7 +68,10 @@ class LocalRedis:
         return f"redis://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> LocalRedis:
-        self.proc = process.spawn(self._argv, log_path=self._log_path)
+        argv = list(self._argv)
+        if self.password is not None:  # redis-server takes a config file first
+            argv.insert(1, str(self._write_conf(self.password)))
+        self.proc = process.spawn(argv, log_path=self._log_path)
         try:
             process.wait_ready(self._ping, timeout_s, exited=self._exited, interval_s=0.05)
         except process.NotReadyError as exc:
@@ -74,7 +82,14 @@ class LocalRedis:
     def client(self, timeout_s: float = 1.0) -> redis.Redis:
         """A plain client of this server (tests: raw keys, CONFIG, CLUSTER INFO)."""
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=timeout_s,
-                           socket_connect_timeout=timeout_s)
+                           socket_connect_timeout=timeout_s, password=self.password)
+
+    def _write_conf(self, password: str) -> Path:
+        """``requirepass`` in a file only this user reads (in the server's directory)."""
+        conf = self.data_dir / f"redis-{self.port}.conf"
+        conf.touch(mode=0o600)
+        conf.write_text(f"requirepass {_quoted(password)}\n")
+        return conf
 
     def _ping(self) -> str:
         with self.client(timeout_s=0.5) as c:
@@ -160,6 +175,26 @@ class LocalRedisCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def read_password(path: Path) -> str:
+    """A password file's first line (its line break dropped): what ``requirepass`` and
+    ``--kv-store-password-file`` mean by the password."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"KV store password file {path}: {exc.strerror}") from None
+    lines = text.splitlines()
+    password = lines[0] if lines else ""
+    if not password:
+        raise ValueError(f"KV store password file {path} is empty")
+    return password
+
+
+def _quoted(text: str) -> str:
+    """``text`` as a double-quoted redis.conf argument."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'
 
 
 def _cluster_port() -> int:
