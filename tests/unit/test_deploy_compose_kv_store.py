@@ -6,19 +6,16 @@ on the local redis-server, requires the secret's password and enforces its memor
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 import yaml
+from unit.redis_from_script import probe_passes, running_redis, server_settings
 from unit.test_deploy_compose_config import COMPOSE_DIR, _flag_envs, docker_compose
 
 from pdserve.cli.configs import connector_config
 from pdserve.cli.parser import build_parser
-from pdserve.core import process
-from pdserve.core.ports import free_port
 
 BASE = COMPOSE_DIR / "docker-compose.yml"
 KV_OVERLAY = COMPOSE_DIR / "docker-compose.kv-store.yml"
@@ -88,53 +85,20 @@ def test_the_store_settings_follow_the_environment() -> None:
     assert '--maxmemory "8gb"' in services["redis"]["command"][0]
 
 
-def _localize(text: str, password_file: Path, port: int, data_dir: Path) -> str:
-    """The container's shell text (compose's ``$$`` is ``$``) on this machine."""
-    return (text.replace("$$", "$").replace(SECRET, str(password_file))
-            .replace("redis-server - ", f"redis-server - --port {port} --bind 127.0.0.1 "
-                                        f"--dir {data_dir} ")
-            .replace("redis-cli ping", f"redis-cli -p {port} ping"))
-
-
-@pytest.fixture
-def compose_redis(kv_config: dict[str, Any], tmp_path: Path) -> Iterator[tuple[int, str]]:
+def test_compose_redis_requires_the_password_and_caps_its_memory(
+        kv_config: dict[str, Any], tmp_path: Path) -> None:
     """compose's redis service, from its merged command, on the local redis-server."""
     service = kv_config["services"]["redis"]
     assert service["entrypoint"] == ["/bin/sh", "-c"] and service["user"] == "999:999"
-    password = "pw+/from=secret"
-    secret = tmp_path / "kv_store_password"
-    secret.write_text(password + "\n")
-    port = free_port()
     (script,) = service["command"]
-    proc = process.spawn(["/bin/sh", "-c", _localize(script, secret, port, tmp_path)],
-                         log_path=tmp_path / "redis.log")
-    client = redis.Redis(port=port, password=password, socket_timeout=1)
-    try:
-        process.wait_ready(lambda: "" if client.ping() else "no PONG", 10,
-                           exited=lambda: None if proc.poll() is None else "exited",
-                           interval_s=0.05)
-        yield port, password
-    finally:
-        client.close()
-        process.stop([proc], grace_s=5)
-
-
-def test_compose_redis_requires_the_password_and_caps_its_memory(
-        kv_config: dict[str, Any], compose_redis: tuple[int, str], tmp_path: Path) -> None:
-    port, password = compose_redis
-    with redis.Redis(port=port, socket_timeout=1) as anonymous, pytest.raises(
-            redis.AuthenticationError):
-        anonymous.ping()
-    with redis.Redis(port=port, password=password, socket_timeout=1) as c:
-        assert c.config_get("maxmemory") == {"maxmemory": str(1 << 30)}
-        assert c.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-lru"}
-        assert c.config_get("save") == {"save": ""}
-        assert c.config_get("appendonly") == {"appendonly": "no"}
-    # Its health check, as the container runs it, passes; with a wrong password it fails.
-    test = kv_config["services"]["redis"]["healthcheck"]["test"]
-    assert test[0] == "CMD-SHELL"
-    secret = tmp_path / "kv_store_password"
-    check = _localize(test[1], secret, port, tmp_path)
-    assert subprocess.run(["/bin/sh", "-c", check], timeout=10).returncode == 0
-    secret.write_text("wrong\n")
-    assert subprocess.run(["/bin/sh", "-c", check], timeout=10).returncode != 0
+    password = "pw+/from=secret"
+    with running_redis(script, SECRET, password, tmp_path) as (port, local_file):
+        assert server_settings(port, password) == {
+            "auth": "required", "maxmemory": str(1 << 30),
+            "maxmemory-policy": "allkeys-lru", "save": "", "appendonly": "no"}
+        # Its health check, as the container runs it, passes; with a wrong password it fails.
+        test = service["healthcheck"]["test"]
+        assert test[0] == "CMD-SHELL"
+        assert probe_passes(test[1], SECRET, local_file, port)
+        local_file.write_text("wrong\n")
+        assert not probe_passes(test[1], SECRET, local_file, port)
