@@ -217,3 +217,16 @@ def test_the_schema_enums_are_pdserves_own_choices() -> None:
         POLICIES)
     schemes = set(re.findall(r"([a-z-]+)://", kv["properties"]["url"]["pattern"]))
     assert schemes == set(store_schemes())
+
+
+def test_the_notes_say_where_the_store_is_and_whether_it_has_a_password(chart: Any) -> None:
+    def notes(values: dict[str, Any] | None) -> str:
+        rendered = chart.render(values, name="pd", namespace="serving", is_install=True)
+        return str(rendered["pdserve/templates/NOTES.txt"])
+
+    assert "Cluster KV store" not in notes(None)
+    assert ("Cluster KV store: redis://pd-pdserve-redis:6379 (the chart's Redis, maxmemory "
+            "1gb, allkeys-lru; password in the Secret pd-pdserve-kv-store)") in notes(OWN)
+    assert f"{CLUSTER_URL} (password from the Secret store-auth)" in notes(EXTERNAL)
+    assert "redis://cache:6379 (no password)" in notes(
+        {"kvStore": {"enabled": True, "url": "redis://cache:6379"}})
