@@ -12,6 +12,7 @@ from pdserve.core.grpc_tls import TlsFiles
 from pdserve.kv_transfer.base import TransportOptions, transport_names
 from pdserve.kv_transfer.control.tls import KvTls, load_kv_tls
 from pdserve.kv_transfer.remote.base import StoreOptions, store_schemes
+from pdserve.kv_transfer.remote.local_redis import read_password
 from pdserve.kv_transfer.tiers.policies.registry import check_policy
 
 KV_COMPRESSIONS = ("none", "lossless", "int8", "fp8")
@@ -113,14 +114,8 @@ class ConnectorConfig:
     def store_options(self) -> StoreOptions:
         """The KV store client's deadline and password (read from its file now)."""
         password = None
-        if self.kv_store_password_file:
-            try:
-                password = Path(self.kv_store_password_file).read_text().strip()
-            except OSError as exc:
-                raise ValueError(f"--kv-store-password-file: {exc}") from exc
-            if not password:
-                raise ValueError(f"--kv-store-password-file {self.kv_store_password_file} "
-                                 "is empty")
+        if self.kv_store_password_file:  # its first line, as redis-server's requirepass
+            password = read_password(Path(self.kv_store_password_file))
         return StoreOptions(timeout_s=self.kv_store_timeout_s, password=password)
 
     def tls_files(self) -> TlsFiles:

@@ -28,6 +28,7 @@ from pdserve.kv_transfer.base import transport_names
 from pdserve.launch.cpu_layout import CPU_LAYOUTS, DEFAULT_CPU_LAYOUT, core_sets, resolve_layout
 from pdserve.launch.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S, RestartPolicy
 from pdserve.launch.up_children import STOP_GRACE_S, Child, console
+from pdserve.launch.up_servers import KeptServer, kept_servers
 from pdserve.launch.up_store import KvStoreUp, LocalStore
 from pdserve.launch.up_targets import METRICS_KEY, scrape_targets, targets_line, write_file_sd
 from pdserve.launch.up_watch import ClusterWatch
@@ -268,7 +269,8 @@ def run_up(cfg: UpConfig) -> int:
             console.print(f"local redis at {store.server.url} (KV store, "
                           f"maxmemory {cfg.kv_store.redis_maxmemory})")
             cfg = replace(cfg, kv_store=store.store)
-        return _run_children(cfg, log_dir, etcd)
+        servers = kept_servers(cfg.restart_policy.backoff_max_s, etcd, store)
+        return _run_children(cfg, log_dir, servers)
     finally:
         if store is not None:
             store.stop()
@@ -311,8 +313,8 @@ def _announce_targets(cfg: UpConfig, children: list[Child]) -> None:
         console.print(f"scrape targets (Prometheus file_sd) in {path}")
 
 
-def _run_children(cfg: UpConfig, log_dir: Path, etcd: LocalEtcd | None = None) -> int:
-    watch = ClusterWatch(plan(cfg, log_dir), cfg.restart_policy, etcd,
+def _run_children(cfg: UpConfig, log_dir: Path, servers: list[KeptServer]) -> int:
+    watch = ClusterWatch(plan(cfg, log_dir), cfg.restart_policy, servers,
                          optional_secret(cfg.cluster_secret_file), cfg.tls.load())
     stopping = False
 

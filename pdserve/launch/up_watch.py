@@ -27,7 +27,7 @@ from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.grpc_tls import GrpcTls
 from pdserve.launch.supervisor import ChildEvent, ChildSpec, RestartPolicy, Supervisor
 from pdserve.launch.up_children import Child, child_env, console, probe_child, tail
-from pdserve.membership.local_etcd import LocalEtcd
+from pdserve.launch.up_servers import KeptServer
 
 _POLL_S = 0.5
 _LOG_TAIL_LINES = 12
@@ -38,15 +38,13 @@ class ClusterWatch:
     (``start``, ``wait_servable``, ``serve``, ``stop``)."""
 
     def __init__(self, children: Sequence[Child], policy: RestartPolicy,
-                 etcd: LocalEtcd | None = None, secret: ClusterSecret | None = None,
+                 servers: Sequence[KeptServer] = (), secret: ClusterSecret | None = None,
                  tls: GrpcTls | None = None) -> None:
         self.children = {c.name: c for c in children}
         self._secret, self._tls = secret, tls  # what workers are probed with
         specs = [ChildSpec(c.name, c.argv, c.log, c.env) for c in children]
         self.supervisor = Supervisor(specs, policy, child_env())
-        self._etcd = etcd
-        self._etcd_restarts = 0
-        self._etcd_retry_at: float | None = None  # set while etcd is down
+        self.servers = tuple(servers)  # local etcd, local redis-server: kept alive
 
     def start(self) -> None:
         self.supervisor.start()
@@ -99,13 +97,14 @@ class ClusterWatch:
             time.sleep(_POLL_S)
 
     def step(self) -> bool:
-        """Act on the supervisor's events, restart etcd if it died, probe the children
+        """Act on the supervisor's events, restart a local server that died, probe the children
         not ready yet. Whether anything changed."""
         changed = False
         for event in self.supervisor.poll():
             self._on_event(event)
             changed = True
-        changed |= self._keep_etcd()
+        for server in self.servers:
+            changed |= server.keep()
         router = self._router()
         router.extra["num_workers"] = str(sum(
             1 for c in self.children.values() if c is not router and not self._gave_up(c)))
@@ -135,31 +134,6 @@ class ClusterWatch:
                           f"{p.window_s:.0f}s; not restarting it again[/]. Log: {child.log}\n"
                           + tail(child.log, _LOG_TAIL_LINES))
 
-    def _keep_etcd(self) -> bool:
-        """Start a dead local etcd again (same port and data); retried with back-off."""
-        etcd, now = self._etcd, time.monotonic()
-        if etcd is None:
-            return False
-        if self._etcd_retry_at is None:
-            if etcd.proc is not None and etcd.proc.poll() is None:
-                return False
-            console.print("[red]etcd exited[/]; workers keep serving on the router's last "
-                          "view; restarting etcd")
-            self._etcd_retry_at = now
-        if now < self._etcd_retry_at:
-            return False
-        etcd.stop(keep_data=True)
-        try:
-            etcd.start()
-        except RuntimeError as exc:
-            self._etcd_retry_at = now + self.supervisor.policy.backoff_max_s
-            console.print(f"[red]etcd restart failed[/]: {exc}")
-            return True
-        self._etcd_restarts += 1
-        self._etcd_retry_at = None
-        console.print(f"[green]etcd is back[/] at {etcd.url}")
-        return True
-
     def fatal(self) -> str | None:
         """Why nothing can serve any more, or None."""
         if self._gave_up(self._router()):
@@ -177,9 +151,8 @@ class ClusterWatch:
         for c in self.children.values():
             table.add_row(c.name, c.state, str(self.supervisor.children[c.name].num_restarts),
                           str(c.log))
-        if self._etcd is not None:
-            state = "restarting" if self._etcd_retry_at is not None else "ready"
-            table.add_row("etcd", state, str(self._etcd_restarts), self._etcd.url)
+        for server in self.servers:
+            table.add_row(*server.row())
         return table
 
     def num_restarts(self) -> dict[str, int]:

@@ -44,6 +44,7 @@ FOREIGN_FLAGS = {
     "redis-cli": {"--cluster"},
     "docker": {"--build-arg"},
     "helm": {"--set", "--set-file"},
+    "kubectl": {"--from-file"},
     "pip": {"--no-deps"},
     "code_map.py": {"--write"},
 }

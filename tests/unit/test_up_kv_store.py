@@ -14,6 +14,7 @@ from pdserve.cli.configs import connector_config, up_config
 from pdserve.cli.parser import build_parser
 from pdserve.core.model import ResolvedModel
 from pdserve.launch.up import UpConfig, plan
+from pdserve.launch.up_servers import KeptServer
 from pdserve.launch.up_store import LOCAL_POLICY, KvStoreUp, LocalStore
 
 MODEL = ResolvedModel(Path("/models/tiny"), "tiny")
@@ -158,3 +159,42 @@ def test_with_redis_uses_a_given_password_file_and_keeps_it(
     finally:
         local.stop()
     assert password_file.read_text() == "s3cret-pass\n"
+
+
+@pytest.mark.parametrize("outcome", ["serves", "fails"])
+def test_run_up_with_redis_hands_the_children_a_live_store_and_stops_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, outcome: str) -> None:
+    """run_up as `up --with-redis` runs it, the children replaced by a stand-in that
+    reaches the store the workers would be told about."""
+    from pdserve.kv_transfer.remote.local_redis import read_password
+    from pdserve.launch import up
+
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    seen: dict[str, object] = {}
+
+    def children(cfg: UpConfig, log_dir: Path, servers: list[KeptServer]) -> int:
+        assert [s.name for s in servers] == ["redis"]  # kept alive by up's watch
+        store = cfg.kv_store
+        assert store.url and store.password_file and not store.with_redis
+        password = read_password(Path(store.password_file))
+        with redis.Redis.from_url(store.url, password=password, socket_timeout=1) as c:
+            seen.update(ping=c.ping(), url=store.url, log_dir=log_dir,
+                        password_file=Path(store.password_file))
+        if outcome == "fails":
+            raise OSError("a child could not start")
+        return 0
+
+    monkeypatch.setattr(up, "_run_children", children)
+    cfg = UpConfig(model="/m", kv_store=KvStoreUp(with_redis=True, redis_maxmemory="32mb"))
+    if outcome == "fails":
+        with pytest.raises(OSError):
+            up.run_up(cfg)
+    else:
+        assert up.run_up(cfg) == 0
+    assert seen["ping"] is True
+    assert (Path(str(seen["log_dir"])) / "redis.log").exists()
+    assert not Path(str(seen["password_file"])).exists()  # up's own, removed
+    with redis.Redis.from_url(str(seen["url"]), socket_timeout=1,
+                              socket_connect_timeout=1) as gone, pytest.raises(
+            redis.ConnectionError):
+        gone.ping()

@@ -68,6 +68,7 @@ class LocalRedis:
         return f"redis://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> LocalRedis:
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # again after a stop
         argv = list(self._argv)
         if self.password is not None:  # redis-server takes a config file first
             argv.insert(1, str(self._write_conf(self.password)))
@@ -104,15 +105,21 @@ class LocalRedis:
         if self.proc is not None:
             process.signal_group(self.proc.pid, sig)
 
-    def stop(self, sig: int = signal.SIGKILL) -> None:
+    def stop(self, sig: int = signal.SIGKILL, *, keep_dir: bool = False) -> None:
         """``sig`` (SIGKILL: nothing to save) to the server, SIGKILL after 5 s; its
-        directory removed when this object made it."""
+        directory removed when this object made it, unless ``keep_dir``."""
         if self.proc is not None and self.proc.poll() is None:
             process.signal_group(self.proc.pid, signal.SIGCONT)  # a stopped one dies too
             process.stop([self.proc], grace_s=5, sig=sig)
         self.proc = None
-        if self._own_dir:
+        if self._own_dir and not keep_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def restart(self, timeout_s: float = START_TIMEOUT_S) -> LocalRedis:
+        """A new server on the same port, settings and password (``up`` restarts a dead
+        one); empty, as a cache after a crash is."""
+        self.stop(keep_dir=True)
+        return self.start(timeout_s)
 
     def __enter__(self) -> LocalRedis:
         return self.start()

@@ -150,3 +150,64 @@ capabilities:
 {{- define "pdserve.workerDnsSuffix" -}}
 {{ .service }}.{{ .root.Release.Namespace }}.svc.{{ .root.Values.tls.clusterDomain }}
 {{- end -}}
+
+{{/* The cluster KV store (kvStore): the chart's own Redis when kvStore.url is empty. */}}
+{{- define "pdserve.kvStoreOwn" -}}
+{{- if and .Values.kvStore.enabled (not .Values.kvStore.url) -}}true{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.redisName" -}}
+{{ include "pdserve.fullname" . }}-redis
+{{- end -}}
+
+{{- define "pdserve.kvStoreUrl" -}}
+{{- with .Values.kvStore.url -}}
+{{- if contains "@" . -}}
+{{ fail "kvStore.url must not carry a password (the workers would log it): put it in a Secret, kvStore.password.existingSecret" }}
+{{- end -}}
+{{ . }}
+{{- else -}}
+redis://{{ include "pdserve.redisName" . }}:6379
+{{- end -}}
+{{- end -}}
+
+{{/* Whether the workers send a password: always to the chart's own Redis (generated
+     unless existingSecret), to an external store only with existingSecret. */}}
+{{- define "pdserve.kvStorePassword" -}}
+{{- if and .Values.kvStore.enabled (or .Values.kvStore.password.existingSecret (include "pdserve.kvStoreOwn" .)) -}}true{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.kvStoreSecretName" -}}
+{{ .Values.kvStore.password.existingSecret | default (printf "%s-kv-store" (include "pdserve.fullname" .)) }}
+{{- end -}}
+
+{{/* A prefill or decode worker's store flags (PDSERVE_KV_STORE*, PDSERVE_KV_COMPRESSION). */}}
+{{- define "pdserve.kvStoreEnv" -}}
+{{- if .Values.kvStore.enabled }}
+- name: PDSERVE_KV_STORE
+  value: {{ include "pdserve.kvStoreUrl" . | quote }}
+- name: PDSERVE_KV_STORE_TTL_S
+  value: {{ .Values.kvStore.ttlSeconds | quote }}
+- name: PDSERVE_KV_STORE_TIMEOUT_S
+  value: {{ .Values.kvStore.timeoutSeconds | quote }}
+- name: PDSERVE_KV_COMPRESSION
+  value: {{ .Values.kvStore.compression | quote }}
+{{- if include "pdserve.kvStorePassword" . }}
+- name: PDSERVE_KV_STORE_PASSWORD_FILE
+  value: /etc/pdserve/kv-store/{{ .Values.kvStore.password.secretKey }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.kvStoreVolume" -}}
+- name: kv-store-password
+  secret:
+    secretName: {{ include "pdserve.kvStoreSecretName" . }}
+    defaultMode: 0440
+{{- end -}}
+
+{{- define "pdserve.kvStoreMount" -}}
+- name: kv-store-password
+  mountPath: /etc/pdserve/kv-store
+  readOnly: true
+{{- end -}}
