@@ -109,7 +109,6 @@ class ConnectorConfig:
         if parts.password is not None:
             raise ValueError("the KV store URL carries a password, which vLLM would log: "
                              "give it in a file (--kv-store-password-file)")
-        self.store_options()  # a bad password file fails here, in the worker, not in vLLM
 
     def store_options(self) -> StoreOptions:
         """The KV store client's deadline and password (read from its file now)."""

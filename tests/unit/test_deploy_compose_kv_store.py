@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import yaml
@@ -64,7 +65,9 @@ def test_workers_get_the_store_and_its_password_file_as_flags(
         # What the worker's connector makes of the environment.
         argv = [command] + [f"--{k[len('PDSERVE_'):].lower().replace('_', '-')}={v}"
                             for k, v in env.items() if k.startswith("PDSERVE_KV_")]
-        connector = connector_config(build_parser().parse_args(argv), role, "10.0.0.2")
+        # (the secret's file exists in the container only: its reading is stood in for)
+        with mock.patch("pdserve.kv_transfer.config.read_password", return_value="pw"):
+            connector = connector_config(build_parser().parse_args(argv), role, "10.0.0.2")
         assert (connector.kv_store, connector.kv_store_password_file) == (
             "redis://redis:6379", SECRET)
         assert (connector.kv_store_ttl_s, connector.kv_compression) == (3600.0, "none")
