@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
 from prometheus_client import CollectorRegistry
 from unit.fake_worker import WorkerScript, start_fake_worker
 
@@ -22,9 +23,13 @@ from pdserve.router.dispatch.policies.load_plan import LoadPlan, plan_load
 from pdserve.router.dispatch.policies.placement import CacheAwarePlacement, Choice
 from pdserve.router.dispatch.policies.tier_cost import (
     HOST_PRIOR_RATIO,
+    NOT_MEASURED,
     PRIOR_RATIOS,
+    STORE_OVER_HOST,
     STORE_PRIOR_RATIO,
+    KvLoadRates,
     TierRatios,
+    tier_ratios,
 )
 from pdserve.router.dispatch.prefix.index import PrefixIndex
 from pdserve.router.dispatch.prefix.routing import PrefixRouting
@@ -37,6 +42,7 @@ PROMPT = list(range(5000, 5000 + 10 * BS + 5))  # 10 full blocks + 5 tokens
 HASHES = chain_hashes(PROMPT, BS)
 STORE = kv_store_id("redis://store-0:6379/0")
 TTL_S = 100.0
+COMPUTE_S = 1e-4  # seconds per prompt token, as a measured step fit says
 TIER_TOKENS = "pdserve:placement_tier_tokens_total"
 DECODE = [WorkerState(endpoint="decode-0", role="decode", healthy=True, worker_id="decode-0",
                       compatibility_hash="a")]
@@ -52,7 +58,7 @@ class Clock:
 
 def ws(name: str, store: str = STORE, compat: str = "a", role: str = "prefill",
        ttl_s: float = TTL_S) -> WorkerState:
-    step = StepCost(0.0, 0.0, 1e-4, True, True)
+    step = StepCost(0.0, 0.0, COMPUTE_S, True, True)
     return WorkerState(endpoint=name, role=role, healthy=True, worker_id=name,
                        compatibility_hash=compat, kv_store_id=store,
                        kv_store_ttl_s=ttl_s if store else 0.0, load=WorkerLoad(step=step))
@@ -107,6 +113,20 @@ def test_store_blocks_load_after_the_own_tiers_and_cost_more_than_the_host_tier(
         num_store_tokens=48)
     dear = TierRatios(store=1.0)  # as dear as computing: not used
     assert plan_load(165, 0, 0, 0, 0, dear, store=96) == LoadPlan(0, 0, 0, 165)
+
+
+def test_a_measured_store_costs_its_measurement_never_below_twice_the_host_tier() -> None:
+    per_token = 1 / (BS * COMPUTE_S)
+    fast = KvLoadRates(store_s_per_block=3e-4)  # 0.1875 of computing a block
+    assert tier_ratios(fast, COMPUTE_S, BS).store == pytest.approx(3e-4 * per_token)
+    with_host = KvLoadRates(host_s_per_block=4e-4, store_s_per_block=3e-4)
+    assert tier_ratios(with_host, COMPUTE_S, BS).store == pytest.approx(
+        STORE_OVER_HOST * 4e-4 * per_token)
+    faster = KvLoadRates(store_s_per_block=1e-5)  # below twice the host tier's prior
+    assert tier_ratios(faster, COMPUTE_S, BS).store == STORE_OVER_HOST * HOST_PRIOR_RATIO
+    slow = KvLoadRates(store_s_per_block=2 * BS * COMPUTE_S)  # 2x computing: not used
+    assert tier_ratios(slow, COMPUTE_S, BS).store == pytest.approx(2.0)
+    assert tier_ratios(NOT_MEASURED, COMPUTE_S, BS).store == STORE_PRIOR_RATIO
 
 
 def test_the_store_run_joins_every_announcer_of_the_store_decode_included() -> None:

@@ -10,10 +10,12 @@ seconds one prompt token adds to a step). A source's cost ratio is then
 
 so 0 is free (the engine's own cache), 1 is as dear as computing the token.
 
-The cluster KV store (``--kv-store``) is not measured here yet: its ratio is its prior,
-raised to twice the worker's host-tier ratio where that is dearer (a block over the
-network never costs less than a copy from the worker's own memory), so a prefix in the
-store is cheaper than computing it and dearer than the worker's own host tier.
+The cluster KV store (``--kv-store``): its measured seconds per block where
+``KvLoadRates.store_s_per_block`` is set (``GetLoad`` has no store counters yet, so
+``load_rates`` leaves it None), else its prior; either raised to twice the worker's
+host-tier ratio where that is dearer (a block over the network never costs less than a
+copy from the worker's own memory), so a prefix in the store is dearer than the
+worker's own host tier, and used only while cheaper than computing it.
 
 Before a source has been measured on a worker, or while the worker's step fit has not
 timed a prefill (no per-token compute to compare with), the ratio falls back to:
@@ -66,6 +68,7 @@ class KvLoadRates:
     # P/D pulls (this worker as the loading side): seconds per byte received.
     pull_s_per_byte: float | None = None
     block_bytes: float | None = None  # one block, all layers, as loads moved it
+    store_s_per_block: float | None = None  # the cluster KV store (not reported yet)
 
 
 NOT_MEASURED = KvLoadRates()
@@ -120,7 +123,8 @@ def tier_ratios(rates: KvLoadRates, compute_s_per_token: float | None,
     host = _ratio(rates.host_s_per_block, per_token, HOST_PRIOR_RATIO)
     return TierRatios(host, _ratio(rates.disk_s_per_block, per_token, DISK_PRIOR_RATIO),
                       _ratio(pool_s, per_token, POOL_PRIOR_RATIO),
-                      max(STORE_PRIOR_RATIO, STORE_OVER_HOST * host))
+                      max(_ratio(rates.store_s_per_block, per_token, STORE_PRIOR_RATIO),
+                          STORE_OVER_HOST * host))
 
 
 def _ratio(s_per_block: float | None, per_token: float, prior: float) -> float:
