@@ -15,8 +15,11 @@ from unit.fake_worker import WorkerScript, start_fake_worker
 
 from pdserve.core.block_hash import KV_TIERS, chain_hashes, salt_root, tier_hashes
 from pdserve.core.kv_store_id import kv_store_id
-from pdserve.core.types import SamplingSpec
+from pdserve.core.types import SamplingSpec, WorkerHealth
+from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.tiers.plan import EVENT_MEDIUM
+from pdserve.proto import convert
+from pdserve.roles.prefill.policy import PrefillPolicy
 from pdserve.router.dispatch.dispatcher import PDDispatcher
 from pdserve.router.dispatch.policies.disagg import DisaggConfig
 from pdserve.router.dispatch.policies.load_plan import LoadPlan, plan_load
@@ -35,6 +38,8 @@ from pdserve.router.dispatch.prefix.index import PrefixIndex
 from pdserve.router.dispatch.prefix.routing import PrefixRouting
 from pdserve.router.dispatch.workers.pool import WorkerPool
 from pdserve.router.dispatch.workers.state import StepCost, WorkerLoad, WorkerState
+from pdserve.worker.engine import EngineConfig
+from pdserve.worker.host import EngineHost
 from pdserve.worker.vllm_kv_events import VllmEventTranslator
 
 BS = 16
@@ -257,3 +262,17 @@ def test_placement_prefers_the_store_worker_over_an_equal_one_without() -> None:
     for cursor in range(3):
         assert CacheAwarePlacement().choose(prefill, decode, cursor, req) == Choice(1, 0)
     assert DECODE[0].kv_store_id == ""
+
+
+def test_a_worker_health_names_its_store_and_lifetime_not_its_url() -> None:
+    def health(connector: ConnectorConfig) -> WorkerHealth:
+        cfg = EngineConfig(model_path="/m", served_model_name="m", role="prefill",
+                           connector=connector, dtype="float32")
+        return EngineHost(cfg, "w0", PrefillPolicy(), lambda c, n: None).health()  # type: ignore[arg-type, return-value]
+
+    on_store = health(ConnectorConfig(engine_id="w0", kv_store="redis://pdserve@store-0:6379/0",
+                                      kv_store_ttl_s=60.0))
+    assert (on_store.kv_store_id, on_store.kv_store_ttl_s) == (STORE, 60.0)
+    assert "store-0" not in str(convert.health_to_pb(on_store))
+    off = health(ConnectorConfig(engine_id="w0"))
+    assert (off.kv_store_id, off.kv_store_ttl_s) == ("", 0.0)
