@@ -169,6 +169,8 @@ def test_store_entries_expire_after_the_store_lifetime() -> None:
     clock.now = TTL_S
     assert store_tokens(routing, prefill) == {}
     assert not index.is_held(tier_hashes(HASHES[:1], "store")[0])  # forgotten
+    index.replace("a", BS, tier_hashes(HASHES[:10], "store"))  # a resync does not revive it
+    assert store_tokens(routing, prefill) == {}
     announce(index, "a", HASHES[:3])  # published again: fresh
     assert store_tokens(routing, prefill) == {"a": 3 * BS, "b": 3 * BS}
     # The shortest lifetime any worker of the store reports bounds it.

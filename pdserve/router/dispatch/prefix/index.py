@@ -13,12 +13,14 @@ block keeps when it was last announced (``stored_at``), for the latter.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.router.dispatch.prefix.pending import PendingBlocks, PendingConfig
 
 _NO_HOLDERS: set[str] = set()
+_FORGOTTEN_CAP = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,9 @@ class PrefixIndex:
         self._blocks: dict[str, set[int]] = {}
         self._block_size: dict[str, int] = {}
         self._stored_at: dict[int, float] = {}  # per held block, its last stored event
+        # Blocks forgotten past their store lifetime, the latest ``_FORGOTTEN_CAP``: a
+        # snapshot does not bring them back, a stored event (published again) does.
+        self._forgotten: OrderedDict[int, None] = OrderedDict()
         self._clock = clock
         self.pending = PendingBlocks(pending, clock)
 
@@ -44,8 +49,8 @@ class PrefixIndex:
     def replace(self, worker_id: str, block_size: int, hashes: Iterable[int]) -> None:
         """Resync: the worker's whole set, from its snapshot. Blocks already held (by it
         or another worker) keep when they were announced: a snapshot re-announces, the
-        store's lifetime of a block does not restart."""
-        hashes = list(hashes)
+        store's lifetime of a block does not restart, nor does a forgotten one return."""
+        hashes = [h for h in hashes if h not in self._forgotten]
         known = {h: t for h in hashes if (t := self._stored_at.get(h)) is not None}
         self.remove_worker(worker_id)
         self._block_size[worker_id] = block_size
@@ -62,6 +67,9 @@ class PrefixIndex:
         mine = self._blocks.setdefault(worker_id, set())
         stored, removed = list(stored), list(removed)
         now = self._clock()
+        if self._forgotten:
+            for h in stored:
+                self._forgotten.pop(h, None)
         for h in stored:
             self._stored_at[h] = now
             if h not in mine:
@@ -164,10 +172,15 @@ class PrefixIndex:
         return self._clock()
 
     def forget_block(self, block_hash: int) -> None:
-        """No worker holds the block any more (a store block past its lifetime)."""
+        """No worker holds the block any more (a store block past its lifetime); until a
+        worker announces it again, a snapshot listing it does not restore it."""
         for w in self._holders.pop(block_hash, ()):
             self._blocks.get(w, set()).discard(block_hash)
         self._stored_at.pop(block_hash, None)
+        self._forgotten[block_hash] = None
+        self._forgotten.move_to_end(block_hash)
+        if len(self._forgotten) > _FORGOTTEN_CAP:
+            self._forgotten.popitem(last=False)
 
     def block_size(self, worker_id: str) -> int | None:
         return self._block_size.get(worker_id)
