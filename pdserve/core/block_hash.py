@@ -74,13 +74,13 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_H
 # KV-event stream and prefix index under the block's hash in the tier's own namespace:
 # the hash XOR a fixed 64-bit mask per tier. One stream, one seq and one snapshot cover
 # the engine and its tiers; a reader asks for a tier by masking the prompt's hashes.
-KV_TIERS = ("host", "disk")
-# The cluster KV store's blocks travel the same way, announced by the worker that
-# published them (any worker on the store can load them).
+# ``store``: the blocks a worker published to the cluster KV store (``--kv-store``),
+# loadable by every worker on that store, not only the one that announced them.
+KV_TIERS = ("host", "disk", "store")
 STORE_TIER = "store"
 _TIER_MASK = {tier: int.from_bytes(blake2b(f"pdserve-kv-tier:{tier}".encode(),
                                            digest_size=8).digest(), "little")
-              for tier in (*KV_TIERS, STORE_TIER)}
+              for tier in KV_TIERS}
 
 
 def tier_hashes(hashes: Sequence[int], tier: str) -> list[int]:

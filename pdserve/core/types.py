@@ -165,6 +165,9 @@ class WorkerHealth:
     # The weights it serves: their version, and the folder last loaded ("": its model's).
     weight_version: str = DEFAULT_WEIGHT_VERSION
     weights_path: str = ""
+    # Its cluster KV store (``core.kv_store_id``; "": none) and a block's lifetime there.
+    kv_store_id: str = ""
+    kv_store_ttl_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from pdserve.core.kv_store_id import kv_store_id
 from pdserve.core.types import (
     FinishReason,
     PhaseOutput,
@@ -161,7 +162,8 @@ class EngineHost:
             compatibility_hash=digest, kv_host=conn.kv_host, kv_port=conn.kv_port,
             kv_push=self.kv_push, metrics_endpoint=self.metrics_endpoint,
             prefill_chunk_tokens=cfg.prefill_chunk_tokens, weight_version=self.weights.version,
-            weights_path=self.weights.path)
+            weights_path=self.weights.path, kv_store_id=kv_store_id(conn.kv_store),
+            kv_store_ttl_s=conn.kv_store_ttl_s if conn.kv_store else 0.0)
 
     async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         engine = self.engine

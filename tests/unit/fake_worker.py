@@ -67,6 +67,9 @@ class WorkerScript:
     timing: PhaseTiming | None = None
     # Prefill: report the leases it holds as pending transfers (a drain waits for them).
     leases_pending: bool = False
+    # The cluster KV store its Health names ("": none), and a block's lifetime there.
+    kv_store_id: str = ""
+    kv_store_ttl_s: float = 0.0
 
 STOP_TIMEOUT_S = 5.0
 
@@ -211,7 +214,8 @@ class FakeWorkerServicer:
             worker_id=self.worker_id, model=self.script.model, dtype="float32",
             block_size=128, max_model_len=4096, transport="tcp",
             compatibility_hash=self.script.compatibility_hash, kv_host="127.0.0.1",
-            kv_port=self.script.kv_port, kv_push=self.script.kv_push)
+            kv_port=self.script.kv_port, kv_push=self.script.kv_push,
+            kv_store_id=self.script.kv_store_id, kv_store_ttl_s=self.script.kv_store_ttl_s)
 
     async def load(self) -> WorkerLoadReport:
         return WorkerLoadReport(num_pending_transfers=len(self.leases)

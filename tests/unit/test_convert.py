@@ -4,6 +4,8 @@ test of the protobuf edge itself, so it builds messages.)"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pdserve.core import types as t
@@ -50,6 +52,8 @@ def test_worker_reports_round_trip() -> None:
     health = t.WorkerHealth(True, "prefill", "w0", "m", "float32", 128, 4096, "tcp", "abc",
                           "127.0.0.1", 51051, True)
     assert convert.health_from_pb(convert.health_to_pb(health)) == health
+    on_store = dataclasses.replace(health, kv_store_id="0123456789abcdef", kv_store_ttl_s=0.1)
+    assert convert.health_from_pb(convert.health_to_pb(on_store)) == on_store
     load = t.WorkerLoadReport(**{name: i + 1 for i, name in enumerate(
         t.WorkerLoadReport.__dataclass_fields__) if name != "kv_cache_usage"}, kv_cache_usage=0.5)
     assert convert.load_from_pb(convert.load_to_pb(load)) == load

@@ -26,6 +26,8 @@ from pdserve.router.dispatch.policies.tier_cost import (
     NOT_MEASURED,
     POOL_PRIOR_RATIO,
     PRIOR_RATIOS,
+    STORE_OVER_HOST,
+    STORE_PRIOR_RATIO,
     KvLoadRates,
     TierRatios,
     load_rates,
@@ -125,16 +127,21 @@ def test_match_held_agrees_with_match() -> None:
 
 
 def test_unmeasured_sources_use_the_priors() -> None:
-    assert PRIOR_RATIOS == TierRatios(HOST_PRIOR_RATIO, DISK_PRIOR_RATIO, POOL_PRIOR_RATIO)
+    assert PRIOR_RATIOS == TierRatios(HOST_PRIOR_RATIO, DISK_PRIOR_RATIO, POOL_PRIOR_RATIO,
+                                      STORE_PRIOR_RATIO)
     assert 0 < HOST_PRIOR_RATIO < DISK_PRIOR_RATIO <= POOL_PRIOR_RATIO < 1
+    assert HOST_PRIOR_RATIO < STORE_PRIOR_RATIO < 1
     assert load_rates(WorkerLoadReport()) is NOT_MEASURED
     assert tier_ratios(NOT_MEASURED, COMPUTE_S, BS) == PRIOR_RATIOS
     # Loads measured, compute not (no prefill timed): nothing to compare with.
     measured = KvLoadRates(host_s_per_block=1e-3)
     assert tier_ratios(measured, None, BS) == PRIOR_RATIOS
-    # Host measured: its ratio; disk and pool stay at their priors.
+    # Host measured: its ratio; disk and pool stay at their priors; the store (its prior
+    # below) at least STORE_OVER_HOST times the host's: here dearer than computing.
+    host = 1e-3 / BS / COMPUTE_S
     assert tier_ratios(measured, COMPUTE_S, BS) == TierRatios(
-        pytest.approx(1e-3 / BS / COMPUTE_S), DISK_PRIOR_RATIO, POOL_PRIOR_RATIO)
+        pytest.approx(host), DISK_PRIOR_RATIO, POOL_PRIOR_RATIO,
+        pytest.approx(STORE_OVER_HOST * host))
 
 
 def test_measured_rates_from_the_load_report() -> None:

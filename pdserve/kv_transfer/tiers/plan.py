@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pdserve.core.block_hash import chain_hashes, salt_root, tier_hashes
+from pdserve.core.block_hash import KV_TIERS, chain_hashes, salt_root, tier_hashes
 from pdserve.kv_transfer.metadata import NO_COPY, PdserveConnectorMetadata, TierCopy
 from pdserve.kv_transfer.tiers.index import TierIndex
 
@@ -25,8 +25,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 TIERS = ("host", "disk")
-# The ``medium`` of the KV events that announce a tier's blocks (``vllm_kv_events``).
-EVENT_MEDIUM = {tier: f"pdserve:{tier}" for tier in TIERS}
+# The ``medium`` of the KV events that announce a tier's blocks (``vllm_kv_events``),
+# the cluster KV store's (``pdserve:store``: blocks this worker published) included.
+EVENT_MEDIUM = {tier: f"pdserve:{tier}" for tier in KV_TIERS}
 
 
 @dataclass(frozen=True)

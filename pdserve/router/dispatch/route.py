@@ -74,7 +74,7 @@ class RouteChooser:
         prefill, decode = self._pool.prefill, self._pool.decode
         p_states = [w.snapshot() for w in prefill]
         d_states = [w.snapshot() for w in decode]
-        request = (self._prefix.request(prompt, p_states, cache_salt)
+        request = (self._prefix.request(prompt, p_states, cache_salt, d_states)
                    if self._prefix is not None else PlacementRequest(len(prompt)))
         choice: Choice | None = self._placement.choose(p_states, d_states, self._cursor, request)
         self._cursor += 1

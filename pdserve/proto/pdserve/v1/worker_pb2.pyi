@@ -281,7 +281,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ready", "role", "worker_id", "model", "dtype", "block_size", "max_model_len", "transport", "compatibility_hash", "kv_host", "kv_port", "kv_push", "metrics_endpoint", "prefill_chunk_tokens", "session", "weight_version", "weights_path")
+    __slots__ = ("ready", "role", "worker_id", "model", "dtype", "block_size", "max_model_len", "transport", "compatibility_hash", "kv_host", "kv_port", "kv_push", "metrics_endpoint", "prefill_chunk_tokens", "session", "weight_version", "weights_path", "kv_store_id", "kv_store_ttl_s")
     READY_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +299,8 @@ class HealthResponse(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PATH_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     role: Role
     worker_id: str
@@ -316,7 +318,9 @@ class HealthResponse(_message.Message):
     session: bool
     weight_version: str
     weights_path: str
-    def __init__(self, ready: _Optional[bool] = ..., role: _Optional[_Union[Role, str]] = ..., worker_id: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., transport: _Optional[str] = ..., compatibility_hash: _Optional[str] = ..., kv_host: _Optional[str] = ..., kv_port: _Optional[int] = ..., kv_push: _Optional[bool] = ..., metrics_endpoint: _Optional[str] = ..., prefill_chunk_tokens: _Optional[int] = ..., session: _Optional[bool] = ..., weight_version: _Optional[str] = ..., weights_path: _Optional[str] = ...) -> None: ...
+    kv_store_id: str
+    kv_store_ttl_s: float
+    def __init__(self, ready: _Optional[bool] = ..., role: _Optional[_Union[Role, str]] = ..., worker_id: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., transport: _Optional[str] = ..., compatibility_hash: _Optional[str] = ..., kv_host: _Optional[str] = ..., kv_port: _Optional[int] = ..., kv_push: _Optional[bool] = ..., metrics_endpoint: _Optional[str] = ..., prefill_chunk_tokens: _Optional[int] = ..., session: _Optional[bool] = ..., weight_version: _Optional[str] = ..., weights_path: _Optional[str] = ..., kv_store_id: _Optional[str] = ..., kv_store_ttl_s: _Optional[float] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()

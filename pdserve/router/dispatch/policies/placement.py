@@ -27,8 +27,9 @@ class PlacementRequest:
     (prefill and decode), how many leading prompt tokens the prefix index says it holds or is
     computing for a prefill in flight (``matched_tokens``), and how many of those
     are only the latter (``pending_tokens``); how many its KV tiers hold
-    (``tier_tokens``: ``{"host": n, "disk": n}``, loadable tokens only), and, for the
-    workers that would load tokens from a tier or a peer's host tier (the pool), how and
+    (``tier_tokens``: ``{"host": n, "disk": n, "store": n}``, loadable tokens only;
+    ``store``: the cluster KV store the worker loads from), and, for the workers that
+    would load tokens from a tier, the store or a peer's host tier (the pool), how and
     at what cost (``load_plans``, ``load_plan.py``)."""
 
     num_prompt_tokens: int = 0

@@ -10,6 +10,13 @@ seconds one prompt token adds to a step). A source's cost ratio is then
 
 so 0 is free (the engine's own cache), 1 is as dear as computing the token.
 
+The cluster KV store (``--kv-store``): its measured seconds per block where
+``KvLoadRates.store_s_per_block`` is set (``GetLoad`` has no store counters yet, so
+``load_rates`` leaves it None), else its prior; either raised to twice the worker's
+host-tier ratio where that is dearer (a block over the network never costs less than a
+copy from the worker's own memory), so a prefix in the store is dearer than the
+worker's own host tier, and used only while cheaper than computing it.
+
 Before a source has been measured on a worker, or while the worker's step fit has not
 timed a prefill (no per-token compute to compare with), the ratio falls back to:
 
@@ -43,6 +50,12 @@ DISK_PRIOR_RATIO = 0.5
 # never used is never measured; a first pull that is slow or fails costs at most the
 # recompute it would have done anyway.
 POOL_PRIOR_RATIO = 0.5
+# Store: a block from the cluster KV store (Redis) over the network, GET at ~1.5-6 GB/s
+# on one server: dearer than a host copy, a fraction of CPU compute. The worker decides
+# per request whether to fetch (it measures the store and its prefill); this weighs
+# placement only. Kept at least ``STORE_OVER_HOST`` times the host tier's ratio.
+STORE_PRIOR_RATIO = 0.3
+STORE_OVER_HOST = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +68,7 @@ class KvLoadRates:
     # P/D pulls (this worker as the loading side): seconds per byte received.
     pull_s_per_byte: float | None = None
     block_bytes: float | None = None  # one block, all layers, as loads moved it
+    store_s_per_block: float | None = None  # the cluster KV store (not reported yet)
 
 
 NOT_MEASURED = KvLoadRates()
@@ -67,6 +81,7 @@ class TierRatios:
     host: float = HOST_PRIOR_RATIO
     disk: float = DISK_PRIOR_RATIO
     pool: float = POOL_PRIOR_RATIO
+    store: float = STORE_PRIOR_RATIO
 
 
 PRIOR_RATIOS = TierRatios()
@@ -105,9 +120,11 @@ def tier_ratios(rates: KvLoadRates, compute_s_per_token: float | None,
     pool_s = rates.pool_s_per_block
     if pool_s is None and rates.pull_s_per_byte is not None and rates.block_bytes:
         pool_s = rates.pull_s_per_byte * rates.block_bytes
-    return TierRatios(_ratio(rates.host_s_per_block, per_token, HOST_PRIOR_RATIO),
-                      _ratio(rates.disk_s_per_block, per_token, DISK_PRIOR_RATIO),
-                      _ratio(pool_s, per_token, POOL_PRIOR_RATIO))
+    host = _ratio(rates.host_s_per_block, per_token, HOST_PRIOR_RATIO)
+    return TierRatios(host, _ratio(rates.disk_s_per_block, per_token, DISK_PRIOR_RATIO),
+                      _ratio(pool_s, per_token, POOL_PRIOR_RATIO),
+                      max(_ratio(rates.store_s_per_block, per_token, STORE_PRIOR_RATIO),
+                          STORE_OVER_HOST * host))
 
 
 def _ratio(s_per_block: float | None, per_token: float, prior: float) -> float:

@@ -4,17 +4,23 @@ Blocks are pdserve chained hashes (``pdserve.core.block_hash``): a hash names a
 block *and* everything before it, so a worker's match for a prompt is the
 number of leading prompt blocks it holds. Fed by each worker's KV events
 (``kv_feed.py``) and, for prefills in flight, by the placement itself
-(pending blocks, ``prefix/pending.py``); reads (``match``) change it only
-by expiring pending blocks past their deadline.
+(pending blocks, ``prefix/pending.py``); reads change it only by expiring
+pending blocks past their deadline and (``forget_block``) blocks announced to the
+cluster KV store past their lifetime there (``prefix/store_match.py``). Each held
+block keeps when it was last announced (``stored_at``), for the latter.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.router.dispatch.prefix.pending import PendingBlocks, PendingConfig
+
+_NO_HOLDERS: set[str] = set()
+_FORGOTTEN_CAP = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -32,14 +38,24 @@ class PrefixIndex:
         self._holders: dict[int, set[str]] = {}
         self._blocks: dict[str, set[int]] = {}
         self._block_size: dict[str, int] = {}
+        self._stored_at: dict[int, float] = {}  # per held block, its last stored event
+        # Blocks forgotten past their store lifetime, the latest ``_FORGOTTEN_CAP``: a
+        # snapshot does not bring them back, a stored event (published again) does.
+        self._forgotten: OrderedDict[int, None] = OrderedDict()
+        self._clock = clock
         self.pending = PendingBlocks(pending, clock)
 
     # -- hooks (the only way state changes) ---------------------------------
     def replace(self, worker_id: str, block_size: int, hashes: Iterable[int]) -> None:
-        """Resync: the worker's whole set, from its snapshot."""
+        """Resync: the worker's whole set, from its snapshot. Blocks already held (by it
+        or another worker) keep when they were announced: a snapshot re-announces, the
+        store's lifetime of a block does not restart, nor does a forgotten one return."""
+        hashes = [h for h in hashes if h not in self._forgotten]
+        known = {h: t for h in hashes if (t := self._stored_at.get(h)) is not None}
         self.remove_worker(worker_id)
         self._block_size[worker_id] = block_size
         self.apply(worker_id, False, hashes, ())
+        self._stored_at.update(known)
 
     def apply(self, worker_id: str, cleared: bool, stored: Iterable[int],
               removed: Iterable[int]) -> None:
@@ -50,7 +66,12 @@ class PrefixIndex:
             self.pending.drop_worker(worker_id)
         mine = self._blocks.setdefault(worker_id, set())
         stored, removed = list(stored), list(removed)
+        now = self._clock()
+        if self._forgotten:
+            for h in stored:
+                self._forgotten.pop(h, None)
         for h in stored:
+            self._stored_at[h] = now
             if h not in mine:
                 mine.add(h)
                 self._holders.setdefault(h, set()).add(worker_id)
@@ -139,6 +160,28 @@ class PrefixIndex:
             matched[w] = n
         return matched
 
+    def holders(self, block_hash: int) -> set[str]:
+        """The workers holding the block (pending ones aside); do not mutate."""
+        return self._holders.get(block_hash, _NO_HOLDERS)
+
+    def stored_at(self, block_hash: int) -> float | None:
+        """When a worker last announced the held block (the index's clock); None: not held."""
+        return self._stored_at.get(block_hash)
+
+    def now(self) -> float:
+        return self._clock()
+
+    def forget_block(self, block_hash: int) -> None:
+        """No worker holds the block any more (a store block past its lifetime); until a
+        worker announces it again, a snapshot listing it does not restore it."""
+        for w in self._holders.pop(block_hash, ()):
+            self._blocks.get(w, set()).discard(block_hash)
+        self._stored_at.pop(block_hash, None)
+        self._forgotten[block_hash] = None
+        self._forgotten.move_to_end(block_hash)
+        if len(self._forgotten) > _FORGOTTEN_CAP:
+            self._forgotten.popitem(last=False)
+
     def block_size(self, worker_id: str) -> int | None:
         return self._block_size.get(worker_id)
 
@@ -168,3 +211,4 @@ class PrefixIndex:
             holders.discard(worker_id)
             if not holders:
                 del self._holders[h]
+                self._stored_at.pop(h, None)

@@ -1,6 +1,7 @@
 """What the dispatcher asks of the prefix index: a ``PlacementRequest`` for a
-prompt (its block hashes matched against every worker's engine cache and KV tiers, and
-each worker's plan to load from its tiers or a peer's: ``load_plan.py``), the hit
+prompt (its block hashes matched against every worker's engine cache and KV tiers and
+the cluster KV store (``store_match.py``), and each worker's plan to load from its
+tiers, the store or a peer's: ``load_plan.py``), the hit
 metrics, and the pending blocks of prefills in flight (recorded at placement, released
 when the prefill fails)."""
 
@@ -11,15 +12,18 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from pdserve.core.block_hash import KV_TIERS, chain_hashes, salt_root, tier_hashes
+from pdserve.core.block_hash import chain_hashes, salt_root, tier_hashes
 from pdserve.router.dispatch.policies.load_plan import loadable_tokens, plan_loads
 from pdserve.router.dispatch.policies.placement import PlacementRequest
 from pdserve.router.dispatch.prefix.index import PrefixIndex
+from pdserve.router.dispatch.prefix.store_match import StoreGroups, store_groups, store_runs
 from pdserve.router.dispatch.workers.state import WorkerState
 from pdserve.router.metrics import PREFIX, counter, gauge
 
-# The ``tier`` labels of ``pdserve:placement_tier_tokens``, in ``LoadPlan``'s order.
-TIER_SOURCES = ("host", "disk", "pool")
+# A worker's own KV tiers (the store's blocks are every store worker's: ``store_match``).
+OWN_TIERS = ("host", "disk")
+# The ``tier`` labels of ``pdserve:placement_tier_tokens``.
+TIER_SOURCES = ("host", "disk", "pool", "store")
 
 
 class PrefixMetrics:
@@ -45,7 +49,8 @@ class PrefixMetrics:
                                     "computing them, no KV event yet.")
         self.tier_tokens = counter(r, f"{PREFIX}placement_tier_tokens", "Prompt tokens the "
                                    "chosen prefill worker was expected to load from its KV "
-                                   "tiers (host, disk) or a peer's host tier (pool).",
+                                   "tiers (host, disk), a peer's host tier (pool) or the "
+                                   "cluster KV store (store).",
                                    ["tier"])
         self.tier_children = tuple(self.tier_tokens.labels(t) for t in TIER_SOURCES)
         self.decode_prompt_tokens = counter(r, f"{PREFIX}placement_decode_prompt_tokens",
@@ -79,19 +84,23 @@ class PrefixRouting:
         self._num_expired = 0  # pending entries expired or evicted, as last exported
 
     def request(self, prompt_token_ids: Sequence[int], prefill: Sequence[WorkerState] = (),
-                cache_salt: str | None = None) -> PlacementRequest:
+                cache_salt: str | None = None, others: Sequence[WorkerState] = ()
+                ) -> PlacementRequest:
         """The prompt matched against every indexed worker's engine cache (blocks a
-        prefill in flight there is computing count as held) and KV tiers, in tokens; and
-        the load plans of the workers of ``prefill`` (the snapshots placement reads) that
-        would load from a tier or a peer's host tier (none without ``prefill``). Under
-        ``cache_salt`` the prompt's blocks have names of their own: it matches only
-        blocks computed under the same salt."""
+        prefill in flight there is computing count as held), KV tiers and cluster KV
+        store, in tokens; and the load plans of the workers of ``prefill`` (the
+        snapshots placement reads) that would load from a tier, the store or a peer's
+        host tier (none without ``prefill``). ``others`` (decode workers): whose store
+        announcements count too. Under ``cache_salt`` the prompt's blocks have names of
+        their own: it matches only blocks computed under the same salt."""
         root = salt_root(cache_salt)
         num_tokens = len(prompt_token_ids)
         matched: dict[str, int] = {}
         pending: dict[str, int] = {}
         hashed: dict[int, Sequence[int]] = {}
         tiers: dict[str, dict[str, int]] = {}
+        groups = store_groups((*prefill, *others))
+        store_sizes: dict[str, int] = {}  # a store worker's block size (it may index none)
         for block_size in self.index.block_sizes():
             hashes = hashed[block_size] = chain_hashes(prompt_token_ids, block_size, root)
             found = self.index.match_blocks(hashes)
@@ -101,15 +110,37 @@ class PrefixRouting:
                     if worker_id in found.num_pending:
                         pending[worker_id] = found.num_pending[worker_id] * block_size
             num_loadable = loadable_tokens(num_tokens, block_size) // block_size
-            for tier in KV_TIERS:
+            for tier in OWN_TIERS:
                 for worker_id, blocks in self._match_tier(hashes, num_loadable, tier).items():
                     if self.index.block_size(worker_id) == block_size:
                         tiers.setdefault(worker_id, {})[tier] = blocks * block_size
+            for worker_id, blocks in self._match_store(hashes, num_loadable, groups,
+                                                       block_size).items():
+                tiers.setdefault(worker_id, {})["store"] = blocks * block_size
+                store_sizes[worker_id] = block_size
         if not tiers:
             return PlacementRequest(num_tokens, matched, pending, hashed)
-        plans = plan_loads(num_tokens, matched, tiers, prefill, self.index.block_size,
-                           pool=self.pool)
+
+        def block_size_of(worker_id: str) -> int | None:
+            return self.index.block_size(worker_id) or store_sizes.get(worker_id)
+
+        plans = plan_loads(num_tokens, matched, tiers, prefill, block_size_of, pool=self.pool)
         return PlacementRequest(num_tokens, matched, pending, hashed, tiers, plans)
+
+    def _match_store(self, hashes: Sequence[int], num_blocks: int, groups: StoreGroups,
+                     block_size: int) -> dict[str, int]:
+        """Per worker on a store, the leading blocks of ``hashes[:num_blocks]`` that
+        store holds as announced by its workers of ``block_size``-token blocks."""
+        if not (num_blocks and groups.ttl_s):
+            return {}
+        in_store = tier_hashes(hashes[:num_blocks], "store")
+        if not self.index.is_held(in_store[0]):
+            return {}
+        sized = StoreGroups({w: g for w, g in groups.group_of.items()
+                             if self.index.block_size(w) in (block_size, None)},
+                            groups.ttl_s)
+        runs = store_runs(self.index, in_store, sized)
+        return {w: runs[g] for w, g in sized.group_of.items() if g in runs}
 
     def _match_tier(self, hashes: Sequence[int], num_blocks: int, tier: str
                     ) -> dict[str, int]:
@@ -131,10 +162,11 @@ class PrefixRouting:
         m.matched_tokens.inc(matched)
         plan = request.load_plans.get(worker.worker_id) if request.load_plans else None
         if plan is not None:
-            host, disk, pool = m.tier_children
+            host, disk, pool, store = m.tier_children
             host.inc(plan.num_host_tokens)
             disk.inc(plan.num_disk_tokens)
             pool.inc(plan.num_pool_tokens)
+            store.inc(plan.num_store_tokens)
         m.predicted_ratio.set(self.num_matched_tokens / max(self.num_prompt_tokens, 1))
         m.indexed_blocks.set(self.index.num_blocks)
         self._export_pending()

@@ -73,6 +73,10 @@ class WorkerState:
     prefill_chunk_tokens: int = 0
     # The weights version it serves (its Health).
     weight_version: str = ""
+    # Its cluster KV store (its Health: a hash of the store's address; "": none) and a
+    # block's lifetime there: workers naming one store load each other's published blocks.
+    kv_store_id: str = ""
+    kv_store_ttl_s: float = 0.0
     load: WorkerLoad = field(default_factory=WorkerLoad)
     # Requests this router has sent and not seen finish (fresher than GetLoad).
     num_assigned: int = 0
