@@ -182,18 +182,17 @@ class SchedulerSide:
     # ---- KV tiers --------------------------------------------------------------
 
     def _match_tier(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Full blocks after the engine's own hits that a tier holds, then those a peer's
-        host tier holds (the router named it: ``pool``): loaded asynchronously (the
-        request waits, as for a remote load)."""
+        """Full blocks after the engine's own hits that a tier holds, then those the cluster
+        store holds (worth fetching), then those a peer's host tier holds (the router named
+        it: ``pool``), the order of the router's plan: loaded asynchronously (the request
+        waits, as for a remote load)."""
         count = self._tiers.match(request, num_computed_tokens) if self._tiers else 0
-        pool = self._match_pool(request, num_computed_tokens + count)
-        count += pool
         if self._store is not None:
-            store = (self._store.match(request, num_computed_tokens + count)
-                     if not pool and request.request_id not in self._pool_failed else 0)
+            store = self._store.match(request, num_computed_tokens + count)
             if not store:
                 self._store.unmatch(request.request_id)
             count += store
+        count += self._match_pool(request, num_computed_tokens + count)
         return (count, True) if count else (0, False)
 
     def _match_pool(self, request: Request, num_tokens: int) -> int:
@@ -229,28 +228,30 @@ class SchedulerSide:
         num_tier = min(matched, num)
         if self._tiers is not None:
             self._tiers.plan_load(request, dst[:num_tier], self._meta)
-        pool = self._pool_matched.pop(req_id, None)
         rest = dst[num_tier:]
+        pool = self._pool_matched.pop(req_id, None)
         in_store = self._store.num_matched(req_id) if self._store is not None else 0
-        if rest and num_tier == matched and pool is not None and len(rest) <= len(pool[1]):
-            # what the tiers do not cover is the pool's, in _match_tier's order
+        ours = num_tier == matched  # else: not tokens this side reported
+        num_store = min(in_store, len(rest)) if ours else 0
+        if num_store and self._store is not None:
+            self._store.plan_load(req_id, rest[:num_store], self._meta)
+        rest = rest[num_store:]
+        if rest and ours and num_store == in_store and pool is not None and len(
+                rest) <= len(pool[1]):  # what the tiers and the store leave is the pool's
             source, hashes = pool
             self._meta.pool_loads[req_id] = PoolLoad(source.host, source.port,
                                                      hashes[:len(rest)], rest)
             self._pool_loading[req_id] = len(rest) * self._block_size
-        elif rest and num_tier == matched and len(rest) <= in_store:
-            assert self._store is not None  # in_store > 0
-            self._store.plan_load(req_id, rest, self._meta)  # or the store's
         elif rest:
             # Not tokens this side reported (a preempted request's second allocation):
             # nothing loads into them, as before the pool.
-            logger.debug("%s: %d external blocks beyond the tiers' %d are neither the "
-                         "pool's nor the store's", req_id, len(rest), num_tier)
+            logger.debug("%s: %d external blocks beyond the tiers' %d and the store's %d "
+                         "are not the pool's", req_id, len(rest), num_tier, num_store)
         if self._store is not None:
             self._store.unmatch(req_id)
-        elsewhere = req_id in self._meta.pool_loads or req_id in self._meta.store_loads
+        elsewhere = (len(rest) if req_id in self._meta.pool_loads else 0) + num_store
         if self._tiers is not None:
-            self._tiers.count_misses(req_id, len(rest) if elsewhere else 0)
+            self._tiers.count_misses(req_id, elsewhere)
         if req_id in self._meta.tier_loads or elsewhere:
             self._recving.add(req_id)
 
@@ -263,7 +264,7 @@ class SchedulerSide:
         if self._tiers is not None:
             self._tiers.unmatch(request.request_id)  # matched, never allocated: unpin
         if self._store is not None:
-            self._store.unmatch(request.request_id)
+            self._store.finished(request.request_id)
         if not block_ids or request.request_id in self._recving:
             return False  # nothing, or aborted mid-load: its KV is incomplete
         saving = (self._tiers is not None

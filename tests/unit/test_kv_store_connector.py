@@ -119,6 +119,11 @@ def test_blocks_published_by_one_worker_load_bit_exact_on_another(
     a.publish(FakeRequest("a1", tokens, num_computed_tokens=len(tokens)), [3, 5, 7, 9, 11])
     changes = a.plan.take_changes()
     assert changes and changes[0][0] == "store" and len(changes[0][2]) == 5
+    assert changes[0][1] is True
+    # announced removed once their TTL (60 s) is over: the store expires them silently
+    assert a.plan.take_changes(time.monotonic() + 30) == []
+    (gone,) = a.plan.take_changes(time.monotonic() + 61)
+    assert gone == ("store", False, changes[0][2])
     # b's engine holds nothing: the store has all five full blocks, the last token's
     # block is never loaded (it is computed)
     request = FakeRequest("b1", tokens)

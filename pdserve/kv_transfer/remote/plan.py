@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -65,9 +65,13 @@ class StorePlanner:
         # Per request: the store's run found (names, from which block), until allocated.
         self._matched: dict[str, tuple[int, tuple[BlockName, ...]]] = {}
         self._loading: dict[str, tuple[StoreCopy, float]] = {}
+        self._failed: set[str] = set()  # a store load failed: vLLM computes the rest
         self._saving: dict[str, StoreCopy] = {}
         self._known: OrderedDict[str, float] = OrderedDict()  # key -> expiry (monotonic)
         self._changes: list[int] = []  # published blocks' pdserve hashes, to announce
+        # What was announced, oldest first, with when its TTL ends: announced removed then
+        # (the store expires it silently; the router and the KV-event mirror forget it).
+        self._announced: deque[tuple[float, int]] = deque()
         self._counts = dict.fromkeys(COUNTS, 0)
 
     # ---- loads ---------------------------------------------------------------------
@@ -78,7 +82,7 @@ class StorePlanner:
         req_id = request.request_id
         start = num_tokens // self._bs
         end = (request.num_tokens - 1) // self._bs
-        if num_tokens % self._bs or end - start < MIN_FETCH_BLOCKS:
+        if num_tokens % self._bs or end - start < MIN_FETCH_BLOCKS or req_id in self._failed:
             self._matched.pop(req_id, None)
             return 0
         cached = self._matched.get(req_id)
@@ -152,6 +156,7 @@ class StorePlanner:
             if loading is None:
                 continue
             if req_id in failed:
+                self._failed.add(req_id)  # never asked again for this request
                 self._count(store_load_failed=1)
                 for name in loading[0].names:  # a block that failed is not trusted held
                     self._known.pop(name.key, None)
@@ -162,6 +167,7 @@ class StorePlanner:
             if copy is not None:  # copied out: the writer publishes it now
                 self._remember(copy.names, now)
                 self._changes.extend(n.block_hash for n in copy.names)
+                self._announced.extend((now + self._ttl_s, n.block_hash) for n in copy.names)
                 self._count(store_publish_blocks=len(copy.names))
         feedback = output.kv_connector_worker_meta
         if isinstance(feedback, StoreFeedback):
@@ -172,9 +178,10 @@ class StorePlanner:
             for key in feedback.unpublished:
                 self._known.pop(key, None)
 
-    def forget(self, request_id: str) -> None:
-        """A request ended before its load was planned or reported."""
+    def finished(self, request_id: str) -> None:
+        """A request ended: nothing of it is kept (a load in flight is still reported)."""
         self._matched.pop(request_id, None)
+        self._failed.discard(request_id)
 
     def drop_all(self) -> int:
         """The weights changed: their blocks' names differ from now on (the version is
@@ -183,12 +190,20 @@ class StorePlanner:
         self._known.clear()
         return dropped
 
-    def take_changes(self) -> list[tuple[str, bool, list[int]]]:
-        """The blocks published since the last call, in the store's namespace."""
-        if not self._changes:
-            return []
-        names, self._changes = self._changes, []
-        return [(STORE_TIER, True, tier_hashes(names, STORE_TIER))]
+    def take_changes(self, now: float | None = None) -> list[tuple[str, bool, list[int]]]:
+        """The blocks published since the last call, then those whose TTL ended since
+        (removed), in the store's namespace."""
+        now = time.monotonic() if now is None else now
+        out = []
+        if self._changes:
+            names, self._changes = self._changes, []
+            out.append((STORE_TIER, True, tier_hashes(names, STORE_TIER)))
+        gone = []
+        while self._announced and self._announced[0][0] <= now:
+            gone.append(self._announced.popleft()[1])
+        if gone:
+            out.append((STORE_TIER, False, tier_hashes(gone, STORE_TIER)))
+        return out
 
     def take_counts(self) -> dict[str, Any]:
         counts = {k: v for k, v in self._counts.items() if v}

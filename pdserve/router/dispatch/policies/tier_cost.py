@@ -11,11 +11,12 @@ seconds one prompt token adds to a step). A source's cost ratio is then
 so 0 is free (the engine's own cache), 1 is as dear as computing the token.
 
 The cluster KV store (``--kv-store``): its measured seconds per block where
-``KvLoadRates.store_s_per_block`` is set (``GetLoad`` has no store counters yet, so
-``load_rates`` leaves it None), else its prior; either raised to twice the worker's
-host-tier ratio where that is dearer (a block over the network never costs less than a
-copy from the worker's own memory), so a prefix in the store is dearer than the
-worker's own host tier, and used only while cheaper than computing it.
+``KvLoadRates.store_s_per_block`` is set (the worker's ``kv_store_load_time_ns`` over
+``kv_store_load_blocks``, once it has loaded from the store), else its prior; either
+raised to twice the worker's host-tier ratio where that is dearer (a block over the
+network never costs less than a copy from the worker's own memory), so a prefix in the
+store is dearer than the worker's own host tier, and used only while cheaper than
+computing it.
 
 Before a source has been measured on a worker, or while the worker's step fit has not
 timed a prefill (no per-token compute to compare with), the ratio falls back to:
@@ -68,7 +69,7 @@ class KvLoadRates:
     # P/D pulls (this worker as the loading side): seconds per byte received.
     pull_s_per_byte: float | None = None
     block_bytes: float | None = None  # one block, all layers, as loads moved it
-    store_s_per_block: float | None = None  # the cluster KV store (not reported yet)
+    store_s_per_block: float | None = None  # the cluster KV store (GetLoad kv_store_*)
 
 
 NOT_MEASURED = KvLoadRates()
@@ -98,15 +99,17 @@ def load_rates(report: WorkerLoadReport) -> KvLoadRates:
     disk = _per(r.kv_disk_load_time_ns, r.kv_disk_load_blocks)
     pool = _per(r.kv_pool_load_time_ns, r.kv_pool_load_blocks)
     pull = _per(r.kv_transfer_time_ns, r.kv_bytes_received)
+    store = _per(r.kv_store_load_time_ns, r.kv_store_load_blocks)
     block_bytes = (_per(r.kv_tier_load_bytes, r.kv_tier_load_blocks)
                    or _per(r.kv_disk_load_bytes, r.kv_disk_load_blocks)
                    or _per(r.kv_pool_load_bytes, r.kv_pool_load_blocks))
-    if not (host or disk or pool or pull):
+    if not (host or disk or pool or pull or store):
         return NOT_MEASURED
     return KvLoadRates(None if host is None else host / 1e9,
                        None if disk is None else disk / 1e9,
                        None if pool is None else pool / 1e9,
-                       None if pull is None else pull / 1e9, block_bytes)
+                       None if pull is None else pull / 1e9, block_bytes,
+                       None if store is None else store / 1e9)
 
 
 def tier_ratios(rates: KvLoadRates, compute_s_per_token: float | None,
