@@ -13,9 +13,9 @@ computing the same tokens costs the engine's prefill time per token. Both are le
 ``fetch(num_blocks)`` is True when ``rtt + bytes / throughput`` is below ``margin`` times
 the compute time. Until a store load has been measured, the throughput is a prior
 (``PRIOR_BYTES_PER_S``, a loopback Redis's order), so the first loads happen and teach
-the real figure; until the engine has prefilled, compute is taken at the step model's
-prior. The break-even (``break_even_tokens``: the fewest tokens worth a fetch) is
-exported with the counters, so an operator sees where it sits.
+the real figure; until the engine has prefilled (its per-token time unknown: a prior
+would be off by 100x between a CPU and a GPU), the store is fetched from. The break-even
+(``break_even_tokens``: the fewest tokens worth a fetch) says where the choice turns.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 PRIOR_BYTES_PER_S = 500e6  # a loopback Redis GET of MiB values: 0.5-0.8 GiB/s measured
 PRIOR_RTT_S = 0.5e-3
-PRIOR_PER_TOKEN_S = 1e-5  # step_model's prior: 1 ms per 100 prompt tokens
 _ALPHA = 0.2  # weight of each new sample in the moving averages
 
 
@@ -35,22 +34,28 @@ class FetchDecision:
     margin: float = 1.0  # fetch when the fetch is below margin x compute
     rtt_s: float = PRIOR_RTT_S
     bytes_per_s: float = PRIOR_BYTES_PER_S
-    per_token_s: float = PRIOR_PER_TOKEN_S
+    per_token_s: float | None = None  # None: the engine has not prefilled yet
     num_load_samples: int = 0
 
     def fetch_s(self, num_blocks: int) -> float:
         return self.rtt_s + num_blocks * self.block_bytes / self.bytes_per_s
 
-    def compute_s(self, num_blocks: int) -> float:
+    def compute_s(self, num_blocks: int) -> float | None:
+        if self.per_token_s is None:
+            return None
         return num_blocks * self.block_size * self.per_token_s
 
     def fetch(self, num_blocks: int) -> bool:
         """Load ``num_blocks`` from the store (True) or compute them (False)."""
-        return num_blocks > 0 and self.fetch_s(num_blocks) < self.margin * self.compute_s(
-            num_blocks)
+        compute = self.compute_s(num_blocks)
+        return num_blocks > 0 and (compute is None
+                                   or self.fetch_s(num_blocks) < self.margin * compute)
 
     def break_even_tokens(self) -> int:
-        """The fewest prompt tokens a store fetch beats computing (0: never)."""
+        """The fewest prompt tokens a store fetch beats computing (0: never, or not
+        known yet)."""
+        if self.per_token_s is None:
+            return 0
         per_block_gain = self.margin * self.block_size * self.per_token_s - (
             self.block_bytes / self.bytes_per_s)
         if per_block_gain <= 0:

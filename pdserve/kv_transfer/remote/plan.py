@@ -210,11 +210,6 @@ class StorePlanner:
         self._counts = dict.fromkeys(COUNTS, 0)
         return counts
 
-    def stats(self) -> dict[str, float]:
-        d = self.decision
-        return {"store_break_even_tokens": d.break_even_tokens(),
-                "store_rtt_us": d.rtt_s * 1e6, "store_mib_s": d.bytes_per_s / (1 << 20)}
-
     # ---- helpers -------------------------------------------------------------------
 
     def names(self, request: Request, num_blocks: int) -> list[BlockName]:
