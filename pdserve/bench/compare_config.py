@@ -57,6 +57,13 @@ def parse_rates(text: str) -> tuple[float, ...]:
     return tuple(rates)
 
 
+def check_trace_rates(workload: str | None, rates: tuple[float, ...]) -> None:
+    """A trace replay sends at the trace's times: one run per system, at rate ``inf``."""
+    if workload == "mooncake-trace" and rates != (math.inf,):
+        raise ValueError("--workload mooncake-trace sends at the trace's times: give "
+                         "--request-rates inf (and scale the times with --trace-time-scale)")
+
+
 def check_timeouts(startup_timeout_s: float, run_timeout_s: float,
                    stop_timeout_s: float) -> None:
     if min(startup_timeout_s, run_timeout_s, stop_timeout_s) <= 0:

@@ -142,7 +142,8 @@ class Session:
                 started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
                 outcome = await runner.run(workload, sched)
                 config = self._config(ep, sched, tokenizer_path, max_len)
-                results.append(self._result(config, started, outcome, workload_info(workload)))
+                info = workload_info(workload, max_len)
+                results.append(self._result(config, started, outcome, info))
             return results
 
     def _config(self, ep: Endpoint, sched: Schedule, tokenizer: Path,

@@ -20,6 +20,7 @@ from pdserve.bench.compare_config import (
     DEFAULT_RATES,
     CompareConfig,
     check_timeouts,
+    check_trace_rates,
     check_vllm_disagg,
     output_dir,
     parse_rates,
@@ -229,6 +230,7 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
 def compare_config(args: argparse.Namespace) -> CompareConfig:
     """Every check that can fail before a system starts."""
     rates = parse_rates(args.request_rates)
+    check_trace_rates(args.workload, rates)
     check_timeouts(args.startup_timeout_s, args.run_timeout_s, args.stop_timeout_s)
     entries = pdserve_entries(args.pdserve, ("vllm", "vllm-tuned", "vllm-disagg"),
                               check_up_flags)

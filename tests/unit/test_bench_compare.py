@@ -171,6 +171,9 @@ def test_vllm_disagg_is_two_nixl_engines_on_separate_cores_behind_a_proxy() -> N
         vllm_disagg(EngineSettings("/m", "m", "float32", 1, 64, (0,)), 1, (2, 3), (4, 5))
 
 
+TRACE = Path(__file__).parent.parent / "data" / "mooncake_conversation_sample.jsonl"
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     return bench_cli.build_parser().parse_args(["compare", *argv])
 
@@ -190,6 +193,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     (["--workload", "sharegpt"], "needs --dataset"),
     (["--workload", "sharegpt", "--dataset", "/no/such/file.json"], "/no/such/file.json"),
     (["--workload", "chat-mix", "--mix", "0.7:80"], "0.7:80"),
+    (["--workload", "mooncake-trace", "--dataset", str(TRACE), "--endpoint", "completions"],
+     "give --request-rates inf"),
+    (["--workload", "mooncake-trace", "--dataset", str(TRACE), "--request-rates", "inf"],
+     "needs --endpoint completions"),
     (["--model", "/no/such/model"], "is not a directory"),
 ])
 def test_bad_input_is_one_error_line_and_writes_nothing(
@@ -218,6 +225,16 @@ def test_pdserve_entries_and_workload_flags_are_passed_as_given() -> None:
     assert bench_flags.workload_args(args) == [
         "--seed", "3", "--workload", "chat-mix", "--mix", "0.7:80:96,0.3:1200:16",
         "--num-requests", "40", "--slo", "ttft=2s,tpot=100ms", "--no-ignore-eos"]
+
+
+def test_a_trace_replays_flags_reach_every_run() -> None:
+    args = _parse(["--workload", "mooncake-trace", "--dataset", str(TRACE), "--endpoint",
+                   "completions", "--trace-block-tokens", "32", "--trace-time-scale", "2",
+                   "--trace-start", "5", "--request-rates", "inf"])
+    argv = bench_flags.workload_args(args)
+    assert argv[argv.index("--trace-block-tokens"):] == [
+        "--trace-block-tokens", "32", "--trace-time-scale", "2.0", "--trace-start", "5"]
+    bench_flags.check_workload(argv)  # as pdserve bench run checks them: accepted
 
 
 def test_num_prompts_is_num_requests_as_vllm_bench_serve_spells_it() -> None:

@@ -123,10 +123,13 @@ class PromptEncoderStub(PromptEncoder):
         self._ids = VOCAB
 
 
-def _reference_ratio(records: list[dict[str, Any]], block_tokens: int) -> tuple[float, float]:
-    """A plain infinite cache: a set of every id seen; a request hits its leading run."""
+def _reference_ratio(records: list[dict[str, Any]], block_tokens: int,
+                     engine_block: int = 128) -> tuple[float, float, float]:
+    """A plain infinite cache: a set of every id seen; a request hits its leading run
+    (and an engine of ``engine_block``-token blocks whole blocks of it, never the last
+    prompt token)."""
     seen: set[int] = set()
-    hit = refs = hit_tok = tok = 0
+    hit = refs = hit_tok = tok = engine_tok = 0
     for r in records:
         ids = r["hash_ids"]
         n = 0
@@ -138,17 +141,24 @@ def _reference_ratio(records: list[dict[str, Any]], block_tokens: int) -> tuple[
                          (len(ids) - 1) * block_tokens + 1), len(ids) * block_tokens)
         hit, refs = hit + n, refs + len(ids)
         hit_tok += length if n == len(ids) else n * block_tokens
+        engine_tok += engine_block * ((length - 1 if n == len(ids) else n * block_tokens)
+                                      // engine_block)
         tok += length
         seen |= set(ids)
-    return hit / refs, hit_tok / tok
+    return hit / refs, hit_tok / tok, engine_tok / tok
 
 
 @pytest.mark.parametrize("block_tokens", [512, 64, 32])
 def test_the_infinite_cache_ratio_is_the_reference_computations(block_tokens: int) -> None:
     bound = infinite_cache(load_trace(SAMPLE), TraceScale(block_tokens))
-    blocks, tokens = _reference_ratio(_raw(), block_tokens)
+    blocks, tokens, engine = _reference_ratio(_raw(), block_tokens)
     assert bound.block_ratio == pytest.approx(blocks) and bound.token_ratio == pytest.approx(
         tokens)
+    by_engine = infinite_cache(load_trace(SAMPLE), TraceScale(block_tokens), 128)
+    assert by_engine.token_ratio == pytest.approx(engine)
+    assert by_engine.token_ratio <= bound.token_ratio
+    if block_tokens < 128:  # hits end mid engine block: the engine loses their tail
+        assert by_engine.token_ratio < bound.token_ratio
     assert bound.block_ratio == pytest.approx(replay(load_sim_trace(SAMPLE), "infinite",
                                                      0).hit_ratio)
     assert 0 < bound.block_ratio < 1
@@ -172,8 +182,21 @@ def test_the_result_reports_the_scale_and_the_bound_of_the_requests_drawn() -> N
         32, 1 / 16, 0.5)
     assert info["replay_span_s"] == pytest.approx(info["trace_span_s"] * 0.5)
     assert info["replay_span_s"] > 0
+    assert info["infinite_cache_token_ratio_engine_block"]["128"] == pytest.approx(
+        infinite_cache(load_trace(SAMPLE, 0, 50), TraceScale(32), 128).token_ratio)
     list(requests)
     assert workload_info(workload)["trace"]["num_requests"] == 60
+
+
+def test_the_bound_leaves_out_the_prompts_the_runner_skips() -> None:
+    records = load_trace(SAMPLE)
+    workload = TraceWorkload(records, TraceScale(), VOCAB, seed=0)
+    list(workload)
+    info = workload_info(workload, max_model_len=4096)["trace"]
+    fits = [r for r in records if r.input_length + r.output_length <= 4096]
+    assert 0 < info["num_sendable"] == len(fits) < info["num_requests"] == 150
+    assert info["infinite_cache_token_ratio"] == pytest.approx(
+        infinite_cache(fits, TraceScale()).token_ratio)
 
 
 @pytest.mark.parametrize(("text", "match"), [

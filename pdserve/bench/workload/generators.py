@@ -266,10 +266,12 @@ def make_workload(cfg: RunConfig, encoder: PromptEncoder, seed: int,
     raise ValueError(f"unknown workload {cfg.workload!r}; choose one of {', '.join(WORKLOADS)}")
 
 
-def workload_info(workload: Workload) -> dict[str, Any]:
+def workload_info(workload: Workload, max_model_len: int | None = None) -> dict[str, Any]:
+    """What the result records of the workload (``max_model_len``: the run's context, past
+    which the runner skipped prompts)."""
     if isinstance(workload, ShareGptWorkload):
         return {"dataset_entries": len(workload.pairs),
                 "dataset_malformed": workload.num_malformed}
     if isinstance(workload, TraceWorkload):
-        return workload.info()
+        return workload.info(max_model_len)
     return {}

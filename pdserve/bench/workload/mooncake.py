@@ -147,9 +147,12 @@ class CacheBound:
         return self.num_hit_tokens / self.num_tokens if self.num_tokens else 0.0
 
 
-def infinite_cache(records: Sequence[TraceRecord], scale: TraceScale) -> CacheBound:
+def infinite_cache(records: Sequence[TraceRecord], scale: TraceScale,
+                   engine_block_tokens: int | None = None) -> CacheBound:
     """Each request hits its leading blocks that some earlier request referenced; tokens
-    count each block's scaled size (the last block of a prompt is partial)."""
+    count each block's scaled size (the last block of a prompt is partial).
+    ``engine_block_tokens``: what an engine that caches whole blocks of this many tokens
+    and computes at least a prompt's last token (vLLM) could serve of those hit tokens."""
     seen: set[int] = set()
     hit_blocks = blocks = hit_tokens = tokens = 0
     for rec in records:
@@ -158,7 +161,10 @@ def infinite_cache(records: Sequence[TraceRecord], scale: TraceScale) -> CacheBo
             num += 1
         length = scale.input_tokens(rec)
         hit_blocks, blocks = hit_blocks + num, blocks + len(rec.hash_ids)
-        hit_tokens += min(num * scale.block_tokens, length)
+        hit = min(num * scale.block_tokens, length)
+        if engine_block_tokens is not None:
+            hit = min(hit, length - 1) // engine_block_tokens * engine_block_tokens
+        hit_tokens += hit
         tokens += length
         seen.update(rec.hash_ids)
     return CacheBound(hit_blocks, blocks, hit_tokens, tokens)

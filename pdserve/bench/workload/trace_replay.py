@@ -26,6 +26,8 @@ from pdserve.bench.workload.mooncake import (
 )
 from pdserve.bench.workload.prompts import BenchRequest
 
+ENGINE_BLOCKS = (16, 128)  # vLLM's default KV block size on GPUs and on CPUs
+
 
 class BlockTokens:
     """hash_id -> its block of token ids: a pure function of ``seed`` and the id."""
@@ -71,22 +73,27 @@ class TraceWorkload:
             self.num_yielded = max(self.num_yielded, index + 1)
             yield self.request(index)
 
-    def info(self) -> dict[str, Any]:
-        """The replay's scale and the infinite-cache bound of the requests drawn."""
+    def info(self, max_model_len: int | None = None) -> dict[str, Any]:
+        """The replay's scale and the infinite-cache bound of the requests drawn that fit
+        ``max_model_len`` (the runner skips the others): over all their tokens, and as an
+        engine caching whole blocks of 16 (vLLM on GPUs) or 128 tokens (on CPUs) could
+        serve it; a run's ``cached_token_share`` compares with the latter."""
         drawn = self.records[:self.num_yielded]
-        bound = infinite_cache(drawn, self.scale)
+        scale = self.scale
+        sent = [r for r in drawn if max_model_len is None
+                or scale.input_tokens(r) + scale.output_tokens(r) <= max_model_len]
+        bound = infinite_cache(sent, scale)
         span_ms = drawn[-1].timestamp_ms - drawn[0].timestamp_ms if drawn else 0.0
         return {"trace": {
             "path": self.path, "start": self.start, "num_requests": len(drawn),
-            "block_tokens": self.scale.block_tokens,
-            "length_factor": self.scale.length_factor,
-            "time_scale": self.scale.time_scale,
-            "max_output_tokens": self.scale.max_output_tokens,
-            "trace_span_s": span_ms / 1000,
-            "replay_span_s": span_ms / 1000 * self.scale.time_scale,
+            "num_sendable": len(sent), "block_tokens": scale.block_tokens,
+            "length_factor": scale.length_factor, "time_scale": scale.time_scale,
+            "max_output_tokens": scale.max_output_tokens,
+            "trace_span_s": span_ms / 1000, "replay_span_s": span_ms / 1000 * scale.time_scale,
             "infinite_cache_block_ratio": bound.block_ratio,
             "infinite_cache_token_ratio": bound.token_ratio,
-            "infinite_cache_hit_tokens": bound.num_hit_tokens,
+            "infinite_cache_token_ratio_engine_block": {
+                str(e): infinite_cache(sent, scale, e).token_ratio for e in ENGINE_BLOCKS},
             "prompt_tokens": bound.num_tokens,
         }}
 
