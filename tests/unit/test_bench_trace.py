@@ -279,6 +279,8 @@ async def test_the_runner_sends_token_ids_at_the_traces_times(tokenizer: Any) ->
     assert [b["prompt"] for _, b in bodies] == [list(r.prompt_ids or ()) for r in expected]
     assert all(set(b["prompt"]) <= set(encoder.vocab) for _, b in bodies)
     assert [b["max_tokens"] for _, b in bodies] == [r.output_tokens for r in expected]
+    # Never before its time, and not long after (a busy machine delays a sleep's end).
     for (at, _), req in zip(bodies, expected, strict=True):
-        assert at - start == pytest.approx(req.arrival_s, abs=0.15)
+        assert req.arrival_s is not None
+        assert req.arrival_s - 0.01 <= at - start <= req.arrival_s + 1.0
     assert expected[-1].arrival_s and expected[-1].arrival_s > 0.2  # times were not all 0
