@@ -57,11 +57,15 @@ def parse_rates(text: str) -> tuple[float, ...]:
     return tuple(rates)
 
 
-def check_trace_rates(workload: str | None, rates: tuple[float, ...]) -> None:
-    """A trace replay sends at the trace's times: one run per system, at rate ``inf``."""
-    if workload == "mooncake-trace" and rates != (math.inf,):
-        raise ValueError("--workload mooncake-trace sends at the trace's times: give "
-                         "--request-rates inf (and scale the times with --trace-time-scale)")
+def check_trace_rates(workload: str | None, time_scale: float | None,
+                      rates: tuple[float, ...]) -> None:
+    """A trace replay scales its times to each finite rate, or by ``--trace-time-scale``
+    at rate ``inf``: not both."""
+    if (workload == "mooncake-trace" and time_scale not in (None, 1.0)
+            and any(not math.isinf(r) for r in rates)):
+        raise ValueError("--workload mooncake-trace: --trace-time-scale needs "
+                         "--request-rates inf (finite rates scale the trace's times "
+                         "themselves)")
 
 
 def check_timeouts(startup_timeout_s: float, run_timeout_s: float,

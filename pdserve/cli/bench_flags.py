@@ -120,7 +120,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    "prompt and output lengths scale by the same factor)")
     w.add_argument("--trace-time-scale", type=float, default=1.0,
                    help="mooncake-trace: the trace's arrival times multiplied by this "
-                   "(0.1: ten times the trace's rate; 0: all at once)")
+                   "(0.1: ten times the trace's rate; 0: all at once); or give "
+                   "--request-rate R: the times scaled to a mean of R requests/s")
     w.add_argument("--trace-start", type=int, default=0,
                    help="mooncake-trace: the index of the first record replayed")
     s = p.add_argument_group("traffic")
@@ -129,7 +130,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--duration-s", type=float, help="send for this long instead")
     s.add_argument("--num-warmup", type=int, default=1, help="unmeasured requests first")
     s.add_argument("--request-rate", type=_rate, default=float("inf"),
-                   help="requests/s (inf: all at once)")
+                   help="requests/s (inf: all at once; mooncake-trace: the trace's times "
+                   "scaled to this mean rate, inf: its own times)")
     s.add_argument("--burstiness", type=_rate, default=1.0,
                    help="1: Poisson; <1 burstier, >1 more regular (gamma intervals)")
     s.add_argument("--max-concurrency", type=int, help="most requests in flight")
@@ -230,7 +232,7 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
 def compare_config(args: argparse.Namespace) -> CompareConfig:
     """Every check that can fail before a system starts."""
     rates = parse_rates(args.request_rates)
-    check_trace_rates(args.workload, rates)
+    check_trace_rates(args.workload, args.trace_time_scale, rates)
     check_timeouts(args.startup_timeout_s, args.run_timeout_s, args.stop_timeout_s)
     entries = pdserve_entries(args.pdserve, ("vllm", "vllm-tuned", "vllm-disagg"),
                               check_up_flags)

@@ -115,6 +115,19 @@ def test_lengths_and_times_scale_by_the_flags() -> None:
     assert [r.output_tokens for r in unscaled] == [r["output_length"] for r in raw[:3]]
 
 
+def test_a_request_rate_scales_the_traces_times_to_that_mean_rate() -> None:
+    raw = _raw()
+    cfg = _trace_args("--request-rate", "4", "--trace-start", "10", "--num-requests", "40")
+    requests = list(make_workload(cfg, PromptEncoderStub(), seed=0))
+    span_s = (raw[49]["timestamp"] - raw[10]["timestamp"]) / 1000
+    assert requests[-1].arrival_s == pytest.approx(40 / 4)  # n requests span n / rate
+    for req, rec in zip(requests, raw[10:50], strict=True):  # the trace's spacing, scaled
+        assert req.arrival_s == pytest.approx((rec["timestamp"] - raw[10]["timestamp"])
+                                              / 1000 * 10 / span_s)
+    info = workload_info(make_workload(cfg, PromptEncoderStub(), seed=0))["trace"]
+    assert info["time_scale"] == pytest.approx(10 / span_s)
+
+
 class PromptEncoderStub(PromptEncoder):
     """A PromptEncoder without a tokenizer: the trace workload only needs the vocabulary."""
 
@@ -234,7 +247,9 @@ def test_a_bad_trace_is_one_clear_error(tmp_path: Path, text: str, match: str) -
     (["--workload", "mooncake-trace", "--endpoint", "completions"], "needs --dataset FILE"),
     (["--workload", "mooncake-trace", "--dataset", str(SAMPLE)], "--endpoint completions"),
     (["--workload", "mooncake-trace", "--dataset", str(SAMPLE), "--endpoint", "completions",
-      "--request-rate", "2"], "--trace-time-scale"),
+      "--request-rate", "2", "--trace-time-scale", "0.5"], "not both"),
+    (["--workload", "mooncake-trace", "--dataset", str(SAMPLE), "--endpoint", "completions",
+      "--request-rate", "2", "--num-requests", "5"], "all arrive at one time"),
     (["--workload", "mooncake-trace", "--dataset", str(SAMPLE), "--endpoint", "completions",
       "--trace-block-tokens", "1024"], "--trace-block-tokens must be in"),
     (["--workload", "mooncake-trace", "--dataset", str(SAMPLE), "--endpoint", "completions",

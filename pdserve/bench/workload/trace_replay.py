@@ -7,7 +7,8 @@ blocks' ids concatenated, the last block cut to the prompt's (scaled) length. Eq
 give equal blocks whatever request they are in, different ids (almost surely) differ.
 The prompt is sent as token ids on the completions endpoint, which neither re-tokenizes
 nor adds special tokens to them: the engine sees exactly these blocks. Requests carry the
-trace's arrival times (scaled), which the runner follows instead of a rate."""
+trace's arrival times (scaled by ``--trace-time-scale``, or to ``--request-rate``'s mean
+rate), which the runner follows instead of its arrival process."""
 
 from __future__ import annotations
 
@@ -107,21 +108,33 @@ def check_trace_flags(cfg: RunConfig) -> tuple[TraceRecord, ...] | None:
                 flag = "--" + field.name.replace("_", "-")
                 raise ValueError(f"{flag} needs --workload mooncake-trace")
         return None
-    _scale(cfg)
     if not cfg.dataset:
         raise ValueError("--workload mooncake-trace needs --dataset FILE (a Mooncake "
                          "trace, JSONL)")
     if cfg.endpoint != "completions":
         raise ValueError("--workload mooncake-trace sends token-id prompts: it needs "
                          "--endpoint completions")
+    TraceScale(cfg.trace_block_tokens, cfg.trace_time_scale, cfg.output_len)
+    records = tuple(load_trace(cfg.dataset, cfg.trace_start, cfg.num_requests))
+    _scale(cfg, records)
+    return records
+
+
+def _scale(cfg: RunConfig, records: Sequence[TraceRecord]) -> TraceScale:
+    """The flags' scale; a finite ``--request-rate`` R sets the time scale so that the
+    ``n`` records span ``n / R`` seconds (as ``arrivals.py`` spans ``n`` arrivals)."""
+    time_scale = cfg.trace_time_scale
     if not math.isinf(cfg.request_rate):
-        raise ValueError("--workload mooncake-trace sends at the trace's times: leave "
-                         "--request-rate out and scale them with --trace-time-scale")
-    return tuple(load_trace(cfg.dataset, cfg.trace_start, cfg.num_requests))
-
-
-def _scale(cfg: RunConfig) -> TraceScale:
-    return TraceScale(cfg.trace_block_tokens, cfg.trace_time_scale, cfg.output_len)
+        if time_scale != 1.0:
+            raise ValueError("--workload mooncake-trace: give --request-rate (the trace's "
+                             "times scaled to that mean rate) or --trace-time-scale, "
+                             "not both")
+        span_s = (records[-1].timestamp_ms - records[0].timestamp_ms) / 1000
+        if span_s <= 0:
+            raise ValueError("--request-rate: the requests replayed all arrive at one "
+                             "time in the trace; no rate can space them")
+        time_scale = len(records) / (cfg.request_rate * span_s)
+    return TraceScale(cfg.trace_block_tokens, time_scale, cfg.output_len)
 
 
 def trace_workload(cfg: RunConfig, vocab: Sequence[int], seed: int,
@@ -130,5 +143,5 @@ def trace_workload(cfg: RunConfig, vocab: Sequence[int], seed: int,
     records = records if records is not None else check_trace_flags(cfg)
     if records is None:
         raise ValueError("not a mooncake-trace run")
-    return TraceWorkload(records, _scale(cfg), vocab, seed, cfg.dataset or "",
+    return TraceWorkload(records, _scale(cfg, records), vocab, seed, cfg.dataset or "",
                          cfg.trace_start)
