@@ -57,8 +57,9 @@ class RequestFailed(Exception):
 
 
 def _payload(ep: Endpoint, encoder: PromptEncoder, req: BenchRequest) -> dict[str, Any]:
-    body = {"model": ep.model, **encoder.body(req.messages), "max_tokens": req.output_tokens,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": ep.model, **encoder.body(req.messages, req.prompt_ids),
+            "max_tokens": req.output_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
     if ep.ignore_eos:
         body["ignore_eos"] = True
     return body

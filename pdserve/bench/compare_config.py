@@ -57,6 +57,17 @@ def parse_rates(text: str) -> tuple[float, ...]:
     return tuple(rates)
 
 
+def check_trace_rates(workload: str | None, time_scale: float | None,
+                      rates: tuple[float, ...]) -> None:
+    """A trace replay scales its times to each finite rate, or by ``--trace-time-scale``
+    at rate ``inf``: not both."""
+    if (workload == "mooncake-trace" and time_scale not in (None, 1.0)
+            and any(not math.isinf(r) for r in rates)):
+        raise ValueError("--workload mooncake-trace: --trace-time-scale needs "
+                         "--request-rates inf (finite rates scale the trace's times "
+                         "themselves)")
+
+
 def check_timeouts(startup_timeout_s: float, run_timeout_s: float,
                    stop_timeout_s: float) -> None:
     if min(startup_timeout_s, run_timeout_s, stop_timeout_s) <= 0:

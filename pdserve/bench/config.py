@@ -40,6 +40,9 @@ class RunConfig:
     num_turns: int = 3
     turn_input_len: int = 64
     dataset: str | None = None
+    trace_block_tokens: int = 512  # mooncake-trace: tokens per hash_id (the trace's: 512)
+    trace_time_scale: float = 1.0  # mooncake-trace: arrival times multiplied by this
+    trace_start: int = 0  # mooncake-trace: the first record replayed
     # traffic
     num_requests: int | None = None  # default 100 unless duration_s
     duration_s: float | None = None

@@ -110,12 +110,22 @@ WORKER_METRICS: tuple[tuple[str, tuple[str, ...], str], ...] = (
 )
 
 
+# A trace replay's (``--workload mooncake-trace``) infinite-cache bound, beside "prefix
+# hit": over all prompt tokens, and in vLLM's CPU blocks of 128 tokens.
+TRACE_METRICS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("trace bound", ("trace", "infinite_cache_token_ratio"), "{:.1%}"),
+    ("bound @128", ("trace", "infinite_cache_token_ratio_engine_block", "128"), "{:.1%}"),
+)
+
+
 def metrics_of(report: CompareReport) -> tuple[tuple[str, tuple[str, ...], str], ...]:
     """The table's columns: the cost ones only where the runs were priced, the worker
-    counters only where a run read them."""
-    counted = any((run.result or {}).get("workers") for x in report.systems for run in x.runs)
+    counters only where a run read them, the trace's bound only on a trace replay."""
+    results = [run.result or {} for x in report.systems for run in x.runs]
+    counted = any(r.get("workers") for r in results)
+    traced = any(r.get("trace") for r in results)
     return (METRICS + (COST_METRICS if report.settings.get("cost_per_hour") else ())
-            + (WORKER_METRICS if counted else ()))
+            + (WORKER_METRICS if counted else ()) + (TRACE_METRICS if traced else ()))
 
 
 def metric(result: dict[str, Any], path: tuple[str, ...]) -> float | None:

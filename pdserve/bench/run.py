@@ -37,8 +37,19 @@ def print_summary(results: list[dict[str, Any]], title: str) -> None:
         console = Console(width=180)
     console.print(table)
     for r in results:
+        if trace := r.get("trace"):
+            console.print(_trace_line(trace, r["cached_token_share"]))
         for kind, detail in r["error_examples"].items():
             console.print(f"[red]{r['errors'][kind]} x {kind}[/]: {detail}", markup=True)
+
+
+def _trace_line(trace: dict[str, Any], cached_share: float) -> str:
+    engine = trace["infinite_cache_token_ratio_engine_block"]
+    return (f"trace: {trace['num_requests']} requests from {trace['start']}, "
+            f"{trace['block_tokens']} tokens a block (x{trace['length_factor']:g} lengths), "
+            f"times x{trace['time_scale']:g} ({trace['replay_span_s']:.0f} s); cached "
+            f"{cached_share:.1%} vs an infinite cache's {trace['infinite_cache_token_ratio']:.1%}"
+            f" ({engine['16']:.1%} / {engine['128']:.1%} in engine blocks of 16 / 128)")
 
 
 def main(cfg: RunConfig) -> int:

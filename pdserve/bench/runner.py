@@ -4,9 +4,10 @@ collect records, summarize.
 Open loop: each request is sent at its arrival time (``arrivals.py``) whether or not
 earlier ones finished; ``--max-concurrency`` caps how many are in flight (a request whose
 time has come waits for a slot, as in ``vllm bench serve``). Closed loop: ``--request-rate
-inf --max-concurrency C`` keeps C in flight. ``--num-requests N`` draws N prompts (those
-over the context are skipped and counted, not sent); ``--duration-s S`` sends until S
-seconds have passed and waits for what is in flight.
+inf --max-concurrency C`` keeps C in flight. A request that carries its own arrival time
+(a trace's, ``BenchRequest.arrival_s``) is sent then instead. ``--num-requests N`` draws
+N prompts (those over the context are skipped and counted, not sent); ``--duration-s S``
+sends until S seconds have passed and waits for what is in flight.
 """
 
 from __future__ import annotations
@@ -176,7 +177,9 @@ class Runner:
                     raise ValueError(f"the first {out.num_skipped} prompts all exceed the "
                                      f"context ({self.max_model_len} tokens)")
                 continue
-            if arrivals is not None:
+            if req.arrival_s is not None:  # a trace's own time
+                await asyncio.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
+            elif arrivals is not None:
                 at = next(arrivals, None)
                 if at is None:
                     break

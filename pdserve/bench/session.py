@@ -138,11 +138,14 @@ class Session:
                                                self.dataset), cfg.num_warmup)
             results = []
             for sched in schedules:
-                workload = make_workload(cfg, encoder, cfg.seed, self.dataset)
+                # The schedule's rate: a trace replay scales its times to it (sweeps).
+                workload = make_workload(replace(cfg, request_rate=sched.request_rate),
+                                         encoder, cfg.seed, self.dataset)
                 started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
                 outcome = await runner.run(workload, sched)
                 config = self._config(ep, sched, tokenizer_path, max_len)
-                results.append(self._result(config, started, outcome, workload_info(workload)))
+                info = workload_info(workload, max_len)
+                results.append(self._result(config, started, outcome, info))
             return results
 
     def _config(self, ep: Endpoint, sched: Schedule, tokenizer: Path,

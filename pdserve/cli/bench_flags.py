@@ -20,6 +20,7 @@ from pdserve.bench.compare_config import (
     DEFAULT_RATES,
     CompareConfig,
     check_timeouts,
+    check_trace_rates,
     check_vllm_disagg,
     output_dir,
     parse_rates,
@@ -49,6 +50,8 @@ PASSTHROUGH: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--num-system-prompts", {"type": int}), ("--system-prompt-len", {"type": int}),
     ("--num-users", {"type": int}), ("--num-turns", {"type": int}),
     ("--turn-input-len", {"type": int}), ("--dataset", {}),
+    ("--trace-block-tokens", {"type": int}), ("--trace-time-scale", {"type": float}),
+    ("--trace-start", {"type": int}),
     ("--num-requests", {"type": int}), ("--duration-s", {"type": float}),
     ("--num-warmup", {"type": int}), ("--burstiness", {"type": float}),
     ("--max-concurrency", {"type": int}), ("--slo", {}),
@@ -90,7 +93,7 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     w.add_argument("--input-len", type=int, default=256, help="random: prompt tokens")
     w.add_argument("--output-len", type=int, help="output tokens (random, shared-prefix, "
                    "no-reuse: default 128; sharegpt: overrides the reference completion's "
-                   "length)")
+                   "length; mooncake-trace: caps the trace's scaled output length)")
     w.add_argument("--range-ratio", type=float, default=0.0,
                    help="random, chat-mix: lengths uniform within +-ratio")
     w.add_argument("--mix", default=DEFAULT_MIX,
@@ -109,14 +112,26 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="shared-prefix, no-reuse: turns of each conversation")
     w.add_argument("--turn-input-len", type=int, default=64,
                    help="shared-prefix, no-reuse: tokens of each user turn")
-    w.add_argument("--dataset", help="sharegpt: a .json or .jsonl file")
+    w.add_argument("--dataset", help="sharegpt: a .json or .jsonl file; mooncake-trace: "
+                   "a Mooncake trace (JSONL: timestamp, input_length, output_length, "
+                   "hash_ids), replayed from --trace-start, --num-requests of it")
+    w.add_argument("--trace-block-tokens", type=int, default=512,
+                   help="mooncake-trace: tokens per hash_id block (the trace's are 512; "
+                   "prompt and output lengths scale by the same factor)")
+    w.add_argument("--trace-time-scale", type=float, default=1.0,
+                   help="mooncake-trace: the trace's arrival times multiplied by this "
+                   "(0.1: ten times the trace's rate; 0: all at once); or give "
+                   "--request-rate R: the times scaled to a mean of R requests/s")
+    w.add_argument("--trace-start", type=int, default=0,
+                   help="mooncake-trace: the index of the first record replayed")
     s = p.add_argument_group("traffic")
     s.add_argument("--num-requests", *VLLM_SPELLINGS["--num-requests"], type=int,
                    help="requests to draw (default 100 unless --duration-s)")
     s.add_argument("--duration-s", type=float, help="send for this long instead")
     s.add_argument("--num-warmup", type=int, default=1, help="unmeasured requests first")
     s.add_argument("--request-rate", type=_rate, default=float("inf"),
-                   help="requests/s (inf: all at once)")
+                   help="requests/s (inf: all at once; mooncake-trace: the trace's times "
+                   "scaled to this mean rate, inf: its own times)")
     s.add_argument("--burstiness", type=_rate, default=1.0,
                    help="1: Poisson; <1 burstier, >1 more regular (gamma intervals)")
     s.add_argument("--max-concurrency", type=int, help="most requests in flight")
@@ -217,6 +232,7 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
 def compare_config(args: argparse.Namespace) -> CompareConfig:
     """Every check that can fail before a system starts."""
     rates = parse_rates(args.request_rates)
+    check_trace_rates(args.workload, args.trace_time_scale, rates)
     check_timeouts(args.startup_timeout_s, args.run_timeout_s, args.stop_timeout_s)
     entries = pdserve_entries(args.pdserve, ("vllm", "vllm-tuned", "vllm-disagg"),
                               check_up_flags)

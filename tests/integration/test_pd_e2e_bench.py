@@ -71,3 +71,41 @@ def test_bench_run_counts_match_the_routers_counters(pd_server: Server, model_pa
     assert {(r["prompt_tokens"], r["output_tokens"]) for r in result["requests"]} <= {
         (60, 8), (300, 4)}  # exact lengths through the chat template, ignore_eos
     assert result["completed"] == 6 and result["ttft_s"]["p50"] > 0
+
+
+def _trace_line(at_ms: int, hash_ids: list[int]) -> str:
+    return json.dumps({"timestamp": at_ms, "input_length": len(hash_ids) * 512,
+                       "output_length": 64, "hash_ids": hash_ids})
+
+
+def test_a_trace_replays_shared_blocks_are_vllms_cached_tokens(pd_server: Server,
+                                                                model_path: Path,
+                                                                tmp_path: Path) -> None:
+    """Token-id prompts reach vLLM as they are: a request whose leading hash_ids an
+    earlier one sent is served those tokens from the prefix cache, in whole 128-token
+    blocks (vLLM's on CPUs), exactly as the result's bound says."""
+    trace = tmp_path / "trace.jsonl"
+    fresh = [list(range(k, k + 12)) for k in (100, 200)]
+    requests = [list(range(12)),                     # 384 tokens at 32 a block: cold
+                [*range(8), *range(300, 304)],      # 8 shared blocks: 256 tokens, 2 blocks
+                list(range(12)),                     # all shared: 383 of 384 -> 256
+                fresh[0],                            # cold
+                [*range(6), *fresh[1][:6]]]          # 6 shared: 192 tokens -> 128
+    trace.write_text("\n".join(_trace_line(i * 100, ids) for i, ids in enumerate(requests)))
+    out = tmp_path / "trace.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli.main", "bench", "run", "--base-url", pd_server.base_url,
+         "--model", "SmolLM2-135M-Instruct", "--tokenizer", str(model_path),
+         "--endpoint", "completions", "--workload", "mooncake-trace", "--dataset", str(trace),
+         "--trace-block-tokens", "32", "--num-requests", "5", "--max-concurrency", "1",
+         "--num-warmup", "0", "--seed", "11", "--no-progress", "--result-json", str(out)],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert (result["completed"], result["failed"]) == (5, 0)
+    reqs = sorted(result["requests"], key=lambda r: r["start_s"])
+    assert [(r["prompt_tokens"], r["output_tokens"]) for r in reqs] == [(384, 4)] * 5
+    assert [r["cached_tokens"] for r in reqs] == [0, 256, 256, 0, 128]
+    bound = result["trace"]["infinite_cache_token_ratio_engine_block"]["128"]
+    assert bound == pytest.approx(640 / 1920) == result["cached_token_share"]

@@ -62,6 +62,8 @@ def test_an_unreachable_url_is_one_error(tmp_path: Path) -> None:
     (["--workload", "sharegpt", "--dataset", "EMPTY"], "no usable ShareGPT entry"),
     (["--workload", "sharegpt", "--dataset", "BROKEN"], "not JSON"),
     (["--num-requests", "0"], "--num-requests must be >= 1"),
+    (["--workload", "mooncake-trace", "--dataset", "EMPTY", "--endpoint", "completions"],
+     ":1: expected a JSON object, got list"),
 ])
 def test_bad_input_is_one_error_before_any_request(tmp_path: Path, argv: list[str],
                                                    needle: str) -> None:
@@ -130,6 +132,47 @@ def test_a_seeded_run_on_simulated_workers_writes_the_right_counts(sim: Server,
     starts = [r["start_s"] for r in reqs]
     assert [r["start_s"] for r in again["requests"]] == pytest.approx(starts, abs=0.05)
     assert starts[-1] == pytest.approx(12 / 20, abs=0.05)  # n arrivals span n / rate
+
+
+TRACE = Path(__file__).parent.parent / "data" / "mooncake_conversation_sample.jsonl"
+
+
+def test_a_trace_replay_sends_its_token_blocks_and_reports_its_scale(sim: Server,
+                                                                     tmp_path: Path) -> None:
+    url = sim.base_url.removesuffix("/v1")
+    ok = ('endpoint="/v1/completions"', 'status_code="200"')
+    before = (router_metric(url, "pdserve:http_requests_total", *ok),
+              router_metric(url, "pdserve:prompt_tokens_total"))
+    result = _run(sim, tmp_path / "r.json", "--workload", "mooncake-trace", "--dataset",
+                  str(TRACE), "--endpoint", "completions", "--trace-block-tokens", "16",
+                  "--request-rate", "40", "--trace-start", "8", "--num-requests", "16",
+                  "--output-len", "4", "--num-warmup", "0")
+    after = (router_metric(url, "pdserve:http_requests_total", *ok),
+             router_metric(url, "pdserve:prompt_tokens_total"))
+    raw = [json.loads(line) for line in TRACE.read_text().splitlines()][8:24]
+    assert (result["num_requests"], result["completed"], result["failed"]) == (16, 16, 0)
+    assert sorted(r["prompt_tokens"] for r in result["requests"]) == sorted(
+        -(-r["input_length"] // 32) for r in raw)  # 16 of 512 tokens: a 32nd
+    assert after[0] - before[0] == 16 and after[1] - before[1] == result["input_tokens"]
+    trace = result["trace"]
+    assert (trace["block_tokens"], trace["num_requests"]) == (16, 16)
+    assert 0 < trace["infinite_cache_token_ratio"] < 1
+    # --request-rate 40: the 16 requests' trace times scaled to span 16 / 40 s
+    assert trace["replay_span_s"] == pytest.approx(0.4)
+    assert max(r["start_s"] for r in result["requests"]) == pytest.approx(0.4, abs=0.15)
+
+
+def test_a_trace_sweep_scales_the_trace_to_each_rate(sim: Server, tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    proc = bench("sweep", "--base-url", sim.base_url, "--model", MODEL, "--no-progress",
+                 "--result-json", str(out), "--workload", "mooncake-trace", "--dataset",
+                 str(TRACE), "--endpoint", "completions", "--trace-block-tokens", "16",
+                 "--trace-start", "8", "--num-requests", "8", "--output-len", "2",
+                 "--num-warmup", "0", "--request-rates", "20,40", "--slo", "e2e=60s")
+    assert proc.returncode == 0, proc.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["trace"]["replay_span_s"] for r in runs] == pytest.approx([8 / 20, 8 / 40])
+    assert [r["completed"] for r in runs] == [8, 8]
 
 
 def test_prompts_over_the_context_are_skipped_and_counted(sim: Server, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -126,6 +127,26 @@ def test_infinite_rate_is_written_as_a_string(tmp_path: Path) -> None:
     assert "## inf req/s" in (tmp_path / "report.md").read_text()
 
 
+def test_a_trace_replays_bound_stands_beside_the_prefix_hit(tmp_path: Path) -> None:
+    write_report(constructed_report(), tmp_path / "plain")
+    assert "trace bound" not in (tmp_path / "plain" / "report.md").read_text()
+    report = constructed_report()
+    for system in report.systems:
+        for run in system.runs:
+            if run.result is not None:
+                run.result["trace"] = {"infinite_cache_token_ratio": 0.25,
+                                       "infinite_cache_token_ratio_engine_block": {
+                                           "16": 0.25, "128": 0.125}}
+    write_report(report, tmp_path / "trace")
+    md = (tmp_path / "trace" / "report.md").read_text()
+    header = next(line for line in md.splitlines() if "prefix hit" in line)
+    row = next(line for line in md.split("## 0.5 req/s")[1].splitlines()
+               if line.startswith("| vllm |"))
+    cells = dict(zip([c.strip() for c in header.strip("|").split("|")],
+                     [c.strip() for c in row.strip("|").split("|")], strict=True))
+    assert (cells["trace bound"], cells["bound @128"]) == ("25.0%", "12.5%")
+
+
 def _flag(argv: tuple[str, ...], name: str) -> str:
     return argv[argv.index(name) + 1]
 
@@ -171,6 +192,9 @@ def test_vllm_disagg_is_two_nixl_engines_on_separate_cores_behind_a_proxy() -> N
         vllm_disagg(EngineSettings("/m", "m", "float32", 1, 64, (0,)), 1, (2, 3), (4, 5))
 
 
+TRACE = Path(__file__).parent.parent / "data" / "mooncake_conversation_sample.jsonl"
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     return bench_cli.build_parser().parse_args(["compare", *argv])
 
@@ -190,6 +214,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     (["--workload", "sharegpt"], "needs --dataset"),
     (["--workload", "sharegpt", "--dataset", "/no/such/file.json"], "/no/such/file.json"),
     (["--workload", "chat-mix", "--mix", "0.7:80"], "0.7:80"),
+    (["--workload", "mooncake-trace", "--dataset", str(TRACE), "--endpoint", "completions",
+      "--trace-time-scale", "2"], "--trace-time-scale needs --request-rates inf"),
+    (["--workload", "mooncake-trace", "--dataset", str(TRACE), "--request-rates", "inf"],
+     "needs --endpoint completions"),
     (["--model", "/no/such/model"], "is not a directory"),
 ])
 def test_bad_input_is_one_error_line_and_writes_nothing(
@@ -218,6 +246,36 @@ def test_pdserve_entries_and_workload_flags_are_passed_as_given() -> None:
     assert bench_flags.workload_args(args) == [
         "--seed", "3", "--workload", "chat-mix", "--mix", "0.7:80:96,0.3:1200:16",
         "--num-requests", "40", "--slo", "ttft=2s,tpot=100ms", "--no-ignore-eos"]
+
+
+def test_a_trace_replays_flags_reach_every_run() -> None:
+    args = _parse(["--workload", "mooncake-trace", "--dataset", str(TRACE), "--endpoint",
+                   "completions", "--trace-block-tokens", "32", "--trace-time-scale", "2",
+                   "--trace-start", "5", "--request-rates", "inf"])
+    argv = bench_flags.workload_args(args)
+    assert argv[argv.index("--trace-block-tokens"):] == [
+        "--trace-block-tokens", "32", "--trace-time-scale", "2.0", "--trace-start", "5"]
+    bench_flags.check_workload(argv)  # as pdserve bench run checks them: accepted
+
+
+def test_the_store_off_vs_on_trace_recipe_is_accepted(tmp_path: Path) -> None:
+    """docs/benchmarks.md's "Store off vs on" command (the sample trace for the full one):
+    every entry is one ``pdserve up`` accepts, and the trace flags are run's."""
+    p = "--num-prefill 2 --num-decode 1 --disagg always --kv-offload-gib 0.25"
+    store = "--kv-store redis://127.0.0.1:6379"
+    args = _parse(["--no-vllm", "--max-model-len", "4096", "--num-kv-blocks", "40",
+                   "--pdserve", f"off-lru={p} --kv-tier-policy lru",
+                   "--pdserve", f"off-default={p} --kv-tier-policy default",
+                   "--pdserve", f"store-lru={p} --kv-tier-policy lru {store}/1",
+                   "--pdserve", f"store-default={p} --kv-tier-policy default {store}/2",
+                   "--workload", "mooncake-trace", "--dataset", str(TRACE),
+                   "--endpoint", "completions", "--trace-block-tokens", "32",
+                   "--trace-time-scale", "4", "--num-requests", "400", "--output-len", "16",
+                   "--request-rates", "inf", "--output-dir", str(tmp_path / "out")])
+    cfg = bench_flags.compare_config(args)
+    assert [name for name, _ in cfg.pdserve] == ["off-lru", "off-default", "store-lru",
+                                                 "store-default"]
+    assert cfg.rates == (math.inf,) and "mooncake-trace" in cfg.workload_args
 
 
 def test_num_prompts_is_num_requests_as_vllm_bench_serve_spells_it() -> None:

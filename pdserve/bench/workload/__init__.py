@@ -1,2 +1,2 @@
 """What a bench run sends: seeded workloads, prompts and their token counts, ShareGPT
-files, and arrival times."""
+files, Mooncake traces replayed as token blocks, and arrival times."""

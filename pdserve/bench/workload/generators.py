@@ -18,10 +18,12 @@
   message of every request is fresh random text, so no two prompts share more than the
   chat template's first few tokens and no cache can serve any of it (the tiers' overhead).
 - ``sharegpt``: a ShareGPT file's prompts in a seeded order, repeated if needed.
+- ``mooncake-trace``: a Mooncake trace's requests at its times, prompts of token ids
+  built from its ``hash_ids`` (``trace_replay.py``).
 
 Every prompt is built from random tokens to an exact count through the endpoint's
 tokenizer and chat template (``PromptEncoder.fit``), so ``--input-len 500`` means the
-server counts 500 prompt tokens.
+server counts 500 prompt tokens (``mooncake-trace``'s are token ids, sent as they are).
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pdserve.bench.config import RunConfig
+from pdserve.bench.workload.mooncake import TraceRecord
 from pdserve.bench.workload.prompts import BenchRequest, Messages, PromptEncoder
 from pdserve.bench.workload.sharegpt import ShareGptData, load_sharegpt
+from pdserve.bench.workload.trace_replay import TraceWorkload, check_trace_flags, trace_workload
 
-WORKLOADS = ("random", "chat-mix", "shared-prefix", "no-reuse", "sharegpt")
+WORKLOADS = ("random", "chat-mix", "shared-prefix", "no-reuse", "sharegpt", "mooncake-trace")
 DEFAULT_OUTPUT_LEN = 128  # synthetic workloads; sharegpt takes the reference completion's
 
 
@@ -181,16 +185,19 @@ class ShareGptWorkload:
             yield BenchRequest(messages, self.encoder.count(messages), num_out)
 
 
-Workload = MixWorkload | SharedPrefixWorkload | NoReuseWorkload | ShareGptWorkload
+Workload = (MixWorkload | SharedPrefixWorkload | NoReuseWorkload | ShareGptWorkload
+            | TraceWorkload)
+# What check_workload_flags loads once: sharegpt's conversations, mooncake-trace's records.
+Dataset = ShareGptData | tuple[TraceRecord, ...]
 
 
 def _output_len(cfg: RunConfig) -> int:
     return int(cfg.output_len or DEFAULT_OUTPUT_LEN)
 
 
-def check_workload_flags(cfg: RunConfig) -> ShareGptData | None:
+def check_workload_flags(cfg: RunConfig) -> Dataset | None:
     """Fail fast on bad workload flags (before any tokenizer or server); the dataset,
-    loaded, for ``sharegpt``."""
+    loaded, for ``sharegpt`` and ``mooncake-trace``."""
     if cfg.workload not in WORKLOADS:
         raise ValueError(f"unknown workload {cfg.workload!r}; choose one of "
                          f"{', '.join(WORKLOADS)}")
@@ -201,9 +208,10 @@ def check_workload_flags(cfg: RunConfig) -> ShareGptData | None:
         raise ValueError("--mix-then needs --workload chat-mix")
     if cfg.workload in ("shared-prefix", "no-reuse"):
         _shape(cfg)
+    records = check_trace_flags(cfg)
     if cfg.workload == "sharegpt":
         return _sharegpt_data(cfg)
-    return None
+    return records
 
 
 def _sharegpt_data(cfg: RunConfig) -> ShareGptData:
@@ -235,9 +243,9 @@ def _mix_shift(cfg: RunConfig) -> tuple[list[LengthClass] | None, int]:
 
 
 def make_workload(cfg: RunConfig, encoder: PromptEncoder, seed: int,
-                  dataset: ShareGptData | None = None) -> Workload:
+                  dataset: Dataset | None = None) -> Workload:
     """The workload ``cfg.workload`` names (as ``pdserve bench run`` defines it);
-    ``dataset``: ``check_workload_flags``' for sharegpt."""
+    ``dataset``: ``check_workload_flags``'."""
     if cfg.workload == "random":
         return MixWorkload(encoder, [LengthClass(1.0, cfg.input_len, _output_len(cfg))],
                            cfg.range_ratio, seed)
@@ -250,13 +258,20 @@ def make_workload(cfg: RunConfig, encoder: PromptEncoder, seed: int,
     if cfg.workload == "no-reuse":
         return NoReuseWorkload(encoder, _shape(cfg), seed)
     if cfg.workload == "sharegpt":
-        return ShareGptWorkload(encoder, dataset or _sharegpt_data(cfg),
-                                cfg.output_len, seed)
+        data = dataset if isinstance(dataset, ShareGptData) else _sharegpt_data(cfg)
+        return ShareGptWorkload(encoder, data, cfg.output_len, seed)
+    if cfg.workload == "mooncake-trace":
+        records = dataset if isinstance(dataset, tuple) else None
+        return trace_workload(cfg, encoder.vocab, seed, records)
     raise ValueError(f"unknown workload {cfg.workload!r}; choose one of {', '.join(WORKLOADS)}")
 
 
-def workload_info(workload: Workload) -> dict[str, Any]:
+def workload_info(workload: Workload, max_model_len: int | None = None) -> dict[str, Any]:
+    """What the result records of the workload (``max_model_len``: the run's context, past
+    which the runner skipped prompts)."""
     if isinstance(workload, ShareGptWorkload):
         return {"dataset_entries": len(workload.pairs),
                 "dataset_malformed": workload.num_malformed}
+    if isinstance(workload, TraceWorkload):
+        return workload.info(max_model_len)
     return {}

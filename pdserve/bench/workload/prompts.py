@@ -15,11 +15,16 @@ MAX_FIT_TRIES = 10
 @dataclass(frozen=True)
 class BenchRequest:
     """One request of a workload: the conversation, its prompt tokens as the endpoint
-    will count them, and the output tokens to ask for."""
+    will count them, and the output tokens to ask for. ``prompt_ids``: a prompt of token
+    ids sent as they are (completions only; ``messages`` is then empty). ``arrival_s``:
+    when to send it, seconds after the run's start (a trace's time), instead of the
+    schedule's arrival process."""
 
     messages: Messages
     prompt_tokens: int
     output_tokens: int
+    prompt_ids: tuple[int, ...] | None = None
+    arrival_s: float | None = None
 
 
 def user(text: str) -> Messages:
@@ -40,6 +45,11 @@ class PromptEncoder:
         special = set(tokenizer.all_special_ids)
         self._ids = [i for i in range(len(tokenizer)) if i not in special]
 
+    @property
+    def vocab(self) -> list[int]:
+        """The token ids prompts are drawn from (every id but the special ones)."""
+        return self._ids
+
     def tokens(self, text: str) -> int:
         """Plain token count (no template, no special tokens)."""
         return len(self.tokenizer.encode(text, add_special_tokens=False))
@@ -56,7 +66,14 @@ class PromptEncoder:
             return len(self.tokenizer.encode(self._text(messages), add_special_tokens=True))
         return len(self.tokenizer.encode(self._text(messages), add_special_tokens=False))
 
-    def body(self, messages: Messages) -> dict[str, Any]:
+    def body(self, messages: Messages, prompt_ids: tuple[int, ...] | None = None
+             ) -> dict[str, Any]:
+        """The request body's prompt part; ``prompt_ids`` go as a token-id prompt (which
+        only completions accept)."""
+        if prompt_ids is not None:
+            if self.endpoint != "completions":
+                raise ValueError("a token-id prompt needs --endpoint completions")
+            return {"prompt": list(prompt_ids)}
         if self.endpoint == "chat":
             return {"messages": messages}
         return {"prompt": self._text(messages)}
