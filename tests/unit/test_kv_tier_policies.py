@@ -17,7 +17,7 @@ from pdserve.core.model import ResolvedModel
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.connector import TierSizes
 from pdserve.kv_transfer.tiers.index import TierIndex
-from pdserve.kv_transfer.tiers.policies.adaptive import DefaultPolicy
+from pdserve.kv_transfer.tiers.policies.adaptive import DefaultPolicy, _bucket
 from pdserve.kv_transfer.tiers.policies.lru import TtlPolicy
 from pdserve.kv_transfer.tiers.policies.quota import QuotaPolicy
 from pdserve.kv_transfer.tiers.policies.registry import make_policy, policy_names
@@ -149,6 +149,22 @@ def _far_reuse(index: TierIndex) -> int:
         for start in range(1000 + 100 * r, 1100 + 100 * r, 5):
             _save(index, list(range(start, start + 5)))
     return hits
+
+
+def test_a_large_tiers_shadows_see_a_sample_and_still_pick_s3fifo() -> None:
+    index = _index("default", 5000)
+    policy = index.policy
+    assert isinstance(policy, DefaultPolicy)
+    hot = list(range(200))
+    hits = 0
+    for r in range(12):
+        hits += len(index.match([_h(k) for k in hot]))
+        _save(index, hot)
+        for start in range(10_000 + 5000 * r, 15_000 + 5000 * r, 5):
+            _save(index, list(range(start, start + 5)))
+    assert {shadow.capacity for shadow in policy._shadows} == {2500}  # rate 2
+    assert all(_bucket(k) % 2 == 0 for shadow in policy._shadows for k in shadow.held)
+    assert policy.leader == "s3fifo" and hits >= 200 * 6  # an LRU of 5,000 hits none
 
 
 def _near_reuse(index: TierIndex) -> int:

@@ -13,9 +13,14 @@ the tier keeps both orders over its own held keys, so a switch takes effect at t
 next eviction. The leader changes only when the other shadow is ahead by ``margin``
 (1 %), so it does not flap on noise.
 
-Costs per reference: four O(1) updates (two orders, two shadows), a few times LRU's
-(``pdserve bench cache-sim`` reports it: docs/benchmarks.md); memory: the tier's keys
-four times and S3-FIFO's ghost (4× the tier's keys) twice.
+A tier of more than ``SHADOW_KEYS`` (2,500) slots is shadowed by sampling (SHARDS,
+Waldspurger et al.): its shadows are ``rate`` times smaller and see only the keys of one
+hash bucket in ``rate``, so their cost and memory stay bounded however large the tier.
+
+Costs per reference: O(1), two orders and (for a sampled key) two shadows, a few times
+LRU's (``pdserve bench cache-sim`` reports ns per block reference: docs/benchmarks.md);
+memory: the tier's keys twice plus S3-FIFO's ghost (4× the tier's keys), and shadows of
+at most 2,500 slots (and their ghost).
 """
 
 from __future__ import annotations
@@ -25,6 +30,14 @@ from pdserve.kv_transfer.tiers.policies.s3fifo import S3FifoPolicy
 from pdserve.kv_transfer.tiers.policy import Evictable, Key, TierPolicy
 
 LEADERS = ("lru", "s3fifo")
+SHADOW_KEYS = 2500  # a larger tier's shadows see a sample of its keys, of this many slots
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+
+
+def _bucket(key: Key) -> int:
+    """A key's sample bucket, the same every run (not Python's salted ``hash``)."""
+    return ((int.from_bytes(key[:8], "little") * _GOLDEN) & _MASK64) >> 40
 
 
 def _always(key: Key) -> bool:
@@ -61,8 +74,12 @@ class DefaultPolicy:
             raise ValueError("default needs capacity > 0, decay_tiers > 0, margin >= 0")
         self.capacity = capacity
         self._orders: tuple[TierPolicy, TierPolicy] = (LruPolicy(), S3FifoPolicy(capacity))
-        self._shadows = (_Shadow(capacity, LruPolicy()), _Shadow(capacity, S3FifoPolicy(capacity)))
-        self._decay = 1.0 - 1.0 / max(capacity * decay_tiers, 1000.0)
+        # Spatial sampling (SHARDS): a tier of more than SHADOW_KEYS slots is shadowed by
+        # tiers 1/rate its size that see the keys of one bucket in ``rate``.
+        self._rate = max(capacity // SHADOW_KEYS, 1)
+        size = max(capacity // self._rate, 1)
+        self._shadows = (_Shadow(size, LruPolicy()), _Shadow(size, S3FifoPolicy(size)))
+        self._decay = 1.0 - 1.0 / max(size * decay_tiers, 1000.0)
         self._margin = margin
         self._lead = 0
         self.num_switches = 0
@@ -96,6 +113,8 @@ class DefaultPolicy:
         return []
 
     def _reference(self, key: Key, now: float) -> None:
+        if self._rate > 1 and _bucket(key) % self._rate:
+            return
         lru, s3 = self._shadows
         lru.score *= self._decay
         s3.score *= self._decay
