@@ -1,4 +1,4 @@
-"""``pdserve bench cache-sim``: LRU and Belady replayed through the tiers' own index and
+"""``pdserve bench cache-sim``: LRU, S3-FIFO and Belady replayed through the tiers' own index and
 policies agree with plain reference implementations written here, on the committed
 Mooncake sample and on random small traces; the objects replayed are the registry's."""
 
@@ -64,6 +64,61 @@ def ref_lru(requests: Requests, cap: int) -> int:
     return hits
 
 
+def ref_s3fifo(requests: Requests, cap: int) -> int:
+    """Three lists: small (10 %), main, ghost (4× the tier's keys); counts capped at 3.
+    Victims are chosen while a request's blocks are reserved, its new blocks enter
+    after (a ghost's straight to main)."""
+    small: list[int] = []
+    main: list[int] = []
+    ghost: list[int] = []
+    freq: dict[int, int] = {}
+    small_slots, ghost_slots = max(round(cap * 0.1), 1), round(cap * 4.0)
+
+    def evict() -> None:
+        while True:
+            if len(small) >= small_slots or not main:
+                k = small.pop(0)
+                if freq[k] > 0:
+                    freq[k] = 0
+                    main.append(k)
+                    continue
+                del freq[k]
+                ghost.append(k)
+                if len(ghost) > ghost_slots:
+                    ghost.pop(0)
+                return
+            k = main.pop(0)
+            if freq[k] > 0:
+                freq[k] -= 1
+                main.append(k)
+                continue
+            del freq[k]
+            return
+
+    hits = 0
+    for ids in requests:
+        n = _prefix(ids, freq)
+        hits += n
+        new: list[int] = []
+        for k in ids[:n] + ids:  # the match's accesses, then the save's
+            if k in freq:
+                freq[k] = min(freq[k] + 1, 3)
+            elif k not in new:
+                if len(freq) + len(new) >= cap:
+                    if not freq:
+                        break
+                    evict()
+                new.append(k)
+        for k in new:
+            freq[k] = 0
+            if k in ghost:
+                ghost.remove(k)
+                main.append(k)
+            else:
+                small.append(k)
+    return hits
+
+
 def ref_belady(requests: Requests, cap: int) -> int:
     """Evict the held block whose next reference (after the one being saved) is
     farthest, found by scanning the rest of the trace."""
@@ -107,6 +162,7 @@ def test_lru_and_belady_match_the_references_on_the_mooncake_sample(cap: int) ->
     requests = _sample()
     trace = load_trace(SAMPLE)
     assert replay(trace, "lru", cap).num_hit_blocks == ref_lru(requests, cap)
+    assert replay(trace, "s3fifo", cap).num_hit_blocks == ref_s3fifo(requests, cap)
     assert replay(trace, "belady", cap).num_hit_blocks == ref_belady(requests, cap)
 
 
@@ -127,10 +183,11 @@ def test_lru_and_belady_match_the_references_on_random_traces(requests: Requests
                                                               cap: int) -> None:
     trace = _trace(requests)
     assert replay(trace, "lru", cap).num_hit_blocks == ref_lru(requests, cap)
+    assert replay(trace, "s3fifo", cap).num_hit_blocks == ref_s3fifo(requests, cap)
     assert replay(trace, "belady", cap).num_hit_blocks == ref_belady(requests, cap)
 
 
-@pytest.mark.parametrize("spec", ["lru", "default", "wtinylfu", "ttl:60", "quota:lru"])
+@pytest.mark.parametrize("spec", ["lru", "default", "s3fifo", "wtinylfu", "ttl:60", "quota:lru"])
 def test_the_replayed_policy_is_the_registrys_own_class(spec: str) -> None:
     made = type(make_policy(spec, 100))
     result = replay(load_trace(SAMPLE), spec, 100)

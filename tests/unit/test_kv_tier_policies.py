@@ -17,6 +17,7 @@ from pdserve.core.model import ResolvedModel
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.connector import TierSizes
 from pdserve.kv_transfer.tiers.index import TierIndex
+from pdserve.kv_transfer.tiers.policies.adaptive import DefaultPolicy, _bucket
 from pdserve.kv_transfer.tiers.policies.lru import TtlPolicy
 from pdserve.kv_transfer.tiers.policies.quota import QuotaPolicy
 from pdserve.kv_transfer.tiers.policies.registry import make_policy, policy_names
@@ -25,7 +26,7 @@ from pdserve.launch.up import plan
 
 MODEL = ResolvedModel(Path("/models/tiny"), "tiny")
 
-SPECS = ["lru", "wtinylfu", "wtinylfu-climb", "default", "ttl", "ttl:5", "quota",
+SPECS = ["lru", "wtinylfu", "wtinylfu-climb", "s3fifo", "default", "ttl", "ttl:5", "quota",
          "quota:lru"]
 
 
@@ -135,6 +136,65 @@ def test_wtinylfu_keeps_a_frequent_block_through_a_scan_lru_loses_it() -> None:
             _save(index, [k])
         kept[spec] = index.lookup(_h(0)) is not None
     assert kept == {"lru": False, "wtinylfu": True}
+
+
+def _far_reuse(index: TierIndex) -> int:
+    """Ten blocks asked for again every round, 100 one-off blocks between in requests of
+    five (a tier of 50 slots): hits."""
+    hits = 0
+    for r in range(40):
+        hot = [_h(k) for k in range(10)]
+        hits += len(index.match(hot))
+        _save(index, list(range(10)))
+        for start in range(1000 + 100 * r, 1100 + 100 * r, 5):
+            _save(index, list(range(start, start + 5)))
+    return hits
+
+
+def test_a_large_tiers_shadows_see_a_sample_and_still_pick_s3fifo() -> None:
+    index = _index("default", 5000)
+    policy = index.policy
+    assert isinstance(policy, DefaultPolicy)
+    hot = list(range(200))
+    hits = 0
+    for r in range(12):
+        hits += len(index.match([_h(k) for k in hot]))
+        _save(index, hot)
+        for start in range(10_000 + 5000 * r, 15_000 + 5000 * r, 5):
+            _save(index, list(range(start, start + 5)))
+    assert {shadow.capacity for shadow in policy._shadows} == {2500}  # rate 2
+    assert all(_bucket(k) % 2 == 0 for shadow in policy._shadows for k in shadow.held)
+    assert policy.leader == "s3fifo" and hits >= 200 * 6  # an LRU of 5,000 hits none
+
+
+def _near_reuse(index: TierIndex) -> int:
+    """Each block asked for twice, 50 blocks apart (a tier of 100 slots): hits."""
+    hits = 0
+    for i in range(2000):
+        again = i - 50
+        if again >= 0:
+            hits += len(index.match([_h(again)]))
+            _save(index, [again])
+        _save(index, [i])
+    return hits
+
+
+def test_s3fifo_keeps_a_block_asked_for_again_past_lrus_reach_default_follows() -> None:
+    hits = {spec: _far_reuse(_index(spec, 50)) for spec in ("lru", "s3fifo")}
+    default = _index("default", 50)
+    hits["default"] = _far_reuse(default)
+    assert hits["lru"] == 0 and hits["s3fifo"] >= 10 * 37
+    assert hits["default"] >= 0.9 * hits["s3fifo"]
+    assert isinstance(default.policy, DefaultPolicy) and default.policy.leader == "s3fifo"
+
+
+def test_where_lru_wins_default_follows_lru() -> None:
+    hits = {spec: _near_reuse(_index(spec, 100)) for spec in ("lru", "s3fifo")}
+    default = _index("default", 100)
+    hits["default"] = _near_reuse(default)
+    assert hits["lru"] == 1950 and hits["s3fifo"] < 0.5 * hits["lru"]
+    assert hits["default"] >= 0.95 * hits["lru"]
+    assert isinstance(default.policy, DefaultPolicy) and default.policy.leader == "lru"
 
 
 def test_an_unknown_policy_lists_the_valid_ones() -> None:

@@ -31,7 +31,8 @@ class SimResult:
     num_block_refs: int
     num_requests: int
     num_evictions: int
-    seconds: float
+    seconds: float  # the replay's wall time: the index's and the policy's work
+    ns_per_block_ref: int  # ``seconds`` per block reference
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -70,7 +71,9 @@ def replay(trace: Trace, spec: str, capacity: int) -> SimResult:
         hits += len(index.match(blocks))
         index.commit([slot for _, slot in index.reserve(blocks)])
         index.take_gone()
+    seconds = time.perf_counter() - start
     refs = trace.num_block_refs
     return SimResult(trace.name, spec, f"{type(policy).__module__}.{type(policy).__qualname__}",
                      capacity, hits / refs if refs else 0.0, hits, refs, len(trace.blocks),
-                     index.num_evictions, round(time.perf_counter() - start, 3))
+                     index.num_evictions, round(seconds, 3),
+                     round(seconds * 1e9 / refs) if refs else 0)

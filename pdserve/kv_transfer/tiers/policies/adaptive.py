@@ -1,87 +1,127 @@
-"""The tiers' default policy: W-TinyLFU whose window is set by two shadow caches.
+"""The tiers' default policy: LRU or S3-FIFO, whichever a shadow of each has hit more
+with lately.
 
-Neither LRU nor W-TinyLFU wins everywhere (Mooncake's traces: W-TinyLFU is twice
-LRU's hit ratio on a chat trace at small sizes, and behind LRU on a synthetic one at
-every size). So two shadows of the tier's size, keys only, see every reference: one
-LRU, one W-TinyLFU (1 % window). Each counts its hits, decayed so the last few
-tier-fulls of references count most. The real tier is a W-TinyLFU whose window is the
-whole tier (which is LRU) while the LRU shadow leads, and 1 % while the W-TinyLFU
-shadow leads; the change is gradual, as the tier's own evictions move blocks between
-the window and main. Costs: about three times LRU's work per reference, and two
-key sets of the tier's size.
+Neither wins everywhere. On Mooncake's conversation trace most prefixes come back
+hundreds of requests later, far past what an LRU of a few thousand blocks remembers:
+S3-FIFO with a long ghost (``s3fifo.py``) keeps the blocks seen twice and is 1.7–1.9×
+LRU there at 1,000–3,000 blocks, but behind LRU once the tier holds most of the
+working set (30,000 blocks) and level with it on the synthetic trace. So two shadows
+of the tier's size, keys only, see every reference (an access or a save): an LRU and
+an S3-FIFO. Each counts its hits, decayed so that the last ``decay_tiers`` tier-fulls
+of references count most, and the tier evicts what the leading shadow's policy would:
+the tier keeps both orders over its own held keys, so a switch takes effect at the
+next eviction. The leader changes only when the other shadow is ahead by ``margin``
+(1 %), so it does not flap on noise.
+
+A tier of more than ``SHADOW_KEYS`` (2,500) slots is shadowed by sampling (SHARDS,
+Waldspurger et al.): its shadows are ``rate`` times smaller and see only the keys of one
+hash bucket in ``rate``, so their cost and memory stay bounded however large the tier.
+
+Costs per reference: O(1), two orders and (for a sampled key) two shadows, a few times
+LRU's (``pdserve bench cache-sim`` reports ns per block reference: docs/benchmarks.md);
+memory: the tier's keys twice plus S3-FIFO's ghost (4× the tier's keys), and shadows of
+at most 2,500 slots (and their ghost).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from pdserve.kv_transfer.tiers.policies.lru import LruPolicy
+from pdserve.kv_transfer.tiers.policies.s3fifo import S3FifoPolicy
+from pdserve.kv_transfer.tiers.policy import Evictable, Key, TierPolicy
 
-from pdserve.kv_transfer.tiers.policies.tinylfu import TinyLfuPolicy
-from pdserve.kv_transfer.tiers.policy import Key
+LEADERS = ("lru", "s3fifo")
+SHADOW_KEYS = 2500  # a larger tier's shadows see a sample of its keys, of this many slots
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+
+
+def _bucket(key: Key) -> int:
+    """A key's sample bucket, the same every run (not Python's salted ``hash``)."""
+    return ((int.from_bytes(key[:8], "little") * _GOLDEN) & _MASK64) >> 40
 
 
 def _always(key: Key) -> bool:
     return True
 
 
-class _Shadows:
-    def __init__(self, capacity: int, window: float, decay_refs: int) -> None:
+class _Shadow:
+    """A tier of ``capacity`` keys (no bytes) under ``policy``, counting decayed hits."""
+
+    def __init__(self, capacity: int, policy: LruPolicy | S3FifoPolicy) -> None:
         self.capacity = capacity
-        self.lru: OrderedDict[Key, None] = OrderedDict()
-        self.tlfu = TinyLfuPolicy(capacity, window)
-        self._decay = 1.0 - 1.0 / decay_refs
-        self.lru_score = 0.0
-        self.tlfu_score = 0.0
+        self.policy = policy
+        self.held: set[Key] = set()
+        self.score = 0.0
 
     def reference(self, key: Key, now: float) -> None:
-        self.lru_score *= self._decay
-        self.tlfu_score *= self._decay
-        if key in self.lru:
-            self.lru.move_to_end(key)
-            self.lru_score += 1
-        else:
-            if len(self.lru) >= self.capacity:
-                self.lru.popitem(last=False)
-            self.lru[key] = None
-        tlfu = self.tlfu
-        if tlfu.holds(key):
-            tlfu.record_access(key, now)
-            self.tlfu_score += 1
+        policy = self.policy
+        if key in self.held:
+            policy.record_access(key, now)
+            self.score += 1
             return
-        tlfu.admit(key, now, None)
-        if len(tlfu) >= self.capacity:
-            victim = tlfu.victim(now, _always, None)
+        if len(self.held) >= self.capacity:
+            victim = policy.victim(now, _always, None)
             if victim is not None:
-                tlfu.on_remove(victim)
-        tlfu.on_insert(key, now, None)
+                policy.on_remove(victim)
+                self.held.discard(victim)
+        self.held.add(key)
+        policy.on_insert(key, now, None)
 
 
-class DefaultPolicy(TinyLfuPolicy):
-    def __init__(self, capacity: int, window: float = 0.01, decay_tiers: float = 2.0,
-                 margin: float = 0.01) -> None:
-        super().__init__(capacity, 1.0)
-        self._small = max(round(capacity * window), 0)
+class DefaultPolicy:
+    def __init__(self, capacity: int, decay_tiers: float = 4.0, margin: float = 0.01) -> None:
+        if capacity <= 0 or decay_tiers <= 0 or margin < 0:
+            raise ValueError("default needs capacity > 0, decay_tiers > 0, margin >= 0")
+        self.capacity = capacity
+        self._orders: tuple[TierPolicy, TierPolicy] = (LruPolicy(), S3FifoPolicy(capacity))
+        # Spatial sampling (SHARDS): a tier of more than SHADOW_KEYS slots is shadowed by
+        # tiers 1/rate its size that see the keys of one bucket in ``rate``.
+        self._rate = max(capacity // SHADOW_KEYS, 1)
+        size = max(capacity // self._rate, 1)
+        self._shadows = (_Shadow(size, LruPolicy()), _Shadow(size, S3FifoPolicy(size)))
+        self._decay = 1.0 - 1.0 / max(size * decay_tiers, 1000.0)
         self._margin = margin
-        self._shadows = _Shadows(capacity, window, max(round(capacity * decay_tiers), 1000))
+        self._lead = 0
+        self.num_switches = 0
 
     @property
     def leader(self) -> str:
-        """The shadow the tier follows now: ``lru`` or ``wtinylfu``."""
-        return "lru" if self.window_slots == self.capacity else "wtinylfu"
+        """The policy the tier evicts by now: ``lru`` or ``s3fifo``."""
+        return LEADERS[self._lead]
+
+    def on_insert(self, key: Key, now: float, tenant: str | None) -> None:
+        for order in self._orders:
+            order.on_insert(key, now, tenant)
 
     def record_access(self, key: Key, now: float) -> None:
-        super().record_access(key, now)
+        for order in self._orders:
+            order.record_access(key, now)
         self._reference(key, now)
 
     def admit(self, key: Key, now: float, tenant: str | None) -> bool:
         self._reference(key, now)
-        return super().admit(key, now, tenant)
+        return True
+
+    def victim(self, now: float, evictable: Evictable, tenant: str | None) -> Key | None:
+        return self._orders[self._lead].victim(now, evictable, tenant)
+
+    def on_remove(self, key: Key) -> None:
+        for order in self._orders:
+            order.on_remove(key)
+
+    def expired(self, now: float) -> list[Key]:
+        return []
 
     def _reference(self, key: Key, now: float) -> None:
-        shadows = self._shadows
-        shadows.reference(key, now)
-        lru, tlfu = shadows.lru_score, shadows.tlfu_score
-        if self.window_slots == self.capacity and tlfu > lru * (1 + self._margin):
-            self.window_slots = self._small
-            self._rebalance()
-        elif self.window_slots != self.capacity and lru > tlfu * (1 + self._margin):
-            self.window_slots = self.capacity
+        if self._rate > 1 and _bucket(key) % self._rate:
+            return
+        lru, s3 = self._shadows
+        lru.score *= self._decay
+        s3.score *= self._decay
+        lru.reference(key, now)
+        s3.reference(key, now)
+        ahead = s3.score > lru.score * (1 + self._margin)
+        behind = lru.score > s3.score * (1 + self._margin)
+        if (self._lead == 0 and ahead) or (self._lead == 1 and behind):
+            self._lead = 1 - self._lead
+            self.num_switches += 1

@@ -7,9 +7,10 @@ unknown name listing the valid ones.
   (Caffeine's scheme; measured behind ``default``).
 - ``ttl`` / ``ttl:SECONDS``: LRU whose blocks expire that long after they were saved
   (default 3600).
-- ``default``: a W-TinyLFU that follows whichever of two shadows (LRU, W-TinyLFU) has
-  hit more lately (``adaptive.py``; measured on Mooncake's public traces:
-  docs/benchmarks.md).
+- ``s3fifo``: S3-FIFO (a small FIFO, a main FIFO with a 2-bit CLOCK, a ghost of 4× the
+  tier's keys: a block saved again while its key is a ghost goes to main).
+- ``default``: LRU or S3-FIFO, whichever of two shadows of the tier has hit more lately
+  (``adaptive.py``; measured on Mooncake's public traces: docs/benchmarks.md).
 - ``quota:NAME``: NAME (any of the above) with per-tenant quotas; ``quota`` alone wraps
   ``default``.
 """
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from pdserve.kv_transfer.tiers.policies.adaptive import DefaultPolicy
 from pdserve.kv_transfer.tiers.policies.lru import LruPolicy, TtlPolicy
 from pdserve.kv_transfer.tiers.policies.quota import QuotaPolicy
+from pdserve.kv_transfer.tiers.policies.s3fifo import S3FifoPolicy
 from pdserve.kv_transfer.tiers.policies.tinylfu import AdaptiveTinyLfuPolicy, TinyLfuPolicy
 from pdserve.kv_transfer.tiers.policy import TierPolicy
 
@@ -47,6 +49,7 @@ def _quota(capacity: int, arg: str) -> TierPolicy:
 POLICIES: dict[str, Factory] = {
     "lru": lambda capacity, arg: LruPolicy(),
     "wtinylfu": lambda capacity, arg: TinyLfuPolicy(capacity),
+    "s3fifo": lambda capacity, arg: S3FifoPolicy(capacity),
     "ttl": _ttl,
     "default": lambda capacity, arg: DefaultPolicy(capacity),
     "wtinylfu-climb": lambda capacity, arg: AdaptiveTinyLfuPolicy(capacity),
