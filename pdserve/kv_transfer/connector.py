@@ -33,6 +33,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.version import __version__ as vllm_version
 
 from pdserve.core.block_hash import STORE_TIER
+from pdserve.kv_transfer.block_names import hashes_name_blocks
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.metadata import PdserveConnectorMetadata
 from pdserve.kv_transfer.remote.setup import store_planner, store_worker
@@ -90,19 +91,6 @@ def compat_of(vllm_config: VllmConfig) -> dict[str, Any]:
         "block_size": vllm_config.cache_config.block_size,
         "tp_size": vllm_config.parallel_config.tensor_parallel_size,
     }
-
-
-def hashes_name_blocks(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
-    """Why a block's prefix-cache hash does not name one KV block ("" if it does):
-    the tiers and the pool address blocks by those hashes."""
-    block_size = vllm_config.cache_config.block_size
-    if kv_cache_config.hash_block_size not in (None, block_size):
-        return (f"prefix-cache hashes cover {kv_cache_config.hash_block_size} tokens, "
-                f"blocks {block_size}")
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or type(groups[0].kv_cache_spec).__name__ != "FullAttentionSpec":
-        return "only one group of full attention is supported"
-    return ""
 
 
 def disk_folder(vllm_config: VllmConfig, block_bytes: int, num_tensors: int,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.kv_transfer.block_names import hashes_name_blocks
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.remote.base import KVStore, create_store
@@ -34,8 +35,6 @@ logger = logging.getLogger("pdserve.kv_transfer.store")
 
 def _why_off(config: ConnectorConfig, vllm_config: VllmConfig,
              kv_cache_config: KVCacheConfig) -> str:
-    from pdserve.kv_transfer.connector import hashes_name_blocks  # the tiers' own rule
-
     if vllm_config.parallel_config.tensor_parallel_size > 1:
         return "tensor parallelism (one value per rank is not built)"
     if not kv_cache_config.num_blocks:
