@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+import zstandard
 
 from pdserve.kv_transfer.config import KV_COMPRESSIONS
 from pdserve.kv_transfer.layout import KVLayout
@@ -228,3 +229,19 @@ def test_lossy_refuses_a_corrupt_scale(name: str) -> None:
     bad[HEADER_BYTES:HEADER_BYTES + 4] = torch.tensor([math.nan]).numpy().tobytes()
     with pytest.raises(ValueError, match="corrupt scale"):
         codec.decode(bytes(bad), _block([torch.zeros_like(t) for t in caches], CPU, 0))
+
+
+def test_lossless_refuses_a_frame_larger_than_the_block() -> None:
+    caches = _caches(CPU, torch.float32, "random")
+    codec = _codec("lossless", caches)
+    payload = codec.encode(_block(caches, CPU, 1))
+    raw = sum(t[1].nbytes for t in caches)
+    out = _block([torch.zeros_like(t) for t in caches], CPU, 0)
+    for size in (raw + 1, 64 * raw):  # a planted value: the right header, a bomb behind it
+        bomb = zstandard.ZstdCompressor().compress(bytes(size))
+        with pytest.raises(ValueError, match=f"declaring {size} bytes"):
+            codec.decode(payload[:HEADER_BYTES] + bomb, out)
+    unsized = zstandard.ZstdCompressor(write_content_size=False).compressobj()
+    frame = unsized.compress(bytes(raw)) + unsized.flush()
+    with pytest.raises(ValueError, match="declaring -1 bytes"):  # no size: refused too
+        codec.decode(payload[:HEADER_BYTES] + frame, out)

@@ -77,7 +77,11 @@ class LosslessCodec:
 
     def decode(self, payload: bytes | memoryview, out: Sequence[torch.Tensor]) -> None:
         body = self._plan.body(payload, LOSSLESS_ID)
-        try:
+        try:  # the frame's declared size first: zstd would allocate whatever it says
+            declared = zstandard.frame_content_size(body)
+            if declared != self._plan.raw_bytes:
+                raise ValueError(f"a lossless KV payload declaring {declared} bytes, the "
+                                 f"block has {self._plan.raw_bytes}")
             raw = self._decompressor().decompress(body, max_output_size=self._plan.raw_bytes,
                                                   allow_extra_data=False)
         except zstandard.ZstdError as exc:
