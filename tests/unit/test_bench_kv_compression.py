@@ -14,7 +14,7 @@ import torch
 
 from pdserve.bench.micro import kv_compression
 from pdserve.bench.micro.configs import KvCompressionConfig
-from pdserve.bench.micro.kv_capture import _compare
+from pdserve.bench.micro.kv_capture import PREFIX_HIT, _compare
 
 SHAPE = (3, 2, 16, 64)  # blocks, heads, tokens, 2 * head_dim
 
@@ -23,7 +23,7 @@ def _fake_capture(dtype: str, config: KvCompressionConfig, path: Path) -> dict[s
     gen = torch.Generator().manual_seed(1)
     layers = [torch.randn(SHAPE, generator=gen).to(getattr(torch, dtype)) for _ in range(2)]
     quality = {m: {"token_agreement": 1.0, "exact_outputs": 1.0, "mean_abs_dlogprob": 0.0,
-                   "cached_tokens_per_prompt": 16.0} for m in config.modes}
+                   "cached_tokens_per_prompt": 16.0} for m in (PREFIX_HIT, *config.modes)}
     return {"dtype": dtype, "block_size": 16, "layers": layers,
             "shapes": [(8, *SHAPE[1:])] * 2, "quality": quality}
 
@@ -37,7 +37,8 @@ def test_it_writes_a_row_per_data_dtype_and_mode(tmp_path: Path,
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["data"], r["dtype"], r["mode"]) for r in rows] == [
         (data, dtype, mode) for dtype in ("float32", "bfloat16")
-        for data in ("engine", "real", "random") for mode in config.modes]
+        for data in ("engine", "real", "random")
+        for mode in ((PREFIX_HIT,) if data == "engine" else ()) + config.modes]
     coded = {(r["data"], r["dtype"], r["mode"]): r for r in rows if r["data"] != "engine"}
     for dtype, size in (("float32", 4), ("bfloat16", 2)):
         assert coded["real", dtype, "none"]["ratio"] < 1.0  # the header
