@@ -266,6 +266,21 @@ TOOLS: dict[str, Tool] = {
         ("--batch-mib", {"type": int, "help": "MiB per call (one round trip each)"}),
         "--reps", "--json",
     )),
+    "kv-compression": Tool("kv_compression", configs.KvCompressionConfig,
+                           "the KV store's block codecs on real KV of the default model: "
+                           "ratio, encode/decode ms per MiB, lossy modes' error", (
+        ("--dtypes", {"type": _csv(str), "help": "comma-separated engine dtypes, one "
+                      "capture each"}),
+        ("--modes", {"type": _csv(str), "help": "comma-separated codecs (none, lossless, "
+                     "int8, fp8)"}),
+        ("--prompts", {"type": int, "help": "prompts run before the capture"}),
+        ("--blocks", {"type": int, "help": "full KV blocks captured per dtype"}),
+        "--reps",
+        ("--random", {"action": argparse.BooleanOptionalAction,
+                      "help": "also random blocks of the same shape (--no-random: not)"}),
+        ("--json", {"help": "write the JSON lines here (default: "
+                    "bench/results/kv-compression-TIME.json)"}),
+    )),
 }
 
 

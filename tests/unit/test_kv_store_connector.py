@@ -19,11 +19,12 @@ from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.metadata import PdserveConnectorMetadata, StoreFeedback
 from pdserve.kv_transfer.remote.base import StoreOptions, create_store
+from pdserve.kv_transfer.remote.compression import codec_for
 from pdserve.kv_transfer.remote.decision import FetchDecision
 from pdserve.kv_transfer.remote.local_redis import LocalRedis
 from pdserve.kv_transfer.remote.names import KVIdentity
 from pdserve.kv_transfer.remote.plan import StorePlanner
-from pdserve.kv_transfer.remote.worker import RawCodec, StoreWorker
+from pdserve.kv_transfer.remote.worker import StoreWorker
 
 BS, NUM_BLOCKS, HEADS, HEAD2 = 4, 16, 2, 8
 IDENT = KVIdentity("fp-test", "default", "float32", "cpu:test", BS, (2, HEADS, HEAD2))
@@ -64,7 +65,8 @@ def _caches(seed: int) -> list[torch.Tensor]:
 class Side:
     """One worker: its scheduler side's planner and its worker side over its cache."""
 
-    def __init__(self, url: str, seed: int, per_token_s: float = 1e-3) -> None:
+    def __init__(self, url: str, seed: int, per_token_s: float = 1e-3,
+                 codec: str = "none") -> None:
         options = StoreOptions(timeout_s=0.3)
         self.kv = _caches(seed)
         layout = KVLayout.from_kv_caches({f"l{i}": t for i, t in enumerate(self.kv)},
@@ -73,8 +75,8 @@ class Side:
                                  per_token_s=per_token_s)
         self.plan = StorePlanner(lambda: create_store(url, options), IDENT, BS, decision,
                                  ttl_s=60)
-        self.worker = StoreWorker(create_store(url, options), self.kv, layout, RawCodec(),
-                                  ttl_s=60)
+        self.worker = StoreWorker(create_store(url, options), self.kv, layout,
+                                  codec_for(codec, layout), ttl_s=60)
 
     def publish(self, request: FakeRequest, block_ids: list[int]) -> None:
         meta = PdserveConnectorMetadata()

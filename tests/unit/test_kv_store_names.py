@@ -18,7 +18,7 @@ IDENTITY = st.builds(
     KVIdentity, model_fingerprint=TEXT, weight_version=TEXT, kv_dtype=TEXT, kv_layout=TEXT,
     block_size=st.integers(min_value=1, max_value=4096),
     block_shape=st.lists(st.integers(min_value=0, max_value=512), max_size=4).map(tuple),
-    cache_salt=st.none() | TEXT, adapter=st.none() | TEXT)
+    cache_salt=st.none() | TEXT, adapter=st.none() | TEXT, kv_encoding=TEXT)
 IDENTITY_FIELDS = [f.name for f in dataclasses.fields(KVIdentity)]
 
 
@@ -27,7 +27,7 @@ FIELD_VALUES: dict[str, st.SearchStrategy[object]] = {
     "model_fingerprint": TEXT, "weight_version": TEXT, "kv_dtype": TEXT, "kv_layout": TEXT,
     "block_size": st.integers(min_value=1, max_value=4096),
     "block_shape": st.lists(st.integers(0, 512), max_size=4).map(tuple),
-    "cache_salt": st.none() | TEXT, "adapter": st.none() | TEXT}
+    "cache_salt": st.none() | TEXT, "adapter": st.none() | TEXT, "kv_encoding": TEXT}
 
 
 def test_every_identity_field_is_covered() -> None:

@@ -310,3 +310,22 @@ class KvStoreConfig:
             raise ValueError("--value-mib must be <= --total-mib (and 512)")
         if self.batch_mib < 1 or self.reps < 1:
             raise ValueError("--batch-mib and --reps must be >= 1")
+
+
+@dataclass(frozen=True)
+class KvCompressionConfig:
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")  # the engine's dtype, one capture each
+    modes: tuple[str, ...] = ("none", "lossless", "int8", "fp8")
+    prompts: int = 4  # prompts (repository docs, real text: 2,000 tokens each)
+    blocks: int = 24  # full blocks captured per dtype (the default model: 128 tokens each)
+    reps: int = 5
+    random: bool = True  # also random normal blocks of the same shape: the contrast
+    json: str | None = None  # default: bench/results/kv-compression-<time>.json
+
+    def __post_init__(self) -> None:
+        if not self.dtypes or not set(self.dtypes) <= {"float32", "bfloat16", "float16"}:
+            raise ValueError("--dtypes: one or more of float32, bfloat16, float16")
+        if not self.modes or not set(self.modes) <= {"none", "lossless", "int8", "fp8"}:
+            raise ValueError("--modes: one or more of none, lossless, int8, fp8")
+        if self.prompts < 1 or self.blocks < 1 or self.reps < 1:
+            raise ValueError("--prompts, --blocks and --reps must be >= 1")

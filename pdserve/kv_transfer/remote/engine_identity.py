@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
+from pdserve.kv_transfer.remote.compression import encoding_tag
 from pdserve.kv_transfer.remote.names import KVIdentity
 from pdserve.kv_transfer.tiers.fingerprint import checkpoint_fingerprint
 
@@ -49,14 +50,13 @@ def engine_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     parallel = vllm_config.parallel_config
     model = str(vllm_config.model_config.model)
     layout = (f"{device}:{type(spec).__name__}:layers{num_tensors}:heads{heads}:"
-              f"head{head_size}:bytes{block_bytes}:tp{parallel.tensor_parallel_size}:"
-              f"enc-{encoding}")
+              f"head{head_size}:bytes{block_bytes}:tp{parallel.tensor_parallel_size}")
     return KVIdentity(
         model_fingerprint=checkpoint_fingerprint(model, fingerprint_dir or _cache_dir())
         or f"name:{model}",
         weight_version=DEFAULT_WEIGHT_VERSION, kv_dtype=dtype, kv_layout=layout,
         block_size=vllm_config.cache_config.block_size,
-        block_shape=(num_tensors, heads, head_size))
+        block_shape=(num_tensors, heads, head_size), kv_encoding=encoding_tag(encoding))
 
 
 def for_request(identity: KVIdentity, versioned_salt: str | None) -> KVIdentity:

@@ -1,6 +1,7 @@
 """A worker's ``KVIdentity`` from what its connector knows: the KV caches vLLM registered
 (``KVLayout``), its tensor-parallel rank, the checkpoint's fingerprint and the weights'
-version; the request adds its salt (``with_salt``).
+version, and the store's codec (``--kv-compression``); the request adds its salt
+(``with_salt``).
 
 The layout part names what decides a block's bytes and nothing else: each layer's dtype,
 its shape without the block dimension, and where the block dimension is (a CPU cache
@@ -16,13 +17,15 @@ import json
 from hashlib import blake2b
 
 from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.remote.compression import encoding_tag
 from pdserve.kv_transfer.remote.names import KVIdentity
 
 
 def identity_for(layout: KVLayout, *, model_fingerprint: str, weight_version: str,
-                 tp_rank: int = 0, tp_size: int = 1, adapter: str | None = None
-                 ) -> KVIdentity:
-    """The identity of this rank's blocks, without a salt (``with_salt`` adds one)."""
+                 tp_rank: int = 0, tp_size: int = 1, adapter: str | None = None,
+                 compression: str = "none") -> KVIdentity:
+    """The identity of this rank's blocks, without a salt (``with_salt`` adds one);
+    ``compression``: the store's codec (``--kv-compression``), part of the identity."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} is not in [0, {tp_size})")
     layers = [[lay.dtype, _block_shape(lay.shape, lay.block_dim), lay.block_dim]
@@ -36,7 +39,7 @@ def identity_for(layout: KVLayout, *, model_fingerprint: str, weight_version: st
         kv_layout=f"tp{tp_rank}of{tp_size}:layers{len(layers)}:{digest}",
         block_size=layout.block_size,
         block_shape=(len(layers), *_block_shape(first.shape, first.block_dim)),
-        adapter=adapter)
+        adapter=adapter, kv_encoding=encoding_tag(compression))
 
 
 def with_salt(identity: KVIdentity, cache_salt: str | None) -> KVIdentity:

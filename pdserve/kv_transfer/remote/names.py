@@ -3,7 +3,8 @@
 A block's bytes depend on the model's weights (the checkpoint's content fingerprint,
 ``tiers/fingerprint.py``, and the weight version vLLM reports after an update), the
 LoRA adapter (None until adapters exist), the request's ``cache_salt`` (its tenant), the
-KV cache's dtype and layout (layout name, tokens per block, one block's shape), and the
+KV cache's dtype and layout (layout name, tokens per block, one block's shape), how the
+store encodes it (``--kv-compression``: a lossy block is not the raw one), and the
 tokens of the block and of every block before it (``core.block_hash``'s chained hash).
 A ``BlockName`` holds all of them; its key is ``pdserve:kv:v1:{TAG}DIGEST`` where DIGEST
 is a 128-bit BLAKE2b of every field in a canonical JSON encoding (``None`` and ``""``
@@ -42,6 +43,10 @@ class KVIdentity:
     block_shape: tuple[int, ...] = ()  # one block's shape (layers, heads, ...)
     cache_salt: str | None = None  # the request's salt: its tenant
     adapter: str | None = None  # a LoRA adapter's name and version (none today)
+    # how the block's bytes are encoded in the store (``compression.encoding_tag``:
+    # "none", "lossless.v1", "int8.v1", "fp8.v1"): workers with other settings never
+    # share a block
+    kv_encoding: str = "none"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -49,7 +54,8 @@ class KVIdentity:
 
     def canonical(self) -> list[object]:
         return [self.model_fingerprint, self.weight_version, self.kv_dtype, self.kv_layout,
-                self.block_size, list(self.block_shape), self.cache_salt, self.adapter]
+                self.block_size, list(self.block_shape), self.cache_salt, self.adapter,
+                self.kv_encoding]
 
     def names(self, block_hashes: Sequence[int]) -> list[BlockName]:
         """The names of one prompt's blocks (its chained hashes, first block first)."""

@@ -20,11 +20,12 @@ from pdserve.kv_transfer.block_names import hashes_name_blocks
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.remote.base import KVStore, create_store
+from pdserve.kv_transfer.remote.compression import codec_for
 from pdserve.kv_transfer.remote.decision import FetchDecision
 from pdserve.kv_transfer.remote.engine_identity import engine_identity
 from pdserve.kv_transfer.remote.names import KVIdentity
 from pdserve.kv_transfer.remote.plan import StorePlanner
-from pdserve.kv_transfer.remote.worker import RawCodec, StoreWorker
+from pdserve.kv_transfer.remote.worker import StoreWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -83,6 +84,7 @@ def store_worker(config: ConnectorConfig, vllm_config: VllmConfig,
     opener = _opener(config)
 
     def build(kv: list[torch.Tensor], layout: KVLayout) -> StoreWorker:
-        return StoreWorker(opener(), kv, layout, RawCodec(), config.kv_store_ttl_s)
+        return StoreWorker(opener(), kv, layout, codec_for(config.kv_compression, layout),
+                           config.kv_store_ttl_s)
 
     return build

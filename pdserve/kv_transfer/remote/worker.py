@@ -18,7 +18,6 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
@@ -26,6 +25,7 @@ from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.metadata import StoreCopy
 from pdserve.kv_transfer.remote.base import KVStore, StoreError
+from pdserve.kv_transfer.remote.compression import BlockCodec
 from pdserve.kv_transfer.remote.names import BlockName
 
 logger = logging.getLogger("pdserve.kv_transfer.store")
@@ -46,34 +46,6 @@ REPORTED = ("store_lookups", "store_hit_blocks", "store_lookup_errors",
             "store_load_time_ns", "store_load_failures", "store_load_missing",
             "store_bad_blocks", "store_timeouts", "store_save_blocks", "store_save_dropped",
             "store_put_written", "store_put_failures")
-
-
-class BlockCodec(Protocol):
-    """One block's per-layer tensors to a stored payload and back (``compression``)."""
-
-    def encode(self, chunks: Sequence[torch.Tensor]) -> bytes: ...
-
-    def decode(self, payload: bytes | memoryview, out: Sequence[torch.Tensor]) -> None: ...
-
-
-class RawCodec:
-    """The layers' bytes, concatenated (``--kv-compression none``)."""
-
-    def encode(self, chunks: Sequence[torch.Tensor]) -> bytes:
-        return b"".join(c.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
-                        for c in chunks)
-
-    def decode(self, payload: bytes | memoryview, out: Sequence[torch.Tensor]) -> None:
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        offset = 0
-        for dst in out:
-            n = dst.numel() * dst.element_size()
-            if offset + n > data.numel():
-                raise ValueError(f"payload of {data.numel()} bytes is short of the block")
-            dst.copy_(data[offset:offset + n].view(dst.dtype).view(dst.shape))
-            offset += n
-        if offset != data.numel():
-            raise ValueError(f"payload of {data.numel()} bytes is not one block ({offset})")
 
 
 class StoreWorker:
@@ -139,18 +111,21 @@ class StoreWorker:
     def save(self, req_id: str, copy: StoreCopy) -> int:
         """Copy the blocks out of the cache and queue them for the writer; the bytes
         queued (0: dropped, the queue is full). Never raises."""
-        try:
-            items = [(name, self._codec.encode(self._block(b)))
-                     for b, name in zip(copy.block_ids, copy.names, strict=True)]
-        except Exception:  # noqa: BLE001 - the block is simply not published
-            logger.exception("KV store save for %s: copying the blocks out failed", req_id)
-            self._unpublish(copy.names)
+        items: list[tuple[BlockName, bytes]] = []
+        for block_id, name in zip(copy.block_ids, copy.names, strict=True):
+            try:
+                items.append((name, self._codec.encode(self._block(block_id))))
+            except ValueError as exc:  # a lossy codec refuses NaN/inf: not published,
+                logger.warning("KV store save for %s stops at a block: %s", req_id, exc)
+                break  # nor the blocks after it (a prefix ends at its first hole)
+        self._unpublish(copy.names[len(items):])
+        if not items:
             return 0
         nbytes = sum(len(p) for _, p in items)
         with self._lock:
             if self._queued_bytes + nbytes > QUEUE_BYTES:
                 self._stats["store_save_dropped"] += len(items)
-                self._unpublished.extend(n.key for n in copy.names)
+                self._unpublished.extend(n.key for n, _ in items)
                 return 0
             self._queued_bytes += nbytes
             self._stats["store_saves"] += 1
