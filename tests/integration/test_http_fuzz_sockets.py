@@ -8,10 +8,11 @@ afterwards nothing is held: the router's in-flight gauges are back to 0, the wor
 hold no request, lease or pending transfer, and a request is served.
 
 Simulated workers (``up --simulated``: real gRPC, made-up tokens) take the long fuzz
-here; a shorter one runs on real vLLM engines (float32) on the admin plane's cluster
-(``test_admin_plane.py``, one cluster for both) and checks their KV cache is empty
-afterwards. Which routes exist is read from each port's openapi, not written here; the
-run and the checks are ``http_fuzz.py``'s. Each port's tally is printed (``-s`` shows it).
+here; a shorter one runs on real vLLM engines (float32) through the admin plane's keyed
+router on the shared ``TCP`` cluster (``test_pd_e2e_tls_admin_plane.py``) and checks
+their KV cache is empty afterwards. Which routes exist is read from each port's openapi,
+not written here; the run and the checks are ``http_fuzz.py``'s. Each port's tally is
+printed (``-s`` shows it).
 """
 
 from __future__ import annotations
