@@ -48,10 +48,8 @@ class Plane:
     server: Server  # the shared cluster (its workers; its own router is not this one)
     root: str  # the keyed router's main port
     admin: str  # its admin listener (bound to 0.0.0.0, reached on loopback)
-    log_dir: Path
-    router_argv: list[str]  # the keyed router's command line
-    router_env: dict[str, str]
-    router_log: Path
+    transfer_admin: str  # the transfer router's admin listener
+    router_log: Path  # the keyed router's
 
     def admin_get(self, path: str, key: str | None = ADMIN_KEY) -> httpx.Response:
         return httpx.get(self.admin + path, headers=bearer(key), timeout=10)
@@ -61,11 +59,9 @@ def bearer(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def start_router(argv: list[str], env: dict[str, str], log: Path, admin: str
-                 ) -> subprocess.Popen[bytes]:
-    """A router process, once its admin listener (keyed: ``ADMIN_KEY``) lists both
-    workers healthy."""
-    proc = process.spawn(argv, log_path=log, base_env=env)
+def wait_router(proc: subprocess.Popen[bytes], log: Path, admin: str) -> None:
+    """Until the router's admin listener (keyed: ``ADMIN_KEY``) lists both workers
+    healthy."""
 
     def ready() -> str:
         try:
@@ -77,22 +73,19 @@ def start_router(argv: list[str], env: dict[str, str], log: Path, admin: str
     def exited() -> str | None:
         return None if proc.poll() is None else f"router: {log.read_text()[-2000:]}"
 
-    try:
-        process.wait_ready(ready, ROUTER_START_TIMEOUT_S, exited=exited, interval_s=0.5)
-    except BaseException:
-        kill_cluster(proc)
-        raise
-    return proc
+    process.wait_ready(ready, ROUTER_START_TIMEOUT_S, exited=exited, interval_s=0.5)
 
 
 class KeyedRouters:
-    """The keyed router of the cluster ``get`` is given, started at the first ``get`` and
-    kept (a module fixture cannot take the function-scoped ``pd_server``: this holds it)."""
+    """For the cluster ``get`` is given, started at the first ``get`` and kept (a module
+    fixture cannot take the function-scoped ``pd_server``: this holds them): the keyed
+    router, and beside it the transfer router, started as the keyed one plus the
+    transfer flags (both at once: each start is mostly one core importing)."""
 
     def __init__(self, folder: Path) -> None:
         self._folder = folder
         self._plane: Plane | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._procs: list[subprocess.Popen[bytes]] = []
 
     def get(self, server: Server) -> Plane:
         if self._plane is None or self._plane.server is not server:
@@ -106,21 +99,29 @@ class KeyedRouters:
         admin_keys = self._folder / "admin-keys"
         admin_keys.write_text(f"# the operator's\n{ADMIN_KEY}\n")
         router = router_child(server)
-        port, admin_port = free_port(), free_port()
-        argv = router.cmdline()
-        for flag, value in (("--port", str(port)), ("--admin-port", str(admin_port)),
-                            ("--admin-host", "0.0.0.0"), ("--api-key-file", str(keys)),
+        argv, env = router.cmdline(), router.environ()
+        for flag, value in (("--admin-host", "0.0.0.0"), ("--api-key-file", str(keys)),
                             ("--admin-key-file", str(admin_keys)), ("--disagg", "always"),
                             ("--max-model-len", "1024")):
             argv = with_flag(argv, flag, value)
-        env, log = router.environ(), self._folder / f"router-{port}.log"
-        admin = f"http://127.0.0.1:{admin_port}"
-        self._proc = start_router(argv, env, log, admin)
-        return Plane(server, f"http://127.0.0.1:{port}", admin, self._folder, argv, env, log)
+        transfer = ["--weight-transfer-backend", "nccl", "--weight-transfer-allow",
+                    "127.0.0.1/32"]
+        started: list[tuple[subprocess.Popen[bytes], Path, str, int]] = []
+        for name, extra in (("router", []), ("transfer-router", transfer)):
+            port, admin_port = free_port(), free_port()
+            log = self._folder / f"{name}-{port}.log"
+            routed = with_flag(with_flag(argv, "--port", str(port)),
+                               "--admin-port", str(admin_port))
+            self._procs.append(process.spawn([*routed, *extra], log_path=log, base_env=env))
+            started.append((self._procs[-1], log, f"http://127.0.0.1:{admin_port}", port))
+        for proc, log, admin, _ in started:
+            wait_router(proc, log, admin)
+        (_, log, admin, port), (_, _, transfer_admin, _) = started
+        return Plane(server, f"http://127.0.0.1:{port}", admin, transfer_admin, log)
 
     def stop(self) -> None:
-        proc, self._proc, self._plane = self._proc, None, None
-        if proc is not None:
+        procs, self._procs, self._plane = self._procs, [], None
+        for proc in procs:
             kill_cluster(proc)
 
 
@@ -170,7 +171,7 @@ def test_every_admin_route_refuses_a_tenant_key_and_no_key(plane: Plane) -> None
 # What each route does with the admin key: a harmless call that succeeds, or (a call that
 # would change the cluster: a reload, a role switch, a version) a body the route refuses
 # as invalid, which only a caller the key let in reaches. The weight-transfer routes are
-# off on this router (404): the second router below has them on.
+# off on this router (404): the transfer router below has them on.
 HARMLESS: dict[tuple[str, str], tuple[dict[str, Any], int]] = {
     ("GET", "/health"): ({}, 200),
     ("GET", "/metrics"): ({}, 200),
@@ -255,20 +256,11 @@ def test_the_main_port_has_no_views_and_a_tenant_sees_only_its_own_series(
 
 
 @pytest.fixture
-def transfer_router(plane: Plane) -> Iterator[str]:
+def transfer_router(plane: Plane) -> str:
     """A third router of the same workers with the transfer routes on, allowed to send
-    workers to 127.0.0.1 only; its admin listener's URL (keys as the keyed router's)."""
-    port, admin_port = free_port(), free_port()
-    argv = with_flag(with_flag(plane.router_argv, "--port", str(port)),
-                     "--admin-port", str(admin_port))
-    argv += ["--weight-transfer-backend", "nccl", "--weight-transfer-allow", "127.0.0.1/32"]
-    admin = f"http://127.0.0.1:{admin_port}"
-    proc = start_router(argv, plane.router_env,
-                        plane.log_dir / "transfer-router.log", admin)
-    try:
-        yield admin
-    finally:
-        kill_cluster(proc)
+    workers to 127.0.0.1 only (``KeyedRouters``); its admin listener's URL (keys as the
+    keyed router's)."""
+    return plane.transfer_admin
 
 
 def test_init_weight_transfer_to_an_address_outside_the_allow_list_is_refused(
