@@ -68,8 +68,10 @@ class PdCluster:
 
 
 # KV pushed; --disagg auto: CASES' short prompts run on decode alone, the long ones go
-# P -> D. test_openai_surface.py, test_openai_tenants.py (a second router of its own),
-# then test_pd_e2e*.py up to the transports'.
+# P -> D. test_openai_seeds.py, test_openai_surface.py, test_openai_tenants.py (a second
+# router of its own), then test_pd_e2e*.py up to the transports', the last of them
+# test_pd_e2e_tls_admin_plane.py (a keyed router of its own; its fuzz may pause, abort
+# and refit the workers).
 # The decode-side cache is off: the tests send the same long prompt through the remote
 # path test after test, and the decode worker, holding it from the first, would take
 # every later one local (``decode_cached``, computed as a short prompt is). The cache has

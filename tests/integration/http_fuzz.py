@@ -1,5 +1,5 @@
 """What the socket fuzz (``test_http_fuzz_sockets.py``, and the real-vLLM run in
-``test_admin_plane.py``) needs beyond its inputs (``socket_fuzz.py``): a running
+``test_pd_e2e_tls_admin_plane.py``) needs beyond its inputs (``socket_fuzz.py``): a running
 ``pdserve up``'s two ports, one port's fuzz run, and the checks afterwards: no 5xx, no
 timeout, the wrong key refused, nothing held by the router or the workers (requests,
 leases, pending transfers, and with real engines their KV cache), a request served, and
@@ -39,6 +39,8 @@ class Cluster:
     main: Port
     admin: Port
     model: str
+    # The fuzzed router's log; None: the one ``up`` names in its own log (its router).
+    router_log: Path | None = None
 
     @property
     def root(self) -> str:
@@ -160,11 +162,15 @@ def check_after_fuzz(cluster: Cluster, tallies: list[tuple[Port, Tally]], cache_
 
 def _router_log_errors(cluster: Cluster) -> list[str]:
     """The router's tracebacks (a handler that raised, even where the client had gone and
-    saw no 5xx): its log is in the folder ``up`` names in its own log."""
-    text = cluster.server.log_path.read_text(errors="replace") if cluster.server.log_path \
-        else ""
-    folders = re.findall(r"(/\S+/logs/\d{8}-\d{6})", text)
-    assert folders, "up's log names no log folder"
-    router_log = Path(folders[-1]) / "router.log"
+    saw no 5xx): ``cluster.router_log``, or the one in the folder ``up`` names in its own
+    log."""
+    router_log = cluster.router_log
+    if router_log is None:
+        text = cluster.server.log_path.read_text(errors="replace") if cluster.server.log_path \
+            else ""
+        folders = re.findall(r"(/\S+/logs/\d{8}-\d{6})", text)
+        assert folders, "up's log names no log folder"
+        router_log = Path(folders[-1]) / "router.log"
+    assert router_log.read_text(errors="replace").strip(), f"{router_log} is empty"
     return [line for line in router_log.read_text(errors="replace").splitlines()
             if "Traceback" in line or "Exception in ASGI" in line]

@@ -8,16 +8,18 @@ afterwards nothing is held: the router's in-flight gauges are back to 0, the wor
 hold no request, lease or pending transfer, and a request is served.
 
 Simulated workers (``up --simulated``: real gRPC, made-up tokens) take the long fuzz
-here; a shorter one runs on real vLLM engines (float32) on the admin plane's cluster
-(``test_admin_plane.py``, one cluster for both) and checks their KV cache is empty
-afterwards. Which routes exist is read from each port's openapi, not written here; the
-run and the checks are ``http_fuzz.py``'s. Each port's tally is printed (``-s`` shows it).
+here; a shorter one runs on real vLLM engines (float32) through the admin plane's keyed
+router on the shared ``TCP`` cluster (``test_pd_e2e_tls_admin_plane.py``) and checks
+their KV cache is empty afterwards. Which routes exist is read from each port's openapi,
+not written here; the run and the checks are ``http_fuzz.py``'s. Each port's tally is
+printed (``-s`` shows it).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -58,16 +60,28 @@ def _start(tmp_path: Path, keyed: bool, extra: list[str], startup_s: float) -> C
     return Cluster(server, main, admin, models.json()["data"][0]["id"])
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["open", "keys"])
-def sim(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-        ) -> Iterator[Cluster]:
-    tmp = tmp_path_factory.mktemp("fuzz-sim")
-    cluster = _start(tmp, request.param, ["--simulated", "--startup-timeout-s",
-                                          str(SIM_STARTUP_S)], SIM_STARTUP_S)
+@pytest.fixture(scope="module")
+def sims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Cluster]]:
+    """Both simulated clusters, without keys and with them, started at once (each start
+    is mostly one core importing), by label."""
+    args = ["--simulated", "--startup-timeout-s", str(SIM_STARTUP_S)]
+    with ThreadPoolExecutor(2) as pool:
+        starting = {label: pool.submit(_start, tmp_path_factory.mktemp(f"fuzz-sim-{label}"),
+                                       keyed, args, SIM_STARTUP_S)
+                    for label, keyed in (("open", False), ("keys", True))}
+    clusters = {label: f.result() for label, f in starting.items() if f.exception() is None}
     try:
-        yield cluster
+        for future in starting.values():
+            future.result()  # raises the first start's failure (after the pool's end)
+        yield clusters
     finally:
-        kill_cluster(cluster.server.proc)
+        for cluster in clusters.values():
+            kill_cluster(cluster.server.proc)
+
+
+@pytest.fixture(params=["open", "keys"])
+def sim(request: pytest.FixtureRequest, sims: dict[str, Cluster]) -> Cluster:
+    return sims[request.param]
 
 
 def test_fuzz_on_simulated_workers_finds_no_5xx_and_leaves_nothing_held(sim: Cluster) -> None:

@@ -99,3 +99,33 @@ def test_refuses_a_negative_scale(tmp_path: Path) -> None:
     src = _model(tmp_path / "src")
     with pytest.raises(ValueError, match="scale"):
         perturb_checkpoint(src, tmp_path / "dst", scale=-1.0)
+
+
+def test_computes_on_one_thread_and_gives_the_caller_its_threads_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pdserve.bench.checkpoints as checkpoints
+
+    src = _model(tmp_path / "src")
+    seen: list[int] = []
+    real = checkpoints.perturb_tensor
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(checkpoints, "perturb_tensor", spy)
+    try:
+        torch.set_num_threads(2)
+        perturb_checkpoint(src, tmp_path / "a")
+        assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+
+        def fail(*args: object, **kwargs: object) -> torch.Tensor:
+            raise RuntimeError("disk full")
+
+        monkeypatch.setattr(checkpoints, "perturb_tensor", fail)
+        with pytest.raises(RuntimeError, match="disk full"):
+            perturb_checkpoint(src, tmp_path / "b")
+        assert torch.get_num_threads() == 2 and not (tmp_path / "b").exists()
+    finally:
+        torch.set_num_threads(threads)

@@ -1,21 +1,25 @@
-"""The admin plane on a real cluster: ``pdserve up --api-key-file K --admin-key-file A
---admin-host 0.0.0.0``, a prefill and a decode worker (vLLM, float32), KV handed over on
-every request, through real sockets.
+"""The admin plane on a real cluster: a router with ``--api-key-file K --admin-key-file A
+--admin-host 0.0.0.0 --disagg always``, in front of the shared ``TCP`` cluster's prefill
+and decode workers (vLLM, float32, mutual TLS, etcd: ``pd_server``), so KV is handed over
+on every request, through real sockets. It is started as ``up`` started its own router,
+plus those flags: a second router of the same workers, as ``test_openai_tenants.py``
+does; this file sorts last of that cluster's (after ``test_pd_e2e_tls.py``, before the
+transports'), since its fuzz may pause, abort and refit the workers.
 
 Every route of the admin listener (listed from its own ``/openapi.json``, so a route added
 later is covered) refuses a tenant's key and no key, and takes the admin key; the main
 port serves no cluster views and shows a tenant only its own series. The weight-transfer
 routes are off on that router (its workers have no transfer engine: ``up`` refuses
-``--weight-transfer-backend`` without a GPU), so a second router of the same workers,
-started as ``up`` started its own plus ``--weight-transfer-backend nccl
+``--weight-transfer-backend`` without a GPU), so a third router of the same workers,
+started as the keyed one plus ``--weight-transfer-backend nccl
 --weight-transfer-allow 127.0.0.1/32``, shows an address outside the allowed network
 refused before anything is contacted. Last, both ports are fuzzed through their sockets
 (``http_fuzz.py``) and the cluster holds nothing afterwards."""
 
 from __future__ import annotations
 
-import os
 import socket
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,14 +30,13 @@ import pytest
 from integration.http_fuzz import WRONG_KEY, Cluster, check_after_fuzz, fuzz_port
 from integration.pd_cases import MODEL
 from integration.socket_fuzz import Port
-from pdserve_testing import Server, kill_cluster, launch_up, router_child, wait_until, with_flag
+from pdserve_testing import Server, kill_cluster, router_child, wait_until, with_flag
 
 from pdserve.core import process
 from pdserve.core.ports import free_port
 
 pytestmark = pytest.mark.integration
 
-STARTUP_TIMEOUT_S = 600
 ROUTER_START_TIMEOUT_S = 120
 TENANTS = {"acme": "tenant-acme-key-0001", "globex": "tenant-globex-key-0002"}
 ADMIN_KEY = "admin-plane-key-0001"
@@ -42,10 +45,11 @@ NCCL_INIT = {"master_port": 29511, "rank_offset": 1, "world_size": 2}
 
 @dataclass(frozen=True)
 class Plane:
-    server: Server
-    root: str  # the main port
-    admin: str  # the admin listener (bound to 0.0.0.0, reached on loopback)
-    log_dir: Path
+    server: Server  # the shared cluster (its workers; its own router is not this one)
+    root: str  # the keyed router's main port
+    admin: str  # its admin listener (bound to 0.0.0.0, reached on loopback)
+    transfer_admin: str  # the transfer router's admin listener
+    router_log: Path  # the keyed router's
 
     def admin_get(self, path: str, key: str | None = ADMIN_KEY) -> httpx.Response:
         return httpx.get(self.admin + path, headers=bearer(key), timeout=10)
@@ -55,27 +59,84 @@ def bearer(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+def wait_router(proc: subprocess.Popen[bytes], log: Path, admin: str) -> None:
+    """Until the router's admin listener (keyed: ``ADMIN_KEY``) lists both workers
+    healthy."""
+
+    def ready() -> str:
+        try:
+            view = httpx.get(admin + "/workers", headers=bearer(ADMIN_KEY), timeout=2).json()
+        except (httpx.HTTPError, ValueError):
+            return "no /workers yet"
+        return "" if [w["healthy"] for w in view["workers"]] == [True, True] else "not healthy"
+
+    def exited() -> str | None:
+        return None if proc.poll() is None else f"router: {log.read_text()[-2000:]}"
+
+    process.wait_ready(ready, ROUTER_START_TIMEOUT_S, exited=exited, interval_s=0.5)
+
+
+class KeyedRouters:
+    """For the cluster ``get`` is given, started at the first ``get`` and kept (a module
+    fixture cannot take the function-scoped ``pd_server``: this holds them): the keyed
+    router, and beside it the transfer router, started as the keyed one plus the
+    transfer flags (both at once: each start is mostly one core importing)."""
+
+    def __init__(self, folder: Path) -> None:
+        self._folder = folder
+        self._plane: Plane | None = None
+        self._procs: list[subprocess.Popen[bytes]] = []
+
+    def get(self, server: Server) -> Plane:
+        if self._plane is None or self._plane.server is not server:
+            self.stop()
+            self._plane = self._start(server)
+        return self._plane
+
+    def _start(self, server: Server) -> Plane:
+        keys = self._folder / "api-keys"
+        keys.write_text("".join(f"{key} tenant={name}\n" for name, key in TENANTS.items()))
+        admin_keys = self._folder / "admin-keys"
+        admin_keys.write_text(f"# the operator's\n{ADMIN_KEY}\n")
+        router = router_child(server)
+        argv, env = router.cmdline(), router.environ()
+        for flag, value in (("--admin-host", "0.0.0.0"), ("--api-key-file", str(keys)),
+                            ("--admin-key-file", str(admin_keys)), ("--disagg", "always"),
+                            ("--max-model-len", "1024")):
+            argv = with_flag(argv, flag, value)
+        transfer = ["--weight-transfer-backend", "nccl", "--weight-transfer-allow",
+                    "127.0.0.1/32"]
+        started: list[tuple[subprocess.Popen[bytes], Path, str, int]] = []
+        for name, extra in (("router", []), ("transfer-router", transfer)):
+            port, admin_port = free_port(), free_port()
+            log = self._folder / f"{name}-{port}.log"
+            routed = with_flag(with_flag(argv, "--port", str(port)),
+                               "--admin-port", str(admin_port))
+            self._procs.append(process.spawn([*routed, *extra], log_path=log, base_env=env))
+            started.append((self._procs[-1], log, f"http://127.0.0.1:{admin_port}", port))
+        for proc, log, admin, _ in started:
+            wait_router(proc, log, admin)
+        (_, log, admin, port), (_, _, transfer_admin, _) = started
+        return Plane(server, f"http://127.0.0.1:{port}", admin, transfer_admin, log)
+
+    def stop(self) -> None:
+        procs, self._procs, self._plane = self._procs, [], None
+        for proc in procs:
+            kill_cluster(proc)
+
+
 @pytest.fixture(scope="module")
-def plane(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
-    folder = tmp_path_factory.mktemp("admin-plane")
-    keys = folder / "api-keys"
-    keys.write_text("".join(f"{key} tenant={name}\n" for name, key in TENANTS.items()))
-    admin_keys = folder / "admin-keys"
-    admin_keys.write_text(f"# the operator's\n{ADMIN_KEY}\n")
-    env = dict(os.environ, HF_HUB_OFFLINE="1",
-               PDSERVE_CACHE=os.environ.get("PDSERVE_CACHE", str(model_path.parents[1])))
-    port, admin_port = free_port(), free_port()
-    server = launch_up(["--dtype", "float32", "--port", str(port), "--kv-cache-gib", "1",
-                        "--max-model-len", "1024", "--num-prefill", "1", "--num-decode", "1",
-                        "--disagg", "always", "--api-key-file", str(keys),
-                        "--admin-key-file", str(admin_keys), "--admin-host", "0.0.0.0",
-                        "--admin-port", str(admin_port)], env, STARTUP_TIMEOUT_S,
-                       log_path=folder / "up.log")
+def keyed_routers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyedRouters]:
+    routers = KeyedRouters(tmp_path_factory.mktemp("admin-plane"))
     try:
-        yield Plane(server, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}",
-                    folder)
+        yield routers
     finally:
-        kill_cluster(server.proc)
+        routers.stop()
+
+
+@pytest.fixture
+def plane(pd_server: Server, keyed_routers: KeyedRouters) -> Plane:
+    return keyed_routers.get(pd_server)
 
 
 # ---- every admin route ---------------------------------------------------------------
@@ -110,7 +171,7 @@ def test_every_admin_route_refuses_a_tenant_key_and_no_key(plane: Plane) -> None
 # What each route does with the admin key: a harmless call that succeeds, or (a call that
 # would change the cluster: a reload, a role switch, a version) a body the route refuses
 # as invalid, which only a caller the key let in reaches. The weight-transfer routes are
-# off on this router (404): the second router below has them on.
+# off on this router (404): the transfer router below has them on.
 HARMLESS: dict[tuple[str, str], tuple[dict[str, Any], int]] = {
     ("GET", "/health"): ({}, 200),
     ("GET", "/metrics"): ({}, 200),
@@ -194,34 +255,12 @@ def test_the_main_port_has_no_views_and_a_tenant_sees_only_its_own_series(
 
 
 
-@pytest.fixture(scope="module")
-def transfer_router(plane: Plane) -> Iterator[str]:
-    """A second router of the same worker with the transfer routes on, allowed to send
-    workers to 127.0.0.1 only; its admin listener's URL (keys as ``up`` handed them)."""
-    router = router_child(plane.server)
-    port, admin_port = free_port(), free_port()
-    argv = with_flag(with_flag(router.cmdline(), "--port", str(port)),
-                      "--admin-port", str(admin_port))
-    argv += ["--weight-transfer-backend", "nccl", "--weight-transfer-allow", "127.0.0.1/32"]
-    log = plane.log_dir / "transfer-router.log"
-    proc = process.spawn(argv, log_path=log, base_env=router.environ())
-    admin = f"http://127.0.0.1:{admin_port}"
-
-    def ready() -> str:
-        try:
-            view = httpx.get(admin + "/workers", headers=bearer(ADMIN_KEY), timeout=2).json()
-        except (httpx.HTTPError, ValueError):
-            return "no /workers yet"
-        return "" if [w["healthy"] for w in view["workers"]] == [True, True] else "not healthy"
-
-    def exited() -> str | None:
-        return None if proc.poll() is None else f"router: {log.read_text()[-2000:]}"
-
-    try:
-        process.wait_ready(ready, ROUTER_START_TIMEOUT_S, exited=exited, interval_s=0.5)
-        yield admin
-    finally:
-        kill_cluster(proc)
+@pytest.fixture
+def transfer_router(plane: Plane) -> str:
+    """A third router of the same workers with the transfer routes on, allowed to send
+    workers to 127.0.0.1 only (``KeyedRouters``); its admin listener's URL (keys as the
+    keyed router's)."""
+    return plane.transfer_admin
 
 
 def test_init_weight_transfer_to_an_address_outside_the_allow_list_is_refused(
@@ -263,7 +302,7 @@ def test_a_short_fuzz_of_both_ports_leaves_the_cluster_holding_nothing(plane: Pl
     cluster = Cluster(plane.server,
                       Port("main/keys", plane.root, True, (acme, WRONG_KEY, None, globex)),
                       Port("admin/keys", plane.admin, False, (ADMIN_KEY, WRONG_KEY, None, acme)),
-                      MODEL)
+                      MODEL, router_log=plane.router_log)
     tallies = [(cluster.main, fuzz_port(cluster, cluster.main, 40, 30)),
                (cluster.admin, fuzz_port(cluster, cluster.admin, 30, 10))]
     check_after_fuzz(cluster, tallies, cache_too=True)
