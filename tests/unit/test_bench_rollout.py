@@ -178,7 +178,9 @@ async def _rounds(router: FakeRouter, cfg: RolloutConfig) -> tuple[str, list[Any
 
 async def test_the_loop_alternates_checkpoints_and_reports_each_round() -> None:
     router = FakeRouter()
-    final, rounds = await _rounds(router, _cfg())
+    # 0.5 s of load before each call: windows count once the load is warm, which on a
+    # loaded machine takes longer than the default 0.1 s here (then no window is "before")
+    final, rounds = await _rounds(router, _cfg(before_s=0.5))
     assert final == "r3"
     assert [u["model_path"] for u in router.updates] == ["/ck/pert", "/ck/orig", "/ck/pert"]
     assert [u["weight_version"] for u in router.updates] == ["r1", "r2", "r3"]
