@@ -112,15 +112,18 @@ class StoreFeedback(KVConnectorWorkerMetadata):
     """Worker side → scheduler side, with a step's output: what the fetch-or-compute
     decision learns (``remote.decision``): the engine's prefill time per prompt token
     (the step model's fit, 0: not yet known), the store loads that ended (bytes,
-    nanoseconds) and the blocks whose publication failed (the store may not hold them)."""
+    nanoseconds; the bytes are the blocks' in the cache, whatever their encoding in the
+    store), the blocks the writer published and those whose publication failed."""
 
     per_token_ns: int = 0
     loads: list[tuple[int, int]] = field(default_factory=list)
     unpublished: list[str] = field(default_factory=list)  # keys a write failed to publish
+    published: list[tuple[str, int]] = field(default_factory=list)  # (key, pdserve hash)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, StoreFeedback):
             self.per_token_ns = max(self.per_token_ns, other.per_token_ns)
             self.loads.extend(other.loads)
             self.unpublished.extend(other.unpublished)
+            self.published.extend(other.published)
         return self

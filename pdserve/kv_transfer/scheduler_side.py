@@ -104,7 +104,8 @@ class SchedulerSide:
                 f"(remote has {len(handle.block_ids)}, local allocated {len(dst)})"
             )
         self._recving.add(request.request_id)
-        self._received[request.request_id] = num_local + num_pull
+        # full blocks only: the prefill publishes those, a partial last one it cannot
+        self._received[request.request_id] = end_token // self._block_size
         self._meta.loads[request.request_id] = LoadSpec(
             handle, tuple(src), tuple(dst), first_position=num_local
         )
@@ -188,10 +189,7 @@ class SchedulerSide:
         waits, as for a remote load)."""
         count = self._tiers.match(request, num_computed_tokens) if self._tiers else 0
         if self._store is not None:
-            store = self._store.match(request, num_computed_tokens + count)
-            if not store:
-                self._store.unmatch(request.request_id)
-            count += store
+            count += self._store.match(request, num_computed_tokens + count)
         count += self._match_pool(request, num_computed_tokens + count)
         return (count, True) if count else (0, False)
 

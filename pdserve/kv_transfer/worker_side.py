@@ -266,12 +266,12 @@ class WorkerSide:
         (None without a store, or with nothing new)."""
         if self._store is None:
             return None
-        loads, unpublished = self._store.take_feedback()
+        loads, unpublished, published = self._store.take_feedback()
         estimate = self.steps.estimate()
         per_token = estimate.per_token_ns if estimate.num_prefill_steps else 0
-        if not (loads or unpublished or per_token):
+        if not (loads or unpublished or published or per_token):
             return None
-        return StoreFeedback(per_token, loads, unpublished)
+        return StoreFeedback(per_token, loads, unpublished, published)
 
     def _pull_pool(self, req_id: str, pool: PoolLoad) -> int:
         peer = PeerAddress(pool.host, pool.port + self._tp_rank)

@@ -11,14 +11,15 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
 
 from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.layout import KVLayout
-from pdserve.kv_transfer.metadata import PdserveConnectorMetadata, StoreFeedback
-from pdserve.kv_transfer.remote.base import StoreOptions, create_store
+from pdserve.kv_transfer.metadata import PdserveConnectorMetadata, StoreCopy, StoreFeedback
+from pdserve.kv_transfer.remote.base import StoreError, StoreOptions, create_store
 from pdserve.kv_transfer.remote.compression import codec_for
 from pdserve.kv_transfer.remote.decision import FetchDecision
 from pdserve.kv_transfer.remote.local_redis import LocalRedis
@@ -75,7 +76,7 @@ class Side:
                                  per_token_s=per_token_s)
         self.plan = StorePlanner(lambda: create_store(url, options), IDENT, BS, decision,
                                  ttl_s=60)
-        self.worker = StoreWorker(create_store(url, options), self.kv, layout,
+        self.worker = StoreWorker(lambda: create_store(url, options), self.kv, layout,
                                   codec_for(codec, layout), ttl_s=60)
 
     def publish(self, request: FakeRequest, block_ids: list[int]) -> None:
@@ -84,7 +85,13 @@ class Side:
         copy = meta.store_saves[request.request_id]
         assert self.worker.save(request.request_id, copy) > 0
         assert self.worker.flush(5.0)
-        self.plan.update(FakeOutput(finished_sending={request.request_id}))
+        self.report(FakeOutput(finished_sending={request.request_id}))
+
+    def report(self, output: FakeOutput) -> None:
+        """``output`` with what the worker side reports at the step's end."""
+        loads, unpublished, published = self.worker.take_feedback()
+        output.kv_connector_worker_meta = StoreFeedback(0, loads, unpublished, published)
+        self.plan.update(output)
 
     def load(self, request: FakeRequest, dst: list[int]) -> int:
         meta = PdserveConnectorMetadata()
@@ -239,7 +246,9 @@ def test_blocks_a_worker_knows_it_published_are_not_published_again(
     assert a.plan.plan_save(FakeRequest("a11", longer, num_computed_tokens=len(longer)),
                             list(range(7)), meta)
     assert len(meta.store_saves["a11"].names) == 2  # only the two new blocks
-    a.plan.update(FakeOutput(finished_sending={"a11"}))  # copied out: known published
+    a.worker.save("a11", meta.store_saves["a11"])
+    assert a.worker.flush(5.0)
+    a.report(FakeOutput(finished_sending={"a11"}))  # the writer published them
     again = PdserveConnectorMetadata()
     assert not a.plan.plan_save(FakeRequest("a12", longer, num_computed_tokens=len(longer)),
                                 list(range(7)), again)
@@ -249,3 +258,55 @@ def test_blocks_a_worker_knows_it_published_are_not_published_again(
     assert a.plan.plan_save(FakeRequest("a13", longer, num_computed_tokens=len(longer)),
                             list(range(7)), again)
     assert len(again.store_saves["a13"].names) == 2
+
+
+def test_a_block_the_store_lost_is_published_again(sides: tuple[Side, Side],
+                                                   server: LocalRedis) -> None:
+    a, _ = sides
+    tokens = _prompt(12)
+    a.publish(FakeRequest("a12", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
+    lost = a.plan.names(FakeRequest("q", tokens), 5)[2]
+    server.client().delete(lost.key)  # evicted by the server's memory cap
+    assert a.plan.match(FakeRequest("a13", tokens), 0) == 2 * BS  # up to the hole
+    meta = PdserveConnectorMetadata()
+    assert a.plan.plan_save(FakeRequest("a14", tokens, num_computed_tokens=len(tokens)),
+                            [0, 1, 2, 3, 4], meta)
+    assert [n.key for n in meta.store_saves["a14"].names] == [lost.key]
+
+
+def test_a_store_down_at_start_is_a_miss_and_a_skipped_write(server: LocalRedis) -> None:
+    def unreachable() -> Any:
+        raise StoreError("KV store 127.0.0.1:1: no node answered")
+
+    side = Side(server.url, 6)
+    side.worker.close()
+    layout = KVLayout.from_kv_caches({f"l{i}": t for i, t in enumerate(side.kv)},
+                                     NUM_BLOCKS, BS)
+    side.worker = StoreWorker(unreachable, side.kv, layout, codec_for("none", layout), 60)
+    try:
+        tokens = _prompt(13)
+        names = tuple(side.plan.names(FakeRequest("d", tokens), 5))
+        with pytest.raises(TransferError):
+            side.worker.load("d1", StoreCopy((0, 1, 2, 3, 4), names))
+        assert side.worker.save("d2", StoreCopy((0, 1), names[:2])) > 0
+        assert side.worker.flush(5.0)
+        _, unpublished, published = side.worker.take_feedback()
+        assert unpublished == [n.key for n in names[:2]] and published == []
+        assert side.worker.stats()["store_put_failures"] == 1
+    finally:
+        side.close()
+
+
+def test_a_save_larger_than_the_writers_queue_publishes_the_prefix_that_fits(
+        sides: tuple[Side, Side], monkeypatch: pytest.MonkeyPatch) -> None:
+    a, _ = sides
+    block_bytes = 2 * HEADS * BS * HEAD2 * 4
+    monkeypatch.setattr("pdserve.kv_transfer.remote.worker.QUEUE_BYTES", 3 * block_bytes + 100)
+    tokens = _prompt(14)
+    names = tuple(a.plan.names(FakeRequest("s", tokens), 5))
+    assert a.worker.save("s1", StoreCopy((0, 1, 2, 3, 4), names)) > 0
+    assert a.worker.flush(5.0)
+    _, unpublished, published = a.worker.take_feedback()
+    assert [k for k, _ in published] == [n.key for n in names[:3]]  # a prefix stays useful
+    assert unpublished == [n.key for n in names[3:]]
+    assert a.worker.stats()["store_save_dropped"] == 2

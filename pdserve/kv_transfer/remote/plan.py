@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.core.block_hash import STORE_TIER, chain_hashes, salt_root, tier_hashes
 from pdserve.kv_transfer.metadata import PdserveConnectorMetadata, StoreCopy, StoreFeedback
-from pdserve.kv_transfer.remote.base import KVStore, StoreError, StoreTimeoutError
+from pdserve.kv_transfer.remote.base import KVStore, StoreTimeoutError
 from pdserve.kv_transfer.remote.decision import FetchDecision
 from pdserve.kv_transfer.remote.engine_identity import for_request
 from pdserve.kv_transfer.remote.names import BlockName, KVIdentity
@@ -42,8 +42,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pdserve.kv_transfer.store")
 
 MIN_FETCH_BLOCKS = 1
+MAX_LOAD_BYTES = 512 << 20  # one load's blocks at most (the rest is computed)
 BACKOFF_S = 2.0  # lookups pause this long after a failed one
 KNOWN_MAX = 200_000  # blocks remembered as held by the store (not published again)
+ANNOUNCED_MAX = 1_000_000  # published blocks awaiting their TTL's end (older: removed early)
 
 # The scheduler side's counters (GetLoad's kv_store_*; the worker side has its own).
 COUNTS = ("store_lookups", "store_lookup_blocks", "store_hit_blocks", "store_lookup_errors",
@@ -54,7 +56,8 @@ COUNTS = ("store_lookups", "store_lookup_blocks", "store_hit_blocks", "store_loo
 
 class StorePlanner:
     def __init__(self, open_store: Callable[[], KVStore], identity: KVIdentity,
-                 block_size: int, decision: FetchDecision, ttl_s: float) -> None:
+                 block_size: int, decision: FetchDecision, ttl_s: float,
+                 block_bytes: int = 0) -> None:
         self._open = open_store
         self._store: KVStore | None = None
         self._identity = identity
@@ -62,10 +65,13 @@ class StorePlanner:
         self.decision = decision
         self._ttl_s = ttl_s
         self._down_until = 0.0
-        # Per request: the store's run found (names, from which block), until allocated.
+        self._max_load_blocks = max(MAX_LOAD_BYTES // block_bytes, 1) if block_bytes else 1 << 30
+        # Per request, until allocated: the lookup's answer at a start block (the names
+        # worth loading; none: absent, or computing was chosen), asked once per start.
         self._matched: dict[str, tuple[int, tuple[BlockName, ...]]] = {}
         self._loading: dict[str, tuple[StoreCopy, float]] = {}
         self._failed: set[str] = set()  # a store load failed: vLLM computes the rest
+        self._gone: set[str] = set()  # ended while its load was in flight
         self._saving: dict[str, StoreCopy] = {}
         self._known: OrderedDict[str, float] = OrderedDict()  # key -> expiry (monotonic)
         self._changes: list[int] = []  # published blocks' pdserve hashes, to announce
@@ -81,24 +87,22 @@ class StorePlanner:
         worth loading (0: none, or not worth it); one lookup per request and start."""
         req_id = request.request_id
         start = num_tokens // self._bs
-        end = (request.num_tokens - 1) // self._bs
+        end = min((request.num_tokens - 1) // self._bs, start + self._max_load_blocks)
         if num_tokens % self._bs or end - start < MIN_FETCH_BLOCKS or req_id in self._failed:
             self._matched.pop(req_id, None)
             return 0
         cached = self._matched.get(req_id)
         if cached is not None and cached[0] == start:
             return len(cached[1]) * self._bs
-        self._matched.pop(req_id, None)
-        names = self.names(request, end)[start:]
+        names = self.names(request, end, start)
         found = self._lookup(names)
-        if found < MIN_FETCH_BLOCKS:
-            return 0
-        if not self.decision.fetch(found):
-            self._count(store_compute_chosen=1)
-            return 0
-        self._count(store_fetch_chosen=1)
-        self._matched[req_id] = (start, tuple(names[:found]))
-        return found * self._bs
+        for name in names[found:found + 1]:  # proved absent: publish it again
+            self._known.pop(name.key, None)
+        worth = found >= MIN_FETCH_BLOCKS and self.decision.fetch(found)
+        if found >= MIN_FETCH_BLOCKS:
+            self._count(**{"store_fetch_chosen" if worth else "store_compute_chosen": 1})
+        self._matched[req_id] = (start, tuple(names[:found]) if worth else ())
+        return found * self._bs if worth else 0
 
     def num_matched(self, request_id: str) -> int:
         matched = self._matched.get(request_id)
@@ -111,7 +115,7 @@ class StorePlanner:
                   meta: PdserveConnectorMetadata) -> int:
         """Load the first ``len(dst)`` matched blocks into ``dst``; the blocks planned."""
         matched = self._matched.pop(request_id, None)
-        if matched is None or not dst:
+        if matched is None or not dst or not matched[1]:
             return 0
         names = matched[1][:len(dst)]
         copy = StoreCopy(dst[:len(names)], names)
@@ -135,9 +139,8 @@ class StorePlanner:
         num = min(request.num_computed_tokens // self._bs, len(block_ids))
         if num <= 0 or self._store_down():
             return False
-        names = self.names(request, num)
         now = time.monotonic()
-        picked = [(i, n) for i, n in enumerate(names)
+        picked = [(i, n) for i, n in enumerate(self.names(request, num))
                   if i >= skip and not self._is_known(n.key, now)]
         if not picked:
             return False
@@ -156,32 +159,44 @@ class StorePlanner:
             if loading is None:
                 continue
             if req_id in failed:
-                self._failed.add(req_id)  # never asked again for this request
+                if req_id not in self._gone:
+                    self._failed.add(req_id)  # never asked again for this request
                 self._count(store_load_failed=1)
                 for name in loading[0].names:  # a block that failed is not trusted held
                     self._known.pop(name.key, None)
-            else:
-                self._remember(loading[0].names, now)
+            self._gone.discard(req_id)
         for req_id in output.finished_sending or ():
-            copy = self._saving.pop(req_id, None)
-            if copy is not None:  # copied out: the writer publishes it now
-                self._remember(copy.names, now)
-                self._changes.extend(n.block_hash for n in copy.names)
-                self._announced.extend((now + self._ttl_s, n.block_hash) for n in copy.names)
-                self._count(store_publish_blocks=len(copy.names))
+            self._saving.pop(req_id, None)  # copied out: the writer publishes it
         feedback = output.kv_connector_worker_meta
         if isinstance(feedback, StoreFeedback):
-            if feedback.per_token_ns:
-                self.decision.on_per_token(feedback.per_token_ns * 1e-9)
-            for nbytes, ns in feedback.loads:
-                self.decision.on_load(nbytes, ns * 1e-9)
-            for key in feedback.unpublished:
-                self._known.pop(key, None)
+            self._learn(feedback, now)
+
+    def _learn(self, feedback: StoreFeedback, now: float) -> None:
+        """The worker side's report: timings for the decision, blocks the writer
+        published (remembered, announced) and blocks it could not (forgotten)."""
+        if feedback.per_token_ns:
+            self.decision.on_per_token(feedback.per_token_ns * 1e-9)
+        for nbytes, ns in feedback.loads:
+            self.decision.on_load(nbytes, ns * 1e-9)
+        for key in feedback.unpublished:
+            self._known.pop(key, None)
+        if feedback.published:
+            expiry = now + 0.9 * self._ttl_s
+            for key, block_hash in feedback.published:
+                self._known[key] = expiry
+                self._known.move_to_end(key)
+                self._changes.append(block_hash)
+                self._announced.append((now + self._ttl_s, block_hash))
+            while len(self._known) > KNOWN_MAX:
+                self._known.popitem(last=False)
+            self._count(store_publish_blocks=len(feedback.published))
 
     def finished(self, request_id: str) -> None:
         """A request ended: nothing of it is kept (a load in flight is still reported)."""
         self._matched.pop(request_id, None)
         self._failed.discard(request_id)
+        if request_id in self._loading:
+            self._gone.add(request_id)
 
     def drop_all(self) -> int:
         """The weights changed: their blocks' names differ from now on (the version is
@@ -199,7 +214,8 @@ class StorePlanner:
             names, self._changes = self._changes, []
             out.append((STORE_TIER, True, tier_hashes(names, STORE_TIER)))
         gone = []
-        while self._announced and self._announced[0][0] <= now:
+        while self._announced and (self._announced[0][0] <= now
+                                   or len(self._announced) > ANNOUNCED_MAX):
             gone.append(self._announced.popleft()[1])
         if gone:
             out.append((STORE_TIER, False, tier_hashes(gone, STORE_TIER)))
@@ -212,12 +228,15 @@ class StorePlanner:
 
     # ---- helpers -------------------------------------------------------------------
 
-    def names(self, request: Request, num_blocks: int) -> list[BlockName]:
-        """The store's names of the request's first ``num_blocks`` blocks."""
+    def names(self, request: Request, num_blocks: int, start: int = 0) -> list[BlockName]:
+        """The store's names of the request's blocks ``start`` to ``num_blocks``."""
         salt = request.cache_salt
         hashes = chain_hashes(request.all_token_ids[:num_blocks * self._bs], self._bs,
                               salt_root(salt))
-        return for_request(self._identity, salt).names(hashes)
+        if not hashes:
+            return []
+        identity = for_request(self._identity, salt)
+        return [BlockName(identity, h, hashes[0]) for h in hashes[start:]]
 
     def _lookup(self, names: list[BlockName]) -> int:
         if self._store_down():
@@ -227,7 +246,7 @@ class StorePlanner:
         try:
             store = self._connect()
             found = store.lookup_prefix(names)
-        except StoreError as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure is a miss, never the engine's
             self._down_until = time.monotonic() + BACKOFF_S
             self._count(store_lookup_errors=1,
                         store_lookup_timeouts=int(isinstance(exc, StoreTimeoutError)))
@@ -255,16 +274,6 @@ class StorePlanner:
             return False
         self._known.move_to_end(key)
         return True
-
-    def _remember(self, names: tuple[BlockName, ...], now: float) -> None:
-        # A little short of the TTL: the store may still hold it, but never believed
-        # held after it surely expired.
-        expiry = now + 0.9 * self._ttl_s
-        for name in names:
-            self._known[name.key] = expiry
-            self._known.move_to_end(name.key)
-        while len(self._known) > KNOWN_MAX:
-            self._known.popitem(last=False)
 
     def _count(self, **deltas: int) -> None:
         for key, value in deltas.items():

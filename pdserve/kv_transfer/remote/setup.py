@@ -36,8 +36,9 @@ logger = logging.getLogger("pdserve.kv_transfer.store")
 
 def _why_off(config: ConnectorConfig, vllm_config: VllmConfig,
              kv_cache_config: KVCacheConfig) -> str:
-    if vllm_config.parallel_config.tensor_parallel_size > 1:
-        return "tensor parallelism (one value per rank is not built)"
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        return "tensor or pipeline parallelism (one value per rank is not built)"
     if not kv_cache_config.num_blocks:
         return "no KV cache"
     return hashes_name_blocks(vllm_config, kv_cache_config)
@@ -73,7 +74,7 @@ def store_planner(config: ConnectorConfig, vllm_config: VllmConfig,
     logger.info("KV store %s: blocks of %d bytes, published for %.0f s", config.kv_store,
                 block_bytes, config.kv_store_ttl_s)
     return StorePlanner(_opener(config), identity, identity.block_size, decision,
-                        config.kv_store_ttl_s)
+                        config.kv_store_ttl_s, block_bytes)
 
 
 def store_worker(config: ConnectorConfig, vllm_config: VllmConfig,
@@ -84,7 +85,7 @@ def store_worker(config: ConnectorConfig, vllm_config: VllmConfig,
     opener = _opener(config)
 
     def build(kv: list[torch.Tensor], layout: KVLayout) -> StoreWorker:
-        return StoreWorker(opener(), kv, layout, codec_for(config.kv_compression, layout),
+        return StoreWorker(opener, kv, layout, codec_for(config.kv_compression, layout),
                            config.kv_store_ttl_s)
 
     return build

@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -49,9 +49,10 @@ REPORTED = ("store_lookups", "store_hit_blocks", "store_lookup_errors",
 
 
 class StoreWorker:
-    def __init__(self, store: KVStore, kv: Sequence[torch.Tensor], layout: KVLayout,
-                 codec: BlockCodec, ttl_s: float) -> None:
-        self._store = store
+    def __init__(self, open_store: Callable[[], KVStore], kv: Sequence[torch.Tensor],
+                 layout: KVLayout, codec: BlockCodec, ttl_s: float) -> None:
+        self._open = open_store  # connected on first use: a store down at start is a miss
+        self._client: KVStore | None = None
         self._kv = list(kv)
         self._dims = [lay.block_dim for lay in layout.layers]
         self._codec = codec
@@ -63,9 +64,26 @@ class StoreWorker:
         self._queued_bytes = 0
         self._feedback_loads: list[tuple[int, int]] = []
         self._unpublished: list[str] = []
+        self._published: list[tuple[str, int]] = []
+        self._raw_block_bytes = sum(t.select(d, 0).nbytes for t, d in zip(
+            self._kv, self._dims, strict=True))
         self._writer = threading.Thread(target=self._write_loop, name="pdserve-kv-store-put",
                                         daemon=True)
         self._writer.start()
+
+    def _store(self) -> KVStore:
+        """The client, connected now if it is not yet (``StoreError`` if it cannot be)."""
+        with self._lock:
+            client = self._client
+        if client is None:
+            client = self._open()
+            with self._lock:
+                if self._client is None:
+                    self._client = client
+                else:  # another thread connected meanwhile
+                    client.close()
+                    client = self._client
+        return client
 
     def _block(self, block_id: int) -> list[torch.Tensor]:
         return [kv.select(dim, block_id) for kv, dim in zip(self._kv, self._dims, strict=True)]
@@ -75,7 +93,7 @@ class StoreWorker:
         read. ``TransferError`` (counted) when any is missing, bad, or the store fails."""
         start = time.perf_counter_ns()
         try:
-            payloads = self._store.get_blocks(copy.names)
+            payloads = self._store().get_blocks(copy.names)
             nbytes = self._write_blocks(copy, payloads)
         except (StoreError, TransferError) as exc:
             self._count(store_load_failures=1)
@@ -84,8 +102,8 @@ class StoreWorker:
         elapsed = time.perf_counter_ns() - start
         self._count(store_loads=1, store_load_blocks=len(copy.names), store_load_bytes=nbytes,
                     store_load_time_ns=elapsed)
-        with self._lock:
-            self._feedback_loads.append((nbytes, elapsed))
+        with self._lock:  # the decision weighs the blocks' bytes in the cache
+            self._feedback_loads.append((len(copy.names) * self._raw_block_bytes, elapsed))
         return nbytes
 
     def _write_blocks(self, copy: StoreCopy, payloads: list[memoryview | None]) -> int:
@@ -111,8 +129,13 @@ class StoreWorker:
     def save(self, req_id: str, copy: StoreCopy) -> int:
         """Copy the blocks out of the cache and queue them for the writer; the bytes
         queued (0: dropped, the queue is full). Never raises."""
+        with self._lock:  # the longest prefix of the blocks that fits the writer's queue
+            room = (QUEUE_BYTES - self._queued_bytes) // max(self._raw_block_bytes, 1)
+        fits = min(len(copy.names), max(room, 0))
+        if fits < len(copy.names):
+            self._count(store_save_dropped=len(copy.names) - fits)
         items: list[tuple[BlockName, bytes]] = []
-        for block_id, name in zip(copy.block_ids, copy.names, strict=True):
+        for block_id, name in zip(copy.block_ids[:fits], copy.names[:fits], strict=True):
             try:
                 items.append((name, self._codec.encode(self._block(block_id))))
             except ValueError as exc:  # a lossy codec refuses NaN/inf: not published,
@@ -121,11 +144,14 @@ class StoreWorker:
         self._unpublish(copy.names[len(items):])
         if not items:
             return 0
-        nbytes = sum(len(p) for _, p in items)
         with self._lock:
-            if self._queued_bytes + nbytes > QUEUE_BYTES:
-                self._stats["store_save_dropped"] += len(items)
-                self._unpublished.extend(n.key for n, _ in items)
+            nbytes = sum(len(p) for _, p in items)
+            while items and self._queued_bytes + nbytes > QUEUE_BYTES:  # encoded: larger
+                name, payload = items.pop()  # the prefix stays
+                nbytes -= len(payload)
+                self._stats["store_save_dropped"] += 1
+                self._unpublished.append(name.key)
+            if not items:
                 return 0
             self._queued_bytes += nbytes
             self._stats["store_saves"] += 1
@@ -141,9 +167,11 @@ class StoreWorker:
                 return
             items, nbytes = job
             try:
-                written = self._store.put_blocks(items, self._ttl_s)
+                written = self._store().put_blocks(items, self._ttl_s)
                 self._count(store_put_blocks=len(items), store_put_written=written)
-            except StoreError as exc:
+                with self._lock:  # held now (written, or another worker's first)
+                    self._published.extend((n.key, n.block_hash) for n, _ in items)
+            except Exception as exc:  # noqa: BLE001 - the writer outlives any failure
                 self._count(store_put_failures=1)
                 self._unpublish(tuple(n for n, _ in items))
                 logger.warning("KV store publish of %d blocks failed: %s", len(items), exc)
@@ -155,19 +183,21 @@ class StoreWorker:
         with self._lock:
             self._unpublished.extend(n.key for n in names)
 
-    def take_feedback(self) -> tuple[list[tuple[int, int]], list[str]]:
-        """Loads that ended and keys not published, since the last call."""
+    def take_feedback(self) -> tuple[list[tuple[int, int]], list[str], list[tuple[str, int]]]:
+        """Loads that ended, keys not published and blocks published, since the last
+        call."""
         with self._lock:
             loads, self._feedback_loads = self._feedback_loads, []
             unpublished, self._unpublished = self._unpublished, []
-        return loads, unpublished
+            published, self._published = self._published, []
+        return loads, unpublished, published
 
     def stats(self) -> dict[str, int]:
         """This side's counters; a bad block is one the store's checksum refused (the
         client counts those) or whose encoding did not decode."""
-        client = self._store.stats()
         with self._lock:
             out = dict(self._stats)
+            client = self._client.stats() if self._client is not None else {}
         out["store_bad_blocks"] += client.get("bad_blocks", 0)
         out["store_timeouts"] += client.get("timeouts", 0)
         return out
@@ -185,7 +215,8 @@ class StoreWorker:
     def close(self) -> None:
         self._queue.put(None)
         self._writer.join(timeout=2.0)
-        self._store.close()
+        if self._client is not None:
+            self._client.close()
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
