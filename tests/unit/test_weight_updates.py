@@ -198,3 +198,34 @@ async def test_a_killed_worker_fails_the_stage_and_the_others_keep_their_version
             assert worker.snapshot().weight_version == "default"
         chunks = await b.run("r0")  # the living serve, on their version
         assert chunks[0].weight_version == "default" and len(tokens(chunks)) == MAX_TOKENS
+
+
+async def test_a_probe_sent_before_the_switch_never_files_a_worker_under_the_old_weights(
+        tmp_path: Path) -> None:
+    """A health probe answered before the commit but landing after it (a busy router
+    loop, a slow link) must not take the worker out of placement as stale."""
+    async with bench(tmp_path) as b:
+        assert b.sims.pool is not None
+        decode = b.sims.pool.decode[0]
+        health = decode.client.health
+        answered, release = asyncio.Event(), asyncio.Event()
+
+        async def late_health(timeout_s: float):  # type: ignore[no-untyped-def]
+            old = await health(timeout_s)  # the version before the update
+            answered.set()
+            await release.wait()
+            return old
+
+        decode.client.health = late_health  # type: ignore[method-assign]
+        probe = asyncio.create_task(decode.refresh(5.0))
+        await answered.wait()
+        decode.client.health = health  # type: ignore[method-assign]
+        result = await b.updater.update_from_disk(UpdateFromDiskBody(
+            model_path=str(tmp_path), weight_version="v2"))
+        assert result["workers"]["d0"] == "v2"
+        release.set()
+        await probe
+        state = decode.snapshot()
+        assert state.healthy and state.weight_version == "v2"
+        chunks = await b.run("after")
+        assert chunks[0].weight_version == "v2" and len(tokens(chunks)) == MAX_TOKENS

@@ -153,6 +153,7 @@ class WeightUpdater:
                 self._updates.labels("commit_failed").inc()
                 raise ServerError(f"no worker could switch to {version}: "
                                   f"{_first_error(results)}", code="weight_commit_failed")
+            _adopt_versions(workers, ok)
             for name, r in results.items():
                 if isinstance(r, Exception):
                     logger.error("worker %s kept its weights (out of placement until it "
@@ -206,6 +207,7 @@ class WeightUpdater:
             new = body.get("weight_version") or body.get("new_version")
             if new:
                 self._source = None  # pushed weights: no folder to bring a newcomer to
+                _adopt_versions(workers, versions)
                 self._pool.set_weight_target(str(new))
                 self._gate.version = str(new)
                 await asyncio.gather(*(w.refresh(5.0) for w in workers))
@@ -281,6 +283,15 @@ async def _each(workers: Sequence[Worker], call: Callable[[Worker], Awaitable[T]
             raise result
         out[worker.snapshot().worker_id] = result
     return out
+
+
+def _adopt_versions(workers: Sequence[Worker], versions: dict[str, str]) -> None:
+    """Each worker that answered a commit serves the version it named, from now on:
+    what its probes sent before say no longer counts."""
+    for worker in workers:
+        version = versions.get(worker.snapshot().worker_id)
+        if version:
+            worker.on_weights_committed(version)
 
 
 async def _quietly(call: Awaitable[Any]) -> None:

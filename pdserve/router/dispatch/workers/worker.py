@@ -62,6 +62,10 @@ class Worker:
         # registered, then as its Health says (static members register nothing).
         self.metrics_endpoint = info.metrics_endpoint
         self._slow_probes = 0
+        # Bumped by each probe's start and by a committed weight switch: a probe's answer
+        # is adopted only if nothing newer began or landed while it was out, so a probe
+        # sent before a switch never files the worker back under the old weights.
+        self._generation = 0
         self._breaker = CircuitBreaker(breaker)
         self._ejected = False  # the breaker was open at the last publish
         self._switching = False  # this router is switching its role: place nothing here
@@ -105,6 +109,12 @@ class Worker:
         """Place requests here only while it serves ``version`` ("": whatever it serves)."""
         self.weight_target = version
         self._publish()
+
+    def on_weights_committed(self, version: str) -> None:
+        """The worker answered a commit: it serves ``version`` now. Probes already out
+        may carry the version before it; their answers are dropped."""
+        self._generation += 1
+        self._report(weight_version=version)
 
     def _adopt_role(self, role: str) -> None:
         old = self._reported.role
@@ -170,12 +180,17 @@ class Worker:
         """Health, then load; a failure marks the worker unhealthy, except a probe
         that timed out, which does only ``MAX_SLOW_PROBES`` times in a row: a worker
         whose cores are busy computing may answer late, and taking it out of
-        placement for that sends its requests elsewhere (or to no prefill at all)."""
+        placement for that sends its requests elsewhere (or to no prefill at all).
+        A probe overtaken by a newer one (or by a weight commit) adopts nothing."""
+        self._generation += 1
+        generation = self._generation
         try:
             health = await self.client.health(timeout_s)
             self._check_identity(health)
             load = await self.client.load(timeout_s)
         except WorkerCallError as exc:
+            if generation != self._generation:
+                return
             if exc.code == DEADLINE_EXCEEDED and self._reported.healthy:
                 self._slow_probes += 1
                 if self._slow_probes < MAX_SLOW_PROBES:
@@ -186,7 +201,12 @@ class Worker:
             self.mark_unhealthy(exc.details)
             return
         except (ValueError, RuntimeError) as exc:
-            self.mark_unhealthy(str(exc))
+            if generation == self._generation:
+                self.mark_unhealthy(str(exc))
+            return
+        if generation != self._generation:
+            logger.debug("%s worker at %s: a newer probe or commit overtook this probe",
+                         self._reported.role, self._reported.endpoint)
             return
         self._slow_probes = 0
         self._adopt_health(health, load)
