@@ -254,6 +254,9 @@ TOOLS: dict[str, Tool] = {
                                "blocks"}),
         ("--policy", {"type": _csv(str), "help": "comma-separated policies (--kv-tier-policy "
                       "names, and belady, infinite)"}),
+        ("--admission", {"help": "the KV store's admission (a --kv-store-admission name) in "
+                         "front of every policy: a request saves only its blocks before "
+                         "the first it refuses (default: all)"}),
         "--json",
     )),
     "kv-store": Tool("kv_store", configs.KvStoreConfig,

@@ -27,7 +27,13 @@ from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.core.grpc_options import DEFAULT_KEEPALIVE_S, MIN_KEEPALIVE_S
 from pdserve.core.logs import DEFAULT_LOG_FORMAT, LOG_FORMATS
 from pdserve.kv_transfer.base import transport_names
-from pdserve.kv_transfer.tiers.policies.registry import DEFAULT_POLICY, check_policy, policy_names
+from pdserve.kv_transfer.tiers.policies.registry import (
+    ADMIT_ALL,
+    DEFAULT_POLICY,
+    check_admission,
+    check_policy,
+    policy_names,
+)
 from pdserve.launch.cpu_layout import CPU_LAYOUTS
 from pdserve.launch.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S
 from pdserve.launch.up_store import DEFAULT_REDIS_MAXMEMORY, check_maxmemory
@@ -97,6 +103,11 @@ FLAGS = _flags(
     Flag("kv-store-timeout-s", "the deadline of each KV store call, in seconds: a stopped "
          "or unreachable store costs a request at most this, and the block is computed",
          0.5, parse_float(0.001)),
+    Flag("kv-store-admission", "which of a finished request's new blocks are written to "
+         "the KV store: all, or a --kv-tier-policy name whose admission decides (doorkeeper: "
+         "a block only at its second want within a window; lookups' hits count as wants); a "
+         "request writes only its blocks before the first refused one (default: all, "
+         "measured: docs/benchmarks.md)", ADMIT_ALL, check_admission, metavar="NAME"),
     Flag("kv-store-password-file", "a file holding the KV store's password (Redis AUTH); "
          "never on the command line", None, metavar="FILE"),
     Flag("kv-compression", "how KV blocks are encoded in the KV store: none, lossless "

@@ -253,6 +253,7 @@ class WorkerLoadReport:
     kv_store_save_dropped: int = 0
     kv_store_put_written: int = 0
     kv_store_put_failures: int = 0
+    kv_store_not_admitted: int = 0  # blocks --kv-store-admission kept from the store
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from pdserve.kv_transfer.base import TransportOptions, transport_names
 from pdserve.kv_transfer.control.tls import KvTls, load_kv_tls
 from pdserve.kv_transfer.remote.base import StoreOptions, store_schemes
 from pdserve.kv_transfer.remote.local_redis import read_password
-from pdserve.kv_transfer.tiers.policies.registry import check_policy
+from pdserve.kv_transfer.tiers.policies.registry import check_admission, check_policy
 
 KV_COMPRESSIONS = ("none", "lossless", "int8", "fp8")
 
@@ -57,6 +57,9 @@ class ConnectorConfig:
     kv_store_timeout_s: float = 0.5
     kv_store_password_file: str | None = None
     kv_compression: str = "none"
+    # Which new blocks are worth writing to the store (``remote/admission.py``; the
+    # tiers' policy names, or ``all``).
+    kv_store_admission: str = "all"
     # The cluster secret's file (never the secret: this config lands in vLLM's, which
     # vLLM logs); None: KV connections are not authenticated.
     cluster_secret_file: str | None = None
@@ -99,6 +102,7 @@ class ConnectorConfig:
         if self.kv_compression not in KV_COMPRESSIONS:
             raise ValueError(f"unknown KV compression {self.kv_compression!r}; valid: "
                              f"{', '.join(KV_COMPRESSIONS)}")
+        check_admission(self.kv_store_admission)
         if self.kv_store is None:
             return
         parts = urlsplit(self.kv_store)

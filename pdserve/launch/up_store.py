@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 from pdserve.kv_transfer.config import KV_COMPRESSIONS
 from pdserve.kv_transfer.remote.base import store_schemes
+from pdserve.kv_transfer.tiers.policies.registry import ADMIT_ALL, check_admission
 
 if TYPE_CHECKING:  # the redis package loads only when a store is used
     from pdserve.kv_transfer.remote.local_redis import LocalRedis
@@ -48,6 +49,7 @@ class KvStoreUp:
     timeout_s: float = 0.5
     password_file: str | None = None
     compression: str = "none"
+    admission: str = ADMIT_ALL  # --kv-store-admission
     with_redis: bool = False  # start a local redis-server and point every worker at it
     redis_maxmemory: str = DEFAULT_REDIS_MAXMEMORY
 
@@ -59,6 +61,7 @@ class KvStoreUp:
         if self.compression not in KV_COMPRESSIONS:
             raise ValueError(f"--kv-compression must be one of {', '.join(KV_COMPRESSIONS)}")
         check_maxmemory(self.redis_maxmemory)
+        check_admission(self.admission)
         if self.url:
             self._check_url(self.url)
         if self.password_file:
@@ -91,6 +94,8 @@ class KvStoreUp:
             return argv
         argv = ["--kv-store", self.url, "--kv-store-ttl-s", repr(self.ttl_s),
                 "--kv-store-timeout-s", repr(self.timeout_s), *argv]
+        if self.admission != ADMIT_ALL:
+            argv += ["--kv-store-admission", self.admission]
         if self.password_file:
             argv += ["--kv-store-password-file", self.password_file]
         return argv

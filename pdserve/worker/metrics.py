@@ -99,7 +99,9 @@ _STORE_ROWS: Rows = (
     ("save_blocks", "KV blocks copied out of the cache to publish"),
     ("save_dropped", "KV blocks not published: the writer's queue was full"),
     ("put_written", "KV blocks written to the store (new to it)"),
-    ("put_failures", "writes to the store that failed"))
+    ("put_failures", "writes to the store that failed"),
+    ("not_admitted", "KV blocks not published: --kv-store-admission refused them or an "
+     "earlier block of their request"))
 
 # Counters' names end in _total.
 _COUNTERS: tuple[LoadMetric, ...] = (

@@ -70,7 +70,8 @@ def test_workers_get_the_store_and_its_password_file_as_flags(
             connector = connector_config(build_parser().parse_args(argv), role, "10.0.0.2")
         assert (connector.kv_store, connector.kv_store_password_file) == (
             "redis://redis:6379", SECRET)
-        assert (connector.kv_store_ttl_s, connector.kv_compression) == (3600.0, "none")
+        assert (connector.kv_store_ttl_s, connector.kv_compression,
+                connector.kv_store_admission) == (3600.0, "none", "all")
     assert "PDSERVE_KV_STORE" not in services["router"]["environment"]
     assert "ports" not in services["redis"]  # the compose network's only
     both = merged(TLS_OVERLAY, KV_OVERLAY)["services"]["decode"]

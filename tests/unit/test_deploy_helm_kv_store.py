@@ -113,7 +113,8 @@ def test_the_charts_own_redis_serves_the_workers_with_a_generated_password(
         assert connector.kv_store == "redis://pd-pdserve-redis:6379"
         assert connector.kv_store_password_file == PASSWORD_FILE
         assert (connector.kv_store_ttl_s, connector.kv_store_timeout_s,
-                connector.kv_compression) == (3600.0, 0.5, "none")
+                connector.kv_compression, connector.kv_store_admission) == (
+            3600.0, 0.5, "none", "all")
         assert mounted_secret(deployments[name], PASSWORD_FILE) == "pd-pdserve-kv-store"
     assert "PDSERVE_KV_STORE" not in env_of(deployments["pd-pdserve-router"])
 

@@ -27,7 +27,7 @@ from pdserve.launch.up import plan
 MODEL = ResolvedModel(Path("/models/tiny"), "tiny")
 
 SPECS = ["lru", "wtinylfu", "wtinylfu-climb", "s3fifo", "default", "ttl", "ttl:5", "quota",
-         "quota:lru"]
+         "quota:lru", "doorkeeper", "doorkeeper:default"]
 
 
 def _h(i: int) -> bytes:
@@ -53,6 +53,7 @@ def test_no_policy_evicts_a_pinned_block_or_grows_past_its_slots(spec: str) -> N
     clock = [0.0]
     index = _index(spec, 16, clock)
     _save(index, [0])
+    _save(index, [0])  # twice: a doorkeeper admits a block at its second want
     (kept,) = index.match([_h(0)])
     index.pin([kept])
     pinned: list[int] = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.kv_transfer.tiers.policies.registry import check_policy
+from pdserve.kv_transfer.tiers.policies.registry import check_admission, check_policy
 
 # transfer: tokens per transfer, and the KV block size of the default model's layout.
 TRANSFER_TOKENS = (1024, 4096, 16384)
@@ -283,6 +283,8 @@ class CacheSimConfig:
     capacity_blocks: tuple[int, ...] = (1000, 3000, 10000)
     policy: tuple[str, ...] = ("lru", "default", "wtinylfu", "belady", "infinite")
     json: str | None = None  # also write the JSON lines to this file
+    # the store's admission (a --kv-store-admission name) in front of every policy
+    admission: str = "all"
 
     def __post_init__(self) -> None:
         if not self.trace:
@@ -292,6 +294,7 @@ class CacheSimConfig:
         for spec in self.policy:
             if spec not in CACHE_SIM_ONLY:
                 check_policy(spec)
+        check_admission(self.admission)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,9 @@ suspends lookups for ``BACKOFF_S``: requests are computed meanwhile, never delay
 again and again. A load that finds a block missing or corrupt fails; vLLM computes
 the blocks instead (``kv_load_failure_policy="recompute"``).
 
-A finished request's computed full blocks that the store is not known to hold are
+A finished request's computed full blocks that the store is not known to hold and
+that its admission policy admits (``admission.py``, ``--kv-store-admission``: all by
+default; up to the first refused block, so what is written stays a prefix) are
 published behind it: the worker side copies them out of the cache (the blocks stay
 allocated until then), and a background thread writes them; the request never waits
 for the store. Published blocks are announced to the router (KV events, tier
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.core.block_hash import STORE_TIER, chain_hashes, salt_root, tier_hashes
 from pdserve.kv_transfer.metadata import PdserveConnectorMetadata, StoreCopy, StoreFeedback
+from pdserve.kv_transfer.remote.admission import StoreAdmission
 from pdserve.kv_transfer.remote.base import KVStore, StoreTimeoutError
 from pdserve.kv_transfer.remote.decision import FetchDecision
 from pdserve.kv_transfer.remote.engine_identity import for_request
@@ -51,14 +54,15 @@ ANNOUNCED_MAX = 1_000_000  # published blocks awaiting their TTL's end (older: r
 COUNTS = ("store_lookups", "store_lookup_blocks", "store_hit_blocks", "store_lookup_errors",
           "store_lookup_timeouts", "store_lookups_skipped", "store_fetch_chosen",
           "store_compute_chosen", "store_fetch_blocks", "store_load_failed",
-          "store_publish_blocks")
+          "store_publish_blocks", "store_not_admitted")
 
 
 class StorePlanner:
     def __init__(self, open_store: Callable[[], KVStore], identity: KVIdentity,
                  block_size: int, decision: FetchDecision, ttl_s: float,
-                 block_bytes: int = 0) -> None:
+                 block_bytes: int = 0, admission: StoreAdmission | None = None) -> None:
         self._open = open_store
+        self._admission = admission  # None: every new block is published
         self._store: KVStore | None = None
         self._identity = identity
         self._bs = block_size
@@ -96,6 +100,8 @@ class StorePlanner:
             return len(cached[1]) * self._bs
         names = self.names(request, end, start)
         found = self._lookup(names)
+        if self._admission is not None and found:
+            self._admission.found(names[:found])  # read: worth keeping admitted
         for name in names[found:found + 1]:  # proved absent: publish it again
             self._known.pop(name.key, None)
         worth = found >= MIN_FETCH_BLOCKS and self.decision.fetch(found)
@@ -133,7 +139,8 @@ class StorePlanner:
     def plan_save(self, request: Request, block_ids: list[int],
                   meta: PdserveConnectorMetadata, skip: int = 0) -> bool:
         """Publish a finished request's computed full blocks the store is not known to
-        hold, after its first ``skip`` (a decode's blocks its prefill computed, and
+        hold and the admission admits (those before the first it refuses), after its
+        first ``skip`` (a decode's blocks its prefill computed, and
         publishes); True if there is anything to copy (its blocks then stay allocated)."""
         self._matched.pop(request.request_id, None)
         num = min(request.num_computed_tokens // self._bs, len(block_ids))
@@ -142,6 +149,10 @@ class StorePlanner:
         now = time.monotonic()
         picked = [(i, n) for i, n in enumerate(self.names(request, num))
                   if i >= skip and not self._is_known(n.key, now)]
+        if self._admission is not None and picked:  # a prefix of them: no hole
+            cut = self._admission.run([n for _, n in picked], request.cache_salt, now)
+            self._count(store_not_admitted=len(picked) - cut)
+            picked = picked[:cut]
         if not picked:
             return False
         copy = StoreCopy(tuple(block_ids[i] for i, _ in picked), tuple(n for _, n in picked))

@@ -19,6 +19,7 @@ import torch
 from pdserve.kv_transfer.block_names import hashes_name_blocks
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.layout import KVLayout
+from pdserve.kv_transfer.remote.admission import StoreAdmission
 from pdserve.kv_transfer.remote.base import KVStore, create_store
 from pdserve.kv_transfer.remote.compression import codec_for
 from pdserve.kv_transfer.remote.decision import FetchDecision
@@ -71,10 +72,12 @@ def store_planner(config: ConnectorConfig, vllm_config: VllmConfig,
     block_bytes = (sum(t.size for t in kv_cache_config.kv_cache_tensors)
                    // kv_cache_config.num_blocks)
     decision = FetchDecision(block_bytes=block_bytes, block_size=identity.block_size)
-    logger.info("KV store %s: blocks of %d bytes, published for %.0f s", config.kv_store,
-                block_bytes, config.kv_store_ttl_s)
+    logger.info("KV store %s: blocks of %d bytes, published for %.0f s, admission %s",
+                config.kv_store, block_bytes, config.kv_store_ttl_s,
+                config.kv_store_admission)
     return StorePlanner(_opener(config), identity, identity.block_size, decision,
-                        config.kv_store_ttl_s, block_bytes)
+                        config.kv_store_ttl_s, block_bytes,
+                        StoreAdmission.named(config.kv_store_admission))
 
 
 def store_worker(config: ConnectorConfig, vllm_config: VllmConfig,

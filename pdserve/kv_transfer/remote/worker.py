@@ -45,7 +45,7 @@ REPORTED = ("store_lookups", "store_hit_blocks", "store_lookup_errors",
             "store_compute_chosen", "store_loads", "store_load_blocks", "store_load_bytes",
             "store_load_time_ns", "store_load_failures", "store_load_missing",
             "store_bad_blocks", "store_timeouts", "store_save_blocks", "store_save_dropped",
-            "store_put_written", "store_put_failures")
+            "store_put_written", "store_put_failures", "store_not_admitted")
 
 
 class StoreWorker:

@@ -48,6 +48,10 @@ class TierIndex:
             self._held[block_hash] = slot
             self.policy.on_insert(block_hash, self._clock(), None)
 
+    def holds(self, block_hash: bytes) -> bool:
+        """Whether ``block_hash`` is matchable (not an access)."""
+        return block_hash in self._held
+
     def lookup(self, block_hash: bytes) -> int | None:
         """The slot holding ``block_hash`` (an access, for the policy), or None."""
         now = self._expire()

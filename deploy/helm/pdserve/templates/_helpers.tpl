@@ -192,6 +192,8 @@ redis://{{ include "pdserve.redisName" . }}:6379
   value: {{ .Values.kvStore.timeoutSeconds | quote }}
 - name: PDSERVE_KV_COMPRESSION
   value: {{ .Values.kvStore.compression | quote }}
+- name: PDSERVE_KV_STORE_ADMISSION
+  value: {{ .Values.kvStore.admission | quote }}
 {{- if include "pdserve.kvStorePassword" . }}
 - name: PDSERVE_KV_STORE_PASSWORD_FILE
   value: /etc/pdserve/kv-store/{{ .Values.kvStore.password.secretKey }}

@@ -21,7 +21,7 @@ def run(config: CacheSimConfig) -> int:
     lines = []
     for spec in config.policy:
         for capacity in config.capacity_blocks if spec != "infinite" else (0,):
-            line = json.dumps(replay(trace, spec, capacity).as_dict())
+            line = json.dumps(replay(trace, spec, capacity, config.admission).as_dict())
             print(line, flush=True)
             lines.append(line)
     if config.json:
