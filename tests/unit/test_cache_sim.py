@@ -187,7 +187,8 @@ def test_lru_and_belady_match_the_references_on_random_traces(requests: Requests
     assert replay(trace, "belady", cap).num_hit_blocks == ref_belady(requests, cap)
 
 
-@pytest.mark.parametrize("spec", ["lru", "default", "s3fifo", "wtinylfu", "ttl:60", "quota:lru"])
+@pytest.mark.parametrize("spec", ["lru", "default", "s3fifo", "wtinylfu", "ttl:60", "quota:lru",
+                                  "doorkeeper:lru"])
 def test_the_replayed_policy_is_the_registrys_own_class(spec: str) -> None:
     made = type(make_policy(spec, 100))
     result = replay(load_trace(SAMPLE), spec, 100)

@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 
 from pdserve.kv_transfer.remote.names import BlockName
+from pdserve.kv_transfer.tiers.policies.admission import admitted_run
 from pdserve.kv_transfer.tiers.policies.registry import make_admission
 from pdserve.kv_transfer.tiers.policy import Key, TierPolicy
 
@@ -50,12 +51,7 @@ class StoreAdmission:
         """How many of ``names`` (a request's blocks to publish, in order) are written:
         those before the first the policy refuses. Every one is asked."""
         now = time.monotonic() if now is None else now
-        admit = self.policy.admit
-        cut = len(names)
-        for i, name in enumerate(names):
-            if not admit(policy_key(name), now, tenant) and cut == len(names):
-                cut = i
-        return cut
+        return admitted_run(self.policy, [policy_key(n) for n in names], now, tenant)
 
     def found(self, names: Sequence[BlockName], now: float | None = None) -> None:
         """A lookup found ``names``: each is an access."""

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pdserve.bench.micro.cache_sim.belady import BeladyPolicy
 from pdserve.bench.micro.cache_sim.trace import Trace
 from pdserve.kv_transfer.tiers.index import TierIndex
+from pdserve.kv_transfer.tiers.policies.admission import admitted_run
 from pdserve.kv_transfer.tiers.policies.lru import LruPolicy
 from pdserve.kv_transfer.tiers.policies.registry import ADMIT_ALL, make_admission, make_policy
 from pdserve.kv_transfer.tiers.policy import TierPolicy
@@ -74,12 +75,9 @@ def _admitted(gate: TierPolicy | None, index: TierIndex, blocks: Sequence[bytes]
         return len(blocks)
     for key in blocks[:num_hit]:
         gate.record_access(key, now)
-    cut = len(blocks)
-    for i in range(num_hit, len(blocks)):
-        key = blocks[i]
-        if not index.holds(key) and not gate.admit(key, now, None) and cut == len(blocks):
-            cut = i
-    return cut
+    asked = [i for i in range(num_hit, len(blocks)) if not index.holds(blocks[i])]
+    run = admitted_run(gate, [blocks[i] for i in asked], now, None)
+    return asked[run] if run < len(asked) else len(blocks)
 
 
 def replay(trace: Trace, spec: str, capacity: int, admission: str = ADMIT_ALL) -> SimResult:

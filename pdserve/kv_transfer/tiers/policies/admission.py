@@ -21,10 +21,24 @@ would publish) and ``record_access`` (a lookup found the block), never ``on_inse
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pdserve.kv_transfer.tiers.policies.sketch import CountMinSketch
 from pdserve.kv_transfer.tiers.policy import Evictable, Key, TierPolicy
 
 MIN_WANTS = 2
+
+
+def admitted_run(policy: TierPolicy, keys: Sequence[Key], now: float,
+                 tenant: str | None) -> int:
+    """How many of ``keys`` (a request's new blocks, in order) are written where only a
+    prefix is useful (the cluster KV store): those before the first ``policy`` refuses.
+    Every key is asked (each is a want), so a run wanted twice is admitted whole."""
+    cut = len(keys)
+    for i, key in enumerate(keys):
+        if not policy.admit(key, now, tenant) and cut == len(keys):
+            cut = i
+    return cut
 
 
 class Doorkeeper:
