@@ -173,7 +173,8 @@ def connector_config(args: argparse.Namespace, worker_id: str,
         kv_store=args.kv_store, kv_store_ttl_s=args.kv_store_ttl_s,
         kv_store_timeout_s=args.kv_store_timeout_s,
         kv_store_password_file=args.kv_store_password_file,
-        kv_compression=args.kv_compression,
+        kv_store_tls_ca=args.kv_store_tls_ca, kv_store_tls_cert=args.kv_store_tls_cert,
+        kv_store_tls_key=args.kv_store_tls_key, kv_compression=args.kv_compression,
         cluster_secret_file=args.cluster_secret_file,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
         require_tls=args.require_tls,
@@ -241,6 +242,8 @@ def up_store(args: argparse.Namespace) -> KvStoreUp:
     return KvStoreUp(url=args.kv_store or None, ttl_s=args.kv_store_ttl_s,
                      timeout_s=args.kv_store_timeout_s,
                      password_file=args.kv_store_password_file or None,
+                     tls_ca=args.kv_store_tls_ca, tls_cert=args.kv_store_tls_cert,
+                     tls_key=args.kv_store_tls_key,
                      compression=args.kv_compression, with_redis=args.with_redis,
                      redis_maxmemory=args.redis_maxmemory)
 
