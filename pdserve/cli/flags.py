@@ -350,8 +350,9 @@ FLAGS = _flags(
     Flag("tls-ca", "PEM CA bundle: the router verifies workers against it (and uses TLS); "
          "a worker then requires client certificates it signed (mutual TLS)", metavar="PATH"),
     Flag("require-tls", "refuse to start any plaintext cluster listener or client: gRPC, KV "
-         "(tcp transport only: ucx and torch move KV bytes unencrypted) and etcd (https:// "
-         "only) all need mutual TLS with --tls-cert/--tls-key/--tls-ca", False, parse_bool,
+         "(tcp transport only: ucx and torch move KV bytes unencrypted), etcd (https:// "
+         "only) and the KV store (rediss:// only) all need TLS, mutual with "
+         "--tls-cert/--tls-key/--tls-ca", False, parse_bool,
          switch=True),
     Flag("max-restarts", "a child (worker or router) that exits is restarted with back-off "
          "(1 s doubling to 30 s); after this many restarts within --restart-window-s it is "
