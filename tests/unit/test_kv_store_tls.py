@@ -18,7 +18,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from unit.kv_store_helpers import IDENT, fresh_names, random_blocks
 
-from pdserve.cli.configs import connector_config
+from pdserve.cli.configs import connector_config, up_store
 from pdserve.cli.parser import build_parser
 from pdserve.core.certs import make_test_ca
 from pdserve.core.grpc_tls import TlsFiles
@@ -28,6 +28,7 @@ from pdserve.kv_transfer.remote.decision import FetchDecision
 from pdserve.kv_transfer.remote.local_redis import LocalRedis, LocalRedisCluster
 from pdserve.kv_transfer.remote.plan import StorePlanner
 from pdserve.kv_transfer.remote.redis_store import RedisKVStore
+from pdserve.launch import up
 from pdserve.launch.up import UpConfig
 from pdserve.launch.up_servers import KeptServer
 from pdserve.launch.up_store import KvStoreUp
@@ -213,8 +214,6 @@ def test_up_with_redis_under_require_tls_hands_workers_a_tls_only_store(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: TlsFiles) -> None:
     """run_up as `up --with-redis --require-tls` runs it, the children replaced by a
     stand-in that opens the store as a worker parses its flags."""
-    from pdserve.launch import up
-
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
     seen: dict[str, object] = {}
 
@@ -241,3 +240,20 @@ def test_up_with_redis_under_require_tls_hands_workers_a_tls_only_store(
     assert up.run_up(UpConfig(model="/m", tls=required, kv_store=KvStoreUp(
         with_redis=True, redis_maxmemory="32mb"))) == 0
     assert str(seen["url"]).startswith("rediss://127.0.0.1:") and seen["written"] == 2
+
+
+def test_up_hands_the_store_tls_flags_to_every_worker(files: TlsFiles, tmp_path: Path) -> None:
+    other = make_test_ca(tmp_path / "store-ca")
+    args = build_parser().parse_args([
+        "up", "--model", "/m", "--kv-store", "rediss://r:6380", "--kv-store-tls-ca",
+        str(other.ca), "--kv-store-tls-cert", str(other.cert), "--kv-store-tls-key",
+        str(other.key)])
+    store = up_store(args)
+    assert (store.tls_ca, store.tls_cert, store.tls_key) == (other.ca, other.cert, other.key)
+    for child in up.plan(UpConfig(model="/m", num_prefill=1, kv_store=store), tmp_path):
+        if child.name == "router":
+            assert "--kv-store-tls-ca" not in child.argv
+            continue
+        role = child.name.split("-")[0]
+        connector = _worker_connector(child.argv[child.argv.index(role) + 1:])
+        assert connector.store_tls() == TlsFiles(other.cert, other.key, other.ca)
