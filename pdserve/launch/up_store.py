@@ -70,6 +70,9 @@ class KvStoreUp:
             self._check_url(self.url)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--kv-store-tls-cert and --kv-store-tls-key go together")
+        if (self.tls_ca or self.tls_cert) and not self.url:
+            raise ValueError("--kv-store-tls-ca/-cert/-key need a --kv-store URL (--with-redis "
+                             "serves with the cluster's --tls-cert/--tls-key/--tls-ca)")
         if self.password_file:
             if not self.enabled:
                 raise ValueError("--kv-store-password-file needs --kv-store URL or "

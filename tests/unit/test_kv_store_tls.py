@@ -257,3 +257,5 @@ def test_up_hands_the_store_tls_flags_to_every_worker(files: TlsFiles, tmp_path:
         role = child.name.split("-")[0]
         connector = _worker_connector(child.argv[child.argv.index(role) + 1:])
         assert connector.store_tls() == TlsFiles(other.cert, other.key, other.ca)
+    with pytest.raises(ValueError, match="need a --kv-store URL"):
+        KvStoreUp(with_redis=True, tls_ca=other.ca)
