@@ -19,7 +19,7 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 
 set --
-for host in etcd router prefill decode localhost 127.0.0.1; do
+for host in etcd router prefill decode redis localhost 127.0.0.1; do
     set -- "$@" --host "$host"
 done
 

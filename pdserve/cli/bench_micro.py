@@ -263,10 +263,13 @@ TOOLS: dict[str, Tool] = {
                      "the cluster KV store's SET/GET GiB/s on its values beside a memcpy of "
                      "the same bytes", (
         ("--url", {"help": "a KV store URL, redis://HOST:PORT or redis-cluster://... "
+                   "(rediss:// verified against the system's roots) "
                    "(default: a local redis-server started for the run)"}),
         ("--value-mib", {"type": _csv(float), "help": "comma-separated value sizes in MiB"}),
         ("--total-mib", {"type": int, "help": "MiB written and read per size and rep"}),
         ("--batch-mib", {"type": int, "help": "MiB per call (one round trip each)"}),
+        ("--tls", {"action": "store_true", "help": "the local server over mutual TLS "
+                   "(a throwaway CA): compare with a run without it for what TLS costs"}),
         "--reps", "--json",
     )),
     "kv-compression": Tool("kv_compression", configs.KvCompressionConfig,

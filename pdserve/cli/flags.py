@@ -94,10 +94,12 @@ FLAGS = _flags(
          "default: adaptive, see docs/benchmarks.md)", DEFAULT_POLICY, check_policy,
          metavar="NAME"),
     Flag("kv-store", "the cluster KV store every worker shares, below its own tiers: "
-         "redis://HOST:PORT[/DB] or redis-cluster://HOST:PORT[,HOST:PORT...] (no password in "
-         "the URL: --kv-store-password-file). Finished requests' blocks are published behind "
-         "the request; a prompt's leading blocks load from it when that is faster than "
-         "computing them (default: off)", None, metavar="URL"),
+         "redis://HOST:PORT[/DB] or redis-cluster://HOST:PORT[,HOST:PORT...], over TLS "
+         "rediss://... or rediss-cluster://... (the store verified against --tls-ca, "
+         "--tls-cert/--tls-key presented; --require-tls refuses the plaintext ones; no "
+         "password in the URL: --kv-store-password-file). Finished requests' blocks are "
+         "published behind the request; a prompt's leading blocks load from it when that "
+         "is faster than computing them (default: off)", None, metavar="URL"),
     Flag("kv-store-ttl-s", "how long a block published to the KV store lives there at most, "
          "in seconds (the server's memory cap may drop it sooner)", 3600.0, parse_float(1)),
     Flag("kv-store-timeout-s", "the deadline of each KV store call, in seconds: a stopped "
@@ -110,6 +112,13 @@ FLAGS = _flags(
          "measured: docs/benchmarks.md)", ADMIT_ALL, check_admission, metavar="NAME"),
     Flag("kv-store-password-file", "a file holding the KV store's password (Redis AUTH); "
          "never on the command line", None, metavar="FILE"),
+    Flag("kv-store-tls-ca", "a rediss:// KV store: the PEM CA bundle its certificate is "
+         "verified against, when not --tls-ca (neither: the system's roots)", None,
+         metavar="PATH"),
+    Flag("kv-store-tls-cert", "a rediss:// KV store: the PEM client certificate presented "
+         "to it, when not --tls-cert (with --kv-store-tls-key)", None, metavar="PATH"),
+    Flag("kv-store-tls-key", "the PEM private key of --kv-store-tls-cert", None,
+         metavar="PATH"),
     Flag("kv-compression", "how KV blocks are encoded in the KV store: none, lossless "
          "(bit-identical), int8 or fp8 (lossy, per-block per-head scales); workers with "
          "different settings never share a block", "none",
@@ -352,8 +361,9 @@ FLAGS = _flags(
     Flag("tls-ca", "PEM CA bundle: the router verifies workers against it (and uses TLS); "
          "a worker then requires client certificates it signed (mutual TLS)", metavar="PATH"),
     Flag("require-tls", "refuse to start any plaintext cluster listener or client: gRPC, KV "
-         "(tcp transport only: ucx and torch move KV bytes unencrypted) and etcd (https:// "
-         "only) all need mutual TLS with --tls-cert/--tls-key/--tls-ca", False, parse_bool,
+         "(tcp transport only: ucx and torch move KV bytes unencrypted), etcd (https:// "
+         "only) and the KV store (rediss:// only) all need TLS, mutual with "
+         "--tls-cert/--tls-key/--tls-ca", False, parse_bool,
          switch=True),
     Flag("max-restarts", "a child (worker or router) that exits is restarted with back-off "
          "(1 s doubling to 30 s); after this many restarts within --restart-window-s it is "

@@ -11,7 +11,12 @@ from pdserve.core.cluster_secret import ClusterSecret, optional_secret
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.kv_transfer.base import TransportOptions, transport_names
 from pdserve.kv_transfer.control.tls import KvTls, load_kv_tls
-from pdserve.kv_transfer.remote.base import StoreOptions, store_schemes
+from pdserve.kv_transfer.remote.base import (
+    TLS_SCHEMES,
+    StoreOptions,
+    check_store_tls,
+    store_schemes,
+)
 from pdserve.kv_transfer.remote.local_redis import read_password
 from pdserve.kv_transfer.tiers.policies.registry import check_admission, check_policy
 
@@ -56,6 +61,11 @@ class ConnectorConfig:
     kv_store_ttl_s: float = 3600.0
     kv_store_timeout_s: float = 0.5
     kv_store_password_file: str | None = None
+    # A rediss:// store's TLS files where they are not the cluster's (tls_* below): the CA
+    # that signed the store's certificate, the client certificate and its key (paths).
+    kv_store_tls_ca: str | None = None
+    kv_store_tls_cert: str | None = None
+    kv_store_tls_key: str | None = None
     kv_compression: str = "none"
     # Which new blocks are worth writing to the store (``remote/admission.py``; the
     # tiers' policy names, or ``all``).
@@ -113,13 +123,26 @@ class ConnectorConfig:
         if parts.password is not None:
             raise ValueError("the KV store URL carries a password, which vLLM would log: "
                              "give it in a file (--kv-store-password-file)")
+        check_store_tls(self.kv_store, self.require_tls)
+        if bool(self.kv_store_tls_cert) != bool(self.kv_store_tls_key):
+            raise ValueError("--kv-store-tls-cert and --kv-store-tls-key go together")
+        if parts.scheme in TLS_SCHEMES:
+            self.store_tls().load()  # an unreadable file fails in the worker, not in vLLM
+
+    def store_tls(self) -> TlsFiles:
+        """A rediss:// store's files: --kv-store-tls-*, else the cluster's --tls-*."""
+        cert, key = ((self.kv_store_tls_cert, self.kv_store_tls_key) if self.kv_store_tls_cert
+                     else (self.tls_cert, self.tls_key))
+        return TlsFiles(cert, key, self.kv_store_tls_ca or self.tls_ca)
 
     def store_options(self) -> StoreOptions:
-        """The KV store client's deadline and password (read from its file now)."""
+        """The KV store client's deadline, password (read from its file now) and TLS
+        files."""
         password = None
         if self.kv_store_password_file:  # its first line, as redis-server's requirepass
             password = read_password(Path(self.kv_store_password_file))
-        return StoreOptions(timeout_s=self.kv_store_timeout_s, password=password)
+        return StoreOptions(timeout_s=self.kv_store_timeout_s, password=password,
+                            tls=self.store_tls())
 
     def tls_files(self) -> TlsFiles:
         return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca, required=self.require_tls)

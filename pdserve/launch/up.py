@@ -25,6 +25,7 @@ from pdserve.core.grpc_tls import TlsFiles
 from pdserve.core.model import cache_dir
 from pdserve.core.ports import free_port
 from pdserve.kv_transfer.base import transport_names
+from pdserve.kv_transfer.remote.base import check_store_tls
 from pdserve.launch.cpu_layout import CPU_LAYOUTS, DEFAULT_CPU_LAYOUT, core_sets, resolve_layout
 from pdserve.launch.supervisor import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW_S, RestartPolicy
 from pdserve.launch.up_children import STOP_GRACE_S, Child, console
@@ -106,6 +107,8 @@ class UpConfig:
             raise ValueError("give --etcd URL or --with-etcd, not both")
         if self.etcd:
             check_etcd_url(self.etcd, self.tls)  # --require-tls: https:// only
+        if self.kv_store.url:
+            check_store_tls(self.kv_store.url, self.tls.required)  # and rediss:// only
         if self.etcd_auth.user and not self.etcd:
             raise ValueError("--etcd-user needs --etcd URL (--with-etcd starts an etcd "
                              "without users)")
@@ -265,7 +268,9 @@ def run_up(cfg: UpConfig) -> int:
         cfg = replace(cfg, etcd=etcd.url, with_etcd=False)
     try:
         if cfg.kv_store.with_redis:  # a password of its own unless given one
-            store = LocalStore(cfg.kv_store, log_dir).start()
+            # TLS (client certificates required) whenever up has mutual TLS files, as etcd
+            store = LocalStore(cfg.kv_store, log_dir,
+                               tls=cfg.tls if cfg.tls.mutual else None).start()
             console.print(f"local redis at {store.server.url} (KV store, "
                           f"maxmemory {cfg.kv_store.redis_maxmemory})")
             cfg = replace(cfg, kv_store=store.store)

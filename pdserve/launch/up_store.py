@@ -8,7 +8,9 @@ enforced by the server, ``allkeys-lru`` eviction (every block is written with a 
 expire, which with write-once blocks is the oldest written: a shared system prompt's
 blocks, the hottest, would go first), and a password (``requirepass``) that ``up``
 generates into a file of its own unless ``--kv-store-password-file`` names one. Its log
-is ``redis.log`` in the run's log folder.
+is ``redis.log`` in the run's log folder. When ``up`` has mutual TLS files (as for its
+etcd) the server speaks TLS only, with the cluster's certificate, requiring client
+certificates its CA signed, and the workers get its ``rediss://`` URL.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from pdserve.core.grpc_tls import TlsFiles
 from pdserve.kv_transfer.config import KV_COMPRESSIONS
 from pdserve.kv_transfer.remote.base import store_schemes
 from pdserve.kv_transfer.tiers.policies.registry import ADMIT_ALL, check_admission
@@ -48,6 +51,10 @@ class KvStoreUp:
     ttl_s: float = 3600.0
     timeout_s: float = 0.5
     password_file: str | None = None
+    # --kv-store-tls-*: a rediss:// store's files where not the cluster's --tls-*
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
     compression: str = "none"
     admission: str = ADMIT_ALL  # --kv-store-admission
     with_redis: bool = False  # start a local redis-server and point every worker at it
@@ -64,6 +71,11 @@ class KvStoreUp:
         check_admission(self.admission)
         if self.url:
             self._check_url(self.url)
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--kv-store-tls-cert and --kv-store-tls-key go together")
+        if (self.tls_ca or self.tls_cert) and not self.url:
+            raise ValueError("--kv-store-tls-ca/-cert/-key need a --kv-store URL (--with-redis "
+                             "serves with the cluster's --tls-cert/--tls-key/--tls-ca)")
         if self.password_file:
             if not self.enabled:
                 raise ValueError("--kv-store-password-file needs --kv-store URL or "
@@ -98,14 +110,20 @@ class KvStoreUp:
             argv += ["--kv-store-admission", self.admission]
         if self.password_file:
             argv += ["--kv-store-password-file", self.password_file]
+        for flag, path in (("--kv-store-tls-ca", self.tls_ca),
+                           ("--kv-store-tls-cert", self.tls_cert),
+                           ("--kv-store-tls-key", self.tls_key)):
+            argv += [flag, path] if path else []
         return argv
 
 
 class LocalStore:
-    """``--with-redis``: a local redis-server with a password, and the store settings
-    that point the workers at it. ``stop()`` ends it and removes its files."""
+    """``--with-redis``: a local redis-server with a password (and TLS with ``tls``: the
+    cluster's mutual TLS files), and the store settings that point the workers at it.
+    ``stop()`` ends it and removes its files."""
 
-    def __init__(self, store: KvStoreUp, log_dir: Path) -> None:
+    def __init__(self, store: KvStoreUp, log_dir: Path, tls: TlsFiles | None = None
+                 ) -> None:
         from pdserve.kv_transfer.remote.local_redis import LocalRedis
 
         self._own: tempfile.TemporaryDirectory[str] | None = None
@@ -120,7 +138,7 @@ class LocalStore:
         try:
             self.server: LocalRedis = LocalRedis(
                 maxmemory=store.redis_maxmemory, policy=LOCAL_POLICY,
-                log_path=log_dir / "redis.log", password_file=Path(password_file))
+                log_path=log_dir / "redis.log", password_file=Path(password_file), tls=tls)
         except (RuntimeError, ValueError):
             self._cleanup()
             raise

@@ -84,9 +84,10 @@ def test_codec_refuses_a_flipped_byte_a_cut_or_another_key(payload: bytes,
 
 
 def test_an_unknown_scheme_lists_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match="redis://, redis-cluster://"):
+    with pytest.raises(ValueError, match="redis://, redis-cluster://, rediss://, "
+                                         "rediss-cluster://"):
         create_store("memcached://127.0.0.1:11211")
-    assert store_schemes() == ["redis", "redis-cluster"]
+    assert store_schemes() == ["redis", "redis-cluster", "rediss", "rediss-cluster"]
 
 
 def test_a_bad_cluster_url_and_bad_options_are_refused() -> None:

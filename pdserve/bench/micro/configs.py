@@ -305,10 +305,13 @@ class KvStoreConfig:
     batch_mib: int = 16  # bytes per put_blocks / get_blocks call (one round trip)
     reps: int = 3
     json: str | None = None  # also write the JSON lines to this file
+    tls: bool = False  # the local server over TLS (mutual, a throwaway CA): what TLS costs
 
     def __post_init__(self) -> None:
         if not self.value_mib or min(self.value_mib) <= 0:
             raise ValueError("--value-mib must be sizes > 0")
+        if self.tls and self.url:
+            raise ValueError("--tls is for the local server: give a rediss:// --url instead")
         if max(self.value_mib) > min(self.total_mib, 512):
             raise ValueError("--value-mib must be <= --total-mib (and 512)")
         if self.batch_mib < 1 or self.reps < 1:

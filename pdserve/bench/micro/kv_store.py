@@ -6,8 +6,11 @@ For each ``--value-mib`` size it writes ``--total-mib`` of values through the st
 round trip each) and reads them back (``get_blocks``: GET, the checksum verified); on a
 ``redis://`` server also with redis-py's bare pipelines (no header, no check), the cost
 of the store's own layer. Each repetition writes new names (a held name is never
-rewritten). One JSON line per (size, operation): the median GiB/s over ``--reps``.
-Without ``--url`` a local redis-server (no persistence, a memory cap) runs for it.
+rewritten). One JSON line per (size, operation): the median GiB/s over ``--reps``, and
+whether the connection was TLS.
+Without ``--url`` a local redis-server (no persistence, a memory cap) runs for it, over
+mutual TLS with ``--tls`` (a throwaway CA in a temporary folder): beside a run without
+it, what TLS costs.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +29,8 @@ from pathlib import Path
 import redis
 
 from pdserve.bench.micro.configs import KvStoreConfig
+from pdserve.core.certs import make_test_ca
+from pdserve.core.grpc_tls import TlsFiles
 from pdserve.kv_transfer.remote.base import KVStore, StoreError, StoreOptions, create_store
 from pdserve.kv_transfer.remote.local_redis import LocalRedis
 from pdserve.kv_transfer.remote.names import BlockName, KVIdentity
@@ -36,13 +42,13 @@ _TTL_S = 120.0  # values left on an external server go away by themselves
 def run(config: KvStoreConfig) -> int:
     lines: list[str] = []
     try:
-        with _server(config) as url:
-            store = create_store(url, StoreOptions(timeout_s=10.0))
-            raw = redis.Redis.from_url(url) if url.startswith("redis://") else None
+        with _server(config) as (url, tls):
+            store = create_store(url, StoreOptions(timeout_s=10.0, tls=tls))
+            raw = _raw_client(url, tls)
             try:
                 for mib in config.value_mib:
                     for row in _measure(config, store, raw, mib):
-                        lines.append(json.dumps(row))
+                        lines.append(json.dumps({**row, "tls": url.startswith("rediss")}))
                         print(lines[-1], flush=True)
             finally:
                 store.close()
@@ -57,13 +63,26 @@ def run(config: KvStoreConfig) -> int:
 
 
 @contextlib.contextmanager
-def _server(config: KvStoreConfig) -> Iterator[str]:
+def _server(config: KvStoreConfig) -> Iterator[tuple[str, TlsFiles]]:
+    """The store's URL and TLS files (none: plaintext, or an external one's system roots)."""
     if config.url:
-        yield config.url
+        yield config.url, TlsFiles()
         return
     cap = f"{2 * config.total_mib + 2 * config.batch_mib + 64}mb"  # one size's values, twice
-    with LocalRedis(maxmemory=cap) as server:
-        yield server.url
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-kv-store-") as folder:
+        tls = make_test_ca(Path(folder)) if config.tls else None
+        with LocalRedis(maxmemory=cap, tls=tls) as server:
+            yield server.url, tls or TlsFiles()
+
+
+def _raw_client(url: str, tls: TlsFiles) -> redis.Redis | None:
+    """A bare client of a single server (a cluster: None), over TLS for ``rediss://``."""
+    if url.startswith("redis://"):
+        return redis.Redis.from_url(url)
+    if url.startswith("rediss://"):
+        return redis.Redis.from_url(url, ssl_certfile=tls.cert, ssl_keyfile=tls.key,
+                                    ssl_ca_certs=tls.ca)
+    return None
 
 
 def _measure(config: KvStoreConfig, store: KVStore, raw: redis.Redis | None,

@@ -26,6 +26,14 @@ two writers of one block cannot interleave. A value lives ``ttl_s`` seconds at m
 the server's memory cap (``maxmemory`` with an eviction policy, set by whoever runs it:
 ``local_redis.py`` does) may drop it sooner. A prefix whose middle block was dropped
 reads only up to the hole: ``lookup_prefix`` counts the contiguous run.
+
+TLS: ``rediss://`` and ``rediss-cluster://`` reach the store over TLS (TLS 1.2 at least),
+verifying its certificate and name against ``StoreOptions.tls.ca`` (the system's roots
+without one) and presenting ``tls.cert``/``tls.key`` as the client certificate when given
+(a server with ``tls-auth-clients yes`` requires one). A handshake that fails (no client
+certificate, a CA that did not sign the server's, a wrong name) is a ``StoreError``, as an
+unreachable server is. ``--require-tls`` refuses the plaintext schemes
+(``check_store_tls``).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from pdserve.core.grpc_tls import TlsFiles
 from pdserve.kv_transfer.remote.names import BlockName
 
 
@@ -51,6 +60,9 @@ class StoreTimeoutError(StoreError):
 class StoreOptions:
     timeout_s: float = 1.0  # connect, and each wait for the server's reply
     password: str | None = field(default=None, repr=False)  # AUTH; never in a URL or log
+    # the TLS schemes' files: the CA the store's certificate is checked against (None:
+    # the system's roots) and the client certificate; a plaintext URL ignores them
+    tls: TlsFiles = TlsFiles()
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -84,7 +96,9 @@ class KVStore(Protocol):
 
 
 # URL scheme -> "module:factory", imported only when one is created (the redis package)
-_BUILTIN = {"redis": ".redis_store:open_redis", "redis-cluster": ".redis_store:open_redis"}
+_BUILTIN = {"redis": ".redis_store:open_redis", "redis-cluster": ".redis_store:open_redis",
+            "rediss": ".redis_store:open_redis", "rediss-cluster": ".redis_store:open_redis"}
+TLS_SCHEMES = ("rediss", "rediss-cluster")
 
 
 def store_schemes() -> list[str]:
@@ -92,9 +106,19 @@ def store_schemes() -> list[str]:
     return sorted(_BUILTIN)
 
 
+def check_store_tls(url: str, required: bool) -> None:
+    """``--require-tls`` refuses a store URL whose bytes (KV blocks, the password) would
+    cross the network in clear."""
+    if required and urlsplit(url).scheme not in TLS_SCHEMES:
+        raise ValueError(f"--require-tls refuses the plaintext KV store {url!r}: give "
+                         "rediss://HOST:PORT or rediss-cluster://HOST:PORT[,...] (a Redis "
+                         "serving TLS)")
+
+
 def create_store(url: str, options: StoreOptions | None = None) -> KVStore:
     """The store ``url`` names (``redis://HOST:PORT[/DB]``,
-    ``redis-cluster://HOST:PORT[,HOST:PORT...]``); an unknown scheme lists the valid
+    ``redis-cluster://HOST:PORT[,HOST:PORT...]``, over TLS ``rediss://`` and
+    ``rediss-cluster://``); an unknown scheme lists the valid
     ones (``ValueError``). Connecting may raise ``StoreError``."""
     scheme = urlsplit(url).scheme
     target = _BUILTIN.get(scheme)

@@ -9,6 +9,10 @@ expire), bound to 127.0.0.1 in a temporary directory that ``stop()`` removes. Wi
 ``password_file`` (``pdserve up --with-redis`` makes one) the server requires that
 password (``requirepass``), given in a config file in its own directory, never on its
 command line.
+With ``tls`` (mutual TLS files: ``pdserve up --with-redis`` hands it the cluster's) the
+server listens for TLS only (``--port 0 --tls-port``), requires a client certificate its
+CA signed (``--tls-auth-clients yes``) and its URL is ``rediss://``; a cluster's bus and
+replication use TLS too.
 ``LocalRedisCluster`` starts ``masters`` cluster-enabled servers (each with ``replicas``
 replicas) and joins them with ``redis-cli --cluster create``.
 """
@@ -25,6 +29,7 @@ from pathlib import Path
 import redis
 
 from pdserve.core import process
+from pdserve.core.grpc_tls import TlsFiles
 from pdserve.core.ports import free_port
 
 START_TIMEOUT_S = 15.0
@@ -43,18 +48,22 @@ class LocalRedis:
     def __init__(self, maxmemory: str = "256mb", policy: str = "allkeys-lru",
                  port: int | None = None, cluster: bool = False,
                  data_dir: Path | None = None, log_path: Path | None = None,
-                 password_file: Path | None = None) -> None:
+                 password_file: Path | None = None, tls: TlsFiles | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown maxmemory policy {policy!r}; valid: "
                              f"{', '.join(POLICIES)}")
         self._binary = redis_binary()
         self.password = read_password(password_file) if password_file else None
         self.port = port or free_port()
+        listen = _listen(self.port, tls)  # a bad TLS set fails before the folder is made
         self._own_dir = data_dir is None
         self.data_dir = data_dir or Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
-        self._argv = [self._binary, "--port", str(self.port), "--bind", "127.0.0.1",
+        self.tls = tls
+        self._argv = [self._binary, *listen, "--bind", "127.0.0.1",
                       "--save", "", "--appendonly", "no", "--maxmemory", maxmemory,
                       "--maxmemory-policy", policy, "--dir", str(self.data_dir)]
+        if cluster and tls is not None:
+            self._argv += ["--tls-cluster", "yes", "--tls-replication", "yes"]
         if cluster:
             self._argv += ["--cluster-enabled", "yes", "--cluster-config-file",
                            f"nodes-{self.port}.conf", "--cluster-node-timeout", "2000",
@@ -65,7 +74,7 @@ class LocalRedis:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"{'redis' if self.tls is None else 'rediss'}://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> LocalRedis:
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # again after a stop
@@ -80,10 +89,15 @@ class LocalRedis:
             raise process.NotReadyError(f"redis-server {exc}") from None
         return self
 
-    def client(self, timeout_s: float = 1.0) -> redis.Redis:
-        """A plain client of this server (tests: raw keys, CONFIG, CLUSTER INFO)."""
+    def client(self, timeout_s: float = 1.0, check_hostname: bool = True) -> redis.Redis:
+        """A plain client of this server (tests: raw keys, CONFIG, CLUSTER INFO); over
+        TLS with the server's own files."""
+        tls = self.tls or TlsFiles()
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=timeout_s,
-                           socket_connect_timeout=timeout_s, password=self.password)
+                           socket_connect_timeout=timeout_s, password=self.password,
+                           ssl=self.tls is not None, ssl_certfile=tls.cert,
+                           ssl_keyfile=tls.key, ssl_ca_certs=tls.ca,
+                           ssl_check_hostname=check_hostname)
 
     def _write_conf(self, password: str) -> Path:
         """``requirepass`` in a file only this user reads (in the server's directory)."""
@@ -93,7 +107,9 @@ class LocalRedis:
         return conf
 
     def _ping(self) -> str:
-        with self.client(timeout_s=0.5) as c:
+        # the process this object started, on 127.0.0.1: whatever names its certificate
+        # gives (a test's may give none that fits), its CA is still checked
+        with self.client(timeout_s=0.5, check_hostname=False) as c:
             return "" if c.ping() else "no PONG"
 
     def _exited(self) -> str | None:
@@ -130,9 +146,12 @@ class LocalRedis:
 
 class LocalRedisCluster:
     def __init__(self, masters: int = 3, replicas: int = 0, maxmemory: str = "256mb",
-                 policy: str = "allkeys-lru", log_path: Path | None = None) -> None:
+                 policy: str = "allkeys-lru", log_path: Path | None = None,
+                 tls: TlsFiles | None = None) -> None:
         if masters < 3:
             raise ValueError(f"a Redis Cluster needs >= 3 masters, not {masters}")
+        if tls is not None and not tls.mutual:
+            raise ValueError("a TLS redis-server needs a certificate, its key and a CA")
         self.data_dir = Path(tempfile.mkdtemp(prefix="pdserve-redis-cluster-"))
         self.nodes: list[LocalRedis] = []
         for _ in range(masters * (1 + replicas)):
@@ -140,12 +159,14 @@ class LocalRedisCluster:
             node_dir = self.data_dir / str(port)
             node_dir.mkdir()
             self.nodes.append(LocalRedis(maxmemory, policy, port, cluster=True,
-                                         data_dir=node_dir, log_path=log_path))
+                                         data_dir=node_dir, log_path=log_path, tls=tls))
         self._replicas = replicas
+        self.tls = tls
 
     @property
     def url(self) -> str:
-        return "redis-cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        scheme = "redis-cluster" if self.tls is None else "rediss-cluster"
+        return f"{scheme}://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> LocalRedisCluster:
         try:
@@ -153,7 +174,8 @@ class LocalRedisCluster:
                 node.start(timeout_s)
             argv = [redis_binary("redis-cli"), "--cluster", "create",
                     *(f"127.0.0.1:{n.port}" for n in self.nodes),
-                    "--cluster-replicas", str(self._replicas), "--cluster-yes"]
+                    "--cluster-replicas", str(self._replicas), "--cluster-yes",
+                    *_cli_tls(self.tls)]
             done = subprocess.run(argv, capture_output=True, timeout=timeout_s, check=False)
             if done.returncode != 0:
                 raise process.NotReadyError(f"redis-cli --cluster create: exit "
@@ -196,6 +218,23 @@ def read_password(path: Path) -> str:
     if not password:
         raise ValueError(f"KV store password file {path} is empty")
     return password
+
+
+def _listen(port: int, tls: TlsFiles | None) -> list[str]:
+    """Plaintext on ``port``, or TLS only there with client certificates required."""
+    if tls is None:
+        return ["--port", str(port)]
+    if not (tls.cert and tls.key and tls.ca):
+        raise ValueError("a TLS redis-server needs a certificate, its key and a CA")
+    return ["--port", "0", "--tls-port", str(port), "--tls-cert-file", tls.cert,
+            "--tls-key-file", tls.key, "--tls-ca-cert-file", tls.ca,
+            "--tls-auth-clients", "yes"]
+
+
+def _cli_tls(tls: TlsFiles | None) -> list[str]:
+    if tls is None or not (tls.cert and tls.key and tls.ca):
+        return []
+    return ["--tls", "--cert", tls.cert, "--key", tls.key, "--cacert", tls.ca]
 
 
 def _quoted(text: str) -> str:

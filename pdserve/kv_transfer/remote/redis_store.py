@@ -1,5 +1,6 @@
 """``KVStore`` on Redis (``redis://HOST:PORT[/DB]``) and Redis Cluster
-(``redis-cluster://HOST:PORT[,HOST:PORT...]``), with the ``redis`` package's sync client.
+(``redis-cluster://HOST:PORT[,HOST:PORT...]``), with the ``redis`` package's sync client;
+over TLS with ``rediss://`` and ``rediss-cluster://`` (``base.py``: what is verified).
 
 Sync on purpose: the connector's saves and loads run on its own threads (never on an
 engine step), and one pipeline per call is one round trip either way. Each call is one
@@ -37,7 +38,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from pdserve.kv_transfer.remote import codec
-from pdserve.kv_transfer.remote.base import StoreError, StoreOptions, StoreTimeoutError
+from pdserve.kv_transfer.remote.base import (
+    TLS_SCHEMES,
+    StoreError,
+    StoreOptions,
+    StoreTimeoutError,
+)
 from pdserve.kv_transfer.remote.names import BlockName
 
 STATS = ("lookups", "lookup_blocks", "lookup_hit_blocks", "gets", "get_blocks",
@@ -186,25 +192,39 @@ class RedisKVStore:
 
 
 def open_redis(url: str, options: StoreOptions) -> RedisKVStore:
-    """The store at ``url`` (``redis://`` or ``redis-cluster://``); a cluster is asked
-    for its slots now (``StoreError`` if no node answers), a single server on first use."""
-    timeouts: dict[str, Any] = {"socket_timeout": options.timeout_s,
-                                "socket_connect_timeout": options.timeout_s,
-                                "retry": Retry(NoBackoff(), 0)}
-    if options.password is not None:
-        timeouts["password"] = options.password
+    """The store at ``url`` (``redis://``, ``redis-cluster://``, or over TLS ``rediss://``,
+    ``rediss-cluster://``); a cluster is asked for its slots now (``StoreError`` if no
+    node answers), a single server on first use."""
     parts = urlsplit(url)
-    if parts.scheme == "redis":
-        return RedisKVStore(redis.Redis.from_url(url, **timeouts), parts.netloc)
-    if parts.scheme != "redis-cluster":
+    kwargs: dict[str, Any] = {"socket_timeout": options.timeout_s,
+                              "socket_connect_timeout": options.timeout_s,
+                              "retry": Retry(NoBackoff(), 0)}
+    if options.password is not None:
+        kwargs["password"] = options.password
+    if parts.scheme in TLS_SCHEMES:  # rediss:// itself turns TLS on; a cluster's flag below
+        kwargs |= _tls_kwargs(options)
+    if parts.scheme in ("redis", "rediss"):
+        return RedisKVStore(redis.Redis.from_url(url, **kwargs), parts.netloc)
+    if parts.scheme not in ("redis-cluster", "rediss-cluster"):
         raise ValueError(f"not a Redis URL: {url!r}")
     nodes = [_node(part, url) for part in parts.netloc.split(",")]
     try:
-        client = RedisCluster(startup_nodes=nodes, **timeouts)
+        client = RedisCluster(startup_nodes=nodes, ssl=parts.scheme in TLS_SCHEMES,
+                              **kwargs)
     except (RedisError, RedisClusterException, OSError) as exc:
         raise StoreError(f"KV store {parts.netloc}: no cluster node answered: {exc}"
                          ) from exc
     return RedisKVStore(client, parts.netloc)
+
+
+def _tls_kwargs(options: StoreOptions) -> dict[str, Any]:
+    """redis-py's TLS options: the server's certificate and name verified (against the
+    CA file, else the system's roots), the client certificate when given; TLS 1.2 at
+    least (``ssl.create_default_context``'s floor, which redis-py builds on)."""
+    tls = options.tls
+    tls.load()  # an unreadable file fails here, naming it, not at the first call
+    return {"ssl_cert_reqs": "required", "ssl_check_hostname": True,
+            "ssl_ca_certs": tls.ca, "ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
 
 
 def _node(hostport: str, url: str) -> ClusterNode:

@@ -165,10 +165,54 @@ capabilities:
 {{- if contains "@" . -}}
 {{ fail "kvStore.url must not carry a password (the workers would log it): put it in a Secret, kvStore.password.existingSecret" }}
 {{- end -}}
+{{- if and (not (hasPrefix "rediss" .)) $.Values.kvStore.tls.enabled -}}
+{{ fail "kvStore.tls.enabled: kvStore.url must be rediss://HOST:PORT or rediss-cluster://HOST:PORT[,...] (a Redis serving TLS)" }}
+{{- end -}}
+{{- if and (not (hasPrefix "rediss" .)) $.Values.tls.enabled $.Values.tls.require -}}
+{{ fail "tls.require: kvStore.url must be rediss://HOST:PORT or rediss-cluster://HOST:PORT[,...] (--require-tls refuses a plaintext store)" }}
+{{- end -}}
 {{ . }}
 {{- else -}}
-redis://{{ include "pdserve.redisName" . }}:6379
+{{ ternary "rediss" "redis" (eq (include "pdserve.kvStoreTls" .) "true") }}://{{ include "pdserve.redisName" . }}:6379
 {{- end -}}
+{{- end -}}
+
+{{/* TLS to the store: an external URL says itself (rediss://); the chart's own Redis
+     serves TLS only under tls.enabled or kvStore.tls.enabled. */}}
+{{- define "pdserve.kvStoreTls" -}}
+{{- if .Values.kvStore.enabled -}}
+{{- if .Values.kvStore.url -}}
+{{- if hasPrefix "rediss" .Values.kvStore.url -}}true{{- end -}}
+{{- else if or .Values.kvStore.tls.enabled .Values.tls.enabled -}}true{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The Secret (tls.crt, tls.key, ca.crt) of TLS to the store: kvStore.tls.existingSecret,
+     else tls's (the workers have it as --tls-*); empty: none (an external rediss:// store
+     then is verified against the system's roots, and no client certificate is sent). */}}
+{{- define "pdserve.kvStoreTlsSecret" -}}
+{{- if include "pdserve.kvStoreTls" . -}}
+{{- if .Values.kvStore.tls.existingSecret -}}
+{{ .Values.kvStore.tls.existingSecret }}
+{{- else if .Values.tls.enabled -}}
+{{ include "pdserve.tlsSecretName" . }}
+{{- else if include "pdserve.kvStoreOwn" . -}}
+{{ fail "kvStore.tls.enabled: the chart's Redis needs a certificate: kvStore.tls.existingSecret (a kubernetes.io/tls Secret with ca.crt) or tls.enabled" }}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.kvStoreTlsVolume" -}}
+- name: kv-store-tls
+  secret:
+    secretName: {{ include "pdserve.kvStoreTlsSecret" . }}
+    defaultMode: 0440
+{{- end -}}
+
+{{- define "pdserve.kvStoreTlsMount" -}}
+- name: kv-store-tls
+  mountPath: /etc/pdserve/kv-store-tls
+  readOnly: true
 {{- end -}}
 
 {{/* Whether the workers send a password: always to the chart's own Redis (generated
@@ -197,6 +241,14 @@ redis://{{ include "pdserve.redisName" . }}:6379
 {{- if include "pdserve.kvStorePassword" . }}
 - name: PDSERVE_KV_STORE_PASSWORD_FILE
   value: /etc/pdserve/kv-store/{{ .Values.kvStore.password.secretKey }}
+{{- end }}
+{{- if and .Values.kvStore.tls.existingSecret (include "pdserve.kvStoreTls" .) }}
+- name: PDSERVE_KV_STORE_TLS_CA
+  value: /etc/pdserve/kv-store-tls/ca.crt
+- name: PDSERVE_KV_STORE_TLS_CERT
+  value: /etc/pdserve/kv-store-tls/tls.crt
+- name: PDSERVE_KV_STORE_TLS_KEY
+  value: /etc/pdserve/kv-store-tls/tls.key
 {{- end }}
 {{- end }}
 {{- end -}}
