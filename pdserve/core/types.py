@@ -253,6 +253,7 @@ class WorkerLoadReport:
     kv_store_save_dropped: int = 0
     kv_store_put_written: int = 0
     kv_store_put_failures: int = 0
+    kv_store_bad_deleted: int = 0
 
 
 @dataclass(frozen=True)
