@@ -56,7 +56,7 @@ class WorkerSide:
     def __init__(
         self, config: ConnectorConfig, compat: dict[str, Any], tp_rank: int, block_size: int,
         num_blocks: int, tier_slots: int = 0, disk_slots: int = 0, disk_compat: str = "",
-        store: Callable[[list[torch.Tensor], KVLayout], StoreWorker] | None = None,
+        store: Callable[[list[torch.Tensor], KVLayout], StoreWorker | None] | None = None,
     ) -> None:
         self._config = config
         self._make_store = store  # the cluster KV store's side, once the caches exist
