@@ -254,6 +254,7 @@ class WorkerLoadReport:
     kv_store_put_written: int = 0
     kv_store_put_failures: int = 0
     kv_store_not_admitted: int = 0  # blocks --kv-store-admission kept from the store
+    kv_store_bad_deleted: int = 0
 
 
 @dataclass(frozen=True)

@@ -299,6 +299,12 @@ class PdserveConnector(KVConnectorBase_V1):
             finished_sending=sending, finished_recving=recving, failed_recving=failed
         )
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks a finished load did not fill (the store's from its first missing or
+        bad block on): vLLM recomputes the request from the first of them and keeps the
+        blocks before (``kv_load_failure_policy="recompute"``)."""
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker.feedback() if self._worker is not None else None
 

@@ -56,7 +56,7 @@ class WorkerSide:
     def __init__(
         self, config: ConnectorConfig, compat: dict[str, Any], tp_rank: int, block_size: int,
         num_blocks: int, tier_slots: int = 0, disk_slots: int = 0, disk_compat: str = "",
-        store: Callable[[list[torch.Tensor], KVLayout], StoreWorker] | None = None,
+        store: Callable[[list[torch.Tensor], KVLayout], StoreWorker | None] | None = None,
     ) -> None:
         self._config = config
         self._make_store = store  # the cluster KV store's side, once the caches exist
@@ -99,6 +99,10 @@ class WorkerSide:
              "pool_load_blocks", "pool_load_time_ns", "pool_load_failures", "pool_load_bytes",
              "tier_miss_blocks", "tier_evictions", "disk_evictions", *STORE_COUNTS), 0)
         self._load_lock = threading.Lock()
+        # A load's blocks not loaded (the store's from its first missing one on), until
+        # ``poll`` reports the load, then until vLLM takes them (``take_load_errors``).
+        self._load_errors: dict[str, tuple[int, ...]] = {}
+        self._reported_errors: set[int] = set()
         self.steps = StepTimer()  # the engine's step times (the status op shows the fit)
         self.port = 0  # the KV endpoint's port, once registered
 
@@ -194,8 +198,12 @@ class WorkerSide:
         for req_id in [r for r, f in self._pulls.items() if f.done()]:
             future = self._pulls.pop(req_id)
             recving.add(req_id)
+            with self._load_lock:
+                lost = self._load_errors.pop(req_id, ())
             if future.exception() is not None:
-                failed.add(req_id)
+                failed.add(req_id)  # vLLM recomputes the whole request
+            else:  # reported in the pass that reports the request (vLLM's contract)
+                self._reported_errors.update(lost)
         return sending, recving, failed
 
     def _finished_sending(self) -> set[str]:
@@ -246,20 +254,36 @@ class WorkerSide:
 
     def _load_tiers(self, req_id: str, host: TierCopy | None, disk: TierCopy,
                     pool: PoolLoad | None, store: StoreCopy | None = None) -> int:
-        """A request's blocks from this worker's tiers, then from a peer's (the pool) or
-        the cluster store; ``TransferError`` if any part fails (vLLM then recomputes)."""
+        """A request's blocks from this worker's tiers, then from the cluster store, then
+        from a peer's host tier (the pool), in the order they sit in the request;
+        ``TransferError`` if a tier or the pool fails (vLLM then recomputes it all). The
+        store loads what it can: the blocks from its first missing or bad one on, the
+        pool's after them included (not loaded), are the request's load errors
+        (``take_load_errors``), and vLLM recomputes from there."""
         nbytes = 0
         if host is not None and (host.slots or disk.slots):
             if self._tiers is None:
                 raise TransferError("no KV tiers on this worker")
             nbytes += self._tiers.load(req_id, host, disk)
+        if store is not None and store.names:
+            loaded = 0
+            if self._store is not None:
+                got, loaded = self._store.load(req_id, store)
+                nbytes += got
+            if loaded < len(store.names):
+                lost = store.block_ids[loaded:] + (pool.block_ids if pool is not None else ())
+                with self._load_lock:
+                    self._load_errors[req_id] = lost
+                return nbytes
         if pool is not None and pool.hashes:
             nbytes += self._pull_pool(req_id, pool)
-        if store is not None and store.names:
-            if self._store is None:
-                raise TransferError("no KV store on this worker")
-            nbytes += self._store.load(req_id, store)
         return nbytes
+
+    def take_load_errors(self) -> set[int]:
+        """The blocks of the loads ``poll`` reported finished (not failed) that were not
+        loaded, since the last call (vLLM's ``get_block_ids_with_load_errors``)."""
+        errors, self._reported_errors = self._reported_errors, set()
+        return errors
 
     def feedback(self) -> StoreFeedback | None:
         """What the scheduler side's fetch-or-compute decision learns from this step

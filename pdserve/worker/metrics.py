@@ -92,9 +92,12 @@ _STORE_ROWS: Rows = (
     ("fetch_chosen", "prompts whose stored blocks were loaded: fetching beat computing"),
     ("compute_chosen", "prompts whose stored blocks were computed: computing beat "
      "fetching"),
-    *_load_rows("from the store", "(a block missing, bad or the store failing)"),
+    *_load_rows("from the store", "(a block missing, bad or the store failing: from "
+                "that block on)"),
     ("load_missing", "KV blocks a load found missing (expired, evicted) or refused"),
     ("bad_blocks", "KV blocks refused: checksum or encoding wrong"),
+    ("bad_deleted", "bad KV values deleted from the store (so a good one can be "
+     "published)"),
     ("timeouts", "store calls (loads, writes) that passed their deadline"),
     ("save_blocks", "KV blocks copied out of the cache to publish"),
     ("save_dropped", "KV blocks not published: the writer's queue was full"),

@@ -2,8 +2,10 @@
 engine caches, no host tier) with a real ``redis-server``: a prompt computed on one
 prefill worker is served from the store on the other (cached tokens counted, text equal
 to one aggregated vLLM engine), never under another salt or weight version; and the
-store's faults (a corrupt value, a full store, a store stopped past the lookup's
-deadline, the store killed) each end in a counted miss and the same text, status 200."""
+store's faults (a corrupt value, a block lost between the lookup and the load, a full
+store, a store stopped past the lookup's deadline, the store killed) each end in a
+counted miss and the same text, status 200; a block lost at load time keeps the blocks
+before it."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from pdserve_testing import Server, kill_cluster, launch_up, wait_until
 
 from pdserve.core.ports import free_port
 from pdserve.core.types import WorkerLoadReport
+from pdserve.kv_transfer.remote import codec
 from pdserve.kv_transfer.remote.local_redis import LocalRedis
 from pdserve.router.dispatch.workers.client import probe_load
 
@@ -169,7 +172,48 @@ def test_a_corrupt_value_is_a_counted_miss_and_the_text_is_one_engines(
     assert _total(after, "kv_store_bad_blocks") > _total(before, "kv_store_bad_blocks")
     assert _total(after, "kv_store_load_failures") == _total(before, "kv_store_load_failures") + 1
     assert _total(after, "kv_store_load_blocks") == _total(before, "kv_store_load_blocks")
+    # the bad values were deleted: the next writer can publish good ones
+    assert _total(after, "kv_store_bad_deleted") > _total(before, "kv_store_bad_deleted")
     assert text == _complete(vllm_openai, _prompt("C"))
+
+
+def test_a_block_lost_at_load_keeps_the_blocks_before_it_and_the_text_is_one_engines(
+        store_server: Server, redis_server: LocalRedis, one_prefill: dict[str, Any],
+        vllm_openai: str, tokenizer: Any) -> None:
+    """The lookup finds all three blocks, the load finds the third gone (a value whose
+    checksum fails reads exactly as one deleted since the lookup: missing): the first two
+    load, vLLM recomputes from the third."""
+    url = store_server.base_url
+    long = _prompt("L")
+    short = long[:long.index(" ", 1300)]  # two full blocks, then the long one's third
+    short_ids, long_ids = tokenizer(short).input_ids, tokenizer(long).input_ids
+    assert (len(short_ids) - 1) // 128 == 2 and (len(long_ids) - 1) // 128 == 3
+    assert short_ids[:256] == long_ids[:256]
+    client = redis_server.client()
+    earlier = set(client.keys(KEY_GLOB))
+    _complete(url, short)
+    assert wait_until(lambda: len(set(client.keys(KEY_GLOB)) - earlier) >= 2, timeout_s=20)
+    known = set(client.keys(KEY_GLOB))
+    _complete(url, long)  # publishes its third block only: the first two are held
+    assert wait_until(lambda: len(set(client.keys(KEY_GLOB)) - known) >= 1, timeout_s=20)
+    (third,) = set(client.keys(KEY_GLOB)) - known
+    value = bytearray(client.get(third))
+    value[len(value) // 2] ^= 0x55
+    client.set(third, bytes(value))
+    _evict(url, "l")
+    before = _prefills(store_server)
+    text = _complete(url, long)
+    after = _prefills(store_server)
+    assert _total(after, "kv_store_load_blocks") - _total(before, "kv_store_load_blocks") == 2
+    assert _total(after, "kv_store_load_failures") - _total(before,
+                                                           "kv_store_load_failures") == 1
+    assert _total(after, "kv_store_bad_deleted") - _total(before, "kv_store_bad_deleted") == 1
+    assert _total(after, "prompt_tokens_external") - _total(
+        before, "prompt_tokens_external") >= 2 * 128
+    # deleted, then published again, good, by the prefill that recomputed it
+    assert wait_until(lambda: codec.decode(third.decode(), client.get(third) or b"")
+                      is not None, timeout_s=20)
+    assert text == _complete(vllm_openai, long)
 
 
 def test_a_full_store_refuses_writes_counted_and_serving_goes_on(

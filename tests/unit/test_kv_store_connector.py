@@ -1,9 +1,9 @@
 """The cluster KV store's two connector sides on a real ``redis-server`` (no vLLM):
 blocks one worker publishes behind a request are found by another worker's scheduler
 side in one lookup and loaded bit-exact into its cache; another salt or weight version
-never finds them; a stopped store costs one deadline and then is skipped; a corrupt or
-missing block fails the load (vLLM recomputes); and the fetch-or-compute decision
-computes when computing is faster."""
+never finds them; a stopped store costs one deadline and then is skipped; a load stops
+at a corrupt or missing block (vLLM recomputes from there) and a corrupt value is
+deleted; and the fetch-or-compute decision computes when computing is faster."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.metadata import PdserveConnectorMetadata, StoreCopy, StoreFeedback
 from pdserve.kv_transfer.remote.base import StoreError, StoreOptions, create_store
@@ -50,6 +49,7 @@ class FakeOutput:
     failed_recving: set[str] = field(default_factory=set)
     finished_sending: set[str] = field(default_factory=set)
     kv_connector_worker_meta: StoreFeedback | None = None
+    invalid_block_ids: set[int] = field(default_factory=set)
 
 
 @pytest.fixture(scope="module")
@@ -93,16 +93,16 @@ class Side:
         output.kv_connector_worker_meta = StoreFeedback(0, loads, unpublished, published)
         self.plan.update(output)
 
-    def load(self, request: FakeRequest, dst: list[int]) -> int:
+    def load(self, request: FakeRequest, dst: list[int]) -> tuple[int, int]:
+        """(blocks planned, blocks loaded); the blocks not loaded reported as vLLM's
+        ``invalid_block_ids``, as the worker side does."""
         meta = PdserveConnectorMetadata()
         num = self.plan.plan_load(request.request_id, tuple(dst), meta)
         copy = meta.store_loads[request.request_id]
-        try:
-            self.worker.load(request.request_id, copy)
-        except TransferError:
-            self.plan.update(FakeOutput({request.request_id}, {request.request_id}))
-            raise
-        return num
+        _, loaded = self.worker.load(request.request_id, copy)
+        self.report(FakeOutput({request.request_id},
+                               invalid_block_ids=set(copy.block_ids[loaded:])))
+        return num, loaded
 
     def close(self) -> None:
         self.worker.close()
@@ -137,7 +137,7 @@ def test_blocks_published_by_one_worker_load_bit_exact_on_another(
     # block is never loaded (it is computed)
     request = FakeRequest("b1", tokens)
     assert b.plan.match(request, 0) == 5 * BS
-    assert b.load(request, [0, 1, 2, 4, 6]) == 5
+    assert b.load(request, [0, 1, 2, 4, 6]) == (5, 5)
     for src, dst in zip([3, 5, 7, 9, 11], [0, 1, 2, 4, 6], strict=True):
         for layer_a, layer_b in zip(a.kv, b.kv, strict=True):
             assert torch.equal(layer_a[src], layer_b[dst])
@@ -175,25 +175,55 @@ def test_another_salt_or_weight_version_never_finds_the_blocks(
     assert (v2.identity.cache_salt, v2.identity.weight_version) == ("tenant-a", "v2")
 
 
-def test_a_missing_or_corrupt_block_fails_the_load_and_is_counted(
+def test_a_corrupt_block_stops_the_load_there_and_is_deleted_then_published_again(
         sides: tuple[Side, Side], server: LocalRedis) -> None:
     a, b = sides
     tokens = _prompt(4)
     a.publish(FakeRequest("a4", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
     request = FakeRequest("b4", tokens)
     assert b.plan.match(request, 0) == 5 * BS
-    key = b.plan.names(request, 5)[1].key
+    key = b.plan.names(request, 5)[2].key
     client = server.client()
     value = bytearray(client.get(key))
     value[-1] ^= 0xFF  # a flipped byte in the payload
     client.set(key, bytes(value))
     before = [t.clone() for t in b.kv]
-    with pytest.raises(TransferError):
-        b.load(request, [0, 1, 2, 3, 4])
-    assert b.worker.stats()["store_bad_blocks"] == 1
-    assert b.worker.stats()["store_load_failures"] == 1
+    stats = b.worker.stats()
+    assert b.load(request, [5, 6, 7, 8, 9]) == (5, 2)  # the blocks before it load
+    after = b.worker.stats()
+    for name in ("store_bad_blocks", "store_bad_deleted", "store_load_failures",
+                 "store_load_missing"):
+        assert after[name] - stats[name] == 1, name
+    assert after["store_load_blocks"] - stats["store_load_blocks"] == 2
     assert b.plan.take_counts()["store_load_failed"] == 1
-    assert all(torch.equal(x, y) for x, y in zip(before, b.kv, strict=True))  # nothing written
+    for layer_a, layer_b, old in zip(a.kv, b.kv, before, strict=True):
+        assert torch.equal(layer_b[5:7], layer_a[0:2])  # loaded bit-exact
+        assert torch.equal(layer_b[7:10], old[7:10])  # the rest: not written
+    assert client.exists(key) == 0  # deleted: not there until its TTL
+    # b computed the blocks; it publishes the one the store lost (SET NX succeeds now)
+    written = b.worker.stats()["store_put_written"]
+    b.publish(FakeRequest("b4", tokens, num_computed_tokens=len(tokens)), [5, 6, 7, 8, 9])
+    assert b.worker.stats()["store_put_written"] - written == 1
+    assert a.plan.match(FakeRequest("a5", tokens), 0) == 5 * BS  # whole again
+
+
+def test_a_block_gone_between_lookup_and_load_loads_the_prefix_before_it(
+        sides: tuple[Side, Side], server: LocalRedis) -> None:
+    a, b = sides
+    tokens = _prompt(15)
+    a.publish(FakeRequest("a15", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
+    request = FakeRequest("b15", tokens)
+    assert b.plan.match(request, 0) == 5 * BS
+    server.client().delete(b.plan.names(request, 5)[3].key)  # expired after the lookup
+    missing = b.worker.stats()["store_load_missing"]
+    assert b.load(request, [0, 1, 2, 3, 4]) == (5, 3)
+    assert b.worker.stats()["store_load_missing"] - missing == 1
+    assert b.plan.take_counts()["store_load_failed"] == 1
+    for layer_a, layer_b in zip(a.kv, b.kv, strict=True):
+        assert torch.equal(layer_b[0:3], layer_a[0:3])
+    # the request is not asked again (vLLM computes its rest); the lost block is
+    # published again by whoever computes it next
+    assert b.plan.match(request, 3 * BS) == 0
 
 
 def test_a_stopped_store_costs_one_deadline_then_lookups_pause(server: LocalRedis) -> None:
@@ -286,8 +316,8 @@ def test_a_store_down_at_start_is_a_miss_and_a_skipped_write(server: LocalRedis)
     try:
         tokens = _prompt(13)
         names = tuple(side.plan.names(FakeRequest("d", tokens), 5))
-        with pytest.raises(TransferError):
-            side.worker.load("d1", StoreCopy((0, 1, 2, 3, 4), names))
+        assert side.worker.load("d1", StoreCopy((0, 1, 2, 3, 4), names)) == (0, 0)
+        assert side.worker.stats()["store_load_failures"] == 1
         assert side.worker.save("d2", StoreCopy((0, 1), names[:2])) > 0
         assert side.worker.flush(5.0)
         _, unpublished, published = side.worker.take_feedback()
@@ -310,3 +340,4 @@ def test_a_save_larger_than_the_writers_queue_publishes_the_prefix_that_fits(
     assert [k for k, _ in published] == [n.key for n in names[:3]]  # a prefix stays useful
     assert unpublished == [n.key for n in names[3:]]
     assert a.worker.stats()["store_save_dropped"] == 2
+

@@ -104,6 +104,30 @@ def test_a_corrupted_value_is_a_counted_miss(server: LocalRedis, store: RedisKVS
     got = store.get_blocks(names)
     assert bytes(got[0] or b"") == blocks[0] and got[1:] == [None, None]
     assert store.stats()["bad_blocks"] - before["bad_blocks"] == 2
+    # both deleted: the next writer publishes good values (SET NX no longer refused)
+    assert store.stats()["bad_deleted"] - before["bad_deleted"] == 2
+    with server.client() as raw:
+        assert raw.exists(names[1].key, names[2].key) == 0
+    assert store.put_blocks(list(zip(names, blocks, strict=True)), ttl_s=60) == 2
+    assert [bytes(b or b"") for b in store.get_blocks(names)] == blocks
+
+
+def test_a_bad_value_is_deleted_only_while_the_store_still_holds_it(
+        server: LocalRedis, store: RedisKVStore) -> None:
+    names, blocks = _names(2), _blocks(2)
+    store.put_blocks(list(zip(names, blocks, strict=True)), ttl_s=60)
+    got = store.get_blocks(names)
+    before = store.stats()["bad_deleted"]
+    # the first: found bad past its checksum (its encoding), still the same value
+    assert store.discard([(names[0], got[0] or memoryview(b""))]) == 1
+    # the second: replaced since (expired, published again): the new value stays
+    with server.client() as raw:
+        raw.delete(names[1].key)
+    store.put_blocks([(names[1], b"a newer good value")], ttl_s=60)
+    assert store.discard([(names[1], got[1] or memoryview(b""))]) == 0
+    assert store.stats()["bad_deleted"] - before == 1
+    assert store.lookup_prefix(names) == 0
+    assert bytes(store.get_blocks(names[1:])[0] or b"") == b"a newer good value"
 
 
 def test_a_stopped_server_fails_the_call_within_its_deadline(server: LocalRedis,

@@ -95,6 +95,25 @@ def test_each_call_is_one_round_trip_to_one_shard(cluster: LocalRedisCluster,
         store.close()
 
 
+def test_a_corrupt_value_on_a_shard_is_deleted_there(cluster: LocalRedisCluster) -> None:
+    store = create_store(cluster.url, StoreOptions(timeout_s=1.0))
+    raw = redis.RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port)
+    try:
+        names, blocks = _names(3), _blocks(3)
+        assert store.put_blocks(list(zip(names, blocks, strict=True)), ttl_s=60) == 3
+        value = bytearray(raw.get(names[1].key) or b"")
+        value[-1] ^= 0x01
+        raw.set(names[1].key, bytes(value))
+        before = store.stats()["bad_deleted"]
+        got = store.get_blocks(names)
+        assert got[1] is None and bytes(got[0] or b"") == blocks[0]
+        assert store.stats()["bad_deleted"] - before == 1
+        assert raw.exists(names[1].key) == 0 and raw.exists(names[2].key) == 1
+    finally:
+        raw.close()
+        store.close()
+
+
 def test_a_stopped_shard_fails_only_its_prompts_within_the_deadline(
         cluster: LocalRedisCluster) -> None:
     store = create_store(cluster.url, StoreOptions(timeout_s=0.5))

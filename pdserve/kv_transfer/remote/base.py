@@ -18,7 +18,11 @@ means:
   miss (load) or a skipped write (save); the next call may succeed.
 - ``StoreTimeoutError`` (a ``StoreError``): the same, because the deadline passed.
 - A corrupt value (bad header, length or checksum) is not an error: the block reads as
-  missing and ``stats()["bad_blocks"]`` counts it.
+  missing and ``stats()["bad_blocks"]`` counts it. The store deletes it (only if it is
+  still that value: a good one published meanwhile stays), so the next writer can publish
+  the block again instead of the bad value blocking ``SET NX`` until its TTL;
+  ``stats()["bad_deleted"]`` counts deletions. ``discard`` does the same for a value the
+  caller found bad past the checksum (its encoding).
 
 Immutability: ``put_blocks`` writes a key only if it is absent (SET NX), in one
 atomic command per block, so a reader sees either no value or the whole first one, and
@@ -86,8 +90,15 @@ class KVStore(Protocol):
         first value. Returns how many were written; one round trip. ``StoreError``."""
         ...
 
+    def discard(self, items: Sequence[tuple[BlockName, memoryview]]) -> int:
+        """Delete each block whose payload (as ``get_blocks`` returned it) the caller
+        found bad, only if the store still holds that value; how many were deleted; one
+        round trip. ``StoreError``."""
+        ...
+
     def stats(self) -> dict[str, int]:
-        """Counters since start: calls, blocks, hits, misses, bad_blocks, errors, ..."""
+        """Counters since start: calls, blocks, hits, misses, bad_blocks, bad_deleted,
+        errors, ..."""
         ...
 
     def close(self) -> None:

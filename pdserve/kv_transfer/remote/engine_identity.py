@@ -4,10 +4,10 @@ connector, the same on its scheduler side and its worker side.
 Both sides of the connector get vLLM's config and the KV cache's config before any
 tensor exists, so the identity is built from those (the worker side's registered
 tensors are not needed): the model's checkpoint fingerprint (its files' content,
-``tiers/fingerprint.py``), the KV cache's spec (tokens per block, KV heads, head size,
-dtype), the number of cache tensors (layers), the bytes of one block, the device type
-(a CPU cache is laid out ``(blocks, heads, tokens, 2 * head_dim)``, a CUDA one ``(2,
-blocks, tokens, heads, head_dim)``: the same spec, other bytes) and the encoding of the
+``tiers/fingerprint.py``), the KV dtype and tokens per block, the KV format
+(``kv_format.py``: the device type, the attention backend vLLM's selector picks, the KV
+cache layout vLLM resolved, the attention spec with every field, the number of cache
+tensors, the bytes of one block, the TP size, vLLM's version), and the encoding of the
 stored values (``--kv-compression``).
 
 A request adds its ``cache_salt``. pdserve caches a request under its *versioned* salt
@@ -24,8 +24,16 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vllm.version import __version__ as vllm_version
+
 from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.kv_transfer.remote.compression import encoding_tag
+from pdserve.kv_transfer.remote.kv_format import (
+    KVFormat,
+    attention_backend,
+    cache_layout,
+    describe_spec,
+)
 from pdserve.kv_transfer.remote.names import KVIdentity
 from pdserve.kv_transfer.tiers.fingerprint import checkpoint_fingerprint
 
@@ -41,22 +49,30 @@ def engine_identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     """This engine's blocks' identity, without a salt (``for_request`` adds one)."""
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     num_tensors = len(kv_cache_config.kv_cache_tensors)
-    block_bytes = (sum(t.size for t in kv_cache_config.kv_cache_tensors)
-                   // max(kv_cache_config.num_blocks, 1))
     heads = int(getattr(spec, "num_kv_heads", 0))
     head_size = int(getattr(spec, "head_size", 0))
     dtype = str(getattr(spec, "dtype", vllm_config.model_config.dtype)).removeprefix("torch.")
-    device = str(vllm_config.device_config.device_type)
-    parallel = vllm_config.parallel_config
     model = str(vllm_config.model_config.model)
-    layout = (f"{device}:{type(spec).__name__}:layers{num_tensors}:heads{heads}:"
-              f"head{head_size}:bytes{block_bytes}:tp{parallel.tensor_parallel_size}")
     return KVIdentity(
         model_fingerprint=checkpoint_fingerprint(model, fingerprint_dir or _cache_dir())
         or f"name:{model}",
-        weight_version=DEFAULT_WEIGHT_VERSION, kv_dtype=dtype, kv_layout=layout,
+        weight_version=DEFAULT_WEIGHT_VERSION, kv_dtype=dtype,
+        kv_layout=engine_format(vllm_config, kv_cache_config).name(),
         block_size=vllm_config.cache_config.block_size,
         block_shape=(num_tensors, heads, head_size), kv_encoding=encoding_tag(encoding))
+
+
+def engine_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVFormat:
+    """How this engine lays its KV bytes out (``kv_format.py``)."""
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    return KVFormat(
+        device=str(vllm_config.device_config.device_type),
+        attention_backend=attention_backend(vllm_config, int(getattr(spec, "head_size", 0))),
+        cache_layout=cache_layout(vllm_config, kv_cache_config.kv_cache_layout),
+        spec=describe_spec(spec), num_tensors=len(kv_cache_config.kv_cache_tensors),
+        block_bytes=(sum(t.size for t in kv_cache_config.kv_cache_tensors)
+                     // max(kv_cache_config.num_blocks, 1)),
+        tp_size=vllm_config.parallel_config.tensor_parallel_size, vllm=vllm_version)
 
 
 def for_request(identity: KVIdentity, versioned_salt: str | None) -> KVIdentity:

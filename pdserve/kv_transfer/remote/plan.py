@@ -10,8 +10,10 @@ when ``FetchDecision`` says fetching beats computing it, and only from
 ``MIN_FETCH_BLOCKS`` blocks on (a round trip for one block rarely pays). A lookup that
 fails (the store down, stopped, full of errors) costs at most the store's deadline and
 suspends lookups for ``BACKOFF_S``: requests are computed meanwhile, never delayed
-again and again. A load that finds a block missing or corrupt fails; vLLM computes
-the blocks instead (``kv_load_failure_policy="recompute"``).
+again and again. A load that finds a block missing (expired or evicted since the
+lookup) or corrupt stops there: the worker side reports that block and every one after
+it as load errors, and vLLM recomputes from the first (``kv_load_failure_policy=
+"recompute"``), keeping the blocks before it (the engine's, the tiers', the store's).
 
 A finished request's computed full blocks that the store is not known to hold and
 that its admission policy admits (``admission.py``, ``--kv-store-admission``: all by
@@ -164,16 +166,20 @@ class StorePlanner:
 
     def update(self, output: KVConnectorOutput) -> None:
         failed = output.failed_recving or set()
+        invalid = output.invalid_block_ids or set()
         now = time.monotonic()
         for req_id in output.finished_recving or ():
             loading = self._loading.pop(req_id, None)
             if loading is None:
                 continue
-            if req_id in failed:
+            copy = loading[0]
+            lost = 0 if req_id in failed else next(
+                (i for i, b in enumerate(copy.block_ids) if b in invalid), None)
+            if lost is not None:  # failed, or loaded up to block ``lost``
                 if req_id not in self._gone:
                     self._failed.add(req_id)  # never asked again for this request
                 self._count(store_load_failed=1)
-                for name in loading[0].names:  # a block that failed is not trusted held
+                for name in copy.names[lost:]:  # a block that failed is not trusted held
                     self._known.pop(name.key, None)
             self._gone.discard(req_id)
         for req_id in output.finished_sending or ():

@@ -5,7 +5,10 @@ over TLS with ``rediss://`` and ``rediss-cluster://`` (``base.py``: what is veri
 Sync on purpose: the connector's saves and loads run on its own threads (never on an
 engine step), and one pipeline per call is one round trip either way. Each call is one
 non-transactional pipeline per server: ``lookup_prefix`` one EXISTS per name,
-``get_blocks`` one GET per name, ``put_blocks`` one ``SET NX PX`` per block.
+``get_blocks`` one GET per name, ``put_blocks`` one ``SET NX PX`` per block. A value
+``get_blocks`` finds corrupt (or ``discard`` is given) is deleted in a second round trip
+by a script that deletes the key only while it holds that value (its SHA-1 compared on
+the server: a good value published after the bad one expired stays).
 
 In cluster mode a prompt's keys share a hash tag (``names.py``), so they are one slot on
 one shard, and the store sends them as one plain pipeline to the node that owns the slot
@@ -24,6 +27,7 @@ value is bounded by its size over the link's rate, plus ``timeout_s`` per stall)
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -47,8 +51,13 @@ from pdserve.kv_transfer.remote.base import (
 from pdserve.kv_transfer.remote.names import BlockName
 
 STATS = ("lookups", "lookup_blocks", "lookup_hit_blocks", "gets", "get_blocks",
-         "get_hit_blocks", "get_bytes", "bad_blocks", "puts", "put_blocks", "put_written",
-         "put_bytes", "errors", "timeouts")
+         "get_hit_blocks", "get_bytes", "bad_blocks", "bad_deleted", "puts", "put_blocks",
+         "put_written", "put_bytes", "errors", "timeouts")
+
+# KEYS[1] deleted only while it holds the value whose SHA-1 is ARGV[1]; 1 if deleted.
+_DELETE_IF_SAME = ("local v = redis.call('GET', KEYS[1]) "
+                   "if v and redis.sha1hex(v) == ARGV[1] then "
+                   "return redis.call('DEL', KEYS[1]) end return 0")
 
 
 class _SingleTarget:
@@ -120,17 +129,36 @@ class RedisKVStore:
     def get_blocks(self, names: Sequence[BlockName]) -> list[memoryview | None]:
         replies = self._pipeline("get", [("get", n.key) for n in names])
         out: list[memoryview | None] = []
-        bad = hits = nbytes = 0
+        bad: list[tuple[str, bytes]] = []
+        hits = nbytes = 0
         for name, value in zip(names, replies, strict=True):
             payload = None if value is None else codec.decode(name.key, value)
-            bad += value is not None and payload is None
+            if value is not None and payload is None:
+                bad.append((name.key, value))
             if payload is not None:
                 hits += 1
                 nbytes += len(payload)
             out.append(payload)
-        self._count(gets=1, get_blocks=len(names), get_hit_blocks=hits, bad_blocks=bad,
-                    get_bytes=nbytes)
+        self._count(gets=1, get_blocks=len(names), get_hit_blocks=hits,
+                    bad_blocks=len(bad), get_bytes=nbytes)
+        if bad:
+            try:
+                self._delete(bad)
+            except StoreError:
+                pass  # counted; the bad value expires with its TTL
         return out
+
+    def discard(self, items: Sequence[tuple[BlockName, memoryview]]) -> int:
+        return self._delete([(name.key, codec.encode(name.key, payload))
+                             for name, payload in items])
+
+    def _delete(self, values: Sequence[tuple[str, bytes]]) -> int:
+        """Delete each key that still holds its value; how many were."""
+        ops = [("eval", key, hashlib.sha1(value, usedforsecurity=False).hexdigest())
+               for key, value in values]
+        deleted = sum(1 for reply in self._pipeline("delete", ops) if reply == 1)
+        self._count(bad_deleted=deleted)
+        return deleted
 
     def put_blocks(self, items: Sequence[tuple[BlockName, bytes | memoryview]],
                    ttl_s: float) -> int:
@@ -165,6 +193,8 @@ class RedisKVStore:
                     op = ops[i]
                     if op[0] == "set":
                         pipe.set(op[1], op[2], nx=True, px=op[3])
+                    elif op[0] == "eval":
+                        pipe.eval(_DELETE_IF_SAME, 1, op[1], op[2])
                     else:
                         getattr(pipe, op[0])(op[1])
                 for i, reply in zip(indices, pipe.execute(), strict=True):

@@ -24,6 +24,7 @@ from pdserve.kv_transfer.remote.base import KVStore, create_store
 from pdserve.kv_transfer.remote.compression import codec_for
 from pdserve.kv_transfer.remote.decision import FetchDecision
 from pdserve.kv_transfer.remote.engine_identity import engine_identity
+from pdserve.kv_transfer.remote.kv_format import attention_backend, layer_backends
 from pdserve.kv_transfer.remote.names import KVIdentity
 from pdserve.kv_transfer.remote.plan import StorePlanner
 from pdserve.kv_transfer.remote.worker import StoreWorker
@@ -82,12 +83,24 @@ def store_planner(config: ConnectorConfig, vllm_config: VllmConfig,
 
 def store_worker(config: ConnectorConfig, vllm_config: VllmConfig,
                  kv_cache_config: KVCacheConfig
-                 ) -> Callable[[list[torch.Tensor], KVLayout], StoreWorker] | None:
-    if _identity(config, vllm_config, kv_cache_config) is None:
+                 ) -> Callable[[list[torch.Tensor], KVLayout], StoreWorker | None] | None:
+    """The worker side's store, built once vLLM registered the caches: None (the store
+    off on this worker: its loads are computed, nothing is published) where the model's
+    attention layers use another backend than the blocks' names say (the scheduler side
+    names them by what vLLM's selector answers for this config)."""
+    identity = _identity(config, vllm_config, kv_cache_config)
+    if identity is None:
         return None
     opener = _opener(config)
+    group = kv_cache_config.kv_cache_groups[0]
+    named = attention_backend(vllm_config, int(getattr(group.kv_cache_spec, "head_size", 0)))
 
-    def build(kv: list[torch.Tensor], layout: KVLayout) -> StoreWorker:
+    def build(kv: list[torch.Tensor], layout: KVLayout) -> StoreWorker | None:
+        used = layer_backends(vllm_config, list(group.layer_names))
+        if used - {named}:
+            logger.warning("KV store off on this worker: its attention layers use %s, the "
+                           "blocks' names say %s", sorted(used), named)
+            return None
         return StoreWorker(opener, kv, layout, codec_for(config.kv_compression, layout),
                            config.kv_store_ttl_s)
 

@@ -3,12 +3,17 @@ the engine's cache, and a finished request's blocks copied out and published beh
 
 A load gets the planned blocks in one round trip, checks each (the value's CRC, the
 encoding's header: ``codec.py``, ``compression``), and writes them into the blocks vLLM
-allocated; a block missing or bad fails the whole load with ``TransferError`` and
-nothing of it is trusted (vLLM computes those tokens). A save copies the blocks' bytes
-out of the cache on the pull threads (the blocks stay allocated until it returns), then
-hands them to one writer thread that publishes them (``SET NX``, with the TTL): the
-request's blocks are released at once and no request waits for the store. The writer's
-queue is bounded (``QUEUE_BYTES``); a save that does not fit is dropped and counted.
+allocated, in order, up to the first block missing (expired, evicted since the lookup)
+or bad: that block and every one after it are not loaded, and the load says how many
+were (the connector reports the rest to vLLM, which recomputes from there and keeps the
+prefix). A store that fails loads none. A value whose encoding does not decode is
+deleted from the store (``KVStore.discard``; the store deletes one whose checksum is
+wrong itself), so the next writer can publish a good one. A save copies the blocks'
+bytes out of the cache on the pull threads (the blocks stay allocated until it
+returns), then hands them to one writer thread that publishes them (``SET NX``, with the
+TTL): the request's blocks are released at once and no request waits for the store.
+The writer's queue is bounded (``QUEUE_BYTES``); a save that does not fit is dropped
+and counted.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.metadata import StoreCopy
 from pdserve.kv_transfer.remote.base import KVStore, StoreError
@@ -44,8 +48,9 @@ REPORTED = ("store_lookups", "store_hit_blocks", "store_lookup_errors",
             "store_lookup_timeouts", "store_lookups_skipped", "store_fetch_chosen",
             "store_compute_chosen", "store_loads", "store_load_blocks", "store_load_bytes",
             "store_load_time_ns", "store_load_failures", "store_load_missing",
-            "store_bad_blocks", "store_timeouts", "store_save_blocks", "store_save_dropped",
-            "store_put_written", "store_put_failures", "store_not_admitted")
+            "store_bad_blocks", "store_bad_deleted", "store_timeouts", "store_save_blocks",
+            "store_save_dropped", "store_put_written", "store_put_failures",
+            "store_not_admitted")
 
 
 class StoreWorker:
@@ -88,43 +93,59 @@ class StoreWorker:
     def _block(self, block_id: int) -> list[torch.Tensor]:
         return [kv.select(dim, block_id) for kv, dim in zip(self._kv, self._dims, strict=True)]
 
-    def load(self, req_id: str, copy: StoreCopy) -> int:
-        """Copy the blocks ``copy`` names from the store into its ``block_ids``; the bytes
-        read. ``TransferError`` (counted) when any is missing, bad, or the store fails."""
+    def load(self, req_id: str, copy: StoreCopy) -> tuple[int, int]:
+        """Copy the blocks ``copy`` names from the store into its ``block_ids``, in order,
+        up to the first one missing or bad; (bytes read, blocks loaded). Never raises for
+        the store: one that fails loads none (counted)."""
         start = time.perf_counter_ns()
         try:
             payloads = self._store().get_blocks(copy.names)
-            nbytes = self._write_blocks(copy, payloads)
-        except (StoreError, TransferError) as exc:
+        except StoreError as exc:
             self._count(store_load_failures=1)
-            logger.warning("KV store load for %s failed, computing: %s", req_id, exc)
-            raise TransferError(str(exc)) from exc
+            logger.warning("KV store load for %s failed, computing its %d blocks: %s",
+                           req_id, len(copy.names), exc)
+            return 0, 0
+        nbytes, loaded = self._write_blocks(copy, payloads)
         elapsed = time.perf_counter_ns() - start
-        self._count(store_loads=1, store_load_blocks=len(copy.names), store_load_bytes=nbytes,
-                    store_load_time_ns=elapsed)
-        with self._lock:  # the decision weighs the blocks' bytes in the cache
-            self._feedback_loads.append((len(copy.names) * self._raw_block_bytes, elapsed))
-        return nbytes
+        if loaded < len(copy.names):
+            self._count(store_load_failures=1)
+            logger.warning("KV store load for %s: %d of %d blocks loaded, computing the rest",
+                           req_id, loaded, len(copy.names))
+        if loaded:
+            self._count(store_loads=1, store_load_blocks=loaded, store_load_bytes=nbytes,
+                        store_load_time_ns=elapsed)
+            with self._lock:  # the decision weighs the blocks' bytes in the cache
+                self._feedback_loads.append((loaded * self._raw_block_bytes, elapsed))
+        return nbytes, loaded
 
-    def _write_blocks(self, copy: StoreCopy, payloads: list[memoryview | None]) -> int:
-        missing = sum(p is None for p in payloads)
-        if missing:
-            self._count(store_load_missing=missing)
-            raise TransferError(f"{missing} of {len(payloads)} blocks missing or bad in the "
-                                "KV store")
-        nbytes = 0
-        for block_id, payload in zip(copy.block_ids, payloads, strict=True):
-            if payload is None:  # counted above: unreachable
-                raise TransferError("a KV store block is missing")
+    def _write_blocks(self, copy: StoreCopy, payloads: list[memoryview | None]
+                      ) -> tuple[int, int]:
+        """Decode the leading blocks present into the cache; (bytes, blocks) written."""
+        self._count(store_load_missing=sum(p is None for p in payloads))
+        nbytes = loaded = 0
+        for block_id, name, payload in zip(copy.block_ids, copy.names, payloads, strict=True):
+            if payload is None:
+                break
             try:
                 self._codec.decode(payload, self._block(block_id))
             except ValueError as exc:
-                self._count(store_bad_blocks=1)
-                raise TransferError(f"a KV store block does not decode: {exc}") from exc
+                self._count(store_bad_blocks=1, store_load_missing=1)
+                logger.warning("KV store block %s does not decode, deleting it: %s",
+                               name.key, exc)
+                self._discard(name, payload)
+                break
             nbytes += len(payload)
-        if self._kv and self._kv[0].device.type == "cuda":
+            loaded += 1
+        if loaded and self._kv and self._kv[0].device.type == "cuda":
             torch.cuda.synchronize(self._kv[0].device)
-        return nbytes
+        return nbytes, loaded
+
+    def _discard(self, name: BlockName, payload: memoryview) -> None:
+        """Delete a value that passed its checksum but not its encoding (best effort)."""
+        try:
+            self._store().discard([(name, payload)])
+        except StoreError as exc:
+            logger.warning("KV store: could not delete bad block %s: %s", name.key, exc)
 
     def save(self, req_id: str, copy: StoreCopy) -> int:
         """Copy the blocks out of the cache and queue them for the writer; the bytes
@@ -194,11 +215,13 @@ class StoreWorker:
 
     def stats(self) -> dict[str, int]:
         """This side's counters; a bad block is one the store's checksum refused (the
-        client counts those) or whose encoding did not decode."""
+        client counts those) or whose encoding did not decode; ``store_bad_deleted``:
+        bad values the client deleted from the store."""
         with self._lock:
             out = dict(self._stats)
             client = self._client.stats() if self._client is not None else {}
         out["store_bad_blocks"] += client.get("bad_blocks", 0)
+        out["store_bad_deleted"] = client.get("bad_deleted", 0)
         out["store_timeouts"] += client.get("timeouts", 0)
         return out
 
