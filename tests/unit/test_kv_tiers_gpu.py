@@ -55,7 +55,7 @@ def test_the_host_tier_is_pinned_and_round_trips_device_blocks_bit_exact() -> No
     tier = HostTier(list(caches.values()), _layout(caches), 32, verify=True)
     want = [_block(caches, b) for b in (3, 4, 9)]
     tier.save([3, 4, 9], [0, 1, 2], [_h(3), _h(4), _h(9)])
-    held, _ = tier.serve([_h(4)])  # slot 1's memory itself (a pull sends it as is)
+    held, _, _ = tier.serve([_h(4)])  # slot 1's memory itself (a pull sends it as is)
     assert all(chunk.is_pinned() for chunk in held)
     for t in caches.values():
         t[:, 40:43].zero_()
@@ -96,8 +96,10 @@ def test_a_peer_pulls_from_a_pinned_host_tier_into_its_device_cache() -> None:
 
 
 class _Serve:
-    def __init__(self, chunks: list[torch.Tensor], unchanged: object) -> None:
+    def __init__(self, chunks: list[torch.Tensor], blocks: list[list[torch.Tensor]],
+                 unchanged: object) -> None:
         self.chunks = chunks
+        self.blocks = blocks
         self.unchanged = unchanged
 
     def finish(self, ok: bool) -> None:
