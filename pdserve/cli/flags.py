@@ -99,9 +99,10 @@ FLAGS = _flags(
          0.5, parse_float(0.001)),
     Flag("kv-store-password-file", "a file holding the KV store's password (Redis AUTH); "
          "never on the command line", None, metavar="FILE"),
-    Flag("kv-compression", "how KV blocks are encoded in the KV store: none, lossless "
-         "(bit-identical), int8 or fp8 (lossy, per-block per-head scales); workers with "
-         "different settings never share a block", "none",
+    Flag("kv-compression", "how KV blocks are encoded in the KV store and the KV pool "
+         "(peers' host tiers): none, lossless (bit-identical), int8 or fp8 (lossy, "
+         "per-block per-head scales); workers with different settings never share a block "
+         "(the P/D handoff keeps raw bytes)", "none",
          choices=("none", "lossless", "int8", "fp8")),
     Flag("weight-version", "the version the weights the worker starts with serve under "
          "(vLLM's name for a model's own: default): it is in the worker's compatibility "

@@ -15,7 +15,7 @@ Raw pulls keep the transport's data path (``pull.py``). A compressed pull::
     server -> {"ok": true, "bytes"}                                  (trailer)
 
 The payloads' sizes are known only once the serving peer has encoded them, so they
-travel on the control connection whatever the transport (under ``--kv-tls``, encrypted).
+travel on the control connection whatever the transport (encrypted under TLS).
 The peer encodes every block before its reply and refuses if a host-tier slot was
 rewritten meanwhile, so what it sends is one snapshot of the blocks. Each payload is the
 codec's own (``remote/compression``, as the cluster store keeps it: header, per-head
