@@ -42,10 +42,11 @@ class _CodecPair(_Pair):
     """``_Pair``'s serving and pulling workers, each with its own pool encoding."""
 
     def __init__(self, transport: str, server: str, client: str,  # noqa: PLW0231
-                 dtype: torch.dtype = torch.float32, checksum: bool = False) -> None:
+                 dtype: torch.dtype = torch.float32, checksum: bool = False,
+                 block_dim: int = 0) -> None:
         options = TransportOptions(checksum=checksum)
-        self.src = make_caches(1, dtype)
-        self.dst = make_caches(2, dtype)
+        self.src = make_caches(1, dtype, block_dim=block_dim)
+        self.dst = make_caches(2, dtype, block_dim=block_dim)
         layout = KVLayout.from_kv_caches(self.src, NUM_BLOCKS, 16)
         self.store = TierStore(list(self.src.values()), layout, 8, True, None, "")
         self.server, self.port = start_transport(transport, self.src, LeaseTable(), options)
@@ -135,6 +136,28 @@ def test_a_lossy_pool_pull_stays_within_the_codecs_bound(transport: str, name: s
                     bound = x.abs() / 16 + amax / 448 * 2.0**-9
                 assert bool((err <= bound).all()), float((err - bound).max())
                 assert not torch.equal(x, y)  # lossy indeed: the codec ran
+
+
+@pytest.mark.parametrize("name", ["lossless", "int8"])
+def test_a_split_kv_layout_pulls_through_the_codec(name: str) -> None:
+    """CUDA flash-attention's layout, ``(2, blocks, tokens, heads, head_dim)``: a block is
+    two strided chunks per layer, encoded and decoded in place."""
+    with _pair("tcp", name, name, block_dim=1) as pair:
+        pair.save(SRC, [0, 1, 2], [_h(b) for b in SRC])
+        pair.pull()
+        for s, d in zip(SRC, DST, strict=True):
+            for src, dst in zip(pair.src.values(), pair.dst.values(), strict=True):
+                x, y = src[:, s], dst[:, d]
+                if name == "lossless":
+                    assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+                    continue
+                amax = x.abs().amax(dim=-1, keepdim=True)  # one token's K or V of a head
+                bound = amax / 254 * (1 + 1e-5) + amax * 1.01 * EPS[torch.float32]
+                assert bool(((x - y).abs() <= bound).all())
+                assert not torch.equal(x, y)
+        untouched = [t[:, 0] for t in pair.dst.values()]  # no other block was written
+        assert all(torch.equal(a, b[:, 0]) for a, b in zip(
+            untouched, make_caches(2, torch.float32, block_dim=1).values(), strict=True))
 
 
 @pytest.mark.parametrize(("server", "client"), [("int8", "none"), ("none", "int8"),
