@@ -42,6 +42,7 @@ from pdserve.kv_transfer.control.wire import (
     send_msg,
     set_deadline,
 )
+from pdserve.kv_transfer.pull import SEND_TIMEOUT_S
 from pdserve.kv_transfer.remote.compression import BlockCodec, encoding_tag
 
 RAW = "none"  # the encoding of a pull that moves the engine's raw bytes
@@ -50,9 +51,8 @@ RAW = "none"  # the encoding of a pull that moves the engine's raw bytes
 MAX_GROWTH = 2
 SLACK_BYTES = 64 << 10
 
-
 Count = Callable[..., None]  # the transport's counters (``_count(name=delta, ...)``)
-SEND_TIMEOUT_S = 30.0  # as a raw pull's: a puller that stops reading loses the pull
+Wait = Callable[[float], object]  # sleeps up to its seconds (the transport's stop event)
 
 
 class PoolChecksumError(TransferError):
@@ -69,9 +69,10 @@ class PoolCodec:
 
     def serve(self, conn: socket.socket, blocks: Sequence[Sequence[torch.Tensor]],
               unchanged: Callable[[], bool], checksum: bool, finish: Callable[[bool], None],
-              count: Count) -> None:
+              count: Count, rate: float = 0.0, wait: Wait = time.sleep) -> None:
         """Serve a compressed pull of ``blocks``: encoded and checked before the reply;
-        the outcome counted (and ``finish`` told) before the trailer goes out, as a raw
+        sent at most at ``rate`` bytes/s (0: at once; ``throttle_bytes_per_s``); the
+        outcome counted (and ``finish`` told) before the trailer goes out, as a raw
         pull's, so a peer that has the trailer sees it counted. Raises (``OSError``,
         ``TransferError``) when the connection fails: the server then closes it."""
         start = time.perf_counter_ns()
@@ -82,8 +83,10 @@ class PoolCodec:
             finish(False)
             send_msg(conn, {"ok": False, "error": str(exc)})
             return
+        total = sum(len(p) for p in payloads)
+        deadline = time.monotonic() + SEND_TIMEOUT_S + (total / rate if rate else 0.0)
         try:
-            sent = self.send(conn, payloads, checksum, time.monotonic() + SEND_TIMEOUT_S)
+            sent = self.send(conn, payloads, checksum, deadline, rate, wait)
         except (OSError, TransferError):
             count(transfers_failed=1)
             finish(False)
@@ -107,9 +110,9 @@ class PoolCodec:
         return payloads
 
     def send(self, conn: socket.socket, payloads: Sequence[bytes], checksum: bool,
-             deadline: float) -> int:
+             deadline: float, rate: float = 0.0, wait: Wait = time.sleep) -> int:
         """The reply naming each payload's size (and, asked, their CRC-32), then the
-        payloads; the bytes sent."""
+        payloads (paced to ``rate`` bytes/s when > 0); the bytes sent."""
         crc = 0
         if checksum:
             for payload in payloads:
@@ -117,10 +120,15 @@ class PoolCodec:
         set_deadline(conn, deadline)
         send_msg(conn, {"ok": True, "sizes": [len(p) for p in payloads],
                         "crc32": crc if checksum else None})
+        started, sent = time.monotonic(), 0
         for payload in payloads:
             set_deadline(conn, deadline)
             conn.sendall(payload)
-        return sum(len(p) for p in payloads)
+            sent += len(payload)
+            ahead = started + sent / rate - time.monotonic() if rate else 0.0
+            if ahead > 0:
+                wait(ahead)
+        return sent
 
     def receive(self, conn: socket.socket, blocks: Sequence[Sequence[torch.Tensor]],
                 checksum: bool, deadline: float, what: str) -> int:

@@ -100,7 +100,9 @@ class PooledTransport(PullTransport):
         try:
             if self._pool_codec is not None:
                 self._pool_codec.serve(conn, serve.blocks, serve.unchanged,
-                                       fields.flag(msg, "checksum", False), finish, self._count)
+                                       fields.flag(msg, "checksum", False), finish,
+                                       self._count, self.options.throttle_bytes_per_s,
+                                       self._stop.wait)
             else:
                 self._send(conn, msg, serve.chunks, what, on_sent=serve.unchanged,
                            on_outcome=finish)

@@ -43,8 +43,8 @@ class _CodecPair(_Pair):
 
     def __init__(self, transport: str, server: str, client: str,  # noqa: PLW0231
                  dtype: torch.dtype = torch.float32, checksum: bool = False,
-                 block_dim: int = 0) -> None:
-        options = TransportOptions(checksum=checksum)
+                 block_dim: int = 0, rate: float = 0.0) -> None:
+        options = TransportOptions(checksum=checksum, throttle_bytes_per_s=rate)
         self.src = make_caches(1, dtype, block_dim=block_dim)
         self.dst = make_caches(2, dtype, block_dim=block_dim)
         layout = KVLayout.from_kv_caches(self.src, NUM_BLOCKS, 16)
@@ -235,6 +235,15 @@ def test_a_payload_damaged_on_the_wire_fails_the_pull(
         monkeypatch.setattr(pool_codec, "recv_into_exact", real)
         pair.pull()  # a fresh connection: the next pull works
         assert pair.client.stats()["transfers_completed"] == before["transfers_completed"] + 1
+
+
+def test_a_throttled_link_paces_the_compressed_bytes() -> None:
+    rate = 100_000.0  # bytes/s: 3 int8 blocks (~80 kB) take ~0.8 s
+    with _pair("tcp", "int8", "int8", rate=rate) as pair:
+        pair.save(SRC, [0, 1, 2], [_h(b) for b in SRC])
+        start = time.monotonic()
+        nbytes = pair.pull()
+        assert time.monotonic() - start >= 0.95 * nbytes / rate
 
 
 def test_a_slot_rewritten_while_it_is_encoded_fails_the_pull() -> None:
