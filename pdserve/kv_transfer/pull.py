@@ -60,7 +60,8 @@ class DataReceive(Protocol):
 
 
 class PullTransport(ControlledTransport):
-    """A controlled transport whose KV moves by pull; the base of every backend."""
+    """A controlled transport whose KV moves by pull (``pool_pull.PooledTransport``, the
+    base of every backend, adds the cluster KV pool)."""
 
     # True: KV bytes travel on the control connection itself, before the trailer.
     inline_data: ClassVar[bool] = False

@@ -237,6 +237,38 @@ def test_a_payload_damaged_on_the_wire_fails_the_pull(
         assert pair.client.stats()["transfers_completed"] == before["transfers_completed"] + 1
 
 
+def test_a_block_a_lossy_codec_cannot_encode_ends_the_pull_with_an_error() -> None:
+    with _pair("tcp", "int8", "int8") as pair:
+        next(iter(pair.src.values()))[SRC[1], 0, 0, 0] = math.nan  # the second block
+        pair.save(SRC, [0, 1, 2], [_h(b) for b in SRC])
+        with pytest.raises(TransferError, match="cannot be encoded as int8.v1"):
+            pair.pull()
+        assert pair.store.stats()["pool_serve_failures"] == 1
+        assert pair.server.stats()["transfers_failed"] == 1
+        pair.client.pull_pool(pair.peer, [_h(SRC[0])], [DST[0]], time.monotonic() + 20)
+        assert pair.server.stats()["transfers_completed"] == 1  # the connection recovered
+
+
+def test_the_server_has_counted_a_compressed_pull_when_the_puller_returns(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    real = pool_codec.send_msg
+
+    def slow_after_trailer(conn: Any, msg: dict[str, Any]) -> None:
+        real(conn, msg)
+        if "bytes" in msg:
+            time.sleep(0.05)  # the sender stalls right after its trailer is on the wire
+
+    monkeypatch.setattr(pool_codec, "send_msg", slow_after_trailer)
+    with _pair("tcp", "lossless", "lossless") as pair:
+        pair.save(SRC, [0, 1, 2], [_h(b) for b in SRC])
+        for i in range(5):
+            nbytes = pair.pull()
+            stats = pair.server.stats()  # at once: no wait_until
+            assert stats["transfers_completed"] == i + 1
+            assert stats["bytes_sent"] == (i + 1) * nbytes
+            assert pair.store.stats()["pool_serves"] == i + 1
+
+
 def test_a_throttled_link_paces_the_compressed_bytes() -> None:
     rate = 100_000.0  # bytes/s: 3 int8 blocks (~80 kB) take ~0.8 s
     with _pair("tcp", "int8", "int8", rate=rate) as pair:
