@@ -119,9 +119,10 @@ FLAGS = _flags(
          "to it, when not --tls-cert (with --kv-store-tls-key)", None, metavar="PATH"),
     Flag("kv-store-tls-key", "the PEM private key of --kv-store-tls-cert", None,
          metavar="PATH"),
-    Flag("kv-compression", "how KV blocks are encoded in the KV store: none, lossless "
-         "(bit-identical), int8 or fp8 (lossy, per-block per-head scales); workers with "
-         "different settings never share a block", "none",
+    Flag("kv-compression", "how KV blocks are encoded in the KV store and the KV pool "
+         "(peers' host tiers): none, lossless (bit-identical), int8 or fp8 (lossy, "
+         "per-block per-head scales); workers with different settings never share a block "
+         "(the P/D handoff keeps raw bytes)", "none",
          choices=("none", "lossless", "int8", "fp8")),
     Flag("weight-version", "the version the weights the worker starts with serve under "
          "(vLLM's name for a model's own: default): it is in the worker's compatibility "

@@ -168,6 +168,9 @@ class WorkerHealth:
     # Its cluster KV store (``core.kv_store_id``; "": none) and a block's lifetime there.
     kv_store_id: str = ""
     kv_store_ttl_s: float = 0.0
+    # How it encodes the cluster KV pool's blocks (--kv-compression): pool pulls move
+    # blocks only between workers that name the same.
+    kv_compression: str = "none"
 
 
 @dataclass(frozen=True)
@@ -255,6 +258,10 @@ class WorkerLoadReport:
     kv_store_put_failures: int = 0
     kv_store_not_admitted: int = 0  # blocks --kv-store-admission kept from the store
     kv_store_bad_deleted: int = 0
+    # Pool pulls refused between workers whose KV settings differ (--kv-compression,
+    # layout): made here (recomputed) and refused here.
+    kv_pool_load_refusals: int = 0
+    kv_pool_serve_refusals: int = 0
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # kept out of import time: the CLI lists transports without t
     from pdserve.kv_transfer.layout import KVLayout
     from pdserve.kv_transfer.leases import LeaseTable
     from pdserve.kv_transfer.push.inbox import PushInbox
+    from pdserve.kv_transfer.remote.compression import BlockCodec
 
 
 @dataclass(frozen=True)
@@ -129,19 +130,29 @@ class KVTransport(Protocol):
                   dst_block_ids: Sequence[int], deadline: float) -> int:
         """The cluster KV pool: copy the blocks named ``hashes`` (vLLM's prefix-cache
         hashes) from the peer's host tier into our ``dst_block_ids``. Returns bytes
-        moved; ``TransferError`` if the peer no longer holds one of them, is gone, or
-        a block was rewritten while it was sent (nothing is then usable)."""
+        moved (encoded ones under a codec); ``TransferError`` if the peer no longer
+        holds one of them, is gone, or a block was rewritten while it was sent or does
+        not decode (nothing is then usable); ``IncompatiblePeerError`` if the peer
+        encodes its pool otherwise (``use_pool_codec``)."""
         ...
 
     def serve_pool(self, source: Callable[[list[bytes]], Any]) -> None:
-        """Serve peers' ``pull_pool`` from ``source`` (``pull.PoolServeSource``: the
+        """Serve peers' ``pull_pool`` from ``source`` (``pool_pull.PoolServeSource``: the
         host tier, which owns the bytes; the transport only reads them while it
         sends). Without a source, pool pulls are refused."""
         ...
 
+    def use_pool_codec(self, codec: BlockCodec) -> None:
+        """Encode the pool's blocks with ``codec`` (``--kv-compression``; before
+        ``start``): ``pull_pool`` asks for that encoding and decodes what it gets, and
+        a peer's pull that asks for another is refused (``IncompatiblePeerError`` on
+        that peer; counted here as ``pool_serve_refusals``). Without a call, or with
+        ``none``, the pool moves the cache's raw bytes."""
+        ...
+
     def stats(self) -> dict[str, int]:
         """Cumulative counters: bytes_sent, bytes_received, transfers_completed,
-        transfers_failed, transfer_time_ns."""
+        transfers_failed, transfer_time_ns, pool_serve_refusals."""
         ...
 
     def add_status(self, source: Callable[[], dict[str, int]]) -> None:

@@ -116,3 +116,12 @@ def as_bytes(chunk: torch.Tensor) -> memoryview:
     if not chunk.is_contiguous():
         raise ValueError("KV chunk is not contiguous; this layout needs a staging copy")
     return chunk.view(torch.uint8).numpy().data.cast("B")
+
+
+def block_views(kv_caches: Sequence[torch.Tensor], layout: KVLayout,
+                block_id: int) -> list[torch.Tensor]:
+    """One block of every layer, a view each (the layer's shape without its block dim;
+    not contiguous where the block dim is not the first): what a block codec reads and
+    writes."""
+    return [t.select(lay.block_dim, block_id)
+            for t, lay in zip(kv_caches, layout.layers, strict=True)]

@@ -8,7 +8,8 @@ A pull is::
     server -> {"ok": true, "bytes", "checksum"} | {"ok": false, "error"}   (trailer)
 
 Only the KV bytes take the transport's own data path: a subclass provides
-``_send_blocks`` (server) and ``_open_receive`` (client).
+``_send_blocks`` (server) and ``_open_receive`` (client). The cluster KV pool's pulls
+(``pool_pull.py``) take the same path with raw bytes.
 """
 
 from __future__ import annotations
@@ -58,28 +59,12 @@ class DataReceive(Protocol):
     def abort(self) -> None: ...
 
 
-class PoolServe(Protocol):
-    """One pool pull being served: the blocks' bytes (``chunks``, in the order a pull
-    of single-block runs reads them), whether they are still those blocks once sent
-    (``unchanged``), and ``finish`` (called once, with whether the send succeeded)."""
-
-    chunks: list[torch.Tensor]
-
-    def unchanged(self) -> bool: ...
-
-    def finish(self, ok: bool) -> None: ...
-
-
-# Resolves a pool pull's block hashes; raises ``TransferError`` if one is not held.
-PoolServeSource = Callable[[list[bytes]], PoolServe]
-
-
 class PullTransport(ControlledTransport):
-    """A controlled transport whose KV moves by pull; the base of every backend."""
+    """A controlled transport whose KV moves by pull (``pool_pull.PooledTransport``, the
+    base of every backend, adds the cluster KV pool)."""
 
     # True: KV bytes travel on the control connection itself, before the trailer.
     inline_data: ClassVar[bool] = False
-    _pool_source: PoolServeSource | None = None
 
     # ---- hooks -----------------------------------------------------------------
 
@@ -95,11 +80,7 @@ class PullTransport(ControlledTransport):
         """Server: a send failed; drop per-peer data state so the next pull rebuilds it."""
 
     def _kv_ops(self) -> dict[str, Handler]:
-        return dict(super()._kv_ops(), pull=self._on_pull, pool_pull=self._on_pool_pull)
-
-    def serve_pool(self, source: PoolServeSource) -> None:
-        """Serve peers' pool pulls from ``source`` (the host tier); without, refuse them."""
-        self._pool_source = source
+        return dict(super()._kv_ops(), pull=self._on_pull)
 
     # ---- serving side ----------------------------------------------------------
 
@@ -122,33 +103,6 @@ class PullTransport(ControlledTransport):
                        on_sent=lambda: leases.finish(req) or True)  # before the trailer
         finally:
             leases.finish(req)  # a failed send: ended here (a second finish is a no-op)
-
-    def _on_pool_pull(self, conn: socket.socket, msg: dict[str, Any]) -> None:
-        """A peer pulls blocks held in this worker's host tier, named by hash (the
-        cluster KV pool). Refused (the peer recomputes) when any is not held; the
-        trailer fails if a slot was rewritten while it was being sent."""
-        if self._pool_source is None:
-            send_msg(conn, {"ok": False, "error": "this worker serves no KV pool"})
-            return
-        try:
-            hashes = [bytes.fromhex(str(h)) for h in msg["hashes"]]
-            what = f"pool pull of {len(hashes)} blocks"
-            serve = self._pool_source(hashes)
-        except (TransferError, ValueError, KeyError, TypeError) as exc:
-            send_msg(conn, {"ok": False, "error": str(exc)})
-            return
-        finished = False
-
-        def finish(ok: bool) -> None:
-            nonlocal finished
-            finished = True
-            serve.finish(ok)
-
-        try:
-            self._send(conn, msg, serve.chunks, what, on_sent=serve.unchanged, on_outcome=finish)
-        finally:
-            if not finished:
-                serve.finish(False)
 
     def _send(self, conn: socket.socket, msg: dict[str, Any], chunks: list[torch.Tensor],
               what: str, on_sent: Callable[[], bool] | None = None,
@@ -239,23 +193,6 @@ class PullTransport(ControlledTransport):
         return self._receive_into(peer, {"op": "pull", "req": remote_request_id,
                                          "runs": [(s, n) for s, _, n in runs]},
                                   chunks, deadline, f"pull of {remote_request_id} from {peer}")
-
-    def pull_pool(self, peer: PeerAddress, hashes: Sequence[bytes],
-                  dst_block_ids: Sequence[int], deadline: float) -> int:
-        """Copy the blocks named ``hashes`` from the peer's host tier into our
-        ``dst_block_ids`` (the cluster KV pool); bytes moved, or ``TransferError``
-        (the peer no longer holds one, is gone, or the bytes fail their check)."""
-        assert self._layout is not None
-        if len(hashes) != len(dst_block_ids):
-            raise ValueError(f"{len(hashes)} hashes for {len(dst_block_ids)} blocks")
-        chunks = list(chunk_views(self._kv, self._layout, [(d, 1) for d in dst_block_ids]))
-        self._count(inflight_pulls=1)
-        try:
-            return self._receive_into(peer, {"op": "pool_pull",
-                                             "hashes": [h.hex() for h in hashes]},
-                                      chunks, deadline, f"pool pull from {peer}")
-        finally:
-            self._count(inflight_pulls=-1)
 
     def _receive_into(self, peer: PeerAddress, request: dict[str, Any],
                       chunks: list[torch.Tensor], deadline: float, what: str) -> int:

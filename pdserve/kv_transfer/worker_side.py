@@ -18,7 +18,7 @@ import torch
 
 from pdserve.kv_transfer.base import KVTransport, PeerAddress, create_transport
 from pdserve.kv_transfer.config import ConnectorConfig
-from pdserve.kv_transfer.control.wire import TransferError
+from pdserve.kv_transfer.control.wire import IncompatiblePeerError, TransferError
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.metadata import (
@@ -33,6 +33,7 @@ from pdserve.kv_transfer.metadata import (
 )
 from pdserve.kv_transfer.push.inbox import PushInbox
 from pdserve.kv_transfer.push.sender import PushSender
+from pdserve.kv_transfer.remote.compression import codec_for
 from pdserve.kv_transfer.remote.plan import COUNTS as STORE_COUNTS
 from pdserve.kv_transfer.remote.worker import StoreWorker
 from pdserve.kv_transfer.step_model import StepTimer
@@ -97,6 +98,7 @@ class WorkerSide:
         self._load_stats = dict.fromkeys(
             ("loads", "load_time_ns", "push_loads", "push_fallbacks", "pool_loads",
              "pool_load_blocks", "pool_load_time_ns", "pool_load_failures", "pool_load_bytes",
+             "pool_load_refusals",
              "tier_miss_blocks", "tier_evictions", "disk_evictions", *STORE_COUNTS), 0)
         self._load_lock = threading.Lock()
         # A load's blocks not loaded (the store's from its first missing one on), until
@@ -112,6 +114,8 @@ class WorkerSide:
         port = self._config.kv_port + self._tp_rank if self._config.kv_port else 0
         self._kv = list(kv_caches.values())
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        # The pool's blocks, pulled and served, in --kv-compression's encoding.
+        self._transport.use_pool_codec(codec_for(self._config.kv_compression, layout))
         if self._tier_slots or self._disk_slots:
             self._tiers = TierStore(
                 self._kv, layout, self._tier_slots, self._config.kv_checksum,
@@ -304,8 +308,9 @@ class WorkerSide:
             nbytes = self._transport.pull_pool(
                 peer, pool.hashes, pool.block_ids,
                 time.monotonic() + self._config.transfer_timeout_s)
-        except TransferError as exc:
-            self._count_load(pool_load_failures=1)
+        except TransferError as exc:  # refused: the peer's --kv-compression differs
+            self._count_load(pool_load_failures=1, pool_load_refusals=int(
+                isinstance(exc, IncompatiblePeerError)))
             logger.warning("KV pool pull for %s from %s failed, recomputing: %s",
                            req_id, peer, exc)
             raise

@@ -263,7 +263,7 @@ def health_from_pb(msg: pb.HealthResponse) -> WorkerHealth:
         prefill_chunk_tokens=msg.prefill_chunk_tokens,
         weight_version=msg.weight_version or DEFAULT_WEIGHT_VERSION,
         weights_path=msg.weights_path, kv_store_id=msg.kv_store_id,
-        kv_store_ttl_s=msg.kv_store_ttl_s)
+        kv_store_ttl_s=msg.kv_store_ttl_s, kv_compression=msg.kv_compression or "none")
 
 
 def load_to_pb(load: WorkerLoadReport) -> pb.GetLoadResponse:

@@ -163,7 +163,8 @@ class EngineHost:
             kv_push=self.kv_push, metrics_endpoint=self.metrics_endpoint,
             prefill_chunk_tokens=cfg.prefill_chunk_tokens, weight_version=self.weights.version,
             weights_path=self.weights.path, kv_store_id=kv_store_id(conn.kv_store),
-            kv_store_ttl_s=conn.kv_store_ttl_s if conn.kv_store else 0.0)
+            kv_store_ttl_s=conn.kv_store_ttl_s if conn.kv_store else 0.0,
+            kv_compression=conn.kv_compression)
 
     async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         engine = self.engine

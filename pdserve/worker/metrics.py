@@ -80,7 +80,11 @@ _MISS_ROWS: Rows = (("miss_blocks", "prompt blocks past the engine's own prefix-
 _SERVE_ROWS: Rows = (
     ("serves", "peers' pulls served from this worker's host tier"),
     ("serve_blocks", "KV blocks served to peers"),
-    ("serve_failures", "peers' pulls that failed: refused (block no longer held) or broken"))
+    ("serve_failures", "peers' pulls that failed: refused (block no longer held) or broken"),
+    ("load_refusals", "pulls a peer refused: its KV settings differ (--kv-compression, "
+     "layout); the prompt was recomputed"),
+    ("serve_refusals", "peers' pulls refused: their --kv-compression differs from this "
+     "worker's"))
 
 _STORE_ROWS: Rows = (
     ("lookups", "lookups of a prompt's blocks (one round trip each)"),

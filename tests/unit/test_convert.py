@@ -54,6 +54,11 @@ def test_worker_reports_round_trip() -> None:
     assert convert.health_from_pb(convert.health_to_pb(health)) == health
     on_store = dataclasses.replace(health, kv_store_id="0123456789abcdef", kv_store_ttl_s=0.1)
     assert convert.health_from_pb(convert.health_to_pb(on_store)) == on_store
+    int8 = dataclasses.replace(health, kv_compression="int8")
+    assert convert.health_from_pb(convert.health_to_pb(int8)) == int8
+    older = convert.health_to_pb(health)  # a worker from before --kv-compression
+    older.ClearField("kv_compression")
+    assert convert.health_from_pb(older).kv_compression == "none"
     load = t.WorkerLoadReport(**{name: i + 1 for i, name in enumerate(
         t.WorkerLoadReport.__dataclass_fields__) if name != "kv_cache_usage"}, kv_cache_usage=0.5)
     assert convert.load_from_pb(convert.load_to_pb(load)) == load

@@ -140,7 +140,7 @@ def test_runs_of_slots_copy_whole_and_land_in_their_slots_with_blocks_in_dim_1(
     want = {b: [layer[:, b].clone() for layer in kv.values()] for b in blocks}
     tier.save(blocks, slots, [_h(b) for b in blocks])
     for block in blocks:  # what a peer's pool pull reads: per layer, K then V
-        chunks, _ = tier.serve([_h(block)])
+        chunks, _, _ = tier.serve([_h(block)])
         assert torch.equal(torch.cat(chunks), torch.cat(want[block]))
     for layer in kv.values():
         layer.zero_()
@@ -167,7 +167,7 @@ def test_corrupt_bytes_fail_the_checksum_and_load_nothing() -> None:
     kv, layout = _kv()
     tier = HostTier(kv, layout, num_slots=4, verify=True)
     tier.save([1], [2], [_h(1)])
-    chunks, _ = tier.serve([_h(1)])  # the slot's memory itself (a pull sends it as is)
+    chunks, _, _ = tier.serve([_h(1)])  # the slot's memory itself (a pull sends it as is)
     chunks[3].view(-1)[7] += 1.0  # one value of one layer flips
     before = [layer[5].clone() for layer in kv]
     with pytest.raises(TransferError, match="checksum"):

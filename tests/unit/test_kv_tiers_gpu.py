@@ -1,8 +1,9 @@
 """The host tier and the cluster KV pool over device memory: the tier's host memory is
 pinned, blocks go GPU -> pinned host -> GPU bit-exact (and checksummed), and a peer
 pulls them from the pinned tier into its device cache over tcp (the receive staged
-through the transport's pinned buffers). The tier saves and loads at >= 0.7x the speed
-of a plain pinned copy of the same bytes, measured in the same run.
+through the transport's pinned buffers; compressed, decoded into the device cache). The
+tier saves and loads at >= 0.7x the speed of a plain pinned copy of the same bytes,
+measured in the same run.
 
 Imports only torch and the transport/tier modules (no vLLM, no test helpers), so it runs
 on a GPU machine that has PyTorch alone: ``PYTHONPATH=. python -m pytest --noconftest``.
@@ -20,6 +21,7 @@ from pdserve.kv_transfer.base import PeerAddress, create_transport
 from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
+from pdserve.kv_transfer.remote.compression import codec_for
 from pdserve.kv_transfer.tiers.host import HostTier
 
 pytestmark = pytest.mark.gpu  # skipped where there is no device (tests/conftest.py)
@@ -55,7 +57,7 @@ def test_the_host_tier_is_pinned_and_round_trips_device_blocks_bit_exact() -> No
     tier = HostTier(list(caches.values()), _layout(caches), 32, verify=True)
     want = [_block(caches, b) for b in (3, 4, 9)]
     tier.save([3, 4, 9], [0, 1, 2], [_h(3), _h(4), _h(9)])
-    held, _ = tier.serve([_h(4)])  # slot 1's memory itself (a pull sends it as is)
+    held, _, _ = tier.serve([_h(4)])  # slot 1's memory itself (a pull sends it as is)
     assert all(chunk.is_pinned() for chunk in held)
     for t in caches.values():
         t[:, 40:43].zero_()
@@ -95,9 +97,46 @@ def test_a_peer_pulls_from_a_pinned_host_tier_into_its_device_cache() -> None:
         server.close()
 
 
+@pytest.mark.parametrize("name", ["lossless", "int8"])
+def test_a_compressed_pool_pull_lands_in_a_device_cache(name: str) -> None:
+    """``--kv-compression``: the peer encodes from its pinned tier, the puller decodes into
+    its device cache: lossless bit-exact, int8 within its per-group bound."""
+    src, dst = _caches(4), _caches(5)
+    tier = HostTier(list(src.values()), _layout(src), 32, verify=False)
+    tier.save([5, 6, 7], [0, 1, 2], [_h(i) for i in (5, 6, 7)])
+    server, client = create_transport("tcp"), create_transport("tcp")
+    compat = {"model": "m", "layout": _layout(src).describe()}
+    for transport, caches in ((server, src), (client, dst)):
+        transport.use_pool_codec(codec_for(name, _layout(caches)))
+    port = server.start(kv_caches=list(src.values()), layout=_layout(src),
+                        leases=LeaseTable(), compat=compat, host="127.0.0.1", port=0)
+    client.start(kv_caches=list(dst.values()), layout=_layout(dst), leases=LeaseTable(),
+                 compat=compat, host="127.0.0.1", port=0)
+    server.serve_pool(lambda hashes: _Serve(*tier.serve(hashes)))
+    try:
+        nbytes = client.pull_pool(PeerAddress("127.0.0.1", port), [_h(5), _h(6), _h(7)],
+                                  [20, 21, 30], time.monotonic() + 60)
+        if name == "int8":  # bf16 to one byte a value, plus a float32 scale per group
+            assert nbytes < 0.6 * 3 * tier.block_bytes
+        for s, d in ((5, 20), (6, 21), (7, 30)):
+            for want, got in zip(_block(src, s), _block(dst, d), strict=True):
+                if name == "lossless":
+                    assert torch.equal(want.view(torch.int16), got.view(torch.int16))
+                    continue
+                x, y = want.float(), got.float()  # a group: one token's K or V of a head
+                amax = x.abs().amax(dim=-1, keepdim=True)
+                bound = amax / 254 * (1 + 1e-5) + amax * 1.01 * 2.0**-8
+                assert bool(((x - y).abs() <= bound).all())
+    finally:
+        client.close()
+        server.close()
+
+
 class _Serve:
-    def __init__(self, chunks: list[torch.Tensor], unchanged: object) -> None:
+    def __init__(self, chunks: list[torch.Tensor], blocks: list[list[torch.Tensor]],
+                 unchanged: object) -> None:
         self.chunks = chunks
+        self.blocks = blocks
         self.unchanged = unchanged
 
     def finish(self, ok: bool) -> None:

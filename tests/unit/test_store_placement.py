@@ -8,6 +8,7 @@ never under another salt."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -155,6 +156,15 @@ def test_a_worker_without_the_store_gets_no_store_plan() -> None:
     assert store_tokens(routing, prefill) == {"a": 10 * BS, "b": 10 * BS}
     # The announcer without a store in its Health: its events are no store's blocks.
     assert store_tokens(routing, [ws("a", store=""), ws("b")]) == {}
+
+
+def test_a_worker_of_another_kv_compression_gets_no_store_plan() -> None:
+    index = PrefixIndex()
+    announce(index, "a")  # a publishes int8 blocks: their names say so
+    routing = PrefixRouting(index, None)
+    prefill = [replace(ws("a"), kv_compression="int8"), ws("raw"),
+               replace(ws("b"), kv_compression="int8")]
+    assert store_tokens(routing, prefill) == {"a": 10 * BS, "b": 10 * BS}
 
 
 def test_store_entries_expire_after_the_store_lifetime() -> None:

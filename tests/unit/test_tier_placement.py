@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -204,6 +205,21 @@ def test_pool_source_for_a_worker_without_the_prefix() -> None:
     assert tier_samples(registry) == {"host": 0.0, "disk": 0.0, "pool": 0.0}
     routing.on_placed(req, prefill[0])
     assert tier_samples(registry) == {"host": 0.0, "disk": 0.0, "pool": 10.0 * BS}
+
+
+@pytest.mark.parametrize(("puller", "holder"), [("none", "int8"), ("int8", "fp8"),
+                                                ("lossless", "none"), ("fp8", "lossless")])
+def test_no_pool_pull_is_planned_between_workers_whose_kv_compression_differs(
+        puller: str, holder: str) -> None:
+    prefill = [replace(ws(0, kv_port=7), kv_compression=puller),
+               replace(ws(1, tokens=2000, kv_port=8), kv_compression=holder)]
+    _, req = routed({"prefill-1": {"host": 10}}, prefill)
+    assert req.pool_source(prefill[0]) is None
+    assert "prefill-0" not in req.load_plans
+    # The same encoding on both: planned (so the check above can fail).
+    prefill[1] = replace(prefill[1], kv_compression=puller)
+    _, req = routed({"prefill-1": {"host": 10}}, prefill)
+    assert req.pool_source(prefill[0]) == PoolSource("10.0.0.1", 8, 10, "prefill-1")
 
 
 def test_a_slow_measured_pool_is_not_used() -> None:

@@ -61,7 +61,8 @@ TIER_COUNTERS = (
         "loads", "load_blocks", "load_bytes", "load_seconds", "load_failures")),
     *(f"kv_{tier}_{name}" for tier in ("tier", "disk") for name in (
         "saves", "save_blocks", "save_failures", "evictions")),
-    "kv_tier_miss_blocks", "kv_pool_serves", "kv_pool_serve_blocks", "kv_pool_serve_failures")
+    "kv_tier_miss_blocks", "kv_pool_serves", "kv_pool_serve_blocks", "kv_pool_serve_failures",
+    "kv_pool_load_refusals", "kv_pool_serve_refusals")
 GAUGES = ("kv_leases_held", "kv_pending_transfers", "kv_push_inbox_bytes",
           "worker_inflight_requests", "worker_ready", "worker_info")
 LABELS = {"model_name", "role", "transport"}

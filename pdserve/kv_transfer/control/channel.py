@@ -65,7 +65,8 @@ class ControlledTransport:
         self._extra_status: Callable[[], dict[str, int]] | None = None
         self._stats = dict.fromkeys(
             ("bytes_sent", "bytes_received", "transfers_completed", "transfers_failed",
-             "transfer_time_ns", "inflight_pulls", "checksum_failures"), 0)
+             "transfer_time_ns", "inflight_pulls", "checksum_failures",
+             "pool_serve_refusals"), 0)
 
     # ---- hooks -----------------------------------------------------------------
 

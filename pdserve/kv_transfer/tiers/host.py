@@ -24,7 +24,7 @@ import torch
 
 from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.integrity import checksum, natural_kind
-from pdserve.kv_transfer.layout import KVLayout, chunk_views
+from pdserve.kv_transfer.layout import KVLayout, block_views, chunk_views
 
 
 def num_slots(gib: float, block_bytes: int) -> int:
@@ -82,9 +82,12 @@ class HostTier:
                 self._slot_of[h] = slot
         return len(slots) * self.block_bytes
 
-    def serve(self, hashes: Sequence[bytes]) -> tuple[list[torch.Tensor], Callable[[], bool]]:
+    def serve(self, hashes: Sequence[bytes]) -> tuple[list[torch.Tensor],
+                                                      list[list[torch.Tensor]],
+                                                      Callable[[], bool]]:
         """A peer's pool pull: every layer's bytes of the slots holding ``hashes``, in
-        the order a pull of single-block runs reads them, and a check to call once
+        the order a pull of single-block runs reads them; the same slots as blocks
+        (each its layers' views, what a codec encodes); and a check to call once
         they are sent (False: a slot was rewritten meanwhile, the bytes are not
         those blocks). Raises ``TransferError`` if a block is not held (or, when
         verifying, its bytes no longer match its checksum)."""
@@ -101,12 +104,13 @@ class HostTier:
                 if want is not None and self._checksum(slot) != want:
                     raise TransferError(f"host tier slot {slot}: checksum mismatch")
         chunks = list(chunk_views(self._host, self._layout, [(s, 1) for s in held]))
+        blocks = [block_views(self._host, self._layout, s) for s in held]
 
         def unchanged() -> bool:
             with self._lock:
                 return all(self._gen[s] == g for s, g in zip(held, gens, strict=True))
 
-        return chunks, unchanged
+        return chunks, blocks, unchanged
 
     def load(self, slots: Sequence[int], block_ids: Sequence[int],
              hashes: Sequence[bytes]) -> int:

@@ -29,15 +29,16 @@ from pdserve.kv_transfer.tiers.host import HostTier
 logger = logging.getLogger("pdserve.kv_transfer.tiers")
 
 # GetLoad's kv_tier_* (host), kv_disk_* (disk) and kv_pool_* (peers' host tiers)
-# counters: the worker side's own, and the scheduler side's (misses, evictions),
-# which reach it with each step's metadata.
+# counters: the worker side's own, the scheduler side's (misses, evictions), which
+# reach it with each step's metadata, and the transport's (pool_serve_refusals).
 STATS = (*(f"{tier}_{name}" for tier in ("tier", "disk") for name in (
     "loads", "load_blocks", "load_time_ns", "load_failures", "saves", "save_blocks",
     "save_failures")),
     "pool_loads", "pool_load_blocks", "pool_load_time_ns", "pool_load_failures",
     "pool_serves", "pool_serve_blocks", "pool_serve_failures",
     "tier_load_bytes", "disk_load_bytes", "pool_load_bytes",
-    "tier_miss_blocks", "tier_evictions", "disk_evictions")
+    "tier_miss_blocks", "tier_evictions", "disk_evictions",
+    "pool_load_refusals", "pool_serve_refusals")
 
 
 # The counters a TierStore keeps; the worker side keeps the pool's loads and the
@@ -47,14 +48,15 @@ _OWN = (*STATS[:14], "pool_serves", "pool_serve_blocks", "pool_serve_failures",
 
 
 class _Serve:
-    """One peer's pool pull from the host tier (``pull.PoolServe``), counted at its end."""
+    """One peer's pool pull from the host tier (``pool_pull.PoolServe``), counted at its end."""
 
     def __init__(self, store: TierStore, chunks: list[torch.Tensor],
-                 unchanged: Callable[[], bool], num_blocks: int) -> None:
+                 blocks: list[list[torch.Tensor]], unchanged: Callable[[], bool]) -> None:
         self.chunks = chunks
+        self.blocks = blocks
         self.unchanged = unchanged
         self._store = store
-        self._num_blocks = num_blocks
+        self._num_blocks = len(blocks)
 
     def finish(self, ok: bool) -> None:
         if ok:
@@ -91,11 +93,11 @@ class TierStore:
         try:
             if self.host is None:
                 raise TransferError("no host tier on this worker")
-            chunks, unchanged = self.host.serve(hashes)
+            chunks, blocks, unchanged = self.host.serve(hashes)
         except TransferError:
             self._count(pool_serve_failures=1)
             raise
-        return _Serve(self, chunks, unchanged, len(hashes))
+        return _Serve(self, chunks, blocks, unchanged)
 
     def _save(self, tier: str, store: Any, req_id: str, copy: TierCopy) -> int:
         if not copy.slots or store is None:

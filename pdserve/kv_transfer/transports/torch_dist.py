@@ -36,7 +36,7 @@ from pdserve.kv_transfer.control.wire import (
     send_msg,
     set_deadline,
 )
-from pdserve.kv_transfer.pull import PullTransport
+from pdserve.kv_transfer.pool_pull import PooledTransport
 
 logger = logging.getLogger("pdserve.kv_transfer.torch")
 
@@ -57,7 +57,7 @@ def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
-class TorchTransport(PullTransport):
+class TorchTransport(PooledTransport):
     name: ClassVar[str] = "torch"
 
     def __init__(self, options: Any = None) -> None:

@@ -43,7 +43,7 @@ from pdserve.kv_transfer.control.wire import (
     wait_done,
 )
 from pdserve.kv_transfer.layout import as_bytes
-from pdserve.kv_transfer.pull import PullTransport
+from pdserve.kv_transfer.pool_pull import PooledTransport
 
 logger = logging.getLogger("pdserve.kv_transfer.ucx")
 
@@ -57,7 +57,7 @@ def _ucx() -> Any:
     return libucxx
 
 
-class UcxTransport(PullTransport):
+class UcxTransport(PooledTransport):
     name: ClassVar[str] = "ucx"
 
     def __init__(self, options: TransportOptions | None = None) -> None:

@@ -5,7 +5,8 @@ peer's host tier over the KV transport (the cluster KV pool), the rest computed.
 This follows the worker's connector, which loads engine-cache hits (free), then the
 blocks its own tiers hold (host, then disk), then those the cluster KV store holds
 (announced by any worker on the same store: ``prefix/store_match.py``), then the
-blocks in [that point, ``pool_source.num_blocks``) from the peer's host tier, and
+blocks in [that point, ``pool_source.num_blocks``) from the peer's host tier (a peer of
+the same compatibility hash and ``--kv-compression``: another encoding is refused), and
 never the prompt's last token:
 tier and pool matches count at most ``loadable_tokens``. A worker's tier run is the
 longer of its host and its disk match (the prefix index matches each tier's chain on
@@ -81,7 +82,7 @@ def plan_loads(num_prompt_tokens: int, matched: Mapping[str, int],
             continue
         own = tier_tokens.get(worker_id, _NO_TIERS)
         host, disk, store = own.get("host", 0), own.get("disk", 0), own.get("store", 0)
-        peer_tokens, peer = _best_peer(holders.get(w.compatibility_hash, ()), worker_id)
+        peer_tokens, peer = _best_peer(holders.get(_pool_key(w), ()), worker_id)
         engine = matched.get(worker_id, 0)
         if max(host, disk, store, peer_tokens) <= engine:
             continue
@@ -100,15 +101,22 @@ def plan_loads(num_prompt_tokens: int, matched: Mapping[str, int],
     return plans
 
 
+def _pool_key(w: WorkerState) -> tuple[str, str]:
+    """What two workers must share to pull each other's host-tier blocks: their KV
+    (compatibility hash) and the pool's encoding (a peer refuses another)."""
+    return w.compatibility_hash, w.kv_compression
+
+
 def _pool_holders(prefill: Sequence[WorkerState], tier_tokens: Mapping[str, Mapping[str, int]]
-                  ) -> dict[str, list[tuple[int, WorkerState]]]:
-    """Per compatibility hash, the healthy workers able to serve a pool pull (a KV port)
-    whose host tier holds some of the prompt, longest run first (ties: list order)."""
-    holders: dict[str, list[tuple[int, WorkerState]]] = {}
+                  ) -> dict[tuple[str, str], list[tuple[int, WorkerState]]]:
+    """Per pool key (``_pool_key``), the healthy workers able to serve a pool pull (a KV
+    port) whose host tier holds some of the prompt, longest run first (ties: list
+    order)."""
+    holders: dict[tuple[str, str], list[tuple[int, WorkerState]]] = {}
     for w in prefill:
         tokens = tier_tokens.get(w.worker_id, _NO_TIERS).get("host", 0)
         if tokens and w.healthy and w.kv_port:
-            holders.setdefault(w.compatibility_hash, []).append((tokens, w))
+            holders.setdefault(_pool_key(w), []).append((tokens, w))
     for group in holders.values():
         group.sort(key=lambda held: -held[0])
     return holders

@@ -5,11 +5,12 @@ events under the ``store`` tier's namespace (``core.block_hash.tier_hashes``), s
 prefix index files them under that worker. But the store is shared: a block any
 worker published is loadable by every worker on the same store. Workers say which
 store they use in their Health (``kv_store_id``, a hash of its address) and how long
-a block lives there (``kv_store_ttl_s``); a ``StoreGroup`` is the workers of one store
-and one KV compatibility hash (same model, dtype, block size, weights: the same
-bytes). A group's run is the leading blocks of a prompt that *some* worker of the
-group announced, each less than the group's lifetime ago (the store drops blocks
-silently: TTL expiry and its own eviction announce nothing). A block past it is
+a block lives there (``kv_store_ttl_s``); a ``StoreGroup`` is the workers of one store,
+one KV compatibility hash (same model, dtype, block size, weights: the same bytes) and
+one ``--kv-compression`` (the encoding is part of a stored block's name). A group's run
+is the leading blocks of a prompt that *some* worker of the group announced, each less
+than the group's lifetime ago (the store drops blocks silently: TTL expiry and its own
+eviction announce nothing). A block past it is
 forgotten here (``PrefixIndex.forget_block``); a later announcement makes it new.
 
 Blocks are named by the prompt's chained hashes under its salt, so a salted prompt
@@ -28,10 +29,11 @@ from pdserve.router.dispatch.workers.state import WorkerState
 
 @dataclass(frozen=True, slots=True)
 class StoreGroup:
-    """The workers sharing one store's blocks (same store, same KV layout)."""
+    """The workers sharing one store's blocks (same store, KV layout and encoding)."""
 
     store_id: str
     compatibility_hash: str
+    kv_compression: str = "none"  # the blocks' encoding is in their names in the store
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ def store_groups(workers: Iterable[WorkerState]) -> StoreGroups:
     for w in workers:
         if not (w.kv_store_id and w.kv_store_ttl_s > 0 and w.worker_id):
             continue
-        group = StoreGroup(w.kv_store_id, w.compatibility_hash)
+        group = StoreGroup(w.kv_store_id, w.compatibility_hash, w.kv_compression)
         group_of[w.worker_id] = group
         ttl_s[group] = min(ttl_s.get(group, w.kv_store_ttl_s), w.kv_store_ttl_s)
     return StoreGroups(group_of, ttl_s)

@@ -77,6 +77,9 @@ class WorkerState:
     # block's lifetime there: workers naming one store load each other's published blocks.
     kv_store_id: str = ""
     kv_store_ttl_s: float = 0.0
+    # How it encodes the cluster KV pool's blocks (its Health: --kv-compression): a
+    # pool pull is planned only between workers that name the same.
+    kv_compression: str = "none"
     load: WorkerLoad = field(default_factory=WorkerLoad)
     # Requests this router has sent and not seen finish (fresher than GetLoad).
     num_assigned: int = 0

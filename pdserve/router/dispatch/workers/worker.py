@@ -225,7 +225,8 @@ class Worker:
                      kv_port=health.kv_port, kv_push=health.kv_push,
                      prefill_chunk_tokens=health.prefill_chunk_tokens,
                      weight_version=health.weight_version, kv_store_id=health.kv_store_id,
-                     kv_store_ttl_s=health.kv_store_ttl_s, load=_placement_load(load))
+                     kv_store_ttl_s=health.kv_store_ttl_s,
+                     kv_compression=health.kv_compression, load=_placement_load(load))
         if health.worker_id != old_id and self._on_id_changed is not None:
             self._on_id_changed(self)
 
@@ -261,7 +262,7 @@ class Worker:
             max_model_len=r.max_model_len, kv_host=r.kv_host, kv_port=r.kv_port,
             kv_push=r.kv_push, prefill_chunk_tokens=r.prefill_chunk_tokens,
             weight_version=r.weight_version, kv_store_id=r.kv_store_id,
-            kv_store_ttl_s=r.kv_store_ttl_s, load=r.load,
+            kv_store_ttl_s=r.kv_store_ttl_s, kv_compression=r.kv_compression, load=r.load,
             num_assigned=inflight.num_assigned,
             num_assigned_tokens=inflight.num_assigned_tokens)
 
