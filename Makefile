@@ -14,14 +14,25 @@ serve: install
 	@HF_HUB_OFFLINE=1 $(BIN)/pdserve prepare-model
 	HF_HUB_OFFLINE=1 $(BIN)/pdserve up --host $(HOST) --port $(PORT) $(ARGS)
 
-# The machine first (its CPU decides the dtype and the times), the slowest tests last.
+# The machine first (its CPU decides the dtype and the times), the slowest tests last:
+# the unit tests on UNIT_PROCS processes (each module's tests on one of them: loadfile),
+# then the integration tests, which start vLLM engines, one at a time (docs/testing.md).
+UNIT_PROCS ?= 2
+PARTS ?= unit integration
 test: install etcd
 	@$(BIN)/pdserve machine
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/mypy
 	HF_HUB_OFFLINE=1 $(BIN)/pdserve prepare-model
-	HF_HUB_OFFLINE=1 $(BIN)/pytest --durations=25 $(PYTEST_ARGS)
+	@status=0; \
+	for part in $(PARTS); do \
+		if [ $$part = unit ]; then args="-n $(UNIT_PROCS) --dist loadfile --durations=15"; \
+		else args="--durations=25"; fi; \
+		start=$$(date +%s); \
+		HF_HUB_OFFLINE=1 $(BIN)/pytest tests/$$part $$args $(PYTEST_ARGS) || status=1; \
+		echo "pytest tests/$$part: $$(( $$(date +%s) - start )) s"; \
+	done; exit $$status
 
 # System tools the tests run (sudo when not root): a real etcd for the membership tests
 # (Debian's etcd-server), Debian's redis-server (redis-server and redis-cli: the cluster
