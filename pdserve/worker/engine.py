@@ -16,6 +16,7 @@ from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.core.dtype import resolve_dtype
 from pdserve.core.types import Role, SamplingSpec, TokenLogprobs, WeightsStaged
 from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.worker.engine_tmp import engine_tmp_dir
 
 # ``pdserve.worker.output_in_prompt:OutputInPromptPenalties``, named here so that the
 # frontend does not import it (it imports torch); vLLM loads it in the engine.
@@ -239,6 +240,8 @@ def build_engine(config: EngineConfig, counters: EngineCounters) -> AsyncLLM:
     """Start the engine (blocks ~20-40 s on CPU). Call from a ``__main__``-guarded process."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+    if "VLLM_RPC_BASE_PATH" not in os.environ:  # the operator's choice wins
+        engine_tmp_dir()
     if config.cpu_threads_bind:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
     _quiet_shm_spin(config.shm_spin_s)

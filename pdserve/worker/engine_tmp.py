@@ -1,0 +1,65 @@
+"""The engine's own temporary folder.
+
+vLLM names its ZMQ IPC sockets (``VLLM_RPC_BASE_PATH``) and its torch.distributed
+rendezvous file (``file://$TMPDIR/vllm_dist_<hex>``) at random in the system's temporary
+folder and leaves them there when its processes are killed: a node whose workers restart
+gathers thousands of dead sockets in ``/tmp``. A worker gives its engine a folder of its
+own instead, ``pdserve-vllm-<pid>-<random>`` in the temporary folder (the engine's child
+processes inherit it through ``VLLM_RPC_BASE_PATH`` and ``TMPDIR``), removes it when it
+exits, and at start removes the folders of workers that were killed (their pid is gone).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger("pdserve.worker")
+
+PREFIX = "pdserve-vllm-"
+_OWNED = re.compile(rf"^{re.escape(PREFIX)}(?P<pid>\d+)-[A-Za-z0-9_]+$")
+
+
+def engine_tmp_dir(base: Path | None = None) -> Path:
+    """Make this process's engine folder under ``base`` (the temporary folder), point
+    vLLM at it, remove it at exit; first remove dead workers' folders."""
+    base = base or Path(tempfile.gettempdir())
+    sweep_dead(base)
+    folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base))
+    os.environ["VLLM_RPC_BASE_PATH"] = str(folder)
+    os.environ["TMPDIR"] = str(folder)  # the engine's processes: vLLM's dist init file
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+def sweep_dead(base: Path) -> list[Path]:
+    """Remove the engine folders under ``base`` whose worker process is gone; those."""
+    removed = []
+    try:
+        entries = list(base.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _OWNED.match(entry.name)
+        if match is None or _alive(int(match["pid"])) or not entry.is_dir():
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    if removed:
+        logger.info("removed %d engine folders of workers that are gone", len(removed))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
