@@ -39,7 +39,7 @@ def engine_tmp_dir(base: Path | None = None) -> Path:
 
 def sweep_dead(base: Path) -> list[Path]:
     """Remove the engine folders under ``base`` whose worker process is gone; those."""
-    removed = []
+    removed: list[Path] = []
     try:
         entries = list(base.iterdir())
     except OSError:
