@@ -15,7 +15,7 @@ from pdserve.kv_transfer.remote.base import (
     TLS_SCHEMES,
     StoreOptions,
     check_store_tls,
-    store_schemes,
+    check_store_url,
 )
 from pdserve.kv_transfer.remote.local_redis import read_password
 from pdserve.kv_transfer.tiers.policies.registry import check_admission, check_policy
@@ -115,14 +115,8 @@ class ConnectorConfig:
         check_admission(self.kv_store_admission)
         if self.kv_store is None:
             return
+        check_store_url(self.kv_store)
         parts = urlsplit(self.kv_store)
-        if parts.scheme not in store_schemes():
-            raise ValueError(f"unknown KV store URL scheme {parts.scheme!r} in "
-                             f"{self.kv_store!r}; valid schemes: "
-                             + ", ".join(f"{s}://" for s in store_schemes()))
-        if parts.password is not None:
-            raise ValueError("the KV store URL carries a password, which vLLM would log: "
-                             "give it in a file (--kv-store-password-file)")
         check_store_tls(self.kv_store, self.require_tls)
         if bool(self.kv_store_tls_cert) != bool(self.kv_store_tls_key):
             raise ValueError("--kv-store-tls-cert and --kv-store-tls-key go together")

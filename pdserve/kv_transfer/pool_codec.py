@@ -78,8 +78,8 @@ class PoolCodec:
         """Serve a compressed pull of ``blocks``, paced to ``rate`` bytes/s (0: off;
         ``throttle_bytes_per_s``). The outcome is counted (and ``finish`` told) before
         the trailer goes out, as a raw pull's, so a peer that has the trailer sees it
-        counted. Raises (``OSError``, ``TransferError``) when the connection fails: the
-        server then closes it."""
+        counted. Raises (``OSError``, ``TransferError``, or whatever encoding raised) when
+        the stream cannot go on: counted as failed, and the server closes the connection."""
         start = time.perf_counter_ns()
         deadline = time.monotonic() + SEND_TIMEOUT_S
         try:
@@ -87,7 +87,7 @@ class PoolCodec:
             sent, crc, error = self._stream(conn, blocks, checksum, deadline, rate, wait)
             if error is None and not unchanged():  # sent whole: the stream is intact
                 error = "blocks rewritten while sent"
-        except (OSError, TransferError):
+        except BaseException:  # the connection failed, or encoding did: the server closes it
             count(transfers_failed=1)
             finish(False)
             raise

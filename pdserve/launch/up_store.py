@@ -21,11 +21,10 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import urlsplit
 
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.kv_transfer.config import KV_COMPRESSIONS
-from pdserve.kv_transfer.remote.base import store_schemes
+from pdserve.kv_transfer.remote.base import check_store_url
 from pdserve.kv_transfer.tiers.policies.registry import ADMIT_ALL, check_admission
 
 if TYPE_CHECKING:  # the redis package loads only when a store is used
@@ -70,7 +69,7 @@ class KvStoreUp:
         check_maxmemory(self.redis_maxmemory)
         check_admission(self.admission)
         if self.url:
-            self._check_url(self.url)
+            check_store_url(self.url)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--kv-store-tls-cert and --kv-store-tls-key go together")
         if (self.tls_ca or self.tls_cert) and not self.url:
@@ -87,16 +86,6 @@ class KvStoreUp:
     @property
     def enabled(self) -> bool:
         return bool(self.url) or self.with_redis
-
-    @staticmethod
-    def _check_url(url: str) -> None:
-        parts = urlsplit(url)
-        if parts.scheme not in store_schemes():
-            raise ValueError(f"--kv-store {url!r}: valid schemes: "
-                             + ", ".join(f"{s}://" for s in store_schemes()))
-        if parts.password is not None:
-            raise ValueError("--kv-store: no password in the URL (every worker's command "
-                             "line and vLLM's log would show it): --kv-store-password-file")
 
     def flags(self) -> list[str]:
         """Every vLLM worker's store flags (none without a store URL); the password's

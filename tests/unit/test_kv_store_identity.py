@@ -22,8 +22,10 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
 )
 
+from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.remote import engine_identity as engine_identity_module
+from pdserve.kv_transfer.remote import setup as store_setup
 from pdserve.kv_transfer.remote.engine_identity import engine_identity
 from pdserve.kv_transfer.remote.identity import identity_for, with_salt
 from pdserve.kv_transfer.remote.kv_format import KVFormat, attention_backend, describe_spec
@@ -148,11 +150,17 @@ def test_the_engine_identity_names_the_backend_the_cache_layout_and_the_spec(
     assert _key(monkeypatch, tmp_path) == base  # deterministic
 
 
-def test_without_a_selector_answer_the_configured_backend_names_the_blocks() -> None:
-    config, _ = _engine()  # a fake config: vLLM's selector cannot answer for it
-    assert attention_backend(config, 64) == "configured:auto"
-    config.attention_config.backend = SimpleNamespace(name="FLASH_ATTN")
-    assert attention_backend(config, 64) == "configured:FLASH_ATTN"
+def test_without_a_selector_answer_the_store_is_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A guessed backend name could let two layouts of one shape share blocks: where
+    vLLM's selector cannot answer, neither side of the connector has a store."""
+    config, kv_cache = _engine()  # a fake config: vLLM's selector cannot answer for it
+    assert attention_backend(config, 64) is None
+    connector = ConnectorConfig(engine_id="e", kv_store="redis://127.0.0.1:1")
+    assert store_setup.store_planner(connector, config, kv_cache) is None
+    assert store_setup.store_worker(connector, config, kv_cache) is None
+    monkeypatch.setattr(store_setup, "attention_backend", lambda config, head_size: "CPU_ATTN")
+    assert store_setup.store_planner(connector, config, kv_cache) is not None  # the control
 
 
 def test_a_spec_is_described_with_every_field() -> None:

@@ -80,11 +80,15 @@ def test_blocks_publish_and_load_bit_exact_over_rediss(server: LocalRedis,
         store.close()
 
 
-@pytest.mark.parametrize("client", ["no certificate", "another CA"])
+@pytest.mark.parametrize("client", ["no certificate", "another CA", "trusts another CA"])
 def test_a_client_the_server_or_the_client_cannot_verify_is_refused_and_counted(
         server: LocalRedis, files: TlsFiles, tmp_path: Path, client: str) -> None:
-    tls = (TlsFiles(ca=files.ca) if client == "no certificate"
-           else make_test_ca(tmp_path / "other"))
+    """No client certificate, or one of another CA: the server refuses. A good client
+    certificate but another CA trusted: the client refuses the server's certificate
+    (its own check, alone)."""
+    other = make_test_ca(tmp_path / "other")
+    tls = {"no certificate": TlsFiles(ca=files.ca), "another CA": other,
+           "trusts another CA": TlsFiles(files.cert, files.key, other.ca)}[client]
     store = _store(server.url, tls)
     try:
         before = store.stats()

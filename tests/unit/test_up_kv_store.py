@@ -79,6 +79,11 @@ MISTAKES = {
     "url and with-redis": (dict(url="redis://r:6379", with_redis=True), "not both"),
     "a password in the url": (dict(url="redis://:pw@r:6379"), "no password in the URL"),
     "an unknown scheme": (dict(url="memcached://r:11211"), "valid schemes: redis://"),
+    # the client takes a query's options over ours: TLS checks off, a password past the
+    # check above
+    "tls checks off in a query": (dict(url="rediss://r:6379/0?ssl_cert_reqs=none"),
+                                  "no query or fragment"),
+    "a password in a query": (dict(url="redis://r:6379/0?password=pw"), "no query"),
     "a password file without a store": (dict(password_file="/etc/hostname"),
                                         "needs --kv-store URL or --with-redis"),
     "a missing password file": (dict(url="redis://r:6379", password_file="/nonexistent/pw"),

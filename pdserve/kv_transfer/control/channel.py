@@ -187,5 +187,8 @@ class ControlledTransport:
             if isinstance(exc, TransferError):
                 raise
             raise TransferError(f"{what} failed: {exc}") from exc
+        except BaseException:  # anything else (a decode's tensor error): never reused
+            conn.close()
+            raise
         self._pool.checkin(peer, conn)
         return result

@@ -117,6 +117,24 @@ def store_schemes() -> list[str]:
     return sorted(_BUILTIN)
 
 
+def check_store_url(url: str, flag: str = "--kv-store") -> None:
+    """A store URL every worker may be handed: a known scheme, no password (vLLM logs
+    its config, and a command line shows it), and no query or fragment: the client would
+    take its options from a query over ours (``?ssl_cert_reqs=none`` turns certificate
+    checks off, ``?password=`` carries a password past the check above)."""
+    parts = urlsplit(url)
+    if parts.scheme not in store_schemes():
+        raise ValueError(f"{flag} {url!r}: unknown scheme {parts.scheme!r}; valid schemes: "
+                         + ", ".join(f"{s}://" for s in store_schemes()))
+    if parts.password is not None:
+        raise ValueError(f"{flag}: no password in the URL (every worker's command line and "
+                         "vLLM's log would show it): --kv-store-password-file")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{flag} {url!r}: no query or fragment in the URL (its options "
+                         "would override the store's TLS and password settings): "
+                         "HOST:PORT[/DB] only")
+
+
 def check_store_tls(url: str, required: bool) -> None:
     """``--require-tls`` refuses a store URL whose bytes (KV blocks, the password) would
     cross the network in clear."""

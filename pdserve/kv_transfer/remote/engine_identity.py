@@ -67,7 +67,9 @@ def engine_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KV
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     return KVFormat(
         device=str(vllm_config.device_config.device_type),
-        attention_backend=attention_backend(vllm_config, int(getattr(spec, "head_size", 0))),
+        # never None here: the store is off where the selector cannot answer (setup.py)
+        attention_backend=attention_backend(
+            vllm_config, int(getattr(spec, "head_size", 0))) or "unknown",
         cache_layout=cache_layout(vllm_config, kv_cache_config.kv_cache_layout),
         spec=describe_spec(spec), num_tensors=len(kv_cache_config.kv_cache_tensors),
         block_bytes=(sum(t.size for t in kv_cache_config.kv_cache_tensors)

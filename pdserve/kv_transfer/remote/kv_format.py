@@ -65,9 +65,10 @@ def cache_layout(vllm_config: VllmConfig, resolved: str | None) -> str:
     return resolved or vllm_config.cache_config.kv_cache_layout or "unresolved"
 
 
-def attention_backend(vllm_config: VllmConfig, head_size: int) -> str:
+def attention_backend(vllm_config: VllmConfig, head_size: int) -> str | None:
     """The backend vLLM's selector picks for a decoder full-attention layer of this
-    engine (its name); the configured one's name if the selector cannot answer here."""
+    engine (its name); None where the selector cannot answer here (the store is then off:
+    a guessed name could let two layouts of the same shape share blocks)."""
     try:
         from vllm.config import set_current_vllm_config
         from vllm.v1.attention.selector import get_attn_backend
@@ -81,12 +82,9 @@ def attention_backend(vllm_config: VllmConfig, head_size: int) -> str:
                                        vllm_config.cache_config.cache_dtype,
                                        use_mla=model.use_mla)
         return str(backend.get_name())
-    except Exception as exc:  # noqa: BLE001 - the name stays conservative, never fails
-        configured = vllm_config.attention_config.backend
-        name = f"configured:{configured.name if configured is not None else 'auto'}"
-        logger.warning("KV store: vLLM's attention backend selector did not answer (%s); "
-                       "naming blocks by %s", exc, name)
-        return name
+    except Exception as exc:  # noqa: BLE001 - any failure turns the store off, never the engine
+        logger.warning("KV store: vLLM's attention backend selector did not answer: %s", exc)
+        return None
 
 
 def layer_backends(vllm_config: VllmConfig, layer_names: list[str]) -> set[str]:

@@ -41,6 +41,8 @@ def _why_off(config: ConnectorConfig, vllm_config: VllmConfig,
     parallel = vllm_config.parallel_config
     if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
         return "tensor or pipeline parallelism (one value per rank is not built)"
+    if kv_cache_config.kv_cache_groups and _named_backend(vllm_config, kv_cache_config) is None:
+        return "vLLM's attention backend selector did not answer (the blocks' names need it)"
     if not kv_cache_config.num_blocks:
         return "no KV cache"
     return hashes_name_blocks(vllm_config, kv_cache_config)
@@ -56,6 +58,11 @@ def _identity(config: ConnectorConfig, vllm_config: VllmConfig,
         return None
     return engine_identity(vllm_config, kv_cache_config, config.kv_compression,
                            config.kv_disk_dir)
+
+
+def _named_backend(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str | None:
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    return attention_backend(vllm_config, int(getattr(spec, "head_size", 0)))
 
 
 def _opener(config: ConnectorConfig) -> Callable[[], KVStore]:
@@ -93,11 +100,11 @@ def store_worker(config: ConnectorConfig, vllm_config: VllmConfig,
         return None
     opener = _opener(config)
     group = kv_cache_config.kv_cache_groups[0]
-    named = attention_backend(vllm_config, int(getattr(group.kv_cache_spec, "head_size", 0)))
+    named = _named_backend(vllm_config, kv_cache_config)
 
     def build(kv: list[torch.Tensor], layout: KVLayout) -> StoreWorker | None:
         used = layer_backends(vllm_config, list(group.layer_names))
-        if used - {named}:
+        if not used or used != {named}:  # none found: nothing proves the names right
             logger.warning("KV store off on this worker: its attention layers use %s, the "
                            "blocks' names say %s", sorted(used), named)
             return None
