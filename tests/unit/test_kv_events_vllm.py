@@ -8,14 +8,12 @@ import asyncio
 import time
 import uuid
 
-import pytest
 from pdserve_testing import wait_until_async
 
 from pdserve.core.block_hash import chain_hashes
 from pdserve.worker.kv_mirror import KvCacheMirror
 from pdserve.worker.vllm_kv_events import KvEventEndpoints, ZmqKvEventSource
 
-pytestmark = pytest.mark.integration
 BS = 16
 
 
