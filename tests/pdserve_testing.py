@@ -33,6 +33,7 @@ from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.router.dispatch.workers.client import probe_load
+from pdserve.worker.engine_tmp import sweep_dead
 
 T = TypeVar("T")
 
@@ -473,6 +474,7 @@ def _stop_and_clean(proc: subprocess.Popen[bytes], grace_s: float, sig: int
     report = process.stop([proc], grace_s=grace_s, sig=sig)
     for path in leftovers:
         shutil.rmtree(path, ignore_errors=True)
+    sweep_dead(Path(tempfile.gettempdir()))  # the killed workers' engine folders
     return report
 
 
