@@ -40,6 +40,7 @@ FOREIGN_FLAGS = {
     "etcd": {"--cert-file", "--key-file", "--trusted-ca-file", "--client-cert-auth",
              "--auth-token-ttl"},
     "etcdctl": {"--prefix"},
+    "pytest-xdist": {"--dist"},
     "redis-server": {"--save", "--appendonly", "--maxmemory", "--maxmemory-policy", "--port",
                      "--tls-port", "--tls-cert-file", "--tls-key-file", "--tls-ca-cert-file",
                      "--tls-auth-clients"},
