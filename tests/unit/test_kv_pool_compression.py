@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from pdserve_testing import NUM_BLOCKS, make_caches, start_transport
+from unit.connector_fakes import poll_until_finished
 from unit.test_kv_pool import TRANSPORTS, _block, _Pair
 from unit.test_kv_tiers import CONFIG, _h
 
@@ -190,7 +191,7 @@ def test_a_worker_counts_the_pool_pulls_a_peer_refused() -> None:
             side.start_step(PdserveConnectorMetadata(pool_loads={
                 "r": PoolLoad("127.0.0.1", pair.port, tuple(_h(b) for b in SRC),
                               tuple(DST))}))
-            _, failed = _finished(side, "r")
+            _, failed = poll_until_finished(side, "r")
             after = side._status_extra()
             assert failed == {"r"}  # vLLM recomputes the prompt
             assert after["pool_load_refusals"] == before["pool_load_refusals"] + 1
@@ -198,15 +199,6 @@ def test_a_worker_counts_the_pool_pulls_a_peer_refused() -> None:
         finally:
             side._pool.shutdown(wait=True)
 
-
-def _finished(side: WorkerSide, req_id: str) -> tuple[set[str], set[str]]:
-    end = time.monotonic() + 10
-    while time.monotonic() < end:
-        _, recving, failed = side.poll()
-        if req_id in recving:
-            return recving, failed
-        time.sleep(0.01)
-    raise AssertionError(f"{req_id} never finished")
 
 
 @pytest.mark.parametrize(("name", "checksum", "error"), [

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from unit.connector_fakes import FakeRequest
 
 from pdserve.bench.micro.cache_sim.replay import replay
 from pdserve.bench.micro.cache_sim.trace import Trace, block_key
@@ -36,18 +36,6 @@ from pdserve.worker.metrics import WorkerCollector, WorkerSample
 BS = 4
 IDENT = KVIdentity("fp-adm", "default", "float32", "cpu:test", BS, (2, 2, 8))
 
-
-@dataclass
-class FakeRequest:
-    request_id: str
-    all_token_ids: list[int]
-    cache_salt: str | None = None
-    num_computed_tokens: int = 0
-    block_hashes: list[bytes] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
 
 class FakeStore:

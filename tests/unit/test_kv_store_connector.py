@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from unit.connector_fakes import FakeRequest
 
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.metadata import PdserveConnectorMetadata, StoreCopy, StoreFeedback
@@ -29,18 +30,6 @@ from pdserve.kv_transfer.remote.worker import StoreWorker
 BS, NUM_BLOCKS, HEADS, HEAD2 = 4, 16, 2, 8
 IDENT = KVIdentity("fp-test", "default", "float32", "cpu:test", BS, (2, HEADS, HEAD2))
 
-
-@dataclass
-class FakeRequest:
-    request_id: str
-    all_token_ids: list[int]
-    cache_salt: str | None = None
-    num_computed_tokens: int = 0
-    block_hashes: list[bytes] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
 
 @dataclass

@@ -6,11 +6,11 @@ as vLLM's load errors, in the pass that reports the request (vLLM recomputes fro
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
 import torch
+from unit.connector_fakes import poll_until_finished
 from unit.kv_store_helpers import fresh_names
 
 from pdserve.kv_transfer.config import ConnectorConfig
@@ -50,15 +50,6 @@ def _store_worker(url: str, kv: list[torch.Tensor], layout: KVLayout) -> StoreWo
                        codec_for("none", layout), ttl_s=60)
 
 
-def _poll_until(side: WorkerSide, req_id: str) -> tuple[set[str], set[str]]:
-    end = time.monotonic() + 10
-    while time.monotonic() < end:
-        _, recving, failed = side.poll()
-        if req_id in recving:
-            return recving, failed
-        time.sleep(0.01)
-    raise AssertionError(f"{req_id} never finished")
-
 
 def test_a_store_block_gone_at_load_fails_it_and_the_blocks_after_it_only(
         server: LocalRedis) -> None:
@@ -85,7 +76,7 @@ def test_a_store_block_gone_at_load_fails_it_and_the_blocks_after_it_only(
             tier_loads={"r": TierCopy((0,), (0,), (tier_hash,))},
             store_loads={"r": StoreCopy((1, 2, 3, 4), names)},
             pool_loads={"r": PoolLoad("127.0.0.1", 9, (b"p" * 32, b"q" * 32), (5, 6))}))
-        recving, failed = _poll_until(side, "r")
+        recving, failed = poll_until_finished(side, "r")
         assert (recving, failed) == ({"r"}, set())  # finished, not failed: vLLM keeps
         assert side.take_load_errors() == {3, 4, 5, 6}  # ... the prefix before block 3
         assert side.take_load_errors() == set()  # reported once
@@ -111,7 +102,7 @@ def test_a_tier_that_fails_still_fails_the_whole_request(server: LocalRedis) -> 
         side.start_step(PdserveConnectorMetadata(
             tier_loads={"r": TierCopy((0,), (1,), (b"x" * 32,))},  # never saved
             store_loads={"r": StoreCopy((1, 2), tuple(fresh_names(2)))}))
-        assert _poll_until(side, "r") == ({"r"}, {"r"})
+        assert poll_until_finished(side, "r") == ({"r"}, {"r"})
         assert side.take_load_errors() == set()  # vLLM recomputes it all
     finally:
         side.shutdown()

@@ -9,13 +9,13 @@ connects (worker flags and ``up``). One TLS server serves the module."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from unit.connector_fakes import FakeRequest
 from unit.kv_store_helpers import IDENT, fresh_names, random_blocks
 
 from pdserve.cli.configs import connector_config, up_store
@@ -118,18 +118,6 @@ def test_a_server_whose_certificate_does_not_name_the_host_is_refused(
             store.close()
 
 
-@dataclass
-class _Request:
-    request_id: str
-    all_token_ids: list[int]
-    cache_salt: str | None = None
-    num_computed_tokens: int = 0
-    block_hashes: list[bytes] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
 
 def test_a_refused_store_is_a_miss_the_worker_computes_and_counts(
         server: LocalRedis, files: TlsFiles) -> None:
@@ -143,8 +131,8 @@ def test_a_refused_store_is_a_miss_the_worker_computes_and_counts(
     tokens = [7000 + i for i in range(3 * block_size + 1)]
     refused, trusted = planner(TlsFiles(ca=files.ca)), planner(files)
     try:
-        assert refused.match(_Request("r1", tokens), 0) == 0  # computed, not failed
-        assert trusted.match(_Request("t1", tokens), 0) == 0  # a miss: nothing published
+        assert refused.match(FakeRequest("r1", tokens), 0) == 0  # computed, not failed
+        assert trusted.match(FakeRequest("t1", tokens), 0) == 0  # a miss: nothing published
         refused_counts, trusted_counts = refused.take_counts(), trusted.take_counts()
     finally:
         refused.close()
