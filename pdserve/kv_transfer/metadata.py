@@ -113,12 +113,16 @@ class StoreFeedback(KVConnectorWorkerMetadata):
     decision learns (``remote.decision``): the engine's prefill time per prompt token
     (the step model's fit, 0: not yet known), the store loads that ended (bytes,
     nanoseconds; the bytes are the blocks' in the cache, whatever their encoding in the
-    store), the blocks the writer published and those whose publication failed."""
+    store), the blocks the writer published and those whose publication failed; and,
+    once, that the worker side turned the store off (``store_off``: its attention layers
+    are not those the blocks' names say), so the scheduler side stops looking up and
+    publishing."""
 
     per_token_ns: int = 0
     loads: list[tuple[int, int]] = field(default_factory=list)
     unpublished: list[str] = field(default_factory=list)  # keys a write failed to publish
     published: list[tuple[str, int]] = field(default_factory=list)  # (key, pdserve hash)
+    store_off: bool = False
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, StoreFeedback):
@@ -126,4 +130,5 @@ class StoreFeedback(KVConnectorWorkerMetadata):
             self.loads.extend(other.loads)
             self.unpublished.extend(other.unpublished)
             self.published.extend(other.published)
+            self.store_off = self.store_off or other.store_off
         return self

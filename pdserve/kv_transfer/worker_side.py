@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from pdserve.kv_transfer.base import KVTransport, PeerAddress, create_transport
+from pdserve.kv_transfer.cache_io import CacheIO
 from pdserve.kv_transfer.config import ConnectorConfig
-from pdserve.kv_transfer.control.wire import IncompatiblePeerError, TransferError
+from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.metadata import (
@@ -26,10 +27,7 @@ from pdserve.kv_transfer.metadata import (
     KVHandle,
     LoadSpec,
     PdserveConnectorMetadata,
-    PoolLoad,
-    StoreCopy,
     StoreFeedback,
-    TierCopy,
 )
 from pdserve.kv_transfer.push.inbox import PushInbox
 from pdserve.kv_transfer.push.sender import PushSender
@@ -61,11 +59,9 @@ class WorkerSide:
     ) -> None:
         self._config = config
         self._make_store = store  # the cluster KV store's side, once the caches exist
-        self._store: StoreWorker | None = None
         self._tier_slots = tier_slots
         self._disk_slots = disk_slots
         self._disk_compat = disk_compat
-        self._tiers: TierStore | None = None  # once the KV caches are registered
         self._saves: dict[str, Future[int]] = {}
         # Requests whose blocks are both leased and saved: finished when both are.
         self._parts: dict[str, int] = {}
@@ -101,10 +97,8 @@ class WorkerSide:
              "pool_load_refusals",
              "tier_miss_blocks", "tier_evictions", "disk_evictions", *STORE_COUNTS), 0)
         self._load_lock = threading.Lock()
-        # A load's blocks not loaded (the store's from its first missing one on), until
-        # ``poll`` reports the load, then until vLLM takes them (``take_load_errors``).
-        self._load_errors: dict[str, tuple[int, ...]] = {}
-        self._reported_errors: set[int] = set()
+        # The tiers, the store and the pool (set up once the KV caches are registered).
+        self._io = CacheIO(config, tp_rank, self._transport, self._count_load)
         self.steps = StepTimer()  # the engine's step times (the status op shows the fit)
         self.port = 0  # the KV endpoint's port, once registered
 
@@ -117,17 +111,18 @@ class WorkerSide:
         # The pool's blocks, pulled and served, in --kv-compression's encoding.
         self._transport.use_pool_codec(codec_for(self._config.kv_compression, layout))
         if self._tier_slots or self._disk_slots:
-            self._tiers = TierStore(
+            self._io.tiers = tiers = TierStore(
                 self._kv, layout, self._tier_slots, self._config.kv_checksum,
                 self._config.kv_disk_dir if self._disk_slots else None, self._disk_compat)
             logger.info("KV tiers: host %d blocks, disk %d blocks%s", self._tier_slots,
-                        self._disk_slots, f" in {self._tiers.disk.folder}"
-                        if self._tiers.disk is not None else "")
-            if self._tiers.host is not None and pool_transport_ok(
+                        self._disk_slots, f" in {tiers.disk.folder}"
+                        if tiers.disk is not None else "")
+            if tiers.host is not None and pool_transport_ok(
                     self._config.transport, layout.device):  # peers may pull from it: the pool
-                self._transport.serve_pool(self._tiers.serve)
+                self._transport.serve_pool(tiers.serve)
         if self._make_store is not None:
-            self._store = self._make_store(self._kv, layout)
+            self._io.store = self._make_store(self._kv, layout)
+            self._io.tell_store_off = self._io.store is None
         self._transport.add_status(self._status)
         channel = self._transport.push_channel()
         if channel is not None:
@@ -202,12 +197,9 @@ class WorkerSide:
         for req_id in [r for r, f in self._pulls.items() if f.done()]:
             future = self._pulls.pop(req_id)
             recving.add(req_id)
-            with self._load_lock:
-                lost = self._load_errors.pop(req_id, ())
             if future.exception() is not None:
                 failed.add(req_id)  # vLLM recomputes the whole request
-            else:  # reported in the pass that reports the request (vLLM's contract)
-                self._reported_errors.update(lost)
+            self._io.loaded(req_id, req_id in failed)
         return sending, recving, failed
 
     def _finished_sending(self) -> set[str]:
@@ -232,92 +224,23 @@ class WorkerSide:
         for req_id in meta.tier_saves.keys() | meta.store_saves.keys():
             if req_id in meta.leases:
                 self._parts[req_id] = 2
-            future = self._pool.submit(self._save, req_id, meta.tier_saves.get(req_id),
+            future = self._pool.submit(self._io.save, req_id, meta.tier_saves.get(req_id),
                                        meta.disk_saves.get(req_id, NO_COPY),
                                        meta.store_saves.get(req_id))
             future.add_done_callback(lambda _: self._progress.set())
             self._saves[req_id] = future
         for req_id in meta.tier_loads.keys() | meta.pool_loads.keys() | meta.store_loads.keys():
-            future = self._pool.submit(self._load_tiers, req_id, meta.tier_loads.get(req_id),
+            future = self._pool.submit(self._io.load, req_id, meta.tier_loads.get(req_id),
                                        meta.disk_loads.get(req_id, NO_COPY),
                                        meta.pool_loads.get(req_id), meta.store_loads.get(req_id))
             future.add_done_callback(lambda _: self._progress.set())
             self._pulls[req_id] = future
 
-    def _save(self, req_id: str, host: TierCopy | None, disk: TierCopy,
-              store: StoreCopy | None) -> int:
-        """A finished request's blocks written to this worker's tiers and copied out for
-        the store (published behind it); the bytes. Never raises: where a side is off
-        (the two sides disagree), nothing is saved there and the save still ends."""
-        nbytes = 0
-        if host is not None and self._tiers is not None:
-            nbytes += self._tiers.save(req_id, host, disk)
-        if store is not None and self._store is not None:
-            nbytes += self._store.save(req_id, store)
-        return nbytes
-
-    def _load_tiers(self, req_id: str, host: TierCopy | None, disk: TierCopy,
-                    pool: PoolLoad | None, store: StoreCopy | None = None) -> int:
-        """A request's blocks from this worker's tiers, then from the cluster store, then
-        from a peer's host tier (the pool), in the order they sit in the request;
-        ``TransferError`` if a tier or the pool fails (vLLM then recomputes it all). The
-        store loads what it can: the blocks from its first missing or bad one on, the
-        pool's after them included (not loaded), are the request's load errors
-        (``take_load_errors``), and vLLM recomputes from there."""
-        nbytes = 0
-        if host is not None and (host.slots or disk.slots):
-            if self._tiers is None:
-                raise TransferError("no KV tiers on this worker")
-            nbytes += self._tiers.load(req_id, host, disk)
-        if store is not None and store.names:
-            loaded = 0
-            if self._store is not None:
-                got, loaded = self._store.load(req_id, store)
-                nbytes += got
-            if loaded < len(store.names):
-                lost = store.block_ids[loaded:] + (pool.block_ids if pool is not None else ())
-                with self._load_lock:
-                    self._load_errors[req_id] = lost
-                return nbytes
-        if pool is not None and pool.hashes:
-            nbytes += self._pull_pool(req_id, pool)
-        return nbytes
-
     def take_load_errors(self) -> set[int]:
-        """The blocks of the loads ``poll`` reported finished (not failed) that were not
-        loaded, since the last call (vLLM's ``get_block_ids_with_load_errors``)."""
-        errors, self._reported_errors = self._reported_errors, set()
-        return errors
+        return self._io.take_load_errors()
 
     def feedback(self) -> StoreFeedback | None:
-        """What the scheduler side's fetch-or-compute decision learns from this step
-        (None without a store, or with nothing new)."""
-        if self._store is None:
-            return None
-        loads, unpublished, published = self._store.take_feedback()
-        estimate = self.steps.estimate()
-        per_token = estimate.per_token_ns if estimate.num_prefill_steps else 0
-        if not (loads or unpublished or published or per_token):
-            return None
-        return StoreFeedback(per_token, loads, unpublished, published)
-
-    def _pull_pool(self, req_id: str, pool: PoolLoad) -> int:
-        peer = PeerAddress(pool.host, pool.port + self._tp_rank)
-        start = time.perf_counter_ns()
-        try:
-            nbytes = self._transport.pull_pool(
-                peer, pool.hashes, pool.block_ids,
-                time.monotonic() + self._config.transfer_timeout_s)
-        except TransferError as exc:  # refused: the peer's --kv-compression differs
-            self._count_load(pool_load_failures=1, pool_load_refusals=int(
-                isinstance(exc, IncompatiblePeerError)))
-            logger.warning("KV pool pull for %s from %s failed, recomputing: %s",
-                           req_id, peer, exc)
-            raise
-        self._count_load(pool_loads=1, pool_load_blocks=len(pool.hashes),
-                         pool_load_time_ns=time.perf_counter_ns() - start,
-                         pool_load_bytes=nbytes)
-        return nbytes
+        return self._io.feedback(self.steps)
 
     def stats_delta(self) -> dict[str, int] | None:
         now = dict(self._transport.stats(), leases_expired=self._leases.num_expired,
@@ -335,10 +258,7 @@ class WorkerSide:
     def _status_extra(self) -> dict[str, int]:
         with self._load_lock:
             out = dict(self._load_stats)
-        if self._tiers is not None:
-            out.update(self._tiers.stats())
-        if self._store is not None:
-            out.update(self._store.stats())
+        out.update(self._io.stats())
         if self._sender is not None:
             out.update(layers_pushed=self._sender.num_layers_pushed,
                        pushes_failed=self._sender.num_pushes_failed)
@@ -353,8 +273,7 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._store is not None:
-            self._store.close()
+        self._io.close()
         if self._sender is not None:
             self._sender.close()
         self._transport.close()

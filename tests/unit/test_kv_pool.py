@@ -215,6 +215,7 @@ def test_a_pool_load_runs_on_the_worker_side_and_counts() -> None:
     side = WorkerSide(CONFIG, {}, 0, 16, NUM_BLOCKS)
     side._transport.close()
     side._transport = pair.client  # the pulling worker's transport, already started
+    side._io._transport = pair.client  # the pool pulls through it
     try:
         pair.save([3, 4], [0, 1], [_h(3), _h(4)])
         meta = PdserveConnectorMetadata(pool_loads={

@@ -185,6 +185,7 @@ def test_a_worker_counts_the_pool_pulls_a_peer_refused() -> None:
         side = WorkerSide(CONFIG, {}, 0, 16, NUM_BLOCKS)
         side._transport.close()
         side._transport = pair.client  # the pulling worker's transport, already started
+        side._io._transport = pair.client  # the pool pulls through it
         try:
             pair.save(SRC, [0, 1, 2], [_h(b) for b in SRC])
             before = side._status_extra()

@@ -330,3 +330,25 @@ def test_a_save_larger_than_the_writers_queue_publishes_the_prefix_that_fits(
     assert unpublished == [n.key for n in names[3:]]
     assert a.worker.stats()["store_save_dropped"] == 2
 
+
+
+def test_a_worker_side_that_turned_the_store_off_stops_the_scheduler_side(
+        sides: tuple[Side, Side]) -> None:
+    from pdserve.kv_transfer.cache_io import CacheIO
+    from pdserve.kv_transfer.config import ConnectorConfig
+    from pdserve.kv_transfer.step_model import StepTimer
+
+    a, b = sides
+    tokens = _prompt(9)
+    a.publish(FakeRequest("a9", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
+    # b's worker side found its attention layers are not those the names say: no store
+    io = CacheIO(ConnectorConfig(engine_id="w"), 0, None, lambda **_: None)  # type: ignore[arg-type]
+    io.tell_store_off = True
+    feedback = io.feedback(StepTimer())
+    assert feedback is not None and feedback.store_off
+    assert io.feedback(StepTimer()) is None  # said once
+    b.plan.update(FakeOutput(kv_connector_worker_meta=feedback))
+    assert b.plan.match(FakeRequest("b9", tokens), 0) == 0  # held, never looked up
+    assert not b.plan.plan_save(FakeRequest("b10", _prompt(10), num_computed_tokens=5 * BS),
+                                [5, 6, 7, 8, 9], PdserveConnectorMetadata())
+    assert "store_lookups" not in b.plan.take_counts()

@@ -65,11 +65,11 @@ def test_a_store_block_gone_at_load_fails_it_and_the_blocks_after_it_only(
 
     kv, layout = _kv(2)
     side = WorkerSide(ConnectorConfig(engine_id="w"), {}, 0, BS, NUM_BLOCKS)
-    side._tiers = TierStore(kv, layout, host_slots=2, verify=False, disk_dir=None,
-                            disk_compat="")
-    side._store = _store_worker(server.url, kv, layout)
+    side._io.tiers = TierStore(kv, layout, host_slots=2, verify=False, disk_dir=None,
+                               disk_compat="")
+    side._io.store = _store_worker(server.url, kv, layout)
     tier_hash = b"t" * 32
-    side._tiers.save("earlier", TierCopy((12,), (0,), (tier_hash,)), NO_COPY)
+    side._io.tiers.save("earlier", TierCopy((12,), (0,), (tier_hash,)), NO_COPY)
     before = [t.clone() for t in kv]
     try:
         side.start_step(PdserveConnectorMetadata(
@@ -95,9 +95,9 @@ def test_a_store_block_gone_at_load_fails_it_and_the_blocks_after_it_only(
 def test_a_tier_that_fails_still_fails_the_whole_request(server: LocalRedis) -> None:
     kv, layout = _kv(3)
     side = WorkerSide(ConnectorConfig(engine_id="w"), {}, 0, BS, NUM_BLOCKS)
-    side._tiers = TierStore(kv, layout, host_slots=2, verify=False, disk_dir=None,
-                            disk_compat="")
-    side._store = _store_worker(server.url, kv, layout)
+    side._io.tiers = TierStore(kv, layout, host_slots=2, verify=False, disk_dir=None,
+                               disk_compat="")
+    side._io.store = _store_worker(server.url, kv, layout)
     try:
         side.start_step(PdserveConnectorMetadata(
             tier_loads={"r": TierCopy((0,), (1,), (b"x" * 32,))},  # never saved

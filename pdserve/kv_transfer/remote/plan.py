@@ -71,6 +71,7 @@ class StorePlanner:
         self.decision = decision
         self._ttl_s = ttl_s
         self._down_until = 0.0
+        self._off = False  # the worker side turned the store off: nothing more to do
         self._max_load_blocks = max(MAX_LOAD_BYTES // block_bytes, 1) if block_bytes else 1 << 30
         # Per request, until allocated: the lookup's answer at a start block (the names
         # worth loading; none: absent, or computing was chosen), asked once per start.
@@ -94,7 +95,8 @@ class StorePlanner:
         req_id = request.request_id
         start = num_tokens // self._bs
         end = min((request.num_tokens - 1) // self._bs, start + self._max_load_blocks)
-        if num_tokens % self._bs or end - start < MIN_FETCH_BLOCKS or req_id in self._failed:
+        if (num_tokens % self._bs or end - start < MIN_FETCH_BLOCKS or req_id in self._failed
+                or self._off):
             self._matched.pop(req_id, None)
             return 0
         cached = self._matched.get(req_id)
@@ -146,7 +148,7 @@ class StorePlanner:
         publishes); True if there is anything to copy (its blocks then stay allocated)."""
         self._matched.pop(request.request_id, None)
         num = min(request.num_computed_tokens // self._bs, len(block_ids))
-        if num <= 0 or self._store_down():
+        if num <= 0 or self._off or self._store_down():
             return False
         now = time.monotonic()
         picked = [(i, n) for i, n in enumerate(self.names(request, num))
@@ -190,7 +192,12 @@ class StorePlanner:
 
     def _learn(self, feedback: StoreFeedback, now: float) -> None:
         """The worker side's report: timings for the decision, blocks the writer
-        published (remembered, announced) and blocks it could not (forgotten)."""
+        published (remembered, announced) and blocks it could not (forgotten); or that
+        the worker side turned the store off (then this side stops too)."""
+        if feedback.store_off and not self._off:
+            self._off = True
+            logger.warning("KV store off: the worker side turned it off (see its log); no "
+                           "more lookups or publications")
         if feedback.per_token_ns:
             self.decision.on_per_token(feedback.per_token_ns * 1e-9)
         for nbytes, ns in feedback.loads:
