@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
+from pdserve.core.lora import LORA_RANKS, LoraAdapter, parse_lora_module
 from pdserve.router.http.tenants.table import check_api_key, parse_key_entry
 
 Parse = Callable[[str], Any]
@@ -156,6 +157,24 @@ def parse_weight_version(text: str) -> str:
     if not text.strip():
         raise ValueError("expected a version name, not an empty string")
     return text
+
+
+def parse_lora_modules(text: str) -> tuple[LoraAdapter, ...]:
+    """``--lora-modules``: ``name=path`` entries (several, space-separated, as ``vllm
+    serve`` takes them), or one adapter as vLLM's JSON object."""
+    if text.strip().startswith("{"):
+        return (parse_lora_module(text),)
+    modules = tuple(parse_lora_module(entry) for entry in text.split())
+    if not modules:
+        raise ValueError("expected name=path")
+    return modules
+
+
+def parse_lora_rank(text: str) -> int:
+    rank = parse_int(1)(text)
+    if rank not in LORA_RANKS:
+        raise ValueError(f"expected one of {', '.join(map(str, LORA_RANKS))}")
+    return int(rank)
 
 
 def parse_api_keys(text: str) -> tuple[str, ...]:
