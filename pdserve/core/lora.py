@@ -44,13 +44,25 @@ class LoraAdapter:
         return f"{self.name}#{digest}"
 
 
+LORA_MARK = "@lora:"
+
+
 def adapter_salt(cache_salt: str | None, adapter: LoraAdapter | None) -> str | None:
     """The salt a request's KV is cached under when it runs ``adapter`` (None: the base
     model, the salt unchanged). ``@lora:`` joins them: a client's own salt may not hold
     ``@`` (``versioned_salt``), so no client can name an adapter's blocks."""
     if adapter is None:
         return cache_salt
-    return f"{cache_salt or ''}@lora:{adapter.tag}"
+    return f"{cache_salt or ''}{LORA_MARK}{adapter.tag}"
+
+
+def split_adapter_salt(salt: str | None) -> tuple[str | None, str | None]:
+    """``adapter_salt``'s parts: the request's own salt and the adapter's tag (None,
+    None: neither)."""
+    if salt is None or LORA_MARK not in salt:
+        return salt, None
+    own, _, tag = salt.rpartition(LORA_MARK)
+    return own or None, tag
 
 
 def parse_lora_module(text: str) -> LoraAdapter:
