@@ -164,10 +164,8 @@ def parse_lora_modules(text: str) -> tuple[LoraAdapter, ...]:
     serve`` takes them), or one adapter as vLLM's JSON object."""
     if text.strip().startswith("{"):
         return (parse_lora_module(text),)
-    modules = tuple(parse_lora_module(entry) for entry in text.split())
-    if not modules:
-        raise ValueError("expected name=path")
-    return modules
+    # Empty: none (an environment variable a deployment leaves blank).
+    return tuple(parse_lora_module(entry) for entry in text.split())
 
 
 def parse_lora_rank(text: str) -> int:
