@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,9 @@ from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.roles.decode.policy import DecodePolicy
 from pdserve.router.dispatch.workers.loras import LoraTargets
 from pdserve.router.dispatch.workers.state import WorkerState
+from pdserve.router.http.errors import ModelNotFoundError
+from pdserve.router.http.openai.preprocess import Preprocessor
+from pdserve.router.http.openai.schemas import CompletionRequest
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import EngineConfig, EngineParams, EngineStep
 from pdserve.worker.host import EngineHost
@@ -169,3 +173,22 @@ def test_placement_reads_what_a_worker_serves() -> None:
     state = WorkerState(endpoint="e", role="decode", healthy=True, loras=(SQL,))
     assert state.serves(None) and state.serves("sql") and not state.serves("chat")
     assert not WorkerState(endpoint="e", role="decode").serves("sql")
+
+
+def test_a_model_names_the_base_model_or_an_adapter(tokenizer: Any) -> None:
+    """As on ``vllm serve``: an adapter's name runs it (the response names it), the base
+    model's runs none, anything else is 404 ``model_not_found``."""
+
+    class Served:
+        def adapter(self, name: str | None) -> LoraAdapter | None:
+            return SQL if name == "sql" else None
+
+    pre = Preprocessor(served_model_name="m", max_model_len=4096, tokenizer=tokenizer,
+                       loras=Served())
+    lora = pre.completion(CompletionRequest(model="sql", prompt="hi", max_tokens=2))
+    assert (lora.model, lora.sampling.lora_name) == ("sql", "sql")
+    base = pre.completion(CompletionRequest(model="m", prompt="hi", max_tokens=2))
+    assert (base.model, base.sampling.lora_name) == ("m", None)
+    with pytest.raises(ModelNotFoundError) as missing:
+        pre.completion(CompletionRequest(model="chat", prompt="hi", max_tokens=2))
+    assert missing.value.status_code == 404
