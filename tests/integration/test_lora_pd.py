@@ -62,7 +62,7 @@ class LoraCluster:
         port = free_port()
         self.endpoints[worker_id] = f"127.0.0.1:{port}"
         self.procs[worker_id] = _spawn(
-            [role, "--etcd", self.etcd.url, "--cluster", CLUSTER, "--etcd-ttl-s", "3",
+            [role, "--etcd", self.etcd.url, "--cluster", CLUSTER,
              "--dtype", "float32", "--kv-cache-gib", "1", "--port", str(port),
              "--kv-port", str(free_port()), "--worker-id", worker_id, "--model",
              str(self.model_path), "--enable-lora", "--max-loras", "2", "--max-lora-rank",
