@@ -4,6 +4,7 @@ folder every worker refuses is not kept, an unload reaches them all."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from unit.fake_worker import start_fake_worker
 
@@ -11,6 +12,8 @@ from pdserve.core.lora import LoraAdapter
 from pdserve.membership.static import static_infos
 from pdserve.router.dispatch.lora_catalog import LoraCatalog, LoraRefusedError
 from pdserve.router.dispatch.workers.pool import WorkerPool
+from pdserve.router.http.admin.app import create_admin_app
+from pdserve.router.http.admin.loras import lora_actions
 
 SQL = LoraAdapter("sql", "/adapters/sql")
 
@@ -68,3 +71,36 @@ async def test_a_worker_that_lost_an_adapter_gets_it_back_at_its_next_check() ->
         await pool.close()
         for worker in (decode, other):
             await worker.stop()
+
+
+async def test_the_admin_routes_answer_as_vllm_does() -> None:
+    """vLLM's bodies on the admin plane, behind its key; a bad folder is 400 and an
+    unknown adapter 404 in OpenAI's error JSON."""
+    decode = await start_fake_worker("decode")
+    pool = WorkerPool((), [decode.endpoint])
+    app = create_admin_app(None, lora_actions(LoraCatalog(pool), "m"), keys=("adm-key-1",))
+    auth = {"Authorization": "Bearer adm-key-1"}
+    try:
+        await pool.refresh_all()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://admin") as http:
+            body = {"lora_name": "sql", "lora_path": SQL.path}
+            assert (await http.post("/v1/load_lora_adapter", json=body)).status_code == 401
+            ok = await http.post("/v1/load_lora_adapter", json=body, headers=auth)
+            assert ok.status_code == 200 and ok.json()["workers"] == {
+                decode.servicer.worker_id: "loaded"}
+            for bad, param in (({"lora_name": "x", "lora_path": "/bad/x"}, "lora_path"),
+                               ({"lora_name": "m", "lora_path": "/a/m"}, "lora_name")):
+                refused = await http.post("/v1/load_lora_adapter", json=bad, headers=auth)
+                assert refused.status_code == 400
+                assert refused.json()["error"]["param"] == param
+            gone = await http.post("/v1/unload_lora_adapter", json={"lora_name": "nope"},
+                                   headers=auth)
+            assert gone.status_code == 404
+            assert gone.json()["error"]["code"] == "model_not_found"
+            unloaded = await http.post("/v1/unload_lora_adapter", json={"lora_name": "sql"},
+                                       headers=auth)
+            assert unloaded.status_code == 200 and decode.servicer.loras == {}
+    finally:
+        await pool.close()
+        await decode.stop()
