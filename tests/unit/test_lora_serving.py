@@ -192,3 +192,18 @@ def test_a_model_names_the_base_model_or_an_adapter(tokenizer: Any) -> None:
     with pytest.raises(ModelNotFoundError) as missing:
         pre.completion(CompletionRequest(model="chat", prompt="hi", max_tokens=2))
     assert missing.value.status_code == 404
+
+
+def test_up_hands_its_lora_flags_to_the_workers_unchanged() -> None:
+    """``pdserve up`` passes ``LoraConfig.flags()`` to each worker: parsed there as the
+    worker's own flags, they are the same config."""
+    from pdserve.cli.configs import lora_config
+    from pdserve.cli.parser import build_parser
+
+    cfg = LoraConfig(enable_lora=True, modules=(SQL, LoraAdapter("chat", "/a/chat")),
+                     max_loras=2, max_lora_rank=8)
+    up = build_parser().parse_args(["up", *cfg.flags()])
+    assert lora_config(up) == cfg
+    worker = build_parser().parse_args(["decode", *cfg.flags()])
+    assert lora_config(worker) == cfg
+    assert LoraConfig().flags() == []
