@@ -53,6 +53,9 @@ class Flag:
     metavar: str | None = None
     repeat: bool = False  # may be given several times; ``parse`` returns a tuple to add up
     secret: bool = False  # a bad value is not echoed in the error (keys)
+    # A repeated flag that also takes several values at once (``--lora-modules a=x b=y``,
+    # as vllm serve's nargs="+").
+    several: bool = False
 
     @property
     def env(self) -> str:
@@ -73,7 +76,7 @@ class Flag:
                                 **kwargs)
         elif flag.repeat:
             parser.add_argument(f"--{flag.name}", action=_Repeated, metavar=flag.metavar,
-                                **kwargs)
+                                nargs="+" if flag.several else None, **kwargs)
         else:
             parser.add_argument(f"--{flag.name}", choices=flag.choices,
                                 metavar=flag.metavar, **kwargs)
@@ -102,6 +105,8 @@ class _Repeated(argparse.Action):
         current = getattr(namespace, self.dest, None)
         if current is None or current is self.default:
             current = ()
+        if isinstance(values, list):  # nargs="+": one parsed tuple per value
+            values = tuple(item for value in values for item in value)
         setattr(namespace, self.dest, (*current, *values))
 
 

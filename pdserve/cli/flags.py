@@ -141,10 +141,11 @@ FLAGS = _flags(
          "it, on prefill and decode; its KV is cached apart from the base model's and "
          "every other adapter's (vLLM's flag)", False, parse_bool, switch=True),
     Flag("lora-modules", "adapters served from the start, as vllm serve takes them: "
-         "name=path (repeatable; several space-separated) or vLLM's JSON "
+         "name=path (repeatable; several after one flag, or space-separated in the variable) "
+         "or vLLM's JSON "
          "'{\"name\": ..., \"path\": ...}'; the router's POST /v1/load_lora_adapter adds "
          "more at run time (needs --enable-lora)", None, parse_lora_modules, repeat=True,
-         metavar="NAME=PATH"),
+         metavar="NAME=PATH", several=True),
     Flag("max-loras", "the most adapters in one engine batch (vLLM's flag)",
          DEFAULT_MAX_LORAS, parse_int(1)),
     Flag("max-lora-rank", "the largest adapter rank the engine accepts (vLLM's flag: "

@@ -207,3 +207,7 @@ def test_up_hands_its_lora_flags_to_the_workers_unchanged() -> None:
     worker = build_parser().parse_args(["decode", *cfg.flags()])
     assert lora_config(worker) == cfg
     assert LoraConfig().flags() == []
+    # vllm serve's form: several after one --lora-modules.
+    several = build_parser().parse_args(
+        ["decode", "--enable-lora", "--lora-modules", "sql=/adapters/sql", "chat=/a/chat"])
+    assert lora_config(several).modules == cfg.modules
