@@ -11,7 +11,9 @@ one aggregated vLLM engine with the same adapters (``lora_reference.py``).
   the late decode worker serves the adapter before it is placed on, and once the first
   decode worker is gone, the adapter's requests run there, equal to the engine's.
 
-The adapters are random (``lora_adapters.py``, no peft): rank 8 on q_proj and v_proj."""
+The adapters are random (``lora_adapters.py``, no peft): rank 8 on q_proj and v_proj.
+About 4.5 min on two cores, nearly all of it four engine starts (the one engine loads
+beside the cluster's; the late worker after)."""
 
 from __future__ import annotations
 
