@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.core.grpc_tls import TlsFiles
+from pdserve.core.lora import LoraConfig
 from pdserve.core.model import ResolvedModel
 from pdserve.membership import EtcdAuth, MembershipConfig
 from pdserve.router.dispatch.policies.disagg import DisaggConfig
@@ -182,6 +183,12 @@ def connector_config(args: argparse.Namespace, worker_id: str,
     )
 
 
+def lora_config(args: argparse.Namespace) -> LoraConfig:
+    """From ``--enable-lora``, ``--lora-modules``, ``--max-loras``, ``--max-lora-rank``."""
+    return LoraConfig(enable_lora=bool(args.enable_lora), modules=tuple(args.lora_modules or ()),
+                      max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+
+
 def engine_config(args: argparse.Namespace, model: ResolvedModel, role: Role,
                   worker_id: str, connector: ConnectorConfig) -> EngineConfig:
     """The worker's vLLM engine, from the engine flags."""
@@ -204,6 +211,7 @@ def engine_config(args: argparse.Namespace, model: ResolvedModel, role: Role,
         prefill_max_running=prefill_max_running_default(args.prefill_max_running),
         prefill_order=args.prefill_order, weight_version=args.weight_version,
         weight_transfer_backend=weight_transfer_backend(args.weight_transfer_backend),
+        lora=lora_config(args),
     )
 
 
@@ -282,7 +290,7 @@ def up_config(args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
         shm_spin_s=args.shm_spin_s, prefill_chunk_tokens=args.prefill_chunk_tokens,
         prefill_max_running=args.prefill_max_running, prefill_order=args.prefill_order,
         weight_version=args.weight_version, weight_transfer_backend=transfer,
-        disagg=disagg_config(args), planner=planner_config(args),
+        lora=lora_config(args), disagg=disagg_config(args), planner=planner_config(args),
         tools=tool_config(args),
         max_restarts=args.max_restarts,
         restart_window_s=args.restart_window_s, simulated=args.simulated,

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
+from pdserve.core.lora import LORA_RANKS, LoraAdapter, parse_lora_module
 from pdserve.router.http.tenants.table import check_api_key, parse_key_entry
 
 Parse = Callable[[str], Any]
@@ -52,6 +53,9 @@ class Flag:
     metavar: str | None = None
     repeat: bool = False  # may be given several times; ``parse`` returns a tuple to add up
     secret: bool = False  # a bad value is not echoed in the error (keys)
+    # A repeated flag that also takes several values at once (``--lora-modules a=x b=y``,
+    # as vllm serve's nargs="+").
+    several: bool = False
 
     @property
     def env(self) -> str:
@@ -72,7 +76,7 @@ class Flag:
                                 **kwargs)
         elif flag.repeat:
             parser.add_argument(f"--{flag.name}", action=_Repeated, metavar=flag.metavar,
-                                **kwargs)
+                                nargs="+" if flag.several else None, **kwargs)
         else:
             parser.add_argument(f"--{flag.name}", choices=flag.choices,
                                 metavar=flag.metavar, **kwargs)
@@ -101,6 +105,8 @@ class _Repeated(argparse.Action):
         current = getattr(namespace, self.dest, None)
         if current is None or current is self.default:
             current = ()
+        if isinstance(values, list):  # nargs="+": one parsed tuple per value
+            values = tuple(item for value in values for item in value)
         setattr(namespace, self.dest, (*current, *values))
 
 
@@ -156,6 +162,22 @@ def parse_weight_version(text: str) -> str:
     if not text.strip():
         raise ValueError("expected a version name, not an empty string")
     return text
+
+
+def parse_lora_modules(text: str) -> tuple[LoraAdapter, ...]:
+    """``--lora-modules``: ``name=path`` entries (several, space-separated, as ``vllm
+    serve`` takes them), or one adapter as vLLM's JSON object."""
+    if text.strip().startswith("{"):
+        return (parse_lora_module(text),)
+    # Empty: none (an environment variable a deployment leaves blank).
+    return tuple(parse_lora_module(entry) for entry in text.split())
+
+
+def parse_lora_rank(text: str) -> int:
+    rank = parse_int(1)(text)
+    if rank not in LORA_RANKS:
+        raise ValueError(f"expected one of {', '.join(map(str, LORA_RANKS))}")
+    return int(rank)
 
 
 def parse_api_keys(text: str) -> tuple[str, ...]:

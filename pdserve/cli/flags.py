@@ -19,6 +19,8 @@ from pdserve.cli.flag_types import (
     parse_cidrs,
     parse_float,
     parse_int,
+    parse_lora_modules,
+    parse_lora_rank,
     parse_port,
     parse_weight_version,
 )
@@ -26,6 +28,7 @@ from pdserve.cli.health import DEFAULT_TARGET, HealthTarget
 from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.core.grpc_options import DEFAULT_KEEPALIVE_S, MIN_KEEPALIVE_S
 from pdserve.core.logs import DEFAULT_LOG_FORMAT, LOG_FORMATS
+from pdserve.core.lora import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS
 from pdserve.kv_transfer.base import transport_names
 from pdserve.kv_transfer.tiers.policies.registry import (
     ADMIT_ALL,
@@ -133,6 +136,20 @@ FLAGS = _flags(
          "pushes (EngineWeightCall init_weight_transfer_engine, update_weights): nccl or ipc, "
          "GPU only (default: off; updates come from checkpoint folders, StageWeights and "
          "CommitWeights)", None, choices=WEIGHT_TRANSFER_BACKENDS),
+    # LoRA adapters (vllm serve's flags; workers and up)
+    Flag("enable-lora", "serve LoRA adapters: a request whose model names an adapter runs "
+         "it, on prefill and decode; its KV is cached apart from the base model's and "
+         "every other adapter's (vLLM's flag)", False, parse_bool, switch=True),
+    Flag("lora-modules", "adapters served from the start, as vllm serve takes them: "
+         "name=path (repeatable; several after one flag, or space-separated in the variable) "
+         "or vLLM's JSON "
+         "'{\"name\": ..., \"path\": ...}'; the router's POST /v1/load_lora_adapter adds "
+         "more at run time (needs --enable-lora)", None, parse_lora_modules, repeat=True,
+         metavar="NAME=PATH", several=True),
+    Flag("max-loras", "the most adapters in one engine batch (vLLM's flag)",
+         DEFAULT_MAX_LORAS, parse_int(1)),
+    Flag("max-lora-rank", "the largest adapter rank the engine accepts (vLLM's flag: "
+         "1, 8, 16, 32, 64, 128, 256, 320 or 512)", DEFAULT_MAX_LORA_RANK, parse_lora_rank),
     # KV transport
     Flag("transport", "KV transport: tcp, ucx (UCX via ucxx; UCX_* env vars apply), torch "
          "(torch.distributed p2p: NCCL/RCCL on GPU, gloo on CPU)", "tcp",

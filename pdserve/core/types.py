@@ -10,6 +10,7 @@ from typing import Literal
 
 from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.core.handle import KVHandle, PoolSource, PushTarget
+from pdserve.core.lora import LoraAdapter
 
 Phase = Literal["prefill", "decode"]
 Role = Literal["prefill", "decode"]
@@ -68,6 +69,11 @@ class SamplingSpec:
     # ``structured`` does. Requests with different salts share no cached KV: vLLM hashes
     # it into the prompt's first block, pdserve's block names (``core.block_hash``) too.
     cache_salt: str | None = None
+    # Not a sampling parameter either: the LoRA adapter the request runs (its OpenAI
+    # ``model``; None: the base model). Riding here, it reaches prefill, decode and every
+    # migration's continuation alike; the worker runs it and caches under it
+    # (``core.lora.adapter_salt``).
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -171,6 +177,8 @@ class WorkerHealth:
     # How it encodes the cluster KV pool's blocks (--kv-compression): pool pulls move
     # blocks only between workers that name the same.
     kv_compression: str = "none"
+    # The LoRA adapters it serves now (empty: none, or LoRA off).
+    loras: tuple[LoraAdapter, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -241,6 +241,7 @@ class PdserveConnector(KVConnectorBase_V1):
             medium = _MEDIUM[tier]
             hashes: list[bytes | int] = list(tier_hashes)  # vLLM's hashes are bytes or int
             events.append(BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
+                                      # the adapter is in the hashes (the salt)
                                       block_size=self._block_size, lora_id=None,
                                       medium=medium, lora_name=None) if stored
                           else BlockRemoved(block_hashes=hashes, medium=medium))

@@ -22,6 +22,7 @@ from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.core.cluster_secret import optional_secret, write_cluster_secret
 from pdserve.core.dtype import DtypeChoice
 from pdserve.core.grpc_tls import TlsFiles
+from pdserve.core.lora import LoraConfig
 from pdserve.core.model import cache_dir
 from pdserve.core.ports import free_port
 from pdserve.kv_transfer.base import transport_names
@@ -83,6 +84,7 @@ class UpConfig:
     prefill_order: str = "shortest"
     weight_version: str = DEFAULT_WEIGHT_VERSION  # every worker's starting weights'
     weight_transfer_backend: str | None = None  # every vLLM engine's (None: off)
+    lora: LoraConfig = LoraConfig()  # every vLLM engine's adapters (--enable-lora, ...)
     disagg: DisaggConfig = DisaggConfig()  # handed to the router as its flags
     planner: PlannerConfig = PlannerConfig()  # the router's too
     tools: ToolConfig = ToolConfig()  # and its tool parser
@@ -140,6 +142,8 @@ class UpConfig:
         if self.weight_transfer_backend and self.simulated:
             raise ValueError("--weight-transfer-backend: simulated workers have no "
                              "weight-transfer engine")
+        if self.lora.enable_lora and self.simulated:
+            raise ValueError("--enable-lora: simulated workers serve no adapters")
         if self.simulated and (self.kv_store.enabled or self.kv_store.compression != "none"):
             raise ValueError("--kv-store, --with-redis, --kv-compression: simulated workers "
                              "have no KV cache to store")
@@ -243,6 +247,7 @@ def _engine_flags(cfg: UpConfig, role: str, cores: str, name: str) -> list[str]:
     argv += ["--prefill-order", cfg.prefill_order, "--weight-version", cfg.weight_version]
     if cfg.weight_transfer_backend:
         argv += ["--weight-transfer-backend", cfg.weight_transfer_backend]
+    argv += cfg.lora.flags()
     if role == "prefill" and cfg.num_kv_blocks:
         argv += ["--num-kv-blocks", str(cfg.num_kv_blocks)]
     return argv + cfg.kv_store.flags()

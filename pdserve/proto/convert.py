@@ -14,6 +14,7 @@ from dataclasses import asdict, fields
 
 from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.core.handle import KVHandle, PoolSource, PushTarget
+from pdserve.core.lora import LoraAdapter
 from pdserve.core.types import (
     FinishReason,
     KvChange,
@@ -94,6 +95,8 @@ def sampling_to_pb(spec: SamplingSpec) -> pb.SamplingParams:
             kind=STRUCTURED_TO_PB[spec.structured.kind], spec=spec.structured.spec))
     if spec.cache_salt is not None:
         msg.cache_salt = spec.cache_salt
+    if spec.lora_name is not None:
+        msg.lora_name = spec.lora_name
     return msg
 
 
@@ -109,7 +112,8 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingSpec:
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         structured=_structured_from_pb(msg),
-        cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None)
+        cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None,
+        lora_name=msg.lora_name if msg.HasField("lora_name") else None)
 
 
 def _structured_from_pb(msg: pb.SamplingParams) -> StructuredOutput | None:
@@ -247,7 +251,8 @@ def timing_from_pb(msg: pb.PhaseTiming) -> PhaseTiming:
 
 
 def health_to_pb(h: WorkerHealth) -> pb.HealthResponse:
-    return pb.HealthResponse(**dict(asdict(h), role=ROLE_TO_PB[h.role]))
+    return pb.HealthResponse(**dict(asdict(h), role=ROLE_TO_PB[h.role], loras=[
+        pb.LoraAdapter(name=a.name, path=a.path) for a in h.loras]))
 
 
 def health_from_pb(msg: pb.HealthResponse) -> WorkerHealth:
@@ -263,7 +268,13 @@ def health_from_pb(msg: pb.HealthResponse) -> WorkerHealth:
         prefill_chunk_tokens=msg.prefill_chunk_tokens,
         weight_version=msg.weight_version or DEFAULT_WEIGHT_VERSION,
         weights_path=msg.weights_path, kv_store_id=msg.kv_store_id,
-        kv_store_ttl_s=msg.kv_store_ttl_s, kv_compression=msg.kv_compression or "none")
+        kv_store_ttl_s=msg.kv_store_ttl_s, kv_compression=msg.kv_compression or "none",
+        loras=_loras_from_pb(msg))
+
+
+def _loras_from_pb(msg: pb.HealthResponse) -> tuple[LoraAdapter, ...]:
+    """The adapters a worker names; one that names none validly is an error."""
+    return tuple(LoraAdapter(a.name, a.path) for a in msg.loras)
 
 
 def load_to_pb(load: WorkerLoadReport) -> pb.GetLoadResponse:

@@ -43,6 +43,7 @@ from pdserve.router.dispatch.workers.metrics import register_pool_metrics
 from pdserve.router.dispatch.workers.pool import WorkerPool
 from pdserve.router.http.admin.actions import admin_actions
 from pdserve.router.http.admin.app import create_admin_app
+from pdserve.router.http.admin.loras import lora_actions
 from pdserve.router.http.admin.transfer import WeightTransferPolicy
 from pdserve.router.http.app import create_app
 from pdserve.router.http.edge.config import NEEDS_SECRET, EdgeConfig
@@ -125,6 +126,7 @@ class Router:
     planner: PlannerLoop
     election: Election  # whether this replica's planner decides
     weights: WeightUpdater  # cluster weight updates (admin actions)
+    loras: APIRouter  # vLLM's LoRA load/unload routes (admin actions)
 
     async def start(self) -> None:
         await self.pool.start(self.membership)
@@ -173,12 +175,14 @@ def build_router(config: RouterConfig, tokenizer: Any) -> Router:
                      secret=optional_secret(config.cluster_secret_file),
                      request_timeout_s=config.request_timeout_s, metrics_enabled=config.metrics,
                      tool_calling=ToolCalling.load(config.tools, tokenizer),
-                     eos_token_ids=model_eos_token_ids(config.model_path, tokenizer))
+                     eos_token_ids=model_eos_token_ids(config.model_path, tokenizer),
+                     loras=dispatcher.loras)
     views = _cluster_views(pool, membership, index, feeder, election)
     if not config.edge.api_keys:  # with keys, the views are the admin plane's only
         app.include_router(views)
     return Router(app, pool, feeder, membership, views, registry, switcher, planner, election,
-                  WeightUpdater(pool, dispatcher.weights, registry))
+                  WeightUpdater(pool, dispatcher.weights, registry),
+                  lora_actions(dispatcher.loras, config.served_model_name))
 
 
 async def serve_router(config: RouterConfig) -> None:
@@ -231,7 +235,8 @@ def admin_app(router: Router, edge: EdgeConfig) -> FastAPI:
     """The admin plane's app: the full views, the actions, behind the admin key."""
     actions = admin_actions(router.switcher, router.weights, WeightTransferPolicy(
         edge.weight_transfer_backend, edge.weight_transfer_allow))
-    return create_admin_app(router.registry, router.views, actions, keys=edge.admin_keys,
+    return create_admin_app(router.registry, router.views, actions, router.loras,
+                            keys=edge.admin_keys,
                             bind_host=edge.admin_bind_host, max_body_bytes=edge.max_body_bytes)
 
 

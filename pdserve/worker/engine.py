@@ -10,13 +10,15 @@ import os
 import threading
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.core.dtype import resolve_dtype
+from pdserve.core.lora import LoraConfig
 from pdserve.core.types import Role, SamplingSpec, TokenLogprobs, WeightsStaged
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.worker.engine_tmp import engine_tmp_dir
+from pdserve.worker.lora import LoadedLora
 
 # ``pdserve.worker.output_in_prompt:OutputInPromptPenalties``, named here so that the
 # frontend does not import it (it imports torch); vLLM loads it in the engine.
@@ -75,6 +77,8 @@ class EngineConfig:
     # vLLM's weight-transfer engine for updates pushed by a trainer ("nccl", "ipc":
     # GPUs); None: updates come from checkpoint folders only.
     weight_transfer_backend: str | None = None
+    # LoRA adapters (--enable-lora, --lora-modules, --max-loras, --max-lora-rank).
+    lora: LoraConfig = LoraConfig()
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -107,6 +111,8 @@ class EngineParams:
     num_output_in_prompt: int = 0
     # Prompt logprobs to compute (top-k per position), where this call computes the prompt.
     prompt_logprobs: int | None = None
+    # The LoRA adapter the call runs (None: the base model).
+    lora: LoadedLora | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,14 @@ class Engine(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def shutdown(self) -> None: ...
+
+    # ---- LoRA adapters (``pdserve.worker.lora``) ----
+
+    async def add_lora(self, lora: LoadedLora) -> None:
+        """Load ``lora`` into the engine now; ``ValueError`` for a folder it refuses."""
+        ...
+
+    async def remove_lora(self, lora_id: int) -> None: ...
 
     # ---- weights (``pdserve.worker.weights``) ----
 
@@ -282,5 +296,10 @@ def build_engine(config: EngineConfig, counters: EngineCounters) -> AsyncLLM:
         worker_extension_cls=WORKER_EXTENSION,
         weight_transfer_config=None if config.weight_transfer_backend is None else
         WeightTransferConfig(backend=config.weight_transfer_backend),
+        enable_lora=config.lora.enable_lora, max_loras=config.lora.max_loras,
+        max_lora_rank=cast(Any, config.lora.max_lora_rank),  # LoraConfig checks the rank
+        # Every adapter served stays in host memory (vLLM's LRU would evict and reload).
+        max_cpu_loras=max(config.lora.max_loras, len(config.lora.modules), 8)
+        if config.lora.enable_lora else None,
     )
     return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger_factory(counters)])

@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from pdserve.core.kv_store_id import kv_store_id
+from pdserve.core.lora import LoraAdapter
 from pdserve.core.types import (
     FinishReason,
     PhaseOutput,
@@ -33,6 +34,7 @@ from pdserve.kv_transfer.remote.worker import REPORTED as STORE_STATS
 from pdserve.kv_transfer.tiers.store import STATS as TIER_STATS
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import Engine, EngineConfig, EngineCounters, EngineStep
+from pdserve.worker.lora import LoraTable
 from pdserve.worker.policy import AdmissionAborted, RolePolicy
 from pdserve.worker.timing import PhaseClock
 from pdserve.worker.vllm_kv_events import KvEventEndpoints, KvEventMirroring
@@ -82,6 +84,7 @@ class EngineHost:
         self._events = None if config.kv_events is None else KvEventEndpoints(*config.kv_events)
         self._mirroring: KvEventMirroring | None = None
         self.weights = WeightsState(version=config.weight_version)
+        self.loras = LoraTable(config.lora)
 
     @property
     def ready(self) -> bool:
@@ -164,16 +167,19 @@ class EngineHost:
             prefill_chunk_tokens=cfg.prefill_chunk_tokens, weight_version=self.weights.version,
             weights_path=self.weights.path, kv_store_id=kv_store_id(conn.kv_store),
             kv_store_ttl_s=conn.kv_store_ttl_s if conn.kv_store else 0.0,
-            kv_compression=conn.kv_compression)
+            kv_compression=conn.kv_compression, loras=self.loras.adapters)
 
     async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         engine = self.engine
         if engine is None:
             raise WorkerError("unavailable", "engine is loading")
+        request, lora = self.loras.request(request)
         request = self.weights.request(request)
         version = self.weights.version  # the call's; no commit while it runs
         clock = PhaseClock()
         params = self.policy.engine_params(request)
+        if lora is not None:
+            params = replace(params, lora=lora)
         self._inflight.add(request.request_id)
         try:
             async with self.policy.admitted(request) as waited_s:
@@ -217,6 +223,33 @@ class EngineHost:
             await self.engine.abort(request_id)
         released = await self.policy.release(request_id)
         return found or released
+
+    # ---- LoRA adapters (``pdserve.worker.lora``) -------------------------------------
+
+    async def load_lora(self, adapter: LoraAdapter) -> bool:
+        """Serve ``adapter`` (loaded into the engine now); False: served already."""
+        engine = self._running_engine()
+        loaded = self.loras.to_load(adapter)
+        if loaded is None:
+            return False
+        await engine.add_lora(loaded)
+        previous = self.loras.loaded(loaded)
+        if previous is not None:  # a refit: the old adapter leaves the engine
+            await engine.remove_lora(previous.lora_id)
+        self._health = None
+        logger.info("worker %s serves LoRA %s from %s", self.worker_id, adapter.name,
+                    adapter.path)
+        return True
+
+    async def unload_lora(self, name: str) -> bool:
+        engine = self._running_engine()
+        removed = self.loras.remove(name)
+        if removed is None:
+            return False
+        await engine.remove_lora(removed.lora_id)
+        self._health = None
+        logger.info("worker %s no longer serves LoRA %s", self.worker_id, name)
+        return True
 
     # ---- weights (``pdserve.worker.weights``) ---------------------------------------
 

@@ -25,6 +25,7 @@ from pdserve.core.cluster_secret import ClusterSecret, warn_if_open
 from pdserve.core.grpc_auth import server_interceptors
 from pdserve.core.grpc_options import DEFAULT_KEEPALIVE_S, server_options
 from pdserve.core.grpc_tls import GrpcTls
+from pdserve.core.lora import LoraAdapter
 from pdserve.core.types import PhaseRequest, WorkerHealth
 from pdserve.proto import convert
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
@@ -33,6 +34,7 @@ from pdserve.worker.backend import ErrorKind, WorkerBackend, WorkerError
 from pdserve.worker.kv_mirror import KvCacheMirror
 from pdserve.worker.kv_relay import kv_changes, kv_snapshot
 from pdserve.worker.lifecycle import ServingState
+from pdserve.worker.lora import LoraBackend
 from pdserve.worker.session import RequestFailed, WorkerSession
 from pdserve.worker.weights import WeightsBackend
 
@@ -125,6 +127,32 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             await context.abort(*status_of(exc))
             raise  # abort raises; this says so to the reader and the type checker
         return convert.role_switch_to_pb(switch)
+
+    async def LoadLoraAdapter(  # noqa: N802 - gRPC method name
+        self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadLoraAdapterResponse:
+        loras = await self._loras(context)
+        try:
+            adapter = LoraAdapter(request.lora_name, request.lora_path)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # abort raises; this says so to the reader and the type checker
+        changed = await self._answer(context, "load LoRA", loras.load_lora(adapter))
+        return pb.LoadLoraAdapterResponse(changed=changed)
+
+    async def UnloadLoraAdapter(  # noqa: N802 - gRPC method name
+        self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnloadLoraAdapterResponse:
+        loras = await self._loras(context)
+        unloaded = await self._answer(context, "unload LoRA",
+                                      loras.unload_lora(request.lora_name))
+        return pb.UnloadLoraAdapterResponse(unloaded=unloaded)
+
+    async def _loras(self, context: grpc.aio.ServicerContext) -> LoraBackend:
+        if not isinstance(self._backend, LoraBackend):
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                "this worker serves no LoRA adapters")
+        return cast(LoraBackend, self._backend)
 
     async def StageWeights(  # noqa: N802 - gRPC method name
         self, request: pb.StageWeightsRequest, context: grpc.aio.ServicerContext

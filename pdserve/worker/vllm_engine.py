@@ -18,6 +18,7 @@ from pdserve.worker.engine import (
     EngineStep,
     build_engine,
 )
+from pdserve.worker.lora import LoadedLora
 
 logger = logging.getLogger("pdserve.worker")
 
@@ -112,6 +113,15 @@ def _interval_ns(start: float, end: float) -> int:
     return int((end - start) * 1e9) if 0.0 < start <= end else 0
 
 
+def _lora_request(lora: LoadedLora | None) -> Any:
+    """vLLM's ``LoRARequest`` for ``lora`` (None: the base model)."""
+    if lora is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora.adapter.name, lora.lora_id, lora.adapter.path)
+
+
 def _worker_error(exc: Exception) -> str:
     """The worker's own message out of vLLM's ``collective_rpc`` failure."""
     text = str(exc)
@@ -152,7 +162,8 @@ class VllmEngine:
         if sampling.cache_salt is not None:
             prompt["cache_salt"] = sampling.cache_salt
         stream = self._llm.generate(prompt, to_sampling_params(sampling, params,
-                                                               prompt_token_ids), request_id)
+                                                               prompt_token_ids), request_id,
+                                    lora_request=_lora_request(params.lora))
         # Closing vLLM's stream (our caller went away) aborts the request in the engine.
         async with contextlib.aclosing(stream):
             try:
@@ -172,6 +183,16 @@ class VllmEngine:
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
+
+    async def add_lora(self, lora: LoadedLora) -> None:
+        try:
+            await self._llm.add_lora(_lora_request(lora))
+        except Exception as exc:  # noqa: BLE001 - vLLM wraps a bad folder in anything
+            raise ValueError(f"cannot load LoRA adapter {lora.adapter.name!r} from "
+                             f"{lora.adapter.path!r}: {_worker_error(exc)}") from None
+
+    async def remove_lora(self, lora_id: int) -> None:
+        await self._llm.remove_lora(lora_id)
 
     async def stage_weights(self, model_path: str, version: str) -> WeightsStaged:
         started = time.monotonic_ns()

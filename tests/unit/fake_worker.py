@@ -27,6 +27,7 @@ import grpc
 
 from pdserve.core.bounded import bounded
 from pdserve.core.handle import KVHandle, PoolSource, PushTarget
+from pdserve.core.lora import LoraAdapter
 from pdserve.core.types import (
     FinishReason,
     PhaseOutput,
@@ -121,6 +122,8 @@ class FakeWorkerServicer:
     # decodes then end ``abort``, its leases are released).
     role_switches: list[Role] = field(default_factory=list)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    # The LoRA adapters it serves (LoadLoraAdapter; a path under /bad is refused).
+    loras: dict[str, LoraAdapter] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.worker_id = self.worker_id or f"fake-{self.role}-{id(self):x}"
@@ -215,7 +218,18 @@ class FakeWorkerServicer:
             block_size=128, max_model_len=4096, transport="tcp",
             compatibility_hash=self.script.compatibility_hash, kv_host="127.0.0.1",
             kv_port=self.script.kv_port, kv_push=self.script.kv_push,
-            kv_store_id=self.script.kv_store_id, kv_store_ttl_s=self.script.kv_store_ttl_s)
+            kv_store_id=self.script.kv_store_id, kv_store_ttl_s=self.script.kv_store_ttl_s,
+            loras=tuple(self.loras.values()))
+
+    async def load_lora(self, adapter: LoraAdapter) -> bool:
+        if adapter.path.startswith("/bad"):
+            raise ValueError(f"cannot load LoRA adapter {adapter.name!r}: no such folder")
+        changed = self.loras.get(adapter.name) != adapter
+        self.loras[adapter.name] = adapter
+        return changed
+
+    async def unload_lora(self, name: str) -> bool:
+        return self.loras.pop(name, None) is not None
 
     async def load(self) -> WorkerLoadReport:
         return WorkerLoadReport(num_pending_transfers=len(self.leases)

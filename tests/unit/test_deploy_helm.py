@@ -43,6 +43,9 @@ EVERYTHING = {  # every optional part on
     "extraVolumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
     "extraVolumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
     "imagePullSecrets": [{"name": "registry"}],
+    "lora": {"enabled": True, "modules": [{"name": "sql", "path": "/models/sql"},
+                                          {"name": "chat", "path": "/models/chat"}],
+             "maxLoras": 2, "maxLoraRank": 8},
     "tls": {"enabled": True, "certManager": {"enabled": True,
                                              "issuerRef": {"name": "pdserve-ca"}}},
 }
@@ -268,6 +271,8 @@ BAD_VALUES = {
     "an admin key with no secret key": {"adminKey": {"secretKey": ""}},
     "an unknown adminKey field": {"adminKey": {"key": "adm-inline-key"}},
     "adminKey.create as text": {"adminKey": {"create": "no"}},
+    "a LoRA rank vLLM refuses": {"lora": {"maxLoraRank": 12}},
+    "a LoRA module without a path": {"lora": {"modules": [{"name": "sql"}]}},
 }
 
 
@@ -298,6 +303,24 @@ def test_schema_enums_are_pdserve_own_choices() -> None:
         worker = props[role]["properties"]
         assert set(worker["transport"]["enum"]) == set(transport_names())
         assert set(worker["dtype"]["enum"]) == set(FLAGS["dtype"].choices or ())
+
+
+def test_lora_values_reach_every_worker_as_its_own_flags(chart: Any) -> None:
+    """The workers' environment parses as ``pdserve decode`` would: both modules, the
+    limits; off by default (no LoRA variable at all)."""
+    worker = "pd-pdserve-decode"
+    assert not {k for k in env_of(by_kind(render(chart), "Deployment")[worker])
+                if "LORA" in k}
+    env = env_of(by_kind(render(chart, EVERYTHING), "Deployment")[worker])
+    lora = {k: v for k, v in env.items() if "LORA" in k}
+    args = build_parser().parse_args(
+        ["decode", *(f"--{k[len('PDSERVE_'):].lower().replace('_', '-')}={v}"
+                     for k, v in lora.items() if k != "PDSERVE_ENABLE_LORA"),
+         "--enable-lora"])
+    assert env["PDSERVE_ENABLE_LORA"] == "true"
+    assert [(m.name, m.path) for m in args.lora_modules] == [
+        ("sql", "/models/sql"), ("chat", "/models/chat")]
+    assert (args.max_loras, args.max_lora_rank) == (2, 8)
 
 
 def test_tenant_isolation_reaches_the_router(chart: Any) -> None:

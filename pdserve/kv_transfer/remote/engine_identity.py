@@ -12,8 +12,9 @@ stored values (``--kv-compression``).
 
 A request adds its ``cache_salt``. pdserve caches a request under its *versioned* salt
 (``core.block_hash.versioned_salt``: the tenant's salt, then ``@weights:`` and the
-version after the first weight update), so ``for_request`` splits it: the weight
-version and the tenant each get their own field of the name.
+version after the first weight update; before it, ``@lora:`` and the LoRA adapter's tag
+when the request runs one: ``core.lora.adapter_salt``), so ``for_request`` splits it: the
+weight version, the adapter and the tenant each get their own field of the name.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 from vllm.version import __version__ as vllm_version
 
 from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
+from pdserve.core.lora import split_adapter_salt
 from pdserve.kv_transfer.remote.compression import encoding_tag
 from pdserve.kv_transfer.remote.kv_format import (
     KVFormat,
@@ -78,13 +80,15 @@ def engine_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KV
 
 
 def for_request(identity: KVIdentity, versioned_salt: str | None) -> KVIdentity:
-    """``identity`` for a request cached under ``versioned_salt`` (its tenant's salt and
-    the weights' version, as vLLM saw it)."""
+    """``identity`` for a request cached under ``versioned_salt`` (its tenant's salt, its
+    LoRA adapter's tag and the weights' version, as vLLM saw it)."""
     salt, version = versioned_salt, DEFAULT_WEIGHT_VERSION
     if versioned_salt is not None and _VERSION_MARK in versioned_salt:
         tenant, _, version = versioned_salt.rpartition(_VERSION_MARK)
         salt = tenant or None
-    return dataclasses.replace(identity, cache_salt=salt, weight_version=version)
+    salt, adapter = split_adapter_salt(salt)
+    return dataclasses.replace(identity, cache_salt=salt, weight_version=version,
+                               adapter=adapter)
 
 
 def _cache_dir() -> str:

@@ -1,15 +1,16 @@
 """A KV block's name in the cluster store: everything that decides its bytes, hashed.
 
 A block's bytes depend on the model's weights (the checkpoint's content fingerprint,
-``tiers/fingerprint.py``, and the weight version vLLM reports after an update), the
-LoRA adapter (None until adapters exist), the request's ``cache_salt`` (its tenant), the
-KV cache's dtype and layout (layout name, tokens per block, one block's shape), how the
-store encodes it (``--kv-compression``: a lossy block is not the raw one), and the
-tokens of the block and of every block before it (``core.block_hash``'s chained hash).
-A ``BlockName`` holds all of them; its key is ``pdserve:kv:v1:{TAG}DIGEST`` where DIGEST
-is a 128-bit BLAKE2b of every field in a canonical JSON encoding (``None`` and ``""``
-differ, no separator can be forged), so two names that differ in any field never share a
-key (a collision needs a 128-bit hash collision).
+``tiers/fingerprint.py``, and the weight version vLLM reports after an update), the LoRA
+adapter (its name and folder: ``core.lora.LoraAdapter.tag``), the request's
+``cache_salt`` (its tenant), the KV cache's dtype and layout (layout name, tokens per
+block, one block's shape), how the store encodes it (``--kv-compression``: a lossy block
+is not the raw one), and the tokens of the block and of every block before it
+(``core.block_hash``'s chained hash). A ``BlockName`` holds all of them; its key is
+``pdserve:kv:v1:{TAG}DIGEST`` where DIGEST is a 128-bit BLAKE2b of every field in a
+canonical JSON encoding (``None`` and ``""`` differ, no separator can be forged), so two
+names that differ in any field never share a key (a collision needs a 128-bit hash
+collision).
 
 The ``{TAG}`` is Redis Cluster's hash tag: only it decides the key's slot. It hashes the
 identity and the prompt's *first* block hash (``root_hash``), so every block of one
@@ -42,7 +43,7 @@ class KVIdentity:
     block_size: int  # tokens per block
     block_shape: tuple[int, ...] = ()  # one block's shape (layers, heads, ...)
     cache_salt: str | None = None  # the request's salt: its tenant
-    adapter: str | None = None  # a LoRA adapter's name and version (none today)
+    adapter: str | None = None  # a LoRA adapter's tag: its name and folder (core.lora)
     # how the block's bytes are encoded in the store (``compression.encoding_tag``:
     # "none", "lossless.v1", "int8.v1", "fp8.v1"): workers with other settings never
     # share a block

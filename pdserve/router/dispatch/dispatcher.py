@@ -18,8 +18,10 @@ from dataclasses import replace
 from prometheus_client import CollectorRegistry
 
 from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION, versioned_salt
+from pdserve.core.lora import adapter_salt
 from pdserve.core.types import PhaseOutput, PhaseRequest, SamplingSpec
 from pdserve.router.dispatch.base import Deadline, Express, TokenChunk
+from pdserve.router.dispatch.lora_catalog import LoraCatalog
 from pdserve.router.dispatch.metrics import DispatchMetrics
 from pdserve.router.dispatch.migration import (
     MigrationConfig,
@@ -77,6 +79,8 @@ class PDDispatcher:
         self._timeout = request_timeout_s
         # The weights version requests run under, and the gate an update closes.
         self.weights = WeightGate()
+        # The LoRA adapters served: which ``model`` names one, its folder, the fan-out.
+        self.loras = LoraCatalog(pool)
         self._aborts = Aborts()
         self._phases = Phases(pool, self._metrics, prefix, self._aborts)
 
@@ -106,9 +110,10 @@ class PDDispatcher:
         express: Express | None, ticket: Ticket,
     ) -> AsyncGenerator[TokenChunk, None]:
         timeline = timeline or RequestTimeline(request_id)
+        salt = adapter_salt(sampling.cache_salt, self.loras.adapter(sampling.lora_name))
         route = (self._routes.follow(affinity, prompt_token_ids)
                  or self._routes.choose(prompt_token_ids, versioned_salt(
-                     sampling.cache_salt, ticket.version or DEFAULT_WEIGHT_VERSION)))
+                     salt, ticket.version or DEFAULT_WEIGHT_VERSION), sampling.lora_name))
         involved: list[Worker] = []
         finished = False
         num_tokens = 0

@@ -141,7 +141,9 @@ class RequestMigration:
             self._metrics.failed.labels("max_migrations").inc()
             raise MigrationRefused(f"max migrations ({self.num_migrations}) reached")
         keeps_kv = self._sent_this_call == 0 and request.kv_handle is not None
-        worker = self._pick(failed, candidates, same_model=not keeps_kv)
+        lora = request.sampling.lora_name  # only a worker serving its adapter continues it
+        worker = self._pick(failed, [w for w in candidates if w.snapshot().serves(lora)],
+                            same_model=not keeps_kv)
         if worker is None:
             self._metrics.failed.labels("no_worker").inc()
             raise MigrationRefused("no other compatible healthy decode worker")

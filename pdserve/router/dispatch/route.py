@@ -41,6 +41,16 @@ def _push_target(prefill: WorkerState, decode: WorkerState) -> PushTarget | None
     return PushTarget(host=decode.kv_host, port=decode.kv_port, transfer_id=uuid.uuid4().hex)
 
 
+def _serving(workers: Sequence[Worker], lora_name: str | None
+             ) -> tuple[list[Worker], list[WorkerState]]:
+    """The workers that can run ``lora_name`` (all for the base model), with the one
+    snapshot of each that placement reads."""
+    pairs = [(w, w.snapshot()) for w in workers]
+    if lora_name is not None:
+        pairs = [(w, s) for w, s in pairs if s.serves(lora_name)]
+    return [w for w, _ in pairs], [s for _, s in pairs]
+
+
 class RouteChooser:
     """Chooses each request's route; round-robin tie-breaks turn a cursor kept here."""
 
@@ -68,12 +78,13 @@ class RouteChooser:
                 return Route(None, worker, disagg)
         return None
 
-    def choose(self, prompt: Sequence[int], cache_salt: str | None = None) -> Route:
+    def choose(self, prompt: Sequence[int], cache_salt: str | None = None,
+               lora_name: str | None = None) -> Route:
         """Placement, then the disaggregation decision, over one snapshot of every
-        worker, taken once per request (the prefix caches matched under its salt)."""
-        prefill, decode = self._pool.prefill, self._pool.decode
-        p_states = [w.snapshot() for w in prefill]
-        d_states = [w.snapshot() for w in decode]
+        worker, taken once per request (the prefix caches matched under its salt).
+        Under a LoRA adapter only the workers serving it are candidates (none: 503)."""
+        prefill, p_states = _serving(self._pool.prefill, lora_name)
+        decode, d_states = _serving(self._pool.decode, lora_name)
         request = (self._prefix.request(prompt, p_states, cache_salt, d_states)
                    if self._prefix is not None else PlacementRequest(len(prompt)))
         choice: Choice | None = self._placement.choose(p_states, d_states, self._cursor, request)

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.router.dispatch.base import Dispatcher
+from pdserve.router.dispatch.lora_catalog import LoraCatalog
 from pdserve.router.http.edge.admission import Admission, AdmissionMiddleware, draining_error
 from pdserve.router.http.edge.auth import ApiKeyMiddleware, ApiKeys
 from pdserve.router.http.edge.body_limit import BodyLimitMiddleware
@@ -65,6 +66,7 @@ def create_app(
     tool_calling: ToolCalling | None = None,
     eos_token_ids: frozenset[int] | None = None,
     secret: ClusterSecret | None = None,
+    loras: LoraCatalog | None = None,
 ) -> FastAPI:
     """Build the router app. ``tokenizer`` is a Hugging Face tokenizer (see
     ``preprocess.Tokenizer``). Pass the dispatcher's ``registry`` so ``/metrics`` serves both;
@@ -77,7 +79,8 @@ def create_app(
     vLLM's tool parser (``openai/tool_calls.py``); None: tool choices other than ``none``
     are refused. ``eos_token_ids``: the ids the engines end a sequence on (default: the
     tokenizer's end of sequence). ``secret``: the cluster secret, which keys the tenants'
-    salts (``tenants/salt.py``; needed with ``--tenant-isolation key``)."""
+    salts (``tenants/salt.py``; needed with ``--tenant-isolation key``). ``loras``: the
+    LoRA adapters served (a request's ``model`` may name one; ``/v1/models`` lists them)."""
     edge = edge or EdgeConfig()
     if not metrics_enabled:
         registry = None
@@ -92,6 +95,7 @@ def create_app(
         tokenizer=t,
         tool_calling=tool_calling,
         eos_token_ids=eos_token_ids,
+        loras=loras,
     ), typed_tokenizer)
     serving = OpenAIServing(dispatcher=dispatcher, decoder=typed_tokenizer, metrics=metrics,
                             request_timeout_s=request_timeout_s)
@@ -110,7 +114,8 @@ def create_app(
     if metrics.enabled:
         app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     app.include_router(_openai_routes(preprocessing, serving))
-    app.include_router(_operations_routes(preprocessing.threaded, dispatcher, admission))
+    app.include_router(_operations_routes(preprocessing.threaded, dispatcher, admission,
+                                          loras))
     app.include_router(metrics_routes(registry, per_tenant=bool(edge.api_keys)))
     return app
 
@@ -144,7 +149,8 @@ def _body_bytes(request: Request) -> int | None:
 
 
 def _operations_routes(
-    preprocessor: Preprocessor, dispatcher: Dispatcher, admission: Admission
+    preprocessor: Preprocessor, dispatcher: Dispatcher, admission: Admission,
+    loras: LoraCatalog | None = None,
 ) -> APIRouter:
     router = APIRouter()
     created = int(time.time())
@@ -152,7 +158,8 @@ def _operations_routes(
     @router.get("/v1/models", responses=ERROR_RESPONSES)
     async def models() -> dict[str, Any]:
         """The model only while a healthy decode worker serves it (every worker of this
-        router serves its one model): a client polling this waits for servable."""
+        router serves its one model): a client polling this waits for servable. Then
+        each LoRA adapter, its ``parent`` the model, as vLLM lists them."""
         if not dispatcher.is_ready():
             return {"object": "list", "data": []}
         card = {
@@ -162,7 +169,11 @@ def _operations_routes(
             "owned_by": "pdserve",
             "max_model_len": preprocessor.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+        cards = [card, *({"id": a.name, "object": "model", "created": created,
+                          "owned_by": "pdserve", "root": a.path, "parent": card["id"],
+                          "max_model_len": preprocessor.max_model_len}
+                         for a in (loras.adapters() if loras is not None else ()))]
+        return {"object": "list", "data": cards}
 
     @router.get("/health", responses=ERROR_RESPONSES)
     async def health() -> Response:

@@ -265,3 +265,27 @@ capabilities:
   mountPath: /etc/pdserve/kv-store
   readOnly: true
 {{- end -}}
+
+{{/* The workers' LoRA flags (values.lora), as PDSERVE_* variables. */}}
+{{- define "pdserve.loraEnv" -}}
+{{- if .Values.lora.enabled }}
+- name: PDSERVE_ENABLE_LORA
+  value: "true"
+- name: PDSERVE_MAX_LORAS
+  value: {{ .Values.lora.maxLoras | quote }}
+- name: PDSERVE_MAX_LORA_RANK
+  value: {{ .Values.lora.maxLoraRank | quote }}
+{{- with .Values.lora.modules }}
+- name: PDSERVE_LORA_MODULES
+  value: {{ include "pdserve.loraModules" $ | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdserve.loraModules" -}}
+{{- $modules := list }}
+{{- range .Values.lora.modules }}
+{{- $modules = append $modules (printf "%s=%s" .name .path) }}
+{{- end }}
+{{- join " " $modules }}
+{{- end -}}

@@ -39,7 +39,7 @@ FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "logprobs", "prompt_logprobs", "structured_output", "min_p", "cache_salt")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "logprobs", "prompt_logprobs", "structured_output", "min_p", "cache_salt", "lora_name")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class SamplingParams(_message.Message):
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -74,7 +75,8 @@ class SamplingParams(_message.Message):
     structured_output: StructuredOutput
     min_p: float
     cache_salt: str
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., min_p: _Optional[float] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., min_p: _Optional[float] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class LogitBias(_message.Message):
     __slots__ = ("token_id", "bias")
@@ -281,7 +283,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ready", "role", "worker_id", "model", "dtype", "block_size", "max_model_len", "transport", "compatibility_hash", "kv_host", "kv_port", "kv_push", "metrics_endpoint", "prefill_chunk_tokens", "session", "weight_version", "weights_path", "kv_store_id", "kv_store_ttl_s", "kv_compression")
+    __slots__ = ("ready", "role", "worker_id", "model", "dtype", "block_size", "max_model_len", "transport", "compatibility_hash", "kv_host", "kv_port", "kv_push", "metrics_endpoint", "prefill_chunk_tokens", "session", "weight_version", "weights_path", "kv_store_id", "kv_store_ttl_s", "kv_compression", "loras")
     READY_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +304,7 @@ class HealthResponse(_message.Message):
     KV_STORE_ID_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     KV_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     role: Role
     worker_id: str
@@ -322,7 +325,16 @@ class HealthResponse(_message.Message):
     kv_store_id: str
     kv_store_ttl_s: float
     kv_compression: str
-    def __init__(self, ready: _Optional[bool] = ..., role: _Optional[_Union[Role, str]] = ..., worker_id: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., transport: _Optional[str] = ..., compatibility_hash: _Optional[str] = ..., kv_host: _Optional[str] = ..., kv_port: _Optional[int] = ..., kv_push: _Optional[bool] = ..., metrics_endpoint: _Optional[str] = ..., prefill_chunk_tokens: _Optional[int] = ..., session: _Optional[bool] = ..., weight_version: _Optional[str] = ..., weights_path: _Optional[str] = ..., kv_store_id: _Optional[str] = ..., kv_store_ttl_s: _Optional[float] = ..., kv_compression: _Optional[str] = ...) -> None: ...
+    loras: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, ready: _Optional[bool] = ..., role: _Optional[_Union[Role, str]] = ..., worker_id: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., transport: _Optional[str] = ..., compatibility_hash: _Optional[str] = ..., kv_host: _Optional[str] = ..., kv_port: _Optional[int] = ..., kv_push: _Optional[bool] = ..., metrics_endpoint: _Optional[str] = ..., prefill_chunk_tokens: _Optional[int] = ..., session: _Optional[bool] = ..., weight_version: _Optional[str] = ..., weights_path: _Optional[str] = ..., kv_store_id: _Optional[str] = ..., kv_store_ttl_s: _Optional[float] = ..., kv_compression: _Optional[str] = ..., loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
@@ -541,6 +553,32 @@ class SetRoleResponse(_message.Message):
     num_leases_released: int
     switch_ns: int
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., changed: _Optional[bool] = ..., num_aborted: _Optional[int] = ..., num_leases_released: _Optional[int] = ..., switch_ns: _Optional[int] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterResponse(_message.Message):
+    __slots__ = ("changed",)
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    changed: bool
+    def __init__(self, changed: _Optional[bool] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterResponse(_message.Message):
+    __slots__ = ("unloaded",)
+    UNLOADED_FIELD_NUMBER: _ClassVar[int]
+    unloaded: bool
+    def __init__(self, unloaded: _Optional[bool] = ...) -> None: ...
 
 class StageWeightsRequest(_message.Message):
     __slots__ = ("model_path", "weight_version")

@@ -74,6 +74,16 @@ class WorkerServiceStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.SetRoleResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.WorkerService/LoadLoraAdapter',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.WorkerService/UnloadLoraAdapter',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
         self.StageWeights = channel.unary_unary(
                 '/pdserve.v1.WorkerService/StageWeights',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.StageWeightsRequest.SerializeToString,
@@ -164,6 +174,19 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters at run time (the router fans its admin routes out to every worker).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def StageWeights(self, request, context):
         """In-place weight updates: stage a checkpoint, then commit it or discard it.
         """
@@ -232,6 +255,16 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.SetRole,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.SetRoleResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
             'StageWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.StageWeights,
@@ -470,6 +503,60 @@ class WorkerService:
             '/pdserve.v1.WorkerService/SetRole',
             pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.SetRoleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.WorkerService/LoadLoraAdapter',
+            pdserve_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.WorkerService/UnloadLoraAdapter',
+            pdserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -34,6 +34,7 @@ from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.grpc_auth import CallAuth, aio_channel, refused_for, sync_channel
 from pdserve.core.grpc_options import DEFAULT_KEEPALIVE_S, client_options
 from pdserve.core.grpc_tls import GrpcTls
+from pdserve.core.lora import LoraAdapter
 from pdserve.core.types import (
     KvChange,
     KvSnapshot,
@@ -189,6 +190,20 @@ class WorkerClient:
         the drain."""
         return convert.role_switch_from_pb(await self._unary(
             "SetRole", convert.set_role_to_pb(role, drain_timeout_s), timeout_s))
+
+    # ---- LoRA adapters ----
+
+    async def load_lora(self, adapter: LoraAdapter, timeout_s: float) -> bool:
+        """Serve ``adapter`` on the worker; False: it served it already."""
+        reply = await self._unary("LoadLoraAdapter", pb.LoadLoraAdapterRequest(
+            lora_name=adapter.name, lora_path=adapter.path), timeout_s)
+        return bool(reply.changed)
+
+    async def unload_lora(self, name: str, timeout_s: float) -> bool:
+        """False: the worker did not serve it."""
+        reply = await self._unary("UnloadLoraAdapter",
+                                  pb.UnloadLoraAdapterRequest(lora_name=name), timeout_s)
+        return bool(reply.unloaded)
 
     # ---- weights (the worker's ``StageWeights`` ... ``EngineWeightCall``) ----
 

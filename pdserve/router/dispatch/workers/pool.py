@@ -31,6 +31,7 @@ from pdserve.core.tasks import cancel_and_wait
 from pdserve.membership import Membership, WorkerInfo
 from pdserve.membership.static import static_infos
 from pdserve.router.dispatch.workers.breaker import DEFAULT_BREAKER, BreakerConfig
+from pdserve.router.dispatch.workers.loras import LoraTargets
 from pdserve.router.dispatch.workers.state import WorkerState
 from pdserve.router.dispatch.workers.worker import MAX_SLOW_PROBES, Worker, step_cost
 
@@ -63,6 +64,7 @@ class WorkerPool:
         self._close_grace_s = close_grace_s
         self._closing: set[Worker] = set()  # removed, channel closing once its calls end
         self.weight_target = ""  # see ``set_weight_target``
+        self.lora_targets = LoraTargets()  # the adapters every worker is brought to
         self._members: dict[str, Worker] = {}
         self.prefill: list[Worker] = []
         self.decode: list[Worker] = []
@@ -128,7 +130,7 @@ class WorkerPool:
 
     def _worker(self, info: WorkerInfo) -> Worker:
         worker = Worker(info, self._secret, self._tls, self._keepalive_s, self._breaker,
-                        self._role_changed, self._id_changed)
+                        self._role_changed, self._id_changed, self.lora_targets)
         worker.weight_target = self.weight_target
         return worker
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.core.lora import LoraAdapter
 from pdserve.router.dispatch.policies.tier_cost import NOT_MEASURED, KvLoadRates
 
 
@@ -80,6 +81,8 @@ class WorkerState:
     # How it encodes the cluster KV pool's blocks (its Health: --kv-compression): a
     # pool pull is planned only between workers that name the same.
     kv_compression: str = "none"
+    # The LoRA adapters it serves (its Health, after the router's replay of its own).
+    loras: tuple[LoraAdapter, ...] = ()
     load: WorkerLoad = field(default_factory=WorkerLoad)
     # Requests this router has sent and not seen finish (fresher than GetLoad).
     num_assigned: int = 0
@@ -87,6 +90,10 @@ class WorkerState:
     # (queued prefill work): a prefill worker's uncached tokens until the prefill
     # ends; a decode worker's local prefills until their first token.
     num_assigned_tokens: int = 0
+
+    def serves(self, lora_name: str | None) -> bool:
+        """Whether it can run a request under ``lora_name`` (None: the base model)."""
+        return lora_name is None or any(a.name == lora_name for a in self.loras)
 
     @property
     def id_known(self) -> bool:

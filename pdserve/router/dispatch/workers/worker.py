@@ -17,6 +17,7 @@ from pdserve.membership import WorkerInfo
 from pdserve.router.dispatch.policies.tier_cost import load_rates
 from pdserve.router.dispatch.workers.breaker import DEFAULT_BREAKER, BreakerConfig, CircuitBreaker
 from pdserve.router.dispatch.workers.client import DEADLINE_EXCEEDED, WorkerCallError, WorkerClient
+from pdserve.router.dispatch.workers.loras import LoraTargets
 from pdserve.router.dispatch.workers.state import InFlight, StepCost, WorkerLoad, WorkerState
 
 logger = logging.getLogger("pdserve.router.workers")
@@ -36,7 +37,8 @@ class Worker:
                  tls: GrpcTls | None = None, keepalive_s: float = DEFAULT_KEEPALIVE_S,
                  breaker: BreakerConfig = DEFAULT_BREAKER,
                  on_role_changed: Callable[[Worker, str], None] | None = None,
-                 on_id_changed: Callable[[Worker], None] | None = None) -> None:
+                 on_id_changed: Callable[[Worker], None] | None = None,
+                 lora_targets: LoraTargets | None = None) -> None:
         """``on_role_changed(worker, old_role)``: the worker now reports another role
         (a role switch); its pool files it under the new one. ``on_id_changed(worker)``:
         its Health names another id than its snapshot did (a static member's first
@@ -72,6 +74,9 @@ class Worker:
         # The weights version requests run under ("": any): a worker on another one is
         # out of placement until it serves it (a worker that joined mid-update).
         self.weight_target = ""
+        # The adapters this router loaded and unloaded: replayed on the worker (one that
+        # joined later, or restarted) before its health is adopted, so before it is placed.
+        self.lora_targets = lora_targets or LoraTargets()
 
     @property
     def member_id(self) -> str:
@@ -187,6 +192,7 @@ class Worker:
         try:
             health = await self.client.health(timeout_s)
             self._check_identity(health)
+            health = await self.lora_targets.replay(self.client, health)
             load = await self.client.load(timeout_s)
         except WorkerCallError as exc:
             if generation != self._generation:
@@ -226,7 +232,8 @@ class Worker:
                      prefill_chunk_tokens=health.prefill_chunk_tokens,
                      weight_version=health.weight_version, kv_store_id=health.kv_store_id,
                      kv_store_ttl_s=health.kv_store_ttl_s,
-                     kv_compression=health.kv_compression, load=_placement_load(load))
+                     kv_compression=health.kv_compression, loras=health.loras,
+                     load=_placement_load(load))
         if health.worker_id != old_id and self._on_id_changed is not None:
             self._on_id_changed(self)
 
@@ -262,7 +269,8 @@ class Worker:
             max_model_len=r.max_model_len, kv_host=r.kv_host, kv_port=r.kv_port,
             kv_push=r.kv_push, prefill_chunk_tokens=r.prefill_chunk_tokens,
             weight_version=r.weight_version, kv_store_id=r.kv_store_id,
-            kv_store_ttl_s=r.kv_store_ttl_s, kv_compression=r.kv_compression, load=r.load,
+            kv_store_ttl_s=r.kv_store_ttl_s, kv_compression=r.kv_compression, loras=r.loras,
+            load=r.load,
             num_assigned=inflight.num_assigned,
             num_assigned_tokens=inflight.num_assigned_tokens)
 

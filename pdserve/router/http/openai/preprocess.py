@@ -10,9 +10,10 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, TypeVar
 
+from pdserve.core.lora import LoraAdapter
 from pdserve.core.types import SamplingSpec, StructuredOutput
 from pdserve.router.http.errors import (
     ContextLengthExceededError,
@@ -56,6 +57,12 @@ class Tokenizer(PieceTokenizer, Protocol):
     def eos_token_id(self) -> int | None: ...
 
 
+class LoraNames(Protocol):
+    """The LoRA adapters a router serves (``dispatch.lora_catalog.LoraCatalog``)."""
+
+    def adapter(self, name: str | None) -> LoraAdapter | None: ...
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One request, validated and tokenized, with what is needed to answer it.
@@ -92,10 +99,13 @@ class Preprocessor:
 
     def __init__(self, *, served_model_name: str, max_model_len: int, tokenizer: Tokenizer,
                  tool_calling: ToolCalling | None = None,
-                 eos_token_ids: frozenset[int] | None = None):
+                 eos_token_ids: frozenset[int] | None = None,
+                 loras: LoraNames | None = None):
         """``eos_token_ids``: the ids the engines end a sequence on (the model's
-        generation config's; default: the tokenizer's end of sequence)."""
+        generation config's; default: the tokenizer's end of sequence). ``loras``: the
+        LoRA adapters served (a ``model`` naming one runs it; None: none)."""
         self.served_model_name = served_model_name
+        self._loras = loras
         self._eos_token_ids = (eos_token_ids if eos_token_ids is not None
                                else _tokenizer_eos(tokenizer))
         self.max_model_len = max_model_len
@@ -109,7 +119,7 @@ class Preprocessor:
         one); the workers see ``cmpl-<request_id>``. ``arrival_s``: ``perf_counter()``
         at arrival (default: now)."""
         arrival_s = time.perf_counter() if arrival_s is None else arrival_s
-        self._check_model(body.model)
+        lora_name = self._check_model(body.model)
         if isinstance(body.prompt, str):
             prompt_ids = self._encode(body.prompt, "prompt", add_special_tokens=True)
         else:
@@ -120,13 +130,13 @@ class Preprocessor:
             echo_text = (body.prompt if isinstance(body.prompt, str)
                          else self._tokenizer.decode(prompt_ids, skip_special_tokens=False))
         return self._build("completions", body, prompt_ids, max_tokens, arrival_s, request_id,
-                           echo_text=echo_text)
+                           echo_text=echo_text, lora_name=lora_name)
 
     def chat(self, body: ChatCompletionRequest, request_id: str | None = None,
              arrival_s: float | None = None) -> GenerationRequest:
         """As ``completion``; the workers see ``chatcmpl-<request_id>``."""
         arrival_s = time.perf_counter() if arrival_s is None else arrival_s
-        self._check_model(body.model)
+        lora_name = self._check_model(body.model)
         tools = self._tool_session(body)
         try:
             text = self._tokenizer.apply_chat_template(
@@ -138,7 +148,7 @@ class Preprocessor:
         prompt_ids = self._encode(str(text), "messages", add_special_tokens=False)
         max_tokens = body.requested_max_tokens or self.max_model_len - len(prompt_ids)
         return self._build("chat", body, prompt_ids, max_tokens, arrival_s, request_id,
-                           tools=tools)
+                           tools=tools, lora_name=lora_name)
 
     def _tool_session(self, body: ChatCompletionRequest) -> ToolSession | None:
         """vLLM's parser for a request that may call tools (None: text only)."""
@@ -162,9 +172,13 @@ class Preprocessor:
                                       param=param)
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _check_model(self, model: str) -> None:
-        if model != self.served_model_name:
-            raise ModelNotFoundError(model)
+    def _check_model(self, model: str) -> str | None:
+        """The LoRA adapter ``model`` names (None: the base model); 404 for neither."""
+        if model == self.served_model_name:
+            return None
+        if self._loras is not None and self._loras.adapter(model) is not None:
+            return model
+        raise ModelNotFoundError(model)
 
     def _out_of_vocab(self, token_ids: Sequence[int]) -> list[int]:
         return [t for t in token_ids if not 0 <= t < self._vocab_size]
@@ -194,6 +208,7 @@ class Preprocessor:
         request_id: str | None,
         echo_text: str | None = None,
         tools: ToolSession | None = None,
+        lora_name: str | None = None,
     ) -> GenerationRequest:
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -204,6 +219,8 @@ class Preprocessor:
                 max_model_len=self.max_model_len,
             )
         sampling = _sampling_spec(body, max_tokens, _structured(body, tools))
+        if lora_name is not None:
+            sampling = replace(sampling, lora_name=lora_name)
         n = body.n or 1
         self._check_sampling(n, sampling)
         prefix = "cmpl" if endpoint == "completions" else "chatcmpl"
@@ -212,7 +229,7 @@ class Preprocessor:
             request_id=f"{response_id}.{secrets.token_hex(16)}",
             response_id=response_id,
             endpoint=endpoint,
-            model=self.served_model_name,
+            model=lora_name or self.served_model_name,  # vLLM answers with the adapter's
             prompt_token_ids=tuple(prompt_ids),
             sampling=sampling,
             stop=body.stop_strings,

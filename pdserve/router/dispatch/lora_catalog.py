@@ -1,0 +1,117 @@
+"""The LoRA adapters a router serves (``LoraCatalog``): what the workers report serving
+and what it loaded itself (``workers/loras.py``). It answers which ``model`` names an
+adapter (the rest are 404 ``model_not_found``), which folder an adapter runs from (its
+cache salt, ``core.lora.adapter_salt``), and fans the admin plane's load and unload out
+to every worker.
+
+A load is kept (and replayed on workers that join later) once any worker took it, or
+when no worker was there to take it; one every worker refused as a bad folder is not
+kept (``LoraRefusedError``). An unload is kept always: a worker that starts with the
+adapter (``--lora-modules``) is brought back to the router's word.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from pdserve.core.lora import LoraAdapter
+from pdserve.router.dispatch.workers.client import WorkerCallError
+from pdserve.router.dispatch.workers.loras import LORA_CALL_TIMEOUT_S
+from pdserve.router.dispatch.workers.pool import Worker, WorkerPool
+
+INVALID_ARGUMENT = "INVALID_ARGUMENT"
+
+
+class LoraRefusedError(ValueError):
+    """Every worker refused the adapter's folder (the message is the first's reason)."""
+
+
+@dataclass(frozen=True)
+class LoraOutcome:
+    """Per worker (its id): ``loaded``/``unchanged``/``unloaded``/``absent``, or the error."""
+
+    workers: dict[str, str]
+
+    @property
+    def num_ok(self) -> int:
+        return sum(1 for v in self.workers.values() if not v.startswith("error"))
+
+
+class LoraCatalog:
+    def __init__(self, pool: WorkerPool, base_model: str = "") -> None:
+        self._pool = pool
+        self.base_model = base_model
+
+    def adapters(self) -> list[LoraAdapter]:
+        """Every adapter served: the router's own, then those healthy workers report."""
+        found = dict(self._pool.lora_targets.loaded)
+        for worker in self._pool.all:
+            state = worker.snapshot()
+            if state.healthy:
+                for adapter in state.loras:
+                    found.setdefault(adapter.name, adapter)
+        return sorted(found.values(), key=lambda a: a.name)
+
+    def adapter(self, name: str | None) -> LoraAdapter | None:
+        """The adapter ``name`` runs (None: not an adapter this router serves)."""
+        if name is None:
+            return None
+        own = self._pool.lora_targets.loaded.get(name)
+        if own is not None:
+            return own
+        for worker in self._pool.all:
+            state = worker.snapshot()
+            for adapter in state.loras if state.healthy else ():
+                if adapter.name == name:
+                    return adapter
+        return None
+
+    async def load(self, adapter: LoraAdapter) -> LoraOutcome:
+        """Load ``adapter`` on every worker; ``LoraRefusedError`` when each refused it."""
+        workers = self._pool.all
+        results = await asyncio.gather(*(_load(w, adapter) for w in workers))
+        outcome = LoraOutcome({_name(w): r for w, r in zip(workers, results, strict=True)})
+        refused = [r for r in results if r.startswith(f"error: {INVALID_ARGUMENT}")]
+        if workers and outcome.num_ok == 0 and refused:
+            raise LoraRefusedError(refused[0].split(": ", 2)[-1])
+        self._pool.lora_targets.on_loaded(adapter)
+        await self._refresh(workers)
+        return outcome
+
+    async def unload(self, name: str) -> LoraOutcome:
+        """Unload ``name`` everywhere; ``KeyError`` when no worker (and not the router)
+        served it."""
+        known = self.adapter(name) is not None
+        workers = self._pool.all
+        results = await asyncio.gather(*(_unload(w, name) for w in workers))
+        if not known and "unloaded" not in results:
+            raise KeyError(name)
+        self._pool.lora_targets.on_unloaded(name)
+        await self._refresh(workers)
+        return LoraOutcome({_name(w): r for w, r in zip(workers, results, strict=True)})
+
+    @staticmethod
+    async def _refresh(workers: list[Worker]) -> None:
+        """Their health again: what they serve now is what placement reads."""
+        await asyncio.gather(*(w.refresh(LORA_CALL_TIMEOUT_S) for w in workers))
+
+
+def _name(worker: Worker) -> str:
+    return worker.snapshot().worker_id or worker.member_id
+
+
+async def _load(worker: Worker, adapter: LoraAdapter) -> str:
+    try:
+        changed = await worker.client.load_lora(adapter, LORA_CALL_TIMEOUT_S)
+    except WorkerCallError as exc:
+        return f"error: {exc.code}: {exc.details}"
+    return "loaded" if changed else "unchanged"
+
+
+async def _unload(worker: Worker, name: str) -> str:
+    try:
+        unloaded = await worker.client.unload_lora(name, LORA_CALL_TIMEOUT_S)
+    except WorkerCallError as exc:
+        return f"error: {exc.code}: {exc.details}"
+    return "unloaded" if unloaded else "absent"

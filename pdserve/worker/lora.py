@@ -1,0 +1,98 @@
+"""A worker's LoRA adapters, the host's side: which adapters it serves under which name,
+the engine's id for each, and how a request under one runs.
+
+- A request names its adapter (``SamplingSpec.lora_name``); the worker runs it with the
+  adapter it serves under that name (vLLM's ``LoRARequest``: name, id, folder) on
+  whichever phase it computes, so prefill and decode run the same one.
+- Its KV is cached under ``core.lora.adapter_salt`` (the adapter's name and folder),
+  before the weight version joins the salt (``weights.py``): no block computed under
+  the base model or another adapter ever matches it.
+- Adapters given at start (``--lora-modules``) are served at once; vLLM loads one at its
+  first request. ``load`` loads at once (a bad folder fails the call); a new folder
+  under a served name replaces the adapter under a fresh engine id.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from typing import Protocol, runtime_checkable
+
+from pdserve.core.lora import LoraAdapter, LoraConfig, adapter_salt
+from pdserve.core.types import PhaseRequest
+from pdserve.worker.backend import WorkerError
+
+
+@dataclass(frozen=True)
+class LoadedLora:
+    """An adapter as the engine knows it: vLLM's ``lora_int_id`` (> 0, unique per
+    engine; a replaced adapter gets a new one)."""
+
+    adapter: LoraAdapter
+    lora_id: int
+
+
+@runtime_checkable
+class LoraBackend(Protocol):
+    """A backend that serves LoRA adapters (``EngineHost``). Errors: ``ValueError`` for
+    a folder the engine cannot load, ``WorkerError`` otherwise."""
+
+    async def load_lora(self, adapter: LoraAdapter) -> bool:
+        """Serve ``adapter``; False: it was served from that folder already."""
+        ...
+
+    async def unload_lora(self, name: str) -> bool:
+        """Stop serving ``name``; False: it was not served."""
+        ...
+
+
+class LoraTable:
+    """The adapters served, by name."""
+
+    def __init__(self, config: LoraConfig) -> None:
+        self.enabled = config.enable_lora
+        self._ids = itertools.count(1)
+        self._served: dict[str, LoadedLora] = {}
+        for module in config.modules:
+            self._served[module.name] = LoadedLora(module, next(self._ids))
+
+    @property
+    def adapters(self) -> tuple[LoraAdapter, ...]:
+        return tuple(loaded.adapter for loaded in self._served.values())
+
+    def request(self, request: PhaseRequest) -> tuple[PhaseRequest, LoadedLora | None]:
+        """``request`` with its cache salt joined to its adapter, and that adapter (None:
+        the base model). An adapter this worker does not serve is INVALID_ARGUMENT."""
+        name = request.sampling.lora_name
+        if name is None:
+            return request, None
+        loaded = self._served.get(name)
+        if loaded is None:
+            raise WorkerError("invalid_argument", f"this worker serves no LoRA adapter "
+                              f"{name!r} (serves: {', '.join(self._served) or 'none'})")
+        salt = adapter_salt(request.sampling.cache_salt, loaded.adapter)
+        return replace(request, sampling=replace(request.sampling, cache_salt=salt)), loaded
+
+    def check_enabled(self) -> None:
+        if not self.enabled:
+            raise WorkerError("failed_precondition",
+                              "LoRA is off on this worker (start it with --enable-lora)")
+
+    def to_load(self, adapter: LoraAdapter) -> LoadedLora | None:
+        """The engine's adapter for ``adapter`` (a fresh id), or None when it is served
+        from that folder already."""
+        self.check_enabled()
+        current = self._served.get(adapter.name)
+        if current is not None and current.adapter == adapter:
+            return None
+        return LoadedLora(adapter, next(self._ids))
+
+    def loaded(self, loaded: LoadedLora) -> LoadedLora | None:
+        """``loaded`` is served now; the adapter it replaced (None: none)."""
+        previous = self._served.get(loaded.adapter.name)
+        self._served[loaded.adapter.name] = loaded
+        return previous
+
+    def remove(self, name: str) -> LoadedLora | None:
+        self.check_enabled()
+        return self._served.pop(name, None)

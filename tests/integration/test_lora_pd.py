@@ -1,0 +1,200 @@
+"""LoRA through P/D on real vLLM, one cluster for the module: etcd, a router (``--disagg
+auto``: the short prompt runs on decode alone, the long one prefill -> decode) and a
+prefill and a decode worker (``--enable-lora --lora-modules sql=...``, float32), against
+one aggregated vLLM engine with the same adapters (``lora_reference.py``).
+
+- An adapter's greedy output through a disaggregated request and a local one equals the
+  one engine's, as does the base model's; the adapter changes the output.
+- The same prompt under two adapters, or an adapter and the base model, shares no cached
+  block (a repeat under the same adapter does).
+- ``POST /v1/load_lora_adapter`` through the router reaches a worker started after it:
+  the late decode worker serves the adapter before it is placed on, and once the first
+  decode worker is gone, the adapter's requests run there, equal to the engine's.
+
+The adapters are random (``lora_adapters.py``, no peft): rank 8 on q_proj and v_proj.
+About 4.5 min on two cores, nearly all of it four engine starts (the one engine loads
+beside the cluster's; the late worker after)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from integration.pd_cases import LONG
+from lora_adapters import make_adapter
+from pdserve_testing import wait_until
+
+from pdserve.core import process
+from pdserve.core.ports import free_port
+from pdserve.membership.local_etcd import LocalEtcd
+from pdserve.router.dispatch.workers.client import probe_health
+
+pytestmark = pytest.mark.integration
+
+MODEL = "SmolLM2-135M-Instruct"
+CLUSTER = "lora"
+START_S = 600.0
+MAX_TOKENS = 16
+SHORT = "The capital of France is"
+LONG_PROMPT = LONG + "\nQuestion: which way does the river run?\nAnswer:"
+
+
+@dataclass
+class LoraCluster:
+    etcd: LocalEtcd
+    router_url: str
+    admin_url: str
+    log_dir: Path
+    model_path: Path
+    adapters: dict[str, Path]
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    endpoints: dict[str, str] = field(default_factory=dict)
+    reference: dict[tuple[str, str | None], list[int]] = field(default_factory=dict)
+
+    def start_worker(self, worker_id: str, role: str) -> None:
+        port = free_port()
+        self.endpoints[worker_id] = f"127.0.0.1:{port}"
+        self.procs[worker_id] = _spawn(
+            [role, "--etcd", self.etcd.url, "--cluster", CLUSTER,
+             "--dtype", "float32", "--kv-cache-gib", "1", "--port", str(port),
+             "--kv-port", str(free_port()), "--worker-id", worker_id, "--model",
+             str(self.model_path), "--enable-lora", "--max-loras", "2", "--max-lora-rank",
+             "8", "--lora-modules", f"sql={self.adapters['sql']}"],
+            self.log_dir / f"{worker_id}.log")
+
+    def healthy(self) -> set[str]:
+        view = httpx.get(f"{self.admin_url}/workers", timeout=5).json()["workers"]
+        return {str(w["id"]) for w in view if w["healthy"]}
+
+    def complete(self, prompt: list[int], model: str = MODEL) -> dict[str, Any]:
+        reply = httpx.post(f"{self.router_url}/v1/completions", timeout=300, json={
+            "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True})
+        reply.raise_for_status()
+        return reply.json()
+
+
+def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    log.write_bytes(b"")
+    return process.spawn([sys.executable, "-m", "pdserve.cli.main", *args], log_path=log,
+                         base_env=env)
+
+
+def _dead(procs: dict[str, subprocess.Popen[bytes]]) -> str:
+    return ", ".join(f"{n} exited {p.returncode}" for n, p in procs.items() if p.poll() is not None)
+
+
+def _prompts(tokenizer: Any) -> dict[str, list[int]]:
+    return {"short": tokenizer.encode(SHORT), "long": tokenizer.encode(LONG_PROMPT)}
+
+
+@pytest.fixture(scope="module")
+def cluster(model_path: Path, tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[LoraCluster]:
+    log_dir = tmp_path_factory.mktemp("lora-cluster")
+    adapters = {name: make_adapter(model_path, log_dir / name, seed)
+                for seed, name in enumerate(("sql", "chat"), 1)}
+    prompts = _prompts(tokenizer)
+    cases = [{"prompt_token_ids": ids, "max_tokens": MAX_TOKENS, "lora_name": lora,
+              "lora_path": str(adapters[lora]) if lora else None, "case": [kind, lora]}
+             for kind, ids in prompts.items() for lora in (None, "sql", "chat")]
+    (log_dir / "in.json").write_text(json.dumps(cases))
+    reference = process.spawn(  # loads beside the cluster's engines
+        [sys.executable, str(Path(__file__).with_name("lora_reference.py")), str(model_path),
+         str(log_dir / "in.json"), str(log_dir / "out.json")], log_path=log_dir / "ref.log")
+    etcd = LocalEtcd(log_path=log_dir / "etcd.log").start()
+    port, admin_port = free_port(), free_port()
+    c = LoraCluster(etcd, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}",
+                    log_dir, model_path, adapters)
+    c.procs["reference"] = reference
+    try:
+        c.procs["router"] = _spawn(
+            ["router", "--etcd", etcd.url, "--cluster", CLUSTER, "--port", str(port),
+             "--admin-port", str(admin_port), "--model", str(model_path), "--disagg", "auto",
+             "--local-prefill-max-tokens", "256"], log_dir / "router.log")
+        c.start_worker("prefill-0", "prefill")
+        c.start_worker("decode-0", "decode")
+        workers = {"prefill-0", "decode-0"}
+        ready = wait_until(lambda: _up(c, workers), START_S, interval_s=1.0)
+        assert ready is True, f"cluster not ready: {_dead(c.procs)} (logs {log_dir})"
+        assert reference.wait(timeout=START_S) == 0, f"reference failed: {log_dir}/ref.log"
+        outputs = json.loads((log_dir / "out.json").read_text())
+        c.reference = {(case["case"][0], case["case"][1]): out
+                       for case, out in zip(cases, outputs, strict=True)}
+        yield c
+    finally:
+        process.stop(list(c.procs.values()), grace_s=5, sig=signal.SIGTERM)
+        etcd.stop()
+
+
+def _up(c: LoraCluster, workers: set[str]) -> bool | str:
+    if dead := _dead({n: p for n, p in c.procs.items() if n != "reference"}):
+        return dead
+    try:
+        return c.healthy() >= workers
+    except httpx.HTTPError:
+        return False
+
+
+def test_adapter_runs_on_prefill_and_decode_as_one_engine(cluster: LoraCluster,
+                                                          tokenizer: Any) -> None:
+    prompts = _prompts(tokenizer)
+    models = httpx.get(f"{cluster.router_url}/v1/models", timeout=5).json()["data"]
+    assert {(m["id"], m.get("parent")) for m in models} >= {(MODEL, None), ("sql", MODEL)}
+    for kind, want in (("short", "local"), ("long", "remote")):
+        for lora in (None, "sql"):
+            reply = cluster.complete(prompts[kind], lora or MODEL)
+            assert reply["usage"]["pdserve_disagg"] == want, (kind, lora, reply["usage"])
+            assert reply["model"] == (lora or MODEL)
+            got = reply["choices"][0]["token_ids"]
+            assert got == cluster.reference[(kind, lora)], (kind, lora)
+    assert cluster.reference[("long", "sql")] != cluster.reference[("long", None)]
+    missing = httpx.post(f"{cluster.router_url}/v1/completions", timeout=30, json={
+        "model": "chat", "prompt": "hi", "max_tokens": 1})  # not loaded yet
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_two_adapters_share_no_cached_block(cluster: LoraCluster, tokenizer: Any) -> None:
+    long = _prompts(tokenizer)["long"]
+    loaded = httpx.post(f"{cluster.admin_url}/v1/load_lora_adapter", timeout=120, json={
+        "lora_name": "chat", "lora_path": str(cluster.adapters["chat"])})
+    assert loaded.status_code == 200, loaded.text
+    assert set(loaded.json()["workers"].values()) == {"loaded"}
+
+    def cached(model: str) -> int:
+        return int(cluster.complete(long, model)["usage"]["prompt_tokens_details"]
+                   ["cached_tokens"])
+
+    # The base model's and sql's blocks of this prompt are cached (the test before).
+    assert cached("sql") > 0 and cached(MODEL) > 0
+    assert cached("chat") == 0  # neither serves another adapter
+    assert cached("chat") > 0  # its own repeat does
+    reply = cluster.complete(long, "chat")
+    assert reply["choices"][0]["token_ids"] == cluster.reference[("long", "chat")]
+
+
+def test_a_load_reaches_a_worker_started_after_it(cluster: LoraCluster,
+                                                  tokenizer: Any) -> None:
+    """``chat`` was loaded through the router (test before); ``decode-late`` starts with
+    only ``sql`` and gets ``chat`` replayed before the router places on it."""
+    cluster.start_worker("decode-late", "decode")
+    ready = wait_until(lambda: _up(cluster, {"decode-late"}), START_S, interval_s=1.0)
+    assert ready is True, f"late worker not ready: {_dead(cluster.procs)}"
+    health = probe_health(cluster.endpoints["decode-late"], timeout_s=5)
+    assert {a.name for a in health.loras} == {"sql", "chat"}
+    cluster.procs["decode-0"].send_signal(signal.SIGTERM)  # drains, leaves membership
+    assert wait_until(lambda: "decode-0" not in cluster.healthy(), 60)
+    for kind in ("short", "long"):
+        reply = cluster.complete(_prompts(tokenizer)[kind], "chat")
+        assert reply["choices"][0]["token_ids"] == cluster.reference[(kind, "chat")], kind

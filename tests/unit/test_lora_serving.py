@@ -1,0 +1,213 @@
+"""LoRA without vLLM: the worker host runs a request's adapter (vLLM's id and folder in
+the engine call, the cache salt joined to the adapter), refuses one it does not serve,
+refits an adapter under a fresh id; the router replays its loads on a worker that joins
+later, places an adapter's requests only where it is served, and answers an unknown
+``model`` 404."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from pdserve.core.lora import LoraAdapter, LoraConfig, adapter_salt, parse_lora_module
+from pdserve.core.types import PhaseRequest, SamplingSpec, WeightsStaged, WorkerHealth
+from pdserve.kv_transfer.config import ConnectorConfig
+from pdserve.roles.decode.policy import DecodePolicy
+from pdserve.router.dispatch.workers.loras import LoraTargets
+from pdserve.router.dispatch.workers.state import WorkerState
+from pdserve.router.http.errors import ModelNotFoundError
+from pdserve.router.http.openai.preprocess import Preprocessor
+from pdserve.router.http.openai.schemas import CompletionRequest
+from pdserve.worker.backend import WorkerError
+from pdserve.worker.engine import EngineConfig, EngineParams, EngineStep
+from pdserve.worker.host import EngineHost
+from pdserve.worker.lora import LoadedLora
+
+SQL = LoraAdapter("sql", "/adapters/sql")
+
+
+@dataclass
+class LoraEngine:
+    """Records each call's params and the adapters added and removed."""
+
+    calls: list[tuple[SamplingSpec, EngineParams]] = field(default_factory=list)
+    added: list[LoadedLora] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    block_size: int = 16
+    dtype: str = "float32"
+    num_kv_blocks: int = 64
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
+                       sampling: SamplingSpec, params: EngineParams
+                       ) -> AsyncGenerator[EngineStep, None]:
+        self.calls.append((sampling, params))
+        yield EngineStep((7,), finished=True, finish_reason="length")
+
+    async def add_lora(self, lora: LoadedLora) -> None:
+        if lora.adapter.path.startswith("/bad"):
+            raise ValueError("not an adapter")
+        self.added.append(lora)
+
+    async def remove_lora(self, lora_id: int) -> None:
+        self.removed.append(lora_id)
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+    async def stage_weights(self, model_path: str, version: str) -> WeightsStaged:
+        raise NotImplementedError
+
+    async def commit_weights(self, version: str) -> None: ...
+
+    async def discard_weights(self) -> bool:
+        return False
+
+    async def weight_call(self, method: str, body: dict[str, object]) -> str:
+        return "default"
+
+
+def host(lora: LoraConfig, engine: LoraEngine) -> EngineHost:
+    cfg = EngineConfig(model_path="/m", served_model_name="m", role="decode",
+                       connector=ConnectorConfig(engine_id="w0"), lora=lora)
+    h = EngineHost(cfg, "w0", DecodePolicy(), lambda c, n: engine)
+    h.start()
+    return h
+
+
+def request(lora_name: str | None, salt: str | None = None) -> PhaseRequest:
+    return PhaseRequest("r1", "decode", (1, 2, 3), SamplingSpec(
+        max_tokens=2, temperature=0.0, cache_salt=salt, lora_name=lora_name))
+
+
+async def test_the_host_runs_the_adapter_under_its_salt() -> None:
+    engine = LoraEngine()
+    h = host(LoraConfig(enable_lora=True, modules=(SQL,)), engine)
+    assert h.health().loras == (SQL,)
+    [_ async for _ in h.generate(request("sql", salt="t1"))]
+    [_ async for _ in h.generate(request(None, salt="t1"))]
+    (lora_sampling, lora_params), (base_sampling, base_params) = engine.calls
+    assert lora_params.lora is not None and lora_params.lora.adapter == SQL
+    assert lora_sampling.cache_salt == adapter_salt("t1", SQL) != "t1"
+    assert base_params.lora is None and base_sampling.cache_salt == "t1"
+    with pytest.raises(WorkerError) as refused:
+        [_ async for _ in h.generate(request("chat"))]
+    assert refused.value.kind == "invalid_argument"
+
+
+async def test_load_refit_and_unload() -> None:
+    engine = LoraEngine()
+    h = host(LoraConfig(enable_lora=True, modules=(SQL,)), engine)
+    first_id = h.loras.request(request("sql"))[1].lora_id  # type: ignore[union-attr]
+    assert not await h.load_lora(SQL)  # served from that folder already
+    refit = LoraAdapter("sql", "/adapters/sql-2")
+    assert await h.load_lora(refit)
+    assert engine.added[-1].adapter == refit and engine.added[-1].lora_id != first_id
+    assert engine.removed == [first_id]
+    assert h.health().loras == (refit,)
+    with pytest.raises(ValueError):
+        await h.load_lora(LoraAdapter("x", "/bad/x"))
+    assert h.health().loras == (refit,)  # a refused folder changes nothing
+    assert await h.unload_lora("sql") and not await h.unload_lora("sql")
+    assert h.health().loras == ()
+
+
+async def test_lora_off_refuses_loads() -> None:
+    h = host(LoraConfig(), LoraEngine())
+    with pytest.raises(WorkerError) as off:
+        await h.load_lora(SQL)
+    assert off.value.kind == "failed_precondition"
+
+
+def test_lora_module_forms() -> None:
+    assert parse_lora_module("sql=/adapters/sql") == SQL
+    assert parse_lora_module('{"name": "sql", "path": "/adapters/sql", '
+                             '"base_model_name": "m"}') == SQL
+    for bad in ("sql", "=/p", '{"name": 1}'):
+        with pytest.raises(ValueError):
+            parse_lora_module(bad)
+    with pytest.raises(ValueError):
+        LoraConfig(modules=(SQL,))  # needs --enable-lora
+    with pytest.raises(ValueError):
+        LoraConfig(enable_lora=True, max_lora_rank=7)
+
+
+@dataclass
+class Calls:
+    loaded: list[LoraAdapter] = field(default_factory=list)
+    unloaded: list[str] = field(default_factory=list)
+    fail: bool = False
+
+    async def load_lora(self, adapter: LoraAdapter, timeout_s: float) -> bool:
+        if self.fail:
+            raise RuntimeError("UNAVAILABLE")
+        self.loaded.append(adapter)
+        return True
+
+    async def unload_lora(self, name: str, timeout_s: float) -> bool:
+        self.unloaded.append(name)
+        return True
+
+
+async def test_the_router_replays_its_loads_on_a_joining_worker() -> None:
+    targets = LoraTargets()
+    targets.on_loaded(SQL)
+    targets.on_unloaded("old")
+    joining = WorkerHealth(ready=True, role="decode", worker_id="d1",
+                           loras=(LoraAdapter("old", "/a/old"),))
+    calls = Calls()
+    health = await targets.replay(calls, joining)
+    assert calls.loaded == [SQL] and calls.unloaded == ["old"]
+    assert health.loras == (SQL,)
+    assert await targets.replay(Calls(), health) == health  # nothing left to do
+    loading = WorkerHealth(ready=False, role="decode", worker_id="d2")
+    assert await targets.replay(calls, loading) == loading  # not before it is ready
+    failing = await targets.replay(Calls(fail=True), joining)
+    assert SQL not in failing.loras  # not placed for it; tried again at the next check
+
+
+def test_placement_reads_what_a_worker_serves() -> None:
+    state = WorkerState(endpoint="e", role="decode", healthy=True, loras=(SQL,))
+    assert state.serves(None) and state.serves("sql") and not state.serves("chat")
+    assert not WorkerState(endpoint="e", role="decode").serves("sql")
+
+
+def test_a_model_names_the_base_model_or_an_adapter(tokenizer: Any) -> None:
+    """As on ``vllm serve``: an adapter's name runs it (the response names it), the base
+    model's runs none, anything else is 404 ``model_not_found``."""
+
+    class Served:
+        def adapter(self, name: str | None) -> LoraAdapter | None:
+            return SQL if name == "sql" else None
+
+    pre = Preprocessor(served_model_name="m", max_model_len=4096, tokenizer=tokenizer,
+                       loras=Served())
+    lora = pre.completion(CompletionRequest(model="sql", prompt="hi", max_tokens=2))
+    assert (lora.model, lora.sampling.lora_name) == ("sql", "sql")
+    base = pre.completion(CompletionRequest(model="m", prompt="hi", max_tokens=2))
+    assert (base.model, base.sampling.lora_name) == ("m", None)
+    with pytest.raises(ModelNotFoundError) as missing:
+        pre.completion(CompletionRequest(model="chat", prompt="hi", max_tokens=2))
+    assert missing.value.status_code == 404
+
+
+def test_up_hands_its_lora_flags_to_the_workers_unchanged() -> None:
+    """``pdserve up`` passes ``LoraConfig.flags()`` to each worker: parsed there as the
+    worker's own flags, they are the same config."""
+    from pdserve.cli.configs import lora_config
+    from pdserve.cli.parser import build_parser
+
+    cfg = LoraConfig(enable_lora=True, modules=(SQL, LoraAdapter("chat", "/a/chat")),
+                     max_loras=2, max_lora_rank=8)
+    up = build_parser().parse_args(["up", *cfg.flags()])
+    assert lora_config(up) == cfg
+    worker = build_parser().parse_args(["decode", *cfg.flags()])
+    assert lora_config(worker) == cfg
+    assert LoraConfig().flags() == []
+    # vllm serve's form: several after one --lora-modules.
+    several = build_parser().parse_args(
+        ["decode", "--enable-lora", "--lora-modules", "sql=/adapters/sql", "chat=/a/chat"])
+    assert lora_config(several).modules == cfg.modules
