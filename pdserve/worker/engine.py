@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.core.dtype import resolve_dtype
 from pdserve.core.types import Role, SamplingSpec, TokenLogprobs, WeightsStaged
+from pdserve.core.weight_calls import WeightCall
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.worker.engine_tmp import engine_tmp_dir
 
@@ -164,9 +165,9 @@ class Engine(Protocol):
 
     async def discard_weights(self) -> bool: ...
 
-    async def weight_call(self, method: str, body: dict[str, Any]) -> str:
-        """One of vLLM's weight-transfer calls (``weights.ENGINE_WEIGHT_CALLS``); the
-        version served after it."""
+    async def weight_call(self, call: WeightCall) -> str:
+        """One of vLLM's weight-transfer calls; the version served after it
+        (``ValueError``: a call vLLM's engine refuses)."""
         ...
 
 
