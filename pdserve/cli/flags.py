@@ -130,9 +130,10 @@ FLAGS = _flags(
          "worker started on a later checkpoint (--model) that checkpoint's version",
          DEFAULT_WEIGHT_VERSION, parse_weight_version, metavar="V"),
     Flag("weight-transfer-backend", "vLLM's weight-transfer engine, for weights a trainer "
-         "pushes (EngineWeightCall init_weight_transfer_engine, update_weights): nccl or ipc, "
-         "GPU only (default: off; updates come from checkpoint folders, StageWeights and "
-         "CommitWeights)", None, choices=WEIGHT_TRANSFER_BACKENDS),
+         "pushes (EngineWeightCall init_weight_transfer_engine, update_weights): nccl or ipc "
+         "(GPU only), or gloo (pdserve's, CPU tensors over a gloo group) (default: off; "
+         "updates come from checkpoint folders, StageWeights and CommitWeights)", None,
+         choices=WEIGHT_TRANSFER_BACKENDS),
     # KV transport
     Flag("transport", "KV transport: tcp, ucx (UCX via ucxx; UCX_* env vars apply), torch "
          "(torch.distributed p2p: NCCL/RCCL on GPU, gloo on CPU)", "tcp",

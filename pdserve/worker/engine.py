@@ -33,7 +33,9 @@ CONNECTOR_MODULE = "pdserve.kv_transfer.connector"
 WORKER_EXTENSION = "pdserve.worker.weights_ext.WeightsExtension"
 logger = logging.getLogger("pdserve.worker")
 # vLLM's weight-transfer engines, for weights a trainer pushes (both need GPUs).
-WEIGHT_TRANSFER_BACKENDS = ("nccl", "ipc")
+WEIGHT_TRANSFER_BACKENDS = ("nccl", "ipc", "gloo")
+# Those that move tensors GPU to GPU (gloo: host memory, ``gloo_transfer.py``).
+GPU_WEIGHT_TRANSFER_BACKENDS = ("nccl", "ipc")
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,8 @@ class EngineConfig:
     # started on a later checkpoint names that checkpoint's version).
     weight_version: str = DEFAULT_WEIGHT_VERSION
     # vLLM's weight-transfer engine for updates pushed by a trainer ("nccl", "ipc":
-    # GPUs); None: updates come from checkpoint folders only.
+    # GPUs; "gloo": CPUs, gloo_transfer.py); None: updates come from checkpoint folders
+    # only.
     weight_transfer_backend: str | None = None
 
     def __post_init__(self) -> None:
