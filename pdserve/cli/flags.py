@@ -133,9 +133,10 @@ FLAGS = _flags(
          "worker started on a later checkpoint (--model) that checkpoint's version",
          DEFAULT_WEIGHT_VERSION, parse_weight_version, metavar="V"),
     Flag("weight-transfer-backend", "vLLM's weight-transfer engine, for weights a trainer "
-         "pushes (EngineWeightCall init_weight_transfer_engine, update_weights): nccl or ipc, "
-         "GPU only (default: off; updates come from checkpoint folders, StageWeights and "
-         "CommitWeights)", None, choices=WEIGHT_TRANSFER_BACKENDS),
+         "pushes (EngineWeightCall init_weight_transfer_engine, update_weights): nccl or ipc "
+         "(GPU only), or gloo (pdserve's, CPU tensors over a gloo group) (default: off; "
+         "updates come from checkpoint folders, StageWeights and CommitWeights)", None,
+         choices=WEIGHT_TRANSFER_BACKENDS),
     # LoRA adapters (vllm serve's flags; workers and up)
     Flag("enable-lora", "serve LoRA adapters: a request whose model names an adapter runs "
          "it, on prefill and decode; its KV is cached apart from the base model's and "

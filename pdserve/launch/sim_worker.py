@@ -14,7 +14,6 @@ import asyncio
 import logging
 import signal
 from collections.abc import AsyncGenerator
-from typing import Any
 
 from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.core.cluster_secret import ClusterSecret
@@ -29,6 +28,7 @@ from pdserve.core.types import (
     WorkerHealth,
     WorkerLoadReport,
 )
+from pdserve.core.weight_calls import WeightCall, version_set_by
 from pdserve.membership import Registrar, WorkerInfo
 from pdserve.membership.static import NullRegistrar
 from pdserve.worker.backend import WorkerError
@@ -37,7 +37,7 @@ from pdserve.worker.metrics import MetricsListener, start_worker_metrics
 from pdserve.worker.servicer import WorkerServer, start_worker_server
 from pdserve.worker.sim_engine import SimConfig, SimEngine
 from pdserve.worker.timing import PhaseClock
-from pdserve.worker.weights import ENGINE_WEIGHT_CALLS, WeightsState
+from pdserve.worker.weights import WeightsState
 
 logger = logging.getLogger("pdserve.sim_worker")
 
@@ -186,14 +186,10 @@ class SimHost:
         self.weights.staged = None
         return discarded
 
-    async def engine_weight_call(self, method: str, body: dict[str, Any]) -> str:
+    async def engine_weight_call(self, call: WeightCall) -> str:
         """vLLM's weight-transfer calls: only those naming a version change it (no
         tensors move in a simulator); the version served after the call."""
-        if method not in ENGINE_WEIGHT_CALLS:
-            raise ValueError(f"unknown weight call {method!r}; one of {ENGINE_WEIGHT_CALLS}")
-        key = {"finish_weight_update": "weight_version",
-               "update_weight_version": "new_version"}.get(method)
-        version = None if key is None else body.get(key)
+        version = version_set_by(call)
         if version is not None and str(version) != self.weights.version:
             self.engine.load_weights(str(version))
             self.weights.committed(str(version), "")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pdserve.core.grpc_options import DEFAULT_KEEPALIVE_S
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.membership import MembershipConfig
-from pdserve.worker.engine import EngineConfig, Role
+from pdserve.worker.engine import GPU_WEIGHT_TRANSFER_BACKENDS, EngineConfig, Role
 from pdserve.worker.metrics import MetricsListener
 
 _ANY_HOST = ("0.0.0.0", "::")
@@ -105,13 +105,14 @@ def kv_push_default(flag: bool | None) -> bool:
 
 
 def weight_transfer_backend(flag: str | None) -> str | None:
-    """The flag's value, refused without a GPU: vLLM's weight-transfer engines (NCCL,
-    CUDA IPC) move a trainer's tensors GPU to GPU, and would fail only at the trainer's
-    first ``init_weight_transfer_engine``."""
+    """The flag's value, nccl and ipc refused without a GPU: they move a trainer's tensors
+    GPU to GPU, and would fail only at the trainer's first ``init_weight_transfer_engine``
+    (gloo moves them in host memory, ``gloo_transfer.py``)."""
     if flag is None:
         return None
     import torch
 
-    if not torch.cuda.is_available():
-        raise ValueError(f"--weight-transfer-backend {flag} needs a GPU; this machine has none")
+    if flag in GPU_WEIGHT_TRANSFER_BACKENDS and not torch.cuda.is_available():
+        raise ValueError(f"--weight-transfer-backend {flag} needs a GPU; this machine has "
+                         "none (gloo moves weights without one)")
     return flag

@@ -16,6 +16,7 @@ from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.core.dtype import resolve_dtype
 from pdserve.core.lora import LoraConfig
 from pdserve.core.types import Role, SamplingSpec, TokenLogprobs, WeightsStaged
+from pdserve.core.weight_calls import WeightCall
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.worker.engine_tmp import engine_tmp_dir
 from pdserve.worker.lora import LoadedLora
@@ -34,7 +35,9 @@ CONNECTOR_MODULE = "pdserve.kv_transfer.connector"
 WORKER_EXTENSION = "pdserve.worker.weights_ext.WeightsExtension"
 logger = logging.getLogger("pdserve.worker")
 # vLLM's weight-transfer engines, for weights a trainer pushes (both need GPUs).
-WEIGHT_TRANSFER_BACKENDS = ("nccl", "ipc")
+WEIGHT_TRANSFER_BACKENDS = ("nccl", "ipc", "gloo")
+# Those that move tensors GPU to GPU (gloo: host memory, ``gloo_transfer.py``).
+GPU_WEIGHT_TRANSFER_BACKENDS = ("nccl", "ipc")
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,8 @@ class EngineConfig:
     # started on a later checkpoint names that checkpoint's version).
     weight_version: str = DEFAULT_WEIGHT_VERSION
     # vLLM's weight-transfer engine for updates pushed by a trainer ("nccl", "ipc":
-    # GPUs); None: updates come from checkpoint folders only.
+    # GPUs; "gloo": CPUs, gloo_transfer.py); None: updates come from checkpoint folders
+    # only.
     weight_transfer_backend: str | None = None
     # LoRA adapters (--enable-lora, --lora-modules, --max-loras, --max-lora-rank).
     lora: LoraConfig = LoraConfig()
@@ -178,9 +182,9 @@ class Engine(Protocol):
 
     async def discard_weights(self) -> bool: ...
 
-    async def weight_call(self, method: str, body: dict[str, Any]) -> str:
-        """One of vLLM's weight-transfer calls (``weights.ENGINE_WEIGHT_CALLS``); the
-        version served after it."""
+    async def weight_call(self, call: WeightCall) -> str:
+        """One of vLLM's weight-transfer calls; the version served after it
+        (``ValueError``: a call vLLM's engine refuses)."""
         ...
 
 

@@ -28,6 +28,7 @@ from pdserve.core.types import (
     WorkerHealth,
     WorkerLoadReport,
 )
+from pdserve.core.weight_calls import UpdateWeightVersion, WeightCall
 from pdserve.kv_transfer.control.dial import request_once
 from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.remote.worker import REPORTED as STORE_STATS
@@ -38,7 +39,7 @@ from pdserve.worker.lora import LoraTable
 from pdserve.worker.policy import AdmissionAborted, RolePolicy
 from pdserve.worker.timing import PhaseClock
 from pdserve.worker.vllm_kv_events import KvEventEndpoints, KvEventMirroring
-from pdserve.worker.weights import ENGINE_WEIGHT_CALLS, WeightsState
+from pdserve.worker.weights import WeightsState
 from pdserve.worker.weights_ext import check_checkpoint
 
 if TYPE_CHECKING:
@@ -289,16 +290,15 @@ class EngineHost:
         self.weights.staged = None
         return await self._running_engine().discard_weights()
 
-    async def engine_weight_call(self, method: str, body: dict[str, Any]) -> str:
+    async def engine_weight_call(self, call: WeightCall) -> str:
         """vLLM's own weight-transfer call; the version served after it."""
-        if method not in ENGINE_WEIGHT_CALLS:
-            raise ValueError(f"unknown weight call {method!r}; one of {ENGINE_WEIGHT_CALLS}")
-        if method != "update_weight_version" and self.config.weight_transfer_backend is None:
+        if not isinstance(call, UpdateWeightVersion) and \
+                self.config.weight_transfer_backend is None:
             # vLLM would fail deep in its engine (an internal error, a 500 at the router):
             # a call this worker was not started for is the caller's mistake.
-            raise WorkerError("failed_precondition", f"{method}: weight transfer is off on "
-                              "this worker (start it with --weight-transfer-backend)")
-        version = await self._running_engine().weight_call(method, body)
+            raise WorkerError("failed_precondition", f"{call.name}: weight transfer is off "
+                              "on this worker (start it with --weight-transfer-backend)")
+        version = await self._running_engine().weight_call(call)
         if version != self.weights.version:
             self.weights.committed(version, "")
             self._health = None

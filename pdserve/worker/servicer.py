@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -30,6 +29,7 @@ from pdserve.core.types import PhaseRequest, WorkerHealth
 from pdserve.proto import convert
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
+from pdserve.proto.weight_calls import weight_call_from_pb
 from pdserve.worker.backend import ErrorKind, WorkerBackend, WorkerError
 from pdserve.worker.kv_mirror import KvCacheMirror
 from pdserve.worker.kv_relay import kv_changes, kv_snapshot
@@ -182,13 +182,10 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     ) -> pb.EngineWeightCallResponse:
         weights = await self._weights(context)
         try:
-            body = json.loads(request.body_json or "{}")
-        except ValueError:
-            body = None
-        if not isinstance(body, dict):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "body_json is not an object")
-        version = await self._answer(context, request.method, weights.engine_weight_call(
-            request.method, body))
+            call = weight_call_from_pb(request)
+        except ValueError as exc:  # no call, or one this worker's schema does not know
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        version = await self._answer(context, call.name, weights.engine_weight_call(call))
         return pb.EngineWeightCallResponse(weight_version=version)
 
     async def _weights(self, context: grpc.aio.ServicerContext) -> WeightsBackend:

@@ -11,6 +11,15 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pdserve.core.types import SamplingSpec, StructuredOutput, TokenLogprobs, WeightsStaged
+from pdserve.core.weight_calls import (
+    FinishWeightUpdate,
+    InitWeightTransferEngine,
+    ShutdownWeightTransferEngine,
+    StartWeightUpdate,
+    UpdateWeights,
+    WeightCall,
+    version_set_by,
+)
 from pdserve.worker.engine import (
     EngineConfig,
     EngineCounters,
@@ -212,29 +221,29 @@ class VllmEngine:
     async def discard_weights(self) -> bool:
         return any(await self._llm.collective_rpc("pdserve_discard_weights"))
 
-    async def weight_call(self, method: str, body: dict[str, Any]) -> str:
-        """vLLM's own call with its route's body (``ValueError``: a body it refuses)."""
+    async def weight_call(self, call: WeightCall) -> str:
+        """vLLM's own call, each by its own method."""
         from vllm.distributed.weight_transfer.base import (
             WeightTransferInitRequest,
             WeightTransferUpdateRequest,
         )
 
         llm = self._llm
-        if method == "init_weight_transfer_engine":
+        if isinstance(call, InitWeightTransferEngine):
             await llm.init_weight_transfer_engine(
-                WeightTransferInitRequest(init_info=body.get("init_info") or {}))
-        elif method == "update_weights":
+                WeightTransferInitRequest(init_info=call.init_info.vllm_dict()))
+        elif isinstance(call, StartWeightUpdate):
+            await llm.start_weight_update()
+        elif isinstance(call, UpdateWeights):
             await llm.update_weights(
-                WeightTransferUpdateRequest(update_info=body.get("update_info") or {}))
-        elif method in ("finish_weight_update", "update_weight_version"):
-            if method == "finish_weight_update":
-                await llm.collective_rpc("finish_weight_update")
-            version = body.get("weight_version" if method == "finish_weight_update"
-                               else "new_version")
-            if version is not None:
-                await self._after_update(str(version))
-        else:  # start_weight_update, shutdown_weight_transfer_engine: no body
-            await getattr(llm, method)()
+                WeightTransferUpdateRequest(update_info=call.update_info.vllm_dict()))
+        elif isinstance(call, FinishWeightUpdate):
+            await llm.collective_rpc("finish_weight_update")
+        elif isinstance(call, ShutdownWeightTransferEngine):
+            await llm.shutdown_weight_transfer_engine()
+        version = version_set_by(call)
+        if version is not None:
+            await self._after_update(version)
         return await llm.get_weight_version()
 
     async def _after_update(self, version: str) -> None:

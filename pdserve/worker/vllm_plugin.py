@@ -71,6 +71,7 @@ def _patch(cls: type, name: str, original: Callable[..., Any],
 
 def register() -> None:
     """vLLM's ``vllm.general_plugins`` entry point (may run more than once per process)."""
+    register_gloo_transfer()
     delay = os.environ.get(NIXL_DELAY_ENV)
     if delay is not None:
         if delay.isdigit():
@@ -89,6 +90,19 @@ def register() -> None:
     set_shm_spin(spin_s)
     reliable_notify()
     seeded_partial_prefills()
+
+
+def register_gloo_transfer() -> None:
+    """The ``gloo`` weight-transfer backend (``gloo_transfer.py``: a trainer's tensors
+    into a CPU engine) in vLLM's registry, imported only by an engine configured for it;
+    a name vLLM's own backends do not take, so other engines are untouched."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(
+            "gloo", "pdserve.worker.gloo_transfer", "GlooWeightTransferEngine")
+    except ValueError:  # registered by an earlier call in this process
+        pass
 
 
 def reliable_notify() -> None:

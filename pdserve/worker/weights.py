@@ -22,13 +22,12 @@ from typing import Protocol, runtime_checkable
 from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION, versioned_salt
 from pdserve.core.handle import KVHandle
 from pdserve.core.types import PhaseRequest, WeightsStaged
+from pdserve.core.weight_calls import WEIGHT_CALLS, WeightCall
 from pdserve.worker.backend import WorkerError
 
-# vLLM's own weight-transfer calls a worker passes to its engine (``EngineWeightCall``),
-# by the name of vLLM's HTTP route (and AsyncLLM method).
-ENGINE_WEIGHT_CALLS = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
-                       "finish_weight_update", "update_weight_version",
-                       "shutdown_weight_transfer_engine")
+# vLLM's own weight-transfer calls a worker passes to its engine (``EngineWeightCall``,
+# one typed message each), by the name of vLLM's HTTP route (and AsyncLLM method).
+ENGINE_WEIGHT_CALLS = tuple(call.name for call in WEIGHT_CALLS)
 
 
 @runtime_checkable
@@ -43,7 +42,9 @@ class WeightsBackend(Protocol):
 
     async def discard_weights(self) -> bool: ...
 
-    async def engine_weight_call(self, method: str, body: dict[str, object]) -> str: ...
+    async def engine_weight_call(self, call: WeightCall) -> str:
+        """Run one of vLLM's weight-transfer calls; the version served after it."""
+        ...
 
 
 @dataclass

@@ -18,6 +18,17 @@ from starlette.types import Message, Receive, Scope, Send
 
 from pdserve.cli.configs import edge_config
 from pdserve.cli.parser import build_parser
+from pdserve.core.weight_calls import (
+    FinishWeightUpdate,
+    InitWeightTransferEngine,
+    ShutdownWeightTransferEngine,
+    StartWeightUpdate,
+    TransferInitInfo,
+    TransferUpdateInfo,
+    UpdateWeights,
+    UpdateWeightVersion,
+    WeightCall,
+)
 from pdserve.router.dispatch.weights import WeightGate
 from pdserve.router.dispatch.workers.pool import WorkerPool
 from pdserve.router.http.admin.actions import admin_actions
@@ -39,10 +50,10 @@ class RecordingUpdater(WeightUpdater):
 
     def __init__(self) -> None:
         super().__init__(WorkerPool(prefill=[], decode=[]), WeightGate())
-        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.calls: list[WeightCall] = []
 
-    async def engine_call(self, method: str, body: dict[str, Any]) -> dict[str, str]:
-        self.calls.append((method, body))
+    async def engine_call(self, call: WeightCall) -> dict[str, str]:
+        self.calls.append(call)
         return {}
 
 
@@ -237,7 +248,7 @@ async def test_a_field_the_backends_engine_does_not_take_is_refused_before_any_w
 
 def test_an_unknown_weight_transfer_backend_is_refused_naming_the_valid_ones() -> None:
     with pytest.raises(ValueError, match="ipc, nccl"):
-        WeightTransferPolicy("gloo", ("127.0.0.0/8",))
+        WeightTransferPolicy("rdma", ("127.0.0.0/8",))
 
 
 async def test_allowed_addresses_pass_and_names_are_pinned_to_the_checked_address(
@@ -257,10 +268,60 @@ async def test_allowed_addresses_pass_and_names_are_pinned_to_the_checked_addres
             "update_info": {"names": ["w"], "ipc_handles_pickled": "gASVAAAA"}})
         assert pickled.status_code == 403
         assert pickled.json()["error"]["code"] == "pickle_refused"
-    assert updater.calls[0] == ("init_weight_transfer_engine", {"init_info": NCCL_INIT})
+    assert updater.calls[0] == InitWeightTransferEngine(TransferInitInfo(**NCCL_INIT))
     if named.status_code == 200:
-        assert updater.calls[1][1]["init_info"]["master_address"] == "127.0.0.1"
-    assert all(method != "update_weights" for method, _ in updater.calls)
+        second = updater.calls[1]
+        assert isinstance(second, InitWeightTransferEngine)
+        assert second.init_info.master_address == "127.0.0.1"
+    assert not any(isinstance(call, UpdateWeights) for call in updater.calls)
+
+
+async def test_each_route_passes_its_own_typed_call_with_the_bodys_fields(
+        updater: RecordingUpdater) -> None:
+    update = {"names": ["lm_head.weight", "norm.weight"], "dtype_names": ["float32"] * 2,
+              "shapes": [[49152, 576], [576]]}
+    async with client(admin_app(updater)) as http:
+        key = bearer(ADMIN)
+        for path, body in (("/init_weight_transfer_engine", {"init_info": NCCL_INIT}),
+                           ("/start_weight_update", None),
+                           ("/update_weights", {"update_info": update}),
+                           ("/finish_weight_update", None),
+                           ("/finish_weight_update", {"weight_version": "v2"}),
+                           ("/update_weight_version", {"new_version": "v3"}),
+                           ("/shutdown_weight_transfer_engine", None)):
+            reply = await http.post(path, json=body, headers=key)
+            assert reply.status_code == 200, (path, reply.text)
+    assert updater.calls == [
+        InitWeightTransferEngine(TransferInitInfo(**NCCL_INIT)), StartWeightUpdate(),
+        UpdateWeights(TransferUpdateInfo(names=("lm_head.weight", "norm.weight"),
+                                         dtype_names=("float32", "float32"),
+                                         shapes=((49152, 576), (576,)))),
+        FinishWeightUpdate(None), FinishWeightUpdate("v2"), UpdateWeightVersion("v3"),
+        ShutdownWeightTransferEngine()]
+
+
+@pytest.mark.parametrize(("path", "body", "where"), [
+    ("/init_weight_transfer_engine", {"init_info": dict(NCCL_INIT, master_port="29500")},
+     "init_info.master_port"),
+    ("/init_weight_transfer_engine", {"init_info": dict(NCCL_INIT, world_size=0)},
+     "init_info.world_size"),
+    ("/update_weights", {"update_info": {"names": ["a", "b"], "dtype_names": ["float32"],
+                                         "shapes": [[1], [2]]}}, "as long as each other"),
+    ("/update_weights", {"update_info": {"names": ["a"], "dtype_names": ["float32"],
+                                         "shapes": [[-1]]}}, "update_info.shapes"),
+    ("/update_weights", {"update_info": {"names": ["a"], "dtype_names": ["float32"],
+                                         "shapes": [[1]], "ipc_handles": [{}]}},
+     "ipc_handles"),
+], ids=["port-as-string", "empty-world", "ragged-lists", "negative-dim", "ipc-handles"])
+async def test_a_field_of_the_wrong_type_is_a_400_before_any_worker(
+        updater: RecordingUpdater, path: str, body: dict[str, Any], where: str) -> None:
+    """The typed call's fields are checked at the edge: a port as a string, a negative
+    dimension or lists of different lengths never reach a worker's engine."""
+    async with client(admin_app(updater)) as http:
+        reply = await http.post(path, json=body, headers=bearer(ADMIN))
+    assert reply.status_code == 400, reply.text
+    assert where in reply.json()["error"]["message"]
+    assert updater.calls == []
 
 
 async def test_with_no_allowed_network_every_address_is_refused(

@@ -49,8 +49,8 @@ def test_the_flags_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> N
 @pytest.mark.parametrize(("env", "argv", "expected"), [
     ({}, ["decode", "--weight-version", ""], ["--weight-version", "empty"]),
     ({"PDSERVE_WEIGHT_VERSION": " "}, ["up"], ["--weight-version", "PDSERVE_WEIGHT_VERSION"]),
-    ({}, ["prefill", "--weight-transfer-backend", "gloo"],
-     ["--weight-transfer-backend", "'gloo'", "nccl, ipc"]),
+    ({}, ["prefill", "--weight-transfer-backend", "rdma"],
+     ["--weight-transfer-backend", "'rdma'", "nccl, ipc, gloo"]),
 ])
 def test_a_bad_weights_flag_is_one_line_naming_it(
     env: dict[str, str], argv: list[str], expected: list[str],
@@ -78,6 +78,8 @@ def test_a_transfer_engine_needs_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
                                            "ipc"])
     with pytest.raises(ValueError, match="simulated workers"):
         up_config(simulated, MODEL)
+    gloo = build_parser().parse_args(["decode", "--weight-transfer-backend", "gloo"])
+    assert worker_config(gloo, MODEL).engine.weight_transfer_backend == "gloo"  # CPU tensors
 
 
 def test_up_hands_both_flags_to_every_worker(
@@ -105,4 +107,4 @@ def test_an_engine_config_refuses_an_empty_version_or_an_unknown_transfer_engine
     with pytest.raises(ValueError, match="weight_version"):
         EngineConfig(**base, weight_version="")
     with pytest.raises(ValueError, match="nccl, ipc"):
-        EngineConfig(**base, weight_transfer_backend="gloo")
+        EngineConfig(**base, weight_transfer_backend="rdma")

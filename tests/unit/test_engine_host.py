@@ -15,6 +15,18 @@ import pytest
 
 from pdserve.core.handle import KVHandle, PushTarget
 from pdserve.core.types import PhaseOutput, PhaseRequest, Role, SamplingSpec, WeightsStaged
+from pdserve.core.weight_calls import (
+    FinishWeightUpdate,
+    InitWeightTransferEngine,
+    ShutdownWeightTransferEngine,
+    StartWeightUpdate,
+    TransferInitInfo,
+    TransferUpdateInfo,
+    UpdateWeights,
+    UpdateWeightVersion,
+    WeightCall,
+    version_set_by,
+)
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.roles.decode.policy import DecodePolicy
 from pdserve.roles.prefill.policy import PrefillPolicy
@@ -96,8 +108,8 @@ class FakeEngine:
         had, self.staged = self.staged is not None, None
         return had
 
-    async def weight_call(self, method: str, body: dict[str, object]) -> str:
-        return str(body.get("new_version", "default"))
+    async def weight_call(self, call: WeightCall) -> str:
+        return version_set_by(call) or "default"
 
 
 @dataclass
@@ -390,22 +402,24 @@ async def test_a_role_switch_needs_a_policy_factory_and_nothing_in_flight() -> N
     assert host.health().role == "prefill"
 
 
-@pytest.mark.parametrize("method", ["init_weight_transfer_engine", "start_weight_update",
-                                    "update_weights", "finish_weight_update",
-                                    "shutdown_weight_transfer_engine"])
+@pytest.mark.parametrize("call", [
+    InitWeightTransferEngine(TransferInitInfo(master_address="127.0.0.1", master_port=1,
+                                              rank_offset=1, world_size=2)),
+    StartWeightUpdate(), UpdateWeights(TransferUpdateInfo()), FinishWeightUpdate(),
+    ShutdownWeightTransferEngine()], ids=lambda call: call.name)
 async def test_a_weight_transfer_call_without_a_backend_is_refused_before_the_engine(
-        method: str) -> None:
+        call: WeightCall) -> None:
     """Found by the socket fuzz on vLLM: the engine failed deep inside (a 500 at the
     router); a call the worker was not started for is the caller's mistake."""
     host = EngineHost(config("decode"), "w0", DecodePolicy(), lambda c, n: FakeEngine())
     host.start()
     with pytest.raises(WorkerError, match="weight transfer is off") as caught:
-        await host.engine_weight_call(method, {})
+        await host.engine_weight_call(call)
     assert caught.value.kind == "failed_precondition"
-    assert await host.engine_weight_call("update_weight_version", {"new_version": "v3"}) == "v3"
+    assert await host.engine_weight_call(UpdateWeightVersion("v3")) == "v3"
     on = EngineHost(replace(config("decode"), weight_transfer_backend="nccl"), "w0",
                     DecodePolicy(), lambda c, n: FakeEngine())
     on.start()
-    assert await on.engine_weight_call(method, {}) == "default"
+    assert await on.engine_weight_call(call) == "default"
     host.shutdown()
     on.shutdown()

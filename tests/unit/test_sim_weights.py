@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 import pytest
 from unit.sim_cluster import start_sim_worker
 
@@ -14,10 +15,24 @@ from pdserve.cli.parser import build_parser
 from pdserve.core.handle import KVHandle
 from pdserve.core.model import ResolvedModel
 from pdserve.core.types import PhaseOutput, PhaseRequest, Role, SamplingSpec
+from pdserve.core.weight_calls import (
+    FinishWeightUpdate,
+    InitWeightTransferEngine,
+    ShutdownWeightTransferEngine,
+    StartWeightUpdate,
+    TransferInitInfo,
+    TransferUpdateInfo,
+    UpdateWeights,
+    UpdateWeightVersion,
+    WeightCall,
+)
 from pdserve.launch.sim_worker import SimHost
 from pdserve.launch.up import plan
+from pdserve.proto.pdserve.v1 import worker_pb2 as pb
+from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient
 from pdserve.worker.backend import WorkerError
+from pdserve.worker.servicer import start_worker_server
 from pdserve.worker.sim_engine import SimConfig, SimEngine
 from pdserve.worker.weights import WeightsBackend
 
@@ -125,18 +140,57 @@ async def test_no_commit_while_a_call_runs(tmp_path: Path) -> None:
 
 async def test_only_the_calls_naming_a_version_change_it() -> None:
     host = sim_host()
-    for method in ("init_weight_transfer_engine", "start_weight_update", "update_weights",
-                   "shutdown_weight_transfer_engine"):
-        assert await host.engine_weight_call(method, {"weight_version": "x"}) == "default"
-    assert await host.engine_weight_call("finish_weight_update", {}) == "default"
-    assert await host.engine_weight_call("finish_weight_update",
-                                         {"weight_version": "step-1"}) == "step-1"
-    assert await host.engine_weight_call("update_weight_version",
-                                         {"new_version": "step-2"}) == "step-2"
+    for call in (InitWeightTransferEngine(TransferInitInfo(packed=True)), StartWeightUpdate(),
+                 UpdateWeights(TransferUpdateInfo()), ShutdownWeightTransferEngine()):
+        assert await host.engine_weight_call(call) == "default"
+    assert await host.engine_weight_call(FinishWeightUpdate()) == "default"
+    assert await host.engine_weight_call(FinishWeightUpdate("step-1")) == "step-1"
+    assert await host.engine_weight_call(UpdateWeightVersion("step-2")) == "step-2"
     health = host.health()
     assert (health.weight_version, health.weights_path) == ("step-2", "")
-    with pytest.raises(ValueError, match="unknown weight call"):
-        await host.engine_weight_call("load_weights", {})
+
+
+async def test_every_typed_weight_call_crosses_grpc_and_an_empty_one_is_refused() -> None:
+    """Each call of vLLM's RL API travels as its own message of ``EngineWeightCall``'s
+    oneof and comes out the same typed value; a request with no call set (or one newer
+    than the worker knows) is INVALID_ARGUMENT, and changes nothing."""
+    host = SimHost(SimEngine(SimConfig("decode", "d-0")))
+    worker = await start_worker_server(host, "127.0.0.1", 0)
+    server, port = worker.server, worker.port
+    client = WorkerClient(f"127.0.0.1:{port}")
+    seen: list[WeightCall] = []
+    original = host.engine_weight_call
+
+    async def record(call: WeightCall) -> str:
+        seen.append(call)
+        return await original(call)
+
+    host.engine_weight_call = record  # type: ignore[method-assign]
+    calls: list[WeightCall] = [
+        InitWeightTransferEngine(TransferInitInfo(master_address="127.0.0.1", master_port=29500,
+                                                  rank_offset=1, world_size=2, packed=False)),
+        InitWeightTransferEngine(TransferInitInfo()), StartWeightUpdate(),
+        UpdateWeights(TransferUpdateInfo(names=("a", "b"), dtype_names=("float32", "bfloat16"),
+                                         shapes=((2, 3), ()), tensor_sizes=(24, 2))),
+        FinishWeightUpdate(), FinishWeightUpdate("v7"), UpdateWeightVersion("v8"),
+        ShutdownWeightTransferEngine()]
+    try:
+        versions = [await client.engine_weight_call(call, 5) for call in calls]
+        assert seen == calls
+        assert versions == ["default"] * 5 + ["v7", "v8", "v8"]
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stub = pb_grpc.WorkerServiceStub(channel)
+        for request in (pb.EngineWeightCallRequest(),
+                        pb.EngineWeightCallRequest.FromString(b"\x4a\x00")):  # field 9
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.EngineWeightCall(request, timeout=5)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "no call" in str(refused.value.details())
+        await channel.close()
+        assert len(seen) == len(calls) and host.health().weight_version == "v8"
+    finally:
+        await client.close()
+        await server.stop(None)
 
 
 async def test_a_sim_worker_changes_weights_over_grpc(tmp_path: Path) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -36,6 +35,7 @@ from typing import Any, Literal, TypeVar
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.core.weight_calls import WeightCall, version_set_by
 from pdserve.router.dispatch.weights import WeightGate
 from pdserve.router.dispatch.workers.client import WorkerCallError
 from pdserve.router.dispatch.workers.pool import Worker, WorkerPool
@@ -193,18 +193,18 @@ class WeightUpdater:
         await asyncio.gather(*(_quietly(w.client.abort(i, 5.0)) for w in workers for i in ids))
         return len(ids)
 
-    async def engine_call(self, method: str, body: dict[str, Any]) -> dict[str, str]:
+    async def engine_call(self, call: WeightCall) -> dict[str, str]:
         """One of vLLM's transfer-engine calls on every worker; each one's version after.
         A call that sets a version (``finish_weight_update``, ``update_weight_version``)
         files the workers under it, as an update from disk does."""
         async with self._exclusive():
             workers = self._workers()
             results = await _each(workers, lambda w: w.client.engine_weight_call(
-                method, json.dumps(body), CALL_TIMEOUT_S))
+                call, CALL_TIMEOUT_S))
             if any(isinstance(r, Exception) for r in results.values()):
-                raise _call_error(method, results)
+                raise _call_error(call.name, results)
             versions: dict[str, str] = {k: v for k, v in results.items() if isinstance(v, str)}
-            new = body.get("weight_version") or body.get("new_version")
+            new = version_set_by(call)
             if new:
                 self._source = None  # pushed weights: no folder to bring a newcomer to
                 _adopt_versions(workers, versions)

@@ -628,13 +628,91 @@ class DiscardWeightsResponse(_message.Message):
     discarded: bool
     def __init__(self, discarded: _Optional[bool] = ...) -> None: ...
 
+class TransferInitInfo(_message.Message):
+    __slots__ = ("master_address", "master_port", "rank_offset", "world_size", "nccl_unique_id_b64", "packed", "packed_buffer_size_bytes", "packed_num_buffers")
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NCCL_UNIQUE_ID_B64_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BUFFER_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_NUM_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    nccl_unique_id_b64: str
+    packed: bool
+    packed_buffer_size_bytes: int
+    packed_num_buffers: int
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., nccl_unique_id_b64: _Optional[str] = ..., packed: _Optional[bool] = ..., packed_buffer_size_bytes: _Optional[int] = ..., packed_num_buffers: _Optional[int] = ...) -> None: ...
+
+class TensorShape(_message.Message):
+    __slots__ = ("dims",)
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dims: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TransferUpdateInfo(_message.Message):
+    __slots__ = ("names", "dtype_names", "shapes", "tensor_sizes")
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_NAMES_FIELD_NUMBER: _ClassVar[int]
+    SHAPES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_SIZES_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    dtype_names: _containers.RepeatedScalarFieldContainer[str]
+    shapes: _containers.RepeatedCompositeFieldContainer[TensorShape]
+    tensor_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., dtype_names: _Optional[_Iterable[str]] = ..., shapes: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ..., tensor_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class InitWeightTransferEngine(_message.Message):
+    __slots__ = ("init_info",)
+    INIT_INFO_FIELD_NUMBER: _ClassVar[int]
+    init_info: TransferInitInfo
+    def __init__(self, init_info: _Optional[_Union[TransferInitInfo, _Mapping]] = ...) -> None: ...
+
+class StartWeightUpdate(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UpdateWeights(_message.Message):
+    __slots__ = ("update_info",)
+    UPDATE_INFO_FIELD_NUMBER: _ClassVar[int]
+    update_info: TransferUpdateInfo
+    def __init__(self, update_info: _Optional[_Union[TransferUpdateInfo, _Mapping]] = ...) -> None: ...
+
+class FinishWeightUpdate(_message.Message):
+    __slots__ = ("weight_version",)
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    def __init__(self, weight_version: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightVersion(_message.Message):
+    __slots__ = ("new_version",)
+    NEW_VERSION_FIELD_NUMBER: _ClassVar[int]
+    new_version: str
+    def __init__(self, new_version: _Optional[str] = ...) -> None: ...
+
+class ShutdownWeightTransferEngine(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class EngineWeightCallRequest(_message.Message):
-    __slots__ = ("method", "body_json")
-    METHOD_FIELD_NUMBER: _ClassVar[int]
-    BODY_JSON_FIELD_NUMBER: _ClassVar[int]
-    method: str
-    body_json: str
-    def __init__(self, method: _Optional[str] = ..., body_json: _Optional[str] = ...) -> None: ...
+    __slots__ = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update", "update_weight_version", "shutdown_weight_transfer_engine")
+    INIT_WEIGHT_TRANSFER_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    START_WEIGHT_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_WEIGHT_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_WEIGHT_TRANSFER_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    init_weight_transfer_engine: InitWeightTransferEngine
+    start_weight_update: StartWeightUpdate
+    update_weights: UpdateWeights
+    finish_weight_update: FinishWeightUpdate
+    update_weight_version: UpdateWeightVersion
+    shutdown_weight_transfer_engine: ShutdownWeightTransferEngine
+    def __init__(self, init_weight_transfer_engine: _Optional[_Union[InitWeightTransferEngine, _Mapping]] = ..., start_weight_update: _Optional[_Union[StartWeightUpdate, _Mapping]] = ..., update_weights: _Optional[_Union[UpdateWeights, _Mapping]] = ..., finish_weight_update: _Optional[_Union[FinishWeightUpdate, _Mapping]] = ..., update_weight_version: _Optional[_Union[UpdateWeightVersion, _Mapping]] = ..., shutdown_weight_transfer_engine: _Optional[_Union[ShutdownWeightTransferEngine, _Mapping]] = ...) -> None: ...
 
 class EngineWeightCallResponse(_message.Message):
     __slots__ = ("weight_version",)

@@ -207,7 +207,8 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def EngineWeightCall(self, request, context):
-        """vLLM's weight-transfer engine (NCCL/IPC from a trainer, on GPUs).
+        """vLLM's weight-transfer engine: a trainer's tensors pushed into the engine
+        (nccl or ipc on GPUs, gloo on CPUs), one typed call per vLLM RL route.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

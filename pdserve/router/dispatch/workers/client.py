@@ -47,9 +47,11 @@ from pdserve.core.types import (
     WorkerHealth,
     WorkerLoadReport,
 )
+from pdserve.core.weight_calls import WeightCall
 from pdserve.proto import convert
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
+from pdserve.proto.weight_calls import weight_call_to_pb
 from pdserve.router.dispatch.workers.session import (
     SESSION_IDLE_S,
     RouterSession,
@@ -226,10 +228,9 @@ class WorkerClient:
                                   timeout_s)
         return reply.discarded
 
-    async def engine_weight_call(self, method: str, body_json: str, timeout_s: float) -> str:
+    async def engine_weight_call(self, call: WeightCall, timeout_s: float) -> str:
         """One of vLLM's weight-transfer calls; the version the worker serves after it."""
-        reply = await self._unary("EngineWeightCall", pb.EngineWeightCallRequest(
-            method=method, body_json=body_json), timeout_s)
+        reply = await self._unary("EngineWeightCall", weight_call_to_pb(call), timeout_s)
         return reply.weight_version
 
     def _sign(self, name: str) -> tuple[tuple[tuple[str, str], ...], str]:

@@ -12,6 +12,14 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 
+from pdserve.core.weight_calls import (
+    FinishWeightUpdate,
+    InitWeightTransferEngine,
+    ShutdownWeightTransferEngine,
+    StartWeightUpdate,
+    UpdateWeights,
+    UpdateWeightVersion,
+)
 from pdserve.router.http.admin.bodies import (
     AbortRequestsBody,
     FinishWeightUpdateBody,
@@ -19,6 +27,8 @@ from pdserve.router.http.admin.bodies import (
     PauseQuery,
     UpdateWeightsBody,
     WeightVersionBody,
+    typed_init_info,
+    typed_update_info,
 )
 from pdserve.router.http.admin.transfer import WeightTransferPolicy
 from pdserve.router.http.openapi import ERROR_RESPONSES
@@ -80,7 +90,7 @@ def weight_actions(weights: WeightUpdater) -> APIRouter:
 
     @router.post("/update_weight_version")
     async def update_weight_version(body: WeightVersionBody) -> dict[str, Any]:
-        await weights.engine_call("update_weight_version", {"new_version": body.new_version})
+        await weights.engine_call(UpdateWeightVersion(body.new_version))
         return {"success": True, "new_version": body.new_version}
 
     return router
@@ -96,30 +106,30 @@ def transfer_actions(weights: WeightUpdater, transfer: WeightTransferPolicy) -> 
     @router.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(body: InitTransferBody) -> dict[str, Any]:
         init_info = await transfer.checked(body.init_info, "init_info")
-        await weights.engine_call("init_weight_transfer_engine", {"init_info": init_info})
+        await weights.engine_call(InitWeightTransferEngine(typed_init_info(init_info)))
         return {"message": "Weight transfer initialized"}
 
     @router.post("/shutdown_weight_transfer_engine")
     async def shutdown_weight_transfer_engine() -> dict[str, Any]:
-        await weights.engine_call("shutdown_weight_transfer_engine", {})
+        await weights.engine_call(ShutdownWeightTransferEngine())
         return {"message": "Weight transfer shut down"}
 
     @router.post("/start_weight_update")
     async def start_weight_update() -> dict[str, Any]:
-        await weights.engine_call("start_weight_update", {})
+        await weights.engine_call(StartWeightUpdate())
         return {"message": "Weight update started"}
 
     @router.post("/update_weights")
     async def update_weights(body: UpdateWeightsBody) -> dict[str, Any]:
         update_info = await transfer.checked(body.update_info, "update_info")
-        await weights.engine_call("update_weights", {"update_info": update_info})
+        await weights.engine_call(UpdateWeights(typed_update_info(update_info)))
         return {"message": "Weights updated"}
 
     @router.post("/finish_weight_update")
     async def finish_weight_update(body: FinishWeightUpdateBody | None = None
                                    ) -> dict[str, Any]:
         version = None if body is None else body.weight_version
-        await weights.engine_call("finish_weight_update", {"weight_version": version})
+        await weights.engine_call(FinishWeightUpdate(version))
         return {"message": "Weight update finished"}
 
     return router

@@ -4,11 +4,16 @@ OpenAI's error JSON (``errors.py``), after the admin key (``auth.py``)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pdserve.core.weight_calls import TransferInitInfo, TransferUpdateInfo
+from pdserve.router.http.errors import InvalidRequestError
 
 MAX_REQUEST_IDS = 10_000
+U32 = 2**32 - 1
+U64 = 2**64 - 1
 VERSION_MAX_CHARS = 200
 
 
@@ -50,3 +55,58 @@ class FinishWeightUpdateBody(_Lenient):
 
 class WeightVersionBody(_Lenient):
     new_version: str = Field(min_length=1, max_length=VERSION_MAX_CHARS)
+
+
+class InitInfoFields(BaseModel):
+    """``init_info``'s fields, typed as ``worker.proto``'s ``TransferInitInfo``: the
+    union of the nccl, ipc and gloo engines' (which a backend takes is
+    ``transfer.KNOWN_FIELDS``' to say, checked first)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    master_address: str | None = None
+    master_port: int | None = Field(None, ge=1, le=65535)
+    rank_offset: int | None = Field(None, ge=0, le=U32)
+    world_size: int | None = Field(None, ge=1, le=U32)
+    nccl_unique_id_b64: str | None = None
+    packed: bool | None = None
+    packed_buffer_size_bytes: int | None = Field(None, ge=1, le=U64)
+    packed_num_buffers: int | None = Field(None, ge=1, le=U32)
+
+
+class UpdateInfoFields(BaseModel):
+    """``update_info``'s fields, typed as ``worker.proto``'s ``TransferUpdateInfo``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[Annotated[int, Field(ge=0, le=U64)]]]
+    tensor_sizes: list[Annotated[int, Field(ge=0, le=U64)]] | None = None
+
+
+def typed_init_info(info: dict[str, Any]) -> TransferInitInfo:
+    """``info`` (checked by ``transfer.py``) as the typed value; a 400 for a bad type."""
+    try:
+        return TransferInitInfo(**InitInfoFields.model_validate(info).model_dump())
+    except ValidationError as exc:
+        raise _invalid("init_info", exc) from None
+
+
+def typed_update_info(info: dict[str, Any]) -> TransferUpdateInfo:
+    """``info`` (checked by ``transfer.py``) as the typed value; a 400 for a bad type or
+    lists of different lengths."""
+    try:
+        fields = UpdateInfoFields.model_validate(info)
+        return TransferUpdateInfo(
+            names=tuple(fields.names), dtype_names=tuple(fields.dtype_names),
+            shapes=tuple(tuple(s) for s in fields.shapes),
+            tensor_sizes=None if fields.tensor_sizes is None else tuple(fields.tensor_sizes))
+    except (ValidationError, ValueError) as exc:
+        raise _invalid("update_info", exc) from None
+
+
+def _invalid(param: str, exc: ValueError) -> InvalidRequestError:
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in (param, *first["loc"]))
+        return InvalidRequestError(f"{where}: {first['msg']}", param=param)
+    return InvalidRequestError(str(exc), param=param)

@@ -36,15 +36,21 @@ HOST_FIELD = re.compile(r"(^|_)(address|addr|host|hostname|ip)(es|s)?$", re.IGNO
 REFUSED_FIELDS = frozenset({"ipc_handles_pickled"})
 # The fields vLLM 0.32's engines take, per (backend, body): anything else is refused, so
 # a field a later engine adds (an ``init_method`` URL, an endpoint) cannot slip past the
-# host check under a name it does not know (vllm/distributed/weight_transfer/).
+# host check under a name it does not know (vllm/distributed/weight_transfer/). They are
+# also all the workers' typed call can carry (``worker.proto``'s ``TransferInitInfo``,
+# ``TransferUpdateInfo``). ipc's ``ipc_handles`` is not among them: JSON cannot hold a
+# CUDA IPC handle's bytes, and vLLM's HTTP form of them is a pickle (refused below).
 _TENSORS = frozenset({"names", "dtype_names", "shapes"})
+_RENDEZVOUS = frozenset({"master_address", "master_port", "rank_offset", "world_size"})
 KNOWN_FIELDS: dict[tuple[str, str], frozenset[str]] = {
-    ("nccl", "init_info"): frozenset({"master_address", "master_port", "rank_offset",
-                                      "world_size", "packed", "packed_buffer_size_bytes",
-                                      "packed_num_buffers"}),
+    ("nccl", "init_info"): _RENDEZVOUS | {"nccl_unique_id_b64", "packed",
+                                          "packed_buffer_size_bytes", "packed_num_buffers"},
     ("nccl", "update_info"): _TENSORS,
+    # pdserve's own backend for CPUs (worker/gloo_transfer.py): nccl's unpacked protocol.
+    ("gloo", "init_info"): _RENDEZVOUS,
+    ("gloo", "update_info"): _TENSORS,
     ("ipc", "init_info"): frozenset({"packed"}),
-    ("ipc", "update_info"): _TENSORS | {"ipc_handles", "tensor_sizes"},
+    ("ipc", "update_info"): _TENSORS | {"tensor_sizes"},
 }
 BACKENDS = tuple(sorted({backend for backend, _ in KNOWN_FIELDS}))
 RESOLVE_TIMEOUT_S = 5.0
