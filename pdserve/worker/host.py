@@ -226,6 +226,13 @@ class EngineHost:
 
     # ---- LoRA adapters (``pdserve.worker.lora``) -------------------------------------
 
+    async def start_loras(self) -> None:
+        """Load the adapters it starts with (``--lora-modules``) into the engine now, as
+        ``vllm serve`` does: a folder the engine refuses fails the start (``ValueError``)."""
+        engine = self._running_engine()
+        for loaded in self.loras.served:
+            await engine.add_lora(loaded)
+
     async def load_lora(self, adapter: LoraAdapter) -> bool:
         """Serve ``adapter`` (loaded into the engine now); False: served already."""
         engine = self._running_engine()

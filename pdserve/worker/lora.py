@@ -7,8 +7,9 @@ the engine's id for each, and how a request under one runs.
 - Its KV is cached under ``core.lora.adapter_salt`` (the adapter's name and folder),
   before the weight version joins the salt (``weights.py``): no block computed under
   the base model or another adapter ever matches it.
-- Adapters given at start (``--lora-modules``) are served at once; vLLM loads one at its
-  first request. ``load`` loads at once (a bad folder fails the call); a new folder
+- Adapters given at start (``--lora-modules``) are loaded before the worker serves
+  (``EngineHost.start_loras``); a bad folder fails its start, as in ``vllm serve``.
+  ``load`` loads at once (a bad folder fails the call); a new folder
   under a served name replaces the adapter under a fresh engine id.
 """
 
@@ -59,6 +60,10 @@ class LoraTable:
     @property
     def adapters(self) -> tuple[LoraAdapter, ...]:
         return tuple(loaded.adapter for loaded in self._served.values())
+
+    @property
+    def served(self) -> tuple[LoadedLora, ...]:
+        return tuple(self._served.values())
 
     def request(self, request: PhaseRequest) -> tuple[PhaseRequest, LoadedLora | None]:
         """``request`` with its cache salt joined to its adapter, and that adapter (None:

@@ -48,6 +48,8 @@ class WorkerScript:
     """What the fake does; mutable, so a test can change it while the server runs."""
 
     first_token_id: int = 42
+    # Started without --enable-lora: its LoRA calls answer FAILED_PRECONDITION.
+    lora_off: bool = False
     prefill_stop: bool = False
     decode_token_ids: Sequence[int] = (100, 101, 102, 103, 104, 105, 106, 107)
     prefill_delay_s: float = 0.0
@@ -124,6 +126,7 @@ class FakeWorkerServicer:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     # The LoRA adapters it serves (LoadLoraAdapter; a path under /bad is refused).
     loras: dict[str, LoraAdapter] = field(default_factory=dict)
+    lora_calls: int = 0  # LoadLoraAdapter and UnloadLoraAdapter calls it answered
 
     def __post_init__(self) -> None:
         self.worker_id = self.worker_id or f"fake-{self.role}-{id(self):x}"
@@ -222,6 +225,9 @@ class FakeWorkerServicer:
             loras=tuple(self.loras.values()))
 
     async def load_lora(self, adapter: LoraAdapter) -> bool:
+        self.lora_calls += 1
+        if self.script.lora_off:
+            raise WorkerError("failed_precondition", "LoRA is off on this worker")
         if adapter.path.startswith("/bad"):
             raise ValueError(f"cannot load LoRA adapter {adapter.name!r}: no such folder")
         changed = self.loras.get(adapter.name) != adapter
@@ -229,6 +235,9 @@ class FakeWorkerServicer:
         return changed
 
     async def unload_lora(self, name: str) -> bool:
+        self.lora_calls += 1
+        if self.script.lora_off:
+            raise WorkerError("failed_precondition", "LoRA is off on this worker")
         return self.loras.pop(name, None) is not None
 
     async def load(self) -> WorkerLoadReport:

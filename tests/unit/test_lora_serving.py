@@ -7,7 +7,7 @@ later, places an adapter's requests only where it is served, and answers an unkn
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -158,15 +158,16 @@ async def test_the_router_replays_its_loads_on_a_joining_worker() -> None:
     targets.on_unloaded("old")
     joining = WorkerHealth(ready=True, role="decode", worker_id="d1",
                            loras=(LoraAdapter("old", "/a/old"),))
+    assert targets.needs_replay(joining)
     calls = Calls()
-    health = await targets.replay(calls, joining)
+    result = await targets.replay(calls, joining)
     assert calls.loaded == [SQL] and calls.unloaded == ["old"]
-    assert health.loras == (SQL,)
-    assert await targets.replay(Calls(), health) == health  # nothing left to do
+    assert result.changed and not result.lora_off
+    assert not targets.needs_replay(replace(joining, loras=(SQL,)))  # nothing left to do
     loading = WorkerHealth(ready=False, role="decode", worker_id="d2")
-    assert await targets.replay(calls, loading) == loading  # not before it is ready
-    failing = await targets.replay(Calls(fail=True), joining)
-    assert SQL not in failing.loras  # not placed for it; tried again at the next check
+    assert not targets.needs_replay(loading)  # not before it is ready
+    failing = await targets.replay(Calls(fail=True), replace(joining, loras=()))
+    assert not failing.changed  # not placed for it; tried again after the next check
 
 
 def test_placement_reads_what_a_worker_serves() -> None:
@@ -211,3 +212,25 @@ def test_up_hands_its_lora_flags_to_the_workers_unchanged() -> None:
     several = build_parser().parse_args(
         ["decode", "--enable-lora", "--lora-modules", "sql=/adapters/sql", "chat=/a/chat"])
     assert lora_config(several).modules == cfg.modules
+
+
+async def test_a_bad_module_folder_fails_the_start() -> None:
+    """As ``vllm serve``: the adapters it starts with are loaded before it serves."""
+    engine = LoraEngine()
+    good = host(LoraConfig(enable_lora=True, modules=(SQL,)), engine)
+    await good.start_loras()
+    assert [loaded.adapter for loaded in engine.added] == [SQL]
+    bad = host(LoraConfig(enable_lora=True, modules=(LoraAdapter("x", "/bad/x"),)),
+               LoraEngine())
+    with pytest.raises(ValueError, match="not an adapter"):
+        await bad.start_loras()
+
+
+def test_names_that_would_break_cache_keys_are_refused() -> None:
+    for name in ("a@b", "a#b", "x@lora:y"):
+        with pytest.raises(ValueError, match="may not hold"):
+            LoraAdapter(name, "/a")
+    with pytest.raises(ValueError, match="served model's name"):
+        EngineConfig(model_path="/m", served_model_name="m", role="decode",
+                     connector=ConnectorConfig(engine_id="w0"),
+                     lora=LoraConfig(enable_lora=True, modules=(LoraAdapter("m", "/a"),)))

@@ -4,9 +4,10 @@ adapter (the rest are 404 ``model_not_found``), which folder an adapter runs fro
 cache salt, ``core.lora.adapter_salt``), and fans the admin plane's load and unload out
 to every worker.
 
-A load is kept (and replayed on workers that join later) once any worker took it, or
-when no worker was there to take it; one every worker refused as a bad folder is not
-kept (``LoraRefusedError``). An unload is kept always: a worker that starts with the
+A load is kept (and replayed on workers that join later) once a worker took it; one no
+worker took is an error and not kept: ``LoraRefusedError`` when they refused the folder
+(400), ``LoraNotLoadedError`` otherwise (no worker, LoRA off, unreachable: 503).
+An unload is kept always: a worker that starts with the
 adapter (``--lora-modules``) is brought back to the router's word.
 """
 
@@ -25,6 +26,10 @@ INVALID_ARGUMENT = "INVALID_ARGUMENT"
 
 class LoraRefusedError(ValueError):
     """Every worker refused the adapter's folder (the message is the first's reason)."""
+
+
+class LoraNotLoadedError(RuntimeError):
+    """No worker took the load (none there, LoRA off on them, or unreachable)."""
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,11 @@ class LoraCatalog:
         results = await asyncio.gather(*(_load(w, adapter) for w in workers))
         outcome = LoraOutcome({_name(w): r for w, r in zip(workers, results, strict=True)})
         refused = [r for r in results if r.startswith(f"error: {INVALID_ARGUMENT}")]
-        if workers and outcome.num_ok == 0 and refused:
-            raise LoraRefusedError(refused[0].split(": ", 2)[-1])
+        if outcome.num_ok == 0:
+            if refused:
+                raise LoraRefusedError(refused[0].split(": ", 2)[-1])
+            raise LoraNotLoadedError(f"no worker loaded LoRA {adapter.name!r}: "
+                                     f"{'; '.join(results) or 'no workers'}")
         self._pool.lora_targets.on_loaded(adapter)
         await self._refresh(workers)
         return outcome
