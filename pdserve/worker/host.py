@@ -85,6 +85,7 @@ class EngineHost:
         self._mirroring: KvEventMirroring | None = None
         self.weights = WeightsState(version=config.weight_version)
         self.loras = LoraTable(config.lora)
+        self._lora_lock = asyncio.Lock()  # one load or unload at a time
 
     @property
     def ready(self) -> bool:
@@ -234,7 +235,12 @@ class EngineHost:
             await engine.add_lora(loaded)
 
     async def load_lora(self, adapter: LoraAdapter) -> bool:
-        """Serve ``adapter`` (loaded into the engine now); False: served already."""
+        """Serve ``adapter`` (loaded into the engine now); False: served already. One
+        load or unload at a time (a replay and an admin load may cross)."""
+        async with self._lora_lock:
+            return await self._load_lora(adapter)
+
+    async def _load_lora(self, adapter: LoraAdapter) -> bool:
         engine = self._running_engine()
         loaded = self.loras.to_load(adapter)
         if loaded is None:
@@ -249,6 +255,10 @@ class EngineHost:
         return True
 
     async def unload_lora(self, name: str) -> bool:
+        async with self._lora_lock:
+            return await self._unload_lora(name)
+
+    async def _unload_lora(self, name: str) -> bool:
         engine = self._running_engine()
         removed = self.loras.remove(name)
         if removed is None:

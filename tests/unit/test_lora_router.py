@@ -8,7 +8,7 @@ import asyncio
 
 import httpx
 import pytest
-from unit.fake_worker import WorkerScript, start_fake_worker
+from unit.fake_worker import WorkerScript, eventually, start_fake_worker
 
 from pdserve.core.lora import LoraAdapter
 from pdserve.membership.static import static_infos
@@ -168,3 +168,38 @@ async def test_a_slow_replay_does_not_hold_the_health_check() -> None:
     finally:
         await pool.close()
         await decode.stop()
+
+
+async def test_a_probe_during_a_refit_never_brings_back_the_old_folder() -> None:
+    """The refit's target is set before its fan-out: a worker that took the new folder
+    while another still loads it is not replayed back to the old one."""
+    slow, fast = await start_fake_worker("decode"), await start_fake_worker("decode")
+    pool = WorkerPool((), [slow.endpoint, fast.endpoint])
+    catalog = LoraCatalog(pool)
+    new = LoraAdapter("sql", "/adapters/sql-2")
+    gate = asyncio.Event()
+    original = slow.servicer.load_lora
+
+    async def gated(adapter: LoraAdapter) -> bool:
+        if adapter == new:
+            await gate.wait()
+        return await original(adapter)
+
+    slow.servicer.load_lora = gated  # type: ignore[method-assign]
+    try:
+        await pool.refresh_all()
+        await catalog.load(SQL)
+        refit = asyncio.create_task(catalog.load(new))
+        await eventually(lambda: fast.servicer.loras == {"sql": new}, what="fast took it")
+        await pool.refresh_all()  # a probe while the slow one still loads
+        gate.set()
+        await refit
+        for worker in pool.decode:
+            await worker.lora_replayed()
+        assert slow.servicer.loras == fast.servicer.loras == {"sql": new}
+        assert catalog.adapter("sql") == new
+    finally:
+        gate.set()
+        await pool.close()
+        for worker in (slow, fast):
+            await worker.stop()

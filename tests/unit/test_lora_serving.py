@@ -6,6 +6,7 @@ later, places an adapter's requests only where it is served, and answers an unkn
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -234,3 +235,18 @@ def test_names_that_would_break_cache_keys_are_refused() -> None:
         EngineConfig(model_path="/m", served_model_name="m", role="decode",
                      connector=ConnectorConfig(engine_id="w0"),
                      lora=LoraConfig(enable_lora=True, modules=(LoraAdapter("m", "/a"),)))
+
+
+async def test_loads_on_one_host_run_one_at_a_time() -> None:
+    """Two loads of the same folder that cross add it to the engine once."""
+
+    class Slow(LoraEngine):
+        async def add_lora(self, lora: LoadedLora) -> None:
+            await asyncio.sleep(0.01)
+            await super().add_lora(lora)
+
+    engine = Slow()
+    h = host(LoraConfig(enable_lora=True), engine)
+    results = await asyncio.gather(h.load_lora(SQL), h.load_lora(SQL))
+    assert sorted(results) == [False, True]
+    assert len(engine.added) == 1 and engine.removed == []

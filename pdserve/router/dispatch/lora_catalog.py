@@ -73,29 +73,40 @@ class LoraCatalog:
         return None
 
     async def load(self, adapter: LoraAdapter) -> LoraOutcome:
-        """Load ``adapter`` on every worker; ``LoraRefusedError`` when each refused it."""
-        workers = self._pool.all
-        results = await asyncio.gather(*(_load(w, adapter) for w in workers))
-        outcome = LoraOutcome({_name(w): r for w, r in zip(workers, results, strict=True)})
-        refused = [r for r in results if r.startswith(f"error: {INVALID_ARGUMENT}")]
-        if outcome.num_ok == 0:
-            if refused:
-                raise LoraRefusedError(refused[0].split(": ", 2)[-1])
-            raise LoraNotLoadedError(f"no worker loaded LoRA {adapter.name!r}: "
-                                     f"{'; '.join(results) or 'no workers'}")
-        self._pool.lora_targets.on_loaded(adapter)
+        """Load ``adapter`` on every worker; ``LoraRefusedError`` when each refused it,
+        ``LoraNotLoadedError`` when none took it otherwise. The target is set before the
+        fan-out, under the lock replays take: a worker's replay meanwhile brings it to
+        this adapter, never back to the one it replaces."""
+        targets = self._pool.lora_targets
+        async with targets.lock:
+            before = targets.snapshot()
+            targets.on_loaded(adapter)
+            workers = self._pool.all
+            results = await asyncio.gather(*(_load(w, adapter) for w in workers))
+            outcome = LoraOutcome({_name(w): r for w, r in zip(workers, results, strict=True)})
+            if outcome.num_ok == 0:
+                targets.restore(before)
+                refused = [r for r in results if r.startswith(f"error: {INVALID_ARGUMENT}")]
+                if refused:
+                    raise LoraRefusedError(refused[0].split(": ", 2)[-1])
+                raise LoraNotLoadedError(f"no worker loaded LoRA {adapter.name!r}: "
+                                         f"{'; '.join(results) or 'no workers'}")
         await self._refresh(workers)
         return outcome
 
     async def unload(self, name: str) -> LoraOutcome:
         """Unload ``name`` everywhere; ``KeyError`` when no worker (and not the router)
         served it."""
-        known = self.adapter(name) is not None
-        workers = self._pool.all
-        results = await asyncio.gather(*(_unload(w, name) for w in workers))
-        if not known and "unloaded" not in results:
-            raise KeyError(name)
-        self._pool.lora_targets.on_unloaded(name)
+        targets = self._pool.lora_targets
+        async with targets.lock:
+            known = self.adapter(name) is not None
+            before = targets.snapshot()
+            targets.on_unloaded(name)
+            workers = self._pool.all
+            results = await asyncio.gather(*(_unload(w, name) for w in workers))
+            if not known and "unloaded" not in results:
+                targets.restore(before)
+                raise KeyError(name)
         await self._refresh(workers)
         return LoraOutcome({_name(w): r for w, r in zip(workers, results, strict=True)})
 

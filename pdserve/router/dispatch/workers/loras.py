@@ -6,6 +6,7 @@ worker's Health says it serves, so an adapter's requests reach it once it took i
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Protocol
@@ -36,6 +37,16 @@ class LoraTargets:
     def __init__(self) -> None:
         self.loaded: dict[str, LoraAdapter] = {}
         self.unloaded: set[str] = set()
+        # Held by the admin plane's load/unload (target, then fan-out) and by each replay:
+        # a replay never runs against a target that is being changed.
+        self.lock = asyncio.Lock()
+
+    def snapshot(self) -> tuple[dict[str, LoraAdapter], set[str]]:
+        return dict(self.loaded), set(self.unloaded)
+
+    def restore(self, snapshot: tuple[dict[str, LoraAdapter], set[str]]) -> None:
+        """Back to ``snapshot`` (a load or unload no worker took)."""
+        self.loaded, self.unloaded = dict(snapshot[0]), set(snapshot[1])
 
     def on_loaded(self, adapter: LoraAdapter) -> None:
         self.loaded[adapter.name] = adapter
@@ -60,6 +71,10 @@ class LoraTargets:
         background task). A call that fails is tried again after the next check (the
         worker serves without it); a worker with LoRA off (FAILED_PRECONDITION) is left
         alone."""
+        async with self.lock:
+            return await self._replay(calls, health)
+
+    async def _replay(self, calls: LoraCalls, health: WorkerHealth) -> ReplayResult:
         to_load, to_unload = self.changes(health.loras)
         changed = False
         for adapter in to_load:
