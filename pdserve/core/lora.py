@@ -50,6 +50,18 @@ class LoraAdapter:
         return f"{self.name}#{digest}"
 
 
+# What a request asks a worker to serve: an exact adapter, a name alone (any folder: a
+# request from before requests carried the folder), or None (the base model).
+WantedLora = LoraAdapter | str | None
+
+
+def wanted_lora(name: str | None, path: str | None) -> WantedLora:
+    """A request's adapter from its ``SamplingSpec.lora_name`` and ``lora_path``."""
+    if name is None:
+        return None
+    return name if path is None else LoraAdapter(name, path)
+
+
 LORA_MARK = "@lora:"
 
 

@@ -1,9 +1,11 @@
 """A worker's LoRA adapters, the host's side: which adapters it serves under which name,
 the engine's id for each, and how a request under one runs.
 
-- A request names its adapter (``SamplingSpec.lora_name``); the worker runs it with the
-  adapter it serves under that name (vLLM's ``LoRARequest``: name, id, folder) on
-  whichever phase it computes, so prefill and decode run the same one.
+- A request names its adapter (``SamplingSpec.lora_name``, and its folder, ``lora_path``:
+  a worker serving the name from another folder refuses it ABORTED, so the router runs
+  it elsewhere); the worker runs it with the adapter it serves under that name
+  (vLLM's ``LoRARequest``: name, id, folder) on whichever
+  phase it computes, so prefill and decode run the same one.
 - Its KV is cached under ``core.lora.adapter_salt`` (the adapter's name and folder),
   before the weight version joins the salt (``weights.py``): no block computed under
   the base model or another adapter ever matches it.
@@ -75,6 +77,12 @@ class LoraTable:
         if loaded is None:
             raise WorkerError("invalid_argument", f"this worker serves no LoRA adapter "
                               f"{name!r} (serves: {', '.join(self._served) or 'none'})")
+        wanted = request.sampling.lora_path
+        if wanted is not None and wanted != loaded.adapter.path:
+            # Another folder under that name (a refit half done, a worker on the old one):
+            # running it would compute other weights' KV. The router runs it elsewhere.
+            raise WorkerError("aborted", f"this worker serves LoRA {name!r} from another "
+                              f"folder than {wanted!r}; run it on another worker")
         salt = adapter_salt(request.sampling.cache_salt, loaded.adapter)
         return replace(request, sampling=replace(request.sampling, cache_salt=salt)), loaded
 

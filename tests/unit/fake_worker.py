@@ -127,6 +127,7 @@ class FakeWorkerServicer:
     # The LoRA adapters it serves (LoadLoraAdapter; a path under /bad is refused).
     loras: dict[str, LoraAdapter] = field(default_factory=dict)
     lora_calls: int = 0  # LoadLoraAdapter and UnloadLoraAdapter calls it answered
+    lora_refusals: int = 0  # requests refused: their adapter's folder is not the one served
 
     def __post_init__(self) -> None:
         self.worker_id = self.worker_id or f"fake-{self.role}-{id(self):x}"
@@ -136,6 +137,7 @@ class FakeWorkerServicer:
 
     async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         rid, phase = request.request_id, request.phase
+        self._check_lora(request)
         self.generates.append(GenerateRecord(
             rid, phase, request.prompt_token_ids, request.kv_handle,
             request.sampling.max_tokens, request.push_target, request.timeout_s,
@@ -223,6 +225,19 @@ class FakeWorkerServicer:
             kv_port=self.script.kv_port, kv_push=self.script.kv_push,
             kv_store_id=self.script.kv_store_id, kv_store_ttl_s=self.script.kv_store_ttl_s,
             loras=tuple(self.loras.values()))
+
+    def _check_lora(self, request: PhaseRequest) -> None:
+        """As ``worker/lora.LoraTable``: an adapter it does not serve is INVALID_ARGUMENT,
+        one it serves from another folder ABORTED (counted in ``lora_refusals``)."""
+        name, path = request.sampling.lora_name, request.sampling.lora_path
+        if name is None:
+            return
+        served = self.loras.get(name)
+        if served is None:
+            raise WorkerError("invalid_argument", f"serves no LoRA adapter {name!r}")
+        if path is not None and served.path != path:
+            self.lora_refusals += 1
+            raise WorkerError("aborted", f"serves LoRA {name!r} from another folder")
 
     async def load_lora(self, adapter: LoraAdapter) -> bool:
         self.lora_calls += 1

@@ -99,6 +99,20 @@ async def test_the_host_runs_the_adapter_under_its_salt() -> None:
     assert refused.value.kind == "invalid_argument"
 
 
+async def test_the_host_refuses_another_folder_under_the_name_as_not_here() -> None:
+    """A request for sql from /adapters/sql-2 on a worker serving /adapters/sql: ABORTED
+    (run it elsewhere), never run on the other folder's weights."""
+    engine = LoraEngine()
+    h = host(LoraConfig(enable_lora=True, modules=(SQL,)), engine)
+    exact = request("sql")
+    exact = replace(exact, sampling=replace(exact.sampling, lora_path=SQL.path))
+    [_ async for _ in h.generate(exact)]
+    other = replace(exact, sampling=replace(exact.sampling, lora_path="/adapters/sql-2"))
+    with pytest.raises(WorkerError) as refused:
+        [_ async for _ in h.generate(other)]
+    assert refused.value.kind == "aborted" and len(engine.calls) == 1
+
+
 async def test_load_refit_and_unload() -> None:
     engine = LoraEngine()
     h = host(LoraConfig(enable_lora=True, modules=(SQL,)), engine)
@@ -189,6 +203,7 @@ def test_a_model_names_the_base_model_or_an_adapter(tokenizer: Any) -> None:
                        loras=Served())
     lora = pre.completion(CompletionRequest(model="sql", prompt="hi", max_tokens=2))
     assert (lora.model, lora.sampling.lora_name) == ("sql", "sql")
+    assert lora.sampling.lora_path == SQL.path  # its exact identity rides with it
     base = pre.completion(CompletionRequest(model="m", prompt="hi", max_tokens=2))
     assert (base.model, base.sampling.lora_name) == ("m", None)
     with pytest.raises(ModelNotFoundError) as missing:
