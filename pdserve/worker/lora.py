@@ -13,11 +13,16 @@ the engine's id for each, and how a request under one runs.
   (``EngineHost.start_loras``); a bad folder fails its start, as in ``vllm serve``.
   ``load`` loads at once (a bad folder fails the call); a new folder
   under a served name replaces the adapter under a fresh engine id.
+- An unload (and a refit's removal of the old adapter) drains: new requests go to the
+  new adapter (or are refused), those running under the old one finish (``LoraRuns``,
+  up to ``LORA_DRAIN_S``, then they are aborted) before the engine drops it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import time
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
@@ -109,3 +114,35 @@ class LoraTable:
     def remove(self, name: str) -> LoadedLora | None:
         self.check_enabled()
         return self._served.pop(name, None)
+
+
+# How long an unload (or a refit's removal of the old adapter) waits for the requests
+# running under it before it aborts them: the engine must not reload a removed adapter
+# from its folder for a request still running (vLLM does) nor cut a stream short.
+LORA_DRAIN_S = 30.0
+_DRAIN_POLL_S = 0.02
+
+
+class LoraRuns:
+    """The requests running under each engine adapter (by ``lora_int_id``)."""
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, int] = {}
+
+    def started(self, request_id: str, lora: LoadedLora | None) -> None:
+        if lora is not None:
+            self._by_request[request_id] = lora.lora_id
+
+    def ended(self, request_id: str) -> None:
+        self._by_request.pop(request_id, None)
+
+    def running(self, lora_id: int) -> list[str]:
+        return [rid for rid, lid in self._by_request.items() if lid == lora_id]
+
+    async def drain(self, lora_id: int, timeout_s: float = LORA_DRAIN_S) -> list[str]:
+        """Wait up to ``timeout_s`` for the requests under ``lora_id`` to end; those
+        still running then (the caller aborts them)."""
+        deadline = time.monotonic() + timeout_s
+        while (left := self.running(lora_id)) and time.monotonic() < deadline:
+            await asyncio.sleep(_DRAIN_POLL_S)
+        return left

@@ -203,3 +203,31 @@ async def test_a_probe_during_a_refit_never_brings_back_the_old_folder() -> None
         await pool.close()
         for worker in (slow, fast):
             await worker.stop()
+
+
+async def test_an_unload_stops_routing_to_the_adapter_before_its_fan_out() -> None:
+    decode = await start_fake_worker("decode")
+    pool = WorkerPool((), [decode.endpoint])
+    catalog = LoraCatalog(pool)
+    gate = asyncio.Event()
+    original = decode.servicer.unload_lora
+
+    async def draining(name: str) -> bool:
+        await gate.wait()  # the worker drains the adapter's running requests
+        return await original(name)
+
+    decode.servicer.unload_lora = draining  # type: ignore[method-assign]
+    try:
+        await pool.refresh_all()
+        await catalog.load(SQL)
+        assert catalog.adapter("sql") == SQL
+        unloading = asyncio.create_task(catalog.unload("sql"))
+        await eventually(lambda: catalog.adapter("sql") is None, what="routing stopped")
+        assert not unloading.done() and catalog.adapters() == []  # still draining
+        gate.set()
+        await unloading
+        assert decode.servicer.loras == {}
+    finally:
+        gate.set()
+        await pool.close()
+        await decode.stop()

@@ -265,3 +265,57 @@ async def test_loads_on_one_host_run_one_at_a_time() -> None:
     results = await asyncio.gather(h.load_lora(SQL), h.load_lora(SQL))
     assert sorted(results) == [False, True]
     assert len(engine.added) == 1 and engine.removed == []
+
+
+class Blocking(LoraEngine):
+    """Its requests run until ``release`` is set (or they are aborted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.running = asyncio.Event()
+        self.aborted: list[str] = []
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
+                       sampling: SamplingSpec, params: EngineParams
+                       ) -> AsyncGenerator[EngineStep, None]:
+        self.calls.append((sampling, params))
+        self.running.set()
+        await self.release.wait()
+        yield EngineStep((7,), finished=True,
+                         finish_reason="abort" if self.aborted else "length")
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        self.release.set()
+
+
+async def run_one(h: EngineHost, req: PhaseRequest) -> list[str | None]:
+    return [out.finish_reason async for out in h.generate(req)]
+
+
+async def test_an_unload_lets_running_requests_finish_first() -> None:
+    engine = Blocking()
+    h = host(LoraConfig(enable_lora=True, modules=(SQL,)), engine)
+    running = asyncio.create_task(run_one(h, request("sql")))
+    await asyncio.wait_for(engine.running.wait(), 2)
+    unloading = asyncio.create_task(h.unload_lora("sql"))
+    await asyncio.sleep(0.1)
+    assert not unloading.done() and engine.removed == []  # waits for the running one
+    with pytest.raises(WorkerError):  # new ones are refused meanwhile
+        await run_one(h, request("sql"))
+    engine.release.set()
+    assert await asyncio.wait_for(running, 2) == ["length"]  # whole, not cut short
+    assert await asyncio.wait_for(unloading, 2) is True
+    assert engine.removed == [1] and engine.aborted == []
+
+
+async def test_a_refit_drains_the_old_adapter_and_aborts_past_its_deadline() -> None:
+    engine = Blocking()
+    h = host(LoraConfig(enable_lora=True, modules=(SQL,)), engine)
+    h.lora_drain_s = 0.1
+    running = asyncio.create_task(run_one(h, request("sql")))
+    await asyncio.wait_for(engine.running.wait(), 2)
+    assert await asyncio.wait_for(h.load_lora(LoraAdapter("sql", "/adapters/sql-2")), 2)
+    assert await asyncio.wait_for(running, 2) == ["abort"]  # the router continues it
+    assert len(engine.aborted) == 1 and engine.removed == [1]

@@ -51,10 +51,11 @@ class LoraCatalog:
     def adapters(self) -> list[LoraAdapter]:
         """Every adapter served: the router's own, then those healthy workers report."""
         found = dict(self._pool.lora_targets.loaded)
+        gone = self._pool.lora_targets.unloaded
         for worker in self._pool.all:
             state = worker.snapshot()
             if state.healthy:
-                for adapter in state.loras:
+                for adapter in (a for a in state.loras if a.name not in gone):
                     found.setdefault(adapter.name, adapter)
         return sorted(found.values(), key=lambda a: a.name)
 
@@ -65,6 +66,8 @@ class LoraCatalog:
         own = self._pool.lora_targets.loaded.get(name)
         if own is not None:
             return own
+        if name in self._pool.lora_targets.unloaded:
+            return None  # unloaded (or being unloaded) through this router: route none
         for worker in self._pool.all:
             state = worker.snapshot()
             for adapter in state.loras if state.healthy else ():
@@ -96,7 +99,8 @@ class LoraCatalog:
 
     async def unload(self, name: str) -> LoraOutcome:
         """Unload ``name`` everywhere; ``KeyError`` when no worker (and not the router)
-        served it."""
+        served it. New requests for it are refused (404) before the fan-out; each worker
+        lets those running under it finish (``worker/lora.LORA_DRAIN_S``) first."""
         targets = self._pool.lora_targets
         async with targets.lock:
             known = self.adapter(name) is not None
