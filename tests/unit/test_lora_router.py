@@ -191,7 +191,9 @@ async def test_a_probe_during_a_refit_never_brings_back_the_old_folder() -> None
         await catalog.load(SQL)
         refit = asyncio.create_task(catalog.load(new))
         await eventually(lambda: fast.servicer.loras == {"sql": new}, what="fast took it")
+        assert catalog.adapter("sql") == SQL  # no snapshot has the new folder yet
         await pool.refresh_all()  # a probe while the slow one still loads
+        assert catalog.adapter("sql") == new  # the fast one serves it now
         gate.set()
         await refit
         for worker in pool.decode:

@@ -60,20 +60,20 @@ class LoraCatalog:
         return sorted(found.values(), key=lambda a: a.name)
 
     def adapter(self, name: str | None) -> LoraAdapter | None:
-        """The adapter ``name`` runs (None: not an adapter this router serves)."""
+        """The adapter a request for ``name`` runs, fixed when it arrives (None: not an
+        adapter this router serves): the router's target once a worker serves it; during
+        a refit's fan-out, the folder workers still serve (a request runs one folder
+        whole, never the new one before any worker has it)."""
         if name is None:
             return None
-        own = self._pool.lora_targets.loaded.get(name)
-        if own is not None:
-            return own
-        if name in self._pool.lora_targets.unloaded:
+        targets = self._pool.lora_targets
+        own = targets.loaded.get(name)
+        if own is None and name in targets.unloaded:
             return None  # unloaded (or being unloaded) through this router: route none
-        for worker in self._pool.all:
-            state = worker.snapshot()
-            for adapter in state.loras if state.healthy else ():
-                if adapter.name == name:
-                    return adapter
-        return None
+        served = [a for w in self._pool.all for a in _served(w) if a.name == name]
+        if own is not None and (own in served or not served):
+            return own
+        return served[0] if served else None
 
     async def load(self, adapter: LoraAdapter) -> LoraOutcome:
         """Load ``adapter`` on every worker; ``LoraRefusedError`` when each refused it,
@@ -118,6 +118,11 @@ class LoraCatalog:
     async def _refresh(workers: list[Worker]) -> None:
         """Their health again: what they serve now is what placement reads."""
         await asyncio.gather(*(w.refresh(LORA_CALL_TIMEOUT_S) for w in workers))
+
+
+def _served(worker: Worker) -> tuple[LoraAdapter, ...]:
+    state = worker.snapshot()
+    return state.loras if state.healthy else ()
 
 
 def _name(worker: Worker) -> str:
