@@ -15,6 +15,7 @@ from unit.fake_worker import FakeWorkerServicer
 from pdserve.core.lora import LoraAdapter
 from pdserve.core.types import SamplingSpec
 from pdserve.router.dispatch.base import NoWorkerAvailableError
+from pdserve.router.dispatch.workers.breaker import BreakerConfig, CircuitBreaker
 from pdserve.router.dispatch.workers.pool import Worker
 
 SQL = LoraAdapter("sql", "/adapters/sql")
@@ -71,6 +72,7 @@ async def test_a_worker_on_another_folder_refuses_and_the_request_goes_on_elsewh
         assert servicer_of(c, first).lora_refusals == 1
         assert len(servicer_of(c, second).generates) == 1
         assert c.registry.get_sample_value(MIGRATIONS, {"reason": "aborted"}) == before + 1
+        assert first.snapshot().healthy
 
 
 async def test_the_sibling_follows_only_a_worker_serving_its_folder() -> None:
@@ -85,3 +87,9 @@ async def test_the_sibling_follows_only_a_worker_serving_its_folder() -> None:
         chunks = await collect(c.dispatcher.generate("r2", PROMPT, under(SQL),
                                                      affinity=affinity))
         assert len(servicer_of(c, old).generates) == 1  # it serves that one: followed
+
+
+def test_a_refusal_for_another_folder_does_not_count_against_the_worker() -> None:
+    breaker = CircuitBreaker(BreakerConfig(threshold=1, base_backoff_s=1, max_backoff_s=1))
+    assert not breaker.on_failure("ABORTED") and breaker.num_failures == 0
+    assert breaker.on_failure("INTERNAL")  # a failure of the worker's own still does
