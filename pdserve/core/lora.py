@@ -20,6 +20,8 @@ from hashlib import blake2b
 # vLLM's adapter names are a client's ``model``: kept short and printable.
 MAX_NAME_CHARS = 200
 MAX_PATH_CHARS = 4096
+# What ``adapter_salt`` and ``LoraAdapter.tag`` join with: not in a name.
+FORBIDDEN_NAME_CHARS = ("@", "#")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,10 @@ class LoraAdapter:
         if not self.name or len(self.name) > MAX_NAME_CHARS or not self.name.isprintable():
             raise ValueError(f"a LoRA name must be 1 to {MAX_NAME_CHARS} printable "
                              f"characters, not {self.name!r}")
+        if any(c in self.name for c in FORBIDDEN_NAME_CHARS):
+            # '@' joins a salt to the adapter's tag, '#' the tag's name to its digest.
+            raise ValueError(f"a LoRA name may not hold {' or '.join(FORBIDDEN_NAME_CHARS)}"
+                             f": {self.name!r}")
         if not self.path or len(self.path) > MAX_PATH_CHARS:
             raise ValueError(f"LoRA {self.name!r}: its path must be 1 to {MAX_PATH_CHARS} "
                              "characters")
@@ -42,6 +48,18 @@ class LoraAdapter:
         """What names this adapter's KV: its name and a digest of its folder."""
         digest = blake2b(self.path.encode(), digest_size=6).hexdigest()
         return f"{self.name}#{digest}"
+
+
+# What a request asks a worker to serve: an exact adapter, a name alone (any folder: a
+# request from before requests carried the folder), or None (the base model).
+WantedLora = LoraAdapter | str | None
+
+
+def wanted_lora(name: str | None, path: str | None) -> WantedLora:
+    """A request's adapter from its ``SamplingSpec.lora_name`` and ``lora_path``."""
+    if name is None:
+        return None
+    return name if path is None else LoraAdapter(name, path)
 
 
 LORA_MARK = "@lora:"

@@ -74,6 +74,9 @@ class SamplingSpec:
     # migration's continuation alike; the worker runs it and caches under it
     # (``core.lora.adapter_salt``).
     lora_name: str | None = None
+    # The adapter's folder (with ``lora_name``, its exact identity): a worker that serves
+    # the name from another folder refuses the request (ABORTED: run it elsewhere).
+    lora_path: str | None = None
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,7 @@ async def serve_worker(config: EngineConfig, worker_id: str, host: str, port: in
         await asyncio.wait([load, stopped], return_when=asyncio.FIRST_COMPLETED)
         if load.done():
             load.result()  # raises if the engine failed to start
+            await backend.start_loras()  # raises if a --lora-modules folder is bad
             backend.start_mirroring(loop)
             await worker.state.update()  # SERVING
             logger.info("%s worker %s ready (KV %s on port %d)", config.role, worker_id,

@@ -97,6 +97,8 @@ def sampling_to_pb(spec: SamplingSpec) -> pb.SamplingParams:
         msg.cache_salt = spec.cache_salt
     if spec.lora_name is not None:
         msg.lora_name = spec.lora_name
+    if spec.lora_path is not None:
+        msg.lora_path = spec.lora_path
     return msg
 
 
@@ -113,7 +115,8 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingSpec:
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         structured=_structured_from_pb(msg),
         cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None,
-        lora_name=msg.lora_name if msg.HasField("lora_name") else None)
+        lora_name=msg.lora_name if msg.HasField("lora_name") else None,
+        lora_path=msg.lora_path if msg.HasField("lora_path") else None)
 
 
 def _structured_from_pb(msg: pb.SamplingParams) -> StructuredOutput | None:

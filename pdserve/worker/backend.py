@@ -14,7 +14,8 @@ if TYPE_CHECKING:
     from pdserve.worker.kv_mirror import KvCacheMirror
 
 ErrorKind = Literal[
-    "invalid_argument", "failed_precondition", "unavailable", "unimplemented", "internal"]
+    "invalid_argument", "failed_precondition", "unavailable", "unimplemented", "internal",
+    "aborted"]
 
 
 class WorkerError(Exception):

@@ -99,6 +99,9 @@ class EngineConfig:
             raise ValueError("prefill_chunk_tokens must be 0 (no cap) or >= 16")
         if not self.weight_version.strip():  # it names the weights in hashes and salts
             raise ValueError("weight_version must not be empty")
+        if any(m.name == self.served_model_name for m in self.lora.modules):
+            raise ValueError(f"--lora-modules: {self.served_model_name!r} is the served "
+                             "model's name, not an adapter's")
         if self.weight_transfer_backend not in (None, *WEIGHT_TRANSFER_BACKENDS):
             raise ValueError(f"weight_transfer_backend must be one of "
                              f"{', '.join(WEIGHT_TRANSFER_BACKENDS)} (or unset), not "

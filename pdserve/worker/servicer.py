@@ -49,6 +49,8 @@ STATUS_OF_KIND: dict[ErrorKind, grpc.StatusCode] = {
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "unimplemented": grpc.StatusCode.UNIMPLEMENTED,
     "internal": grpc.StatusCode.INTERNAL,
+    # Not this worker: the caller runs the request elsewhere (a LoRA adapter's folder).
+    "aborted": grpc.StatusCode.ABORTED,
 }
 
 

@@ -48,6 +48,8 @@ class WorkerScript:
     """What the fake does; mutable, so a test can change it while the server runs."""
 
     first_token_id: int = 42
+    # Started without --enable-lora: its LoRA calls answer FAILED_PRECONDITION.
+    lora_off: bool = False
     prefill_stop: bool = False
     decode_token_ids: Sequence[int] = (100, 101, 102, 103, 104, 105, 106, 107)
     prefill_delay_s: float = 0.0
@@ -124,6 +126,8 @@ class FakeWorkerServicer:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     # The LoRA adapters it serves (LoadLoraAdapter; a path under /bad is refused).
     loras: dict[str, LoraAdapter] = field(default_factory=dict)
+    lora_calls: int = 0  # LoadLoraAdapter and UnloadLoraAdapter calls it answered
+    lora_refusals: int = 0  # requests refused: their adapter's folder is not the one served
 
     def __post_init__(self) -> None:
         self.worker_id = self.worker_id or f"fake-{self.role}-{id(self):x}"
@@ -133,6 +137,7 @@ class FakeWorkerServicer:
 
     async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         rid, phase = request.request_id, request.phase
+        self._check_lora(request)
         self.generates.append(GenerateRecord(
             rid, phase, request.prompt_token_ids, request.kv_handle,
             request.sampling.max_tokens, request.push_target, request.timeout_s,
@@ -221,7 +226,23 @@ class FakeWorkerServicer:
             kv_store_id=self.script.kv_store_id, kv_store_ttl_s=self.script.kv_store_ttl_s,
             loras=tuple(self.loras.values()))
 
+    def _check_lora(self, request: PhaseRequest) -> None:
+        """As ``worker/lora.LoraTable``: an adapter it does not serve is INVALID_ARGUMENT,
+        one it serves from another folder ABORTED (counted in ``lora_refusals``)."""
+        name, path = request.sampling.lora_name, request.sampling.lora_path
+        if name is None:
+            return
+        served = self.loras.get(name)
+        if served is None:
+            raise WorkerError("invalid_argument", f"serves no LoRA adapter {name!r}")
+        if path is not None and served.path != path:
+            self.lora_refusals += 1
+            raise WorkerError("aborted", f"serves LoRA {name!r} from another folder")
+
     async def load_lora(self, adapter: LoraAdapter) -> bool:
+        self.lora_calls += 1
+        if self.script.lora_off:
+            raise WorkerError("failed_precondition", "LoRA is off on this worker")
         if adapter.path.startswith("/bad"):
             raise ValueError(f"cannot load LoRA adapter {adapter.name!r}: no such folder")
         changed = self.loras.get(adapter.name) != adapter
@@ -229,6 +250,9 @@ class FakeWorkerServicer:
         return changed
 
     async def unload_lora(self, name: str) -> bool:
+        self.lora_calls += 1
+        if self.script.lora_off:
+            raise WorkerError("failed_precondition", "LoRA is off on this worker")
         return self.loras.pop(name, None) is not None
 
     async def load(self) -> WorkerLoadReport:

@@ -6,8 +6,9 @@ later, places an adapter's requests only where it is served, and answers an unkn
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -98,6 +99,20 @@ async def test_the_host_runs_the_adapter_under_its_salt() -> None:
     assert refused.value.kind == "invalid_argument"
 
 
+async def test_the_host_refuses_another_folder_under_the_name_as_not_here() -> None:
+    """A request for sql from /adapters/sql-2 on a worker serving /adapters/sql: ABORTED
+    (run it elsewhere), never run on the other folder's weights."""
+    engine = LoraEngine()
+    h = host(LoraConfig(enable_lora=True, modules=(SQL,)), engine)
+    exact = request("sql")
+    exact = replace(exact, sampling=replace(exact.sampling, lora_path=SQL.path))
+    [_ async for _ in h.generate(exact)]
+    other = replace(exact, sampling=replace(exact.sampling, lora_path="/adapters/sql-2"))
+    with pytest.raises(WorkerError) as refused:
+        [_ async for _ in h.generate(other)]
+    assert refused.value.kind == "aborted" and len(engine.calls) == 1
+
+
 async def test_load_refit_and_unload() -> None:
     engine = LoraEngine()
     h = host(LoraConfig(enable_lora=True, modules=(SQL,)), engine)
@@ -158,15 +173,16 @@ async def test_the_router_replays_its_loads_on_a_joining_worker() -> None:
     targets.on_unloaded("old")
     joining = WorkerHealth(ready=True, role="decode", worker_id="d1",
                            loras=(LoraAdapter("old", "/a/old"),))
+    assert targets.needs_replay(joining)
     calls = Calls()
-    health = await targets.replay(calls, joining)
+    result = await targets.replay(calls, joining)
     assert calls.loaded == [SQL] and calls.unloaded == ["old"]
-    assert health.loras == (SQL,)
-    assert await targets.replay(Calls(), health) == health  # nothing left to do
+    assert result.changed and not result.lora_off
+    assert not targets.needs_replay(replace(joining, loras=(SQL,)))  # nothing left to do
     loading = WorkerHealth(ready=False, role="decode", worker_id="d2")
-    assert await targets.replay(calls, loading) == loading  # not before it is ready
-    failing = await targets.replay(Calls(fail=True), joining)
-    assert SQL not in failing.loras  # not placed for it; tried again at the next check
+    assert not targets.needs_replay(loading)  # not before it is ready
+    failing = await targets.replay(Calls(fail=True), replace(joining, loras=()))
+    assert not failing.changed  # not placed for it; tried again after the next check
 
 
 def test_placement_reads_what_a_worker_serves() -> None:
@@ -187,6 +203,7 @@ def test_a_model_names_the_base_model_or_an_adapter(tokenizer: Any) -> None:
                        loras=Served())
     lora = pre.completion(CompletionRequest(model="sql", prompt="hi", max_tokens=2))
     assert (lora.model, lora.sampling.lora_name) == ("sql", "sql")
+    assert lora.sampling.lora_path == SQL.path  # its exact identity rides with it
     base = pre.completion(CompletionRequest(model="m", prompt="hi", max_tokens=2))
     assert (base.model, base.sampling.lora_name) == ("m", None)
     with pytest.raises(ModelNotFoundError) as missing:
@@ -211,3 +228,94 @@ def test_up_hands_its_lora_flags_to_the_workers_unchanged() -> None:
     several = build_parser().parse_args(
         ["decode", "--enable-lora", "--lora-modules", "sql=/adapters/sql", "chat=/a/chat"])
     assert lora_config(several).modules == cfg.modules
+
+
+async def test_a_bad_module_folder_fails_the_start() -> None:
+    """As ``vllm serve``: the adapters it starts with are loaded before it serves."""
+    engine = LoraEngine()
+    good = host(LoraConfig(enable_lora=True, modules=(SQL,)), engine)
+    await good.start_loras()
+    assert [loaded.adapter for loaded in engine.added] == [SQL]
+    bad = host(LoraConfig(enable_lora=True, modules=(LoraAdapter("x", "/bad/x"),)),
+               LoraEngine())
+    with pytest.raises(ValueError, match="not an adapter"):
+        await bad.start_loras()
+
+
+def test_names_that_would_break_cache_keys_are_refused() -> None:
+    for name in ("a@b", "a#b", "x@lora:y"):
+        with pytest.raises(ValueError, match="may not hold"):
+            LoraAdapter(name, "/a")
+    with pytest.raises(ValueError, match="served model's name"):
+        EngineConfig(model_path="/m", served_model_name="m", role="decode",
+                     connector=ConnectorConfig(engine_id="w0"),
+                     lora=LoraConfig(enable_lora=True, modules=(LoraAdapter("m", "/a"),)))
+
+
+async def test_loads_on_one_host_run_one_at_a_time() -> None:
+    """Two loads of the same folder that cross add it to the engine once."""
+
+    class Slow(LoraEngine):
+        async def add_lora(self, lora: LoadedLora) -> None:
+            await asyncio.sleep(0.01)
+            await super().add_lora(lora)
+
+    engine = Slow()
+    h = host(LoraConfig(enable_lora=True), engine)
+    results = await asyncio.gather(h.load_lora(SQL), h.load_lora(SQL))
+    assert sorted(results) == [False, True]
+    assert len(engine.added) == 1 and engine.removed == []
+
+
+class Blocking(LoraEngine):
+    """Its requests run until ``release`` is set (or they are aborted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.running = asyncio.Event()
+        self.aborted: list[str] = []
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
+                       sampling: SamplingSpec, params: EngineParams
+                       ) -> AsyncGenerator[EngineStep, None]:
+        self.calls.append((sampling, params))
+        self.running.set()
+        await self.release.wait()
+        yield EngineStep((7,), finished=True,
+                         finish_reason="abort" if self.aborted else "length")
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        self.release.set()
+
+
+async def run_one(h: EngineHost, req: PhaseRequest) -> list[str | None]:
+    return [out.finish_reason async for out in h.generate(req)]
+
+
+async def test_an_unload_lets_running_requests_finish_first() -> None:
+    engine = Blocking()
+    h = host(LoraConfig(enable_lora=True, modules=(SQL,)), engine)
+    running = asyncio.create_task(run_one(h, request("sql")))
+    await asyncio.wait_for(engine.running.wait(), 2)
+    unloading = asyncio.create_task(h.unload_lora("sql"))
+    await asyncio.sleep(0.1)
+    assert not unloading.done() and engine.removed == []  # waits for the running one
+    with pytest.raises(WorkerError):  # new ones are refused meanwhile
+        await run_one(h, request("sql"))
+    engine.release.set()
+    assert await asyncio.wait_for(running, 2) == ["length"]  # whole, not cut short
+    assert await asyncio.wait_for(unloading, 2) is True
+    assert engine.removed == [1] and engine.aborted == []
+
+
+async def test_a_refit_drains_the_old_adapter_and_aborts_past_its_deadline() -> None:
+    engine = Blocking()
+    h = host(LoraConfig(enable_lora=True, modules=(SQL,)), engine)
+    h.lora_drain_s = 0.1
+    running = asyncio.create_task(run_one(h, request("sql")))
+    await asyncio.wait_for(engine.running.wait(), 2)
+    assert await asyncio.wait_for(h.load_lora(LoraAdapter("sql", "/adapters/sql-2")), 2)
+    assert await asyncio.wait_for(running, 2) == ["abort"]  # the router continues it
+    assert len(engine.aborted) == 1 and engine.removed == [1]

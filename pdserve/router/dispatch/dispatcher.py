@@ -18,7 +18,7 @@ from dataclasses import replace
 from prometheus_client import CollectorRegistry
 
 from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION, versioned_salt
-from pdserve.core.lora import adapter_salt
+from pdserve.core.lora import adapter_salt, wanted_lora
 from pdserve.core.types import PhaseOutput, PhaseRequest, SamplingSpec
 from pdserve.router.dispatch.base import Deadline, Express, TokenChunk
 from pdserve.router.dispatch.lora_catalog import LoraCatalog
@@ -110,10 +110,14 @@ class PDDispatcher:
         express: Express | None, ticket: Ticket,
     ) -> AsyncGenerator[TokenChunk, None]:
         timeline = timeline or RequestTimeline(request_id)
-        salt = adapter_salt(sampling.cache_salt, self.loras.adapter(sampling.lora_name))
-        route = (self._routes.follow(affinity, prompt_token_ids)
+        # The request's exact adapter (name and folder, fixed when it arrived): routing,
+        # the n>1 sibling and migrations place it only where that adapter is served.
+        lora = wanted_lora(sampling.lora_name, sampling.lora_path)
+        salt = adapter_salt(sampling.cache_salt,
+                            self.loras.adapter(lora) if isinstance(lora, str) else lora)
+        route = (self._routes.follow(affinity, prompt_token_ids, lora)
                  or self._routes.choose(prompt_token_ids, versioned_salt(
-                     salt, ticket.version or DEFAULT_WEIGHT_VERSION), sampling.lora_name))
+                     salt, ticket.version or DEFAULT_WEIGHT_VERSION), lora))
         involved: list[Worker] = []
         finished = False
         num_tokens = 0

@@ -4,9 +4,10 @@ adapter (the rest are 404 ``model_not_found``), which folder an adapter runs fro
 cache salt, ``core.lora.adapter_salt``), and fans the admin plane's load and unload out
 to every worker.
 
-A load is kept (and replayed on workers that join later) once any worker took it, or
-when no worker was there to take it; one every worker refused as a bad folder is not
-kept (``LoraRefusedError``). An unload is kept always: a worker that starts with the
+A load is kept (and replayed on workers that join later) once a worker took it; one no
+worker took is an error and not kept: ``LoraRefusedError`` when they refused the folder
+(400), ``LoraNotLoadedError`` otherwise (no worker, LoRA off, unreachable: 503).
+An unload is kept always: a worker that starts with the
 adapter (``--lora-modules``) is brought back to the router's word.
 """
 
@@ -25,6 +26,10 @@ INVALID_ARGUMENT = "INVALID_ARGUMENT"
 
 class LoraRefusedError(ValueError):
     """Every worker refused the adapter's folder (the message is the first's reason)."""
+
+
+class LoraNotLoadedError(RuntimeError):
+    """No worker took the load (none there, LoRA off on them, or unreachable)."""
 
 
 @dataclass(frozen=True)
@@ -46,48 +51,66 @@ class LoraCatalog:
     def adapters(self) -> list[LoraAdapter]:
         """Every adapter served: the router's own, then those healthy workers report."""
         found = dict(self._pool.lora_targets.loaded)
+        gone = self._pool.lora_targets.unloaded
         for worker in self._pool.all:
             state = worker.snapshot()
             if state.healthy:
-                for adapter in state.loras:
+                for adapter in (a for a in state.loras if a.name not in gone):
                     found.setdefault(adapter.name, adapter)
         return sorted(found.values(), key=lambda a: a.name)
 
     def adapter(self, name: str | None) -> LoraAdapter | None:
-        """The adapter ``name`` runs (None: not an adapter this router serves)."""
+        """The adapter a request for ``name`` runs, fixed when it arrives (None: not an
+        adapter this router serves): the router's target once a worker serves it; during
+        a refit's fan-out, the folder workers still serve (a request runs one folder
+        whole, never the new one before any worker has it)."""
         if name is None:
             return None
-        own = self._pool.lora_targets.loaded.get(name)
-        if own is not None:
+        targets = self._pool.lora_targets
+        own = targets.loaded.get(name)
+        if own is None and name in targets.unloaded:
+            return None  # unloaded (or being unloaded) through this router: route none
+        served = [a for w in self._pool.all for a in _served(w) if a.name == name]
+        if own is not None and (own in served or not served):
             return own
-        for worker in self._pool.all:
-            state = worker.snapshot()
-            for adapter in state.loras if state.healthy else ():
-                if adapter.name == name:
-                    return adapter
-        return None
+        return served[0] if served else None
 
     async def load(self, adapter: LoraAdapter) -> LoraOutcome:
-        """Load ``adapter`` on every worker; ``LoraRefusedError`` when each refused it."""
-        workers = self._pool.all
-        results = await asyncio.gather(*(_load(w, adapter) for w in workers))
-        outcome = LoraOutcome({_name(w): r for w, r in zip(workers, results, strict=True)})
-        refused = [r for r in results if r.startswith(f"error: {INVALID_ARGUMENT}")]
-        if workers and outcome.num_ok == 0 and refused:
-            raise LoraRefusedError(refused[0].split(": ", 2)[-1])
-        self._pool.lora_targets.on_loaded(adapter)
+        """Load ``adapter`` on every worker; ``LoraRefusedError`` when each refused it,
+        ``LoraNotLoadedError`` when none took it otherwise. The target is set before the
+        fan-out, under the lock replays take: a worker's replay meanwhile brings it to
+        this adapter, never back to the one it replaces."""
+        targets = self._pool.lora_targets
+        async with targets.lock:
+            before = targets.snapshot()
+            targets.on_loaded(adapter)
+            workers = self._pool.all
+            results = await asyncio.gather(*(_load(w, adapter) for w in workers))
+            outcome = LoraOutcome({_name(w): r for w, r in zip(workers, results, strict=True)})
+            if outcome.num_ok == 0:
+                targets.restore(before)
+                refused = [r for r in results if r.startswith(f"error: {INVALID_ARGUMENT}")]
+                if refused:
+                    raise LoraRefusedError(refused[0].split(": ", 2)[-1])
+                raise LoraNotLoadedError(f"no worker loaded LoRA {adapter.name!r}: "
+                                         f"{'; '.join(results) or 'no workers'}")
         await self._refresh(workers)
         return outcome
 
     async def unload(self, name: str) -> LoraOutcome:
         """Unload ``name`` everywhere; ``KeyError`` when no worker (and not the router)
-        served it."""
-        known = self.adapter(name) is not None
-        workers = self._pool.all
-        results = await asyncio.gather(*(_unload(w, name) for w in workers))
-        if not known and "unloaded" not in results:
-            raise KeyError(name)
-        self._pool.lora_targets.on_unloaded(name)
+        served it. New requests for it are refused (404) before the fan-out; each worker
+        lets those running under it finish (``worker/lora.LORA_DRAIN_S``) first."""
+        targets = self._pool.lora_targets
+        async with targets.lock:
+            known = self.adapter(name) is not None
+            before = targets.snapshot()
+            targets.on_unloaded(name)
+            workers = self._pool.all
+            results = await asyncio.gather(*(_unload(w, name) for w in workers))
+            if not known and "unloaded" not in results:
+                targets.restore(before)
+                raise KeyError(name)
         await self._refresh(workers)
         return LoraOutcome({_name(w): r for w, r in zip(workers, results, strict=True)})
 
@@ -95,6 +118,11 @@ class LoraCatalog:
     async def _refresh(workers: list[Worker]) -> None:
         """Their health again: what they serve now is what placement reads."""
         await asyncio.gather(*(w.refresh(LORA_CALL_TIMEOUT_S) for w in workers))
+
+
+def _served(worker: Worker) -> tuple[LoraAdapter, ...]:
+    state = worker.snapshot()
+    return state.loras if state.healthy else ()
 
 
 def _name(worker: Worker) -> str:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
+from pdserve.core.lora import wanted_lora
 from pdserve.core.types import PhaseOutput, PhaseRequest
 from pdserve.router.metrics import PREFIX, counter
 
@@ -141,7 +142,8 @@ class RequestMigration:
             self._metrics.failed.labels("max_migrations").inc()
             raise MigrationRefused(f"max migrations ({self.num_migrations}) reached")
         keeps_kv = self._sent_this_call == 0 and request.kv_handle is not None
-        lora = request.sampling.lora_name  # only a worker serving its adapter continues it
+        # Only a worker serving exactly its adapter (name and folder) continues it.
+        lora = wanted_lora(request.sampling.lora_name, request.sampling.lora_path)
         worker = self._pick(failed, [w for w in candidates if w.snapshot().serves(lora)],
                             same_model=not keeps_kv)
         if worker is None:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.core.handle import PoolSource, PushTarget
+from pdserve.core.lora import WantedLora
 from pdserve.router.dispatch.base import NoWorkerAvailableError
 from pdserve.router.dispatch.metrics import DispatchMetrics
 from pdserve.router.dispatch.policies.demand import DemandWindow
@@ -41,13 +42,13 @@ def _push_target(prefill: WorkerState, decode: WorkerState) -> PushTarget | None
     return PushTarget(host=decode.kv_host, port=decode.kv_port, transfer_id=uuid.uuid4().hex)
 
 
-def _serving(workers: Sequence[Worker], lora_name: str | None
+def _serving(workers: Sequence[Worker], lora: WantedLora
              ) -> tuple[list[Worker], list[WorkerState]]:
-    """The workers that can run ``lora_name`` (all for the base model), with the one
+    """The workers that serve exactly ``lora`` (all for the base model), with the one
     snapshot of each that placement reads."""
     pairs = [(w, w.snapshot()) for w in workers]
-    if lora_name is not None:
-        pairs = [(w, s) for w, s in pairs if s.serves(lora_name)]
+    if lora is not None:
+        pairs = [(w, s) for w, s in pairs if s.serves(lora)]
     return [w for w, _ in pairs], [s for _, s in pairs]
 
 
@@ -65,11 +66,13 @@ class RouteChooser:
         self._demand = demand
         self._cursor = 0
 
-    def follow(self, affinity: str | None, prompt: Sequence[int]) -> Route | None:
-        """The route to the decode worker ``affinity`` names, while it is healthy."""
+    def follow(self, affinity: str | None, prompt: Sequence[int],
+               lora: WantedLora = None) -> Route | None:
+        """The route to the decode worker ``affinity`` names, while it is healthy and
+        serves exactly ``lora`` (the request's adapter; None: the base model)."""
         for worker in self._pool.decode if affinity else ():
             state = worker.snapshot()
-            if state.worker_id == affinity and state.healthy:
+            if state.worker_id == affinity and state.healthy and state.serves(lora):
                 disagg = DisaggDecision("local", "sibling")
                 self._metrics.on_decision(disagg)
                 self._metrics.placements.on_placed(state)
@@ -79,12 +82,13 @@ class RouteChooser:
         return None
 
     def choose(self, prompt: Sequence[int], cache_salt: str | None = None,
-               lora_name: str | None = None) -> Route:
+               lora: WantedLora = None) -> Route:
         """Placement, then the disaggregation decision, over one snapshot of every
         worker, taken once per request (the prefix caches matched under its salt).
-        Under a LoRA adapter only the workers serving it are candidates (none: 503)."""
-        prefill, p_states = _serving(self._pool.prefill, lora_name)
-        decode, d_states = _serving(self._pool.decode, lora_name)
+        Under a LoRA adapter only the workers serving exactly it (name and folder) are
+        candidates (none: 503)."""
+        prefill, p_states = _serving(self._pool.prefill, lora)
+        decode, d_states = _serving(self._pool.decode, lora)
         request = (self._prefix.request(prompt, p_states, cache_salt, d_states)
                    if self._prefix is not None else PlacementRequest(len(prompt)))
         choice: Choice | None = self._placement.choose(p_states, d_states, self._cursor, request)

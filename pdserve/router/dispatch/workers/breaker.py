@@ -19,9 +19,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.router.dispatch.workers.client import CANCELLED, DEADLINE_EXCEEDED, INVALID_ARGUMENT
+from pdserve.router.dispatch.workers.client import (
+    ABORTED,
+    CANCELLED,
+    DEADLINE_EXCEEDED,
+    INVALID_ARGUMENT,
+)
 
-NOT_THE_WORKERS = frozenset({INVALID_ARGUMENT, CANCELLED, DEADLINE_EXCEEDED})
+# ABORTED: the worker serves the request's LoRA adapter from another folder (a refit
+# half done, ``worker/lora.py``): the request runs elsewhere, the worker is sound.
+NOT_THE_WORKERS = frozenset({INVALID_ARGUMENT, CANCELLED, DEADLINE_EXCEEDED, ABORTED})
 
 
 @dataclass(frozen=True)

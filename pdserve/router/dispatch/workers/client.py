@@ -66,6 +66,7 @@ INVALID_ARGUMENT = "INVALID_ARGUMENT"
 UNIMPLEMENTED = "UNIMPLEMENTED"
 DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
 CANCELLED = "CANCELLED"
+ABORTED = "ABORTED"  # pdserve's workers: a LoRA adapter served from another folder
 UNAUTHENTICATED = "UNAUTHENTICATED"
 _SERVICE = "/" + pb.DESCRIPTOR.services_by_name["WorkerService"].full_name + "/"
 

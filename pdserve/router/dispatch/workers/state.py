@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.core.lora import LoraAdapter
+from pdserve.core.lora import LoraAdapter, WantedLora
 from pdserve.router.dispatch.policies.tier_cost import NOT_MEASURED, KvLoadRates
 
 
@@ -91,9 +91,15 @@ class WorkerState:
     # ends; a decode worker's local prefills until their first token.
     num_assigned_tokens: int = 0
 
-    def serves(self, lora_name: str | None) -> bool:
-        """Whether it can run a request under ``lora_name`` (None: the base model)."""
-        return lora_name is None or any(a.name == lora_name for a in self.loras)
+    def serves(self, lora: WantedLora) -> bool:
+        """Whether it can run a request under ``lora`` (None: the base model): that exact
+        adapter (name and folder: a request's KV is only valid under its folder), or,
+        given a name alone, an adapter of that name."""
+        if lora is None:
+            return True
+        if isinstance(lora, str):
+            return any(a.name == lora for a in self.loras)
+        return lora in self.loras
 
     @property
     def id_known(self) -> bool:

@@ -4,6 +4,7 @@ placement reads. The set of them is ``pool.WorkerPool``."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -75,8 +76,10 @@ class Worker:
         # out of placement until it serves it (a worker that joined mid-update).
         self.weight_target = ""
         # The adapters this router loaded and unloaded: replayed on the worker (one that
-        # joined later, or restarted) before its health is adopted, so before it is placed.
+        # joined later, or restarted) in the background after a check (``_start_replay``).
         self.lora_targets = lora_targets or LoraTargets()
+        self._replaying: asyncio.Task[None] | None = None
+        self._lora_off = False  # it answered FAILED_PRECONDITION (no --enable-lora)
 
     @property
     def member_id(self) -> str:
@@ -192,7 +195,6 @@ class Worker:
         try:
             health = await self.client.health(timeout_s)
             self._check_identity(health)
-            health = await self.lora_targets.replay(self.client, health)
             load = await self.client.load(timeout_s)
         except WorkerCallError as exc:
             if generation != self._generation:
@@ -216,12 +218,33 @@ class Worker:
             return
         self._slow_probes = 0
         self._adopt_health(health, load)
+        self._start_replay(health, timeout_s)
+
+    def _start_replay(self, health: WorkerHealth, timeout_s: float) -> None:
+        """Bring it to the router's adapters in the background (one replay at a time)."""
+        if self._replaying is not None and not self._replaying.done():
+            return
+        if self._lora_off or not self.lora_targets.needs_replay(health):
+            return
+        self._replaying = asyncio.create_task(self._replay(health, timeout_s))
+
+    async def _replay(self, health: WorkerHealth, timeout_s: float) -> None:
+        result = await self.lora_targets.replay(self.client, health)
+        self._lora_off = result.lora_off
+        if result.changed:  # what it serves now is what placement reads
+            await self.refresh(timeout_s)
+
+    async def lora_replayed(self) -> None:
+        """Wait for the replay running now, if one is (tests)."""
+        if self._replaying is not None:
+            await asyncio.shield(self._replaying)
 
     def _adopt_health(self, health: WorkerHealth, load: WorkerLoadReport) -> None:
         """The worker answered: its role, id and load as it reports them."""
         self.metrics_endpoint = health.metrics_endpoint
         self._adopt_role(health.role)
         if not self._reported.healthy and health.ready:
+            self._lora_off = False  # back (a restart may have turned LoRA on)
             logger.info("%s worker %s at %s is healthy", self._reported.role, health.worker_id,
                         self._reported.endpoint)
         old_id = self._reported.worker_id
@@ -275,6 +298,8 @@ class Worker:
             num_assigned_tokens=inflight.num_assigned_tokens)
 
     async def close(self, grace_s: float | None = None) -> None:
+        if self._replaying is not None:
+            self._replaying.cancel()
         await self.client.close(grace_s)
 
 

@@ -12,8 +12,16 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.core.lora import MAX_NAME_CHARS, MAX_PATH_CHARS, LoraAdapter
-from pdserve.router.dispatch.lora_catalog import LoraCatalog, LoraRefusedError
-from pdserve.router.http.errors import InvalidRequestError, ModelNotFoundError
+from pdserve.router.dispatch.lora_catalog import (
+    LoraCatalog,
+    LoraNotLoadedError,
+    LoraRefusedError,
+)
+from pdserve.router.http.errors import (
+    InvalidRequestError,
+    ModelNotFoundError,
+    ServiceUnavailableError,
+)
 from pdserve.router.http.openapi import ERROR_RESPONSES
 
 
@@ -48,6 +56,8 @@ def lora_actions(catalog: LoraCatalog, base_model: str) -> APIRouter:
             outcome = await catalog.load(adapter)
         except (ValueError, LoraRefusedError) as exc:
             raise InvalidRequestError(str(exc), param="lora_path") from None
+        except LoraNotLoadedError as exc:
+            raise ServiceUnavailableError(str(exc)) from None
         return {"status": "success", "lora_name": adapter.name, "lora_path": adapter.path,
                 "workers": outcome.workers}
 

@@ -119,7 +119,7 @@ class Preprocessor:
         one); the workers see ``cmpl-<request_id>``. ``arrival_s``: ``perf_counter()``
         at arrival (default: now)."""
         arrival_s = time.perf_counter() if arrival_s is None else arrival_s
-        lora_name = self._check_model(body.model)
+        lora = self._check_model(body.model)
         if isinstance(body.prompt, str):
             prompt_ids = self._encode(body.prompt, "prompt", add_special_tokens=True)
         else:
@@ -130,13 +130,13 @@ class Preprocessor:
             echo_text = (body.prompt if isinstance(body.prompt, str)
                          else self._tokenizer.decode(prompt_ids, skip_special_tokens=False))
         return self._build("completions", body, prompt_ids, max_tokens, arrival_s, request_id,
-                           echo_text=echo_text, lora_name=lora_name)
+                           echo_text=echo_text, lora=lora)
 
     def chat(self, body: ChatCompletionRequest, request_id: str | None = None,
              arrival_s: float | None = None) -> GenerationRequest:
         """As ``completion``; the workers see ``chatcmpl-<request_id>``."""
         arrival_s = time.perf_counter() if arrival_s is None else arrival_s
-        lora_name = self._check_model(body.model)
+        lora = self._check_model(body.model)
         tools = self._tool_session(body)
         try:
             text = self._tokenizer.apply_chat_template(
@@ -148,7 +148,7 @@ class Preprocessor:
         prompt_ids = self._encode(str(text), "messages", add_special_tokens=False)
         max_tokens = body.requested_max_tokens or self.max_model_len - len(prompt_ids)
         return self._build("chat", body, prompt_ids, max_tokens, arrival_s, request_id,
-                           tools=tools, lora_name=lora_name)
+                           tools=tools, lora=lora)
 
     def _tool_session(self, body: ChatCompletionRequest) -> ToolSession | None:
         """vLLM's parser for a request that may call tools (None: text only)."""
@@ -172,13 +172,14 @@ class Preprocessor:
                                       param=param)
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _check_model(self, model: str) -> str | None:
+    def _check_model(self, model: str) -> LoraAdapter | None:
         """The LoRA adapter ``model`` names (None: the base model); 404 for neither."""
         if model == self.served_model_name:
             return None
-        if self._loras is not None and self._loras.adapter(model) is not None:
-            return model
-        raise ModelNotFoundError(model)
+        adapter = self._loras.adapter(model) if self._loras is not None else None
+        if adapter is None:
+            raise ModelNotFoundError(model)
+        return adapter
 
     def _out_of_vocab(self, token_ids: Sequence[int]) -> list[int]:
         return [t for t in token_ids if not 0 <= t < self._vocab_size]
@@ -208,7 +209,7 @@ class Preprocessor:
         request_id: str | None,
         echo_text: str | None = None,
         tools: ToolSession | None = None,
-        lora_name: str | None = None,
+        lora: LoraAdapter | None = None,
     ) -> GenerationRequest:
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -219,8 +220,8 @@ class Preprocessor:
                 max_model_len=self.max_model_len,
             )
         sampling = _sampling_spec(body, max_tokens, _structured(body, tools))
-        if lora_name is not None:
-            sampling = replace(sampling, lora_name=lora_name)
+        if lora is not None:  # its exact identity: the request runs that folder or none
+            sampling = replace(sampling, lora_name=lora.name, lora_path=lora.path)
         n = body.n or 1
         self._check_sampling(n, sampling)
         prefix = "cmpl" if endpoint == "completions" else "chatcmpl"
@@ -229,7 +230,8 @@ class Preprocessor:
             request_id=f"{response_id}.{secrets.token_hex(16)}",
             response_id=response_id,
             endpoint=endpoint,
-            model=lora_name or self.served_model_name,  # vLLM answers with the adapter's
+            # vLLM answers with the adapter's name
+            model=lora.name if lora is not None else self.served_model_name,
             prompt_token_ids=tuple(prompt_ids),
             sampling=sampling,
             stop=body.stop_strings,

@@ -1,0 +1,95 @@
+"""A request's exact LoRA adapter (name and folder) through the dispatcher, on scripted
+gRPC workers: placed only on workers serving that folder, a worker that serves the name
+from another folder (a refit half done) refuses it ABORTED and the request goes on
+elsewhere, the n>1 sibling follows only a worker serving it. The cluster fixture's leak
+check runs after each test."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from unit.dispatch_cluster import PROMPT, Cluster, collect, running_cluster, spec, tokens
+from unit.fake_worker import FakeWorkerServicer
+
+from pdserve.core.lora import LoraAdapter
+from pdserve.core.types import SamplingSpec
+from pdserve.router.dispatch.base import NoWorkerAvailableError
+from pdserve.router.dispatch.workers.breaker import BreakerConfig, CircuitBreaker
+from pdserve.router.dispatch.workers.pool import Worker
+
+SQL = LoraAdapter("sql", "/adapters/sql")
+SQL2 = LoraAdapter("sql", "/adapters/sql-2")  # the same name, another folder: a refit
+MIGRATIONS = "pdserve:migrations_total"
+
+
+def under(adapter: LoraAdapter, max_tokens: int = 4) -> SamplingSpec:
+    return replace(spec(max_tokens), lora_name=adapter.name, lora_path=adapter.path)
+
+
+def serving(c: Cluster, decode_adapters: tuple[LoraAdapter, LoraAdapter]) -> list[Worker]:
+    """The prefill serves SQL, the decodes (pool order) ``decode_adapters``."""
+    c.p.loras = {"sql": SQL}
+    by_endpoint = {d.endpoint: d.servicer for d in c.decodes}
+    workers = list(c.pool.decode)
+    for worker, adapter in zip(workers, decode_adapters, strict=True):
+        by_endpoint[worker.snapshot().endpoint].loras = {adapter.name: adapter}
+    return workers
+
+
+def servicer_of(c: Cluster, worker: Worker) -> FakeWorkerServicer:
+    return {d.endpoint: d.servicer for d in c.decodes}[worker.snapshot().endpoint]
+
+
+async def test_requests_go_only_where_their_exact_folder_is_served() -> None:
+    async with running_cluster(num_decode=2) as c:
+        old, new = serving(c, (SQL, SQL2))
+        await c.pool.refresh_all()
+        for i in range(4):  # round robin would use both
+            chunks = await collect(c.dispatcher.generate(f"r{i}", PROMPT, under(SQL2)))
+            assert len(tokens(chunks)) == 4
+        assert servicer_of(c, old).generates == []
+        assert len(servicer_of(c, new).generates) == 4
+        assert c.p.generates == []  # the prefill serves the old folder: decode alone
+        for d in c.decodes:
+            d.servicer.loras.clear()
+        await c.pool.refresh_all()
+        with pytest.raises(NoWorkerAvailableError):
+            await collect(c.dispatcher.generate("r9", PROMPT, under(SQL2)))
+
+
+async def test_a_worker_on_another_folder_refuses_and_the_request_goes_on_elsewhere(
+) -> None:
+    """Its snapshot still says the old folder (a refit landed since): it refuses ABORTED,
+    the request is continued on the other worker, whole."""
+    async with running_cluster(num_decode=2) as c:
+        first, second = serving(c, (SQL, SQL))
+        await c.pool.refresh_all()
+        servicer_of(c, first).loras = {"sql": SQL2}  # refit there; no probe since
+        before = c.registry.get_sample_value(MIGRATIONS, {"reason": "aborted"}) or 0.0
+        chunks = await collect(c.dispatcher.generate("r1", PROMPT, under(SQL)))
+        assert len(tokens(chunks)) == 4 and chunks[-1].finish_reason == "length"
+        assert servicer_of(c, first).lora_refusals == 1
+        assert len(servicer_of(c, second).generates) == 1
+        assert c.registry.get_sample_value(MIGRATIONS, {"reason": "aborted"}) == before + 1
+        assert first.snapshot().healthy
+
+
+async def test_the_sibling_follows_only_a_worker_serving_its_folder() -> None:
+    async with running_cluster(num_decode=2) as c:
+        old, new = serving(c, (SQL, SQL2))
+        await c.pool.refresh_all()
+        affinity = old.snapshot().worker_id
+        chunks = await collect(c.dispatcher.generate("r1", PROMPT, under(SQL2),
+                                                     affinity=affinity))
+        assert len(tokens(chunks)) == 4
+        assert servicer_of(c, old).generates == []
+        chunks = await collect(c.dispatcher.generate("r2", PROMPT, under(SQL),
+                                                     affinity=affinity))
+        assert len(servicer_of(c, old).generates) == 1  # it serves that one: followed
+
+
+def test_a_refusal_for_another_folder_does_not_count_against_the_worker() -> None:
+    breaker = CircuitBreaker(BreakerConfig(threshold=1, base_backoff_s=1, max_backoff_s=1))
+    assert not breaker.on_failure("ABORTED") and breaker.num_failures == 0
+    assert breaker.on_failure("INTERNAL")  # a failure of the worker's own still does
