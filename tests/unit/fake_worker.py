@@ -70,6 +70,7 @@ class WorkerScript:
     # The cluster KV store its Health names ("": none), and a block's lifetime there.
     kv_store_id: str = ""
     kv_store_ttl_s: float = 0.0
+    weight_version: str = "default"  # the weights version its Health reports
 
 STOP_TIMEOUT_S = 5.0
 
@@ -99,6 +100,7 @@ class GenerateRecord:
     num_output_in_prompt: int = 0
     prompt_logprobs: int | None = None
     pool_source: PoolSource | None = None
+    weight_version: str = ""
 
 
 @dataclass
@@ -134,7 +136,7 @@ class FakeWorkerServicer:
             rid, phase, request.prompt_token_ids, request.kv_handle,
             request.sampling.max_tokens, request.push_target, request.timeout_s,
             request.num_output_in_prompt, request.sampling.prompt_logprobs,
-            request.pool_source))
+            request.pool_source, request.weight_version))
         self.inflight.add(rid)
         try:
             steps = self._prefill(request) if phase == "prefill" else self._decode(request)
@@ -215,7 +217,8 @@ class FakeWorkerServicer:
             block_size=128, max_model_len=4096, transport="tcp",
             compatibility_hash=self.script.compatibility_hash, kv_host="127.0.0.1",
             kv_port=self.script.kv_port, kv_push=self.script.kv_push,
-            kv_store_id=self.script.kv_store_id, kv_store_ttl_s=self.script.kv_store_ttl_s)
+            kv_store_id=self.script.kv_store_id, kv_store_ttl_s=self.script.kv_store_ttl_s,
+            weight_version=self.script.weight_version)
 
     async def load(self) -> WorkerLoadReport:
         return WorkerLoadReport(num_pending_transfers=len(self.leases)
