@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from unit.fakes import ROUTER_MODEL, asgi_http_client, chat_body, cmpl_body, sse_payloads
 from unit.test_weight_updates import MAX_TOKENS, PROMPT, bench, tokens
 
 from pdserve.core.types import SamplingSpec
 from pdserve.router.dispatch.base import TokenChunk
+from pdserve.router.http.app import create_app
 from pdserve.router.http.errors import APIError
 from pdserve.router.http.weight_updates import UpdateFromDiskBody
 
@@ -107,3 +110,38 @@ async def test_finish_weight_update_without_a_version_names_new_weights(
         (version,) = b.versions()
         assert version.startswith("default@")  # a new salt: no old KV matches
         assert (await b.run("r0"))[0].weight_version == version
+
+
+@pytest.mark.parametrize(("endpoint", "stream"), [
+    ("completions", False), ("completions", True), ("chat/completions", False),
+    ("chat/completions", True)])
+async def test_usage_names_the_version_of_each_span_of_tokens(
+        tmp_path: Path, tokenizer: Any, endpoint: str, stream: bool) -> None:
+    """A request that crosses a ``keep`` refit reports two spans, where it switched;
+    every other response one, covering all its tokens."""
+    body: dict[str, Any] = {"max_tokens": MAX_TOKENS, "stream": stream, "ignore_eos": True,
+                            "return_token_ids": True, "temperature": 0}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    body |= cmpl_body() if endpoint == "completions" else chat_body()
+    async with bench(tmp_path) as b:
+        app = create_app(served_model_name=ROUTER_MODEL, max_model_len=4096,
+                         tokenizer=tokenizer, dispatcher=b.sims.dispatcher,
+                         registry=b.sims.registry)
+        async with asgi_http_client(app) as http:
+            plain = await http.post(f"/v1/{endpoint}", json={
+                **body, "stream": False, "stream_options": None})
+            assert plain.status_code == 200, plain.text
+            assert plain.json()["usage"]["weight_versions"] == [
+                {"version": "default", "start": 0, "end": MAX_TOKENS}]
+            call = asyncio.create_task(http.post(f"/v1/{endpoint}", json=body))
+            await asyncio.sleep(0.15)
+            await b.updater.update_from_disk(UpdateFromDiskBody(
+                model_path=str(tmp_path), weight_version="v2", policy="keep"))
+            resp = await asyncio.wait_for(call, 10)
+    assert resp.status_code == 200, resp.text
+    usage = sse_payloads(resp.text)[-2]["usage"] if stream else resp.json()["usage"]
+    first, second = usage["weight_versions"]
+    assert first["version"] == "default" and second["version"] == "v2", usage
+    assert first["start"] == 0 and first["end"] == second["start"] > 0
+    assert second["end"] == usage["completion_tokens"] == MAX_TOKENS

@@ -172,7 +172,7 @@ class OpenAIServing:
             if request.include_usage:
                 usage = formatter.usage(choices.num_completion_tokens,
                                         choices.first.num_cached_tokens,
-                                        decision_of(choices.first))
+                                        decision_of(choices.first), choices.weight_versions())
                 yield sse_event(formatter.usage_event(usage))
         except Exception as exc:  # the stream has started: report in-band
             error = _log_unexpected(exc)
