@@ -45,6 +45,8 @@ class RequestOutput:
         # [version, start, end] of each run of tokens one version produced (a kept
         # request that crossed a refit has two).
         self.weight_spans: list[list[str | int]] = []
+        self.session_id: str | None = None  # ``X-Session-ID`` (``sessions.py``)
+        self.decode_worker_id: str | None = None  # the last decode worker that generated
         self.logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs: tuple[TokenLogprobs, ...] = ()
         self._texts: list[str] = []
@@ -66,6 +68,8 @@ class RequestOutput:
     def consume(self, chunk: TokenChunk) -> OutputDelta:
         """Add a chunk; chunks after the end (there should be none) add nothing."""
         self._observe(chunk)
+        if chunk.decode_worker_id is not None:
+            self.decode_worker_id = chunk.decode_worker_id
         if self.finish_reason is not None:
             return OutputDelta("", [], None, self.index)
         if chunk.finish_reason in ("error", "abort") and not chunk.ended_by_update:
