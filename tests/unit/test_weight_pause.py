@@ -139,9 +139,22 @@ async def test_usage_names_the_version_of_each_span_of_tokens(
             await b.updater.update_from_disk(UpdateFromDiskBody(
                 model_path=str(tmp_path), weight_version="v2", policy="keep"))
             resp = await asyncio.wait_for(call, 10)
-    assert resp.status_code == 200, resp.text
-    usage = sse_payloads(resp.text)[-2]["usage"] if stream else resp.json()["usage"]
-    first, second = usage["weight_versions"]
-    assert first["version"] == "default" and second["version"] == "v2", usage
-    assert first["start"] == 0 and first["end"] == second["start"] > 0
-    assert second["end"] == usage["completion_tokens"] == MAX_TOKENS
+            assert resp.status_code == 200, resp.text
+            if stream:
+                events = sse_payloads(resp.text)[:-1]
+                usage, prompt = events[-1]["usage"], events[0]["prompt_token_ids"]
+                ids = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+            else:
+                usage, prompt = resp.json()["usage"], resp.json()["prompt_token_ids"]
+                ids = resp.json()["choices"][0]["token_ids"]
+            first, second = usage["weight_versions"]
+            assert first["version"] == "default" and second["version"] == "v2", usage
+            assert first["start"] == 0 and first["end"] == second["start"] > 0
+            assert second["end"] == usage["completion_tokens"] == len(ids) == MAX_TOKENS
+            kept = int(first["end"])
+            assert ids[:kept] == plain.json()["choices"][0]["token_ids"][:kept]
+            rest = [t async for c in b.sims.dispatcher.generate(  # the new weights after them
+                "ref", (*prompt, *ids[:kept]), SamplingSpec(
+                    max_tokens=MAX_TOKENS - kept, temperature=0.0, ignore_eos=True))
+                for t in c.token_ids]
+            assert ids[kept:] == rest

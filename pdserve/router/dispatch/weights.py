@@ -76,6 +76,9 @@ class Ticket:
     sent: bool = False
     aborted: bool = False
     kept: bool = False
+    # Every token of the request that went out, under any ticket (the express lane's
+    # too: ``phases.py`` adds those): where a kept request goes on from.
+    tokens: list[int] = field(default_factory=list)
 
 
 class UpdateAborted(Exception):
@@ -225,6 +228,7 @@ async def versioned(gate: WeightGate, request_id: str, deadline: Deadline,
     sent: list[int] = []
     while True:
         async with gate.admitted(request_id, deadline) as ticket:
+            ticket.tokens = sent
             try:
                 async with contextlib.aclosing(run(ticket, tuple(sent))) as chunks:
                     async for chunk in chunks:
