@@ -58,6 +58,7 @@ COMMIT_SLACK_S = 300.0  # the in-place copy, on top of the drain
 CALL_TIMEOUT_S = 600.0  # vLLM's transfer-engine calls (a broadcast from the trainer)
 OUTCOMES = ("updated", "stage_failed", "commit_failed")
 FOLLOW_S = 0.02  # how often a process looks at what the others did to the gate
+PLACEABLE_WAIT_S = 5.0  # after a commit, for the workers to be in placement again
 
 
 class UpdateFromDiskBody(BaseModel):
@@ -168,11 +169,28 @@ class WeightUpdater:
                                  "serves %s): %s", name, version, r)
             self._pool.set_weight_target(version)
             await asyncio.gather(*(w.refresh(5.0) for w in workers))
+            await self._until_placeable(set(committed), version, PLACEABLE_WAIT_S)
             return {name: committed.get(name, "failed") for name in results}
         finally:
             self._gate.board.set_committing(False)
             self._gate.reopen(self._published(version, committed)
                               if self._pool.weight_target == version else None)
+
+    async def _until_placeable(self, worker_ids: set[str], version: str,
+                               timeout_s: float) -> None:
+        """Until every worker that committed is in placement on ``version`` (a worker
+        re-registers after a commit: the pool's new member is probed first), or
+        ``timeout_s``: requests admitted at the reopening find them."""
+        deadline = time.monotonic() + timeout_s
+        ready: set[str] = set()
+        while time.monotonic() < deadline:
+            ready = {s.worker_id for s in (w.snapshot() for w in self._pool.all)
+                     if s.healthy and s.weight_version == version}
+            if worker_ids <= ready:
+                return
+            await asyncio.sleep(0.02)
+        logger.warning("workers %s not in placement on %s %.1f s after the commit",
+                       sorted(worker_ids - ready), version, timeout_s)
 
     def _published(self, version: str, workers: dict[str, str]) -> Published:
         source = self._source[1] if self._source and self._source[0] == version else ""
