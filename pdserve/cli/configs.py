@@ -147,6 +147,7 @@ def router_config(args: argparse.Namespace, model: ResolvedModel) -> RouterConfi
             tls_files(args), etcd_auth(args), args.cluster_secret_file),
         cluster_secret_file=args.cluster_secret_file, tls=tls_files(args),
         planner=planner_config(args), tools=tool_config(args), reuse_port=args.reuse_port,
+        weight_board=args.weight_board,
     )
 
 

@@ -307,6 +307,9 @@ FLAGS = _flags(
          1.0, parse_float(0, strict=True)),
     Flag("tenant-ledger", "set by --processes for its processes: the file (in /dev/shm) "
          "of the tenants' limit state they share", metavar="PATH"),
+    Flag("weight-board", "set by --processes for its processes: the file (in /dev/shm) "
+         "of the weights state they share (the gate a refit or /pause closes in all of "
+         "them, the version they admit under)", metavar="PATH"),
     Flag("admin-port", "the admin plane's listener (0: none): the views (/metrics with "
          "every series, /workers, /prefix_index), the admin actions (pause, abort_requests, "
          "weight updates, POST /admin/workers/{id}/role) and /health; with an admin key every "

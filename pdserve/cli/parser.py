@@ -41,8 +41,8 @@ EDGE = ("api-key", "api-key-file", "admin-port", "admin-host", "admin-key", "adm
 ROUTER = ("host", "port", "prefill", "decode", "workers-file", "placement", "kv-pool",
           "decode-cache",
           "served-model-name", "log-timeline", "disable-metrics", "max-migrations",
-          "request-timeout-s", "grpc-keepalive-s", "processes", "reuse-port", "tenant-ledger"
-          ) + DISAGG + EDGE + OPENAI
+          "request-timeout-s", "grpc-keepalive-s", "processes", "reuse-port", "tenant-ledger",
+          "weight-board") + DISAGG + EDGE + OPENAI
 UP = ("host", "port", "num-prefill", "num-decode", "placement", "kv-pool", "decode-cache",
       "cpu-layout",
       "with-etcd", "with-redis", "redis-maxmemory",

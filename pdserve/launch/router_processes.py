@@ -10,9 +10,13 @@ limits hold exactly, whole: this process creates their state (a ``TenantLedger``
 small file in ``/dev/shm``) before it starts the processes, and every process maps it
 (``--tenant-ledger``) and counts each tenant's sequences and tokens there, under a lock
 held for microseconds; a process that dies frees its slots (``tenants/ledger.py``).
-The ledger file goes when this process ends. Each process serves its admin listener
-(its ``/metrics``: one scrape target per process, summed by Prometheus) on
-``--admin-port + i``, and only process 0 may run (or campaign for) the planner.
+The ledger file goes when this process ends. So does the weights board
+(``--weight-board``, ``dispatch/weight_board.py``), made the same way: a weight update or
+vLLM's ``/pause`` through any process closes every process's gate, drains or aborts every
+process's requests, commits once, and every process admits under the new version.
+Each process serves its admin listener (its ``/metrics``: one scrape target per
+process, summed by Prometheus) on ``--admin-port + i``, and only process 0 may run
+(or campaign for) the planner.
 
 This process only supervises: each child is the same command line with those
 overrides, restarted if it dies (``supervisor.py``); SIGTERM drains them all.
@@ -29,6 +33,7 @@ from pathlib import Path
 from types import FrameType
 
 from pdserve.launch.supervisor import ChildSpec, RestartPolicy, Supervisor
+from pdserve.router.dispatch.weight_board import WeightBoard
 from pdserve.router.http.tenants.accounts import num_tenants
 from pdserve.router.http.tenants.ledger import TenantLedger, ledger_path
 from pdserve.router.server import RouterConfig
@@ -44,7 +49,7 @@ def share(total: int, num: int, index: int) -> int:
 
 
 def child_argv(argv: Sequence[str], config: RouterConfig, num: int, index: int,
-               ledger: Path) -> list[str]:
+               ledger: Path, board: Path | None = None) -> list[str]:
     """Process ``index``'s command line: the router's own, then its overrides (argparse
     keeps the last value of a flag, and a flag wins over ``PDSERVE_*``)."""
     edge = config.edge
@@ -52,6 +57,7 @@ def child_argv(argv: Sequence[str], config: RouterConfig, num: int, index: int,
                  "--max-concurrent-requests", str(share(edge.max_concurrent, num, index)),
                  "--max-queued-requests", str(share(edge.max_queued, num, index)),
                  "--tenant-ledger", str(ledger),
+                 *(("--weight-board", str(board)) if board is not None else ()),
                  "--admin-port", str(edge.admin_port + index if edge.admin_port else 0)]
     if index > 0:
         overrides += ["--planner", "off"]
@@ -75,16 +81,19 @@ def run_router_processes(argv: Sequence[str], config: RouterConfig, num: int,
     SIGINT (then drain and stop them all). Their output is this process's."""
     check(config, num)
     ledger = ledger_path()
+    board = ledger.with_name(ledger.name.replace("pdserve-tenants-", "pdserve-weights-"))
     TenantLedger.create(ledger, num_tenants(config.edge), num)
+    WeightBoard.create(board, num)
     try:
-        return _supervise(argv, config, num, log_dir, ledger)
+        return _supervise(argv, config, num, log_dir, ledger, board)
     finally:
         ledger.unlink(missing_ok=True)
+        board.unlink(missing_ok=True)
 
 
 def _supervise(argv: Sequence[str], config: RouterConfig, num: int, log_dir: Path | None,
-               ledger: Path) -> int:
-    specs = [ChildSpec(f"router-{i}", child_argv(argv, config, num, i, ledger),
+               ledger: Path, board: Path) -> int:
+    specs = [ChildSpec(f"router-{i}", child_argv(argv, config, num, i, ledger, board),
                        log_dir / f"router-{i}.log" if log_dir else _STDERR,
                        fresh_log=log_dir is not None) for i in range(num)]
     supervisor = Supervisor(specs, RestartPolicy())

@@ -39,6 +39,7 @@ from pdserve.router.dispatch.policies.planner import PlannerConfig
 from pdserve.router.dispatch.prefix.index import PrefixIndex
 from pdserve.router.dispatch.prefix.kv_feed import KvIndexFeeder
 from pdserve.router.dispatch.prefix.routing import PrefixRouting
+from pdserve.router.dispatch.weight_board import WeightBoard
 from pdserve.router.dispatch.workers.metrics import register_pool_metrics
 from pdserve.router.dispatch.workers.pool import WorkerPool
 from pdserve.router.http.admin.actions import admin_actions
@@ -86,6 +87,9 @@ class RouterConfig:
     tls: TlsFiles = TlsFiles()  # gRPC to workers over TLS when set
     planner: PlannerConfig = PlannerConfig()  # roles by load (dispatch/policies/planner.py)
     reuse_port: bool = False  # bind with SO_REUSEPORT (one of --processes on one port)
+    # The weights state the processes of ``--processes N`` share (``dispatch/weight_board``),
+    # set by their parent; None: this process's own memory.
+    weight_board: str | None = None
     tools: ToolConfig = ToolConfig()  # tool calling with vLLM's parser (http/openai/tool_calls.py)
 
     def __post_init__(self) -> None:
@@ -163,7 +167,9 @@ def build_router(config: RouterConfig, tokenizer: Any) -> Router:
     dispatcher = PDDispatcher(pool, create_placement(config.placement), registry,
                               config.request_timeout_s, PrefixRouting(index, registry,
                                                                         pool=config.kv_pool),
-                              config.disagg, config.migration, demand)
+                              config.disagg, config.migration, demand,
+                              WeightBoard.open(Path(config.weight_board))
+                              if config.weight_board else None)
     switcher = RoleSwitcher(pool, registry)
     election = create_election(config.membership, config.planner.enabled,
                                f"{socket.gethostname()}:{config.port}:{os.getpid()}")

@@ -73,6 +73,7 @@ class WorkerScript:
     # The cluster KV store its Health names ("": none), and a block's lifetime there.
     kv_store_id: str = ""
     kv_store_ttl_s: float = 0.0
+    weight_version: str = "default"  # the weights version its Health reports
 
 STOP_TIMEOUT_S = 5.0
 
@@ -102,6 +103,7 @@ class GenerateRecord:
     num_output_in_prompt: int = 0
     prompt_logprobs: int | None = None
     pool_source: PoolSource | None = None
+    weight_version: str = ""
 
 
 @dataclass
@@ -142,7 +144,7 @@ class FakeWorkerServicer:
             rid, phase, request.prompt_token_ids, request.kv_handle,
             request.sampling.max_tokens, request.push_target, request.timeout_s,
             request.num_output_in_prompt, request.sampling.prompt_logprobs,
-            request.pool_source))
+            request.pool_source, request.weight_version))
         self.inflight.add(rid)
         try:
             steps = self._prefill(request) if phase == "prefill" else self._decode(request)
@@ -224,7 +226,8 @@ class FakeWorkerServicer:
             compatibility_hash=self.script.compatibility_hash, kv_host="127.0.0.1",
             kv_port=self.script.kv_port, kv_push=self.script.kv_push,
             kv_store_id=self.script.kv_store_id, kv_store_ttl_s=self.script.kv_store_ttl_s,
-            loras=tuple(self.loras.values()))
+            loras=tuple(self.loras.values()),
+            weight_version=self.script.weight_version)
 
     def _check_lora(self, request: PhaseRequest) -> None:
         """As ``worker/lora.LoraTable``: an adapter it does not serve is INVALID_ARGUMENT,

@@ -25,6 +25,7 @@ from pdserve.router.dispatch.policies.placement import create_placement
 from pdserve.router.dispatch.prefix.index import PrefixIndex
 from pdserve.router.dispatch.prefix.kv_feed import KvIndexFeeder
 from pdserve.router.dispatch.prefix.routing import PrefixRouting
+from pdserve.router.dispatch.weight_board import WeightBoard
 from pdserve.router.dispatch.workers.pool import WorkerPool
 from pdserve.worker.servicer import start_worker_server
 from pdserve.worker.sim_engine import SimConfig, SimEngine
@@ -52,9 +53,11 @@ class SimCluster:
 
 @contextlib.asynccontextmanager
 async def sim_cluster(workers: Sequence[tuple[str, Role]], disagg: DisaggConfig,
+                      weight_board: WeightBoard | None = None,
                       **sim: Any) -> AsyncIterator[SimCluster]:
-    """``workers``: (id, role) each; ``sim``: the ``SimConfig`` fields they share. Yields
-    once the index has resynced from every worker."""
+    """``workers``: (id, role) each; ``sim``: the ``SimConfig`` fields they share;
+    ``weight_board``: the router's (one of several processes). Yields once the index has
+    resynced from every worker."""
     servers, engines = [], {}
     endpoints: dict[str, list[str]] = {"prefill": [], "decode": []}
     for wid, role in workers:
@@ -66,7 +69,8 @@ async def sim_cluster(workers: Sequence[tuple[str, Role]], disagg: DisaggConfig,
     index, registry = PrefixIndex(), CollectorRegistry()
     feeder = KvIndexFeeder(lambda: [*pool.prefill, *pool.decode], index, registry)
     dispatcher = PDDispatcher(pool, create_placement("cache_aware"), registry, 10.0,
-                              PrefixRouting(index, registry), disagg)
+                              PrefixRouting(index, registry), disagg,
+                              weight_board=weight_board)
     await pool.start()
     await feeder.start()
     try:

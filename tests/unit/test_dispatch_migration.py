@@ -228,6 +228,33 @@ async def test_a_continuation_that_loads_kv_needs_the_same_hash(pd2: Cluster) ->
                      "abort on the failed decode and on prefill")
 
 
+async def test_a_continuation_names_the_weights_version(pd2: Cluster) -> None:
+    d1, d2 = servicers(pd2)
+    pd2.dispatcher.weights.version = "default"
+    d1.script.fail_code, d1.script.fail_after_tokens = grpc.StatusCode.UNAVAILABLE, 3
+    chunks = await collect(pd2.dispatcher.generate("r1", PROMPT, spec(MAX_TOKENS)))
+    assert tokens(chunks) == greedy_answer(PROMPT, MAX_TOKENS)
+    (moved,) = d2.generates
+    assert moved.weight_version == "default"
+
+
+async def test_a_continuation_goes_only_to_a_worker_on_its_version(pd2: Cluster) -> None:
+    """A request admitted under version v goes on only on a worker serving v: with the
+    other decode worker on another version, it fails over as with none left."""
+    d1, d2 = servicers(pd2)
+    pd2.dispatcher.weights.version = "default"
+    d2.script.weight_version = "v-other"
+    await pd2.pool.refresh_all()
+    d1.script.fail_code, d1.script.fail_after_tokens = grpc.StatusCode.UNAVAILABLE, 3
+    chunks = pd2.dispatcher.generate("r1", PROMPT, spec(MAX_TOKENS))
+    assert tokens(await take(chunks, 4)) == greedy_answer(PROMPT, 4)
+    with pytest.raises(WorkerFailedError, match="no other compatible healthy decode"):
+        await asyncio.wait_for(anext(chunks), WAIT_S)
+    assert d2.generates == [] and refused(pd2, "no_worker") == 1
+    await eventually(lambda: d1.aborts == ["r1"] and pd2.p.aborts == ["r1"], WAIT_S,
+                     "abort on the failed decode and on prefill")
+
+
 # ---- when it must not, or cannot, migrate ---------------------------------------------------
 
 

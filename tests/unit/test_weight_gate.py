@@ -12,6 +12,7 @@ import pytest
 from unit.fakes import ROUTER_MODEL, chat_body, cmpl_body
 
 from pdserve.router.dispatch.base import Deadline, DeadlineExceededError
+from pdserve.router.dispatch.weight_board import Published
 from pdserve.router.dispatch.weights import WeightGate
 from pdserve.router.http.openai.preprocess import Preprocessor
 from pdserve.router.http.openai.schemas import ChatCompletionRequest, CompletionRequest
@@ -29,7 +30,7 @@ async def test_a_request_arriving_during_an_update_runs_under_the_new_version() 
     task = asyncio.create_task(request())
     await asyncio.sleep(0.05)
     assert admitted == [] and gate.paused
-    gate.reopen("v2")
+    gate.reopen(Published("v2"))
     await asyncio.wait_for(task, 1)
     assert admitted == ["v2"] and not gate.paused
 

@@ -35,6 +35,7 @@ from pdserve.router.dispatch.policies.placement import Placement
 from pdserve.router.dispatch.prefix.routing import PrefixRouting
 from pdserve.router.dispatch.route import RouteChooser
 from pdserve.router.dispatch.timeline import RequestTimeline, TimelineRecorder
+from pdserve.router.dispatch.weight_board import WeightBoard
 from pdserve.router.dispatch.weights import Ticket, WeightGate, versioned
 from pdserve.router.dispatch.workers.pool import Worker, WorkerPool
 
@@ -54,15 +55,24 @@ def _decode_request(request_id: str, prompt: Sequence[int], sampling: SamplingSp
         weight_version=version)
 
 
+def _rest(sampling: SamplingSpec, sent: Sequence[int]) -> SamplingSpec:
+    """A kept request's sampling when it goes on after ``sent`` tokens (its prompt
+    logprobs went out with the first chunk)."""
+    if not sent:
+        return sampling
+    return replace(sampling, max_tokens=sampling.max_tokens - len(sent), prompt_logprobs=None)
+
+
 class PDDispatcher:
     def __init__(
         self, pool: WorkerPool, placement: Placement, registry: CollectorRegistry | None,
         request_timeout_s: float = 600.0, prefix: PrefixRouting | None = None,
         disagg: DisaggConfig | None = None, migration: MigrationConfig | None = None,
-        demand: DemandWindow | None = None,
+        demand: DemandWindow | None = None, weight_board: WeightBoard | None = None,
     ) -> None:
         """``demand``: where each request's prompt and output tokens are counted (the
-        planner's measure of the offered load)."""
+        planner's measure of the offered load). ``weight_board``: the weights state the
+        router's processes share (None: this process alone)."""
         self._pool = pool
         self._demand = demand
         self._migration = migration or MigrationConfig()
@@ -78,7 +88,7 @@ class PDDispatcher:
         self._timelines = TimelineRecorder(registry)
         self._timeout = request_timeout_s
         # The weights version requests run under, and the gate an update closes.
-        self.weights = WeightGate()
+        self.weights = WeightGate(board=weight_board or WeightBoard.local())
         # The LoRA adapters served: which ``model`` names one, its folder, the fan-out.
         self.loras = LoraCatalog(pool)
         self._aborts = Aborts()
@@ -97,9 +107,10 @@ class PDDispatcher:
         before any chunk went out runs it again on the new version; after, it ends
         with finish reason ``abort``."""
         deadline = deadline or Deadline.after(self._timeout)
-        chunks = versioned(self.weights, request_id, deadline, lambda ticket: self._generate(
-            request_id, prompt_token_ids, sampling, timeline, deadline, affinity, express,
-            ticket), self._metrics.weight_reruns.inc)
+        chunks = versioned(self.weights, request_id, deadline, lambda ticket, sent: (
+            self._generate(request_id, (*prompt_token_ids, *sent), _rest(sampling, sent),
+                           timeline, deadline, affinity, express, ticket)),
+            self._metrics.weight_reruns.inc)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk

@@ -19,6 +19,11 @@ What carries over and what does not:
 - A request with a ``seed`` (or any sampled request) continues with a fresh generator
   on the new worker: its text is a valid sample, not the bit-for-bit one an
   uninterrupted run would have given.
+- The weights version: the continuation names the request's (``PhaseRequest.weight_version``)
+  and goes only to a worker serving it; a worker on another version refuses it anyway,
+  so a response never mixes versions through a migration. With no worker left on that
+  version (a refit switched them all), the request fails over as with no worker left,
+  unless the refit itself ended it (``weights.py`` decides what then).
 - A failure before the failed worker streamed anything (it died while loading the
   prefill's KV) keeps prefill's KV handle: the next worker pulls the KV (a push aimed
   at the dead one is lost) instead of recomputing the prompt.
@@ -142,10 +147,11 @@ class RequestMigration:
             self._metrics.failed.labels("max_migrations").inc()
             raise MigrationRefused(f"max migrations ({self.num_migrations}) reached")
         keeps_kv = self._sent_this_call == 0 and request.kv_handle is not None
-        # Only a worker serving exactly its adapter (name and folder) continues it.
+        # Only a worker serving exactly its adapter (name and folder) continues it, and
+        # only under the request's weights version.
         lora = wanted_lora(request.sampling.lora_name, request.sampling.lora_path)
         worker = self._pick(failed, [w for w in candidates if w.snapshot().serves(lora)],
-                            same_model=not keeps_kv)
+                            not keeps_kv, request.weight_version)
         if worker is None:
             self._metrics.failed.labels("no_worker").inc()
             raise MigrationRefused("no other compatible healthy decode worker")
@@ -160,16 +166,17 @@ class RequestMigration:
                            prompt_logprobs=prompt_logprobs)
         return Continuation(worker, PhaseRequest(
             request.request_id, "decode", (*self._prompt, *self._sent), sampling,
-            num_output_in_prompt=len(self._sent)), False)
+            num_output_in_prompt=len(self._sent), weight_version=request.weight_version), False)
 
-    def _pick(self, failed: Worker, candidates: Sequence[Worker],
-              same_model: bool) -> Worker | None:
-        """The least busy healthy worker that has not failed this request: of
-        ``failed``'s compatibility hash, else (``same_model``: nothing to load) of its
-        model."""
+    def _pick(self, failed: Worker, candidates: Sequence[Worker], same_model: bool,
+              version: str) -> Worker | None:
+        """The least busy healthy worker that has not failed this request and serves
+        its weights ``version`` ("": any): of ``failed``'s compatibility hash, else
+        (``same_model``: nothing to load) of its model."""
         was = failed.snapshot()
         states = [(w, w.snapshot()) for w in candidates if w not in self._failed]
-        healthy = [(s.num_assigned, i, w, s) for i, (w, s) in enumerate(states) if s.healthy]
+        healthy = [(s.num_assigned, i, w, s) for i, (w, s) in enumerate(states)
+                   if s.healthy and (not version or s.weight_version == version)]
         ok = [t for t in healthy if t[3].compatibility_hash == was.compatibility_hash]
         if not ok and same_model and was.model:
             ok = [t for t in healthy if t[3].model == was.model]

@@ -146,6 +146,7 @@ class Phases:
                     return False
                 timeline.on_decode_tokens(len(token_ids))
                 migration.on_sent(token_ids)
+                ticket.tokens.extend(token_ids)  # a kept request goes on after them
                 lane.taken += len(token_ids)
                 return True
 

@@ -29,14 +29,20 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, Literal, TypeVar
 
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.core.weight_calls import WeightCall, version_set_by
-from pdserve.router.dispatch.weights import WeightGate
+from pdserve.core.weight_calls import (
+    FinishWeightUpdate,
+    UpdateWeightVersion,
+    WeightCall,
+    version_set_by,
+)
+from pdserve.router.dispatch.weight_board import Published, UpdateRunning
+from pdserve.router.dispatch.weights import Ticket, WeightGate
 from pdserve.router.dispatch.workers.client import WorkerCallError
 from pdserve.router.dispatch.workers.pool import Worker, WorkerPool
 from pdserve.router.http.base import APIError
@@ -56,6 +62,8 @@ STAGE_TIMEOUT_S = 600.0  # reading a checkpoint: minutes for a large model
 COMMIT_SLACK_S = 300.0  # the in-place copy, on top of the drain
 CALL_TIMEOUT_S = 600.0  # vLLM's transfer-engine calls (a broadcast from the trainer)
 OUTCOMES = ("updated", "stage_failed", "commit_failed")
+FOLLOW_S = 0.02  # how often a process looks at what the others did to the gate
+PLACEABLE_WAIT_S = 5.0  # after a commit, for the workers to be in placement again
 
 
 class UpdateFromDiskBody(BaseModel):
@@ -64,7 +72,7 @@ class UpdateFromDiskBody(BaseModel):
     model_config = ConfigDict(extra="ignore")  # RL frameworks send SGLang's other fields
     model_path: str = Field(min_length=1)
     weight_version: str | None = Field(None, min_length=1, max_length=200)
-    policy: Literal["drain", "abort"] = "drain"
+    policy: Literal["drain", "abort", "keep"] = "drain"
     drain_timeout_s: float = Field(DEFAULT_DRAIN_TIMEOUT_S, ge=0, le=3600)
     # How long a worker may take to read the checkpoint: past it (a hung worker) the
     # update fails and every worker keeps its version.
@@ -77,6 +85,8 @@ class WeightUpdater:
         self._pool = pool
         self._gate = gate
         self._lock = asyncio.Lock()
+        self._follow_task: asyncio.Task[None] | None = None
+        gate.on_published = self._on_published
         # The last update from a folder (version, path): what a worker that comes up on
         # other weights (a restart, a new one) is brought to before it is placed.
         self._source: tuple[str, str] | None = None
@@ -105,11 +115,12 @@ class WeightUpdater:
                                          f"-{uuid.uuid4().hex[:8]}"
         async with self._exclusive():
             started = time.monotonic()
+            self._gate.follow()
             workers = self._workers()
             await self._stage(workers, body.model_path, version, body.stage_timeout_s)
             staged_s = time.monotonic() - started
+            self._source = (version, body.model_path)  # published with the version
             committed = await self._switch(workers, version, body.policy, body.drain_timeout_s)
-            self._source = (version, body.model_path)
         seconds = time.monotonic() - started
         self._updates.labels("updated").inc()
         logger.info("weights %s from %s on %d workers in %.2f s (staged in %.2f s)", version,
@@ -138,69 +149,144 @@ class WeightUpdater:
 
     async def _switch(self, workers: Sequence[Worker], version: str, policy: str,
                       drain_timeout_s: float) -> dict[str, str]:
-        """Close the gate, end or drain what runs, commit everywhere, reopen on ``version``."""
+        """Close the gate (every router process's), end or drain what runs, commit
+        everywhere, reopen on ``version``."""
         self._gate.close()
+        committed: dict[str, str] = {}
         try:
-            abort = policy == "abort" or not await self._gate.wait_idle(drain_timeout_s)
+            abort = policy != "drain" or not await self._gate.wait_idle(drain_timeout_s)
             if abort:
-                self._gate.abort()
+                await self._gate.abort_everywhere(keep=policy == "keep")
+            self._gate.board.set_committing(True)
             results = await _each(workers, lambda w: w.client.commit_weights(
                 version, abort, 0.0 if abort else drain_timeout_s,
                 drain_timeout_s + COMMIT_SLACK_S))
-            ok = {name: r.weight_version for name, r in results.items()
-                  if not isinstance(r, Exception)}
-            if not ok:
+            committed = {name: r.weight_version for name, r in results.items()
+                         if not isinstance(r, Exception)}
+            if not committed:
                 self._updates.labels("commit_failed").inc()
                 raise ServerError(f"no worker could switch to {version}: "
                                   f"{_first_error(results)}", code="weight_commit_failed")
-            _adopt_versions(workers, ok)
+            _adopt_versions(workers, committed)
             for name, r in results.items():
                 if isinstance(r, Exception):
                     logger.error("worker %s kept its weights (out of placement until it "
                                  "serves %s): %s", name, version, r)
             self._pool.set_weight_target(version)
             await asyncio.gather(*(w.refresh(5.0) for w in workers))
-            return {name: ok.get(name, "failed") for name in results}
+            await self._until_placeable(set(committed), version, PLACEABLE_WAIT_S)
+            return {name: committed.get(name, "failed") for name in results}
         finally:
-            self._gate.reopen(version if self._pool.weight_target == version else None)
+            self._gate.board.set_committing(False)
+            self._gate.reopen(self._published(version, committed)
+                              if self._pool.weight_target == version else None)
+
+    async def _until_placeable(self, worker_ids: set[str], version: str,
+                               timeout_s: float) -> None:
+        """Until every worker that committed is in placement on ``version`` (a worker
+        re-registers after a commit: the pool's new member is probed first), or
+        ``timeout_s``: requests admitted at the reopening find them."""
+        deadline = time.monotonic() + timeout_s
+        ready: set[str] = set()
+        while time.monotonic() < deadline:
+            ready = {s.worker_id for s in (w.snapshot() for w in self._pool.all)
+                     if s.healthy and s.weight_version == version}
+            if worker_ids <= ready:
+                return
+            await asyncio.sleep(0.02)
+        logger.warning("workers %s not in placement on %s %.1f s after the commit",
+                       sorted(worker_ids - ready), version, timeout_s)
+
+    def _published(self, version: str, workers: dict[str, str]) -> Published:
+        source = self._source[1] if self._source and self._source[0] == version else ""
+        return Published(version, source, workers)
+
+    def _on_published(self, state: Published) -> None:
+        """Another router process switched the workers to ``state.version``: place on
+        them under it here too (the workers it names answered its commit)."""
+        self._source = (state.version, state.source) if state.source else None
+        _adopt_versions(self._pool.all, state.workers)
+        self._pool.set_weight_target(state.version)
+        logger.info("weights %s, switched by another router process", state.version)
 
     # ---- vLLM's API ----
 
-    async def pause(self, mode: str) -> None:
-        """vLLM's ``/pause``: ``abort`` ends what runs (a request with no output yet runs
-        again after ``/resume``), ``wait`` lets it finish, ``keep`` only holds new ones."""
+    async def pause(self, mode: str, clear_cache: bool = True,
+                    timeout_s: float = CALL_TIMEOUT_S) -> int:
+        """vLLM's ``/pause``, for every router process: ``abort`` ends what runs (a
+        request with no output yet runs again after ``/resume``), ``wait`` lets it
+        finish (past ``timeout_s`` what still runs is ended, as ``abort``), ``keep``
+        freezes it (ended on the workers; it goes on after ``/resume``, on the weights
+        then served). ``clear_cache`` (not with ``keep``, as in vLLM) empties the
+        workers' prefix caches once nothing runs. The requests ended."""
         if mode not in ("abort", "wait", "keep"):
             raise InvalidRequestError(f"mode must be abort, wait or keep, not {mode!r}",
                                       param="mode")
-        self._gate.close()
-        if mode == "abort":
-            await self.abort_requests(None)
-        elif mode == "wait":
-            await self._gate.wait_idle(CALL_TIMEOUT_S)
+        self._gate.pause()
+        ended = 0
+        if mode == "wait" and not await self._gate.wait_idle(timeout_s):
+            logger.warning("pause: requests still ran after %.1f s: ended", timeout_s)
+            mode = "abort"
+        if mode != "wait":
+            ended = await self._end_everywhere(keep=mode == "keep")
+        if clear_cache and mode != "keep":
+            await self._clear_caches()
+        return ended
 
     def resume(self) -> None:
-        self._gate.reopen()
+        """vLLM's ``/resume``; refused (409) while an update commits: reopening then
+        would admit requests onto weights half switched."""
+        if self._gate.board.committing or self._lock.locked():
+            raise ConflictError("a weight update is being committed: resume after it",
+                                code="weight_update_running")
+        self._gate.resume()
 
     @property
     def paused(self) -> bool:
         return self._gate.paused
 
     async def abort_requests(self, request_ids: Sequence[str] | None) -> int:
-        """End the running requests (all, or those ids) on every worker."""
-        tickets = self._gate.abort(request_ids)
+        """End the running requests (all, in every router process; or those ids, of this
+        process) on every worker."""
+        if request_ids is None:
+            return await self._end_everywhere(keep=False)
+        return await self._abort_on_workers(self._gate.abort(request_ids))
+
+    async def _end_everywhere(self, keep: bool) -> int:
+        return await self._abort_on_workers(await self._gate.abort_everywhere(keep))
+
+    async def _abort_on_workers(self, tickets: Sequence[Ticket]) -> int:
         ids = [t.request_id for t in tickets]
         workers = self._workers(require=False)
         await asyncio.gather(*(_quietly(w.client.abort(i, 5.0)) for w in workers for i in ids))
         return len(ids)
 
+    async def _clear_caches(self) -> None:
+        """Empty every worker's prefix cache and KV tiers, its version kept (vLLM's
+        ``clear_cache``)."""
+        workers = self._workers(require=False)
+        versions = {w.snapshot().worker_id: w.snapshot().weight_version for w in workers}
+        await asyncio.gather(*(_quietly(w.client.engine_weight_call(
+            UpdateWeightVersion(versions[w.snapshot().worker_id]), CALL_TIMEOUT_S))
+            for w in workers if versions[w.snapshot().worker_id]))
+
     async def engine_call(self, call: WeightCall) -> dict[str, str]:
         """One of vLLM's transfer-engine calls on every worker; each one's version after.
         A call that sets a version (``finish_weight_update``, ``update_weight_version``)
         files the workers under it, as an update from disk does."""
+        if isinstance(call, FinishWeightUpdate) and not call.weight_version:
+            # New weights under no name: a version of their own all the same, so the
+            # workers empty their prefix caches and salt what they cache anew.
+            call = FinishWeightUpdate(f"{self._gate.version or 'default'}"
+                                      f"@{uuid.uuid4().hex[:8]}")
         async with self._exclusive():
             workers = self._workers()
-            results = await _each(workers, lambda w: w.client.engine_weight_call(
-                call, CALL_TIMEOUT_S))
+            self._gate.board.set_committing(True)
+            try:
+                results = await _each(workers, lambda w: w.client.engine_weight_call(
+                    call, CALL_TIMEOUT_S))
+            finally:
+                self._gate.board.set_committing(False)
             if any(isinstance(r, Exception) for r in results.values()):
                 raise _call_error(call.name, results)
             versions: dict[str, str] = {k: v for k, v in results.items() if isinstance(v, str)}
@@ -209,22 +295,37 @@ class WeightUpdater:
                 self._source = None  # pushed weights: no folder to bring a newcomer to
                 _adopt_versions(workers, versions)
                 self._pool.set_weight_target(str(new))
-                self._gate.version = str(new)
+                self._gate.publish(Published(str(new), "", versions))
                 await asyncio.gather(*(w.refresh(5.0) for w in workers))
             return versions
 
     # ---- workers out of step ----
 
     def start(self, interval_s: float = 2.0) -> None:
-        """Bring workers that come up on other weights to the cluster's (in the background)."""
-        self._catch_up_task = asyncio.get_running_loop().create_task(
-            self._catch_up_loop(interval_s))
+        """Bring workers that come up on other weights to the cluster's, and follow what
+        the router's other processes do to the gate (in the background)."""
+        loop = asyncio.get_running_loop()
+        self._catch_up_task = loop.create_task(self._catch_up_loop(interval_s))
+        self._follow_task = loop.create_task(self._follow_loop())
 
     async def close(self) -> None:
-        if self._catch_up_task is not None:
-            self._catch_up_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._catch_up_task
+        for task in (self._catch_up_task, self._follow_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def _follow_loop(self) -> None:
+        """Another process's abort ends this one's requests on the workers too; its
+        version is adopted (``WeightGate.follow``)."""
+        while True:
+            await asyncio.sleep(FOLLOW_S)
+            try:
+                tickets = self._gate.follow()
+                if tickets:
+                    await self._abort_on_workers(tickets)
+            except Exception:  # noqa: BLE001 - the next round tries again
+                logger.exception("following the other router processes' weights failed")
 
     async def _catch_up_loop(self, interval_s: float) -> None:
         while True:
@@ -243,7 +344,12 @@ class WeightUpdater:
         stale = [w for w in self._pool.all if w.stale_weights]
         if not stale:
             return []
-        async with self._lock:
+        with contextlib.suppress(ConflictError):  # another process runs an update
+            return await self._catch_up(stale, version, path)
+        return []
+
+    async def _catch_up(self, stale: Sequence[Worker], version: str, path: str) -> list[str]:
+        async with self._exclusive():
             done = []
             for worker in stale:
                 name = worker.snapshot().worker_id
@@ -261,10 +367,17 @@ class WeightUpdater:
 
     # ---- helpers ----
 
-    def _exclusive(self) -> asyncio.Lock:
+    @contextlib.asynccontextmanager
+    async def _exclusive(self) -> AsyncIterator[None]:
+        """One update at a time in the whole router (every process); 409 otherwise."""
         if self._lock.locked():
             raise ConflictError("a weight update is already running", code="weight_update_running")
-        return self._lock
+        async with self._lock:
+            try:
+                with self._gate.board.update_lock():
+                    yield
+            except UpdateRunning as exc:
+                raise ConflictError(str(exc), code="weight_update_running") from exc
 
     def _workers(self, require: bool = True) -> list[Worker]:
         workers = [w for w in self._pool.all if w.snapshot().worker_id]

@@ -71,7 +71,7 @@ def weight_actions(weights: WeightUpdater) -> APIRouter:
 
     @router.post("/pause")
     async def pause(query: Annotated[PauseQuery, Query()]) -> dict[str, Any]:
-        await weights.pause(query.mode)
+        await weights.pause(query.mode, query.clear_cache, query.timeout)
         return {"status": "paused"}
 
     @router.post("/resume")

@@ -28,6 +28,9 @@ class PauseQuery(BaseModel):
     model_config = ConfigDict(extra="forbid")
     mode: Literal["abort", "wait", "keep"] = "abort"
     clear_cache: bool = True
+    # ``wait``: how long running requests may take to finish; past it they are ended
+    # (as ``abort``). vLLM's ``/pause`` waits without a bound; a router's cannot.
+    timeout: float = Field(600.0, gt=0, le=3600)
 
 
 class AbortRequestsBody(_Lenient):

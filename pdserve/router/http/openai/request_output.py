@@ -42,6 +42,11 @@ class RequestOutput:
         self.num_cached_tokens = 0
         self.disagg: DisaggDecision | None = None
         self.weight_version: str | None = None  # from the first chunk
+        # [version, start, end] of each run of tokens one version produced (a kept
+        # request that crossed a refit has two).
+        self.weight_spans: list[list[str | int]] = []
+        self.session_id: str | None = None  # ``X-Session-ID`` (``sessions.py``)
+        self.decode_worker_id: str | None = None  # the last decode worker that generated
         self.logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs: tuple[TokenLogprobs, ...] = ()
         self._texts: list[str] = []
@@ -63,6 +68,8 @@ class RequestOutput:
     def consume(self, chunk: TokenChunk) -> OutputDelta:
         """Add a chunk; chunks after the end (there should be none) add nothing."""
         self._observe(chunk)
+        if chunk.decode_worker_id is not None:
+            self.decode_worker_id = chunk.decode_worker_id
         if self.finish_reason is not None:
             return OutputDelta("", [], None, self.index)
         if chunk.finish_reason in ("error", "abort") and not chunk.ended_by_update:
@@ -81,6 +88,7 @@ class RequestOutput:
             self.finish_reason = chunk.finish_reason
         self._texts.append(text)
         new_ids = self.token_ids[before:]
+        self._span(chunk.weight_version, len(new_ids))
         positions = chunk.logprobs[:len(new_ids)]
         self.logprobs.extend(positions)
         if chunk.prompt_logprobs:
@@ -98,7 +106,18 @@ class RequestOutput:
             return ""
         text = self.detokenizer.add_plain(token_ids)
         self._texts.append(text)
+        self._span(None, len(token_ids))
         return text
+
+    def _span(self, version: str | None, num_tokens: int) -> None:
+        """``num_tokens`` more tokens, of ``version`` (None: the last span's)."""
+        spans = self.weight_spans
+        if version is None or (spans and spans[-1][0] == version):
+            if spans:
+                spans[-1][2] = int(spans[-1][2]) + num_tokens
+            return
+        end = int(spans[-1][2]) if spans else 0
+        spans.append([version, end, end + num_tokens])
 
     def final(self) -> ChoiceOutput:
         return ChoiceOutput(self.text, self.token_ids, self.check_finished(), self.index,
@@ -186,7 +205,15 @@ class Choices:
 
     def final(self) -> FinalOutput:
         return FinalOutput([o.final() for o in self.outputs], self.first.num_cached_tokens,
-                           decision_of(self.first))
+                           decision_of(self.first), self.weight_versions())
+
+    def weight_versions(self) -> list[dict[str, str | int]] | None:
+        """``usage.weight_versions``: each choice's spans (with its index when ``n`` > 1);
+        None when no worker named a version."""
+        many = len(self.outputs) > 1
+        spans = [{"version": v, "start": s, "end": e, **({"index": o.index} if many else {})}
+                 for o in self.outputs for v, s, e in o.weight_spans]
+        return spans or None
 
     @property
     def num_completion_tokens(self) -> int:

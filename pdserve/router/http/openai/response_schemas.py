@@ -42,21 +42,28 @@ class _Response(BaseModel):
 
 
 class Usage(_Response):
-    """OpenAI's usage, plus pdserve's extension ``pdserve_disagg`` ("local": decode
+    """OpenAI's usage, plus pdserve's extensions ``pdserve_disagg`` ("local": decode
     computed the prompt; "remote": a prefill worker did and handed over the KV), present
-    only when the dispatcher reported it."""
+    only when the dispatcher reported it, and ``weight_versions``: the weights version
+    of each span of the completion's tokens (``{"version", "start", "end"}``, token
+    offsets in the choice's completion, end exclusive; ``"index"`` names the choice
+    when ``n`` > 1), present when the workers named their version."""
 
-    _omit_unless_set = frozenset({"pdserve_disagg"})
+    _omit_unless_set = frozenset({"pdserve_disagg", "weight_versions"})
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict[str, int]
     pdserve_disagg: str | None = None
+    weight_versions: list[dict[str, str | int]] | None = None
 
     @classmethod
     def of(cls, num_prompt: int, num_completion: int, num_cached: int,
-           disagg: str | None = None) -> Usage:
-        extension = {} if disagg is None else {"pdserve_disagg": disagg}
+           disagg: str | None = None,
+           weight_versions: list[dict[str, str | int]] | None = None) -> Usage:
+        extension: dict[str, Any] = {} if disagg is None else {"pdserve_disagg": disagg}
+        if weight_versions:
+            extension["weight_versions"] = weight_versions
         return cls(
             prompt_tokens=num_prompt,
             completion_tokens=num_completion,

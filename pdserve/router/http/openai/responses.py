@@ -82,6 +82,7 @@ class FinalOutput:
     choices: Sequence[ChoiceOutput]
     num_cached_tokens: int
     disagg: str | None = None  # "local" / "remote": where the prompt was computed
+    weight_versions: list[dict[str, str | int]] | None = None  # ``Usage.weight_versions``
 
     @property
     def completion_tokens(self) -> int:
@@ -164,9 +165,11 @@ class ResponseFormatter:
         return self._frame
 
     def usage(self, num_completion_tokens: int, num_cached_tokens: int,
-              disagg: str | None = None) -> Usage:
+              disagg: str | None = None,
+              weight_versions: list[dict[str, str | int]] | None = None) -> Usage:
         num_prompt = len(self.request.prompt_token_ids)
-        return Usage.of(num_prompt, num_completion_tokens, num_cached_tokens, disagg)
+        return Usage.of(num_prompt, num_completion_tokens, num_cached_tokens, disagg,
+                        weight_versions)
 
     def response(self, output: FinalOutput) -> Envelope:
         raise NotImplementedError
@@ -228,7 +231,7 @@ class CompletionFormatter(ResponseFormatter):
             **self._token_ids(c.token_ids)) for c in output.choices]
         fields = self._envelope(first=True)
         fields["usage"] = self.usage(output.completion_tokens, output.num_cached_tokens,
-                                     output.disagg)
+                                     output.disagg, output.weight_versions)
         return CompletionResponse(choices=choices, **fields)
 
     def _is_plain(self, delta: OutputDelta) -> bool:
@@ -289,7 +292,7 @@ class ChatFormatter(ResponseFormatter):
         choices = [self._choice(c) for c in output.choices]
         fields = self._envelope(first=True)
         fields["usage"] = self.usage(output.completion_tokens, output.num_cached_tokens,
-                                     output.disagg)
+                                     output.disagg, output.weight_versions)
         return ChatCompletionResponse(choices=choices, **fields)
 
     def _choice(self, c: ChoiceOutput) -> ChatChoice:

@@ -57,6 +57,7 @@ from pdserve.router.http.openai.responses import (
     sse_error,
     sse_event,
 )
+from pdserve.router.http.openai.sessions import SESSION_HEADER, SessionAffinity
 from pdserve.router.http.outcome import CLIENT_CLOSED, outcome_reason, record_outcome
 from pdserve.router.http.tenants.accounts import end_request, on_prompt, on_sequences
 from pdserve.router.metrics import RouterMetrics
@@ -76,6 +77,7 @@ class OpenAIServing:
         self._decoder = decoder
         self._logprob_text = LogprobText(decoder)
         self._metrics = metrics
+        self._sessions = SessionAffinity()
 
     async def serve(self, request: GenerationRequest, http: Request) -> Response:
         on_sequences(http.scope, request.n)  # its tenant's slots for every sequence
@@ -83,6 +85,7 @@ class OpenAIServing:
         outputs = [RequestOutput(request, self._decoder, self._metrics,
                                  http.scope if i == 0 else None, i) for i in range(request.n)]
         on_prompt(http.scope, len(request.prompt_token_ids), outputs)  # the tenant's
+        outputs[0].session_id = http.headers.get(SESSION_HEADER)
         try:
             timeout_s = request_timeout_s(http.headers.get(TIMEOUT_HEADER),
                                           self._request_timeout_s)
@@ -102,7 +105,7 @@ class OpenAIServing:
             chunks = self._dispatcher.generate(
                 request.request_id, request.prompt_token_ids, request.sampling,
                 RequestTimeline(request.request_id, request.arrival_s), deadline=deadline,
-                express=express)
+                affinity=self._sessions.worker_of(outputs[0].session_id), express=express)
             return Choices(outputs, single_choice(chunks), express=express)
 
         def open_choice(index: int, affinity: str | None) -> AsyncGenerator[TokenChunk, None]:
@@ -172,7 +175,7 @@ class OpenAIServing:
             if request.include_usage:
                 usage = formatter.usage(choices.num_completion_tokens,
                                         choices.first.num_cached_tokens,
-                                        decision_of(choices.first))
+                                        decision_of(choices.first), choices.weight_versions())
                 yield sse_event(formatter.usage_event(usage))
         except Exception as exc:  # the stream has started: report in-band
             error = _log_unexpected(exc)
@@ -202,6 +205,8 @@ class OpenAIServing:
         """Log the request's end, record its outcome for the HTTP metrics, and settle its
         tenant's account: before the response's last bytes are written."""
         output = outputs[0]
+        if status == 200:
+            self._sessions.remember(output.session_id, output.decode_worker_id)
         if output.scope is not None:
             record_outcome(output.scope, status, reason)
             end_request(output.scope)
