@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from unit.gloo_trainer import TENSORS, trainer_main
 
 from pdserve.core.ports import free_port
 from pdserve.worker.gloo_transfer import (
@@ -22,15 +23,6 @@ from pdserve.worker.gloo_transfer import (
     dtype_of,
 )
 from pdserve.worker.vllm_plugin import register_gloo_transfer
-
-TENSORS = {"a.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3),
-           "b.bias": torch.tensor([1.5, -2.0], dtype=torch.bfloat16)}
-
-
-def trainer_main(port: int) -> None:
-    trainer = GlooTrainer.open("127.0.0.1", port, world_size=2, timeout_s=60)
-    trainer.send(sorted(TENSORS.items()))
-    trainer.close()
 
 
 class RecordingModel:
