@@ -169,9 +169,10 @@ def test_every_admin_route_refuses_a_tenant_key_and_no_key(plane: Plane) -> None
 
 
 # What each route does with the admin key: a harmless call that succeeds, or (a call that
-# would change the cluster: a reload, a role switch, a version) a body the route refuses
-# as invalid, which only a caller the key let in reaches. The weight-transfer routes are
-# off on this router (404): the transfer router below has them on.
+# would change the cluster: a reload, a role switch, a version, an adapter) a body the
+# route refuses as invalid, which only a caller the key let in reaches. The
+# weight-transfer routes are off on this router (404): the transfer router below has
+# them on.
 HARMLESS: dict[tuple[str, str], tuple[dict[str, Any], int]] = {
     ("GET", "/health"): ({}, 200),
     ("GET", "/metrics"): ({}, 200),
@@ -188,6 +189,8 @@ HARMLESS: dict[tuple[str, str], tuple[dict[str, Any], int]] = {
     ("POST", "/start_weight_update"): ({}, 404),
     ("POST", "/finish_weight_update"): ({}, 404),
     ("POST", "/shutdown_weight_transfer_engine"): ({}, 404),
+    ("POST", "/v1/load_lora_adapter"): ({"json": {"lora_name": "", "lora_path": ""}}, 400),
+    ("POST", "/v1/unload_lora_adapter"): ({"json": {"lora_name": ""}}, 400),
 }
 
 

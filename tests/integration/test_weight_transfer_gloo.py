@@ -11,16 +11,17 @@ it with vLLM's layerwise reload.
 The oracle: one aggregated vLLM engine loaded from the perturbed checkpoint, float32,
 greedy. Before the push the worker's tokens differ from it (the push is what changes
 them); after it they are the same, under the version the finish named. One engine in
-the cluster (``--num-prefill 0``), started after the oracle's has exited."""
+the cluster (``--num-prefill 0``), started while the oracle's loads."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +42,24 @@ VERSION = "v-pushed"
 PROMPTS = (0, 1)  # CASES' short completions
 
 
+@dataclass
+class Pushed:
+    """The perturbed checkpoint, the requests, and the one engine computing its greedy
+    tokens (started first, it loads beside the cluster's engine)."""
+
+    perturbed: Path
+    requests: list[dict[str, Any]]
+    proc: subprocess.Popen[bytes]
+    out: Path
+
+    def expected(self) -> list[list[int]]:
+        assert self.proc.wait(timeout=TIMEOUT_S) == 0, "the perturbed reference failed"
+        return json.loads(self.out.read_text())
+
+
 @pytest.fixture(scope="module")
 def pushed(model_path: Path, tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
-           ) -> tuple[Path, list[dict[str, Any]], list[list[int]]]:
-    """(the perturbed checkpoint, the requests, the perturbed engine's greedy tokens)."""
+           ) -> Iterator[Pushed]:
     folder = tmp_path_factory.mktemp("gloo-weights")
     perturbed = perturb_checkpoint(model_path, folder / "perturbed", seed=3)
     requests = [reference_requests(tokenizer)[i] for i in PROMPTS]
@@ -53,10 +68,9 @@ def pushed(model_path: Path, tokenizer: Any, tmp_path_factory: pytest.TempPathFa
     proc = process.spawn([sys.executable, str(script), str(perturbed), str(folder / "in.json"),
                           str(folder / "out.json"), "float32"], log_path=folder / "engine.log")
     try:
-        assert proc.wait(timeout=TIMEOUT_S) == 0, "the perturbed reference failed"
+        yield Pushed(perturbed, requests, proc, folder / "out.json")
     finally:
         kill_cluster(proc)
-    return perturbed, requests, json.loads((folder / "out.json").read_text())
 
 
 @pytest.fixture
@@ -107,12 +121,12 @@ def _beside(trainer_side: Callable[[], Any], admin_call: Callable[[], httpx.Resp
 
 
 def test_a_trainer_pushes_tensors_through_the_router_into_a_cpu_engine(
-        cluster: Server, pushed: tuple[Path, list[dict[str, Any]], list[list[int]]]) -> None:
+        pushed: Pushed, cluster: Server) -> None:
     from safetensors.torch import load_file
 
     from pdserve.worker.gloo_transfer import GlooTrainer
 
-    perturbed, requests, expected = pushed
+    perturbed, requests, expected = pushed.perturbed, pushed.requests, pushed.expected()
     admin = cluster.admin_url
     before = [_complete(cluster, r) for r in requests]
     assert [tokens for tokens, _ in before] != expected, "the perturbation changed nothing"
