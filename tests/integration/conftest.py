@@ -18,6 +18,7 @@ import pytest
 from integration.clusters import STARTUP_TIMEOUT_S, TCP, ClusterSlot, PdCluster, wanted
 from integration.oracles import EngineRuns, Run, reference_requests, served_run
 from integration.pd_cases import CASES, MODEL
+from integration.refits import Checkpoints, make_checkpoints
 from pdserve_testing import Server, kill_cluster, launch_up
 
 from pdserve.core import process
@@ -84,6 +85,14 @@ def references(reference_runs: Callable[[str], list[list[int]]]) -> list[list[in
 @pytest.fixture(scope="session")
 def reference(references: list[list[int]]) -> list[list[int]]:
     return references[: len(CASES)]
+
+
+@pytest.fixture(scope="session")
+def checkpoints(model_path: Path, tokenizer: Any, references: list[list[int]],
+                tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
+    """The perturbed checkpoint and both versions' greedy tokens (``refits.py``), for every
+    module that refits: its reference engine runs once."""
+    return make_checkpoints(model_path, tokenizer, references, tmp_path_factory.mktemp("weights"))
 
 
 _SLOT = ClusterSlot()

@@ -1,21 +1,18 @@
 """Weight updates on the shared tcp cluster (``TCP``: one prefill, one decode worker,
-vLLM, float32, mutual TLS, etcd): a checkpoint with perturbed weights (made here from the
-default model) goes in through ``POST /update_weights_from_disk`` on the router's admin
-listener, in place.
+vLLM, float32, mutual TLS, etcd): a checkpoint with perturbed weights (the session's,
+``refits.py``, made from the default model) goes in through ``POST
+/update_weights_from_disk`` on the router's admin listener, in place.
 
-The oracle is aggregated vLLM per checkpoint, greedy: the session's ``vllm serve`` for
-the model's own weights (``references``), one engine run on the perturbed checkpoint
-(``reference_engine.py``). After the update, a local and a remote request give the
-perturbed engine's tokens; under streaming load, every response's version
-(``system_fingerprint``, the same on every chunk, and the ``x-weight-version`` header)
-names the checkpoint whose engine gave its tokens. Each test leaves the cluster on the
-model's own weights under vLLM's ``default`` version, as the tests after it expect."""
+The oracle is aggregated vLLM per checkpoint, greedy (``refits.py``). After the update, a
+local and a remote request give the perturbed engine's tokens; under streaming load,
+every response's version (``system_fingerprint``, the same on every chunk, and the
+``x-weight-version`` header) names the checkpoint whose engine gave its tokens. Each test
+leaves the cluster on the model's own weights under vLLM's ``default`` version, as the
+tests after it expect."""
 
 from __future__ import annotations
 
-import json
 import signal
-import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,26 +22,11 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from integration.oracles import reference_requests
-from integration.pd_cases import LOCAL_PREFILL_MAX_TOKENS, MODEL
-from pdserve_testing import Server, kill_cluster, wait_until
-
-from pdserve.bench.checkpoints import perturb_checkpoint
-from pdserve.core import process
+from integration.pd_cases import MODEL
+from integration.refits import ORIGINAL, PERTURBED, Checkpoints, stream, update
+from pdserve_testing import Server, wait_until
 
 pytestmark = pytest.mark.integration
-
-REFERENCE_TIMEOUT_S = 600
-PROMPTS = (0, 1, 2)  # CASES' short completions (decode alone) and the long one (P -> D)
-ORIGINAL, PERTURBED = "default", "v-perturbed"
-
-
-@dataclass(frozen=True)
-class Checkpoints:
-    original: Path
-    perturbed: Path
-    requests: list[dict[str, Any]]  # PROMPTS' reference requests (prompt ids, max_tokens)
-    refs: dict[str, list[list[int]]]  # version -> each request's greedy tokens
 
 
 @dataclass
@@ -57,9 +39,7 @@ class Cluster:
         return self.server.admin_url
 
     def update(self, path: Path, version: str, policy: str = "drain") -> httpx.Response:
-        return httpx.post(f"{self.admin}/update_weights_from_disk", timeout=300,
-                          json={"model_path": str(path), "weight_version": version,
-                                "policy": policy})
+        return update(self.admin, path, version, policy)
 
     def info(self) -> dict[str, Any]:
         return httpx.get(f"{self.admin}/weight_info", timeout=10).json()
@@ -74,28 +54,6 @@ class Cluster:
         body = r.json()
         return (body["choices"][0]["token_ids"], body.get("system_fingerprint", ""),
                 r.headers.get("x-weight-version", ""))
-
-
-@pytest.fixture(scope="module")
-def checkpoints(model_path: Path, tokenizer: Any, references: list[list[int]],
-                tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
-    folder = tmp_path_factory.mktemp("weights")
-    perturbed = perturb_checkpoint(model_path, folder / "perturbed", seed=1)
-    requests = [reference_requests(tokenizer)[i] for i in PROMPTS]
-    assert len(requests[0]["prompt_token_ids"]) < LOCAL_PREFILL_MAX_TOKENS < len(
-        requests[2]["prompt_token_ids"])
-    (folder / "in.json").write_text(json.dumps(requests))
-    script = Path(__file__).with_name("reference_engine.py")
-    proc = process.spawn([sys.executable, str(script), str(perturbed), str(folder / "in.json"),
-                          str(folder / "out.json"), "float32"], log_path=folder / "engine.log")
-    try:
-        assert proc.wait(timeout=REFERENCE_TIMEOUT_S) == 0, "the perturbed reference failed"
-    finally:
-        kill_cluster(proc)
-    refs = {ORIGINAL: [references[i] for i in PROMPTS],
-            PERTURBED: json.loads((folder / "out.json").read_text())}
-    assert refs[ORIGINAL] != refs[PERTURBED], "the perturbation changed nothing"
-    return Checkpoints(model_path, perturbed, requests, refs)
 
 
 @pytest.fixture
@@ -159,41 +117,13 @@ def _worker(server: Server, worker_id: str) -> psutil.Process:
     raise AssertionError(f"no {worker_id} process under up")
 
 
-def _stream(base_url: str, request: dict[str, Any], index: int, out: list[dict[str, Any]]
-            ) -> None:
-    """A streamed greedy completion: its tokens, fingerprints, header, finish, status."""
-    got: dict[str, Any] = {"prompt": index, "tokens": [], "fingerprints": set(),
-                           "finish": None}
-    try:
-        with httpx.stream("POST", base_url + "/completions", timeout=300, json={
-                "model": MODEL, "prompt": request["prompt_token_ids"],
-                "max_tokens": request["max_tokens"], "temperature": 0,
-                "return_token_ids": True, "stream": True}) as resp:
-            got["status"] = resp.status_code
-            got["header"] = resp.headers.get("x-weight-version")
-            for line in resp.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line.removeprefix("data: "))
-                if "error" in event:
-                    got["error"] = event["error"]
-                    continue
-                got["fingerprints"].add(event.get("system_fingerprint"))
-                for choice in event["choices"]:
-                    got["tokens"] += choice.get("token_ids") or []
-                    got["finish"] = choice.get("finish_reason") or got["finish"]
-    except httpx.HTTPError as exc:
-        got["error"] = repr(exc)
-    out.append(got)
-
-
 @pytest.mark.parametrize("policy", ["drain", "abort"])
 def test_a_refit_under_streaming_load_never_mixes_versions(cluster: Cluster,
                                                            policy: str) -> None:
     refs = cluster.ckpt.refs
     reruns_before = cluster.server.metric("pdserve:weight_update_reruns_total")
     results: list[dict[str, Any]] = []
-    threads = [threading.Thread(target=_stream, args=(
+    threads = [threading.Thread(target=stream, args=(
         cluster.server.base_url, cluster.ckpt.requests[i % 3], i % 3, results))
         for i in range(9)]
     for t in threads[:6]:

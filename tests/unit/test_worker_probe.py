@@ -14,12 +14,13 @@ class ScriptedClient:
     def __init__(self, outcomes: list[str | None]) -> None:
         self.outcomes = outcomes
         self.endpoint = "127.0.0.1:1"
+        self.ready = True  # what a good reply says (a worker committing weights: False)
 
     async def health(self, timeout_s: float) -> WorkerHealth:
         code = self.outcomes.pop(0)
         if code is not None:
             raise WorkerCallError(code, "scripted")
-        return WorkerHealth(ready=True, role="prefill", worker_id="127.0.0.1:1", model="m",
+        return WorkerHealth(ready=self.ready, role="prefill", worker_id="127.0.0.1:1", model="m",
                             dtype="float32", block_size=16, max_model_len=64,
                             transport="tcp", compatibility_hash="h")
 
@@ -56,3 +57,19 @@ async def test_unreachable_worker_leaves_placement_at_once() -> None:
     assert worker.snapshot().healthy
     await worker.refresh(1.0)
     assert not worker.snapshot().healthy
+
+
+async def test_a_commit_answered_through_another_process_makes_the_worker_placeable() -> None:
+    """A probe during a weight commit finds the worker not ready; the commit's answer
+    (here: published by another router process) says it serves the new version, ready,
+    without waiting for the next probe."""
+    worker = _worker([None, None])
+    worker.set_weight_target("v1")
+    await worker.refresh(1.0)
+    assert not worker.snapshot().healthy  # not on the target version
+    worker.client.ready = False  # type: ignore[attr-defined]
+    await worker.refresh(1.0)  # mid-commit
+    worker.set_weight_target("v2")
+    worker.on_weights_committed("v2")
+    state = worker.snapshot()
+    assert state.healthy and state.weight_version == "v2"

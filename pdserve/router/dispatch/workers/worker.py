@@ -119,10 +119,13 @@ class Worker:
         self._publish()
 
     def on_weights_committed(self, version: str) -> None:
-        """The worker answered a commit: it serves ``version`` now. Probes already out
-        may carry the version before it; their answers are dropped."""
+        """The worker answered a commit: it serves ``version`` now, and is ready (a
+        probe during the commit found it not ready: another router process, told of the
+        commit through the weight board, would otherwise refuse requests as having no
+        worker until its next probe). Probes already out may carry the state before it;
+        their answers are dropped."""
         self._generation += 1
-        self._report(weight_version=version)
+        self._report(weight_version=version, healthy=True)
 
     def _adopt_role(self, role: str) -> None:
         old = self._reported.role
