@@ -2,6 +2,9 @@
 configurations, one after another on the same machine and cores, each driven by the
 same seeded workload at the same rates (``pdserve bench run``); one report.
 
+With ``--vllm-url`` the baseline is a vLLM server already running (``external.py``):
+it gets the same runs, but compare neither starts nor stops it.
+
 Each system is started alone (``launch.RunningSystem``), is ready once ``/v1/models``
 answers and one warm request completes, gets one ``bench run`` per rate, and is
 stopped (SIGTERM to its process groups, a deadline, SIGKILL) and checked gone before
@@ -27,7 +30,8 @@ from typing import Any
 
 from pdserve.bench.compare_config import CompareConfig
 from pdserve.bench.cost import Price, add_cost
-from pdserve.bench.launch import RunningSystem, StartupError
+from pdserve.bench.external import port_of
+from pdserve.bench.launch import ExternalSystem, RunningSystem, StartupError
 from pdserve.bench.report import (
     CompareReport,
     RateRun,
@@ -39,14 +43,22 @@ from pdserve.bench.report import (
     versions,
 )
 from pdserve.bench.roles_sampler import RoleSampler
-from pdserve.bench.systems import SystemSpec, pdserve_up, vllm_aggregated, vllm_disagg
+from pdserve.bench.systems import (
+    SystemSpec,
+    pdserve_up,
+    vllm_aggregated,
+    vllm_disagg,
+    vllm_external,
+)
 from pdserve.bench.worker_counters import counters_delta, read_counters
 from pdserve.core import process
 from pdserve.core.ports import free_port
 
 __all__ = ["main", "report_writer", "run_compare"]
-# Every ratio is to aggregated vLLM tuned as pdserve's engines are (systems.py).
+# Every ratio is to aggregated vLLM tuned as pdserve's engines are (systems.py), or to
+# the running vLLM server --vllm-url names.
 BASELINE = "vllm-tuned"
+EXTERNAL_BASELINE = "vllm-external"
 # Writes the report (JSON, Markdown, plots) into a folder: ``plots.write_report``.
 ReportWriter = Callable[[CompareReport, Path], object]
 
@@ -80,10 +92,20 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def baseline_of(cfg: CompareConfig) -> str | None:
+    """The name of the system every ratio is to; None without aggregated vLLM."""
+    if cfg.vllm_external is not None:
+        return EXTERNAL_BASELINE
+    return BASELINE if cfg.with_vllm else None
+
+
 def build_systems(cfg: CompareConfig) -> list[SystemSpec]:
     systems = []
     if cfg.with_vllm:
-        systems.append(vllm_aggregated(cfg.settings, free_port(), BASELINE, tuned=True))
+        ext = cfg.vllm_external
+        systems.append(
+            vllm_aggregated(cfg.settings, free_port(), BASELINE, tuned=True) if ext is None
+            else vllm_external(ext.url, port_of(ext.url), ext.card, EXTERNAL_BASELINE))
         if cfg.with_vllm_stock:
             systems.append(vllm_aggregated(cfg.settings, free_port()))
     if cfg.with_vllm_disagg:
@@ -101,14 +123,16 @@ def run_compare(cfg: CompareConfig, write_report: ReportWriter) -> CompareReport
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.output_dir.name}-", dir=parent))
     try:
-        results = [run_system(spec, cfg, tmp) for spec in build_systems(cfg)]
-        derived = derived_slos(results)
+        baseline = baseline_of(cfg)
+        results = [run_system(spec, cfg, tmp, spec.name == baseline)
+                   for spec in build_systems(cfg)]
+        derived = derived_slos(results, baseline)
         if cfg.cost is not None:
             add_costs(results, cfg.cost, derived)
         report = CompareReport(
             settings=settings_json(cfg), machine=machine_info(), versions=versions(),
             rates=list(cfg.rates), systems=results,
-            baseline=BASELINE if cfg.with_vllm else None,
+            baseline=baseline,
             started_at=started, finished_at=datetime.now(UTC).isoformat(timespec="seconds"),
             derived_slo=derived)
         write_report(report, tmp)
@@ -121,10 +145,11 @@ def run_compare(cfg: CompareConfig, write_report: ReportWriter) -> CompareReport
     return report
 
 
-def derived_slos(results: list[SystemResult]) -> dict[str, float] | None:
-    """The SLOs derived from the baseline's unloaded run, and every run's goodput under
-    them (``goodput_derived``); None without that run."""
-    base = next((r for r in results if r.name == BASELINE and r.unloaded is not None), None)
+def derived_slos(results: list[SystemResult], baseline: str | None = BASELINE
+                 ) -> dict[str, float] | None:
+    """The SLOs derived from the ``baseline``'s unloaded run, and every run's goodput
+    under them (``goodput_derived``); None without that run."""
+    base = next((r for r in results if r.name == baseline and r.unloaded is not None), None)
     if base is None or base.unloaded is None or base.unloaded.result is None:
         return None
     slo = derive_slo(base.unloaded.result)
@@ -159,17 +184,27 @@ def settings_json(cfg: CompareConfig) -> dict[str, Any]:
             "request_rates": [rate_label(r) for r in cfg.rates],
             "workload_args": " ".join(cfg.workload_args), "command": sys.argv,
             "startup_timeout_s": cfg.startup_timeout_s, "run_timeout_s": cfg.run_timeout_s,
-            "cost_per_hour": cfg.cost.to_json() if cfg.cost is not None else None}
+            "cost_per_hour": cfg.cost.to_json() if cfg.cost is not None else None,
+            "vllm_url": cfg.vllm_external.url if cfg.vllm_external is not None else None}
 
 
 def _say(text: str) -> None:
     print(f"[compare {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
-def run_system(spec: SystemSpec, cfg: CompareConfig, tmp: Path) -> SystemResult:
+def run_system(spec: SystemSpec, cfg: CompareConfig, tmp: Path,
+               baseline: bool = False) -> SystemResult:
+    """``spec`` started (an external one: only waited for), its runs (the ``baseline``
+    first gets its unloaded run), stopped (an external one: left running)."""
     result = SystemResult(spec.name, spec.kind, spec.to_json())
-    _say(f"{spec.name}: starting ({spec.kind}, cores {spec.cores})")
-    running = RunningSystem(spec, tmp / "logs" / spec.name, cfg.stop_timeout_s)
+    running: RunningSystem | ExternalSystem
+    if spec.external:
+        _say(f"{spec.name}: the running server at {spec.base_url} (compare neither "
+             "starts nor stops it)")
+        running = ExternalSystem(spec)
+    else:
+        _say(f"{spec.name}: starting ({spec.kind}, cores {spec.cores})")
+        running = RunningSystem(spec, tmp / "logs" / spec.name, cfg.stop_timeout_s)
     with running:
         try:
             result.startup_s = running.wait_ready(cfg.startup_timeout_s)
@@ -178,7 +213,7 @@ def run_system(spec: SystemSpec, cfg: CompareConfig, tmp: Path) -> SystemResult:
             _say(f"{spec.name}: failed to start: {exc}")
         else:
             _say(f"{spec.name}: ready in {result.startup_s:.1f} s")
-            if spec.name == BASELINE:
+            if baseline:
                 result.unloaded = unloaded_run(spec, cfg, tmp)
             for index, rate in enumerate(cfg.rates):
                 gone = running.exited()
@@ -191,8 +226,9 @@ def run_system(spec: SystemSpec, cfg: CompareConfig, tmp: Path) -> SystemResult:
                     if run.result else ""))
     stop = running.stop()
     result.stop = stop.to_json()
-    _say(f"{spec.name}: stopped " + ("cleanly" if stop.clean else f"with SIGKILL "
-                                      f"({len(stop.killed)} processes)"))
+    _say(f"{spec.name}: " + ("left running (external)" if stop.external else
+                             "stopped cleanly" if stop.clean else
+                             f"stopped with SIGKILL ({len(stop.killed)} processes)"))
     return result
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.bench.cost import Price
+from pdserve.bench.external import ExternalVllm
 from pdserve.bench.systems import EngineSettings, parse_pdserve_entry, pdserve_command
 from pdserve.core.dtype import DtypeChoice, resolve_dtype
 from pdserve.core.model import resolve_model
@@ -38,6 +39,8 @@ class CompareConfig:
     dtype: DtypeChoice  # how settings.dtype was chosen (printed, and in the report)
     with_vllm_stock: bool = True  # stock vllm serve beside the tuned baseline
     cost: Price | None = None  # --cost-per-hour: what each system's runs cost
+    # --vllm-url: the running vLLM server that is the baseline in place of vllm-tuned
+    vllm_external: ExternalVllm | None = None
     # How to run pdserve itself (`pdserve up`, `pdserve bench run`).
     pdserve_command: tuple[str, ...] = field(default_factory=pdserve_command)
 

@@ -5,6 +5,10 @@ Processes are started, polled and stopped the one way pdserve does it
 started (vLLM's EngineCore, pdserve up's workers, which run in sessions of their own):
 SIGTERM to the group, a deadline, SIGKILL; any process of the system's trees still alive
 after that is reported as left behind, and the system's port must be free again.
+
+An external system (``--vllm-url``: running already, its operator's) is an
+``ExternalSystem``: waited for as the others, never started, signalled or checked for its
+port.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ class StopReport:
     clean: bool = True
     killed: list[str] = field(default_factory=list)  # needed SIGKILL after the grace
     left_behind: list[str] = field(default_factory=list)  # alive even after SIGKILL
-    port_free: bool = True
+    port_free: bool | None = True  # None: not checked (an external system's)
+    external: bool = False  # nothing was stopped: the system is not compare's
 
     @classmethod
     def of(cls, report: process.StopReport, port_free: bool) -> StopReport:
@@ -43,7 +48,7 @@ class StopReport:
 
     def to_json(self) -> dict[str, object]:
         return {"clean": self.clean, "killed": self.killed, "left_behind": self.left_behind,
-                "port_free": self.port_free}
+                "port_free": self.port_free, "external": self.external}
 
 
 class RunningSystem:
@@ -119,17 +124,60 @@ class RunningSystem:
         return self.stop_report
 
 
-def _probe(client: httpx.Client, deadline: float) -> str:
-    """'' once serving, else what is missing."""
+class ExternalSystem:
+    """A system compare did not start (``spec.external``): ``RunningSystem``'s interface,
+    but it starts nothing and its ``stop`` signals nothing and leaves its port alone."""
+
+    def __init__(self, spec: SystemSpec) -> None:
+        if not spec.external or spec.procs:
+            raise ValueError(f"{spec.name}: not an external system")
+        self.spec = spec
+
+    def __enter__(self) -> ExternalSystem:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def exited(self) -> str | None:
+        return None  # not ours to watch: a run against it that fails says why
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Until ``/v1/models`` lists the model and one short chat request completes."""
+        deadline = time.monotonic() + timeout_s
+        last = "no answer yet"
+
+        def probe() -> str:
+            nonlocal last
+            try:
+                last = _probe(client, deadline, self.spec.card.get("id"))
+            except (httpx.HTTPError, ValueError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            return last
+
+        with httpx.Client(base_url=self.spec.base_url, timeout=10.0) as client:
+            try:
+                return process.wait_ready(probe, timeout_s, interval_s=1.0)
+            except process.NotReadyError:
+                raise StartupError(f"not serving after {timeout_s:.0f} s ({last})") from None
+
+    def stop(self) -> StopReport:
+        return StopReport(port_free=None, external=True)
+
+
+def _probe(client: httpx.Client, deadline: float, model: str | None = None) -> str:
+    """'' once serving ``model`` (default: the first listed), else what is missing."""
     models = client.get("/v1/models")
     if models.status_code != 200:
         return f"/v1/models: HTTP {models.status_code}"
     ids = [m.get("id") for m in models.json().get("data", [])]
     if not ids:
         return "/v1/models lists no model"
+    if model is not None and model not in ids:
+        return f"/v1/models does not list {model!r}"
     timeout = max(1.0, min(120.0, deadline - time.monotonic()))
     warm = client.post("/v1/chat/completions", timeout=timeout, json={
-        "model": ids[0], "max_tokens": 2, "temperature": 0,
+        "model": model or ids[0], "max_tokens": 2, "temperature": 0,
         "messages": [{"role": "user", "content": WARM_PROMPT}]})
     return "" if warm.status_code == 200 else f"warm request: HTTP {warm.status_code}"
 

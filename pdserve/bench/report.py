@@ -33,7 +33,7 @@ class RateRun:
 @dataclass
 class SystemResult:
     name: str
-    kind: str  # "vllm" | "vllm-disagg" | "pdserve"
+    kind: str  # "vllm" | "vllm-disagg" | "pdserve" | "vllm-external"
     spec: dict[str, Any]  # SystemSpec.to_json(): argv, env, cores
     runs: list[RateRun] = field(default_factory=list)
     error: str | None = None  # set when the system did not start
@@ -180,7 +180,7 @@ def render_markdown(report: CompareReport) -> str:
                   "charged for what it used (the cores its engines ran on, or the node); "
                   "$/M tok in SLO charges the run's whole cost to the tokens of the "
                   "requests that met the SLOs (goodput's).", ""]
-    lines += _systems_section(report)
+    lines += _external_lines(report) + _systems_section(report)
     base = next((x for x in report.systems if x.name == report.baseline), None)
     for rate in report.rates:
         lines += [f"## {rate_label(rate)} req/s", ""]
@@ -198,6 +198,20 @@ def render_markdown(report: CompareReport) -> str:
     return "\n".join(lines)
 
 
+def _external_lines(report: CompareReport) -> list[str]:
+    """What the report cannot vouch for: a system compare did not start (``--vllm-url``)."""
+    lines = []
+    for x in (x for x in report.systems if x.spec.get("external")):
+        card = x.spec.get("card") or {}
+        said = ", ".join(f"{k} {card[k]}" for k in ("root", "max_model_len") if k in card)
+        lines += [f"`{x.name}` is external: the vLLM server already running at "
+                  f"{x.spec.get('url')}, neither started nor stopped by compare. Its engine "
+                  "settings (dtype, KV cache, max-model-len, batch cap, cores) are its "
+                  "operator's, not compare's: compare cannot vouch they match the above"
+                  + (f" (its /v1/models says: {said})." if said else "."), ""]
+    return lines
+
+
 def _flags(flags: dict[str, bool]) -> str:
     has = [f for f, on in flags.items() if on]
     lacks = [f for f, on in flags.items() if not on]
@@ -211,8 +225,9 @@ def _systems_section(report: CompareReport) -> list[str]:
         cores = ", ".join(f"{k} {v}" for k, v in x.spec.get("cores", {}).items())
         start = "**failed to start**" if x.error else (
             f"{x.startup_s:.1f} s" if x.startup_s is not None else "–")
-        stop = "–" if x.stop is None else ("cleanly" if x.stop.get("clean") else
-                                           "after SIGKILL")
+        stop = "–" if x.stop is None else (
+            "not stopped (external)" if x.stop.get("external") else
+            "cleanly" if x.stop.get("clean") else "after SIGKILL")
         if x.stop and x.stop.get("left_behind"):
             stop += f"; **left behind** {len(x.stop['left_behind'])} processes"
         lines.append(f"| {x.name} | {x.kind} | `{x.spec.get('flags', '')}` | {cores} | "

@@ -14,6 +14,9 @@ arranged differs:
   round robin), or ``pdserve bench disagg-proxy`` (``pdserve.bench.disagg_proxy``) where
   it is not installed.
 - ``pdserve``: ``pdserve up`` with the user's flags.
+- ``vllm-external`` (``--vllm-url``): a vLLM OpenAI server already running at a URL, in
+  place of ``vllm-tuned`` as the baseline: no process, so nothing to start or stop; its
+  engine settings are its operator's (``pdserve.bench.external``).
 
 Building a spec starts nothing (the unit tests check these command lines). pdserve's own
 processes (``pdserve up``, the proxy) run as ``command`` says: the CLI passes how it was
@@ -29,6 +32,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pdserve.launch.cpu_layout import core_sets
 
@@ -89,22 +93,30 @@ class ProcSpec:
 
 @dataclass(frozen=True)
 class SystemSpec:
-    """A system as compare starts it; clients talk to ``port`` on 127.0.0.1."""
+    """A system as compare starts it; clients talk to ``port`` on 127.0.0.1, or to
+    ``url`` for an external one (running already: compare starts and stops nothing)."""
 
     name: str
-    kind: str  # "vllm" | "vllm-disagg" | "pdserve"
+    kind: str  # "vllm" | "vllm-disagg" | "pdserve" | "vllm-external"
     port: int
     procs: tuple[ProcSpec, ...]
     cores: dict[str, str]  # role -> cores its compute threads run on
     flags: str = ""  # the user's pdserve up flags
+    url: str | None = None  # an external system's base URL
+    card: dict[str, Any] = field(default_factory=dict)  # its /v1/models entry
+
+    @property
+    def external(self) -> bool:
+        return self.url is not None
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.url if self.url is not None else f"http://127.0.0.1:{self.port}"
 
     def to_json(self) -> dict[str, object]:
         return {"name": self.name, "kind": self.kind, "flags": self.flags,
-                "cores": self.cores, "port": self.port,
+                "cores": self.cores, "port": self.port, "external": self.external,
+                "url": self.base_url, **({"card": self.card} if self.external else {}),
                 "procs": [{"name": p.name, "argv": list(p.argv), "env": p.env}
                           for p in self.procs]}
 
@@ -139,6 +151,14 @@ def vllm_aggregated(s: EngineSettings, port: int, name: str = "vllm", tuned: boo
     proc = ProcSpec("vllm", tuple(argv), env)
     return SystemSpec(name, "vllm", port, (proc,), {"engine": s.all_cores},
                       "tuned" if tuned else "")
+
+
+def vllm_external(url: str, port: int, card: dict[str, Any],
+                  name: str = "vllm-external") -> SystemSpec:
+    """The vLLM server running at ``url`` (``port``: the one it names), whose
+    ``/v1/models`` entry is ``card``: no process; its cores are not known."""
+    return SystemSpec(name, "vllm-external", port, (), {"external": "unknown"},
+                      url=url, card=dict(card))
 
 
 def vllm_disagg(s: EngineSettings, port: int, engine_ports: tuple[int, int],

@@ -29,6 +29,7 @@ from pdserve.bench.compare_config import (
 from pdserve.bench.compare_config import engine_settings as _engine_settings
 from pdserve.bench.config import DEFAULT_MIX, RunConfig, SweepConfig
 from pdserve.bench.cost import Price
+from pdserve.bench.external import check_external
 from pdserve.bench.gaps import GapsConfig, check_requests
 from pdserve.bench.session import Session
 from pdserve.bench.systems import EngineSettings
@@ -210,6 +211,13 @@ def add_compare_flags(p: argparse.ArgumentParser) -> None:
                    help="skip aggregated vLLM, tuned (the baseline) and stock (no ratios then)")
     p.add_argument("--no-vllm-stock", action="store_true",
                    help="skip stock vllm serve (the tuned baseline still runs)")
+    p.add_argument("--vllm-url", default=None, metavar="URL",
+                   help="the baseline is the vLLM OpenAI server already running at URL "
+                   "(http://HOST:PORT, with or without /v1), named vllm-external, in place "
+                   "of the vllm-tuned compare would start: compare neither starts nor stops "
+                   "it, and its engine settings are its operator's (compare cannot check "
+                   "they match). It must answer /v1/models within --startup-timeout-s and "
+                   "serve --model's name. Stock vllm still starts unless --no-vllm-stock")
     p.add_argument("--output-dir", type=Path, default=None,
                    help="where the report goes (must not exist or be empty; default "
                    "bench/results/compare-<time>)")
@@ -234,19 +242,25 @@ def compare_config(args: argparse.Namespace) -> CompareConfig:
     rates = parse_rates(args.request_rates)
     check_trace_rates(args.workload, args.trace_time_scale, rates)
     check_timeouts(args.startup_timeout_s, args.run_timeout_s, args.stop_timeout_s)
-    entries = pdserve_entries(args.pdserve, ("vllm", "vllm-tuned", "vllm-disagg"),
-                              check_up_flags)
+    if args.vllm_url is not None and args.no_vllm:
+        raise ValueError("--vllm-url names the baseline and --no-vllm skips it: pick one")
+    entries = pdserve_entries(args.pdserve, ("vllm", "vllm-tuned", "vllm-disagg",
+                                             "vllm-external"), check_up_flags)
     check_workload(workload_args(args))
     if args.with_vllm_disagg:
         check_vllm_disagg()
     out = output_dir(args.output_dir, "compare")
     settings, dtype = engine_settings(args)
     cost = Price.parse(args.cost_per_hour) if args.cost_per_hour is not None else None
+    external = None
+    if args.vllm_url is not None:  # last: it may wait up to --startup-timeout-s
+        external = check_external(args.vllm_url, settings.served_name,
+                                  args.startup_timeout_s)
     return CompareConfig(
         settings, rates, entries, not args.no_vllm, args.with_vllm_disagg,
         tuple(workload_args(args)), args.seed, args.slo, out, args.startup_timeout_s,
         args.run_timeout_s, args.stop_timeout_s, dtype, not args.no_vllm_stock,
-        cost, PDSERVE_COMMAND)
+        cost, external, PDSERVE_COMMAND)
 
 
 def workload_args(args: argparse.Namespace) -> list[str]:
