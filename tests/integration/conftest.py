@@ -16,9 +16,10 @@ from typing import Any
 import httpx
 import pytest
 from integration.clusters import STARTUP_TIMEOUT_S, TCP, ClusterSlot, PdCluster, wanted
+from integration.lora_oracle import LoraOracle
 from integration.oracles import EngineRuns, Run, reference_requests, served_run
 from integration.pd_cases import CASES, MODEL
-from integration.refits import Checkpoints, make_checkpoints
+from integration.refits import Checkpoints, PerturbedOracle
 from pdserve_testing import Server, kill_cluster, launch_up
 
 from pdserve.core import process
@@ -88,11 +89,31 @@ def reference(references: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def checkpoints(model_path: Path, tokenizer: Any, references: list[list[int]],
-                tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
+def perturbed_oracle(model_path: Path, tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
+                     ) -> Iterator[PerturbedOracle]:
+    oracle = PerturbedOracle(model_path, tokenizer, tmp_path_factory.mktemp("weights"))
+    try:
+        yield oracle
+    finally:
+        oracle.close()
+
+
+@pytest.fixture(scope="session")
+def lora_oracle(model_path: Path, tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[LoraOracle]:
+    """``test_lora_pd.py``'s adapters and their one engine (``lora_oracle.py``)."""
+    oracle = LoraOracle(model_path, tokenizer, tmp_path_factory.mktemp("lora-oracle"))
+    try:
+        yield oracle
+    finally:
+        oracle.close()
+
+
+@pytest.fixture(scope="session")
+def checkpoints(perturbed_oracle: PerturbedOracle, references: list[list[int]]) -> Checkpoints:
     """The perturbed checkpoint and both versions' greedy tokens (``refits.py``), for every
     module that refits: its reference engine runs once."""
-    return make_checkpoints(model_path, tokenizer, references, tmp_path_factory.mktemp("weights"))
+    return perturbed_oracle.get(references)
 
 
 _SLOT = ClusterSlot()
@@ -152,7 +173,9 @@ def vllm_process(model_path: Path, tmp_path_factory: pytest.TempPathFactory
 def _early_oracles(request: pytest.FixtureRequest) -> None:
     """At the first integration test, start the oracles later tests will use (the ``vllm
     serve``, the engine runs of other dtypes): their engines load while the tests before
-    them run."""
+    them run. (Not the perturbed checkpoint's or LoRA's: each loads when its module
+    starts, beside its cluster's engines loading, not beside engines serving a test: on
+    two cores an engine starting beside one that computes stalls it, 97 s once.)"""
     items = request.session.items
     if any("vllm_openai" in getattr(item, "fixturenames", ()) for item in items):
         request.getfixturevalue("vllm_process")

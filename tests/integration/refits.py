@@ -10,6 +10,7 @@ the model's own weights (``references``), one engine run on the perturbed checkp
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,25 +37,51 @@ class Checkpoints:
     refs: dict[str, list[list[int]]]  # version -> each request's greedy tokens
 
 
-def make_checkpoints(model_path: Path, tokenizer: Any, references: list[list[int]],
-                     folder: Path) -> Checkpoints:
-    """The perturbed copy of ``model_path`` in ``folder`` and both versions' tokens."""
-    perturbed = perturb_checkpoint(model_path, folder / "perturbed", seed=1)
-    requests = [reference_requests(tokenizer)[i] for i in PROMPTS]
-    assert len(requests[0]["prompt_token_ids"]) < LOCAL_PREFILL_MAX_TOKENS < len(
-        requests[2]["prompt_token_ids"])
-    (folder / "in.json").write_text(json.dumps(requests))
-    script = Path(__file__).with_name("reference_engine.py")
-    proc = process.spawn([sys.executable, str(script), str(perturbed), str(folder / "in.json"),
-                          str(folder / "out.json"), "float32"], log_path=folder / "engine.log")
-    try:
-        assert proc.wait(timeout=REFERENCE_TIMEOUT_S) == 0, "the perturbed reference failed"
-    finally:
-        kill_cluster(proc)
-    refs = {ORIGINAL: [references[i] for i in PROMPTS],
-            PERTURBED: json.loads((folder / "out.json").read_text())}
-    assert refs[ORIGINAL] != refs[PERTURBED], "the perturbation changed nothing"
-    return Checkpoints(model_path, perturbed, requests, refs)
+class PerturbedOracle:
+    """The perturbed checkpoint and its engine run: ``start`` makes the checkpoint and
+    launches the run (once), ``get`` waits for it."""
+
+    def __init__(self, model_path: Path, tokenizer: Any, folder: Path) -> None:
+        self._model_path, self._tokenizer, self._folder = model_path, tokenizer, folder
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._perturbed: Path | None = None
+        self._requests: list[dict[str, Any]] = []
+        self._done: Checkpoints | None = None
+
+    def start(self) -> None:
+        if self._perturbed is not None:
+            return
+        folder = self._folder
+        self._perturbed = perturb_checkpoint(self._model_path, folder / "perturbed", seed=1)
+        self._requests = [reference_requests(self._tokenizer)[i] for i in PROMPTS]
+        assert len(self._requests[0]["prompt_token_ids"]) < LOCAL_PREFILL_MAX_TOKENS < len(
+            self._requests[2]["prompt_token_ids"])
+        (folder / "in.json").write_text(json.dumps(self._requests))
+        script = Path(__file__).with_name("reference_engine.py")
+        self._proc = process.spawn(
+            [sys.executable, str(script), str(self._perturbed), str(folder / "in.json"),
+             str(folder / "out.json"), "float32"], log_path=folder / "engine.log")
+
+    def get(self, references: list[list[int]]) -> Checkpoints:
+        """Both versions' tokens (``references``: the model's own, in CASES' order)."""
+        if self._done is None:
+            self.start()
+            assert self._proc is not None and self._perturbed is not None
+            try:
+                code = self._proc.wait(timeout=REFERENCE_TIMEOUT_S)
+                assert code == 0, f"the perturbed reference failed: {self._folder}/engine.log"
+            finally:
+                self.close()
+            refs = {ORIGINAL: [references[i] for i in PROMPTS],
+                    PERTURBED: json.loads((self._folder / "out.json").read_text())}
+            assert refs[ORIGINAL] != refs[PERTURBED], "the perturbation changed nothing"
+            self._done = Checkpoints(self._model_path, self._perturbed, self._requests, refs)
+        return self._done
+
+    def close(self) -> None:
+        if self._proc is not None:
+            kill_cluster(self._proc)
+            self._proc = None
 
 
 def update(admin_url: str, path: Path, version: str, policy: str = "drain") -> httpx.Response:

@@ -11,13 +11,12 @@ one aggregated vLLM engine with the same adapters (``lora_reference.py``).
   the late decode worker serves the adapter before it is placed on, and once the first
   decode worker is gone, the adapter's requests run there, equal to the engine's.
 
-The adapters are random (``lora_adapters.py``, no peft): rank 8 on q_proj and v_proj.
-About 4.5 min on two cores, nearly all of it four engine starts (the one engine loads
-beside the cluster's; the late worker after)."""
+The adapters are random (``lora_adapters.py``, no peft): rank 8 on q_proj and v_proj;
+they and the one engine are ``lora_oracle.py``'s (the engine loads beside the
+cluster's)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -29,8 +28,7 @@ from typing import Any
 
 import httpx
 import pytest
-from integration.pd_cases import LONG
-from lora_adapters import make_adapter
+from integration.lora_oracle import MAX_TOKENS, LoraOracle, Reference, prompts
 from pdserve_testing import wait_until
 
 from pdserve.core import process
@@ -43,9 +41,6 @@ pytestmark = pytest.mark.integration
 MODEL = "SmolLM2-135M-Instruct"
 CLUSTER = "lora"
 START_S = 600.0
-MAX_TOKENS = 16
-SHORT = "The capital of France is"
-LONG_PROMPT = LONG + "\nQuestion: which way does the river run?\nAnswer:"
 
 
 @dataclass
@@ -58,7 +53,7 @@ class LoraCluster:
     adapters: dict[str, Path]
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     endpoints: dict[str, str] = field(default_factory=dict)
-    reference: dict[tuple[str, str | None], list[int]] = field(default_factory=dict)
+    reference: Reference = field(default_factory=dict)
 
     def start_worker(self, worker_id: str, role: str) -> None:
         port = free_port()
@@ -94,29 +89,15 @@ def _dead(procs: dict[str, subprocess.Popen[bytes]]) -> str:
     return ", ".join(f"{n} exited {p.returncode}" for n, p in procs.items() if p.poll() is not None)
 
 
-def _prompts(tokenizer: Any) -> dict[str, list[int]]:
-    return {"short": tokenizer.encode(SHORT), "long": tokenizer.encode(LONG_PROMPT)}
-
-
 @pytest.fixture(scope="module")
-def cluster(model_path: Path, tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[LoraCluster]:
+def cluster(model_path: Path, lora_oracle: LoraOracle,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoraCluster]:
     log_dir = tmp_path_factory.mktemp("lora-cluster")
-    adapters = {name: make_adapter(model_path, log_dir / name, seed)
-                for seed, name in enumerate(("sql", "chat"), 1)}
-    prompts = _prompts(tokenizer)
-    cases = [{"prompt_token_ids": ids, "max_tokens": MAX_TOKENS, "lora_name": lora,
-              "lora_path": str(adapters[lora]) if lora else None, "case": [kind, lora]}
-             for kind, ids in prompts.items() for lora in (None, "sql", "chat")]
-    (log_dir / "in.json").write_text(json.dumps(cases))
-    reference = process.spawn(  # loads beside the cluster's engines
-        [sys.executable, str(Path(__file__).with_name("lora_reference.py")), str(model_path),
-         str(log_dir / "in.json"), str(log_dir / "out.json")], log_path=log_dir / "ref.log")
+    lora_oracle.start()  # loads beside the cluster's engines
     etcd = LocalEtcd(log_path=log_dir / "etcd.log").start()
     port, admin_port = free_port(), free_port()
     c = LoraCluster(etcd, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}",
-                    log_dir, model_path, adapters)
-    c.procs["reference"] = reference
+                    log_dir, model_path, lora_oracle.adapters)
     try:
         c.procs["router"] = _spawn(
             ["router", "--etcd", etcd.url, "--cluster", CLUSTER, "--port", str(port),
@@ -127,10 +108,7 @@ def cluster(model_path: Path, tokenizer: Any, tmp_path_factory: pytest.TempPathF
         workers = {"prefill-0", "decode-0"}
         ready = wait_until(lambda: _up(c, workers), START_S, interval_s=1.0)
         assert ready is True, f"cluster not ready: {_dead(c.procs)} (logs {log_dir})"
-        assert reference.wait(timeout=START_S) == 0, f"reference failed: {log_dir}/ref.log"
-        outputs = json.loads((log_dir / "out.json").read_text())
-        c.reference = {(case["case"][0], case["case"][1]): out
-                       for case, out in zip(cases, outputs, strict=True)}
+        c.reference = lora_oracle.get()
         yield c
     finally:
         process.stop(list(c.procs.values()), grace_s=5, sig=signal.SIGTERM)
@@ -138,7 +116,7 @@ def cluster(model_path: Path, tokenizer: Any, tmp_path_factory: pytest.TempPathF
 
 
 def _up(c: LoraCluster, workers: set[str]) -> bool | str:
-    if dead := _dead({n: p for n, p in c.procs.items() if n != "reference"}):
+    if dead := _dead(c.procs):
         return dead
     try:
         return c.healthy() >= workers
@@ -148,12 +126,12 @@ def _up(c: LoraCluster, workers: set[str]) -> bool | str:
 
 def test_adapter_runs_on_prefill_and_decode_as_one_engine(cluster: LoraCluster,
                                                           tokenizer: Any) -> None:
-    prompts = _prompts(tokenizer)
+    ids = prompts(tokenizer)
     models = httpx.get(f"{cluster.router_url}/v1/models", timeout=5).json()["data"]
     assert {(m["id"], m.get("parent")) for m in models} >= {(MODEL, None), ("sql", MODEL)}
     for kind, want in (("short", "local"), ("long", "remote")):
         for lora in (None, "sql"):
-            reply = cluster.complete(prompts[kind], lora or MODEL)
+            reply = cluster.complete(ids[kind], lora or MODEL)
             assert reply["usage"]["pdserve_disagg"] == want, (kind, lora, reply["usage"])
             assert reply["model"] == (lora or MODEL)
             got = reply["choices"][0]["token_ids"]
@@ -166,7 +144,7 @@ def test_adapter_runs_on_prefill_and_decode_as_one_engine(cluster: LoraCluster,
 
 
 def test_two_adapters_share_no_cached_block(cluster: LoraCluster, tokenizer: Any) -> None:
-    long = _prompts(tokenizer)["long"]
+    long = prompts(tokenizer)["long"]
     loaded = httpx.post(f"{cluster.admin_url}/v1/load_lora_adapter", timeout=120, json={
         "lora_name": "chat", "lora_path": str(cluster.adapters["chat"])})
     assert loaded.status_code == 200, loaded.text
@@ -187,7 +165,9 @@ def test_two_adapters_share_no_cached_block(cluster: LoraCluster, tokenizer: Any
 def test_a_load_reaches_a_worker_started_after_it(cluster: LoraCluster,
                                                   tokenizer: Any) -> None:
     """``chat`` was loaded through the router (test before); ``decode-late`` starts with
-    only ``sql`` and gets ``chat`` replayed before the router places on it."""
+    only ``sql`` and gets ``chat`` replayed before the router places on it. (Not started
+    while the test before computes: an engine starting beside one computing on the same
+    two cores stalled that one's requests for 97 s.)"""
     cluster.start_worker("decode-late", "decode")
     ready = wait_until(lambda: _up(cluster, {"decode-late"}), START_S, interval_s=1.0)
     assert ready is True, f"late worker not ready: {_dead(cluster.procs)}"
@@ -196,5 +176,5 @@ def test_a_load_reaches_a_worker_started_after_it(cluster: LoraCluster,
     cluster.procs["decode-0"].send_signal(signal.SIGTERM)  # drains, leaves membership
     assert wait_until(lambda: "decode-0" not in cluster.healthy(), 60)
     for kind in ("short", "long"):
-        reply = cluster.complete(_prompts(tokenizer)[kind], "chat")
+        reply = cluster.complete(prompts(tokenizer)[kind], "chat")
         assert reply["choices"][0]["token_ids"] == cluster.reference[(kind, "chat")], kind
