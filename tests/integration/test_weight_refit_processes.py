@@ -236,13 +236,18 @@ def test_a_refit_through_one_process_holds_for_both(
     reruns = sum(router_metric(a, "pdserve:weight_update_reruns_total") for a in fleet.admins)
     load = Load(fleet.server.base_url, checkpoints.requests)
     load.start()
-    time.sleep(1.0)  # every stream is running
+    try:  # streams run through both processes (the kernel picks one per connection)
+        both = wait_until(lambda: all(now > then for now, then in
+                                      zip(fleet.served(), served, strict=True)), 120, 0.2)
+    except BaseException:
+        load.stop()
+        raise
     r = update(fleet.admin, checkpoints.perturbed, PERTURBED, policy)
     returned = time.monotonic()
     time.sleep(1.0)  # requests sent after the call returned
     results = load.stop()
+    assert both, "every stream reached the same router process"
     assert r.status_code == 200, r.text
-    assert all(now > then for now, then in zip(fleet.served(), served, strict=True))
     switched = cut = 0
     for got in results:
         assert got.get("status") == 200 and "error" not in got, (
