@@ -164,12 +164,13 @@ def build_router(config: RouterConfig, tokenizer: Any) -> Router:
     pool.on_worker_added(lambda _: feeder.sync())
     pool.on_worker_removed(lambda _: feeder.sync())  # its index entries go at once
     demand = DemandWindow(config.planner.window_s)
+    board = WeightBoard.open(Path(config.weight_board)) if config.weight_board else None
+    if board is not None:  # the other router processes' LoRA loads are this one's too
+        pool.lora_targets.share(board)
     dispatcher = PDDispatcher(pool, create_placement(config.placement), registry,
                               config.request_timeout_s, PrefixRouting(index, registry,
                                                                         pool=config.kv_pool),
-                              config.disagg, config.migration, demand,
-                              WeightBoard.open(Path(config.weight_board))
-                              if config.weight_board else None)
+                              config.disagg, config.migration, demand, board)
     switcher = RoleSwitcher(pool, registry)
     election = create_election(config.membership, config.planner.enabled,
                                f"{socket.gethostname()}:{config.port}:{os.getpid()}")

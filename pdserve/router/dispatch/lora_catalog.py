@@ -50,6 +50,7 @@ class LoraCatalog:
 
     def adapters(self) -> list[LoraAdapter]:
         """Every adapter served: the router's own, then those healthy workers report."""
+        self._pool.lora_targets.follow()
         found = dict(self._pool.lora_targets.loaded)
         gone = self._pool.lora_targets.unloaded
         for worker in self._pool.all:
@@ -67,6 +68,7 @@ class LoraCatalog:
         if name is None:
             return None
         targets = self._pool.lora_targets
+        targets.follow()
         own = targets.loaded.get(name)
         if own is None and name in targets.unloaded:
             return None  # unloaded (or being unloaded) through this router: route none
@@ -82,6 +84,7 @@ class LoraCatalog:
         this adapter, never back to the one it replaces."""
         targets = self._pool.lora_targets
         async with targets.lock:
+            targets.follow()
             before = targets.snapshot()
             targets.on_loaded(adapter)
             workers = self._pool.all
@@ -103,7 +106,7 @@ class LoraCatalog:
         lets those running under it finish (``worker/lora.LORA_DRAIN_S``) first."""
         targets = self._pool.lora_targets
         async with targets.lock:
-            known = self.adapter(name) is not None
+            known = self.adapter(name) is not None  # (follows the other processes)
             before = targets.snapshot()
             targets.on_unloaded(name)
             workers = self._pool.all

@@ -2,7 +2,9 @@
 through any of them is one refit for all (``--processes N``): whether admission is
 closed (an update, or vLLM's ``/pause``), each process's admitted requests (a drain
 waits for all of them), the last abort asked for (every process ends its own), and
-the version requests are admitted under (with the workers that committed it).
+the version requests are admitted under (with the workers that committed it), and the
+LoRA adapters loaded and unloaded through any of them (``workers/loras.LoraTargets``:
+every process replays them on workers that join, and routes by them).
 
 ``WeightBoard.create(path, num_slots)`` (the parent of the processes, before it starts
 them, as it does the tenants' ledger) writes a small file in ``/dev/shm``; each process
@@ -11,12 +13,15 @@ and zeroed). A router of one process uses ``WeightBoard.local()``: the same code
 anonymous memory. One update runs at a time in the whole router: its process holds
 ``flock`` on the file for the update's length (the kernel releases a dead holder's).
 
-Layout: 8-byte words, native order; then the published state as JSON::
+Layout: 8-byte words, native order; then the published state and the LoRA targets as
+JSON::
 
     header   magic, num_slots, closing, paused, committing, abort_epoch, abort_keep,
-             version_epoch, state_len, 0
+             version_epoch, state_len, lora_epoch
     slots    num_slots x (pid, start time as float bits, running, abort_ack)
     state    STATE_BYTES of JSON: {"version", "source", "workers": {worker id: version}}
+    loras    a length word, then LORA_BYTES - 8 of JSON: {"loaded": {name: folder},
+             "unloaded": [name, ...]}, read and written under a byte-range lock
 
 Each word has one writer at a time (a slot: its process; the rest: the process that
 holds the update lock, or ``/pause``'s caller), and a reader that sees a stale value
@@ -30,7 +35,7 @@ import json
 import mmap
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,9 +47,13 @@ _MAGIC = 0x7064776569676874  # "pdweight"
 _HEADER = 10
 _SLOT = 4
 STATE_BYTES = 16384
+LORA_BYTES = 65536  # some hundreds of adapters' names and folders
 POLL_S = 0.01
 # Header words.
-_SLOTS, _CLOSING, _PAUSED, _COMMITTING, _ABORT, _KEEP, _EPOCH, _STATE_LEN = range(1, 9)
+_SLOTS, _CLOSING, _PAUSED, _COMMITTING, _ABORT, _KEEP, _EPOCH, _STATE_LEN, _LORA_EPOCH = \
+    range(1, 10)
+# Byte ranges locked with lockf: a slot claim; the LoRA targets' read-modify-write.
+_CLAIM_LOCK, _LORA_LOCK = (0, 8), (8, 8)
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,7 @@ class UpdateRunning(RuntimeError):
 
 
 def _size(num_slots: int) -> int:
-    return 8 * (_HEADER + _SLOT * num_slots) + STATE_BYTES
+    return 8 * (_HEADER + _SLOT * num_slots) + STATE_BYTES + LORA_BYTES
 
 
 def _alive(pid: int, started: float) -> bool:
@@ -203,6 +212,56 @@ class WeightBoard:
         return Published(str(raw.get("version", "")), str(raw.get("source", "")),
                          {str(k): str(v) for k, v in raw.get("workers", {}).items()})
 
+    # ---- the LoRA targets ----
+
+    @property
+    def lora_epoch(self) -> int:
+        """Bumped by each change of the LoRA targets."""
+        return self._words[_LORA_EPOCH]
+
+    def loras(self) -> dict[str, Any]:
+        """The LoRA targets as the last change left them (``{}``: none yet)."""
+        with self._byte_lock(_LORA_LOCK):
+            return self._read_loras()
+
+    def change_loras(self, change: Callable[[dict[str, Any]], None]) -> None:
+        """Read the targets, apply ``change`` to them and write them back, one process at
+        a time; ``ValueError`` (nothing written) when they outgrow the board."""
+        with self._byte_lock(_LORA_LOCK):
+            raw = self._read_loras()
+            change(raw)
+            data = json.dumps(raw).encode()
+            if len(data) > LORA_BYTES - 8:
+                raise ValueError("too many LoRA adapters to share between the router's "
+                                 f"processes ({len(data)} bytes of names and folders)")
+            offset = self._lora_offset
+            self._buffer[offset + 8:offset + 8 + len(data)] = data
+            struct.pack_into("q", self._buffer, offset, len(data))
+            self._words[_LORA_EPOCH] += 1
+
+    def _read_loras(self) -> dict[str, Any]:
+        offset = self._lora_offset
+        (length,) = struct.unpack_from("q", self._buffer, offset)
+        raw: dict[str, Any] = json.loads(bytes(self._buffer[offset + 8:offset + 8 + length])
+                                         or b"{}")
+        return raw
+
+    @property
+    def _lora_offset(self) -> int:
+        return 8 * (_HEADER + _SLOT * self._num_slots) + STATE_BYTES
+
+    @contextmanager
+    def _byte_lock(self, span: tuple[int, int]) -> Iterator[None]:
+        """``span`` (start, length) of the file locked, blocking (held for microseconds);
+        nothing to lock for a board of one process."""
+        if self._fd is not None:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, span[1], span[0])
+        try:
+            yield
+        finally:
+            if self._fd is not None:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN, span[1], span[0])
+
     # ---- one update at a time ----
 
     @contextmanager
@@ -240,9 +299,7 @@ class WeightBoard:
         has a live owner."""
         pid = os.getpid()
         started = psutil.Process(pid).create_time()
-        if self._fd is not None:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX, 8, 0)  # claims one at a time
-        try:
+        with self._byte_lock(_CLAIM_LOCK):  # claims one at a time
             for i in range(self._num_slots):
                 base = self._base(i)
                 owner = self._words[base]
@@ -254,6 +311,3 @@ class WeightBoard:
                 self._words[base] = pid
                 return i
             raise ValueError(f"every slot of the weight board ({self._num_slots}) is taken")
-        finally:
-            if self._fd is not None:
-                fcntl.lockf(self._fd, fcntl.LOCK_UN, 8, 0)

@@ -322,6 +322,7 @@ class WeightUpdater:
             await asyncio.sleep(FOLLOW_S)
             try:
                 tickets = self._gate.follow()
+                self._pool.lora_targets.follow()  # a worker joining gets the others' loads
                 if tickets:
                     await self._abort_on_workers(tickets)
             except Exception:  # noqa: BLE001 - the next round tries again
