@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.bench.micro import configs
+from pdserve.bench.micro.rollout.lora_config import RolloutLoraConfig
 
 # Flags that mean the same in every tool that takes them, declared once; each tool's
 # default is its own config's (a tool may add words to the help).
@@ -229,6 +230,40 @@ TOOLS: dict[str, Tool] = {
         ("--startup-timeout-s", {"type": float, "help": "pdserve up's start"}),
         "--dtype", "--seed",
         ("--json", {"help": "write results here (default: bench/results/rollout-*.json)"}),
+    )),
+    "rollout-lora": Tool("rollout.lora_loop", RolloutLoraConfig,
+                         "the rollout loop with LoRA: batches under an adapter, adapter "
+                         "refits (/pause?mode, /v1/load_lora_adapter, /resume) per pause "
+                         "mode, on pdserve up and one aggregated vllm serve in turn; refits "
+                         "per minute, refit latency, tokens lost and regenerated", (
+        ("--systems", {"type": _csv(str), "help": "comma-separated: pdserve, vllm (run "
+                       "one after the other)"}),
+        ("--modes", {"type": _csv(str), "help": "comma-separated /pause modes: keep, "
+                     "abort, wait"}),
+        ("--refits", {"type": int, "help": "adapter refits per system and mode"}),
+        ("--batch", {"type": int, "help": "prompts per round"}),
+        ("--n", {"type": int, "help": "samples per prompt (OpenAI n)"}),
+        "--max-tokens",
+        ("--temperature", {"type": float, "help": "sampling temperature"}),
+        ("--load", {"type": int, "help": "background streams through every refit"}),
+        ("--load-max-tokens", {"type": int, "help": "output tokens per background request"}),
+        ("--adapters", {"type": int, "help": "random adapter folders the refits cycle "
+                        "through"}),
+        ("--rank", {"type": int, "help": "the adapters' rank (also --max-lora-rank)"}),
+        ("--adapter-name", {"help": "the adapter's served name (the requests' model)"}),
+        ("--clear-cache", {"action": argparse.BooleanOptionalAction,
+                           "help": "/pause's clear_cache"}),
+        ("--pause-timeout-s", {"type": float, "help": "/pause's timeout (wait)"}),
+        ("--model-path", {"help": "the base model folder (default: the default model)"}),
+        "--dtype",
+        ("--kv-cache-gib", {"type": int, "help": "each system's KV cache"}),
+        ("--max-model-len", {"type": int, "help": "each system's context"}),
+        ("--deadline-s", {"type": float, "help": "a request or admin call unanswered "
+                          "this long fails the run"}),
+        ("--startup-timeout-s", {"type": float, "help": "each system's start"}),
+        "--seed",
+        ("--json", {"help": "write results here (default: "
+                    "bench/results/rollout-lora-*.json)"}),
     )),
     "fuzz": Tool("fuzz", configs.FuzzConfig,
                  "bad input on the KV port: random, truncated and malformed frames, ops "

@@ -6,6 +6,7 @@ check runs after each test."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import pytest
@@ -15,6 +16,7 @@ from unit.fake_worker import FakeWorkerServicer
 from pdserve.core.lora import LoraAdapter
 from pdserve.core.types import SamplingSpec
 from pdserve.router.dispatch.base import NoWorkerAvailableError
+from pdserve.router.dispatch.lora_catalog import refit_folder
 from pdserve.router.dispatch.workers.breaker import BreakerConfig, CircuitBreaker
 from pdserve.router.dispatch.workers.pool import Worker
 
@@ -93,3 +95,40 @@ def test_a_refusal_for_another_folder_does_not_count_against_the_worker() -> Non
     breaker = CircuitBreaker(BreakerConfig(threshold=1, base_backoff_s=1, max_backoff_s=1))
     assert not breaker.on_failure("ABORTED") and breaker.num_failures == 0
     assert breaker.on_failure("INTERNAL")  # a failure of the worker's own still does
+
+
+async def test_a_request_held_through_pause_load_resume_runs_the_new_folder() -> None:
+    """vLLM's RL refit (``/pause``, ``load_lora_adapter`` with a new folder, ``/resume``):
+    a request that waited at the closed gate runs the folder served when it is admitted,
+    not the one gone while it waited (before: 503, no worker serves it)."""
+    async with running_cluster(num_decode=1) as c:
+        serving(c, (SQL,))
+        await c.pool.refresh_all()
+        c.dispatcher.weights.pause()
+        held = asyncio.create_task(collect(c.dispatcher.generate("r1", PROMPT, under(SQL))))
+        await asyncio.sleep(0.1)
+        assert not held.done()
+        c.p.loras = {"sql": SQL2}
+        c.decodes[0].servicer.loras = {"sql": SQL2}
+        await c.pool.refresh_all()
+        c.dispatcher.weights.resume()
+        chunks = await asyncio.wait_for(held, 10)
+        assert len(tokens(chunks)) == 4 and chunks[-1].finish_reason == "length"
+        assert c.decodes[0].servicer.lora_refusals == 0 and c.p.lora_refusals == 0
+
+
+async def test_refit_folder_keeps_the_exact_folder_while_served_and_cuts_a_started_one(
+) -> None:
+    async with running_cluster(num_decode=1) as c:
+        serving(c, (SQL,))
+        await c.pool.refresh_all()
+        loras = c.dispatcher.loras
+        assert refit_folder(under(SQL), loras, 0) == under(SQL)
+        assert refit_folder(spec(4), loras, 3) == spec(4)  # no adapter
+        c.decodes[0].servicer.loras = {"sql": SQL2}  # the prefill still serves SQL
+        await c.pool.refresh_all()
+        assert refit_folder(under(SQL), loras, 3) == under(SQL)  # exact, while served
+        c.p.loras = {"sql": SQL2}
+        await c.pool.refresh_all()
+        assert refit_folder(under(SQL), loras, 0) == under(SQL2)  # nothing sent: new folder
+        assert refit_folder(under(SQL), loras, 3) is None  # tokens sent: ends, abort
