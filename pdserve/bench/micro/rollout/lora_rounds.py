@@ -1,6 +1,8 @@
-"""One system's rollout loop with LoRA under one ``/pause`` mode: ``refits`` rounds of a
-batch (``batch`` prompts x ``n`` samples under the adapter, all awaited) while ``load``
-background streams run, each round ending in an adapter refit, vLLM's RL sequence:
+"""One system's rollout loop with LoRA under one ``/pause`` mode.
+
+``refits`` rounds of a batch (``batch`` prompts x ``n`` samples under the adapter, all
+awaited) while ``load`` background streams run, each round ending in an adapter refit,
+vLLM's RL sequence:
 
     POST /pause?mode=M&clear_cache=..&timeout=..   (what runs: ended, waited for, frozen)
     POST /v1/load_lora_adapter {lora_name, lora_path: <next folder>, load_inplace: true}
