@@ -51,15 +51,30 @@ from pdserve.core.model import cache_dir
 from pdserve.core.ports import free_port
 
 console = Console(width=200)
+MAX_PROMPT_TOKENS = 512  # the chat mix's long prompts would make each round minutes long
 
 
 def build_prompts(cfg: RolloutLoraConfig, model_path: str) -> list[Messages]:
-    """The chat mix's first prompts: every batch's, then the load's."""
+    """The chat mix's first prompts of at most ``MAX_PROMPT_TOKENS`` tokens that fit the
+    context with their output: every batch's, then the load's."""
     from transformers import AutoTokenizer  # slow to import: only when a bench runs
 
-    encoder = PromptEncoder(AutoTokenizer.from_pretrained(model_path), "chat")
-    workload = MixWorkload(encoder, parse_mix(DEFAULT_MIX), 0.0, cfg.seed)
-    return [workload.request(i).messages for i in range(max(32, cfg.refits * cfg.batch))]
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    workload = MixWorkload(PromptEncoder(tokenizer, "chat"), parse_mix(DEFAULT_MIX), 0.0,
+                           cfg.seed)
+    limit = min(MAX_PROMPT_TOKENS, cfg.max_model_len - max(cfg.max_tokens,
+                                                           cfg.load_max_tokens) - 8)
+    wanted, prompts = max(32, cfg.refits * cfg.batch), []
+    for i in range(wanted * 20):
+        messages = workload.request(i).messages
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True)
+        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= limit:
+            prompts.append(messages)
+            if len(prompts) == wanted:
+                return prompts
+    raise ValueError(f"the chat mix has fewer than {wanted} prompts of at most {limit} "
+                     "tokens: raise --max-model-len")
 
 
 def build_system(which: str, settings: EngineSettings, lora: LoraSettings) -> LoraSystem:
