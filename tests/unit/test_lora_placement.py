@@ -1,8 +1,10 @@
 """A request's exact LoRA adapter (name and folder) through the dispatcher, on scripted
 gRPC workers: placed only on workers serving that folder, a worker that serves the name
 from another folder (a refit half done) refuses it ABORTED and the request goes on
-elsewhere, the n>1 sibling follows only a worker serving it. The cluster fixture's leak
-check runs after each test."""
+elsewhere, the n>1 sibling follows only a worker serving it; through vLLM's RL refit
+(pause, load a new folder, resume) a request held at the gate runs the new folder and a
+kept one whose tokens went out ends ``abort``. The cluster fixture's leak check runs
+after each test."""
 
 from __future__ import annotations
 
@@ -132,3 +134,29 @@ async def test_refit_folder_keeps_the_exact_folder_while_served_and_cuts_a_start
         await c.pool.refresh_all()
         assert refit_folder(under(SQL), loras, 0) == under(SQL2)  # nothing sent: new folder
         assert refit_folder(under(SQL), loras, 3) is None  # tokens sent: ends, abort
+
+
+async def test_a_kept_request_whose_tokens_went_out_ends_abort_after_an_adapter_refit(
+) -> None:
+    """``/pause?mode=keep`` then a refit to a new folder: the kept request had sent its
+    first token under the old folder, which no worker serves after: it ends with
+    ``finish_reason: "abort"`` (ended by the update), never continued on the new one."""
+    async with running_cluster(num_decode=1) as c:
+        serving(c, (SQL,))
+        await c.pool.refresh_all()
+        decode = c.decodes[0].servicer
+        decode.script.decode_gate = asyncio.Event()  # decode holds after prefill's token
+        running = asyncio.create_task(collect(c.dispatcher.generate("r1", PROMPT,
+                                                                    under(SQL, 8))))
+        await asyncio.sleep(0.2)
+        c.dispatcher.weights.pause()
+        (ticket,) = c.dispatcher.weights.abort(None, keep=True)
+        assert ticket.sent
+        decode.ended.set()  # the worker ends the frozen decode
+        c.p.loras = {"sql": SQL2}
+        decode.loras = {"sql": SQL2}
+        await c.pool.refresh_all()
+        c.dispatcher.weights.resume()
+        chunks = await asyncio.wait_for(running, 10)
+        assert len(tokens(chunks)) == 1 and chunks[-1].finish_reason == "abort"
+        assert chunks[-1].ended_by_update and decode.lora_refusals == 0
