@@ -62,11 +62,12 @@ def test_chunks_count_token_ids_finish_reasons_and_usage_spans() -> None:
     take_chunk(s, {"choices": [{"index": 1, "delta": {"content": "c"}}]}, 6.0)  # no ids
     take_chunk(s, {"choices": [{"index": 0, "delta": {}, "finish_reason": "abort"},
                                {"index": 1, "delta": {}, "finish_reason": "stop"}]}, 7.0)
-    take_chunk(s, {"choices": [], "usage": {"weight_versions": [{"version": "v", "start": 0,
-                                                                 "end": 2}]}}, 8.0)
+    take_chunk(s, {"choices": [], "system_fingerprint": "v",
+                   "usage": {"weight_versions": [{"version": "v", "start": 0, "end": 2}]}},
+               8.0)
     assert s.tokens == {0: 2, 1: 1} and s.finish == {0: "abort", 1: "stop"}
     assert s.first_token_s == 5.0 and s.spans == [{"version": "v", "start": 0, "end": 2}]
-    assert s.cut() == [0] and s.lost_tokens == 2
+    assert s.cut() == [0] and s.lost_tokens == 2 and s.fingerprints == {"v"}
 
 
 def test_summary_refits_per_minute_and_tokens_per_refit() -> None:
@@ -82,7 +83,7 @@ def test_summary_refits_per_minute_and_tokens_per_refit() -> None:
     assert s["refit_to_token_s"] == pytest.approx((1.6 + 2.0) / 2)
     assert s["tokens_lost_per_refit"] == 3.0 and s["tokens_regenerated_per_refit"] == 4.5
     assert (s["requests"], s["requests_cut"], s["requests_failed"]) == (3, 1, 1)
-    assert s["attributable"] == 0.0
+    assert s["attributable"] == 0.0 and s["fingerprints"] == []
     assert ModeResult("vllm", "keep").summary()["refits_per_min"] is None
     assert ratio(2.0, 4.0) == 0.5 and ratio(1.0, 0) is None and ratio(None, 1.0) is None
 

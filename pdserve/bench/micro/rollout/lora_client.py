@@ -102,7 +102,8 @@ class LoraClient:
 
 def take_chunk(sample: Sample, chunk: dict[str, Any], now: float) -> None:
     """One SSE chunk into ``sample``: each choice's tokens (its ``token_ids``, else one
-    per chunk with text) and ``finish_reason``; the usage's ``weight_versions``."""
+    per chunk with text) and ``finish_reason``; its ``system_fingerprint``; the usage's
+    ``weight_versions``."""
     for choice in chunk.get("choices") or ():
         index = int(choice.get("index", 0))
         ids = choice.get("token_ids")
@@ -115,6 +116,8 @@ def take_chunk(sample: Sample, chunk: dict[str, Any], now: float) -> None:
         sample.tokens.setdefault(index, 0)
         if choice.get("finish_reason") is not None:
             sample.finish[index] = choice["finish_reason"]
+    if chunk.get("system_fingerprint"):
+        sample.fingerprints.add(str(chunk["system_fingerprint"]))
     usage = chunk.get("usage") or {}
     if usage.get("weight_versions") is not None:
         sample.spans = list(usage["weight_versions"])

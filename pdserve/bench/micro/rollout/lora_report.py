@@ -42,6 +42,7 @@ class Sample:
     tokens: dict[int, int] = field(default_factory=dict)
     finish: dict[int, str | None] = field(default_factory=dict)
     spans: list[dict[str, Any]] | None = None
+    fingerprints: set[str] = field(default_factory=set)  # its chunks' system_fingerprint
 
     @property
     def failed(self) -> bool:
@@ -146,6 +147,9 @@ class ModeResult:
             "crossed_refit": len(crossed),
             "attributable": (sum(1 for s in answered if s.attributable()) / len(answered)
                              if answered else None),
+            # what the responses said produced them (pdserve: the base weights' version;
+            # vLLM: a hash of its config made at start): neither names the adapter folder
+            "fingerprints": sorted(set().union(*(s.fingerprints for s in answered))),
             "error": self.error,
         }
 
