@@ -143,8 +143,8 @@ class FakeLoraServer:
     """vLLM's contract, small: ``/pause?mode=abort`` ends what streams (finish_reason
     abort), requests wait while paused, a load switches the adapter's folder."""
 
-    def __init__(self, fail_load: bool = False) -> None:
-        self.fail_load, self.paused, self.epoch = fail_load, False, 0
+    def __init__(self, fail_load: bool = False, cut_all: bool = False) -> None:
+        self.fail_load, self.cut_all, self.paused, self.epoch = fail_load, cut_all, False, 0
         self.calls: list[str] = []
         self.loads: list[str] = []
         self.app = FastAPI()
@@ -183,7 +183,7 @@ class FakeLoraServer:
     async def _chunks(self, n: int, tokens: int, epoch: int) -> AsyncIterator[str]:
         for _ in range(tokens):
             await asyncio.sleep(0.004)
-            if self.epoch != epoch:  # aborted
+            if self.epoch != epoch or self.cut_all:  # aborted
                 done = [{"index": i, "delta": {}, "finish_reason": "abort"} for i in range(n)]
                 yield f"data: {json.dumps({'choices': done})}\n\n"
                 return
@@ -230,4 +230,12 @@ async def test_a_refused_load_ends_the_mode_resumed_and_with_its_error() -> None
     assert "HTTP 400" in result.error and result.refits == []
     assert server.calls == ["pause:keep", "load", "resume"] and not server.paused
     await asyncio.sleep(0.01)
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+
+
+async def test_a_request_cut_more_often_than_there_are_refits_fails_the_mode() -> None:
+    result = await _run(FakeLoraServer(cut_all=True), "wait", load=0)
+    assert "cut 4 times: more than one cut per refit" in result.error
+    assert result.refits == [] and result.summary()["requests_cut"] >= 4
+    await asyncio.sleep(0.01)  # the batch's other request was cancelled, not left running
     assert asyncio.all_tasks() == {asyncio.current_task()}

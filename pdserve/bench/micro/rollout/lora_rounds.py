@@ -10,9 +10,9 @@ vLLM's RL sequence:
 
 then a probe (4 tokens, greedy) under the adapter, whose first token ends the refit's
 time. A response cut (``finish_reason: "abort"``, or no finish) is sent again, as an RL
-client must (at most ``MAX_RETRIES`` times); a failed request or admin call ends the loop
-(``ModeResult.error``). Refits per minute: refits done over the loop's wall time (first
-batch sent to the last probe's first token).
+client must (``refits`` times at most: a refit cuts it once at most); a failed request
+or admin call ends the loop (``ModeResult.error``). Refits per minute: refits done over
+the loop's wall time (first batch sent to the last probe's first token).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from pdserve.bench.micro.rollout.lora_report import (
 from pdserve.bench.workload.prompts import Messages
 
 PROBE: Messages = [{"role": "user", "content": "Say hello."}]
-MAX_RETRIES = 4  # sends of a request after it was cut (each refit cuts it once at most)
 
 
 class ModeRounds:
@@ -50,14 +49,16 @@ class ModeRounds:
     async def generate(self, kind: str, prompt: Messages, n: int, max_tokens: int,
                        seed: int) -> None:
         """One request, sent again while it comes back cut; every answer recorded."""
-        for attempt in range(MAX_RETRIES + 1):
+        sends = self.cfg.refits + 1  # each refit cuts a request once at most
+        for attempt in range(sends):
             sample = await self.client.stream(kind if not attempt else "regen", prompt, n,
                                               max_tokens, self.cfg.temperature, seed)
             self.result.samples.append(sample)
             check_sample(sample)
             if not sample.cut():
                 return
-        raise LoraCheckError(f"a {kind} request came back cut {MAX_RETRIES + 1} times")
+        raise LoraCheckError(f"a {kind} request came back cut {sends} times: more than "
+                             "one cut per refit")
 
     async def _load(self, index: int) -> None:
         sent = 0
@@ -97,11 +98,18 @@ class ModeRounds:
             task.cancel()
 
     async def batch(self, index: int) -> None:
+        """The round's requests at once; the first to fail cancels the rest."""
         cfg = self.cfg
-        await asyncio.gather(*(
-            self.generate("batch", self.prompts[(index * cfg.batch + i) % len(self.prompts)],
-                          cfg.n, cfg.max_tokens, cfg.seed + index * cfg.batch + i)
-            for i in range(cfg.batch)))
+        try:
+            async with asyncio.TaskGroup() as group:
+                for i in range(cfg.batch):
+                    at = index * cfg.batch + i
+                    group.create_task(self.generate(
+                        "batch", self.prompts[at % len(self.prompts)], cfg.n,
+                        cfg.max_tokens, cfg.seed + at))
+        except ExceptionGroup as failed:
+            first = failed.exceptions[0]
+            raise first if isinstance(first, LoraCheckError) else failed from None
 
     async def refit(self) -> RefitTiming:
         """Pause, load the next folder under the adapter's name, resume (also when the
