@@ -109,8 +109,10 @@ class PDDispatcher:
         """The request's chunks, all from the weights version it was admitted under
         (``weights.py``): the first names it. A weight update that ends the request
         before any chunk went out runs it again on the new version; after, it ends
-        with finish reason ``abort``."""
+        with finish reason ``abort``. Each run checks its adapter's folder again
+        (``lora_catalog.refit_folder``: an adapter refit while it waited at the gate)."""
         deadline = deadline or Deadline.after(self._timeout)
+
         def attempt(ticket: Ticket, sent: tuple[int, ...]) -> AsyncGenerator[TokenChunk, None]:
             current = refit_folder(sampling, self.loras, len(sent))
             if current is None:  # its adapter was refitted after some tokens went out
