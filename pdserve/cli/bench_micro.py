@@ -14,10 +14,11 @@ import dataclasses
 import importlib
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from pdserve.bench.micro import configs
+from pdserve.cli.bench_rollout_tools import ROLLOUT_TOOLS
+from pdserve.cli.bench_tool import Tool, csv_list
 
 # Flags that mean the same in every tool that takes them, declared once; each tool's
 # default is its own config's (a tool may add words to the help).
@@ -35,22 +36,6 @@ SHARED: dict[str, dict[str, Any]] = {
     "--duration-s": {"type": float, "help": "seconds of load"},
     "--deadline-s": {"type": float, "help": "a request unanswered after this long counts as hung"},
 }
-
-Flag = str | tuple[str, dict[str, Any]]
-
-
-def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
-    def parse(text: str) -> list[Any]:
-        return [kind(part) for part in text.split(",") if part.strip()]
-    return parse
-
-
-@dataclass(frozen=True)
-class Tool:
-    module: str  # pdserve.bench.micro.<module>: run(config) -> int
-    config: type
-    help: str
-    flags: tuple[Flag, ...]
 
 
 TOOLS: dict[str, Tool] = {
@@ -194,42 +179,7 @@ TOOLS: dict[str, Tool] = {
         ("--startup-timeout-s", {"type": float, "help": "up's --startup-timeout-s"}),
         ("--json", {"help": "write results here (default: in the log folder)"}),
     )),
-    "rollout": Tool("rollout.loop", configs.RolloutConfig,
-                    "an RL rollout loop: a batch of n-sample chat completions, a weight "
-                    "update from disk, repeat; tokens/s, refit time, the dip under load", (
-        ("--url", {"help": "an existing cluster's router, http://HOST:PORT (default: "
-                   "start pdserve up on the default model, with an admin port)"}),
-        ("--admin-url", {"help": "with --url: its admin listener, http://HOST:PORT"}),
-        ("--api-key", {"help": "the router's API key"}),
-        ("--admin-key", {"help": "the admin listener's key"}),
-        ("--model-path", {"help": "the checkpoint folder the cluster serves (the rounds "
-                          "alternate between it and a perturbed copy)"}),
-        ("--checkpoint-dir", {"help": "where the perturbed copy goes, kept (reused when "
-                              "it holds one of this scale and seed; default: a "
-                              "folder in the cache, removed at the end)"}),
-        ("--rounds", {"type": int, "help": "generate-then-refit rounds"}),
-        ("--batch", {"type": int, "help": "prompts per round (the chat mix)"}),
-        ("--n", {"type": int, "help": "samples per prompt (OpenAI n)"}),
-        "--max-tokens",
-        ("--temperature", {"type": float, "help": "sampling temperature"}),
-        ("--load", {"type": int, "help": "background streams around each refit (0: none, "
-                    "no timeline)"}),
-        ("--load-max-tokens", {"type": int, "help": "output tokens per background request"}),
-        ("--window-s", {"type": float, "help": "the timeline's window"}),
-        ("--before-s", {"type": float, "help": "load before the refit call, and after "
-                        "its first new token"}),
-        ("--policy", {"choices": configs.ROLLOUT_POLICIES,
-                      "help": "in-flight requests at the switch"}),
-        ("--drain-timeout-s", {"type": float, "help": "drain: at most this long (default: "
-                               "the router's)"}),
-        ("--scale", {"type": float, "help": "the perturbed copy's noise, times each "
-                     "tensor's std"}),
-        ("--deadline-s", {"help": "a request or update unanswered after this long fails "
-                          "the run"}),
-        ("--startup-timeout-s", {"type": float, "help": "pdserve up's start"}),
-        "--dtype", "--seed",
-        ("--json", {"help": "write results here (default: bench/results/rollout-*.json)"}),
-    )),
+    **ROLLOUT_TOOLS,
     "fuzz": Tool("fuzz", configs.FuzzConfig,
                  "bad input on the KV port: random, truncated and malformed frames, ops "
                  "before the handshake, auth garbage, stalls; crashes, leaks, liveness", (
@@ -250,9 +200,9 @@ TOOLS: dict[str, Tool] = {
                       "trace, beside Belady's optimum and an infinite cache", (
         ("--trace", {"help": "a Mooncake-format JSONL trace (timestamp, input_length, "
                      "output_length, hash_ids)"}),
-        ("--capacity-blocks", {"type": _csv(int), "help": "comma-separated tier sizes in "
+        ("--capacity-blocks", {"type": csv_list(int), "help": "comma-separated tier sizes in "
                                "blocks"}),
-        ("--policy", {"type": _csv(str), "help": "comma-separated policies (--kv-tier-policy "
+        ("--policy", {"type": csv_list(str), "help": "comma-separated policies (--kv-tier-policy "
                       "names, and belady, infinite)"}),
         ("--admission", {"help": "the KV store's admission (a --kv-store-admission name) in "
                          "front of every policy: a request saves only its blocks before "
@@ -265,7 +215,7 @@ TOOLS: dict[str, Tool] = {
         ("--url", {"help": "a KV store URL, redis://HOST:PORT or redis-cluster://... "
                    "(rediss:// verified against the system's roots) "
                    "(default: a local redis-server started for the run)"}),
-        ("--value-mib", {"type": _csv(float), "help": "comma-separated value sizes in MiB"}),
+        ("--value-mib", {"type": csv_list(float), "help": "comma-separated value sizes in MiB"}),
         ("--total-mib", {"type": int, "help": "MiB written and read per size and rep"}),
         ("--batch-mib", {"type": int, "help": "MiB per call (one round trip each)"}),
         ("--tls", {"action": "store_true", "help": "the local server over mutual TLS "
@@ -275,9 +225,9 @@ TOOLS: dict[str, Tool] = {
     "kv-compression": Tool("kv_compression", configs.KvCompressionConfig,
                            "the KV store's block codecs on real KV of the default model: "
                            "ratio, encode/decode ms per MiB, lossy modes' error", (
-        ("--dtypes", {"type": _csv(str), "help": "comma-separated engine dtypes, one "
+        ("--dtypes", {"type": csv_list(str), "help": "comma-separated engine dtypes, one "
                       "capture each"}),
-        ("--modes", {"type": _csv(str), "help": "comma-separated codecs (none, lossless, "
+        ("--modes", {"type": csv_list(str), "help": "comma-separated codecs (none, lossless, "
                      "int8, fp8)"}),
         ("--prompts", {"type": int, "help": "prompts run before the capture"}),
         ("--blocks", {"type": int, "help": "full KV blocks captured per dtype"}),

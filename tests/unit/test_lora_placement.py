@@ -1,11 +1,14 @@
 """A request's exact LoRA adapter (name and folder) through the dispatcher, on scripted
 gRPC workers: placed only on workers serving that folder, a worker that serves the name
 from another folder (a refit half done) refuses it ABORTED and the request goes on
-elsewhere, the n>1 sibling follows only a worker serving it. The cluster fixture's leak
-check runs after each test."""
+elsewhere, the n>1 sibling follows only a worker serving it; through vLLM's RL refit
+(pause, load a new folder, resume) a request held at the gate runs the new folder and a
+kept one whose tokens went out ends ``abort``. The cluster fixture's leak check runs
+after each test."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import pytest
@@ -15,6 +18,7 @@ from unit.fake_worker import FakeWorkerServicer
 from pdserve.core.lora import LoraAdapter
 from pdserve.core.types import SamplingSpec
 from pdserve.router.dispatch.base import NoWorkerAvailableError
+from pdserve.router.dispatch.lora_catalog import refit_folder
 from pdserve.router.dispatch.workers.breaker import BreakerConfig, CircuitBreaker
 from pdserve.router.dispatch.workers.pool import Worker
 
@@ -93,3 +97,66 @@ def test_a_refusal_for_another_folder_does_not_count_against_the_worker() -> Non
     breaker = CircuitBreaker(BreakerConfig(threshold=1, base_backoff_s=1, max_backoff_s=1))
     assert not breaker.on_failure("ABORTED") and breaker.num_failures == 0
     assert breaker.on_failure("INTERNAL")  # a failure of the worker's own still does
+
+
+async def test_a_request_held_through_pause_load_resume_runs_the_new_folder() -> None:
+    """vLLM's RL refit (``/pause``, ``load_lora_adapter`` with a new folder, ``/resume``):
+    a request that waited at the closed gate runs the folder served when it is admitted,
+    not the one gone while it waited (before: 503, no worker serves it)."""
+    async with running_cluster(num_decode=1) as c:
+        serving(c, (SQL,))
+        await c.pool.refresh_all()
+        c.dispatcher.weights.pause()
+        held = asyncio.create_task(collect(c.dispatcher.generate("r1", PROMPT, under(SQL))))
+        await asyncio.sleep(0.1)
+        assert not held.done()
+        c.p.loras = {"sql": SQL2}
+        c.decodes[0].servicer.loras = {"sql": SQL2}
+        await c.pool.refresh_all()
+        c.dispatcher.weights.resume()
+        chunks = await asyncio.wait_for(held, 10)
+        assert len(tokens(chunks)) == 4 and chunks[-1].finish_reason == "length"
+        assert c.decodes[0].servicer.lora_refusals == 0 and c.p.lora_refusals == 0
+
+
+async def test_refit_folder_keeps_the_exact_folder_while_served_and_cuts_a_started_one(
+) -> None:
+    async with running_cluster(num_decode=1) as c:
+        serving(c, (SQL,))
+        await c.pool.refresh_all()
+        loras = c.dispatcher.loras
+        assert refit_folder(under(SQL), loras, 0) == under(SQL)
+        assert refit_folder(spec(4), loras, 3) == spec(4)  # no adapter
+        c.decodes[0].servicer.loras = {"sql": SQL2}  # the prefill still serves SQL
+        await c.pool.refresh_all()
+        assert refit_folder(under(SQL), loras, 3) == under(SQL)  # exact, while served
+        c.p.loras = {"sql": SQL2}
+        await c.pool.refresh_all()
+        assert refit_folder(under(SQL), loras, 0) == under(SQL2)  # nothing sent: new folder
+        assert refit_folder(under(SQL), loras, 3) is None  # tokens sent: ends, abort
+
+
+async def test_a_kept_request_whose_tokens_went_out_ends_abort_after_an_adapter_refit(
+) -> None:
+    """``/pause?mode=keep`` then a refit to a new folder: the kept request had sent its
+    first token under the old folder, which no worker serves after: it ends with
+    ``finish_reason: "abort"`` (ended by the update), never continued on the new one."""
+    async with running_cluster(num_decode=1) as c:
+        serving(c, (SQL,))
+        await c.pool.refresh_all()
+        decode = c.decodes[0].servicer
+        decode.script.decode_gate = asyncio.Event()  # decode holds after prefill's token
+        running = asyncio.create_task(collect(c.dispatcher.generate("r1", PROMPT,
+                                                                    under(SQL, 8))))
+        await asyncio.sleep(0.2)
+        c.dispatcher.weights.pause()
+        (ticket,) = c.dispatcher.weights.abort(None, keep=True)
+        assert ticket.sent
+        decode.ended.set()  # the worker ends the frozen decode
+        c.p.loras = {"sql": SQL2}
+        decode.loras = {"sql": SQL2}
+        await c.pool.refresh_all()
+        c.dispatcher.weights.resume()
+        chunks = await asyncio.wait_for(running, 10)
+        assert len(tokens(chunks)) == 1 and chunks[-1].finish_reason == "abort"
+        assert chunks[-1].ended_by_update and decode.lora_refusals == 0

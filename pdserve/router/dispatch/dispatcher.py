@@ -21,7 +21,7 @@ from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION, versioned_salt
 from pdserve.core.lora import adapter_salt, wanted_lora
 from pdserve.core.types import PhaseOutput, PhaseRequest, SamplingSpec
 from pdserve.router.dispatch.base import Deadline, Express, TokenChunk
-from pdserve.router.dispatch.lora_catalog import LoraCatalog
+from pdserve.router.dispatch.lora_catalog import LoraCatalog, refit_folder
 from pdserve.router.dispatch.metrics import DispatchMetrics
 from pdserve.router.dispatch.migration import (
     MigrationConfig,
@@ -61,6 +61,10 @@ def _rest(sampling: SamplingSpec, sent: Sequence[int]) -> SamplingSpec:
     if not sent:
         return sampling
     return replace(sampling, max_tokens=sampling.max_tokens - len(sent), prompt_logprobs=None)
+
+
+async def _ended_by_refit() -> AsyncGenerator[TokenChunk, None]:
+    yield TokenChunk((), "abort", ended_by_update=True)
 
 
 class PDDispatcher:
@@ -105,12 +109,19 @@ class PDDispatcher:
         """The request's chunks, all from the weights version it was admitted under
         (``weights.py``): the first names it. A weight update that ends the request
         before any chunk went out runs it again on the new version; after, it ends
-        with finish reason ``abort``."""
+        with finish reason ``abort``. Each run checks its adapter's folder again
+        (``lora_catalog.refit_folder``: an adapter refit while it waited at the gate)."""
         deadline = deadline or Deadline.after(self._timeout)
-        chunks = versioned(self.weights, request_id, deadline, lambda ticket, sent: (
-            self._generate(request_id, (*prompt_token_ids, *sent), _rest(sampling, sent),
-                           timeline, deadline, affinity, express, ticket)),
-            self._metrics.weight_reruns.inc)
+
+        def attempt(ticket: Ticket, sent: tuple[int, ...]) -> AsyncGenerator[TokenChunk, None]:
+            current = refit_folder(sampling, self.loras, len(sent))
+            if current is None:  # its adapter was refitted after some tokens went out
+                return _ended_by_refit()
+            return self._generate(request_id, (*prompt_token_ids, *sent), _rest(current, sent),
+                                  timeline, deadline, affinity, express, ticket)
+
+        chunks = versioned(self.weights, request_id, deadline, attempt,
+                           self._metrics.weight_reruns.inc)
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
                 yield chunk

@@ -14,9 +14,10 @@ adapter (``--lora-modules``) is brought back to the router's word.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.core.lora import LoraAdapter
+from pdserve.core.types import SamplingSpec
 from pdserve.router.dispatch.workers.client import WorkerCallError
 from pdserve.router.dispatch.workers.loras import LORA_CALL_TIMEOUT_S
 from pdserve.router.dispatch.workers.pool import Worker, WorkerPool
@@ -122,6 +123,10 @@ class LoraCatalog:
         """Their health again: what they serve now is what placement reads."""
         await asyncio.gather(*(w.refresh(LORA_CALL_TIMEOUT_S) for w in workers))
 
+    def serves(self, adapter: LoraAdapter) -> bool:
+        """A healthy worker serves ``adapter`` (that name from that folder)."""
+        return any(adapter in _served(w) for w in self._pool.all)
+
 
 def _served(worker: Worker) -> tuple[LoraAdapter, ...]:
     state = worker.snapshot()
@@ -146,3 +151,25 @@ async def _unload(worker: Worker, name: str) -> str:
     except WorkerCallError as exc:
         return f"error: {exc.code}: {exc.details}"
     return "unloaded" if unloaded else "absent"
+
+
+def refit_folder(sampling: SamplingSpec, catalog: LoraCatalog,
+                 num_sent: int) -> SamplingSpec | None:
+    """The adapter folder a request runs on its next attempt through the weight gate.
+    Unchanged while a worker serves the folder it arrived under (exact identity, as
+    placement wants it) or the adapter is served from no folder (it fails as before).
+    When a refit moved the name to another folder meanwhile and no worker serves the old
+    one (vLLM's ``/pause``, ``load_lora_adapter``, ``/resume`` while it waited at the
+    gate, or was kept): that folder if none of its tokens went out (it runs unseen on the
+    new adapter, as a request a weight update ended before any output); None if some
+    did: it ends with ``finish_reason: "abort"``, since one response of two folders could
+    not say which tokens came from which."""
+    if sampling.lora_name is None or sampling.lora_path is None:
+        return sampling
+    served = catalog.adapter(sampling.lora_name)
+    if (served is None or served.path == sampling.lora_path
+            or catalog.serves(LoraAdapter(sampling.lora_name, sampling.lora_path))):
+        return sampling
+    if num_sent:
+        return None
+    return replace(sampling, lora_path=served.path)
