@@ -55,6 +55,14 @@ def test_attributable_needs_spans_covering_every_token_of_every_choice() -> None
     assert not _sample(tokens={0: 5}).attributable()  # vLLM: no spans
 
 
+def test_a_switch_is_named_by_spans_of_two_adapter_folders() -> None:
+    kept = [{"version": "v", "lora": "sql#aa", "start": 0, "end": 3},
+            {"version": "v", "lora": "sql#bb", "start": 3, "end": 5}]
+    assert _sample(tokens={0: 5}, spans=kept).names_switch()
+    assert not _sample(tokens={0: 5}, spans=kept[:1]).names_switch()
+    assert not _sample(tokens={0: 5}).names_switch()  # vLLM: no spans
+
+
 def test_chunks_count_token_ids_finish_reasons_and_usage_spans() -> None:
     s = Sample(kind="batch", started_s=0.0, n=2)
     take_chunk(s, {"choices": [{"index": 0, "delta": {"content": "ab"}, "token_ids": [1, 2]}]},

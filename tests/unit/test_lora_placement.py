@@ -119,28 +119,28 @@ async def test_a_request_held_through_pause_load_resume_runs_the_new_folder() ->
         assert c.decodes[0].servicer.lora_refusals == 0 and c.p.lora_refusals == 0
 
 
-async def test_refit_folder_keeps_the_exact_folder_while_served_and_cuts_a_started_one(
+async def test_refit_folder_keeps_the_exact_folder_while_served_then_moves_to_the_new_one(
 ) -> None:
     async with running_cluster(num_decode=1) as c:
         serving(c, (SQL,))
         await c.pool.refresh_all()
         loras = c.dispatcher.loras
-        assert refit_folder(under(SQL), loras, 0) == under(SQL)
-        assert refit_folder(spec(4), loras, 3) == spec(4)  # no adapter
+        assert refit_folder(under(SQL), loras) == under(SQL)
+        assert refit_folder(spec(4), loras) == spec(4)  # no adapter
         c.decodes[0].servicer.loras = {"sql": SQL2}  # the prefill still serves SQL
         await c.pool.refresh_all()
-        assert refit_folder(under(SQL), loras, 3) == under(SQL)  # exact, while served
+        assert refit_folder(under(SQL), loras) == under(SQL)  # exact, while served
         c.p.loras = {"sql": SQL2}
         await c.pool.refresh_all()
-        assert refit_folder(under(SQL), loras, 0) == under(SQL2)  # nothing sent: new folder
-        assert refit_folder(under(SQL), loras, 3) is None  # tokens sent: ends, abort
+        assert refit_folder(under(SQL), loras) == under(SQL2)  # the new folder
 
 
-async def test_a_kept_request_whose_tokens_went_out_ends_abort_after_an_adapter_refit(
+async def test_a_kept_request_goes_on_under_the_new_folder_and_its_chunks_say_where(
 ) -> None:
     """``/pause?mode=keep`` then a refit to a new folder: the kept request had sent its
-    first token under the old folder, which no worker serves after: it ends with
-    ``finish_reason: "abort"`` (ended by the update), never continued on the new one."""
+    first token under the old folder, which no worker serves after: it goes on under the
+    new folder from the tokens sent, and its chunks name each folder where it starts (the
+    response's ``usage.weight_versions`` spans, ``lora``)."""
     async with running_cluster(num_decode=1) as c:
         serving(c, (SQL,))
         await c.pool.refresh_all()
@@ -156,7 +156,28 @@ async def test_a_kept_request_whose_tokens_went_out_ends_abort_after_an_adapter_
         c.p.loras = {"sql": SQL2}
         decode.loras = {"sql": SQL2}
         await c.pool.refresh_all()
+        decode.script.decode_gate = None
         c.dispatcher.weights.resume()
         chunks = await asyncio.wait_for(running, 10)
-        assert len(tokens(chunks)) == 1 and chunks[-1].finish_reason == "abort"
-        assert chunks[-1].ended_by_update and decode.lora_refusals == 0
+        assert len(tokens(chunks)) == 8 and chunks[-1].finish_reason == "length"
+        named = [(i, ch.adapter) for i, ch in enumerate(chunks) if ch.adapter]
+        assert [tag for _, tag in named] == [SQL.tag, SQL2.tag]
+        switched = sum(len(ch.token_ids) for ch in chunks[:named[1][0]])
+        assert switched == 1  # the old folder's one token, then the new folder's
+        assert decode.lora_refusals == 0
+
+
+def test_the_spans_split_where_the_version_or_the_adapter_folder_changes() -> None:
+    from pdserve.router.http.openai.request_output import RequestOutput
+
+    out = RequestOutput.__new__(RequestOutput)  # the span bookkeeping alone
+    out.weight_spans = []
+    out._span(None, 1)  # no worker named a version: no span
+    assert out.weight_spans == []
+    out._span("v1", 2, SQL.tag)
+    out._span(None, 3)  # more of the same
+    out._span("v1", 1, SQL2.tag)  # a kept request on the refitted folder
+    out._span(None, 2)
+    out._span("v2", 1)  # a weight refit: the folder stays
+    assert out.weight_spans == [["v1", 0, 5, SQL.tag], ["v1", 5, 8, SQL2.tag],
+                                ["v2", 8, 9, SQL2.tag]]

@@ -39,6 +39,10 @@ class TokenChunk:
     decode_worker_id: str | None = None  # on decode's chunks: the worker generating
     # On the first chunk: the weights version producing every token of the request.
     weight_version: str | None = None
+    # On the first chunk of a request under a LoRA adapter: the folder's tag
+    # (``LoraAdapter.tag``) producing its tokens, until a chunk names another (a request
+    # ``keep`` carried through an adapter refit goes on under the new folder).
+    adapter: str | None = None
     # With finish reason ``abort``: a weight update (policy abort) ended the request on
     # purpose, after some of its tokens went out; the client sees finish reason
     # ``abort``, as from vLLM's ``/pause``. Any other ``abort`` is a failure.

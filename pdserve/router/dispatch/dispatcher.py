@@ -21,7 +21,7 @@ from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION, versioned_salt
 from pdserve.core.lora import adapter_salt, wanted_lora
 from pdserve.core.types import PhaseOutput, PhaseRequest, SamplingSpec
 from pdserve.router.dispatch.base import Deadline, Express, TokenChunk
-from pdserve.router.dispatch.lora_catalog import LoraCatalog, refit_folder
+from pdserve.router.dispatch.lora_catalog import LoraCatalog, lora_tag, refit_folder
 from pdserve.router.dispatch.metrics import DispatchMetrics
 from pdserve.router.dispatch.migration import (
     MigrationConfig,
@@ -63,8 +63,14 @@ def _rest(sampling: SamplingSpec, sent: Sequence[int]) -> SamplingSpec:
     return replace(sampling, max_tokens=sampling.max_tokens - len(sent), prompt_logprobs=None)
 
 
-async def _ended_by_refit() -> AsyncGenerator[TokenChunk, None]:
-    yield TokenChunk((), "abort", ended_by_update=True)
+async def _tagged(chunks: AsyncGenerator[TokenChunk, None], adapter: str
+                  ) -> AsyncGenerator[TokenChunk, None]:
+    """``chunks``, the first naming the adapter folder that gives them (a LoRA request's)."""
+    async with contextlib.aclosing(chunks):
+        first = True
+        async for chunk in chunks:
+            yield replace(chunk, adapter=adapter) if first else chunk
+            first = False
 
 
 class PDDispatcher:
@@ -110,15 +116,17 @@ class PDDispatcher:
         (``weights.py``): the first names it. A weight update that ends the request
         before any chunk went out runs it again on the new version; after, it ends
         with finish reason ``abort``. Each run checks its adapter's folder again
-        (``lora_catalog.refit_folder``: an adapter refit while it waited at the gate)."""
+        (``lora_catalog.refit_folder``: an adapter refit while it waited at the gate, or
+        was kept) and names it on its first chunk (the response's spans)."""
         deadline = deadline or Deadline.after(self._timeout)
 
         def attempt(ticket: Ticket, sent: tuple[int, ...]) -> AsyncGenerator[TokenChunk, None]:
-            current = refit_folder(sampling, self.loras, len(sent))
-            if current is None:  # its adapter was refitted after some tokens went out
-                return _ended_by_refit()
-            return self._generate(request_id, (*prompt_token_ids, *sent), _rest(current, sent),
-                                  timeline, deadline, affinity, express, ticket)
+            current = refit_folder(sampling, self.loras)
+            chunks = self._generate(request_id, (*prompt_token_ids, *sent),
+                                    _rest(current, sent), timeline, deadline, affinity,
+                                    express, ticket)
+            tag = lora_tag(current)
+            return chunks if tag is None else _tagged(chunks, tag)
 
         chunks = versioned(self.weights, request_id, deadline, attempt,
                            self._metrics.weight_reruns.inc)

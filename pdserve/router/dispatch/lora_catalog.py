@@ -153,23 +153,27 @@ async def _unload(worker: Worker, name: str) -> str:
     return "unloaded" if unloaded else "absent"
 
 
-def refit_folder(sampling: SamplingSpec, catalog: LoraCatalog,
-                 num_sent: int) -> SamplingSpec | None:
+def refit_folder(sampling: SamplingSpec, catalog: LoraCatalog) -> SamplingSpec:
     """The adapter folder a request runs on its next attempt through the weight gate.
     Unchanged while a worker serves the folder it arrived under (exact identity, as
     placement wants it) or the adapter is served from no folder (it fails as before).
     When a refit moved the name to another folder meanwhile and no worker serves the old
     one (vLLM's ``/pause``, ``load_lora_adapter``, ``/resume`` while it waited at the
-    gate, or was kept): that folder if none of its tokens went out (it runs unseen on the
-    new adapter, as a request a weight update ended before any output); None if some
-    did: it ends with ``finish_reason: "abort"``, since one response of two folders could
-    not say which tokens came from which."""
+    gate, or was kept): the new folder. A request none of whose tokens went out runs on
+    it unseen (as one a weight update ended before any output); a kept one goes on under
+    it from the tokens sent, and its response's spans say where the folder changed
+    (``lora_tag`` on the chunks)."""
     if sampling.lora_name is None or sampling.lora_path is None:
         return sampling
     served = catalog.adapter(sampling.lora_name)
     if (served is None or served.path == sampling.lora_path
             or catalog.serves(LoraAdapter(sampling.lora_name, sampling.lora_path))):
         return sampling
-    if num_sent:
-        return None
     return replace(sampling, lora_path=served.path)
+
+
+def lora_tag(sampling: SamplingSpec) -> str | None:
+    """The tag of the adapter folder a request runs (None: the base model)."""
+    if sampling.lora_name is None or sampling.lora_path is None:
+        return None
+    return LoraAdapter(sampling.lora_name, sampling.lora_path).tag

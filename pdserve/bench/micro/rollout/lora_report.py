@@ -6,7 +6,8 @@ A response's choice is *cut* when its ``finish_reason`` is ``abort`` or it ended
 one: an RL client cannot use a partial sample, so its tokens are *lost*, and the loop
 sends the request again (*regenerated* tokens: that retry's). A response is
 *attributable* when its ``usage.weight_versions`` spans cover every token of every
-choice (pdserve's per-token versions; vLLM reports none).
+choice (pdserve's per-token versions; vLLM reports none); one that crossed a refit is
+*named* when its spans name both adapter folders (``lora``: where it switched).
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ class Sample:
     @property
     def num_tokens(self) -> int:
         return sum(self.tokens.values())
+
+    def names_switch(self) -> bool:
+        """Its spans name two adapter folders or more (a kept request's switch)."""
+        return len({s.get("lora") for s in self.spans or () if s.get("lora")}) > 1
 
     def attributable(self) -> bool:
         """Every choice's tokens covered, from 0 with no gap, by its version spans."""
@@ -145,10 +150,12 @@ class ModeResult:
             "tokens_regenerated_per_refit":
                 sum(s.num_tokens for s in answered if s.kind == "regen") / per,
             "crossed_refit": len(crossed),
+            "crossed_named": sum(1 for s in crossed if s.names_switch()),
             "attributable": (sum(1 for s in answered if s.attributable()) / len(answered)
                              if answered else None),
-            # what the responses said produced them (pdserve: the base weights' version;
-            # vLLM: a hash of its config made at start): neither names the adapter folder
+            # what the responses' fingerprints said produced them (pdserve: the base
+            # weights' version; vLLM: a hash of its config made at start): neither names
+            # the adapter folder (pdserve's spans do: ``crossed_named``)
             "fingerprints": sorted(set().union(*(s.fingerprints for s in answered))),
             "error": self.error,
         }
@@ -167,7 +174,8 @@ COLUMNS = (("refits_per_min", "refits/min", ".2f"), ("refit_latency_s", "pauseâ†
            ("tokens_lost_per_refit", "tokens lost/refit", ".1f"),
            ("tokens_regenerated_per_refit", "regenerated/refit", ".1f"),
            ("requests_cut", "requests cut", "d"), ("requests_failed", "failed", "d"),
-           ("crossed_refit", "crossed a refit", "d"), ("attributable", "attributable", ".0%"))
+           ("crossed_refit", "crossed a refit", "d"),
+           ("crossed_named", "â€¦saying where", "d"), ("attributable", "attributable", ".0%"))
 
 
 def ratio(ours: Any, theirs: Any) -> float | None:

@@ -42,8 +42,8 @@ class RequestOutput:
         self.num_cached_tokens = 0
         self.disagg: DisaggDecision | None = None
         self.weight_version: str | None = None  # from the first chunk
-        # [version, start, end] of each run of tokens one version produced (a kept
-        # request that crossed a refit has two).
+        # [version, start, end, adapter tag or ""] of each run of tokens one version
+        # (and one adapter folder) produced (a kept request that crossed a refit has two).
         self.weight_spans: list[list[str | int]] = []
         self.session_id: str | None = None  # ``X-Session-ID`` (``sessions.py``)
         self.decode_worker_id: str | None = None  # the last decode worker that generated
@@ -88,7 +88,7 @@ class RequestOutput:
             self.finish_reason = chunk.finish_reason
         self._texts.append(text)
         new_ids = self.token_ids[before:]
-        self._span(chunk.weight_version, len(new_ids))
+        self._span(chunk.weight_version, len(new_ids), chunk.adapter)
         positions = chunk.logprobs[:len(new_ids)]
         self.logprobs.extend(positions)
         if chunk.prompt_logprobs:
@@ -109,15 +109,19 @@ class RequestOutput:
         self._span(None, len(token_ids))
         return text
 
-    def _span(self, version: str | None, num_tokens: int) -> None:
-        """``num_tokens`` more tokens, of ``version`` (None: the last span's)."""
+    def _span(self, version: str | None, num_tokens: int, adapter: str | None = None) -> None:
+        """``num_tokens`` more tokens, of ``version`` and adapter folder ``adapter``
+        (None: the last span's)."""
         spans = self.weight_spans
-        if version is None or (spans and spans[-1][0] == version):
-            if spans:
-                spans[-1][2] = int(spans[-1][2]) + num_tokens
+        if spans and (version or spans[-1][0]) == spans[-1][0] and (
+                adapter or spans[-1][3]) == spans[-1][3]:
+            spans[-1][2] = int(spans[-1][2]) + num_tokens
             return
+        if version is None and not spans:
+            return  # no worker named a version
         end = int(spans[-1][2]) if spans else 0
-        spans.append([version, end, end + num_tokens])
+        spans.append([version or spans[-1][0], end, end + num_tokens,
+                      adapter or (spans[-1][3] if spans else "")])
 
     def final(self) -> ChoiceOutput:
         return ChoiceOutput(self.text, self.token_ids, self.check_finished(), self.index,
@@ -211,8 +215,9 @@ class Choices:
         """``usage.weight_versions``: each choice's spans (with its index when ``n`` > 1);
         None when no worker named a version."""
         many = len(self.outputs) > 1
-        spans = [{"version": v, "start": s, "end": e, **({"index": o.index} if many else {})}
-                 for o in self.outputs for v, s, e in o.weight_spans]
+        spans = [{"version": v, "start": s, "end": e, **({"lora": a} if a else {}),
+                  **({"index": o.index} if many else {})}
+                 for o in self.outputs for v, s, e, a in o.weight_spans]
         return spans or None
 
     @property
