@@ -98,6 +98,7 @@ async def test_the_admin_routes_answer_as_vllm_does() -> None:
             ok = await http.post("/v1/load_lora_adapter", json=body, headers=auth)
             assert ok.status_code == 200 and ok.json()["workers"] == {
                 decode.servicer.worker_id: "loaded"}
+            assert ok.json()["lora_tag"] == SQL.tag  # what the responses' spans name
             for bad, param in (({"lora_name": "x", "lora_path": "/bad/x"}, "lora_path"),
                                ({"lora_name": "m", "lora_path": "/a/m"}, "lora_name")):
                 refused = await http.post("/v1/load_lora_adapter", json=bad, headers=auth)

@@ -59,7 +59,7 @@ def lora_actions(catalog: LoraCatalog, base_model: str) -> APIRouter:
         except LoraNotLoadedError as exc:
             raise ServiceUnavailableError(str(exc)) from None
         return {"status": "success", "lora_name": adapter.name, "lora_path": adapter.path,
-                "workers": outcome.workers}
+                "lora_tag": adapter.tag, "workers": outcome.workers}
 
     @router.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoraBody) -> dict[str, Any]:
