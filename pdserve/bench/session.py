@@ -33,6 +33,7 @@ from pdserve.bench.workload.generators import check_workload_flags, make_workloa
 from pdserve.bench.workload.prompts import PromptEncoder
 from pdserve.core.dtype import resolve_dtype
 from pdserve.core.model import DEFAULT_MODEL_NAME, cache_dir
+from pdserve.core.tokenizer import load_tokenizer
 from pdserve.core.version import version
 
 RUN_SCHEMA = "pdserve.bench.run/v1"
@@ -61,12 +62,10 @@ def _tokenizer_path(cfg: RunConfig) -> Path:
 
 
 def _load_tokenizer(path: Path) -> Any:
-    # Imported here: transformers takes seconds to import, and only a run pays it (the
-    # flag checks of compare and gaps build a Session without loading a tokenizer).
-    from transformers import AutoTokenizer
-
+    # Only a run loads one (the flag checks of compare and gaps build a Session without a
+    # tokenizer); transformers is imported there.
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return load_tokenizer(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot load the tokenizer at {path}: {exc}") from None
 

@@ -62,6 +62,7 @@ from pdserve.bench.workload.prompts import Messages, PromptEncoder
 from pdserve.core.dtype import resolve_dtype
 from pdserve.core.model import cache_dir, prepare_default_model
 from pdserve.core.ports import free_port
+from pdserve.core.tokenizer import load_tokenizer
 
 PROBE = [{"role": "user", "content": "Say hello."}]
 console = Console(width=160)
@@ -164,9 +165,8 @@ class Rounds:
 
 def build_prompts(cfg: RolloutConfig, tokenizer_path: Path) -> list[Messages]:
     """Every round's batch, in order: the chat mix's first ``rounds x batch`` prompts."""
-    from transformers import AutoTokenizer  # slow to import: only when a bench runs
 
-    encoder = PromptEncoder(AutoTokenizer.from_pretrained(tokenizer_path), "chat")
+    encoder = PromptEncoder(load_tokenizer(tokenizer_path), "chat")
     workload = MixWorkload(encoder, parse_mix(DEFAULT_MIX), 0.0, cfg.seed)
     return [workload.request(i).messages for i in range(cfg.rounds * cfg.batch)]
 
