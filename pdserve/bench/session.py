@@ -29,11 +29,11 @@ from pdserve.bench.runner import (
     check_model,
     list_models,
 )
+from pdserve.bench.workload.bench_tokenizer import load_bench_tokenizer
 from pdserve.bench.workload.generators import check_workload_flags, make_workload, workload_info
 from pdserve.bench.workload.prompts import PromptEncoder
 from pdserve.core.dtype import resolve_dtype
 from pdserve.core.model import DEFAULT_MODEL_NAME, cache_dir
-from pdserve.core.tokenizer import load_tokenizer
 from pdserve.core.version import version
 
 RUN_SCHEMA = "pdserve.bench.run/v1"
@@ -65,7 +65,7 @@ def _load_tokenizer(path: Path) -> Any:
     # Only a run loads one (the flag checks of compare and gaps build a Session without a
     # tokenizer); transformers is imported there.
     try:
-        return load_tokenizer(path)
+        return load_bench_tokenizer(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot load the tokenizer at {path}: {exc}") from None
 

@@ -59,10 +59,11 @@ def _json(path: Path) -> dict[str, Any]:
 
 
 def _has_backend() -> bool:
-    """transformers 5 (its ``TokenizersBackend`` module); 4 has none."""
+    """transformers 5 (its ``TokenizersBackend`` module; 4 has none), found without
+    importing transformers."""
     import importlib.util
 
-    try:
-        return importlib.util.find_spec("transformers.tokenization_utils_tokenizers") is not None
-    except ImportError:
-        return False
+    spec = importlib.util.find_spec("transformers")
+    return spec is not None and any(
+        (Path(p) / "tokenization_utils_tokenizers.py").is_file()
+        for p in spec.submodule_search_locations or ())

@@ -57,12 +57,12 @@ from pdserve.bench.micro.rollout.report import (
     summarize,
 )
 from pdserve.bench.session import write_json
+from pdserve.bench.workload.bench_tokenizer import load_bench_tokenizer
 from pdserve.bench.workload.generators import MixWorkload, parse_mix
 from pdserve.bench.workload.prompts import Messages, PromptEncoder
 from pdserve.core.dtype import resolve_dtype
 from pdserve.core.model import cache_dir, prepare_default_model
 from pdserve.core.ports import free_port
-from pdserve.core.tokenizer import load_tokenizer
 
 PROBE = [{"role": "user", "content": "Say hello."}]
 console = Console(width=160)
@@ -166,7 +166,7 @@ class Rounds:
 def build_prompts(cfg: RolloutConfig, tokenizer_path: Path) -> list[Messages]:
     """Every round's batch, in order: the chat mix's first ``rounds x batch`` prompts."""
 
-    encoder = PromptEncoder(load_tokenizer(tokenizer_path), "chat")
+    encoder = PromptEncoder(load_bench_tokenizer(tokenizer_path), "chat")
     workload = MixWorkload(encoder, parse_mix(DEFAULT_MIX), 0.0, cfg.seed)
     return [workload.request(i).messages for i in range(cfg.rounds * cfg.batch)]
 
