@@ -29,6 +29,7 @@ from pdserve.bench.runner import (
     check_model,
     list_models,
 )
+from pdserve.bench.workload.bench_tokenizer import load_bench_tokenizer
 from pdserve.bench.workload.generators import check_workload_flags, make_workload, workload_info
 from pdserve.bench.workload.prompts import PromptEncoder
 from pdserve.core.dtype import resolve_dtype
@@ -61,12 +62,10 @@ def _tokenizer_path(cfg: RunConfig) -> Path:
 
 
 def _load_tokenizer(path: Path) -> Any:
-    # Imported here: transformers takes seconds to import, and only a run pays it (the
-    # flag checks of compare and gaps build a Session without loading a tokenizer).
-    from transformers import AutoTokenizer
-
+    # Only a run loads one (the flag checks of compare and gaps build a Session without a
+    # tokenizer); transformers is imported there.
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return load_bench_tokenizer(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot load the tokenizer at {path}: {exc}") from None
 

@@ -16,6 +16,10 @@ REPORTED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "
 # aarch64: the BF16 extension ("bf16" in Features). Without one, bf16 is emulated.
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 CPUINFO = Path("/proc/cpuinfo")
+DEV = Path("/dev")
+# NVIDIA (nvidia0, nvidiactl; Jetson's nvhost-*, nvmap), AMD ROCm (kfd), WSL 2 (dxg).
+GPU_NODE_PREFIXES = ("nvidia", "nvhost", "nvmap")
+GPU_NODES = frozenset({"kfd", "dxg"})
 
 
 @dataclass(frozen=True)
@@ -70,8 +74,20 @@ class Hardware:
 def _cuda() -> bool:
     import importlib.util
 
-    if importlib.util.find_spec("torch") is None:
+    if importlib.util.find_spec("torch") is None or not gpu_device_nodes():
         return False
     import torch
 
     return bool(torch.cuda.is_available())
+
+
+def gpu_device_nodes(dev: Path | None = None) -> list[str]:
+    """The device nodes through which CUDA (or ROCm, which torch also calls CUDA) reaches a
+    GPU. Without one torch finds no CUDA device, so it is not imported to ask (~1 s of
+    CPU at every start of a process that only reports the machine, e.g. ``pdserve
+    bench run``)."""
+    try:
+        names = sorted(p.name for p in (dev or DEV).iterdir())
+    except OSError:
+        return ["?"]  # cannot tell: ask torch
+    return [n for n in names if n.startswith(GPU_NODE_PREFIXES) or n in GPU_NODES]

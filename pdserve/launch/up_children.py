@@ -5,6 +5,7 @@ runs its children under ``pdserve.launch.supervisor``.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 from dataclasses import dataclass, field
@@ -19,6 +20,15 @@ from pdserve.router.dispatch.workers.client import WorkerCallError, probe_health
 
 STOP_GRACE_S = 15.0
 console = Console(stderr=True)
+
+
+@functools.cache
+def _probes() -> httpx.Client:
+    """One client for every HTTP probe: ``httpx.get`` builds a client (and its TLS
+    context) per call, ~20 ms of CPU, which polling children that are still starting takes
+    from them. No keep-alive: each probe opens its own connection (a restarted router
+    leaves no stale one). Only the thread that drives ``ClusterWatch`` probes."""
+    return httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 
 
 @dataclass
@@ -55,7 +65,7 @@ def probe_child(child: Child, secret: ClusterSecret | None = None,
         child.state = "ready" if health.ready else "loading engine"
         return bool(health.ready)
     try:
-        reply = httpx.get(child.probe, timeout=1, headers=child.probe_headers)
+        reply = _probes().get(child.probe, timeout=1, headers=child.probe_headers)
         ok = reply.status_code == 200
         if ok and child.probe.endswith("/workers"):  # every worker found and healthy
             healthy = [w for w in reply.json()["workers"] if w["healthy"]]

@@ -30,6 +30,9 @@ from pdserve.launch.up_children import Child, child_env, console, probe_child, t
 from pdserve.launch.up_servers import KeptServer
 
 _POLL_S = 0.5
+# While starting: a probe costs ~1 ms (``up_children``), and a user (or a test) waits for
+# the endpoint line.
+_STARTUP_POLL_S = 0.1
 _LOG_TAIL_LINES = 12
 
 
@@ -66,7 +69,7 @@ class ClusterWatch:
                 return self.fatal() or ", ".join(self._not_ready())  # fatal: never ready
 
             try:
-                process.wait_ready(probe, timeout_s, exited=self.fatal, interval_s=_POLL_S,
+                process.wait_ready(probe, timeout_s, exited=self.fatal, interval_s=_STARTUP_POLL_S,
                                    retry_on=())  # a failing step is no "not ready yet"
                 return
             except process.NotReadyError:

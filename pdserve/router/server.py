@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.core.cluster_secret import export_refusals, optional_secret
 from pdserve.core.grpc_options import DEFAULT_KEEPALIVE_S
 from pdserve.core.grpc_tls import TlsFiles
+from pdserve.core.tokenizer import load_tokenizer
 from pdserve.membership import (
     Election,
     Membership,
@@ -193,9 +194,7 @@ def build_router(config: RouterConfig, tokenizer: Any) -> Router:
 
 
 async def serve_router(config: RouterConfig) -> None:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+    tokenizer = load_tokenizer(config.model_path)
     if config.log_timeline:  # its DEBUG lines pass the root's handlers, whatever its level
         logging.getLogger("pdserve.timeline").setLevel(logging.DEBUG)
     router = build_router(config, tokenizer)

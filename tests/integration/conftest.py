@@ -36,9 +36,9 @@ def model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(model_path: Path):
-    from transformers import AutoTokenizer
+    from pdserve.core.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(model_path)
+    return load_tokenizer(model_path)
 
 
 @pytest.fixture(scope="session")

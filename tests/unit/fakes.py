@@ -37,11 +37,10 @@ from pdserve.router.http.edge.pipelining import PipelinedHttpToolsProtocol
 @functools.lru_cache(maxsize=1)
 def default_tokenizer() -> Any:
     """The default model's real tokenizer, loaded once per process."""
-    from transformers import AutoTokenizer
-
     from pdserve.core.model import prepare_default_model
+    from pdserve.core.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(prepare_default_model())
+    return load_tokenizer(prepare_default_model())
 
 
 @dataclass(frozen=True)

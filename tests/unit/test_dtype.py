@@ -4,6 +4,8 @@ and ``bench compare``'s engine settings built on each."""
 
 from __future__ import annotations
 
+import importlib.machinery
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,3 +105,44 @@ def test_pdserve_machine_prints_the_cpu_and_the_dtype_auto_runs(
     assert main(["machine"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"dtype {WANT[fake_cpu]} (requested auto") and CPUS[fake_cpu][0] in out
+
+
+class _FakeTorch:
+    """``torch`` as ``hardware._cuda`` asks it; ``asked`` counts the calls."""
+
+    def __init__(self, available: bool) -> None:
+        self.__spec__ = importlib.machinery.ModuleSpec("torch", None)  # installed
+        self.asked = 0
+        self.cuda = self
+        self._available = available
+
+    def is_available(self) -> bool:
+        self.asked += 1
+        return self._available
+
+
+@pytest.mark.parametrize("nodes", [[], ["nvme0", "null"], ["nvidia0", "nvidiactl"], ["kfd"],
+                                   ["dxg"], ["nvhost-ctrl", "nvmap"]])
+def test_cuda_asks_torch_only_where_a_gpu_device_node_is(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nodes: list[str]) -> None:
+    for name in nodes:
+        (tmp_path / name).touch()
+    fake = _FakeTorch(available=True)
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    monkeypatch.setattr(hardware, "DEV", tmp_path)
+    gpu = any(n not in ("nvme0", "null") for n in nodes)
+    assert hardware._cuda() is gpu
+    assert fake.asked == (1 if gpu else 0)
+
+
+def test_an_unreadable_dev_asks_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakeTorch(available=False)
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    monkeypatch.setattr(hardware, "DEV", tmp_path / "missing")
+    assert hardware._cuda() is False and fake.asked == 1
+
+
+def test_cuda_here_is_what_torch_says() -> None:
+    import torch
+
+    assert hardware._cuda() is bool(torch.cuda.is_available())

@@ -33,6 +33,7 @@ from pdserve.bench.micro.configs import TtftConfig
 from pdserve.bench.micro.procs import Proc, ProcGroup
 from pdserve.core.grpc_tls import GrpcTls
 from pdserve.core.model import cache_dir, prepare_default_model
+from pdserve.core.tokenizer import load_tokenizer
 from pdserve.core.types import WorkerLoadReport
 from pdserve.router.dispatch.workers.client import probe_load
 
@@ -77,9 +78,7 @@ class SetupResult:
 
 def build_prompts(num_prompts: int, num_tokens: int) -> list[str]:
     """Texts that tokenize (as the router does: special tokens added) to exactly ``num_tokens``."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(prepare_default_model())
+    tokenizer = load_tokenizer(prepare_default_model())
     rng = random.Random(0)
     words = ("river", "engine", "quiet", "market", "silver", "window", "planet", "garden",
              "signal", "harbor", "paper", "winter", "bridge", "forest", "copper", "lantern")

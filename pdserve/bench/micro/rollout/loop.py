@@ -57,6 +57,7 @@ from pdserve.bench.micro.rollout.report import (
     summarize,
 )
 from pdserve.bench.session import write_json
+from pdserve.bench.workload.bench_tokenizer import load_bench_tokenizer
 from pdserve.bench.workload.generators import MixWorkload, parse_mix
 from pdserve.bench.workload.prompts import Messages, PromptEncoder
 from pdserve.core.dtype import resolve_dtype
@@ -164,9 +165,8 @@ class Rounds:
 
 def build_prompts(cfg: RolloutConfig, tokenizer_path: Path) -> list[Messages]:
     """Every round's batch, in order: the chat mix's first ``rounds x batch`` prompts."""
-    from transformers import AutoTokenizer  # slow to import: only when a bench runs
 
-    encoder = PromptEncoder(AutoTokenizer.from_pretrained(tokenizer_path), "chat")
+    encoder = PromptEncoder(load_bench_tokenizer(tokenizer_path), "chat")
     workload = MixWorkload(encoder, parse_mix(DEFAULT_MIX), 0.0, cfg.seed)
     return [workload.request(i).messages for i in range(cfg.rounds * cfg.batch)]
 
