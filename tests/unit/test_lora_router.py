@@ -99,6 +99,12 @@ async def test_the_admin_routes_answer_as_vllm_does() -> None:
             assert ok.status_code == 200 and ok.json()["workers"] == {
                 decode.servicer.worker_id: "loaded"}
             assert ok.json()["lora_tag"] == SQL.tag  # what the responses' spans name
+            again = await http.post("/v1/load_lora_adapter", json=body, headers=auth)
+            assert again.status_code == 200  # the same folder again: nothing to do
+            inplace = await http.post("/v1/load_lora_adapter", headers=auth,
+                                      json={**body, "load_inplace": True})
+            assert inplace.status_code == 409  # a rewritten folder: new weights, old keys
+            assert inplace.json()["error"]["code"] == "lora_folder_unchanged"
             for bad, param in (({"lora_name": "x", "lora_path": "/bad/x"}, "lora_path"),
                                ({"lora_name": "m", "lora_path": "/a/m"}, "lora_name")):
                 refused = await http.post("/v1/load_lora_adapter", json=bad, headers=auth)

@@ -18,6 +18,7 @@ from pdserve.router.dispatch.lora_catalog import (
     LoraRefusedError,
 )
 from pdserve.router.http.errors import (
+    ConflictError,
     InvalidRequestError,
     ModelNotFoundError,
     ServiceUnavailableError,
@@ -27,7 +28,10 @@ from pdserve.router.http.openapi import ERROR_RESPONSES
 
 class LoadLoraBody(BaseModel):
     """vLLM's ``LoadLoRAAdapterRequest``. A name served already from another folder is a
-    refit of that adapter (vLLM's ``load_inplace``, taken either way)."""
+    refit of that adapter (vLLM's ``load_inplace``, taken either way). ``load_inplace``
+    with the folder already served (a trainer that rewrote it in place) is refused, 409:
+    the folder names the adapter's KV and the workers' copy, so new weights need a new
+    folder (reloading the same one would serve them under the old weights' cache)."""
 
     model_config = ConfigDict(extra="ignore")
     lora_name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
@@ -53,6 +57,15 @@ def lora_actions(catalog: LoraCatalog, base_model: str) -> APIRouter:
                                       param="lora_name")
         try:
             adapter = LoraAdapter(body.lora_name, body.lora_path)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="lora_path") from None
+        if body.load_inplace and catalog.adapter(adapter.name) == adapter:
+            raise ConflictError(
+                f"LoRA {adapter.name!r} is served from {adapter.path!r} already: pdserve "
+                "names an adapter's weights (and the KV cached under them) by its folder, "
+                "so a refit must load the new weights from a new folder",
+                code="lora_folder_unchanged")
+        try:
             outcome = await catalog.load(adapter)
         except (ValueError, LoraRefusedError) as exc:
             raise InvalidRequestError(str(exc), param="lora_path") from None
