@@ -35,7 +35,7 @@ from pdserve.kv_transfer.remote.worker import REPORTED as STORE_STATS
 from pdserve.kv_transfer.tiers.store import STATS as TIER_STATS
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import Engine, EngineConfig, EngineCounters, EngineStep
-from pdserve.worker.lora import LORA_DRAIN_S, LoadedLora, LoraRuns, LoraTable
+from pdserve.worker.lora_host import LoraHost
 from pdserve.worker.policy import AdmissionAborted, RolePolicy
 from pdserve.worker.timing import PhaseClock
 from pdserve.worker.vllm_kv_events import KvEventEndpoints, KvEventMirroring
@@ -85,10 +85,9 @@ class EngineHost:
         self._events = None if config.kv_events is None else KvEventEndpoints(*config.kv_events)
         self._mirroring: KvEventMirroring | None = None
         self.weights = WeightsState(version=config.weight_version)
-        self.loras = LoraTable(config.lora)
-        self._lora_lock = asyncio.Lock()  # one load or unload at a time
-        self._lora_runs = LoraRuns()  # what an unload waits for
-        self.lora_drain_s = LORA_DRAIN_S
+        self.lora = LoraHost(config.lora, worker_id, self._running_engine, self.abort,
+                             self._lora_changed)
+        self.loras = self.lora.table
 
     @property
     def ready(self) -> bool:
@@ -185,7 +184,7 @@ class EngineHost:
         if lora is not None:
             params = replace(params, lora=lora)
         self._inflight.add(request.request_id)
-        self._lora_runs.started(request.request_id, lora)
+        self.lora.runs.started(request.request_id, lora)
         try:
             async with self.policy.admitted(request) as waited_s:
                 clock.waited_ns = int(waited_s * 1e9)
@@ -201,7 +200,7 @@ class EngineHost:
                                clock, version)
         finally:
             self._inflight.discard(request.request_id)
-            self._lora_runs.ended(request.request_id)
+            self.lora.runs.ended(request.request_id)
 
     def _output(self, request: PhaseRequest, step: EngineStep, clock: PhaseClock,
                 version: str) -> PhaseOutput:
@@ -230,59 +229,19 @@ class EngineHost:
         released = await self.policy.release(request_id)
         return found or released
 
-    # ---- LoRA adapters (``pdserve.worker.lora``) -------------------------------------
+    # ---- LoRA adapters (``pdserve.worker.lora_host``) --------------------------------
 
     async def start_loras(self) -> None:
-        """Load the adapters it starts with (``--lora-modules``) into the engine now, as
-        ``vllm serve`` does: a folder the engine refuses fails the start (``ValueError``)."""
-        engine = self._running_engine()
-        for loaded in self.loras.served:
-            await engine.add_lora(loaded)
+        await self.lora.start()
 
     async def load_lora(self, adapter: LoraAdapter) -> bool:
-        """Serve ``adapter`` (loaded into the engine now); False: served already. One
-        load or unload at a time (a replay and an admin load may cross)."""
-        async with self._lora_lock:
-            return await self._load_lora(adapter)
-
-    async def _load_lora(self, adapter: LoraAdapter) -> bool:
-        engine = self._running_engine()
-        loaded = self.loras.to_load(adapter)
-        if loaded is None:
-            return False
-        await engine.add_lora(loaded)
-        previous = self.loras.loaded(loaded)
-        if previous is not None:  # a refit: the old adapter leaves the engine, drained
-            await self._drain_lora(previous)
-            await engine.remove_lora(previous.lora_id)
-        self._health = None
-        logger.info("worker %s serves LoRA %s from %s", self.worker_id, adapter.name,
-                    adapter.path)
-        return True
+        return await self.lora.load(adapter)
 
     async def unload_lora(self, name: str) -> bool:
-        async with self._lora_lock:
-            return await self._unload_lora(name)
+        return await self.lora.unload(name)
 
-    async def _unload_lora(self, name: str) -> bool:
-        engine = self._running_engine()
-        removed = self.loras.remove(name)  # new requests for it are refused from now
-        if removed is None:
-            return False
-        await self._drain_lora(removed)
-        await engine.remove_lora(removed.lora_id)
-        self._health = None
-        logger.info("worker %s no longer serves LoRA %s", self.worker_id, name)
-        return True
-
-    async def _drain_lora(self, leaving: LoadedLora) -> None:
-        """Let the requests running under ``leaving`` end (up to ``lora_drain_s``), then
-        abort the rest: they end ``abort`` and the router continues them elsewhere."""
-        left = await self._lora_runs.drain(leaving.lora_id, self.lora_drain_s)
-        for request_id in left:
-            logger.warning("LoRA %s leaves: request %s still ran after %.0f s; aborted",
-                           leaving.adapter.name, request_id, self.lora_drain_s)
-            await self.abort(request_id)
+    def _lora_changed(self) -> None:
+        self._health = None  # described again: what it serves changed
 
     # ---- weights (``pdserve.worker.weights``) ---------------------------------------
 

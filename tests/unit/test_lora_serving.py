@@ -313,7 +313,7 @@ async def test_an_unload_lets_running_requests_finish_first() -> None:
 async def test_a_refit_drains_the_old_adapter_and_aborts_past_its_deadline() -> None:
     engine = Blocking()
     h = host(LoraConfig(enable_lora=True, modules=(SQL,)), engine)
-    h.lora_drain_s = 0.1
+    h.lora.drain_s = 0.1
     running = asyncio.create_task(run_one(h, request("sql")))
     await asyncio.wait_for(engine.running.wait(), 2)
     assert await asyncio.wait_for(h.load_lora(LoraAdapter("sql", "/adapters/sql-2")), 2)
