@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.router.dispatch.workers.client import WorkerCallError
-from pdserve.router.http.weight_updates import _call_error
+from pdserve.router.http.worker_fanout import call_error
 
 
 @pytest.mark.parametrize(("codes", "status", "code"), [
@@ -21,11 +21,11 @@ def test_refusals_by_every_worker_are_the_callers_mistake(
         codes: tuple[str, ...], status: int, code: str) -> None:
     results: dict[str, object] = {f"w{i}": WorkerCallError(c, "no") for i, c in enumerate(codes)}
     results["ok"] = "v1"  # a worker that took the call does not change the answer
-    error = _call_error("update_weights", results)
+    error = call_error("update_weights", results)
     assert (error.status_code, error.code) == (status, code)
     assert "update_weights failed: worker w0" in error.message
 
 
 def test_an_exception_that_is_not_a_worker_call_error_is_a_server_error() -> None:
-    error = _call_error("update_weights", {"w0": RuntimeError("boom")})
+    error = call_error("update_weights", {"w0": RuntimeError("boom")})
     assert (error.status_code, error.code) == (500, "weight_call_failed")

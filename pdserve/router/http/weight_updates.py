@@ -29,8 +29,8 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from typing import Any, Literal, TypeVar
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field
@@ -45,17 +45,16 @@ from pdserve.router.dispatch.weight_board import Published, UpdateRunning
 from pdserve.router.dispatch.weights import Ticket, WeightGate
 from pdserve.router.dispatch.workers.client import WorkerCallError
 from pdserve.router.dispatch.workers.pool import Worker, WorkerPool
-from pdserve.router.http.base import APIError
 from pdserve.router.http.errors import (
     ConflictError,
     InvalidRequestError,
     ServerError,
     ServiceUnavailableError,
 )
+from pdserve.router.http.worker_fanout import call_error, each_worker, first_error, quietly
 from pdserve.router.metrics import PREFIX, counter
 
 logger = logging.getLogger("pdserve.router.weights")
-T = TypeVar("T")
 
 DEFAULT_DRAIN_TIMEOUT_S = 60.0
 STAGE_TIMEOUT_S = 600.0  # reading a checkpoint: minutes for a large model
@@ -131,12 +130,12 @@ class WeightUpdater:
 
     async def _stage(self, workers: Sequence[Worker], path: str, version: str,
                      timeout_s: float) -> None:
-        results = await _each(workers, lambda w: w.client.stage_weights(
+        results = await each_worker(workers, lambda w: w.client.stage_weights(
             path, version, timeout_s))
         failed = {name: exc for name, exc in results.items() if isinstance(exc, Exception)}
         if not failed:
             return
-        await _each(workers, lambda w: w.client.discard_weights(10.0))
+        await each_worker(workers, lambda w: w.client.discard_weights(10.0))
         self._updates.labels("stage_failed").inc()
         name, exc = next(iter(failed.items()))
         what = exc.details if isinstance(exc, WorkerCallError) else str(exc)
@@ -158,7 +157,7 @@ class WeightUpdater:
             if abort:
                 await self._gate.abort_everywhere(keep=policy == "keep")
             self._gate.board.set_committing(True)
-            results = await _each(workers, lambda w: w.client.commit_weights(
+            results = await each_worker(workers, lambda w: w.client.commit_weights(
                 version, abort, 0.0 if abort else drain_timeout_s,
                 drain_timeout_s + COMMIT_SLACK_S))
             committed = {name: r.weight_version for name, r in results.items()
@@ -166,7 +165,7 @@ class WeightUpdater:
             if not committed:
                 self._updates.labels("commit_failed").inc()
                 raise ServerError(f"no worker could switch to {version}: "
-                                  f"{_first_error(results)}", code="weight_commit_failed")
+                                  f"{first_error(results)}", code="weight_commit_failed")
             _adopt_versions(workers, committed)
             for name, r in results.items():
                 if isinstance(r, Exception):
@@ -258,7 +257,7 @@ class WeightUpdater:
     async def _abort_on_workers(self, tickets: Sequence[Ticket]) -> int:
         ids = [t.request_id for t in tickets]
         workers = self._workers(require=False)
-        await asyncio.gather(*(_quietly(w.client.abort(i, 5.0)) for w in workers for i in ids))
+        await asyncio.gather(*(quietly(w.client.abort(i, 5.0)) for w in workers for i in ids))
         return len(ids)
 
     async def _clear_caches(self) -> None:
@@ -266,7 +265,7 @@ class WeightUpdater:
         ``clear_cache``)."""
         workers = self._workers(require=False)
         versions = {w.snapshot().worker_id: w.snapshot().weight_version for w in workers}
-        await asyncio.gather(*(_quietly(w.client.engine_weight_call(
+        await asyncio.gather(*(quietly(w.client.engine_weight_call(
             UpdateWeightVersion(versions[w.snapshot().worker_id]), CALL_TIMEOUT_S))
             for w in workers if versions[w.snapshot().worker_id]))
 
@@ -283,12 +282,12 @@ class WeightUpdater:
             workers = self._workers()
             self._gate.board.set_committing(True)
             try:
-                results = await _each(workers, lambda w: w.client.engine_weight_call(
+                results = await each_worker(workers, lambda w: w.client.engine_weight_call(
                     call, CALL_TIMEOUT_S))
             finally:
                 self._gate.board.set_committing(False)
             if any(isinstance(r, Exception) for r in results.values()):
-                raise _call_error(call.name, results)
+                raise call_error(call.name, results)
             versions: dict[str, str] = {k: v for k, v in results.items() if isinstance(v, str)}
             new = version_set_by(call)
             if new:
@@ -387,18 +386,6 @@ class WeightUpdater:
         return workers
 
 
-async def _each(workers: Sequence[Worker], call: Callable[[Worker], Awaitable[T]]
-                ) -> dict[str, T | Exception]:
-    """``call`` on every worker at once: each one's result or error, by worker id."""
-    results = await asyncio.gather(*(call(w) for w in workers), return_exceptions=True)
-    out: dict[str, T | Exception] = {}
-    for worker, result in zip(workers, results, strict=True):
-        if isinstance(result, BaseException) and not isinstance(result, Exception):
-            raise result
-        out[worker.snapshot().worker_id] = result
-    return out
-
-
 def _adopt_versions(workers: Sequence[Worker], versions: dict[str, str]) -> None:
     """Each worker that answered a commit serves the version it named, from now on:
     what its probes sent before say no longer counts."""
@@ -406,34 +393,6 @@ def _adopt_versions(workers: Sequence[Worker], versions: dict[str, str]) -> None
         version = versions.get(worker.snapshot().worker_id)
         if version:
             worker.on_weights_committed(version)
-
-
-async def _quietly(call: Awaitable[Any]) -> None:
-    try:
-        await call
-    except WorkerCallError:
-        pass
-
-
-def _call_error(method: str, results: dict[str, Any]) -> APIError:
-    """What a failed engine call answers: the caller's mistake (a body a worker refused,
-    a call it was not started for) when every worker said so, else a server error."""
-    message = f"{method} failed: {_first_error(results)}"
-    codes = {r.code if isinstance(r, WorkerCallError) else "" for r in results.values()
-             if isinstance(r, Exception)}
-    if codes == {"INVALID_ARGUMENT"}:
-        return InvalidRequestError(message, code="weight_call_invalid")
-    if codes <= {"INVALID_ARGUMENT", "FAILED_PRECONDITION"}:
-        return ConflictError(message, code="weight_transfer_off"
-                             if codes == {"FAILED_PRECONDITION"} else "weight_call_refused")
-    return ServerError(message, code="weight_call_failed")
-
-
-def _first_error(results: dict[str, Any]) -> str:
-    for name, r in results.items():
-        if isinstance(r, Exception):
-            return f"worker {name}: {r.details if isinstance(r, WorkerCallError) else r}"
-    return ""
 
 
 def _most_common(values: Iterable[str]) -> str:
