@@ -124,6 +124,17 @@ def stop(procs: Sequence[subprocess.Popen[bytes]], grace_s: float,
     return report
 
 
+def owner_alive(pid: int, started: float) -> bool:
+    """Whether ``pid`` still runs, and is the process that started at ``started`` (its
+    ``create_time``): a slot's owner in a file processes share (``/dev/shm``)."""
+    try:
+        process = psutil.Process(pid)
+        return (process.status() != psutil.STATUS_ZOMBIE
+                and abs(process.create_time() - started) < 0.05)
+    except psutil.Error:
+        return False
+
+
 def descendants_and_self(procs: Sequence[subprocess.Popen[bytes]]) -> list[psutil.Process]:
     """Every live process among ``procs`` and their descendants (any session)."""
     tree: list[psutil.Process] = []

@@ -43,6 +43,8 @@ from typing import Any
 
 import psutil
 
+from pdserve.core.process import owner_alive
+
 _MAGIC = 0x7064776569676874  # "pdweight"
 _HEADER = 10
 _SLOT = 4
@@ -72,15 +74,6 @@ class UpdateRunning(RuntimeError):
 
 def _size(num_slots: int) -> int:
     return 8 * (_HEADER + _SLOT * num_slots) + STATE_BYTES + LORA_BYTES
-
-
-def _alive(pid: int, started: float) -> bool:
-    try:
-        process = psutil.Process(pid)
-        return (process.status() != psutil.STATUS_ZOMBIE
-                and abs(process.create_time() - started) < 0.05)
-    except psutil.Error:
-        return False
 
 
 def _bits(value: float) -> int:
@@ -291,7 +284,7 @@ class WeightBoard:
 
     def _live_slots(self) -> list[int]:
         return [i for i in range(self._num_slots) if i == self._slot or (
-            self._words[self._base(i)] and _alive(self._words[self._base(i)],
+            self._words[self._base(i)] and owner_alive(self._words[self._base(i)],
                                                   _float(self._words[self._base(i) + 1])))]
 
     def _claim(self) -> int:
@@ -303,7 +296,7 @@ class WeightBoard:
             for i in range(self._num_slots):
                 base = self._base(i)
                 owner = self._words[base]
-                if owner and _alive(owner, _float(self._words[base + 1])):
+                if owner and owner_alive(owner, _float(self._words[base + 1])):
                     continue
                 self._words[base + 1] = _bits(started)
                 self._words[base + 2] = 0

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import psutil
 
+from pdserve.core.process import owner_alive
+
 _MAGIC = 0x7064746E6C656467  # "pdtnledg"
 RECLAIM_EVERY_S = 1.0
 _HEADER = 4
@@ -55,16 +57,6 @@ def _size(num_tenants: int, num_slots: int) -> int:
 
 def _started(pid: int) -> float:
     return psutil.Process(pid).create_time()
-
-
-def owner_alive(pid: int, started: float) -> bool:
-    """Whether ``pid`` still runs, and is the process that started at ``started``."""
-    try:
-        process = psutil.Process(pid)
-        return (process.status() != psutil.STATUS_ZOMBIE
-                and abs(process.create_time() - started) < 0.05)
-    except psutil.Error:
-        return False
 
 
 class TenantLedger:
