@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
 
 import httpx
 
@@ -21,6 +21,26 @@ from pdserve.bench.workload.prompts import Messages
 
 VERSION_HEADER = "x-weight-version"
 MISSING = "(missing)"
+
+
+class Failable(Protocol):
+    error: str
+
+
+async def sse_chunks(reply: httpx.Response, into: Failable) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of an OpenAI stream; none, with ``into.error`` set, on an answer
+    other than 200 or from an SSE error event on."""
+    if reply.status_code != 200:
+        into.error = (await reply.aread()).decode(errors="replace")[:300]
+        return
+    async for line in reply.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line.removeprefix("data: "))
+        if "error" in chunk:
+            into.error = f"SSE error: {json.dumps(chunk['error'])[:300]}"
+            return
+        yield chunk
 
 
 def _auth(key: str | None) -> dict[str, str]:
@@ -117,16 +137,7 @@ class RolloutClient:
         async with self.api.stream("POST", "/v1/chat/completions", json=body) as reply:
             record.status = reply.status_code
             record.header_version = reply.headers.get(VERSION_HEADER)
-            if reply.status_code != 200:
-                record.error = (await reply.aread()).decode(errors="replace")[:300]
-                return
-            async for line in reply.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line.removeprefix("data: "))
-                if "error" in chunk:
-                    record.error = f"SSE error: {json.dumps(chunk['error'])[:300]}"
-                    return
+            async for chunk in sse_chunks(reply, record):
                 record.chunk_versions.add(chunk.get("system_fingerprint") or MISSING)
                 tokens = sum(_chunk_tokens(c) for c in chunk.get("choices", ()))
                 if tokens:

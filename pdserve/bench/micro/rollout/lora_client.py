@@ -9,13 +9,13 @@ deadline.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 from typing import Any
 
 import httpx
 
+from pdserve.bench.micro.rollout.client import sse_chunks
 from pdserve.bench.micro.rollout.lora_report import LoraCheckError, Sample
 from pdserve.bench.workload.prompts import Messages
 
@@ -64,16 +64,7 @@ class LoraClient:
     async def _read(self, body: dict[str, Any], sample: Sample) -> None:
         async with self.api.stream("POST", "/v1/chat/completions", json=body) as reply:
             sample.status = reply.status_code
-            if reply.status_code != 200:
-                sample.error = (await reply.aread()).decode(errors="replace")[:300]
-                return
-            async for line in reply.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line.removeprefix("data: "))
-                if "error" in chunk:
-                    sample.error = f"SSE error: {json.dumps(chunk['error'])[:300]}"
-                    return
+            async for chunk in sse_chunks(reply, sample):
                 take_chunk(sample, chunk, time.monotonic())
 
     async def _admin(self, what: str, path: str, **kwargs: Any) -> dict[str, Any]:
