@@ -351,6 +351,19 @@ def wait_until(predicate: Callable[[], T], timeout_s: float, interval_s: float =
     return value
 
 
+def exited(procs: dict[str, subprocess.Popen[bytes]], log_dir: Path, tail: int = 15) -> str:
+    """``name exited N`` for each process that ended, with the last lines of its log
+    (``log_dir/name.log``): what a cluster fixture's assertion says when one died."""
+    said = []
+    for name, proc in procs.items():
+        if proc.poll() is None:
+            continue
+        log = log_dir / f"{name}.log"
+        lines = log.read_text(errors="replace").splitlines()[-tail:] if log.exists() else []
+        said.append(f"{name} exited {proc.returncode}" + "".join(f"\n  | {ln}" for ln in lines))
+    return "\n".join(said)
+
+
 def etcd_keys(url: str, prefix: str, client: httpx.Client = HTTP) -> dict[str, bytes]:
     """The keys under ``prefix`` (etcd's JSON gateway, no client library), or {} when
     etcd is unreachable."""

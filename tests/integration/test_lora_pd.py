@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 from integration.lora_oracle import MAX_TOKENS, LoraOracle, Reference, prompts
-from pdserve_testing import wait_until
+from pdserve_testing import exited, wait_until
 
 from pdserve.core import process
 from pdserve.core.ports import free_port
@@ -41,6 +41,7 @@ pytestmark = pytest.mark.integration
 MODEL = "SmolLM2-135M-Instruct"
 CLUSTER = "lora"
 START_S = 600.0
+REPLAY_S = 120.0  # an adapter's load on a worker, on a loaded machine
 
 
 @dataclass
@@ -85,15 +86,11 @@ def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
                          base_env=env)
 
 
-def _dead(procs: dict[str, subprocess.Popen[bytes]]) -> str:
-    return ", ".join(f"{n} exited {p.returncode}" for n, p in procs.items() if p.poll() is not None)
-
-
 @pytest.fixture(scope="module")
 def cluster(model_path: Path, lora_oracle: LoraOracle,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoraCluster]:
     log_dir = tmp_path_factory.mktemp("lora-cluster")
-    lora_oracle.start()  # loads beside the cluster's engines
+    lora_oracle.start()  # (started with the session's oracles: a no-op then)
     etcd = LocalEtcd(log_path=log_dir / "etcd.log").start()
     port, admin_port = free_port(), free_port()
     c = LoraCluster(etcd, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}",
@@ -107,7 +104,7 @@ def cluster(model_path: Path, lora_oracle: LoraOracle,
         c.start_worker("decode-0", "decode")
         workers = {"prefill-0", "decode-0"}
         ready = wait_until(lambda: _up(c, workers), START_S, interval_s=1.0)
-        assert ready is True, f"cluster not ready: {_dead(c.procs)} (logs {log_dir})"
+        assert ready is True, f"cluster not ready: {exited(c.procs, log_dir)} (logs {log_dir})"
         c.reference = lora_oracle.get()
         yield c
     finally:
@@ -116,12 +113,16 @@ def cluster(model_path: Path, lora_oracle: LoraOracle,
 
 
 def _up(c: LoraCluster, workers: set[str]) -> bool | str:
-    if dead := _dead(c.procs):
+    if dead := exited(c.procs, c.log_dir):
         return dead
     try:
         return c.healthy() >= workers
     except httpx.HTTPError:
         return False
+
+
+def _served(c: LoraCluster, worker_id: str) -> set[str]:
+    return {a.name for a in probe_health(c.endpoints[worker_id], timeout_s=5).loras}
 
 
 def test_adapter_runs_on_prefill_and_decode_as_one_engine(cluster: LoraCluster,
@@ -165,14 +166,17 @@ def test_two_adapters_share_no_cached_block(cluster: LoraCluster, tokenizer: Any
 def test_a_load_reaches_a_worker_started_after_it(cluster: LoraCluster,
                                                   tokenizer: Any) -> None:
     """``chat`` was loaded through the router (test before); ``decode-late`` starts with
-    only ``sql`` and gets ``chat`` replayed before the router places on it. (Not started
+    only ``sql`` and gets ``chat`` replayed; the router places ``chat``'s requests on it
+    once it serves it. (Not started
     while the test before computes: an engine starting beside one computing on the same
     two cores stalled that one's requests for 97 s.)"""
     cluster.start_worker("decode-late", "decode")
     ready = wait_until(lambda: _up(cluster, {"decode-late"}), START_S, interval_s=1.0)
-    assert ready is True, f"late worker not ready: {_dead(cluster.procs)}"
-    health = probe_health(cluster.endpoints["decode-late"], timeout_s=5)
-    assert {a.name for a in health.loras} == {"sql", "chat"}
+    assert ready is True, f"late worker not ready: {exited(cluster.procs, cluster.log_dir)}"
+    # The router replays ``chat`` after the probe that found it healthy (in the
+    # background: until then it places only requests for what the worker serves).
+    served = wait_until(lambda: _served(cluster, "decode-late") == {"sql", "chat"}, REPLAY_S)
+    assert served is True, _served(cluster, "decode-late")
     cluster.procs["decode-0"].send_signal(signal.SIGTERM)  # drains, leaves membership
     assert wait_until(lambda: "decode-0" not in cluster.healthy(), 60)
     for kind in ("short", "long"):
