@@ -338,12 +338,10 @@ class WeightUpdater:
     async def catch_up(self) -> list[str]:
         """Stage and commit the last update's folder on every ready worker serving other
         weights (out of placement meanwhile); the ids of those brought up to date."""
-        if self._source is None or self._lock.locked():
+        stale = [w for w in self._pool.all if w.stale_weights]
+        if self._source is None or self._lock.locked() or not stale:
             return []
         version, path = self._source
-        stale = [w for w in self._pool.all if w.stale_weights]
-        if not stale:
-            return []
         with contextlib.suppress(ConflictError):  # another process runs an update
             return await self._catch_up(stale, version, path)
         return []
@@ -360,6 +358,7 @@ class WeightUpdater:
                     logger.warning("worker %s stays out of placement: cannot load weights "
                                    "%s: %s %s", name, version, exc.code, exc.details)
                     continue
+                worker.on_weights_committed(version)  # placeable now, whatever probe is out
                 await worker.refresh(5.0)
                 logger.info("worker %s brought to weights %s", name, version)
                 done.append(name)
