@@ -171,14 +171,24 @@ def vllm_process(model_path: Path, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture(scope="session", autouse=True)
 def _early_oracles(request: pytest.FixtureRequest) -> None:
-    """At the first integration test, start the oracles later tests will use (the ``vllm
-    serve``, the engine runs of other dtypes): their engines load while the tests before
-    them run. (Not the perturbed checkpoint's or LoRA's: each loads when its module
-    starts, beside its cluster's engines loading, not beside engines serving a test: on
-    two cores an engine starting beside one that computes stalls it, 97 s once.)"""
+    """At the first integration test, start every oracle later tests will use (the ``vllm
+    serve``; the one-shot engine runs: other dtypes, the perturbed checkpoint, the LoRA
+    adapters): their engines load side by side, each loading while the others do, and
+    the runs are done before the tests that read them. (Never one beside engines that
+    serve a test: on two cores an engine starting beside one that computes stalled it
+    for 97 s once.) Started at their modules instead, the perturbed run loaded alone
+    (45 s) and the LoRA run made a third engine beside its cluster's two."""
     items = request.session.items
-    if any("vllm_openai" in getattr(item, "fixturenames", ()) for item in items):
+
+    def used(fixture: str) -> bool:
+        return any(fixture in getattr(item, "fixturenames", ()) for item in items)
+
+    if used("vllm_openai"):
         request.getfixturevalue("vllm_process")
+    if used("checkpoints"):
+        request.getfixturevalue("perturbed_oracle").start()
+    if used("lora_oracle"):
+        request.getfixturevalue("lora_oracle").start()
     dtypes = {resolve_dtype(cluster.dtype).dtype for item in items
               if "reference_engine_runs" in getattr(item, "fixturenames", ())
               and (cluster := wanted(item)) is not None} - {"float32"}

@@ -1,8 +1,8 @@
 """The oracle of ``test_lora_pd.py``: two random adapters (``lora_adapters.py``) and one
 aggregated vLLM engine with them (``lora_reference.py``), greedy, float32, on each
 prompt under the base model and each adapter. ``start`` makes the adapters and launches
-the engine (the module's fixture does, before its cluster's engines, which load beside
-it); ``get`` waits for its tokens."""
+the engine (conftest's ``_early_oracles`` does, at the session's first test, beside the
+other oracles' engines); ``get`` waits for its tokens."""
 
 from __future__ import annotations
 
