@@ -17,7 +17,7 @@ serve: install
 # The machine first (its CPU decides the dtype and the times), the slowest tests last:
 # the unit tests on UNIT_PROCS processes (each module's tests on one of them: loadfile),
 # then the integration tests, which start vLLM engines, one at a time (docs/testing.md).
-UNIT_PROCS ?= 2
+UNIT_PROCS ?= 3
 PARTS ?= unit integration
 test: install etcd
 	@$(BIN)/pdserve machine
