@@ -16,9 +16,10 @@ serve: install
 
 # The machine first (its CPU decides the dtype and the times), the slowest tests last:
 # the unit tests on UNIT_PROCS processes (each module's tests on one of them: loadfile),
+# the host harness's (network namespaces: root; skipped with the reason without it),
 # then the integration tests, which start vLLM engines, one at a time (docs/testing.md).
 UNIT_PROCS ?= 3
-PARTS ?= unit integration
+PARTS ?= unit hosts integration
 test: install etcd
 	@$(BIN)/pdserve machine
 	$(BIN)/ruff check .

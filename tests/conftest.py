@@ -1,7 +1,8 @@
 """Puts tests/ on sys.path so the shared helpers module (``pdserve_testing``) is
 importable from test modules and from the processes they spawn; skips the tests marked
-``gpu`` where there is no CUDA/ROCm device, the only skip the suite allows (a test that
-needs anything else the install provides fails where it is missing)."""
+``gpu`` where there is no CUDA/ROCm device. The only other skip the suite allows is
+``tests/hosts``' where the machine cannot make network namespaces (not root), with the
+reason; a test that needs anything else the install provides fails where it is missing."""
 
 import asyncio
 import io
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from pdserve.bench.hosts import HostNet, sweep, unavailable
 
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
@@ -87,3 +90,22 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     finally:
         if timer is not None:
             timer.cancel()
+
+
+@pytest.fixture(scope="session")
+def hosts_available() -> None:
+    """Hosts can be made here (``pdserve.bench.hosts``), or the test is skipped with the
+    reason (``-ra`` prints it); what an earlier run killed before its cleanup left is
+    removed first."""
+    reason = unavailable()
+    if reason:
+        pytest.skip(f"no hosts on this machine: {reason}")
+    sweep()
+
+
+@pytest.fixture
+def hostnet(hosts_available: None) -> Iterator[HostNet]:
+    """Hosts of the test's own, removed after it, even when it fails."""
+    with HostNet() as net:
+        yield net
+
