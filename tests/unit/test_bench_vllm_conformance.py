@@ -2,18 +2,26 @@
 (``vllm.benchmarks.serve.calculate_metrics`` and ``get_request``), run on the same inputs,
 give the same numbers. pdserve re-implements them rather than importing them (see
 ``pdserve/bench/__init__.py``); this test keeps the two equal. Importing vLLM's module
-imports torch: ~15 s."""
+imports vLLM: it is imported by the ``serve`` fixture, in the one test process that runs
+these tests (at module level, every unit-test process paid ~6 s of CPU for it while
+collecting)."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib
+from types import ModuleType
 
 import numpy as np
 import pytest
-from vllm.benchmarks import serve
 
 from pdserve.bench.metrics import RequestRecord, Slo, summarize
 from pdserve.bench.workload.arrivals import arrival_times
+
+
+@pytest.fixture(scope="module")
+def serve() -> ModuleType:
+    return importlib.import_module("vllm.benchmarks.serve")
 
 
 def _records() -> list[RequestRecord]:
@@ -30,7 +38,7 @@ def _records() -> list[RequestRecord]:
     return records
 
 
-def test_metrics_equal_vllm_calculate_metrics() -> None:
+def test_metrics_equal_vllm_calculate_metrics(serve: ModuleType) -> None:
     records, duration = _records(), 37.5
     outputs = [serve.RequestFuncOutput(
         success=r.error is None, latency=r.e2e_s or 0.0, output_tokens=r.output_tokens,
@@ -58,7 +66,8 @@ def test_metrics_equal_vllm_calculate_metrics() -> None:
 
 
 @pytest.mark.parametrize(("rate", "burstiness"), [(3.0, 1.0), (0.5, 0.3), (8.0, 5.0)])
-def test_arrival_times_equal_vllm_get_request(monkeypatch: pytest.MonkeyPatch, rate: float,
+def test_arrival_times_equal_vllm_get_request(monkeypatch: pytest.MonkeyPatch,
+                                              serve: ModuleType, rate: float,
                                               burstiness: float) -> None:
     """vLLM's generator sleeps ``start + delay - now`` before each request: with its clock
     frozen at 0 the sleeps are the arrival times themselves."""
