@@ -52,6 +52,8 @@ TOOLS: dict[str, Tool] = {
         ("--pd", {"action": "store_true",
                   "help": "also the P/D part: share of TTFT, pull vs push (real vLLM)"}),
         ("--pd-tokens", {"type": int, "help": "--pd: prompt tokens"}),
+        ("--link-gbit", {"help": "comma-separated Gbit/s: the two sides on two hosts "
+                         "(network namespaces, root) linked at each rate in turn"}),
     )),
     "transfer-pd": Tool("transfer_pd", configs.TransferPdConfig,
                         "the KV transfer's share of TTFT in a real P/D run, pull vs push", (

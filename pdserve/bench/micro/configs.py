@@ -119,10 +119,16 @@ class TransferConfig:
     device: str = "cpu"  # where both sides keep the KV: cpu, or cuda (cuda:0)
     pd: bool = False  # also the P/D part: share of TTFT, pull vs push (real vLLM)
     pd_tokens: int = 1024
+    # Comma-separated Gbit/s: the serving and pulling sides on two hosts (network
+    # namespaces, ``pdserve.bench.hosts``) whose links run at each rate in turn; "" : one
+    # host, loopback.
+    link_gbit: str = ""
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, not {self.device!r}")
+        if any(r <= 0 for r in self.link_rates):
+            raise ValueError("link rates must be positive Gbit/s")
         if any(t % TRANSFER_BLOCK_SIZE for t in self.token_counts):
             raise ValueError("token counts must be multiples of the block size "
                              f"{TRANSFER_BLOCK_SIZE}")
@@ -134,6 +140,10 @@ class TransferConfig:
     @property
     def transport_names(self) -> list[str]:
         return [n for n in self.transports.split(",") if n]
+
+    @property
+    def link_rates(self) -> list[float]:
+        return [float(r) for r in self.link_gbit.split(",") if r]
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ preallocated buffers, the same socket buffer sizes). Each figure is the median o
     pdserve bench transfer --transports tcp,ucx --tokens 4096 --checksum
     pdserve bench transfer --device cuda --transports tcp,ucx   # KV in GPU memory
     pdserve bench transfer --transports tcp,tcp+tls --tokens 1024,4096,16384
+    sudo pdserve bench transfer --transports tcp --link-gbit 1,10,25   # two hosts
 
 ``tcp+tls`` is tcp with mutual TLS on both ends (certificates from a throwaway CA,
 ``pdserve certs``); the verdict gives its GB/s over plain tcp's, row by row, the
@@ -23,12 +24,22 @@ With ``--device cuda`` both sides keep the KV in GPU memory (``cuda:0``; the tor
 transport's NCCL needs a second GPU for the serving side and is skipped without one).
 ``memcpy`` is then a device-to-device ``copy_`` (synchronised) and ``socket`` still
 streams host memory: it is the link's ceiling, which tcp reaches only through staging.
+
+With ``--link-gbit`` the serving process runs on one host and the pulling one on another
+(network namespaces linked by a router, each link shaped by ``tc tbf``:
+``pdserve.bench.hosts``; needs root), once per rate; each row then also gives the link's
+rate and each transport's share of it (the target: ``TARGET_VS_LINK``). The raw socket
+crosses the same link: it is what the link gives a single stream here. UCX is held to its
+tcp transport there (``UCX_TLS=tcp``): between two hosts of one machine it would move
+the KV through shared memory, past the link.
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
+import signal
 import socket
 import ssl
 import statistics
@@ -36,12 +47,14 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pdserve.bench import hosts
 from pdserve.bench.micro import RESULTS_DIR
 from pdserve.bench.micro.configs import TRANSFER_BLOCK_SIZE, TransferConfig
 from pdserve.core.certs import make_test_ca
@@ -57,6 +70,7 @@ NUM_LAYERS, KV_HEADS, HEAD_DIM2 = 30, 3, 128
 BLOCK_SIZE = TRANSFER_BLOCK_SIZE
 TARGET_VS_SOCKET = 0.7  # ucx and tcp, for transfers of 4 MiB and more
 TARGET_TLS_VS_TCP = 0.8  # tcp+tls, every size
+TARGET_VS_LINK = 0.9  # tcp and ucx on a shaped link, for transfers of 4 MiB and more
 TLS_SUFFIX = "+tls"
 
 
@@ -66,6 +80,7 @@ class Row:
     tokens: int
     mib: float
     gbps: dict[str, float]  # name -> GB/s (median)
+    link_gbit: float | None = None  # the hosts' link rate (None: one host, loopback)
 
 
 def make_caches(num_blocks: int, dtype: torch.dtype, seed: int,
@@ -85,7 +100,7 @@ def options_for(name: str, checksum: bool, tls: TlsFiles | None) -> TransportOpt
 
 
 def start(name: str, kv: list[torch.Tensor], leases: LeaseTable,
-          options: TransportOptions) -> tuple[Any, int]:
+          options: TransportOptions, host: str = "127.0.0.1") -> tuple[Any, int]:
     name = name.removesuffix(TLS_SUFFIX)
     caches = {f"layer.{i}": t for i, t in enumerate(kv)}
     layout = KVLayout.from_kv_caches(caches, kv[0].shape[0], BLOCK_SIZE)
@@ -93,15 +108,21 @@ def start(name: str, kv: list[torch.Tensor], leases: LeaseTable,
               "tp_size": 1, "layout": layout.describe()}
     transport = create_transport(name, options)
     port = transport.start(kv_caches=kv, layout=layout, leases=leases, compat=compat,
-                           host="127.0.0.1", port=0)
+                           host=host, port=0)
     return transport, port
 
 
 # ---- the serving process ----------------------------------------------------------
 
 def serve(names: list[str], dtype_name: str, num_blocks: int, checksum: bool, device: str,
-          tls: TlsFiles | None, cmds: mp.Queue, replies: mp.Queue) -> None:
-    """Prefill side: every transport over one set of KV tensors, plus a raw socket."""
+          tls: TlsFiles | None, cmds: mp.Queue, replies: mp.Queue,
+          link: hosts.Host | None = None) -> None:
+    """Prefill side: every transport over one set of KV tensors, plus a raw socket; on
+    the link's host when given (listening on its address)."""
+    host = "127.0.0.1"
+    if link is not None:
+        hosts.enter(link.netns)
+        host = link.address
     torch.set_num_threads(1)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -110,9 +131,9 @@ def serve(names: list[str], dtype_name: str, num_blocks: int, checksum: bool, de
     served = {}
     for name in names:
         table = LeaseTable()
-        transport, port = start(name, kv, table, options_for(name, checksum, tls))
+        transport, port = start(name, kv, table, options_for(name, checksum, tls), host)
         served[name] = (transport, table, port)
-    raw = socket.create_server(("127.0.0.1", 0))
+    raw = socket.create_server((host, 0))
     replies.put({**{n: p for n, (_, _, p) in served.items()}, "socket": raw.getsockname()[1]})
     while True:
         cmd = cmds.get(timeout=3600)
@@ -162,21 +183,24 @@ def time_socket(conn: socket.socket, dst: list[torch.Tensor], n: int) -> float:
     return time.perf_counter() - started
 
 
-def time_transport(transport: Any, port: int, n: int, req: str) -> float:
+def time_transport(transport: Any, peer: PeerAddress, n: int, req: str) -> float:
     blocks = list(range(n))
     started = time.perf_counter()
-    transport.pull(PeerAddress("127.0.0.1", port), req, blocks, blocks, time.monotonic() + 120)
+    transport.pull(peer, req, blocks, blocks, time.monotonic() + 120)
     return time.perf_counter() - started
 
 
 def run_dtype(dtype_name: str, names: list[str], tokens: list[int], reps: int,
               checksum: bool, device: str = "cpu", server_device: str = "cpu",
-              tls: TlsFiles | None = None) -> list[Row]:
+              tls: TlsFiles | None = None, link: hosts.Host | None = None) -> list[Row]:
+    """One dtype's rows; with ``link`` the serving process runs on the link's host and
+    the caller's thread is on the other one."""
     num_blocks = max(tokens) // BLOCK_SIZE
     ctx = mp.get_context("spawn")
     cmds, replies = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=serve, daemon=True, args=(
-        names, dtype_name, num_blocks, checksum, server_device, tls, cmds, replies))
+        names, dtype_name, num_blocks, checksum, server_device, tls, cmds, replies, link))
+    peer_host = link.address if link else "127.0.0.1"
     proc.start()
     transports: dict[str, tuple[Any, int]] = {}
     try:
@@ -197,7 +221,8 @@ def run_dtype(dtype_name: str, names: list[str], tokens: list[int], reps: int,
         rows = []
         for num_tokens in tokens:
             rows.append(measure_size(dtype_name, num_tokens, reps, (src, dst, host_dst),
-                                     transports, ports["socket"], ask))
+                                     transports, peer_host, ports["socket"], ask))
+            rows[-1] = replace(rows[-1], link_gbit=link.rate_gbit if link else None)
             print_row(rows[-1], names)
         return rows
     finally:
@@ -211,7 +236,7 @@ def run_dtype(dtype_name: str, names: list[str], tokens: list[int], reps: int,
 
 def measure_size(dtype_name: str, num_tokens: int, reps: int,
                  caches: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]],
-                 transports: dict[str, tuple[Any, int]], socket_port: int,
+                 transports: dict[str, tuple[Any, int]], peer_host: str, socket_port: int,
                  ask: Callable[..., Any]) -> Row:
     """One size, every method measured round-robin; ``ask`` sends the serving process a
     command and waits for its reply."""
@@ -220,7 +245,7 @@ def measure_size(dtype_name: str, num_tokens: int, reps: int,
     nbytes = sum(layer[:n].numel() * layer.element_size() for layer in src)
     ask("socket", n, reps + 1)
     timings: dict[str, list[float]] = {k: [] for k in ["memcpy", "socket", *transports]}
-    with socket.create_connection(("127.0.0.1", socket_port)) as conn:
+    with socket.create_connection((peer_host, socket_port)) as conn:
         tune(conn)
         # Round-robin, so a change in the machine's load hits every method alike;
         # round 0 is the warm-up (connections, groups, endpoints, page faults).
@@ -230,7 +255,8 @@ def measure_size(dtype_name: str, num_tokens: int, reps: int,
             for name, (transport, port) in transports.items():
                 req = f"{name}-{num_tokens}-{rep}"
                 ask("lease", name, req, list(range(n)))
-                timings[name].append(time_transport(transport, port, n, req))
+                timings[name].append(time_transport(transport, PeerAddress(peer_host, port),
+                                                    n, req))
     timings = {k: v[1:] for k, v in timings.items()}
     return Row(dtype_name, num_tokens, nbytes / 2**20,
                {k: gbps(nbytes, v) for k, v in timings.items()})
@@ -240,13 +266,25 @@ def print_row(row: Row, names: list[str]) -> None:
     g = row.gbps
     cells = [f"{row.dtype:>8} {row.tokens:>6} tok {row.mib:8.1f} MiB",
              f"memcpy {g['memcpy']:6.2f}", f"socket {g['socket']:6.2f}"]
+    if row.link_gbit is not None:
+        cells.insert(1, f"link {row.link_gbit / 8:6.2f}")
     for name in names:
+        share = (f", {g[name] * 8 / row.link_gbit:.2f}x link" if row.link_gbit is not None
+                 else "")
         cells.append(f"{name} {g[name]:6.2f} ({g[name] / g['socket']:.2f}x sock, "
-                     f"{g[name] / g['memcpy']:.2f}x memcpy)")
+                     f"{g[name] / g['memcpy']:.2f}x memcpy{share})")
     print(" | ".join(cells), flush=True)
 
 
 def verdict(rows: list[Row], names: list[str]) -> None:
+    for rate in sorted({r.link_gbit for r in rows if r.link_gbit is not None}):
+        for name in [n for n in names if n in ("tcp", "ucx")]:
+            shares = [r.gbps[name] * 8 / rate for r in rows
+                      if r.link_gbit == rate and r.mib >= 4]
+            worst = min(shares) if shares else float("nan")
+            ok = "meets" if worst >= TARGET_VS_LINK else "MISSES"
+            print(f"{name} on a {rate:g} Gbit/s link: worst {worst:.2f}x the link for >= 4 "
+                  f"MiB; {ok} the {TARGET_VS_LINK}x target")
     for name in [n for n in names if n in ("tcp", "ucx")]:
         ratios = [r.gbps[name] / r.gbps["socket"] for r in rows if r.mib >= 4]
         worst = min(ratios) if ratios else float("nan")
@@ -296,10 +334,42 @@ def ttft_share(args: TransferConfig) -> dict[str, Any] | None:
     return run_pd(tokens=args.pd_tokens, reps=args.reps)
 
 
+def _run_link(args: TransferConfig, names: list[str], tokens: list[int],
+              devices: tuple[str, str], tls: TlsFiles | None, gbit: float | None) -> list[Row]:
+    """Every dtype's rows on one host (``gbit`` None) or on two linked at ``gbit``."""
+    if gbit is None:
+        return [row for dtype_name in args.dtypes.split(",")
+                for row in run_dtype(dtype_name, names, tokens, args.reps, args.checksum,
+                                     *devices, tls)]
+    print(f"-- two hosts, links at {gbit:g} Gbit/s ({gbit / 8:.3f} GB/s)", flush=True)
+    resource_tracker.ensure_running()  # here: started in a host, it would die with it
+    # Two hosts on one machine share its memory: left to choose, UCX moves the KV through
+    # shared memory (cma, posix) and never touches the link. Hosts apart have a network.
+    os.environ["UCX_TLS"] = "tcp"
+    with hosts.HostNet() as net:
+        net.add("prefill", gbit)
+        net.add("decode", gbit)
+        link = net.hosts["prefill"]
+        with hosts.inside(net.hosts["decode"].netns):
+            return [row for dtype_name in args.dtypes.split(",")
+                    for row in run_dtype(dtype_name, names, tokens, args.reps, args.checksum,
+                                         *devices, tls, link)]
+
+
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run(args: TransferConfig) -> int:
     torch.set_num_threads(1)  # memcpy is one thread, like every transfer thread
     names = args.transport_names
     tokens = args.token_counts
+    if args.link_rates:
+        if why := hosts.unavailable():
+            print(f"--link-gbit needs hosts, and this machine cannot make them: {why}")
+            return 2
+        hosts.sweep()  # the hosts of a run killed before it removed them
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)  # the hosts go even then
     device = server_device = "cpu" if args.device == "cpu" else "cuda:0"
     if args.device == "cuda":
         torch.cuda.set_device(device)
@@ -317,9 +387,9 @@ def run(args: TransferConfig) -> int:
             print(f"TLS: {facts['protocol']} {facts['cipher']} ({facts['openssl']}); CPU "
                   + " ".join(f"{'+' if has else '-'}{f}" for f, has in facts["cpu_aes"].items()))
         rows: list[Row] = []
-        for dtype_name in args.dtypes.split(","):
-            rows += run_dtype(dtype_name, names, tokens, args.reps, args.checksum, device,
-                              server_device, tls)
+        rates: list[float | None] = [*args.link_rates] or [None]
+        for gbit in rates:
+            rows += _run_link(args, names, tokens, (device, server_device), tls, gbit)
     verdict(rows, names)
     share = ttft_share(args)
     RESULTS_DIR.mkdir(exist_ok=True)
