@@ -1,7 +1,11 @@
 """LoRA through P/D on real vLLM, one cluster for the module: etcd, a router (``--disagg
 auto``: the short prompt runs on decode alone, the long one prefill -> decode) and a
 prefill and a decode worker (``--enable-lora --lora-modules sql=...``, float32), against
-one aggregated vLLM engine with the same adapters (``lora_reference.py``).
+one aggregated vLLM engine with the same adapters (``lora_reference.py``). Each process
+runs on a host of its own (``hosted.py``: network namespaces, links at 10 Gbit/s; the
+test reaches them from a client host), or on loopback where this machine cannot make
+hosts: the first test is then also issue 43's "a cluster across hosts serves greedy
+output equal to one engine" (the base model's and an adapter's, local and remote).
 
 - An adapter's greedy output through a disaggregated request and a local one equals the
   one engine's, as does the base model's; the adapter changes the output.
@@ -17,7 +21,7 @@ cluster's)."""
 
 from __future__ import annotations
 
-import os
+import json
 import signal
 import subprocess
 import sys
@@ -28,13 +32,12 @@ from typing import Any
 
 import httpx
 import pytest
+from integration.hosted import Hosted, hosted
 from integration.lora_oracle import MAX_TOKENS, LoraOracle, Reference, prompts
 from pdserve_testing import exited, wait_until
 
 from pdserve.core import process
 from pdserve.core.ports import free_port
-from pdserve.membership.local_etcd import LocalEtcd
-from pdserve.router.dispatch.workers.client import probe_health
 
 pytestmark = pytest.mark.integration
 
@@ -42,13 +45,18 @@ MODEL = "SmolLM2-135M-Instruct"
 CLUSTER = "lora"
 START_S = 600.0
 REPLAY_S = 120.0  # an adapter's load on a worker, on a loaded machine
+# What a worker serves (gRPC Health), read by a process on the client host.
+LORAS_SCRIPT = """import json, sys
+from pdserve.router.dispatch.workers.client import probe_health
+print(json.dumps(sorted(a.name for a in probe_health(sys.argv[1], timeout_s=5).loras)))"""
 
 
 @dataclass
 class LoraCluster:
-    etcd: LocalEtcd
+    hosts: Hosted
+    etcd_url: str
     router_url: str
-    admin_url: str
+    admin_url: str  # reached from the router's own host: without a key, it is loopback's
     log_dir: Path
     model_path: Path
     adapters: dict[str, Path]
@@ -56,34 +64,47 @@ class LoraCluster:
     endpoints: dict[str, str] = field(default_factory=dict)
     reference: Reference = field(default_factory=dict)
 
+    def spawn(self, name: str, args: list[str]) -> None:
+        self.procs[name] = self.hosts.spawn(
+            name, [sys.executable, "-m", "pdserve.cli.main", *args],
+            self.log_dir / f"{name}.log", {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+
     def start_worker(self, worker_id: str, role: str) -> None:
-        port = free_port()
-        self.endpoints[worker_id] = f"127.0.0.1:{port}"
-        self.procs[worker_id] = _spawn(
-            [role, "--etcd", self.etcd.url, "--cluster", CLUSTER,
-             "--dtype", "float32", "--kv-cache-gib", "1", "--port", str(port),
-             "--kv-port", str(free_port()), "--worker-id", worker_id, "--model",
-             str(self.model_path), "--enable-lora", "--max-loras", "2", "--max-lora-rank",
-             "8", "--lora-modules", f"sql={self.adapters['sql']}"],
-            self.log_dir / f"{worker_id}.log")
+        address, port = self.hosts.add(worker_id), free_port()
+        self.endpoints[worker_id] = f"{address}:{port}"
+        self.spawn(worker_id, [
+            role, "--etcd", self.etcd_url, "--cluster", CLUSTER, "--host", address,
+            "--dtype", "float32", "--kv-cache-gib", "1", "--port", str(port),
+            "--kv-port", str(free_port()), "--worker-id", worker_id, "--model",
+            str(self.model_path), "--enable-lora", "--max-loras", "2", "--max-lora-rank",
+            "8", "--lora-modules", f"sql={self.adapters['sql']}"])
+
+    def get(self, url: str) -> httpx.Response:
+        return self.hosts.call(lambda: httpx.get(url, timeout=30))
+
+    def post(self, url: str, body: dict[str, Any], timeout_s: float = 300) -> httpx.Response:
+        return self.hosts.call(lambda: httpx.post(url, json=body, timeout=timeout_s))
+
+    def admin(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        return self.hosts.call(lambda: httpx.post(self.admin_url + path, json=body,
+                                                  timeout=120), where="router")
 
     def healthy(self) -> set[str]:
-        view = httpx.get(f"{self.admin_url}/workers", timeout=5).json()["workers"]
+        view = self.get(f"{self.router_url}/workers").json()["workers"]
         return {str(w["id"]) for w in view if w["healthy"]}
 
     def complete(self, prompt: list[int], model: str = MODEL) -> dict[str, Any]:
-        reply = httpx.post(f"{self.router_url}/v1/completions", timeout=300, json={
+        reply = self.post(f"{self.router_url}/v1/completions", {
             "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "return_token_ids": True})
         reply.raise_for_status()
-        return reply.json()
+        return dict(reply.json())
 
-
-def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    log.write_bytes(b"")
-    return process.spawn([sys.executable, "-m", "pdserve.cli.main", *args], log_path=log,
-                         base_env=env)
+    def served(self, worker_id: str) -> set[str]:
+        """The adapters ``worker_id`` serves, as it says."""
+        done = self.hosts.run([sys.executable, "-c", LORAS_SCRIPT, self.endpoints[worker_id]])
+        assert done.returncode == 0, done.stderr[-2000:]
+        return set(json.loads(done.stdout))
 
 
 @pytest.fixture(scope="module")
@@ -91,25 +112,26 @@ def cluster(model_path: Path, lora_oracle: LoraOracle,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoraCluster]:
     log_dir = tmp_path_factory.mktemp("lora-cluster")
     lora_oracle.start()  # (started with the session's oracles: a no-op then)
-    etcd = LocalEtcd(log_path=log_dir / "etcd.log").start()
-    port, admin_port = free_port(), free_port()
-    c = LoraCluster(etcd, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}",
-                    log_dir, model_path, lora_oracle.adapters)
-    try:
-        c.procs["router"] = _spawn(
-            ["router", "--etcd", etcd.url, "--cluster", CLUSTER, "--port", str(port),
-             "--admin-port", str(admin_port), "--model", str(model_path), "--disagg", "auto",
-             "--local-prefill-max-tokens", "256"], log_dir / "router.log")
-        c.start_worker("prefill-0", "prefill")
-        c.start_worker("decode-0", "decode")
-        workers = {"prefill-0", "decode-0"}
-        ready = wait_until(lambda: _up(c, workers), START_S, interval_s=1.0)
-        assert ready is True, f"cluster not ready: {exited(c.procs, log_dir)} (logs {log_dir})"
-        c.reference = lora_oracle.get()
-        yield c
-    finally:
-        process.stop(list(c.procs.values()), grace_s=5, sig=signal.SIGTERM)
-        etcd.stop()
+    with hosted() as hosts:  # the hosts, and what still runs on them, go after the stop
+        etcd_url, etcd = hosts.etcd(log_dir)
+        router, port, admin_port = hosts.add("router"), free_port(), free_port()
+        c = LoraCluster(hosts, etcd_url, f"http://{router}:{port}",
+                        f"http://127.0.0.1:{admin_port}", log_dir, model_path,
+                        lora_oracle.adapters, procs={"etcd": etcd})
+        try:
+            c.spawn("router", [
+                "router", "--etcd", etcd_url, "--cluster", CLUSTER, "--host", router,
+                "--port", str(port), "--admin-port", str(admin_port), "--model",
+                str(model_path), "--disagg", "auto", "--local-prefill-max-tokens", "256"])
+            c.start_worker("prefill-0", "prefill")
+            c.start_worker("decode-0", "decode")
+            ready = wait_until(lambda: _up(c, {"prefill-0", "decode-0"}), START_S,
+                               interval_s=1.0)
+            assert ready is True, f"cluster not ready: {exited(c.procs, log_dir)}"
+            c.reference = lora_oracle.get()
+            yield c
+        finally:
+            process.stop(list(c.procs.values()), grace_s=5, sig=signal.SIGTERM)
 
 
 def _up(c: LoraCluster, workers: set[str]) -> bool | str:
@@ -121,14 +143,10 @@ def _up(c: LoraCluster, workers: set[str]) -> bool | str:
         return False
 
 
-def _served(c: LoraCluster, worker_id: str) -> set[str]:
-    return {a.name for a in probe_health(c.endpoints[worker_id], timeout_s=5).loras}
-
-
 def test_adapter_runs_on_prefill_and_decode_as_one_engine(cluster: LoraCluster,
                                                           tokenizer: Any) -> None:
     ids = prompts(tokenizer)
-    models = httpx.get(f"{cluster.router_url}/v1/models", timeout=5).json()["data"]
+    models = cluster.get(f"{cluster.router_url}/v1/models").json()["data"]
     assert {(m["id"], m.get("parent")) for m in models} >= {(MODEL, None), ("sql", MODEL)}
     for kind, want in (("short", "local"), ("long", "remote")):
         for lora in (None, "sql"):
@@ -138,7 +156,11 @@ def test_adapter_runs_on_prefill_and_decode_as_one_engine(cluster: LoraCluster,
             got = reply["choices"][0]["token_ids"]
             assert got == cluster.reference[(kind, lora)], (kind, lora)
     assert cluster.reference[("long", "sql")] != cluster.reference[("long", None)]
-    missing = httpx.post(f"{cluster.router_url}/v1/completions", timeout=30, json={
+    # The router reaches each worker where it runs: on hosts, at its host's address.
+    view = cluster.get(f"{cluster.router_url}/workers").json()["workers"]
+    assert {str(w["id"]): w["endpoint"] for w in view} == {
+        w: cluster.endpoints[w] for w in ("prefill-0", "decode-0")}
+    missing = cluster.post(f"{cluster.router_url}/v1/completions", {
         "model": "chat", "prompt": "hi", "max_tokens": 1})  # not loaded yet
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "model_not_found"
@@ -146,7 +168,7 @@ def test_adapter_runs_on_prefill_and_decode_as_one_engine(cluster: LoraCluster,
 
 def test_two_adapters_share_no_cached_block(cluster: LoraCluster, tokenizer: Any) -> None:
     long = prompts(tokenizer)["long"]
-    loaded = httpx.post(f"{cluster.admin_url}/v1/load_lora_adapter", timeout=120, json={
+    loaded = cluster.admin("/v1/load_lora_adapter", {
         "lora_name": "chat", "lora_path": str(cluster.adapters["chat"])})
     assert loaded.status_code == 200, loaded.text
     assert set(loaded.json()["workers"].values()) == {"loaded"}
@@ -175,8 +197,8 @@ def test_a_load_reaches_a_worker_started_after_it(cluster: LoraCluster,
     assert ready is True, f"late worker not ready: {exited(cluster.procs, cluster.log_dir)}"
     # The router replays ``chat`` after the probe that found it healthy (in the
     # background: until then it places only requests for what the worker serves).
-    served = wait_until(lambda: _served(cluster, "decode-late") == {"sql", "chat"}, REPLAY_S)
-    assert served is True, _served(cluster, "decode-late")
+    served = wait_until(lambda: cluster.served("decode-late") == {"sql", "chat"}, REPLAY_S)
+    assert served is True, cluster.served("decode-late")
     cluster.procs["decode-0"].send_signal(signal.SIGTERM)  # drains, leaves membership
     assert wait_until(lambda: "decode-0" not in cluster.healthy(), 60)
     for kind in ("short", "long"):
