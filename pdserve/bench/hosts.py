@@ -37,7 +37,8 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import TypeVar
 
@@ -179,6 +180,23 @@ def sweep() -> list[str]:
     return gone
 
 
+def prepare_process() -> str:
+    """Ready this process to work from hosts ("" when it can, else why not): it sweeps
+    what killed runs left, turns SIGTERM into ``SystemExit`` (so that ``with HostNet()``
+    blocks remove their hosts then too) and starts multiprocessing's resource tracker
+    here (started from inside a host, it would die with it)."""
+    if why := unavailable():
+        return why
+    sweep()
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    resource_tracker.ensure_running()
+    return ""
+
+
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 class HostNet:
     """Hosts on one router (see the module's docstring); a context manager."""
 
@@ -233,7 +251,7 @@ class HostNet:
         for netns, dev in ((host.netns, "eth0"), (self.switch, host.port)):
             self._in(netns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
                      f"{bits}bit", "burst", str(burst), "latency", QUEUE_LATENCY)
-        self.hosts[name] = Host(host.name, host.netns, host.address, host.port, rate_gbit)
+        self.hosts[name] = replace(host, rate_gbit=rate_gbit)
 
     def address(self, name: str) -> str:
         return self.hosts[name].address

@@ -39,7 +39,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import signal
 import socket
 import ssl
 import statistics
@@ -47,8 +46,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
-from multiprocessing import resource_tracker
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -200,7 +198,6 @@ def run_dtype(dtype_name: str, names: list[str], tokens: list[int], reps: int,
     cmds, replies = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=serve, daemon=True, args=(
         names, dtype_name, num_blocks, checksum, server_device, tls, cmds, replies, link))
-    peer_host = link.address if link else "127.0.0.1"
     proc.start()
     transports: dict[str, tuple[Any, int]] = {}
     try:
@@ -221,8 +218,7 @@ def run_dtype(dtype_name: str, names: list[str], tokens: list[int], reps: int,
         rows = []
         for num_tokens in tokens:
             rows.append(measure_size(dtype_name, num_tokens, reps, (src, dst, host_dst),
-                                     transports, peer_host, ports["socket"], ask))
-            rows[-1] = replace(rows[-1], link_gbit=link.rate_gbit if link else None)
+                                     transports, link, ports["socket"], ask))
             print_row(rows[-1], names)
         return rows
     finally:
@@ -236,10 +232,12 @@ def run_dtype(dtype_name: str, names: list[str], tokens: list[int], reps: int,
 
 def measure_size(dtype_name: str, num_tokens: int, reps: int,
                  caches: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]],
-                 transports: dict[str, tuple[Any, int]], peer_host: str, socket_port: int,
-                 ask: Callable[..., Any]) -> Row:
-    """One size, every method measured round-robin; ``ask`` sends the serving process a
-    command and waits for its reply."""
+                 transports: dict[str, tuple[Any, int]], link: hosts.Host | None,
+                 socket_port: int, ask: Callable[..., Any]) -> Row:
+    """One size, every method measured round-robin (from the serving side's ``link``
+    host, or over loopback); ``ask`` sends the serving process a command and waits for
+    its reply."""
+    peer_host = link.address if link else "127.0.0.1"
     src, dst, host_dst = caches
     n = num_tokens // BLOCK_SIZE
     nbytes = sum(layer[:n].numel() * layer.element_size() for layer in src)
@@ -259,7 +257,8 @@ def measure_size(dtype_name: str, num_tokens: int, reps: int,
                                                     n, req))
     timings = {k: v[1:] for k, v in timings.items()}
     return Row(dtype_name, num_tokens, nbytes / 2**20,
-               {k: gbps(nbytes, v) for k, v in timings.items()})
+               {k: gbps(nbytes, v) for k, v in timings.items()},
+               link.rate_gbit if link else None)
 
 
 def print_row(row: Row, names: list[str]) -> None:
@@ -334,30 +333,24 @@ def ttft_share(args: TransferConfig) -> dict[str, Any] | None:
     return run_pd(tokens=args.pd_tokens, reps=args.reps)
 
 
-def _run_link(args: TransferConfig, names: list[str], tokens: list[int],
-              devices: tuple[str, str], tls: TlsFiles | None, gbit: float | None) -> list[Row]:
-    """Every dtype's rows on one host (``gbit`` None) or on two linked at ``gbit``."""
-    if gbit is None:
-        return [row for dtype_name in args.dtypes.split(",")
-                for row in run_dtype(dtype_name, names, tokens, args.reps, args.checksum,
-                                     *devices, tls)]
+def _rows(args: TransferConfig, names: list[str], tokens: list[int],
+          devices: tuple[str, str], tls: TlsFiles | None, link: hosts.Host | None = None
+          ) -> list[Row]:
+    """Every dtype's rows, on one host or (``link``) from the serving side's host."""
+    return [row for dtype_name in args.dtypes.split(",")
+            for row in run_dtype(dtype_name, names, tokens, args.reps, args.checksum,
+                                 *devices, tls, link)]
+
+
+def _linked_rows(args: TransferConfig, names: list[str], tokens: list[int],
+                 devices: tuple[str, str], tls: TlsFiles | None, gbit: float) -> list[Row]:
+    """Every dtype's rows between two hosts linked at ``gbit``."""
     print(f"-- two hosts, links at {gbit:g} Gbit/s ({gbit / 8:.3f} GB/s)", flush=True)
-    resource_tracker.ensure_running()  # here: started in a host, it would die with it
-    # Two hosts on one machine share its memory: left to choose, UCX moves the KV through
-    # shared memory (cma, posix) and never touches the link. Hosts apart have a network.
-    os.environ["UCX_TLS"] = "tcp"
     with hosts.HostNet() as net:
-        net.add("prefill", gbit)
+        link = net.add("prefill", gbit)
         net.add("decode", gbit)
-        link = net.hosts["prefill"]
         with hosts.inside(net.hosts["decode"].netns):
-            return [row for dtype_name in args.dtypes.split(",")
-                    for row in run_dtype(dtype_name, names, tokens, args.reps, args.checksum,
-                                         *devices, tls, link)]
-
-
-def _exit_on_sigterm(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
+            return _rows(args, names, tokens, devices, tls, link)
 
 
 def run(args: TransferConfig) -> int:
@@ -365,11 +358,12 @@ def run(args: TransferConfig) -> int:
     names = args.transport_names
     tokens = args.token_counts
     if args.link_rates:
-        if why := hosts.unavailable():
+        if why := hosts.prepare_process():
             print(f"--link-gbit needs hosts, and this machine cannot make them: {why}")
             return 2
-        hosts.sweep()  # the hosts of a run killed before it removed them
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)  # the hosts go even then
+        # Two hosts on one machine share its memory: left to choose, UCX moves the KV
+        # through it (cma, posix), never touching the link. Hosts apart have a network.
+        os.environ["UCX_TLS"] = "tcp"
     device = server_device = "cpu" if args.device == "cpu" else "cuda:0"
     if args.device == "cuda":
         torch.cuda.set_device(device)
@@ -386,10 +380,10 @@ def run(args: TransferConfig) -> int:
             facts = tls_facts(load_kv_tls(tls) or _no_tls())
             print(f"TLS: {facts['protocol']} {facts['cipher']} ({facts['openssl']}); CPU "
                   + " ".join(f"{'+' if has else '-'}{f}" for f, has in facts["cpu_aes"].items()))
-        rows: list[Row] = []
-        rates: list[float | None] = [*args.link_rates] or [None]
-        for gbit in rates:
-            rows += _run_link(args, names, tokens, (device, server_device), tls, gbit)
+        devices = (device, server_device)
+        rows = [row for gbit in args.link_rates
+                for row in _linked_rows(args, names, tokens, devices, tls, gbit)
+                ] if args.link_rates else _rows(args, names, tokens, devices, tls)
     verdict(rows, names)
     share = ttft_share(args)
     RESULTS_DIR.mkdir(exist_ok=True)
