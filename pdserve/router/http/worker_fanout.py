@@ -16,7 +16,7 @@ T = TypeVar("T")
 
 
 async def each_worker(workers: Sequence[Worker], call: Callable[[Worker], Awaitable[T]]
-                ) -> dict[str, T | Exception]:
+                      ) -> dict[str, T | Exception]:
     """``call`` on every worker at once: each one's result or error, by worker id."""
     results = await asyncio.gather(*(call(w) for w in workers), return_exceptions=True)
     out: dict[str, T | Exception] = {}

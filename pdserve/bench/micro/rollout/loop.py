@@ -165,7 +165,6 @@ class Rounds:
 
 def build_prompts(cfg: RolloutConfig, tokenizer_path: Path) -> list[Messages]:
     """Every round's batch, in order: the chat mix's first ``rounds x batch`` prompts."""
-
     encoder = PromptEncoder(load_bench_tokenizer(tokenizer_path), "chat")
     workload = MixWorkload(encoder, parse_mix(DEFAULT_MIX), 0.0, cfg.seed)
     return [workload.request(i).messages for i in range(cfg.rounds * cfg.batch)]
