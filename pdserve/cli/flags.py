@@ -157,6 +157,10 @@ FLAGS = _flags(
          "recomputes the prompt", False, parse_bool, switch=True),
     Flag("kv-throttle-mib-s", "pace KV sends to this many MiB/s (0: off); emulates a slow "
          "link", 0.0, parse_float(0)),
+    Flag("kv-stall-s", "a KV pull whose peer sends no byte (or answers no connect) for "
+         "this long fails, and decode recomputes the prompt: what a cut link or a frozen "
+         "prefill costs (the whole pull's deadline is 30 s)", 10.0,
+         parse_float(0, strict=True)),
     Flag("kv-push", "prefill pushes KV layer by layer (tcp transport) to the decode while "
          "computing; --no-kv-push: decode pulls after prefill (default: push on CUDA, pull "
          "on CPU, where the sender competes with prefill for cores)", None, parse_bool,

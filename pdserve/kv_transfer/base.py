@@ -54,6 +54,9 @@ class TransportOptions:
     ``idle_timeout_s``: the server closes a control connection that sends nothing this
     long, between messages or inside one (a stalled peer holds no thread for longer);
     clients reuse theirs for half of it. None: ``control/server.IDLE_TIMEOUT_S``.
+    ``stall_s``: a pull fails once its peer has sent no byte for this long (or has not
+    answered its connect), not only at its deadline: a cut link or a frozen peer costs
+    the decode this, then it recomputes the prompt. None: the deadline only.
     ``max_connections``: control connections the server serves at once; one more is
     closed on accept and counted as a refusal. None: ``control/server.MAX_CONNECTIONS``.
     ``max_logins``: of those, how many may still be authenticating (with a secret or
@@ -65,6 +68,7 @@ class TransportOptions:
     secret: ClusterSecret | None = field(default=None, repr=False)
     tls: KvTls | None = field(default=None, repr=False)
     idle_timeout_s: float | None = None
+    stall_s: float | None = None
     max_connections: int | None = None
     max_logins: int | None = None
 
@@ -73,6 +77,8 @@ class TransportOptions:
             raise ValueError(f"throttle_bytes_per_s must be >= 0, got {self.throttle_bytes_per_s}")
         if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
+        if self.stall_s is not None and not self.stall_s > 0:
+            raise ValueError(f"stall_s must be > 0, got {self.stall_s}")
         for name, value in (("max_connections", self.max_connections),
                             ("max_logins", self.max_logins)):
             if value is not None and value < 1:

@@ -34,6 +34,9 @@ class ConnectorConfig:
     kv_bind_host: str = "0.0.0.0"
     lease_s: float = 30.0
     transfer_timeout_s: float = 30.0
+    # A pull whose peer sends no byte (or answers no connect) for this long fails: the
+    # decode recomputes (a cut link or a frozen prefill costs this, not the deadline).
+    kv_stall_s: float = 10.0
     pull_threads: int = 4
     # Layer-wise push: a prefill sends each layer's blocks to the decode the router
     # named while its forward pass runs; decodes keep pushed KV in a bounded inbox.
@@ -82,8 +85,9 @@ class ConnectorConfig:
     require_tls: bool = False
 
     def __post_init__(self) -> None:
-        if self.lease_s <= 0 or self.transfer_timeout_s <= 0 or self.push_wait_s <= 0:
-            raise ValueError("lease_s, transfer_timeout_s and push_wait_s must be > 0")
+        if min(self.lease_s, self.transfer_timeout_s, self.push_wait_s, self.kv_stall_s) <= 0:
+            raise ValueError("lease_s, transfer_timeout_s, push_wait_s and kv_stall_s must be "
+                             "> 0")
         if self.push_inbox_mib < 0:
             raise ValueError("push_inbox_mib must be >= 0")
         if not 0 <= self.kv_port < 65536:
@@ -152,7 +156,8 @@ class ConnectorConfig:
     def transport_options(self) -> TransportOptions:
         return TransportOptions(checksum=self.kv_checksum,
                                 throttle_bytes_per_s=self.kv_throttle_mib_s * (1 << 20),
-                                secret=self.cluster_secret(), tls=self.kv_tls())
+                                secret=self.cluster_secret(), tls=self.kv_tls(),
+                                stall_s=self.kv_stall_s)
 
     def to_extra_config(self) -> dict[str, Any]:
         return {"pdserve": asdict(self)}

@@ -202,12 +202,13 @@ class PullTransport(ControlledTransport):
         received = 0
         try:
             session = self._open_receive(peer, conn, chunks, deadline)
-            set_deadline(conn, deadline)
+            stall_s = self.options.stall_s
+            set_deadline(conn, deadline, stall_s)
             send_msg(conn, {**request, "checksum": self.options.checksum, **session.fields})
             check_reply(recv_msg(conn), what)
             if self.inline_data:
                 received = session.receive(conn, deadline)
-            set_deadline(conn, deadline)
+            set_deadline(conn, deadline, stall_s)
             trailer = check_reply(recv_msg(conn), what)
             if not self.inline_data:
                 received = session.receive(conn, deadline)

@@ -69,6 +69,7 @@ class UpConfig:
     kv_disk_gib: float = 0.0
     kv_tier_policy: str = "default"  # the tiers' eviction policy (--kv-tier-policy)
     kv_throttle_mib_s: float = 0.0
+    kv_stall_s: float = 10.0  # a pull with no byte for this long fails (recomputed)
     # The cluster KV store (--kv-store*, --kv-compression), or a local one (--with-redis).
     kv_store: KvStoreUp = KvStoreUp()
     # Membership: static (default), an etcd at ``etcd``, or a local one (``with_etcd``).
@@ -230,7 +231,8 @@ def _engine_flags(cfg: UpConfig, role: str, cores: str, name: str) -> list[str]:
     if cfg.kv_push is not None:
         argv += ["--kv-push" if cfg.kv_push else "--no-kv-push"]
     argv += ["--kv-checksum" if cfg.kv_checksum else "--no-kv-checksum",
-             "--kv-throttle-mib-s", str(cfg.kv_throttle_mib_s)]
+             "--kv-throttle-mib-s", str(cfg.kv_throttle_mib_s),
+             "--kv-stall-s", repr(cfg.kv_stall_s)]
     if cfg.kv_offload_gib:
         argv += ["--kv-offload-gib", repr(cfg.kv_offload_gib)]
     if cfg.kv_disk_dir and cfg.kv_disk_gib:

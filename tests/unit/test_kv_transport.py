@@ -94,11 +94,15 @@ def test_cli_transport_choices_and_flags() -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["prefill", "--transport", "carrier-pigeon"])
     args = build_parser().parse_args(["decode", "--transport", "ucx", "--kv-checksum",
-                                      "--kv-throttle-mib-s", "8"])
-    assert (args.transport, args.kv_checksum, args.kv_throttle_mib_s) == ("ucx", True, 8.0)
+                                      "--kv-throttle-mib-s", "8", "--kv-stall-s", "2.5"])
+    assert (args.transport, args.kv_checksum, args.kv_throttle_mib_s, args.kv_stall_s) == (
+        "ucx", True, 8.0, 2.5)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["decode", "--kv-stall-s", "0"])
     options = ConnectorConfig(engine_id="e", transport="torch", kv_checksum=True,
-                              kv_throttle_mib_s=8).transport_options()
-    assert options == TransportOptions(checksum=True, throttle_bytes_per_s=8 * 2**20)
+                              kv_throttle_mib_s=8, kv_stall_s=2.5).transport_options()
+    assert options == TransportOptions(checksum=True, throttle_bytes_per_s=8 * 2**20,
+                                       stall_s=2.5)
 
 
 def test_lease_expiry_and_late_pull() -> None:

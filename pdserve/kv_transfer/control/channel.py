@@ -58,7 +58,7 @@ class ControlledTransport:
         self._stop = threading.Event()
         self._idle_timeout_s = self.options.idle_timeout_s or IDLE_TIMEOUT_S
         self._pool = ConnectionPool(self._idle_timeout_s / 2, self.options.secret,
-                                    self.options.tls)
+                                    self.options.tls, self.options.stall_s)
         self._stats_lock = threading.Lock()
         self._num_sending = 0  # a gauge, shown by the status op only
         # More counters for the ``status`` op (the connector's load statistics).

@@ -26,16 +26,20 @@ from pdserve.kv_transfer.control.wire import tune as tune_socket
 
 
 def dial(peer: PeerAddress, deadline: float, secret: ClusterSecret | None = None,
-         tls: KvTls | None = None, tune: bool = True) -> socket.socket:
+         tls: KvTls | None = None, tune: bool = True, stall_s: float | None = None
+         ) -> socket.socket:
     """A connection to ``peer``'s control port, encrypted with ``tls`` and authenticated
     with ``secret``, by ``deadline``. ``TransferError`` if it cannot be reached,
     ``TlsHandshakeError`` (naming the peer) if a certificate does not hold,
-    ``AuthError`` if the secret does not; the connection is closed on every failure."""
+    ``AuthError`` if the secret does not; the connection is closed on every failure.
+    ``stall_s`` bounds the connect too (a peer cut off answers no SYN)."""
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise TransferError(f"deadline exceeded before connecting to {peer}")
     try:
-        conn = socket.create_connection((peer.host, peer.port), timeout=remaining)
+        conn = socket.create_connection(
+            (peer.host, peer.port), timeout=remaining if stall_s is None else min(remaining,
+                                                                                  stall_s))
     except OSError as exc:
         raise TransferError(f"cannot reach KV peer {peer}: {exc}") from exc
     try:

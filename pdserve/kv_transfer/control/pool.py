@@ -30,8 +30,9 @@ class ConnectionPool:
     user, never checked back in."""
 
     def __init__(self, max_idle_s: float, secret: ClusterSecret | None = None,
-                 tls: KvTls | None = None) -> None:
+                 tls: KvTls | None = None, stall_s: float | None = None) -> None:
         self._max_idle_s = max_idle_s
+        self._stall_s = stall_s  # a new connection's connect and handshake replies
         self._secret = secret  # with it, a new connection authenticates before its hello
         self._tls = tls  # with it, every connection is mutual TLS first
         self._idle: dict[PeerAddress, list[tuple[socket.socket, float]]] = {}
@@ -50,9 +51,9 @@ class ConnectionPool:
                 if time.monotonic() - last_used < self._max_idle_s and not dropped(conn):
                     return conn
                 conn.close()  # the peer may have dropped it already
-        conn = dial(peer, deadline, self._secret, self._tls)
+        conn = dial(peer, deadline, self._secret, self._tls, stall_s=self._stall_s)
         try:
-            set_deadline(conn, deadline)
+            set_deadline(conn, deadline, self._stall_s)
             send_msg(conn, {"op": "hello", "compat": compat})
             check_reply(recv_msg(conn), f"handshake with {peer}")
         except IncompatiblePeerError as exc:

@@ -37,12 +37,15 @@ class BadMessageError(TransferError):
     a push's payload say, cannot be framed)."""
 
 
-def set_deadline(sock: socket.socket, deadline: float) -> None:
-    """Bound the next socket operation by an absolute ``time.monotonic`` deadline."""
+def set_deadline(sock: socket.socket, deadline: float, stall_s: float | None = None) -> None:
+    """Bound the next socket operation by an absolute ``time.monotonic`` deadline, and
+    each receive by ``stall_s`` (None: the deadline only): a peer that sends no byte
+    for that long fails the transfer then, not at its deadline. (Never for a send:
+    ``sendall``'s timeout bounds the whole call, which a thin link may make long.)"""
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise TransferError("deadline exceeded")
-    sock.settimeout(remaining)
+    sock.settimeout(remaining if stall_s is None else min(remaining, stall_s))
 
 
 def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:

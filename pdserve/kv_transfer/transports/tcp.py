@@ -99,22 +99,23 @@ class TcpTransport(PooledTransport):
 
     def _open_receive(self, peer: PeerAddress, conn: socket.socket,
                       chunks: Sequence[torch.Tensor], deadline: float) -> _SocketReceive:
-        return _SocketReceive(chunks)
+        return _SocketReceive(chunks, self.options.stall_s)
 
 
 class _SocketReceive:
     """Reads the pull's bytes off the control connection into the chunks."""
 
-    def __init__(self, chunks: Sequence[torch.Tensor]) -> None:
+    def __init__(self, chunks: Sequence[torch.Tensor], stall_s: float | None) -> None:
         self.fields: dict[str, Any] = {}
         self._chunks = chunks
+        self._stall_s = stall_s
 
     def receive(self, conn: socket.socket, deadline: float) -> int:
         if self._chunks and self._chunks[0].device.type != "cpu":
-            return _recv_device(conn, self._chunks, deadline)
+            return _recv_device(conn, self._chunks, deadline, self._stall_s)
         received = 0
         for chunk in self._chunks:
-            set_deadline(conn, deadline)
+            set_deadline(conn, deadline, self._stall_s)
             view = as_bytes(chunk)
             recv_into_exact(conn, view)
             received += len(view)
@@ -198,7 +199,8 @@ def _send_device(conn: socket.socket, chunks: Sequence[torch.Tensor], deadline: 
     return sent
 
 
-def _recv_device(conn: socket.socket, chunks: Sequence[torch.Tensor], deadline: float) -> int:
+def _recv_device(conn: socket.socket, chunks: Sequence[torch.Tensor], deadline: float,
+                 stall_s: float | None = None) -> int:
     pieces = _pieces(chunks)
     if not pieces:
         return 0
@@ -210,7 +212,7 @@ def _recv_device(conn: socket.socket, chunks: Sequence[torch.Tensor], deadline: 
             if (event := copied[i % 2]) is not None:
                 event.synchronize()  # the buffer's previous piece is on the device
             buf = bufs[i % 2][:sum(v.numel() for v in piece)]
-            set_deadline(conn, deadline)
+            set_deadline(conn, deadline, stall_s)
             recv_into_exact(conn, as_bytes(buf))
             with torch.cuda.stream(stream):
                 received += _copy(piece, buf, to_device=True)
