@@ -307,8 +307,7 @@ class EngineHost:
         its last reply if this one is late or fails."""
         connector = self.config.connector
         tls = connector.kv_tls()
-        # Under TLS the endpoint's certificate names its advertised host, maybe not loopback.
-        host = "127.0.0.1" if tls is None else connector.kv_host
+        host = kv_status_host(connector.kv_bind_host, connector.kv_host, tls is not None)
         try:
             self._kv_status = request_once(host, connector.kv_port, {"op": "status"},
                                            KV_STATUS_TIMEOUT_S, connector.cluster_secret(), tls)
@@ -371,3 +370,16 @@ def _finish_reason(reason: str | None) -> FinishReason:
         if reason == known:
             return known
     return "stop" if reason is None else "error"
+
+
+def kv_status_host(bind_host: str, advertised_host: str, tls: bool) -> str:
+    """Where this worker reaches its own KV endpoint: the advertised host under TLS (its
+    certificate names that host, maybe not loopback); else loopback when the endpoint
+    listens on every address, or the one address it listens on (``--host 10.0.0.7``:
+    nothing answers on loopback there)."""
+    if tls:
+        return advertised_host
+    if bind_host in ("", "0.0.0.0", "::"):
+        return "::1" if bind_host == "::" else "127.0.0.1"
+    return bind_host
+
