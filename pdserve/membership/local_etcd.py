@@ -2,6 +2,10 @@
 
 Runs the ``etcd`` binary (Debian: ``apt-get install etcd-server``) on free ports
 with a temporary data directory; ``stop()`` kills it and removes the directory.
+``host`` and ``spawn`` put it elsewhere (a test's host: a network namespace, whose
+``spawn`` starts it there and whose address it listens on); its health check then runs
+where the caller's thread is, so a caller outside that network calls ``start`` from
+inside it.
 ``stop(keep_data=True)`` then ``start()`` restarts it on the same ports and data.
 
 With ``tls`` (mutual: a certificate, its key and the CA; ``pdserve certs`` makes them) every
@@ -18,7 +22,7 @@ import signal
 import ssl
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
@@ -28,6 +32,11 @@ from pdserve.core.grpc_tls import TlsFiles
 from pdserve.core.ports import free_port
 
 START_TIMEOUT_S = 30.0
+Spawn = Callable[[Sequence[str], Path | None], "subprocess.Popen[bytes]"]
+
+
+def _spawn_here(argv: Sequence[str], log_path: Path | None) -> subprocess.Popen[bytes]:
+    return process.spawn(argv, log_path=log_path)
 
 
 def etcd_binary() -> str:
@@ -40,9 +49,12 @@ def etcd_binary() -> str:
 
 class LocalEtcd:
     def __init__(self, log_path: Path | None = None, tls: TlsFiles | None = None,
-                 extra_args: Sequence[str] = ()) -> None:
+                 extra_args: Sequence[str] = (), host: str = "127.0.0.1",
+                 spawn: Spawn = _spawn_here) -> None:
         """``extra_args``: more of etcd's own flags (tests: ``--auth-token-ttl``)."""
         self._binary = etcd_binary()
+        self.host = host
+        self._spawn = spawn
         self._extra_args = tuple(extra_args)
         # (cert, key, ca) as absolute paths (etcd runs in its own directory), and the
         # health check's client context; None: plaintext
@@ -56,19 +68,19 @@ class LocalEtcd:
 
     @property
     def url(self) -> str:
-        return f"{self._scheme}://127.0.0.1:{self.client_port}"
+        return f"{self._scheme}://{self.host}:{self.client_port}"
 
     @property
     def _scheme(self) -> str:
         return "https" if self._files else "http"
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> LocalEtcd:
-        peer = f"{self._scheme}://127.0.0.1:{self.peer_port}"
+        peer = f"{self._scheme}://{self.host}:{self.peer_port}"
         argv = [self._binary, "--name", "pdserve", "--data-dir", str(self.data_dir),
                 "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"pdserve={peer}", *self._tls_flags(), *self._extra_args]
-        self.proc = process.spawn(argv, log_path=self._log_path)
+        self.proc = self._spawn(argv, self._log_path)
         self._wait_healthy(timeout_s)
         return self
 

@@ -4,30 +4,74 @@ router), or, where this machine cannot make hosts (not root), all on loopback, a
 hosts existed, with a warning that says why.
 
 On hosts nothing of the cluster listens where the test's own process is: the test
-reaches it from a client host (``call``: a thread of this process inside it; ``run``: a
-process there, for gRPC, whose own threads would not follow a thread into a host)."""
+reaches it from a client host (``call``: a thread of this process inside it; ``client``:
+the calling thread inside it for a block; ``run``: a process there, and ``prober``: one
+that answers gRPC ``GetLoad`` calls line by line, for gRPC, whose own threads would not
+follow a thread into a host)."""
 
 from __future__ import annotations
 
-import shutil
+import contextlib
+import json
+import select
 import subprocess
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, TypeVar
 
-import httpx
-from pdserve_testing import wait_until
-
-from pdserve.bench.hosts import HostNet, unavailable
+from pdserve.bench.hosts import HostNet, inside, unavailable
 from pdserve.core import process
-from pdserve.core.ports import free_port
+from pdserve.core.types import WorkerLoadReport
+from pdserve.membership.local_etcd import LocalEtcd
 
 T = TypeVar("T")
 LINK_GBIT = 10.0
 CLIENT = "client"
-ETCD_START_S = 30.0
+PROBE_SCRIPT = """import dataclasses, json, sys
+from pdserve.router.dispatch.workers.client import probe_load
+for line in sys.stdin:
+    try:
+        reply = {"load": dataclasses.asdict(probe_load(line.strip(), timeout_s=10))}
+    except Exception as exc:  # noqa: BLE001 - handed to the test
+        reply = {"error": repr(exc)}
+    print(json.dumps(reply), flush=True)"""
+PROBE_S = 30.0
+
+
+class Prober:
+    """gRPC ``GetLoad`` from a process of its own (on the client host, or here on
+    loopback), asked one endpoint per line: started once, not once per call."""
+
+    def __init__(self, argv: Sequence[str]) -> None:
+        self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    def load(self, endpoint: str, timeout_s: float = PROBE_S) -> WorkerLoadReport:
+        """The worker's report; ``RuntimeError`` if the call failed or no answer came."""
+        stdin, stdout = self._pipes()
+        stdin.write(endpoint + "\n")
+        stdin.flush()
+        if not select.select([stdout], [], [], timeout_s)[0]:
+            self.close()  # its answer would come to the next question
+            raise RuntimeError(f"no GetLoad answer from {endpoint} in {timeout_s} s")
+        reply = json.loads(stdout.readline() or '{"error": "prober exited"}')
+        if "error" in reply:
+            raise RuntimeError(f"GetLoad {endpoint}: {reply['error']}")
+        return WorkerLoadReport(**reply["load"])
+
+    def _pipes(self) -> tuple[IO[str], IO[str]]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the prober exited {self.proc.returncode}")
+        return self.proc.stdin, self.proc.stdout
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
 
 
 class Hosted:
@@ -44,9 +88,11 @@ class Hosted:
         return self.net is not None
 
     def add(self, name: str) -> str:
-        """A host for ``name`` (its address), or loopback."""
+        """A host for ``name`` (its address; the one it has if it exists), or loopback."""
         if self.net is None:
             return "127.0.0.1"
+        if name in self.net.hosts:
+            return self.net.address(name)
         return self.net.add(name, LINK_GBIT).address
 
     def spawn(self, name: str, argv: Sequence[str], log_path: Path,
@@ -68,26 +114,30 @@ class Hosted:
                                   timeout=timeout_s, check=False)
         return self.net.run(CLIENT, argv, timeout_s)
 
-    def etcd(self, log_dir: Path) -> tuple[str, subprocess.Popen[bytes]]:
-        """An etcd on a host of its own (or loopback), healthy: its client URL."""
-        address = self.add("etcd")
-        client, peer = free_port(), free_port()
-        url, peer_url = f"http://{address}:{client}", f"http://{address}:{peer}"
-        proc = self.spawn("etcd", [
-            shutil.which("etcd") or "etcd", "--name", "pdserve", "--data-dir",
-            str(log_dir / "etcd-data"), "--listen-client-urls", url, "--advertise-client-urls",
-            url, "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"pdserve={peer_url}"], log_dir / "etcd.log", {})
+    def client(self) -> contextlib.AbstractContextManager[None]:
+        """The calling thread on the client host for the block (its sockets, and the
+        threads it starts, are there; gRPC's are not: ``prober``)."""
+        if self.net is None:
+            return nullcontext()
+        return inside(self.net.hosts[CLIENT].netns)
 
-        def healthy() -> bool:
-            try:
-                return bool(httpx.get(f"{url}/health", timeout=1).json().get("health") == "true")
-            except (httpx.HTTPError, ValueError):
-                return False
+    def prober(self) -> Prober:
+        return Prober(self._here([sys.executable, "-c", PROBE_SCRIPT]))
 
-        assert wait_until(lambda: proc.poll() is not None or self.call(healthy),
-                          ETCD_START_S, 0.2) is True, f"etcd not healthy: {log_dir}/etcd.log"
-        return url, proc
+    def _here(self, argv: Sequence[str]) -> list[str]:
+        return list(argv) if self.net is None else self.net.command(CLIENT, argv)
+
+    def etcd(self, log_dir: Path) -> LocalEtcd:
+        """An etcd on a host of its own (or loopback), healthy (``stop``, ``start``
+        restart it there)."""
+        name = "etcd"
+        address = self.add(name)
+
+        def spawn(argv: Sequence[str], log_path: Path | None) -> subprocess.Popen[bytes]:
+            return self.spawn(name, argv, log_path or log_dir / "etcd.log", {})
+
+        etcd = LocalEtcd(log_path=log_dir / "etcd.log", host=address, spawn=spawn)
+        return self.call(etcd.start)
 
 
 @contextmanager

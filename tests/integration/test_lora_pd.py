@@ -113,11 +113,13 @@ def cluster(model_path: Path, lora_oracle: LoraOracle,
     log_dir = tmp_path_factory.mktemp("lora-cluster")
     lora_oracle.start()  # (started with the session's oracles: a no-op then)
     with hosted() as hosts:  # the hosts, and what still runs on them, go after the stop
-        etcd_url, etcd = hosts.etcd(log_dir)
+        etcd = hosts.etcd(log_dir)
+        etcd_url = etcd.url
+        assert etcd.proc is not None
         router, port, admin_port = hosts.add("router"), free_port(), free_port()
         c = LoraCluster(hosts, etcd_url, f"http://{router}:{port}",
                         f"http://127.0.0.1:{admin_port}", log_dir, model_path,
-                        lora_oracle.adapters, procs={"etcd": etcd})
+                        lora_oracle.adapters, procs={"etcd": etcd.proc})
         try:
             c.spawn("router", [
                 "router", "--etcd", etcd_url, "--cluster", CLUSTER, "--host", router,
@@ -132,6 +134,7 @@ def cluster(model_path: Path, lora_oracle: LoraOracle,
             yield c
         finally:
             process.stop(list(c.procs.values()), grace_s=5, sig=signal.SIGTERM)
+            etcd.stop()  # (its data directory)
 
 
 def _up(c: LoraCluster, workers: set[str]) -> bool | str:
