@@ -1,5 +1,8 @@
 """Membership on a real etcd with real vLLM workers (``pdserve prefill|decode --etcd``)
-and a real router (``pdserve router --etcd``), one cluster shared by the module.
+and a real router (``pdserve router --etcd``), one cluster shared by the module, each
+process on a host of its own (``hosted.py``: network namespaces, links at 10 Gbit/s; the
+test's thread on a client host), or on loopback where this machine cannot make hosts
+(then the partitions skip, with the reason).
 
 The tests run in file order on that cluster: discovery within 2 s, spread over
 2 prefill + 2 decode, the decode worker serving a long greedy stream SIGSTOPped
@@ -11,6 +14,15 @@ float32 prefill workers), and the incompatible worker never paired (it serves al
 computing prompts itself), then SIGTERM to that worker mid-stream (it drains). At
 most four engines run at once. Workers use a 3 s lease
 TTL (``--etcd-ttl-s 3``; the default is 10 s).
+
+The partitions (issue 43's part 3), each under a few concurrent streams, between the
+SIGSTOP and the SIGKILL tests: the router cut from a decode worker mid-stream, prefill
+cut from decode during the KV pulls, an asymmetric cut (prefill's packets to the router
+dropped, the router's to prefill not), a worker cut from etcd, the router cut from etcd.
+The SIGSTOP test is the frozen peer. Each: every stream ends within its deadline with the
+uninterrupted answer, and within a bound after healing the cluster is whole (every worker
+registered and healthy in the router's view, none holding a request, a block or a
+lease); the time that took is written to ``heal-times.json`` in the module's log folder.
 """
 
 from __future__ import annotations
@@ -24,20 +36,22 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from integration.hosted import LINK_GBIT, Hosted, Prober, hosted
 from integration.pd_cases import LONG, MODEL
 from pdserve_testing import HTTP, etcd_keys, exited, router_metric, wait_until
 
+from pdserve.bench.hosts import HostNet, unavailable
 from pdserve.core import process
 from pdserve.core.ports import free_port
 from pdserve.core.types import WorkerLoadReport
 from pdserve.membership.local_etcd import LocalEtcd
-from pdserve.router.dispatch.workers.client import probe_load
 
 pytestmark = pytest.mark.integration
 TTL_S = 3
@@ -58,6 +72,19 @@ DRAIN_REPEAT = int(os.environ.get("PDSERVE_DRAIN_REPEAT", "1"))
 # A short stream's first token, on a loaded machine.
 STREAM_S = 120.0
 _SIGKILL = signal.SIGKILL  # (in Cluster, `signal` is its method)
+PREFILLS, DECODES = ("prefill-0", "prefill-1"), ("decode-0", "decode-1")
+# The partitions: streams at once, each one's deadline (X-Request-Timeout), the workers'
+# --kv-stall-s (a pull that moves no byte for this long fails: decode recomputes) and
+# --lease-s (a prefill's KV that no decode can release lapses then), and the prefill
+# links' rate while a cut hits the KV pulls (a long prompt's KV then takes seconds).
+STREAMS = 3
+DEADLINE_S = 120.0
+KV_STALL_S = 2.0
+LEASE_S = 10.0
+PULL_LINK_GBIT = 0.05
+# After healing: every worker back in the view, registered, idle and holding no lease
+# (a lease no decode could release lapses after LEASE_S).
+WHOLE_S = LEASE_S + TTL_S + 20.0
 # Registered -> placeable: the watch event, then the router's first probe (up to its 2 s
 # timeout; engines loading beside it can make it miss) and one more health interval
 # (2 s), plus 1 s. Far below a re-list's time: the router re-lists only on reconnect.
@@ -120,25 +147,45 @@ def router_view(router_url: str, client: httpx.Client = HTTP) -> list[dict[str, 
 
 
 @dataclass
+class Outcome:
+    """One stream of ``Cluster.streams``: what reached the client, the error event or
+    status that ended it (empty if none) and how long it took."""
+
+    ids: list[int]
+    usage: dict[str, Any]
+    error: str
+    seconds: float
+
+
+@dataclass
 class Cluster:
+    hosts: Hosted
     etcd: LocalEtcd
     router_url: str
     log_dir: Path
     procs: dict[str, subprocess.Popen[bytes]]
     endpoints: dict[str, str]
     timeline: Timeline
-    admin_url: str = ""  # the router's admin listener (role switches)
+    prober: Prober
+    env: dict[str, str]
+    admin_url: str = ""  # the router's admin listener, on its host's loopback
     survivor: str = "decode-0"  # the decode worker left after the SIGKILL test
+    heal_times: dict[str, float] = field(default_factory=dict)
     _reference: Answer | None = None
 
+    def spawn(self, name: str, args: list[str]) -> None:
+        self.procs[name] = self.hosts.spawn(
+            name, [sys.executable, "-m", "pdserve.cli.main", *args],
+            self.log_dir / f"{name}.log", self.env)
+
     def start_worker(self, worker_id: str, role: str, dtype: str, *flags: str) -> None:
-        port = free_port()
-        self.endpoints[worker_id] = f"127.0.0.1:{port}"
-        self.procs[worker_id] = _spawn(
-            [role, "--etcd", self.etcd.url, "--cluster", CLUSTER, "--etcd-ttl-s", str(TTL_S),
-             "--dtype", dtype, "--kv-cache-gib", "1", "--port", str(port),
-             "--kv-port", str(free_port()), "--worker-id", worker_id, *flags],
-            self.log_dir / f"{worker_id}.log")
+        address, port = self.hosts.add(worker_id), free_port()
+        self.endpoints[worker_id] = f"{address}:{port}"
+        self.spawn(worker_id, [
+            role, "--etcd", self.etcd.url, "--cluster", CLUSTER, "--etcd-ttl-s", str(TTL_S),
+            "--host", address, "--dtype", dtype, "--kv-cache-gib", "1", "--port", str(port),
+            "--kv-port", str(free_port()), "--worker-id", worker_id, "--kv-stall-s",
+            str(KV_STALL_S), "--lease-s", str(LEASE_S), *flags])
 
     def view(self) -> dict[str, dict[str, object]]:
         return {str(w["id"]): w for w in router_view(self.router_url)}
@@ -147,7 +194,7 @@ class Cluster:
         return {i for i, w in self.view().items() if w["healthy"]}
 
     def load(self, worker_id: str) -> WorkerLoadReport:
-        return probe_load(self.endpoints[worker_id], timeout_s=10)
+        return self.prober.load(self.endpoints[worker_id])
 
     def complete(self, i: int) -> str:
         body = {"model": "SmolLM2-135M-Instruct", "prompt": f"Request {i}: count to five.",
@@ -165,8 +212,10 @@ class Cluster:
     def switch_role(self, worker_id: str, role: str, drain_timeout_s: float = 30.0
                     ) -> dict[str, Any]:
         """``POST /admin/workers/{id}/role`` on the router's admin listener."""
-        r = HTTP.post(f"{self.admin_url}/admin/workers/{worker_id}/role",
-                       json={"role": role, "drain_timeout_s": drain_timeout_s}, timeout=120)
+        r = self.hosts.call(lambda: httpx.post(
+            f"{self.admin_url}/admin/workers/{worker_id}/role",
+            json={"role": role, "drain_timeout_s": drain_timeout_s}, timeout=120),
+            where="router")
         assert r.status_code == 200, r.text
         return dict(r.json())
 
@@ -224,12 +273,102 @@ class Cluster:
         return ids, usage, hit
 
 
-def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    env.setdefault("PDSERVE_CACHE", str(_MODEL_CACHE))
-    log.write_bytes(b"")
-    return process.spawn([sys.executable, "-m", "pdserve.cli.main", *args], log_path=log,
-                         base_env=env)
+    @property
+    def net(self) -> HostNet:
+        """The hosts' network; the test skips (with the reason) where there is none."""
+        if self.hosts.net is None:
+            pytest.skip(f"a partition needs hosts: {unavailable()}")
+        return self.hosts.net
+
+    def one_stream(self, body: dict[str, Any], on_token: Callable[[int], None]) -> Outcome:
+        """``body`` streamed with a deadline of DEADLINE_S; ``on_token(tokens so far)``."""
+        ids: list[int] = []
+        usage: dict[str, Any] = {}
+        error = ""
+        started = time.monotonic()
+        try:
+            with httpx.stream("POST", self.router_url + "/v1/completions", json=body,
+                              headers={"X-Request-Timeout": str(DEADLINE_S)},
+                              timeout=DEADLINE_S + 30) as resp:
+                if resp.status_code != 200:
+                    error = f"HTTP {resp.status_code}: {resp.read()[:500]!r}"
+                for line in resp.iter_lines() if not error else ():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line.removeprefix("data: "))
+                    if "error" in event:
+                        error = json.dumps(event["error"])
+                        continue
+                    usage = event.get("usage") or usage
+                    ids += [t for c in event["choices"] for t in c.get("token_ids") or []]
+                    on_token(len(ids))
+        except httpx.HTTPError as exc:
+            error = repr(exc)
+        return Outcome(ids, usage, error, time.monotonic() - started)
+
+    def streams(self, act: Callable[[], None] | None = None, after_tokens: int = 0,
+                n: int = STREAMS, body: dict[str, Any] = MIGRATION_BODY) -> list[Outcome]:
+        """``n`` streams at once. ``act()`` runs once, on a thread of its own: as soon as
+        the streams are sent (``after_tokens`` 0) or when the first has ``after_tokens``
+        tokens. Returns once every stream has ended and ``act`` has returned."""
+        fired = threading.Lock()
+        acting: list[threading.Thread] = []
+
+        def fire() -> None:
+            if act is not None and fired.acquire(blocking=False):
+                acting.append(threading.Thread(target=act))
+                acting[-1].start()
+
+        def on_token(count: int) -> None:
+            if after_tokens and count >= after_tokens:
+                fire()
+
+        with ThreadPoolExecutor(n) as pool:
+            futures = [pool.submit(self.one_stream, body, on_token) for _ in range(n)]
+            if not after_tokens:
+                time.sleep(0.1)  # the requests are on their way
+                fire()
+            outcomes = [f.result(timeout=DEADLINE_S + 60) for f in futures]
+        for thread in acting:
+            thread.join(timeout=60)
+        assert acting, "the streams ended before the fault"
+        return outcomes
+
+    def heal(self) -> float:
+        """Every cut undone (and every link back at its rate): when."""
+        self.net.heal()
+        for name, host in self.net.hosts.items():
+            if host.rate_gbit != LINK_GBIT:
+                self.net.shape(name, LINK_GBIT)
+        return time.monotonic()
+
+    def whole(self, fault: str, healed: float, workers: tuple[str, ...] = tuple(WORKERS)
+              ) -> None:
+        """Within WHOLE_S of ``healed``: each of ``workers`` registered in etcd, healthy
+        in the router's view and holding no request, block or lease. Records the time."""
+        def done() -> bool:
+            keys = {k.rsplit("/", 1)[-1] for k in etcd_keys(self.etcd.url, PREFIX)}
+            if not (set(workers) <= keys and set(workers) <= self.healthy()):
+                return False
+            try:
+                return all(self.idle(w) and not self.load(w).kv_leases_held for w in workers)
+            except RuntimeError:  # a probe that failed: not yet
+                return False
+
+        assert wait_until(done, WHOLE_S, 0.2), (
+            f"not whole {WHOLE_S} s after healing {fault}: view {self.view()}, "
+            f"{exited(self.procs, self.log_dir)}")
+        self.heal_times[fault] = round(time.monotonic() - healed, 2)
+
+
+def _answers(outcomes: list[Outcome], want: Answer) -> None:
+    """Every stream ended within its deadline with the uninterrupted answer."""
+    for o in outcomes:
+        assert not o.error, o.error
+        assert o.ids == want.ids, "an answer differs from the uninterrupted one"
+        assert o.usage["completion_tokens"] == MIGRATION_TOKENS
+        assert o.usage["prompt_tokens"] == want.usage["prompt_tokens"]
+        assert o.seconds < DEADLINE_S
 
 
 def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -239,40 +378,41 @@ def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
     process.stop(procs, grace_s=0, sig=signal.SIGKILL)
 
 
-_MODEL_CACHE = Path()
-
-
 @pytest.fixture(scope="module")
 def cluster(model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    global _MODEL_CACHE
-    _MODEL_CACHE = model_path.parents[1]
+    """The module's cluster. This thread is on the client host for the whole module (its
+    HTTP calls, and the threads it starts, reach the hosts' addresses from there)."""
     log_dir = tmp_path_factory.mktemp("etcd-cluster")
-    etcd = LocalEtcd(log_path=log_dir / "etcd.log").start()
-    port, admin_port = free_port(), free_port()
-    router_url = f"http://127.0.0.1:{port}"
-    procs: dict[str, subprocess.Popen[bytes]] = {
-        # round_robin: these tests count which worker served; cache_aware would send
-        # nothing to a decode worker no prefill can pair with. --disagg always: their
-        # short prompts would otherwise skip prefill.
-        "router": _spawn(["router", "--etcd", etcd.url, "--cluster", CLUSTER, "--port",
-                          str(port), "--placement", "round_robin", "--disagg", "always",
-                          "--admin-port", str(admin_port)],
-                         log_dir / "router.log")}
-    timeline = Timeline(etcd.url, router_url)
-    observer = threading.Thread(target=timeline.run, daemon=True)
-    observer.start()
-    c = Cluster(etcd, router_url, log_dir, procs, {}, timeline,
-                admin_url=f"http://127.0.0.1:{admin_port}")
-    try:
-        for worker_id, (role, dtype) in WORKERS.items():  # engines load in parallel
-            c.start_worker(worker_id, role, dtype)
-        _wait_started(c)
-        yield c
-    finally:
-        timeline.stop.set()
-        _kill(list(procs.values()))
-        etcd.stop()
-        observer.join(timeout=5)
+    env = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+           "PDSERVE_CACHE": os.environ.get("PDSERVE_CACHE", str(model_path.parents[1]))}
+    with hosted() as hosts, hosts.client():  # the hosts, and what runs there, go last
+        etcd = hosts.etcd(log_dir)
+        router, port, admin_port = hosts.add("router"), free_port(), free_port()
+        router_url = f"http://{router}:{port}"
+        timeline = Timeline(etcd.url, router_url)
+        c = Cluster(hosts, etcd, router_url, log_dir, {}, {}, timeline, hosts.prober(), env,
+                    admin_url=f"http://127.0.0.1:{admin_port}")
+        observer = threading.Thread(target=timeline.run, daemon=True)
+        try:
+            # round_robin: these tests count which worker served; cache_aware would send
+            # nothing to a decode worker no prefill can pair with. --disagg always: their
+            # short prompts would otherwise skip prefill.
+            c.spawn("router", ["router", "--etcd", etcd.url, "--cluster", CLUSTER, "--host",
+                               router, "--port", str(port), "--placement", "round_robin",
+                               "--disagg", "always", "--admin-port", str(admin_port)])
+            observer.start()
+            for worker_id, (role, dtype) in WORKERS.items():  # engines load in parallel
+                c.start_worker(worker_id, role, dtype)
+            _wait_started(c)
+            yield c
+        finally:
+            timeline.stop.set()
+            _kill(list(c.procs.values()))
+            etcd.stop()
+            c.prober.close()
+            if observer.is_alive():
+                observer.join(timeout=5)
+            (log_dir / "heal-times.json").write_text(json.dumps(c.heal_times, indent=1))
 
 
 def _wait_started(c: Cluster) -> None:
@@ -372,25 +512,130 @@ def test_decode_switches_role_mid_stream_the_stream_is_uncut_then_it_serves_pref
 
 def test_decode_paused_mid_stream_the_stream_moves_and_the_answer_is_unchanged(
         cluster: Cluster) -> None:
-    """SIGSTOP (a hung worker, not a dead one): gRPC keepalive notices within seconds,
-    not at the request's deadline, and the router continues the stream on the other
-    decode worker from prompt + the tokens sent."""
+    """The frozen peer: SIGSTOP of decode-0 (a hung worker, not a dead one) while
+    STREAMS greedy streams run, at the first one's 16th token (round robin gave it at
+    least one). gRPC keepalive notices within seconds, not at the request's deadline,
+    and the router continues each of its streams on the other decode worker from prompt +
+    the tokens sent; the other streams go on. Resumed, it re-registers, drops the
+    abandoned requests and serves again."""
     want = cluster.reference_answer()
     before = cluster.metric("pdserve:migrations_total", 'reason="')
-    started = time.monotonic()
-    got, usage, paused = cluster.stream(act_after=KILL_AFTER_TOKENS, sig=signal.SIGSTOP)
     try:
-        assert paused, "the stream ended before the pause"
-        assert got == want.ids, "the migrated answer differs from the uninterrupted one"
-        assert usage["completion_tokens"] == MIGRATION_TOKENS
-        assert usage["prompt_tokens"] == want.usage["prompt_tokens"]
-        assert time.monotonic() - started < want.seconds + 30  # not the 600 s deadline
-        assert cluster.metric("pdserve:migrations_total", 'reason="') == before + 1
+        outcomes = cluster.streams(lambda: cluster.signal("decode-0", signal.SIGSTOP),
+                                   after_tokens=KILL_AFTER_TOKENS)
+        _answers(outcomes, want)
+        assert max(o.seconds for o in outcomes) < want.seconds * STREAMS + 30  # not 600 s
+        assert cluster.metric("pdserve:migrations_total", 'reason="') >= before + 1
     finally:
-        cluster.signal(paused, signal.SIGCONT)
-    # Resumed, it re-registers, drops the abandoned request and serves again.
-    assert wait_until(lambda: paused in cluster.healthy(), TTL_S + 10, 0.1)
-    assert wait_until(lambda: cluster.idle(paused), 30.0, 0.5), f"{paused} holds KV"
+        cluster.signal("decode-0", signal.SIGCONT)
+    assert wait_until(lambda: "decode-0" in cluster.healthy(), TTL_S + 10, 0.1)
+    assert wait_until(lambda: cluster.idle("decode-0"), 30.0, 0.5), "decode-0 holds KV"
+
+
+def test_router_cut_from_a_decode_worker_mid_stream_its_streams_move(cluster: Cluster) -> None:
+    """The router and decode-0 partitioned (both ways, packets dropped silently) at the
+    first stream's 16th token: keepalive notices, decode-0's streams continue on decode-1,
+    every answer is the uninterrupted one; healed, decode-0 is back and idle."""
+    want = cluster.reference_answer()
+    before = cluster.metric("pdserve:migrations_total", 'reason="')
+    try:
+        outcomes = cluster.streams(lambda: cluster.net.cut("router", "decode-0", both=True),
+                                   after_tokens=KILL_AFTER_TOKENS)
+    finally:
+        healed = cluster.heal()
+    _answers(outcomes, want)
+    assert cluster.metric("pdserve:migrations_total", 'reason="') >= before + 1
+    cluster.whole("router | decode-0, mid-stream", healed)
+
+
+def test_prefill_cut_from_decode_during_the_kv_pulls_decode_recomputes(
+        cluster: Cluster) -> None:
+    """Each prefill's link at PULL_LINK_GBIT (a long prompt's KV takes seconds), then
+    every prefill and decode partitioned at the first token (when the first pull has
+    begun): each pull stalls, fails after --kv-stall-s, and decode recomputes the prompt
+    (vLLM's recompute policy); every answer is the uninterrupted one. Healed, the
+    prefills' leases that no decode could release lapse (--lease-s)."""
+    net, want = cluster.net, cluster.reference_answer()
+    failed = sum(cluster.load(d).kv_transfers_failed for d in DECODES)
+
+    def cut() -> None:
+        for p in PREFILLS:
+            for d in DECODES:
+                net.cut(p, d, both=True)
+
+    for p in PREFILLS:
+        net.shape(p, PULL_LINK_GBIT)
+    try:
+        outcomes = cluster.streams(cut, after_tokens=1)
+    finally:
+        healed = cluster.heal()
+    _answers(outcomes, want)
+    assert sum(cluster.load(d).kv_transfers_failed for d in DECODES) > failed
+    cluster.whole("prefill | decode, during the KV pulls", healed)
+
+
+def test_prefill_cut_from_the_router_one_way_decode_computes_the_prompts(
+        cluster: Cluster) -> None:
+    """Asymmetric: the router reaches the prefill workers, their packets to it are
+    dropped, from just after the streams are sent. The router's calls get no answer,
+    keepalive gives up, and decode computes the prompts itself (a prefill fallback);
+    every answer is the uninterrupted one."""
+    net, want = cluster.net, cluster.reference_answer()
+    fallbacks = cluster.metric("pdserve:prefill_fallbacks_total")
+
+    def cut() -> None:
+        for p in PREFILLS:
+            net.cut(p, "router")
+
+    try:
+        outcomes = cluster.streams(cut)
+    finally:
+        healed = cluster.heal()
+    _answers(outcomes, want)
+    assert cluster.metric("pdserve:prefill_fallbacks_total") >= fallbacks + 1
+    cluster.whole("prefill -> router (one way)", healed)
+
+
+def test_a_worker_cut_from_etcd_leaves_the_view_and_rejoins_when_healed(
+        cluster: Cluster) -> None:
+    """prefill-1 and etcd partitioned: its lease lapses within the TTL and it leaves the
+    router's view while the streams are served by the others; healed, it registers
+    again, is routable and serves."""
+    net, want = cluster.net, cluster.reference_answer()
+    net.cut("prefill-1", "etcd", both=True)
+    cut = time.monotonic()
+    try:
+        outcomes = cluster.streams(lambda: None)
+        assert wait_until(lambda: "prefill-1" not in cluster.view(), TTL_S + ETCD_SLACK_S, 0.1)
+        assert time.monotonic() - cut <= TTL_S + ETCD_SLACK_S
+    finally:
+        healed = cluster.heal()
+    _answers(outcomes, want)
+    cluster.whole("prefill-1 | etcd", healed)
+    computed = cluster.load("prefill-1").prompt_tokens_computed
+    for j in range(4):
+        cluster.complete(700 + j)
+    assert cluster.load("prefill-1").prompt_tokens_computed > computed
+
+
+def test_the_router_cut_from_etcd_serves_on_its_last_view(cluster: Cluster) -> None:
+    """The router and etcd partitioned past the workers' TTL: it says etcd is down,
+    keeps every worker it knew, and serves the streams; healed, it is back on etcd."""
+    net, want = cluster.net, cluster.reference_answer()
+    before = cluster.healthy()
+    net.cut("router", "etcd", both=True)
+    ends = time.monotonic() + TTL_S + 1
+    try:
+        outcomes = cluster.streams(lambda: None)
+        assert wait_until(lambda: cluster.metric("pdserve:membership_etcd_up") == 0,
+                          TTL_S + ETCD_SLACK_S)
+        time.sleep(max(0.0, ends - time.monotonic()))
+        assert cluster.healthy() == before
+    finally:
+        healed = cluster.heal()
+    _answers(outcomes, want)
+    assert wait_until(lambda: cluster.metric("pdserve:membership_etcd_up") == 1, WHOLE_S)
+    cluster.whole("router | etcd", healed)
 
 
 def test_decode_killed_mid_stream_the_answer_is_unchanged_and_it_leaves_the_view(
