@@ -79,7 +79,8 @@ def disagg_config(args: argparse.Namespace) -> DisaggConfig:
     return DisaggConfig(mode=args.disagg, local_prefill_max_tokens=args.local_prefill_max_tokens,
                         local_prefill_max_queued_tokens=args.local_prefill_max_queued_tokens,
                         local_decode_max_running=args.local_decode_max_running,
-                        slo=SloConfig(args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3))
+                        slo=SloConfig(args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3),
+                        link_aware=args.link_aware)
 
 
 def planner_config(args: argparse.Namespace) -> PlannerConfig:
@@ -170,7 +171,7 @@ def connector_config(args: argparse.Namespace, worker_id: str,
         kv_port=args.kv_port or args.port + 1000, kv_bind_host=args.host,
         lease_s=args.lease_s, kv_checksum=args.kv_checksum,
         kv_throttle_mib_s=args.kv_throttle_mib_s, kv_stall_s=args.kv_stall_s,
-        push=kv_push_default(args.kv_push),
+        kv_link_max_age_s=args.kv_link_max_age_s, push=kv_push_default(args.kv_push),
         kv_offload_gib=args.kv_offload_gib, kv_disk_dir=args.kv_disk_dir,
         kv_disk_gib=args.kv_disk_gib, kv_tier_policy=args.kv_tier_policy,
         kv_store=args.kv_store, kv_store_ttl_s=args.kv_store_ttl_s,

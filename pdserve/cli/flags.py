@@ -161,6 +161,10 @@ FLAGS = _flags(
          "this long fails, and decode recomputes the prompt: what a cut link or a frozen "
          "prefill costs (the whole pull's deadline is 30 s)", 10.0,
          parse_float(0, strict=True)),
+    Flag("kv-link-max-age-s", "how long the rate this worker measured to a KV peer (each "
+         "pull of 1 MiB or more is a sample; the router prices handoffs over that path "
+         "with it) is believed without a new pull from that peer", 60.0,
+         parse_float(0, strict=True)),
     Flag("kv-push", "prefill pushes KV layer by layer (tcp transport) to the decode while "
          "computing; --no-kv-push: decode pulls after prefill (default: push on CUDA, pull "
          "on CPU, where the sender competes with prefill for cores)", None, parse_bool,
@@ -242,6 +246,10 @@ FLAGS = _flags(
     Flag("slo-itl-ms", "slo: the inter-token objective; a prompt is prefilled on decode "
          "only if the step carrying it stays within it; 0: 2x an unloaded decode step",
          0.0, parse_float(0)),
+    Flag("link-aware", "price a handoff's KV on its path, at the rate the decode worker "
+         "measured its pulls from that prefill at: auto computes a long prompt on decode "
+         "when moving its KV would take longer (reason slow_link); slo adds the transfer "
+         "to the remote route's time to stream", True, parse_bool, switch=True),
     Flag("planner", "on: the router picks how many workers prefill and how many decode "
          "from the load it measures, flipping roles at run time (one at a time, with "
          "hysteresis), and exports pdserve:planner_desired_replicas; export: it decides "

@@ -24,13 +24,14 @@ ENGINE = ("dtype", "kv-cache-gib", "num-kv-blocks", "kv-offload-gib", "kv-disk-d
           "kv-store", "kv-store-ttl-s", "kv-store-timeout-s", "kv-store-password-file",
           "kv-store-admission", "kv-store-tls-ca", "kv-store-tls-cert", "kv-store-tls-key",
           "kv-compression", "enable-lora", "lora-modules", "max-loras", "max-lora-rank")
-TRANSPORT = ("transport", "kv-checksum", "kv-throttle-mib-s", "kv-stall-s", "kv-push")
+TRANSPORT = ("transport", "kv-checksum", "kv-throttle-mib-s", "kv-stall-s",
+             "kv-link-max-age-s", "kv-push")
 MEMBERSHIP = ("etcd", "cluster", "etcd-ttl-s", "etcd-user", "etcd-password-file")
 WORKER = ("host", "port", "advertise-host", "kv-port", "kv-host", "cpu-cores", "lease-s",
           "worker-id", "compile", "grpc-keepalive-s", "drain-timeout-s", "metrics-port",
           "metrics-host")
 DISAGG = ("disagg", "local-prefill-max-tokens", "local-prefill-max-queued-tokens",
-          "local-decode-max-running", "slo-ttft-ms", "slo-itl-ms", "planner",
+          "local-decode-max-running", "slo-ttft-ms", "slo-itl-ms", "link-aware", "planner",
           "planner-interval-s", "planner-window-s", "planner-hold-s", "planner-cooldown-s",
           "planner-demand-scale")
 OPENAI = ("tool-call-parser", "enable-auto-tool-choice")

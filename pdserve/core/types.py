@@ -185,6 +185,17 @@ class WorkerHealth:
 
 
 @dataclass(frozen=True)
+class KvLink:
+    """The rate a worker's KV pulls from one peer came at (``kv_transfer/links.py``)."""
+
+    peer: str  # the peer's KV endpoint, host:port
+    bytes_per_s: float
+    bytes_per_token: float
+    samples: int
+    age_s: float
+
+
+@dataclass(frozen=True)
 class WorkerLoadReport:
     """A worker's load and cumulative engine and KV-transfer counters (``GetLoad``)."""
 
@@ -273,6 +284,8 @@ class WorkerLoadReport:
     # layout): made here (recomputed) and refused here.
     kv_pool_load_refusals: int = 0
     kv_pool_serve_refusals: int = 0
+    # The rate its KV pulls from each peer came at (the router prices handoffs with it).
+    kv_links: tuple[KvLink, ...] = ()
 
 
 @dataclass(frozen=True)

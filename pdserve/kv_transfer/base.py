@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from pdserve.kv_transfer.links import DEFAULT_MAX_AGE_S
+
 if TYPE_CHECKING:  # kept out of import time: the CLI lists transports without torch
     import torch
 
@@ -57,6 +59,8 @@ class TransportOptions:
     ``stall_s``: a pull fails once its peer has sent no byte for this long (or has not
     answered its connect), not only at its deadline: a cut link or a frozen peer costs
     the decode this, then it recomputes the prompt. None: the deadline only.
+    ``link_max_age_s``: how long the rate measured to a peer (``links.py``) is believed
+    without a new pull from it.
     ``max_connections``: control connections the server serves at once; one more is
     closed on accept and counted as a refusal. None: ``control/server.MAX_CONNECTIONS``.
     ``max_logins``: of those, how many may still be authenticating (with a secret or
@@ -69,6 +73,7 @@ class TransportOptions:
     tls: KvTls | None = field(default=None, repr=False)
     idle_timeout_s: float | None = None
     stall_s: float | None = None
+    link_max_age_s: float = DEFAULT_MAX_AGE_S
     max_connections: int | None = None
     max_logins: int | None = None
 
@@ -77,6 +82,8 @@ class TransportOptions:
             raise ValueError(f"throttle_bytes_per_s must be >= 0, got {self.throttle_bytes_per_s}")
         if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
+        if not self.link_max_age_s > 0:
+            raise ValueError(f"link_max_age_s must be > 0, got {self.link_max_age_s}")
         if self.stall_s is not None and not self.stall_s > 0:
             raise ValueError(f"stall_s must be > 0, got {self.stall_s}")
         for name, value in (("max_connections", self.max_connections),

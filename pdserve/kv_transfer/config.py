@@ -37,6 +37,8 @@ class ConnectorConfig:
     # A pull whose peer sends no byte (or answers no connect) for this long fails: the
     # decode recomputes (a cut link or a frozen prefill costs this, not the deadline).
     kv_stall_s: float = 10.0
+    # How long the rate measured to a peer is believed without a new pull from it.
+    kv_link_max_age_s: float = 60.0
     pull_threads: int = 4
     # Layer-wise push: a prefill sends each layer's blocks to the decode the router
     # named while its forward pass runs; decodes keep pushed KV in a bounded inbox.
@@ -157,7 +159,8 @@ class ConnectorConfig:
         return TransportOptions(checksum=self.kv_checksum,
                                 throttle_bytes_per_s=self.kv_throttle_mib_s * (1 << 20),
                                 secret=self.cluster_secret(), tls=self.kv_tls(),
-                                stall_s=self.kv_stall_s)
+                                stall_s=self.kv_stall_s,
+                                link_max_age_s=self.kv_link_max_age_s)
 
     def to_extra_config(self) -> dict[str, Any]:
         return {"pdserve": asdict(self)}

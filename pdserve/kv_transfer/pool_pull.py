@@ -130,7 +130,8 @@ class PooledTransport(PullTransport):
                 return self._pull_encoded(peer, request, self._pool_codec, blocks,
                                           deadline, what)
             chunks = list(chunk_views(self._kv, self._layout, [(d, 1) for d in dst_block_ids]))
-            return self._receive_into(peer, request, chunks, deadline, what)
+            return self._receive_into(peer, request, chunks, deadline, what,
+                                      len(dst_block_ids))
         finally:
             self._count(inflight_pulls=-1)
 

@@ -192,10 +192,14 @@ class PullTransport(ControlledTransport):
         chunks = list(chunk_views(self._kv, self._layout, [(d, n) for _, d, n in runs]))
         return self._receive_into(peer, {"op": "pull", "req": remote_request_id,
                                          "runs": [(s, n) for s, _, n in runs]},
-                                  chunks, deadline, f"pull of {remote_request_id} from {peer}")
+                                  chunks, deadline, f"pull of {remote_request_id} from {peer}",
+                                  sum(n for _, _, n in runs))
 
     def _receive_into(self, peer: PeerAddress, request: dict[str, Any],
-                      chunks: list[torch.Tensor], deadline: float, what: str) -> int:
+                      chunks: list[torch.Tensor], deadline: float, what: str,
+                      num_blocks: int) -> int:
+        """``chunks`` (``num_blocks`` blocks) filled from ``peer``; the path's rate is
+        recorded in ``links``."""
         start = time.perf_counter_ns()
         conn = self._pool.checkout(peer, deadline, self._compat)
         session: DataReceive | None = None
@@ -206,6 +210,7 @@ class PullTransport(ControlledTransport):
             set_deadline(conn, deadline, stall_s)
             send_msg(conn, {**request, "checksum": self.options.checksum, **session.fields})
             check_reply(recv_msg(conn), what)
+            data_start = time.perf_counter_ns()  # the lease found: the link's time from here
             if self.inline_data:
                 received = session.receive(conn, deadline)
             set_deadline(conn, deadline, stall_s)
@@ -222,8 +227,12 @@ class PullTransport(ControlledTransport):
                 raise
             raise TransferError(f"{what} failed: {exc}") from exc
         self._pool.checkin(peer, conn)
+        end = time.perf_counter_ns()
         self._count(bytes_received=received, transfers_completed=1,
-                    transfer_time_ns=time.perf_counter_ns() - start)
+                    transfer_time_ns=end - start)
+        assert self._layout is not None
+        self.links.record(f"{peer.host}:{peer.port}", received,
+                          num_blocks * self._layout.block_size, (end - data_start) / 1e9)
         return received
 
     def _verify(self, trailer: dict[str, Any], chunks: Sequence[torch.Tensor], what: str) -> None:

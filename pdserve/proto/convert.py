@@ -18,6 +18,7 @@ from pdserve.core.lora import LoraAdapter
 from pdserve.core.types import (
     FinishReason,
     KvChange,
+    KvLink,
     KvSnapshot,
     Phase,
     PhaseOutput,
@@ -285,7 +286,11 @@ def load_to_pb(load: WorkerLoadReport) -> pb.GetLoadResponse:
 
 
 def load_from_pb(msg: pb.GetLoadResponse) -> WorkerLoadReport:
-    return WorkerLoadReport(**{name: getattr(msg, name) for name in _LOAD_FIELDS})
+    return WorkerLoadReport(**{name: getattr(msg, name) for name in _LOAD_FIELDS
+                               if name != "kv_links"},
+                            kv_links=tuple(KvLink(link.peer, link.bytes_per_s,
+                                                  link.bytes_per_token, link.samples,
+                                                  link.age_s) for link in msg.kv_links))
 
 
 # ---- KV events -----------------------------------------------------------------------

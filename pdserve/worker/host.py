@@ -20,6 +20,7 @@ from pdserve.core.kv_store_id import kv_store_id
 from pdserve.core.lora import LoraAdapter
 from pdserve.core.types import (
     FinishReason,
+    KvLink,
     PhaseOutput,
     PhaseRequest,
     PhaseTiming,
@@ -354,6 +355,9 @@ def load_report(c: EngineCounters, status: dict[str, Any], num_inflight: int,
             step_per_token_ns=stat("step_per_token_ns"),
             step_decode_samples=stat("step_decode_samples"),
             step_prefill_samples=stat("step_prefill_samples"),
+            kv_links=tuple(KvLink(str(link["peer"]), float(link["bytes_per_s"]),
+                                  float(link["bytes_per_token"]), int(link["samples"]),
+                                  float(link["age_s"])) for link in status.get("links", ())),
             **{f"kv_{name}": stat(name) for name in (*TIER_STATS, *STORE_STATS)})
 
 

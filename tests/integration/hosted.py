@@ -24,7 +24,7 @@ from typing import IO, TypeVar
 
 from pdserve.bench.hosts import HostNet, inside, unavailable
 from pdserve.core import process
-from pdserve.core.types import WorkerLoadReport
+from pdserve.core.types import KvLink, WorkerLoadReport
 from pdserve.membership.local_etcd import LocalEtcd
 
 T = TypeVar("T")
@@ -60,7 +60,9 @@ class Prober:
         reply = json.loads(stdout.readline() or '{"error": "prober exited"}')
         if "error" in reply:
             raise RuntimeError(f"GetLoad {endpoint}: {reply['error']}")
-        return WorkerLoadReport(**reply["load"])
+        load = reply["load"]
+        return WorkerLoadReport(**{**load, "kv_links": tuple(KvLink(**link) for link in
+                                                           load.get("kv_links", ()))})
 
     def _pipes(self) -> tuple[IO[str], IO[str]]:
         assert self.proc.stdin is not None and self.proc.stdout is not None

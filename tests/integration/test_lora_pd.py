@@ -14,6 +14,10 @@ output equal to one engine" (the base model's and an adapter's, local and remote
 - ``POST /v1/load_lora_adapter`` through the router reaches a worker started after it:
   the late decode worker serves the adapter before it is placed on, and once the first
   decode worker is gone, the adapter's requests run there, equal to the engine's.
+- (Issue 43, on hosts only.) With prefill's link shaped to 0.1 Gbit/s, the router's price
+  for a long prompt's KV on that path is within 2x of the pull decode measured, and long
+  prompts go to decode (``slow_link``); once the link is back at 10 Gbit/s and the thin
+  measurement has aged out, they are handed off again.
 
 The adapters are random (``lora_adapters.py``, no peft): rank 8 on q_proj and v_proj;
 they and the one engine are ``lora_oracle.py``'s (the engine loads beside the
@@ -26,16 +30,17 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from integration.hosted import Hosted, hosted
+from integration.hosted import LINK_GBIT, Hosted, Prober, hosted
 from integration.lora_oracle import MAX_TOKENS, LoraOracle, Reference, prompts
 from pdserve_testing import exited, wait_until
 
+from pdserve.bench.hosts import unavailable
 from pdserve.core import process
 from pdserve.core.ports import free_port
 
@@ -45,6 +50,8 @@ MODEL = "SmolLM2-135M-Instruct"
 CLUSTER = "lora"
 START_S = 600.0
 REPLAY_S = 120.0  # an adapter's load on a worker, on a loaded machine
+THIN_GBIT = 0.1  # a long prompt's KV (~30 MB at float32) takes seconds on it
+LINK_MAX_AGE_S = 5.0  # the workers' --kv-link-max-age-s
 # What a worker serves (gRPC Health), read by a process on the client host.
 LORAS_SCRIPT = """import json, sys
 from pdserve.router.dispatch.workers.client import probe_health
@@ -63,6 +70,7 @@ class LoraCluster:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     endpoints: dict[str, str] = field(default_factory=dict)
     reference: Reference = field(default_factory=dict)
+    prober: Prober | None = None
 
     def spawn(self, name: str, args: list[str]) -> None:
         self.procs[name] = self.hosts.spawn(
@@ -77,7 +85,8 @@ class LoraCluster:
             "--dtype", "float32", "--kv-cache-gib", "1", "--port", str(port),
             "--kv-port", str(free_port()), "--worker-id", worker_id, "--model",
             str(self.model_path), "--enable-lora", "--max-loras", "2", "--max-lora-rank",
-            "8", "--lora-modules", f"sql={self.adapters['sql']}"])
+            "8", "--lora-modules", f"sql={self.adapters['sql']}", "--kv-link-max-age-s",
+            str(LINK_MAX_AGE_S)])
 
     def get(self, url: str) -> httpx.Response:
         return self.hosts.call(lambda: httpx.get(url, timeout=30))
@@ -94,11 +103,27 @@ class LoraCluster:
         return {str(w["id"]) for w in view if w["healthy"]}
 
     def complete(self, prompt: list[int], model: str = MODEL) -> dict[str, Any]:
+        return self.complete_with_route(prompt, model)[0]
+
+    def complete_with_route(self, prompt: list[int], model: str = MODEL
+                            ) -> tuple[dict[str, Any], str]:
+        """The reply and its ``x-pdserve-disagg`` header (the route and its reason)."""
         reply = self.post(f"{self.router_url}/v1/completions", {
             "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "return_token_ids": True})
         reply.raise_for_status()
-        return dict(reply.json())
+        return dict(reply.json()), reply.headers.get("x-pdserve-disagg", "")
+
+    def load(self, worker_id: str) -> Any:
+        """The worker's ``GetLoad`` report, from the client host."""
+        if self.prober is None:
+            self.prober = self.hosts.prober()
+        return self.prober.load(self.endpoints[worker_id])
+
+    def links(self, worker_id: str) -> list[dict[str, Any]]:
+        """The KV paths the router last heard ``worker_id`` measured."""
+        view = self.get(f"{self.router_url}/workers").json()["workers"]
+        return [link for w in view if w["id"] == worker_id for link in w["load"]["kv_links"]]
 
     def served(self, worker_id: str) -> set[str]:
         """The adapters ``worker_id`` serves, as it says."""
@@ -135,6 +160,8 @@ def cluster(model_path: Path, lora_oracle: LoraOracle,
         finally:
             process.stop(list(c.procs.values()), grace_s=5, sig=signal.SIGTERM)
             etcd.stop()  # (its data directory)
+            if c.prober is not None:
+                c.prober.close()
 
 
 def _up(c: LoraCluster, workers: set[str]) -> bool | str:
@@ -207,3 +234,49 @@ def test_a_load_reaches_a_worker_started_after_it(cluster: LoraCluster,
     for kind in ("short", "long"):
         reply = cluster.complete(prompts(tokenizer)[kind], "chat")
         assert reply["choices"][0]["token_ids"] == cluster.reference[(kind, "chat")], kind
+
+
+def test_a_thin_link_moves_long_prompts_to_decode_until_it_is_fast_again(
+        cluster: LoraCluster, tokenizer: Any) -> None:
+    """prefill-0's link at THIN_GBIT: a fresh long prompt is still handed off (the path
+    has no price: the fast one aged out), and its pull measures the thin path; the next
+    one is computed on decode (``slow_link``), priced within 2x of the measured pull. The
+    link back at 10 Gbit/s, the thin price ages out and long prompts are handed off."""
+    net = cluster.hosts.net
+    if net is None:
+        pytest.skip(f"shaping a link needs hosts: {unavailable()}")
+    (decode,) = [w for w in cluster.healthy() if w.startswith("decode")]
+    long = prompts(tokenizer)["long"]
+
+    def fresh(i: int) -> list[int]:  # cached nowhere: every token computed or moved
+        return tokenizer.encode(f"Variant {i} of the notes.\n") + long
+
+    def unpriced() -> bool:  # no path measured, as decode and as the router sees it
+        return not cluster.load(decode).kv_links and not cluster.links(decode)
+
+    assert wait_until(unpriced, LINK_MAX_AGE_S + 10)
+    net.shape("prefill-0", THIN_GBIT)
+    try:
+        before = cluster.load(decode)
+        _, route = cluster.complete_with_route(fresh(1))
+        assert route == "remote; reason=long_prompt", route
+        after = cluster.load(decode)
+        assert after.kv_loads == before.kv_loads + 1
+        measured_s = (after.kv_load_time_ns - before.kv_load_time_ns) / 1e9
+        (thin,) = after.kv_links  # that pull, the path's one sample
+        # The router's next probe of decode brings it (not an older report).
+        assert wait_until(lambda: [(link["peer"], link["samples"]) for link in
+                                   cluster.links(decode)] == [(thin.peer, thin.samples)],
+                          LINK_MAX_AGE_S)
+        _, route = cluster.complete_with_route(fresh(2))
+    finally:
+        net.shape("prefill-0", LINK_GBIT)
+    assert route.startswith("local; reason=slow_link; kv_transfer_s="), (route, thin)
+    priced_s = float(route.rsplit("=", 1)[1])
+    (cluster.log_dir / "link-price.json").write_text(json.dumps(
+        {"priced_s": priced_s, "measured_s": measured_s, "link": asdict(thin)}))
+    assert measured_s / 2 <= priced_s <= measured_s * 2, (priced_s, measured_s)
+    assert wait_until(unpriced, LINK_MAX_AGE_S + 10)
+    _, route = cluster.complete_with_route(fresh(3))
+    assert route == "remote; reason=long_prompt", route
+

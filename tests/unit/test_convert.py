@@ -60,7 +60,9 @@ def test_worker_reports_round_trip() -> None:
     older.ClearField("kv_compression")
     assert convert.health_from_pb(older).kv_compression == "none"
     load = t.WorkerLoadReport(**{name: i + 1 for i, name in enumerate(
-        t.WorkerLoadReport.__dataclass_fields__) if name != "kv_cache_usage"}, kv_cache_usage=0.5)
+        t.WorkerLoadReport.__dataclass_fields__) if name not in ("kv_cache_usage", "kv_links")},
+        kv_cache_usage=0.5, kv_links=(t.KvLink("10.0.0.7:7000", 1.5e9, 46080.0, 3, 0.25),
+                                      t.KvLink("10.0.0.8:7000", 1.25e8, 46080.0, 1, 4.5)))
     assert convert.load_from_pb(convert.load_to_pb(load)) == load
     change = t.KvChange(3, True, (1, 2**64 - 1), (7,))
     assert convert.kv_change_from_pb(convert.kv_change_to_pb(change)) == change

@@ -168,3 +168,28 @@ def test_checksum_catches_corruption_in_flight(peer: KVPeer, transport_name: str
         finally:
             transport.close()
         assert wait_until(lambda: peer.status(CORRUPT_KEY)["num_held"] == 0, 5, 0.02)
+
+
+def test_a_pull_of_a_mebibyte_or_more_measures_its_path(peer: KVPeer, clients: dict) -> None:
+    """The puller records the path's rate per peer (``kv_transfer/links.py``): what a
+    token's KV weighs on the wire, exactly, and a positive rate; a small pull is no
+    sample (round trips, not the link)."""
+    key = (0, "float32")
+    transport, caches = clients[key]
+    target = PeerAddress("127.0.0.1", peer.ports[key])
+    name = f"127.0.0.1:{peer.ports[key]}"
+
+    def samples() -> int:
+        return sum(int(e["samples"]) for e in transport.links.status() if e["peer"] == name)
+
+    before = samples()
+    peer.lease(key, "small", [1])
+    transport.pull(target, "small", [1], [1], time.monotonic() + 30)
+    assert samples() == before
+    every = list(range(NUM_BLOCKS))  # 16 blocks of 96 KiB: 1.5 MiB
+    peer.lease(key, "large", every)
+    nbytes = transport.pull(target, "large", every, every, time.monotonic() + 30)
+    assert samples() == before + 1
+    (link,) = [e for e in transport.links.status() if e["peer"] == name]
+    assert link["bytes_per_token"] == nbytes / (NUM_BLOCKS * 16)  # block size 16
+    assert float(link["bytes_per_s"]) > 0 and float(link["age_s"]) < 30

@@ -38,6 +38,7 @@ from pdserve.kv_transfer.control.wire import (
 )
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
+from pdserve.kv_transfer.links import LinkMeter
 
 # How long a pull or release waits for the scheduler to announce a lease.
 LEASE_WAIT_S = 5.0
@@ -63,6 +64,8 @@ class ControlledTransport:
         self._num_sending = 0  # a gauge, shown by the status op only
         # More counters for the ``status`` op (the connector's load statistics).
         self._extra_status: Callable[[], dict[str, int]] | None = None
+        # The rate each peer's pulls came at (pull.py records, the status op reports).
+        self.links = LinkMeter(self.options.link_max_age_s)
         self._stats = dict.fromkeys(
             ("bytes_sent", "bytes_received", "transfers_completed", "transfers_failed",
              "transfer_time_ns", "inflight_pulls", "checksum_failures",
@@ -148,7 +151,7 @@ class ControlledTransport:
         extra = self._extra_status() if self._extra_status is not None else {}
         return {"ok": True, **self.stats(), **extra, "num_leases": held,
                 "leases_expired": expired, "num_sending": self._num_sending,
-                "kv_auth_refusals": num_refusals("kv")}
+                "kv_auth_refusals": num_refusals("kv"), "links": self.links.status()}
 
     def _on_hello(self, conn: socket.socket, msg: dict[str, Any]) -> bool:
         problem = compare_compat(self._compat, fields.obj(msg, "compat"), "server", "client")

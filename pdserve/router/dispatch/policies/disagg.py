@@ -17,21 +17,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from pdserve.router.dispatch.policies.link_cost import compute_s, transfer_s
 from pdserve.router.dispatch.policies.placement import PlacementRequest
-from pdserve.router.dispatch.policies.slo import SloConfig, SloEstimate, choose_by_slo
+from pdserve.router.dispatch.policies.slo import (
+    SloConfig,
+    SloEstimate,
+    choose_by_slo,
+    decode_step_cost,
+)
 from pdserve.router.dispatch.workers.state import WorkerState
 
 DisaggMode = Literal["always", "never", "auto", "slo"]
 Decision = Literal["local", "remote"]
 Reason = Literal["always", "never", "no_prefill", "short_prompt", "decode_cached",
-                 "prefill_busy", "long_prompt", "slo_local", "slo_remote", "slo_missed_local",
-                 "slo_missed_remote", "sibling"]
+                 "prefill_busy", "slow_link", "long_prompt", "slo_local", "slo_remote",
+                 "slo_missed_local", "slo_missed_remote", "sibling"]
 DISAGG_MODES: tuple[DisaggMode, ...] = ("auto", "always", "never", "slo")
 # Every (decision, reason) the rules can give (metric label sets known up front).
 DECISION_REASONS: tuple[tuple[Decision, Reason], ...] = (
     ("remote", "always"), ("local", "never"), ("local", "no_prefill"),
     ("local", "short_prompt"), ("local", "decode_cached"), ("local", "prefill_busy"),
-    ("remote", "long_prompt"), ("local", "slo_local"), ("remote", "slo_remote"),
+    ("local", "slow_link"), ("remote", "long_prompt"), ("local", "slo_local"),
+    ("remote", "slo_remote"),
     ("local", "sibling"),
     ("local", "slo_missed_local"), ("remote", "slo_missed_remote"))
 DEFAULT_DISAGG_MODE: DisaggMode = "auto"
@@ -64,6 +71,9 @@ class DisaggConfig:
     local_decode_max_running: int = DEFAULT_LOCAL_DECODE_MAX_RUNNING
     # ``slo``'s objectives (slo.py; 0: derived from the measurements).
     slo: SloConfig = SloConfig()
+    # Price a handoff's KV on its path (``link_cost``): a thin link moves long prompts'
+    # prefill to decode.
+    link_aware: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in DISAGG_MODES:
@@ -82,7 +92,8 @@ class DisaggConfig:
                 "--local-prefill-max-queued-tokens", str(self.local_prefill_max_queued_tokens),
                 "--local-decode-max-running", str(self.local_decode_max_running),
                 "--slo-ttft-ms", repr(self.slo.ttft_s * 1e3),
-                "--slo-itl-ms", repr(self.slo.itl_s * 1e3)]
+                "--slo-itl-ms", repr(self.slo.itl_s * 1e3),
+                "--link-aware" if self.link_aware else "--no-link-aware"]
 
 
 @dataclass(frozen=True)
@@ -93,13 +104,17 @@ class DisaggDecision:
     decision: Decision
     reason: Reason
     estimate: SloEstimate | None = None  # what an SLO decision weighed
+    # What moving the prompt's KV to decode would have cost on its path (None: the
+    # path is not measured, or the rules did not ask).
+    transfer_s: float | None = None
 
     @property
     def remote(self) -> bool:
         return self.decision == "remote"
 
     def header(self) -> str:
-        return f"{self.decision}; reason={self.reason}"
+        head = f"{self.decision}; reason={self.reason}"
+        return head if self.transfer_s is None else f"{head}; kv_transfer_s={self.transfer_s:.4f}"
 
 
 def choose_disagg(
@@ -125,6 +140,9 @@ def choose_disagg(
       request, decode runs at most ``local_decode_max_running`` requests, and the local
       tokens are no more than that queue threshold (a huge prompt would stall decode's
       streams longer than the queue delays this one) → local;
+    - ``slow_link`` (``link_aware``): moving the local tokens' KV from prefill to decode
+      over their path, at the rate decode measured its pulls from that peer at, would take
+      longer than decode computing them (its measured per-token cost) → local;
     - otherwise ``long_prompt`` → remote.
 
     The thresholds compare what *decode* would compute, not the prompt tokens outside
@@ -138,19 +156,25 @@ def choose_disagg(
         return DisaggDecision("remote", "always")
     if config.mode == "never":
         return DisaggDecision("local", "never")
+    local_tokens = request.num_prompt_tokens - decode_cached_tokens
     if config.mode == "slo":
-        by_slo = choose_by_slo(config.slo, request, prefill, decode, decode_cached_tokens)
+        moved = (transfer_s(prefill, decode, local_tokens) if config.link_aware else None)
+        by_slo = choose_by_slo(config.slo, request, prefill, decode, decode_cached_tokens,
+                               moved or 0.0)
         if by_slo is not None:
-            return DisaggDecision(by_slo.decision, by_slo.reason, by_slo.estimate)
+            return DisaggDecision(by_slo.decision, by_slo.reason, by_slo.estimate, moved)
     if request.num_prompt_tokens <= config.local_prefill_max_tokens:
         return DisaggDecision("local", "short_prompt")
-    local_tokens = request.num_prompt_tokens - decode_cached_tokens
     if decode_cached_tokens and (local_tokens + decode.num_assigned_tokens
                                  <= config.local_prefill_max_tokens):
         return DisaggDecision("local", "decode_cached")
     if _prefill_busy(config, local_tokens, prefill, decode):
         return DisaggDecision("local", "prefill_busy")
-    return DisaggDecision("remote", "long_prompt")
+    moved = transfer_s(prefill, decode, local_tokens) if config.link_aware else None
+    step = decode_step_cost(prefill, decode)
+    if moved is not None and step is not None and moved > compute_s(step, local_tokens):
+        return DisaggDecision("local", "slow_link", transfer_s=moved)
+    return DisaggDecision("remote", "long_prompt", transfer_s=moved)
 
 
 def _prefill_busy(config: DisaggConfig, local_tokens: int, prefill: WorkerState,

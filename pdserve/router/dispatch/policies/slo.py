@@ -15,7 +15,10 @@ measured the steps it needs (start-up): the caller then keeps the static rules.
   one step per chunk. It *fits* when each such step stays within the ITL objective
   (no running stream sees a longer gap than the SLO allows) and the last one ends
   within the TTFT objective.
-- Remote costs the prefill worker's queue plus this prompt's compute: its TTFT.
+- Remote costs the prefill worker's queue plus this prompt's compute: its TTFT; and, where
+  the router prices the path (``--link-aware``, ``link_cost.py``), the KV's transfer to
+  decode, which holds the stream after the first token: remote's time to stream is the
+  sum (with layer-wise push the transfer overlaps the compute: the sum overprices it).
 - The rule: local when it fits the ITL objective and meets the TTFT one (one cheap
   step, no handoff); else remote when it meets TTFT; else the cheaper TTFT of the two.
 
@@ -63,6 +66,13 @@ class SloEstimate:
     # Prefilled on decode, the first token comes at the end of the last step carrying
     # the prompt (with no chunking: that one step).
     local_ttft_s: float
+    # The KV's transfer to decode on its path (0: not priced); remote streams after
+    # ``remote_ttft_s + transfer_s``.
+    transfer_s: float = 0.0
+
+    @property
+    def remote_stream_s(self) -> float:
+        return self.remote_ttft_s + self.transfer_s
 
     @property
     def local_fits(self) -> bool:
@@ -77,7 +87,8 @@ class SloChoice:
 
 
 def estimate(slo: SloConfig, request: PlacementRequest, prefill: WorkerState,
-             decode: WorkerState, decode_cached_tokens: int = 0) -> SloEstimate | None:
+             decode: WorkerState, decode_cached_tokens: int = 0,
+             transfer_s: float = 0.0) -> SloEstimate | None:
     """The costs of both routes for ``request``, or None while either engine lacks the
     measurements (decode: a decode step; prefill: a step computing prompt tokens)."""
     p, d = prefill.load.step, decode.load.step
@@ -103,23 +114,34 @@ def estimate(slo: SloConfig, request: PlacementRequest, prefill: WorkerState,
     remote_ttft = p.seconds(0, prefill.num_assigned_tokens + remote_tokens)
     ttft_slo = slo.ttft_s or DERIVED_TTFT_FACTOR * p.seconds(0, remote_tokens)
     itl_slo = slo.itl_s or DERIVED_ITL_FACTOR * d.seconds(1, 0)
-    return SloEstimate(local_step, remote_ttft, ttft_slo, itl_slo, local_ttft)
+    return SloEstimate(local_step, remote_ttft, ttft_slo, itl_slo, local_ttft, transfer_s)
 
 
 def choose_by_slo(slo: SloConfig, request: PlacementRequest, prefill: WorkerState,
-                  decode: WorkerState, decode_cached_tokens: int = 0) -> SloChoice | None:
+                  decode: WorkerState, decode_cached_tokens: int = 0,
+                  transfer_s: float = 0.0) -> SloChoice | None:
     """Local, remote, or the cheaper when neither meets the objectives (module
-    docstring); None when the measurements are missing."""
-    est = estimate(slo, request, prefill, decode, decode_cached_tokens)
+    docstring); None when the measurements are missing. ``transfer_s``: the KV's
+    transfer on its path (0: not priced)."""
+    est = estimate(slo, request, prefill, decode, decode_cached_tokens, transfer_s)
     if est is None:
         return None
     if est.local_fits:
         return SloChoice("local", "slo_local", est)
-    if est.remote_ttft_s <= est.ttft_slo_s:
+    if est.remote_stream_s <= est.ttft_slo_s:
         return SloChoice("remote", "slo_remote", est)
-    if est.local_ttft_s <= est.remote_ttft_s:
+    if est.local_ttft_s <= est.remote_stream_s:
         return SloChoice("local", "slo_missed_local", est)
     return SloChoice("remote", "slo_missed_remote", est)
+
+
+def decode_step_cost(prefill: WorkerState, decode: WorkerState) -> StepCost | None:
+    """Decode's step fit with a per-token cost (its own, or the prefill engine's: the
+    same model on the same kind of core), or None before both have measured."""
+    p, d = prefill.load.step, decode.load.step
+    if p is None or d is None or not (p.prefill_measured or d.prefill_measured):
+        return None
+    return _per_token(d, p)
 
 
 def _per_token(decode: StepCost, prefill: StepCost) -> StepCost:

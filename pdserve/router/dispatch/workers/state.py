@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.core.lora import LoraAdapter, WantedLora
+from pdserve.core.types import KvLink
 from pdserve.router.dispatch.policies.tier_cost import NOT_MEASURED, KvLoadRates
 
 
@@ -44,6 +45,8 @@ class WorkerLoad:
     step: StepCost | None = None  # None until the engine has measured a step
     # Its KV tiers' and the pool's measured loads (``tier_cost``), for their cost.
     kv_load: KvLoadRates = NOT_MEASURED
+    # The rate its KV pulls from each peer came at (``link_cost``), for a handoff's price.
+    kv_links: tuple[KvLink, ...] = ()
 
     @property
     def compute_s_per_token(self) -> float | None:

@@ -308,7 +308,8 @@ class Worker:
 
 def _placement_load(report: WorkerLoadReport) -> WorkerLoad:
     return WorkerLoad(report.num_running_reqs, report.num_waiting_reqs, report.kv_cache_usage,
-                      report.num_inflight_reqs, step_cost(report), load_rates(report))
+                      report.num_inflight_reqs, step_cost(report), load_rates(report),
+                      report.kv_links)
 
 
 def step_cost(report: WorkerLoadReport) -> StepCost | None:
