@@ -55,6 +55,19 @@ TOOLS: dict[str, Tool] = {
         ("--link-gbit", {"help": "comma-separated Gbit/s: the two sides on two hosts "
                          "(network namespaces, root) linked at each rate in turn"}),
     )),
+    "link-aware": Tool("link_aware", configs.LinkAwareConfig,
+                       "long prompts through a link-aware router and one that is not, on "
+                       "hosts, prefill's link at each rate: TTFT and the 2nd token, on/off", (
+        ("--link-gbit", {"help": "comma-separated Gbit/s of prefill's link, each in turn"}),
+        ("--requests", {"type": int, "help": "requests per router and rate"}),
+        ("--prompt-tokens", {"help": "comma-separated prompt lengths, in turn"}),
+        ("--output-tokens", {"type": int, "help": "output tokens per request"}),
+        ("--rate", {"type": float, "help": "requests per second (Poisson)"}),
+        "--dtype", "--seed",
+        ("--kv-cache-gib", {"type": int, "help": "each engine's KV cache, GiB"}),
+        ("--request-timeout-s", {"type": float, "help": "each request's deadline"}),
+        ("--log-dir", {"help": "the processes' logs"}),
+    )),
     "transfer-pd": Tool("transfer_pd", configs.TransferPdConfig,
                         "the KV transfer's share of TTFT in a real P/D run, pull vs push", (
         ("--tokens", {"type": int, "help": "prompt tokens"}),

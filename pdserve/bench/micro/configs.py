@@ -110,6 +110,38 @@ class TransferPdConfig:
 
 
 @dataclass(frozen=True)
+class LinkAwareConfig:
+    """``pdserve bench link-aware`` (``link_aware.py``)."""
+
+    link_gbit: str = "1,0.1"  # prefill's link, comma-separated Gbit/s, each in turn
+    requests: int = 12  # per router and rate
+    prompt_tokens: str = "1024,2048"  # comma-separated lengths, in turn
+    output_tokens: int = 16
+    rate: float = 0.25  # req/s, Poisson
+    dtype: str = "float32"
+    kv_cache_gib: int = 2
+    seed: int = 0
+    request_timeout_s: float = 300.0
+    log_dir: str = ""  # "": ~/.cache/pdserve/bench-link-aware
+
+    def __post_init__(self) -> None:
+        if not self.link_rates or any(r <= 0 for r in self.link_rates):
+            raise ValueError("--link-gbit: positive Gbit/s, comma-separated")
+        if not self.lengths or any(n < 1 for n in self.lengths):
+            raise ValueError("--prompt-tokens: positive token counts, comma-separated")
+        if self.requests < 1 or self.output_tokens < 1 or not self.rate > 0:
+            raise ValueError("--requests and --output-tokens must be >= 1, --rate > 0")
+
+    @property
+    def link_rates(self) -> list[float]:
+        return [float(r) for r in self.link_gbit.split(",") if r]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(n) for n in self.prompt_tokens.split(",") if n]
+
+
+@dataclass(frozen=True)
 class TransferConfig:
     transports: str = "tcp,ucx,torch"  # comma-separated, as given
     dtypes: str = "float32,bfloat16"
