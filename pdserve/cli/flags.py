@@ -159,7 +159,8 @@ FLAGS = _flags(
          "link", 0.0, parse_float(0)),
     Flag("kv-stall-s", "a KV pull whose peer sends no byte (or answers no connect) for "
          "this long fails, and decode recomputes the prompt: what a cut link or a frozen "
-         "prefill costs (the whole pull's deadline is 30 s)", 10.0,
+         "prefill costs (the whole pull's deadline is 30 s; the peer's first reply may "
+         "take 5 s more, the wait for a lease its scheduler announces late)", 10.0,
          parse_float(0, strict=True)),
     Flag("kv-link-max-age-s", "how long the rate this worker measured to a KV peer (each "
          "pull of 1 MiB or more is a sample; the router prices handoffs over that path "

@@ -58,7 +58,9 @@ class TransportOptions:
     clients reuse theirs for half of it. None: ``control/server.IDLE_TIMEOUT_S``.
     ``stall_s``: a pull fails once its peer has sent no byte for this long (or has not
     answered its connect), not only at its deadline: a cut link or a frozen peer costs
-    the decode this, then it recomputes the prompt. None: the deadline only.
+    the decode this, then it recomputes the prompt (the first reply may take
+    ``LEASE_WAIT_S`` more: the peer waits for a lease announced late). None: the
+    deadline only.
     ``link_max_age_s``: how long the rate measured to a peer (``links.py``) is believed
     without a new pull from it.
     ``max_connections``: control connections the server serves at once; one more is

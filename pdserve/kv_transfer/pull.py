@@ -207,7 +207,9 @@ class PullTransport(ControlledTransport):
         try:
             session = self._open_receive(peer, conn, chunks, deadline)
             stall_s = self.options.stall_s
-            set_deadline(conn, deadline, stall_s)
+            # The first reply may come LEASE_WAIT_S late: a lease the peer's scheduler
+            # announces after the pull arrives (the peer is not silent, it waits).
+            set_deadline(conn, deadline, None if stall_s is None else stall_s + LEASE_WAIT_S)
             send_msg(conn, {**request, "checksum": self.options.checksum, **session.fields})
             check_reply(recv_msg(conn), what)
             data_start = time.perf_counter_ns()  # the lease found: the link's time from here
