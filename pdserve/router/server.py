@@ -168,7 +168,8 @@ def build_router(config: RouterConfig, tokenizer: Any) -> Router:
     board = WeightBoard.open(Path(config.weight_board)) if config.weight_board else None
     if board is not None:  # the other router processes' LoRA loads are this one's too
         pool.lora_targets.share(board)
-    dispatcher = PDDispatcher(pool, create_placement(config.placement), registry,
+    placement = create_placement(config.placement, link_aware=config.disagg.link_aware)
+    dispatcher = PDDispatcher(pool, placement, registry,
                               config.request_timeout_s, PrefixRouting(index, registry,
                                                                         pool=config.kv_pool),
                               config.disagg, config.migration, demand, board)

@@ -11,7 +11,11 @@ from pdserve.core.types import KvLink
 from pdserve.kv_transfer.links import MIN_SAMPLE_BYTES, LinkMeter
 from pdserve.router.dispatch.policies.disagg import DisaggConfig, choose_disagg
 from pdserve.router.dispatch.policies.link_cost import transfer_s
-from pdserve.router.dispatch.policies.placement import PlacementRequest
+from pdserve.router.dispatch.policies.placement import (
+    PlacementRequest,
+    create_placement,
+    path_tokens,
+)
 from pdserve.router.dispatch.workers.state import StepCost, WorkerLoad, WorkerState
 
 MIB = 1 << 20
@@ -107,3 +111,40 @@ def test_slo_counts_the_transfer_in_the_remote_route() -> None:
     assert thin.estimate is not None and thin.estimate.transfer_s == pytest.approx(20.0)
     assert (thin.decision, thin.reason) == ("local", "slo_missed_local")
     assert thin.estimate.remote_stream_s == pytest.approx(thin.estimate.remote_ttft_s + 20.0)
+
+
+def _prefill(host: str) -> WorkerState:
+    step = StepCost(0.02, 0.001, 1e-3, True, True)  # 1 ms a prompt token
+    return WorkerState(f"{host}:1", "prefill", healthy=True, worker_id=host, kv_host=host,
+                       kv_port=7000, load=WorkerLoad(step=step))
+
+
+def test_placement_takes_the_prefill_behind_the_faster_path() -> None:
+    """Two idle prefill workers, neither caching the prompt: the decode measured 10 s a
+    thousand tokens from one and 0.01 s from the other. Whatever the rotation says, the
+    long prompt goes to the fast one (and to the decode it priced)."""
+    thin, fast = _prefill("10.0.0.7"), _prefill("10.0.0.8")
+    links = (KvLink("10.0.0.7:7000", 46_080.0 * 100, 46_080.0, 2, 1.0),
+             KvLink("10.0.0.8:7000", 46_080.0 * 1e5, 46_080.0, 2, 1.0))
+    decode = WorkerState("d:1", "decode", healthy=True, worker_id="d",
+                         load=WorkerLoad(kv_links=links))
+    request = PlacementRequest(num_prompt_tokens=1000)
+    for cursor in range(4):
+        choice = create_placement("cache_aware").choose([thin, fast], [decode], cursor, request)
+        assert choice is not None and (choice.prefill, choice.decode) == (1, 0)
+    # --no-link-aware: the path is not weighed, the rotation alternates between them.
+    off = create_placement("cache_aware", link_aware=False)
+    picks = {off.choose([thin, fast], [decode], c, request).prefill for c in range(4)}  # type: ignore[union-attr]
+    assert picks == {0, 1}
+    assert path_tokens(thin, decode, 1000) == 10_000  # 10 s at 1 ms a token
+    assert path_tokens(fast, decode, 1000) == 10
+
+
+def test_placement_without_measured_paths_is_unchanged() -> None:
+    thin, fast = _prefill("10.0.0.7"), _prefill("10.0.0.8")
+    decode = WorkerState("d:1", "decode", healthy=True, worker_id="d")
+    request = PlacementRequest(num_prompt_tokens=1000)
+    on, off = create_placement("cache_aware"), create_placement("cache_aware", link_aware=False)
+    for cursor in range(4):
+        assert on.choose([thin, fast], [decode], cursor, request) == off.choose(
+            [thin, fast], [decode], cursor, request)

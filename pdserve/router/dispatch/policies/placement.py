@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdserve.core.handle import PoolSource
+from pdserve.router.dispatch.policies.link_cost import transfer_s
 from pdserve.router.dispatch.policies.load_plan import LoadPlan
 from pdserve.router.dispatch.workers.state import WorkerState
 
@@ -140,6 +141,11 @@ class CacheAwareConfig:
     # conversation's 1,000 earlier tokens keeps its next turn until it runs about 8 more
     # requests than the least loaded one. A starting point, not a measurement.
     decode_request_cost_tokens: int = 128
+    # Add each prefill's path to the decode the request will go to, priced as
+    # ``link_cost`` prices it and counted in that prefill's prompt tokens (the seconds it
+    # takes per token): a prefill behind a thin link loses long prompts to one behind a
+    # faster link. Only where some decode worker has measured a path (``kv_links``).
+    link_aware: bool = True
 
     def __post_init__(self) -> None:
         if self.request_cost_tokens < 0 or self.decode_request_cost_tokens < 0:
@@ -165,7 +171,11 @@ class CacheAwarePlacement:
 
     Prompt tokens a worker would load from its KV tiers or a peer's (the pool) count at
     their measured cost ratio (``request.uncached_tokens``, ``load_plan.py``), so a
-    worker whose host tier holds the prefix is nearly as cheap as one whose engine does."""
+    worker whose host tier holds the prefix is nearly as cheap as one whose engine does.
+
+    With ``link_aware`` and a decode worker that has measured its paths, the decode is
+    chosen first and each prefill's cost adds moving the prompt's KV to it over their
+    path (``link_cost.transfer_s``), in that prefill's per-token compute time."""
 
     name = "cache_aware"
 
@@ -185,9 +195,15 @@ class CacheAwarePlacement:
         d = [i for i, w in enumerate(decode) if w.healthy]
         if not d:
             return None
-        pi = self._cheapest(prefill, {decode[i].compatibility_hash for i in d}, cursor, request)
+        toward = (self._decode(decode, d, cursor, request)
+                  if self.config.link_aware and any(decode[i].load.kv_links for i in d)
+                  else None)
+        pi = self._cheapest(prefill, {decode[i].compatibility_hash for i in d}, cursor, request,
+                            None if toward is None else decode[toward])
         if pi is not None:
             d = [i for i in d if _compatible(prefill[pi], decode[i])]
+        if toward is not None and toward in d:
+            return Choice(pi, toward)
         return Choice(pi, self._decode(decode, d, cursor, request))
 
     def decode_cost(self, worker: WorkerState, request: PlacementRequest) -> int:
@@ -205,9 +221,10 @@ class CacheAwarePlacement:
                                               _load(decode[i]), (i - cursor) % n))
 
     def _cheapest(self, prefill: Sequence[WorkerState], compat: set[str], cursor: int,
-                  request: PlacementRequest) -> int | None:
+                  request: PlacementRequest, toward: WorkerState | None = None) -> int | None:
         """The healthy, pairable prefill worker of lowest ``cost`` (inlined: this loop is
-        the decision's hot path), ties by fewer queued requests, then rotation."""
+        the decision's hot path), ties by fewer queued requests, then rotation; plus each
+        one's path to ``toward`` (the decode chosen first, where paths are priced)."""
         matched, total = request.matched_tokens, request.num_prompt_tokens
         pending, plans = request.pending_tokens, request.load_plans
         per_request, n = self.config.request_cost_tokens, len(prefill)
@@ -225,11 +242,24 @@ class CacheAwarePlacement:
                 cost = plan.cost_tokens + assigned + per_request * queued
             else:
                 cost = total - matched.get(w.worker_id, 0) + assigned + per_request * queued
+            if toward is not None:
+                cost += path_tokens(w, toward, total - matched.get(toward.worker_id, 0))
             if (best is None or cost < best_cost or (cost == best_cost and (
                     queued < best_queued or (queued == best_queued
                                              and (i - cursor) % n < (best - cursor) % n)))):
                 best, best_cost, best_queued = i, cost, queued
         return best
+
+
+def path_tokens(prefill: WorkerState, decode: WorkerState, num_tokens: int) -> int:
+    """Moving ``num_tokens`` tokens' KV from ``prefill`` to ``decode``, in the prompt tokens
+    ``prefill`` computes in that time (0: a path or a compute cost not measured, or
+    workers that cannot pair)."""
+    per_token_s = prefill.load.compute_s_per_token
+    if not per_token_s or not _compatible(prefill, decode):
+        return 0
+    seconds = transfer_s(prefill, decode, num_tokens)
+    return 0 if seconds is None else round(seconds / per_token_s)
 
 
 def _queued(w: WorkerState) -> int:
@@ -251,7 +281,10 @@ PLACEMENTS: dict[str, type[Placement]] = {
 DEFAULT_PLACEMENT = "cache_aware"
 
 
-def create_placement(name: str) -> Placement:
+def create_placement(name: str, link_aware: bool = True) -> Placement:
+    """The placement ``name``; ``link_aware`` (``--link-aware``) for ``cache_aware``."""
+    if name == CacheAwarePlacement.name:
+        return CacheAwarePlacement(CacheAwareConfig(link_aware=link_aware))
     try:
         return PLACEMENTS[name]()
     except KeyError:
