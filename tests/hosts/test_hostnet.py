@@ -25,7 +25,7 @@ PROBE = str(Path(__file__).with_name("netprobe.py"))
 PORT = 9000
 RATE_GBIT = 0.1  # 100 Mbit/s: 4 MiB take ~0.34 s
 NBYTES = 4 << 20
-CONNECT_TIMEOUT_S = 2.0
+CONNECT_TIMEOUT_S = 1.0
 
 
 def _sink(net: HostNet, name: str) -> subprocess.Popen[bytes]:

@@ -238,10 +238,11 @@ def test_a_load_reaches_a_worker_started_after_it(cluster: LoraCluster,
 
 def test_a_thin_link_moves_long_prompts_to_decode_until_it_is_fast_again(
         cluster: LoraCluster, tokenizer: Any) -> None:
-    """prefill-0's link at THIN_GBIT: a fresh long prompt is still handed off (the path
-    has no price: the fast one aged out), and its pull measures the thin path; the next
-    one is computed on decode (``slow_link``), priced within 2x of the measured pull. The
-    link back at 10 Gbit/s, the thin price ages out and long prompts are handed off."""
+    """prefill-0's link at THIN_GBIT: a fresh long prompt is still handed off (the path's
+    price, if any, is the fast one the test before measured), and its pull measures the
+    thin path; the next one is computed on decode (``slow_link``), priced within 2x of
+    the measured pull (one slow sample weighs 0.7 of the average). The link back at 10
+    Gbit/s, the thin price ages out and long prompts are handed off."""
     net = cluster.hosts.net
     if net is None:
         pytest.skip(f"shaping a link needs hosts: {unavailable()}")
@@ -254,16 +255,15 @@ def test_a_thin_link_moves_long_prompts_to_decode_until_it_is_fast_again(
     def unpriced() -> bool:  # no path measured, as decode and as the router sees it
         return not cluster.load(decode).kv_links and not cluster.links(decode)
 
-    assert wait_until(unpriced, LINK_MAX_AGE_S + 10)
     net.shape("prefill-0", THIN_GBIT)
     try:
         before = cluster.load(decode)
         _, route = cluster.complete_with_route(fresh(1))
-        assert route == "remote; reason=long_prompt", route
+        assert route.startswith("remote; reason=long_prompt"), route
         after = cluster.load(decode)
         assert after.kv_loads == before.kv_loads + 1
         measured_s = (after.kv_load_time_ns - before.kv_load_time_ns) / 1e9
-        (thin,) = after.kv_links  # that pull, the path's one sample
+        (thin,) = after.kv_links  # the one path, that pull its latest sample
         # The router's next probe of decode brings it (not an older report).
         assert wait_until(lambda: [(link["peer"], link["samples"]) for link in
                                    cluster.links(decode)] == [(thin.peer, thin.samples)],

@@ -152,7 +152,7 @@ def test_decode_paused_mid_stream_the_stream_moves_and_the_answer_is_unchanged(
     and the router continues each of its streams on the other decode worker from prompt +
     the tokens sent; the other streams go on. Resumed, it re-registers, drops the
     abandoned requests and serves again."""
-    want = cluster.reference_answer()
+    want = cluster.partition_reference()
     before = cluster.metric("pdserve:migrations_total", 'reason="')
     try:
         outcomes = cluster.streams(lambda: cluster.signal("decode-0", signal.SIGSTOP),
@@ -170,7 +170,7 @@ def test_router_cut_from_a_decode_worker_mid_stream_its_streams_move(cluster: Cl
     """The router and decode-0 partitioned (both ways, packets dropped silently) at the
     first stream's 16th token: keepalive notices, decode-0's streams continue on decode-1,
     every answer is the uninterrupted one; healed, decode-0 is back and idle."""
-    want = cluster.reference_answer()
+    want = cluster.partition_reference()
     before = cluster.metric("pdserve:migrations_total", 'reason="')
     try:
         outcomes = cluster.streams(lambda: cluster.net.cut("router", "decode-0", both=True),
@@ -189,7 +189,7 @@ def test_prefill_cut_from_decode_during_the_kv_pulls_decode_recomputes(
     begun): each pull stalls, fails after --kv-stall-s, and decode recomputes the prompt
     (vLLM's recompute policy); every answer is the uninterrupted one. Healed, the
     prefills' leases that no decode could release lapse (--lease-s)."""
-    net, want = cluster.net, cluster.reference_answer()
+    net, want = cluster.net, cluster.partition_reference()
     failed = sum(cluster.load(d).kv_transfers_failed for d in DECODES)
 
     def cut() -> None:
@@ -214,7 +214,7 @@ def test_prefill_cut_from_the_router_one_way_decode_computes_the_prompts(
     dropped, from just after the streams are sent. The router's calls get no answer,
     keepalive gives up, and decode computes the prompts itself (a prefill fallback);
     every answer is the uninterrupted one."""
-    net, want = cluster.net, cluster.reference_answer()
+    net, want = cluster.net, cluster.partition_reference()
     fallbacks = cluster.metric("pdserve:prefill_fallbacks_total")
 
     def cut() -> None:
@@ -235,7 +235,7 @@ def test_a_worker_cut_from_etcd_leaves_the_view_and_rejoins_when_healed(
     """prefill-1 and etcd partitioned: its lease lapses within the TTL and it leaves the
     router's view while the streams are served by the others; healed, it registers
     again, is routable and serves."""
-    net, want = cluster.net, cluster.reference_answer()
+    net, want = cluster.net, cluster.partition_reference()
     net.cut("prefill-1", "etcd", both=True)
     cut = time.monotonic()
     try:
@@ -255,7 +255,7 @@ def test_a_worker_cut_from_etcd_leaves_the_view_and_rejoins_when_healed(
 def test_the_router_cut_from_etcd_serves_on_its_last_view(cluster: Cluster) -> None:
     """The router and etcd partitioned past the workers' TTL: it says etcd is down,
     keeps every worker it knew, and serves the streams; healed, it is back on etcd."""
-    net, want = cluster.net, cluster.reference_answer()
+    net, want = cluster.net, cluster.partition_reference()
     before = cluster.healthy()
     net.cut("router", "etcd", both=True)
     ends = time.monotonic() + TTL_S + 1
