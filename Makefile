@@ -20,7 +20,7 @@ serve: install
 # then the integration tests, which start vLLM engines, one at a time (docs/testing.md).
 # Bytecode is written even where PYTHONDONTWRITEBYTECODE is set (it is on some machines):
 # without it pytest rewrote the asserts of ~500 modules in every process (~6 s each).
-UNIT_PROCS ?= 4
+UNIT_PROCS ?= 3
 PARTS ?= unit hosts integration
 test: install etcd
 	@$(BIN)/pdserve machine

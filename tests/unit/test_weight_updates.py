@@ -97,7 +97,10 @@ async def test_drain_lets_a_running_stream_finish_on_the_old_weights(tmp_path: P
 
 
 async def test_abort_cuts_a_visible_stream_and_reruns_an_invisible_one(tmp_path: Path) -> None:
-    other = (99, *PROMPT[1:])  # not in any prefix cache: r1's prefill takes its 0.4 s
+    # Not in any prefix cache: r1's prefill takes 2 s, longer than the update takes to
+    # stage on a loaded machine (with 39 tokens, 0.4 s, it once sent r1's first token
+    # before the abort, under four test processes on two cores).
+    other = (99, *range(1000, 1200))
     async with bench(tmp_path, prefill_s_per_token=10e-3) as b:
         old = tokens(await b.run("ref-old"))
         visible = asyncio.create_task(b.run("r0"))  # cached prompt: decodes at once ...
