@@ -37,18 +37,19 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from pdserve.bench import hosts
-from pdserve.bench.client import Endpoint, send
+from pdserve.bench.client import Endpoint
 from pdserve.bench.metrics import RequestRecord, stats
 from pdserve.bench.micro import RESULTS_DIR
 from pdserve.bench.micro.configs import LinkAwareConfig
+from pdserve.bench.runner import Outcome, Runner, Schedule
 from pdserve.bench.workload.prompts import BenchRequest, PromptEncoder
 from pdserve.core import process
 from pdserve.core.model import DEFAULT_MODEL_NAME, cache_dir, prepare_default_model
@@ -125,14 +126,9 @@ class Cluster:
         """The router's decision counts, ``decision/reason`` -> count."""
         text = self.net.call("client", lambda: httpx.get(self.url(which) + "/metrics",
                                                          timeout=5).text)
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith(DECISIONS + "{"):
-                labels, value = line.rsplit(" ", 1)
-                decision = labels.split('decision="')[1].split('"')[0]
-                reason = labels.split('reason="')[1].split('"')[0]
-                out[f"{decision}/{reason}"] = float(value)
-        return out
+        return {f"{s.labels['decision']}/{s.labels['reason']}": s.value
+                for family in text_string_to_metric_families(text)
+                for s in family.samples if s.name == DECISIONS}
 
     def stop(self) -> None:
         process.stop(list(self.procs.values()), grace_s=10, sig=signal.SIGTERM)
@@ -141,34 +137,22 @@ class Cluster:
 
 def _requests(encoder: PromptEncoder, config: LinkAwareConfig, seed: int
               ) -> list[BenchRequest]:
+    """``config.requests`` fresh prompts of random tokens, the lengths in turn."""
     rng = random.Random(seed)
     vocab = encoder.vocab
-    out, at = [], 0.0
-    for i in range(config.requests):
-        n = config.lengths[i % len(config.lengths)]
-        out.append(BenchRequest([], n, config.output_tokens,
-                                tuple(rng.choice(vocab) for _ in range(n)), at))
-        at += rng.expovariate(config.rate)
-    return out
+    return [BenchRequest([], n, config.output_tokens, tuple(rng.choice(vocab) for _ in range(n)))
+            for n in (config.lengths[i % len(config.lengths)] for i in range(config.requests))]
 
 
-async def _run(ep: Endpoint, encoder: PromptEncoder, requests: Sequence[BenchRequest]
-               ) -> tuple[list[RequestRecord], float]:
-    async with httpx.AsyncClient(timeout=ep.timeout_s) as client:
-        start = time.perf_counter()
-
-        async def one(req: BenchRequest) -> RequestRecord:
-            await asyncio.sleep(max(0.0, (req.arrival_s or 0.0) - (time.perf_counter() - start)))
-            return (await send(client, ep, encoder, req, start))[0]
-
-        records = await asyncio.gather(*(one(r) for r in requests))
-        return list(records), time.perf_counter() - start
-
-
-def _serve(ep: Endpoint, encoder: PromptEncoder, requests: Sequence[BenchRequest]
-           ) -> tuple[list[RequestRecord], float]:
-    """``_run`` on an event loop of the calling thread (one inside the client host)."""
-    return asyncio.run(_run(ep, encoder, requests))
+def _serve(ep: Endpoint, encoder: PromptEncoder, requests: list[BenchRequest],
+           rate: float, seed: int) -> Outcome:
+    """``requests`` at ``rate`` req/s (Poisson: the bench's own ``Runner``), on an event
+    loop of the calling thread (one inside the client host)."""
+    async def run() -> Outcome:
+        async with httpx.AsyncClient(timeout=ep.timeout_s) as client:
+            return await Runner(client, ep, encoder, None, False).run(requests, Schedule(
+                len(requests), None, rate, 1.0, None, seed))
+    return asyncio.run(run())
 
 
 def _summary(records: list[RequestRecord], seconds: float,
@@ -197,19 +181,20 @@ def measure(cluster: Cluster, encoder: PromptEncoder, config: LinkAwareConfig
         warm = _requests(encoder, config, seed=10_000 + i)[:1]  # decode measures the path
         on = Endpoint(cluster.url("on") + "/v1", DEFAULT_MODEL_NAME, "completions",
                       ignore_eos=True, timeout_s=config.request_timeout_s)
-        cluster.net.call("client", functools.partial(_serve, on, encoder, warm))
+        cluster.net.call("client", functools.partial(_serve, on, encoder, warm, 1.0, i))
         time.sleep(3.0)  # the routers' next probe of decode brings the path's price
         for which in order:
             ep = Endpoint(cluster.url(which) + "/v1", DEFAULT_MODEL_NAME, "completions",
                           ignore_eos=True, timeout_s=config.request_timeout_s)
-            requests = _requests(encoder, config, seed=config.seed + 100 * i
-                                 + (1 if which == "off" else 0))
+            seed = config.seed + 100 * i + (1 if which == "off" else 0)
             before = cluster.decisions(which)
-            records, seconds = cluster.net.call(
-                "client", functools.partial(_serve, ep, encoder, requests),
+            out = cluster.net.call(
+                "client", functools.partial(_serve, ep, encoder,
+                                            _requests(encoder, config, seed), config.rate, seed),
                 timeout_s=config.request_timeout_s * 2 + config.requests / config.rate)
             row = {"link_gbit": rate, "link_aware": which,
-                   **_summary(records, seconds, _diff(cluster.decisions(which), before))}
+                   **_summary(out.records, out.duration_s,
+                              _diff(cluster.decisions(which), before))}
             rows.append(row)
             _print(row)
     return rows
