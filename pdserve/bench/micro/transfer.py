@@ -80,6 +80,10 @@ class Row:
     gbps: dict[str, float]  # name -> GB/s (median)
     link_gbit: float | None = None  # the hosts' link rate (None: one host, loopback)
 
+    def vs_link(self, name: str) -> float | None:
+        """``name``'s GB/s over the link's (None: loopback)."""
+        return None if self.link_gbit is None else self.gbps[name] * 8 / self.link_gbit
+
 
 def make_caches(num_blocks: int, dtype: torch.dtype, seed: int,
                 device: str = "cpu") -> list[torch.Tensor]:
@@ -268,8 +272,7 @@ def print_row(row: Row, names: list[str]) -> None:
     if row.link_gbit is not None:
         cells.insert(1, f"link {row.link_gbit / 8:6.2f}")
     for name in names:
-        share = (f", {g[name] * 8 / row.link_gbit:.2f}x link" if row.link_gbit is not None
-                 else "")
+        share = "" if (vs := row.vs_link(name)) is None else f", {vs:.2f}x link"
         cells.append(f"{name} {g[name]:6.2f} ({g[name] / g['socket']:.2f}x sock, "
                      f"{g[name] / g['memcpy']:.2f}x memcpy{share})")
     print(" | ".join(cells), flush=True)
@@ -278,7 +281,7 @@ def print_row(row: Row, names: list[str]) -> None:
 def verdict(rows: list[Row], names: list[str]) -> None:
     for rate in sorted({r.link_gbit for r in rows if r.link_gbit is not None}):
         for name in [n for n in names if n in ("tcp", "ucx")]:
-            shares = [r.gbps[name] * 8 / rate for r in rows
+            shares = [r.vs_link(name) or 0.0 for r in rows
                       if r.link_gbit == rate and r.mib >= 4]
             worst = min(shares) if shares else float("nan")
             ok = "meets" if worst >= TARGET_VS_LINK else "MISSES"
