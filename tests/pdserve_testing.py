@@ -15,7 +15,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -303,6 +303,19 @@ class TimedStream:
         return [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
 
 
+def sse_events(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """The JSON events of a streamed response's ``data:`` lines (``[DONE]`` and anything
+    else that is not an object skipped)."""
+    for line in lines:
+        if line.startswith("data: {"):
+            yield json.loads(line.removeprefix("data: "))
+
+
+def token_ids(event: dict[str, Any]) -> list[int]:
+    """One streamed event's token ids, over its choices."""
+    return [t for c in event["choices"] for t in c.get("token_ids") or []]
+
+
 def stream_timed(base_url: str, body: dict[str, Any], stop_after: int | None = None,
                  timeout_s: float = 300) -> TimedStream:
     """POST ``body`` (a streamed ``/completions`` with ``return_token_ids``) and time
@@ -312,12 +325,9 @@ def stream_timed(base_url: str, body: dict[str, Any], stop_after: int | None = N
     timed = TimedStream(sent, [], 0)
     with httpx.stream("POST", base_url + "/completions", json=body, timeout=timeout_s) as resp:
         assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line.removeprefix("data: "))
+        for event in sse_events(resp.iter_lines()):
             assert "error" not in event, event
-            ids = [t for c in event["choices"] for t in c.get("token_ids") or []]
+            ids = token_ids(event)
             if ids:
                 timed.arrivals.append(time.monotonic())
                 timed.num_tokens += len(ids)

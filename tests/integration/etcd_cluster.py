@@ -28,7 +28,15 @@ import httpx
 import pytest
 from integration.hosted import LINK_GBIT, Hosted, Prober, hosted
 from integration.pd_cases import LONG, MODEL
-from pdserve_testing import HTTP, etcd_keys, exited, router_metric, wait_until
+from pdserve_testing import (
+    HTTP,
+    etcd_keys,
+    exited,
+    router_metric,
+    sse_events,
+    token_ids,
+    wait_until,
+)
 
 from pdserve.bench.hosts import HostNet, unavailable
 from pdserve.core import process
@@ -243,14 +251,10 @@ class Cluster:
         with httpx.stream("POST", self.router_url + "/v1/completions", json=body,
                           timeout=300) as resp:
             assert resp.status_code == 200, resp.read()
-            for line in resp.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line.removeprefix("data: "))
+            for event in sse_events(resp.iter_lines()):
                 assert "error" not in event, event
                 usage = event.get("usage") or usage
-                for choice in event["choices"]:
-                    ids += choice.get("token_ids") or []
+                ids += token_ids(event)
                 if act_after is not None and ids and not serving:
                     # Found at the first token, so the signal at act_after is not late
                     # on a machine that streams the rest in a blink.
@@ -287,15 +291,12 @@ class Cluster:
                               timeout=DEADLINE_S + 30) as resp:
                 if resp.status_code != 200:
                     error = f"HTTP {resp.status_code}: {resp.read()[:500]!r}"
-                for line in resp.iter_lines() if not error else ():
-                    if not line.startswith("data: {"):
-                        continue
-                    event = json.loads(line.removeprefix("data: "))
+                for event in sse_events(resp.iter_lines() if not error else ()):
                     if "error" in event:
                         error = json.dumps(event["error"])
                         continue
                     usage = event.get("usage") or usage
-                    ids += [t for c in event["choices"] for t in c.get("token_ids") or []]
+                    ids += token_ids(event)
                     on_token(len(ids))
         except httpx.HTTPError as exc:
             error = repr(exc)

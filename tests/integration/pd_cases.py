@@ -4,12 +4,12 @@ HTTP, where the response's headers are checked)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import openai
+from pdserve_testing import sse_events, token_ids
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 128
@@ -128,11 +128,7 @@ def post_case(base_url: str, case: Case) -> Reply:
     usage: dict[str, Any] = {}
     with httpx.stream("POST", base_url + path, json=body, timeout=120) as resp:
         resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
+        for chunk in sse_events(resp.iter_lines()):
             usage = chunk.get("usage") or usage
-            for choice in chunk["choices"]:
-                ids += choice.get("token_ids") or []
+            ids += token_ids(chunk)
         return Reply(ids, resp.headers["x-pdserve-disagg"], usage)

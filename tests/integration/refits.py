@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 from integration.oracles import reference_requests
 from integration.pd_cases import LOCAL_PREFILL_MAX_TOKENS, MODEL
-from pdserve_testing import kill_cluster
+from pdserve_testing import kill_cluster, sse_events
 
 from pdserve.bench.checkpoints import perturb_checkpoint
 from pdserve.core import process
@@ -107,10 +107,7 @@ def stream(base_url: str, request: dict[str, Any], index: int, out: list[dict[st
             got["header"] = resp.headers.get("x-weight-version")
             if resp.status_code != 200:
                 got["error"] = resp.read().decode(errors="replace")
-            for line in resp.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line.removeprefix("data: "))
+            for event in sse_events(resp.iter_lines()):
                 if "error" in event:
                     got["error"] = event["error"]
                     continue

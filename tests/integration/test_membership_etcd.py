@@ -60,7 +60,7 @@ from integration.etcd_cluster import (
     answers,
     running_cluster,
 )
-from pdserve_testing import etcd_keys, wait_until
+from pdserve_testing import etcd_keys, sse_events, token_ids, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -400,14 +400,12 @@ def test_sigterm_drains_a_decode_worker_its_stream_completes_and_it_exits(
                               timeout=600) as resp:
                 assert resp.status_code == 200, resp.read()
                 ours = "no_prefill" in resp.headers.get("x-pdserve-disagg", "")
-                for line in resp.iter_lines():
-                    if line.startswith("data: {"):
-                        event = json.loads(line.removeprefix("data: "))
-                        assert "error" not in event, event
-                        ids += [t for c in event["choices"] for t in c.get("token_ids") or []]
-                        if ours and ids and not signalled.is_set():
-                            proc.send_signal(signal.SIGTERM)  # the worker, not its engine
-                            signalled.set()
+                for event in sse_events(resp.iter_lines()):
+                    assert "error" not in event, event
+                    ids += token_ids(event)
+                    if ours and ids and not signalled.is_set():
+                        proc.send_signal(signal.SIGTERM)  # the worker, not its engine
+                        signalled.set()
             streams.append(ids)
         except BaseException as exc:  # noqa: BLE001 - reported by the test below
             errors.append(exc)
