@@ -41,6 +41,9 @@ logger = logging.getLogger("pdserve.kv_transfer.control")
 # A decode worker that stops reading for this long loses the transfer.
 SEND_TIMEOUT_S = 30.0
 
+# Sends a lease's blocks: (request id, its (first block, count) runs, end the lease).
+LeaseSend = Callable[[str, list[tuple[int, int]], Callable[[], bool]], object]
+
 
 class DataReceive(Protocol):
     """The receiving end of one pull on the data path.
@@ -85,6 +88,19 @@ class PullTransport(ControlledTransport):
     # ---- serving side ----------------------------------------------------------
 
     def _on_pull(self, conn: socket.socket, msg: dict[str, Any]) -> None:
+        def send(req: str, src_runs: list[tuple[int, int]], end: Callable[[], bool]) -> None:
+            assert self._layout is not None
+            self._send(conn, msg, list(chunk_views(self._kv, self._layout, src_runs)), req,
+                       on_sent=end)
+
+        self._serve_lease(conn, msg, send)
+
+    def _serve_lease(self, conn: socket.socket, msg: dict[str, Any], send: LeaseSend) -> None:
+        """Check out the lease ``msg`` names and ``send`` its blocks (``msg``'s runs),
+        however they travel. ``send`` gets ``end``, which ends the lease (returning
+        True: the blocks are intact) and must run once they are sent, before the
+        trailer, so a decode that has the trailer finds the lease ended; the lease is
+        ended here on every other path too (a second ``end`` is a no-op)."""
         assert self._leases is not None and self._layout is not None
         leases = self._leases
         req = fields.text(msg, "req")  # read before the lease is touched: a bad pull ends none
@@ -99,8 +115,7 @@ class PullTransport(ControlledTransport):
             if not wanted <= held:
                 send_msg(conn, {"ok": False, "error": f"blocks {sorted(wanted - held)} not leased"})
                 return
-            self._send(conn, msg, list(chunk_views(self._kv, self._layout, src_runs)), req,
-                       on_sent=lambda: leases.finish(req) or True)  # before the trailer
+            send(req, src_runs, lambda: leases.finish(req) or True)
         finally:
             leases.finish(req)  # a failed send: ended here (a second finish is a no-op)
 
