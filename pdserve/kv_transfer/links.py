@@ -77,6 +77,10 @@ class LinkMeter:
             return [LinkEstimate(peer, 1.0 / per_byte, per_token, samples, now - at)
                     for peer, (per_byte, per_token, samples, at) in sorted(self._paths.items())]
 
+    def estimate(self, peer: str) -> LinkEstimate | None:
+        """``peer``'s path, if measured within ``max_age_s``."""
+        return next((e for e in self.estimates() if e.peer == peer), None)
+
     def status(self) -> list[dict[str, float | int | str]]:
         """``estimates`` as the KV endpoint's status op sends them."""
         return [{"peer": e.peer, "bytes_per_s": e.bytes_per_s,

@@ -13,7 +13,7 @@ Raw pulls keep the transport's data path (``pull.py``). A compressed pull::
     server -> {"ok": true} | {"ok": false, "error"}
     server -> per block: its payload's length (u32, big-endian), the payload
               (a length of 0: the stream ends early, an error trailer follows)
-    server -> {"ok": true, "bytes", "crc32"} | {"ok": false, "error"}   (trailer)
+    server -> {"ok": true, "bytes", "crc32", "encode_ns"} | {"ok": false, "error"}
 
 A payload's length is known only once the peer has encoded it, so compressed blocks
 travel on the control connection whatever the transport (encrypted under TLS), one
@@ -24,6 +24,8 @@ payload is the codec's own (``remote/compression``, as the cluster store keeps i
 header, per-head scales for the lossy codecs); the puller decodes it into its KV cache,
 and a payload that does not decode, a length over its block's bound or an error trailer
 fails the pull (``TransferError``): the blocks are then recomputed, never used.
+The trailer's ``encode_ns`` (the time the peer spent encoding) and the decode time
+measured here come back in a ``Receipt``: what the handoff learns its codec's cost from.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ import struct
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from pdserve.kv_transfer.control import fields
 from pdserve.kv_transfer.control.wire import (
     TransferError,
     check_reply,
@@ -64,6 +68,18 @@ class PoolChecksumError(TransferError):
     """The payloads' CRC-32 differs from the one the serving peer sent."""
 
 
+@dataclass(frozen=True)
+class Receipt:
+    """One compressed pull, received: the payload bytes, the peer's encode time (its
+    trailer's word: 0 from a peer that does not say), the decode time here, and the
+    time from the peer's first reply to its trailer (the link's and both codecs')."""
+
+    nbytes: int
+    encode_ns: int
+    decode_ns: int
+    data_ns: int
+
+
 class PoolCodec:
     """One worker's pool encoding: the codec it pulls and serves with, and both ends
     of a compressed pull. Thread-safe (the codecs are)."""
@@ -84,7 +100,8 @@ class PoolCodec:
         deadline = time.monotonic() + SEND_TIMEOUT_S
         try:
             send_msg(conn, {"ok": True})
-            sent, crc, error = self._stream(conn, blocks, checksum, deadline, rate, wait)
+            sent, crc, encode_ns, error = self._stream(conn, blocks, checksum, deadline,
+                                                       rate, wait)
             if error is None and not unchanged():  # sent whole: the stream is intact
                 error = "blocks rewritten while sent"
         except BaseException:  # the connection failed, or encoding did: the server closes it
@@ -99,21 +116,26 @@ class PoolCodec:
         count(bytes_sent=sent, transfers_completed=1,
               transfer_time_ns=time.perf_counter_ns() - start)
         finish(True)
-        send_msg(conn, {"ok": True, "bytes": sent, "crc32": crc if checksum else None})
+        send_msg(conn, {"ok": True, "bytes": sent, "crc32": crc if checksum else None,
+                        "encode_ns": encode_ns})
 
     def _stream(self, conn: socket.socket, blocks: Sequence[Sequence[torch.Tensor]],
                 checksum: bool, deadline: float, rate: float, wait: Wait
-                ) -> tuple[int, int, str | None]:
+                ) -> tuple[int, int, int, str | None]:
         """Encode and send each block; the payload bytes sent, their CRC-32 (0 unless
-        ``checksum``) and the error that ended the stream early (None: it did not)."""
-        started, sent, crc = time.monotonic(), 0, 0
+        ``checksum``), the time spent encoding and the error that ended the stream
+        early (None: it did not)."""
+        started, sent, crc, encode_ns = time.monotonic(), 0, 0, 0
         for block in blocks:
+            t0 = time.perf_counter_ns()
             try:
                 payload = self.codec.encode(block)
             except ValueError as exc:
                 set_deadline(conn, deadline)
                 conn.sendall(_END)
-                return sent, crc, f"a KV block cannot be encoded as {self.encoding}: {exc}"
+                return (sent, crc, encode_ns,
+                        f"a KV block cannot be encoded as {self.encoding}: {exc}")
+            encode_ns += time.perf_counter_ns() - t0
             if checksum:
                 crc = zlib.crc32(payload, crc)
             set_deadline(conn, deadline + (sent / rate if rate else 0.0))
@@ -123,17 +145,19 @@ class PoolCodec:
             ahead = started + sent / rate - time.monotonic() if rate else 0.0
             if ahead > 0:
                 wait(ahead)
-        return sent, crc, None
+        return sent, crc, encode_ns, None
 
     def receive(self, conn: socket.socket, blocks: Sequence[Sequence[torch.Tensor]],
-                checksum: bool, deadline: float, what: str) -> int:
+                checksum: bool, deadline: float, what: str) -> Receipt:
         """Read the reply, each block's payload (decoded into its tensors as it comes)
-        and the trailer; the payload bytes. ``TransferError`` for a refusal, a payload
+        and the trailer. ``TransferError`` for a refusal (``IncompatiblePeerError``: the
+        peer's encoding differs; nothing was written), a payload
         over its bound or that does not decode, an error trailer or (asked) a CRC
         mismatch; after one, the blocks may hold partial data (recompute them)."""
         set_deadline(conn, deadline)
         check_reply(recv_msg(conn), what)
-        crc = total = got = 0
+        data_start = time.perf_counter_ns()
+        crc = total = got = decode_ns = 0
         for block in blocks:
             set_deadline(conn, deadline)
             head = recv_exact(conn, _LEN.size)
@@ -146,10 +170,12 @@ class PoolCodec:
             payload = memoryview(bytearray(size))
             recv_into_exact(conn, payload)
             crc = zlib.crc32(payload, crc) if checksum else 0
+            t0 = time.perf_counter_ns()
             try:
                 self.codec.decode(payload, block)
             except ValueError as exc:
                 raise TransferError(f"{what}: a block does not decode: {exc}") from exc
+            decode_ns += time.perf_counter_ns() - t0
             total, got = total + size, got + 1
         set_deadline(conn, deadline)
         trailer = check_reply(recv_msg(conn), what)
@@ -161,4 +187,5 @@ class PoolCodec:
                                     f"{trailer.get('crc32')}, received {crc})")
         if blocks and blocks[0] and blocks[0][0].device.type == "cuda":
             torch.cuda.synchronize(blocks[0][0].device)  # done means written
-        return total
+        encode_ns = fields.optional_integer(trailer, "encode_ns", 0, 1 << 62) or 0
+        return Receipt(total, encode_ns, decode_ns, time.perf_counter_ns() - data_start)

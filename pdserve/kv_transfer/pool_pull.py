@@ -142,7 +142,7 @@ class PooledTransport(PullTransport):
 
         def exchange(conn: socket.socket) -> int:
             send_msg(conn, {**request, "checksum": checksum})
-            return codec.receive(conn, blocks, checksum, deadline, what)
+            return codec.receive(conn, blocks, checksum, deadline, what).nbytes
 
         try:
             received = self._control(peer, deadline, what, exchange)
