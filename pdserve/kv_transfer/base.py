@@ -133,7 +133,10 @@ class KVTransport(Protocol):
     ) -> int:
         """Copy the peer's ``src_block_ids`` of every layer into our ``dst_block_ids``.
 
-        Ends the peer's lease for ``remote_request_id``. Returns bytes moved.
+        Ends the peer's lease for ``remote_request_id``. Returns bytes moved (on the
+        wire: fewer than the blocks hold when they travelled encoded, ``use_pool_codec``).
+        ``TransferError`` when the peer is gone, refuses, or the bytes fail their check;
+        a peer that refuses only the encoding is pulled raw in the same call.
         """
         ...
 
@@ -162,12 +165,15 @@ class KVTransport(Protocol):
         ``start``): ``pull_pool`` asks for that encoding and decodes what it gets, and
         a peer's pull that asks for another is refused (``IncompatiblePeerError`` on
         that peer; counted here as ``pool_serve_refusals``). Without a call, or with
-        ``none``, the pool moves the cache's raw bytes."""
+        ``none``, the pool moves the cache's raw bytes. The same codec encodes the P->D
+        handoff where that is estimated faster on the path (``coded_pull.py``): a
+        ``pull`` may then move fewer bytes than the blocks hold."""
         ...
 
     def stats(self) -> dict[str, int]:
         """Cumulative counters: bytes_sent, bytes_received, transfers_completed,
-        transfers_failed, transfer_time_ns, pool_serve_refusals."""
+        transfers_failed, transfer_time_ns, pool_serve_refusals; and of the pulls
+        made here, encoded_pulls, encoded_bytes_saved and encoded_pull_refusals."""
         ...
 
     def add_status(self, source: Callable[[], dict[str, int]]) -> None:

@@ -1,4 +1,7 @@
-"""The cluster KV pool's compressed blocks (``--kv-compression`` other than ``none``).
+"""Compressed KV blocks (``--kv-compression`` other than ``none``), pulled from a peer's
+host tier (the cluster KV pool) or, where it pays, from a prefill's lease (the P->D
+handoff: ``coded_pull.py`` decides and asks; a peer with another encoding refuses it the
+same way, and the decode then pulls raw).
 
 A pool pull names the puller's encoding (``encoding_tag``: the codec and its format
 version; ``none`` for raw bytes); the serving peer refuses one that is not its own with

@@ -46,8 +46,9 @@ PoolServeSource = Callable[[list[bytes]], PoolServe]
 
 
 class PooledTransport(PullTransport):
-    """A pull transport that also serves and pulls the cluster KV pool; the base of
-    every backend."""
+    """A pull transport that also serves and pulls the cluster KV pool
+    (``coded_pull.CodedPullTransport`` adds encoded handoffs: the base of every
+    backend)."""
 
     _pool_source: PoolServeSource | None = None
     _pool_codec: PoolCodec | None = None  # None: the pool moves raw bytes ("none")

@@ -10,6 +10,12 @@ A pull is::
 Only the KV bytes take the transport's own data path: a subclass provides
 ``_send_blocks`` (server) and ``_open_receive`` (client). The cluster KV pool's pulls
 (``pool_pull.py``) take the same path with raw bytes.
+
+Under ``--kv-compression`` a pull may name an ``encoding`` instead: the blocks then
+travel as the codec's payloads on the control connection (``coded_pull.py`` decides
+per pull, from the rate ``links`` measured; ``pool_codec.py`` moves them). Either way
+the lease is served by ``_serve_lease``: ended once the blocks are sent, before the
+trailer, and on every failure.
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ class DataReceive(Protocol):
 
 
 class PullTransport(ControlledTransport):
-    """A controlled transport whose KV moves by pull (``pool_pull.PooledTransport``, the
+    """A controlled transport whose KV moves by pull (``coded_pull.CodedPullTransport``, the
     base of every backend, adds the cluster KV pool)."""
 
     # True: KV bytes travel on the control connection itself, before the trailer.

@@ -69,7 +69,8 @@ class ControlledTransport:
         self._stats = dict.fromkeys(
             ("bytes_sent", "bytes_received", "transfers_completed", "transfers_failed",
              "transfer_time_ns", "inflight_pulls", "checksum_failures",
-             "pool_serve_refusals"), 0)
+             "pool_serve_refusals", "encoded_pulls", "encoded_bytes_saved",
+             "encoded_pull_refusals"), 0)
 
     # ---- hooks -----------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from pdserve.kv_transfer.base import PeerAddress, PushChannel, TransportOptions
+from pdserve.kv_transfer.coded_pull import CodedPullTransport
 from pdserve.kv_transfer.control.channel import Handler
 from pdserve.kv_transfer.control.wire import (
     TransferError,
@@ -24,7 +25,6 @@ from pdserve.kv_transfer.control.wire import (
     set_deadline,
 )
 from pdserve.kv_transfer.layout import as_bytes
-from pdserve.kv_transfer.pool_pull import PooledTransport
 from pdserve.kv_transfer.push.inbox import PushInbox
 from pdserve.kv_transfer.push.wire import layer_chunks, send_push, serve_push, serve_push_abort
 
@@ -32,7 +32,7 @@ from pdserve.kv_transfer.push.wire import layer_chunks, send_push, serve_push, s
 STAGE_BYTES = 4 << 20
 
 
-class TcpTransport(PooledTransport):
+class TcpTransport(CodedPullTransport):
     """KV pulled and pushed as raw bytes over the control connection."""
 
     name: ClassVar[str] = "tcp"

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.kv_transfer.base import PeerAddress
+from pdserve.kv_transfer.coded_pull import CodedPullTransport
 from pdserve.kv_transfer.control.channel import Handler
 from pdserve.kv_transfer.control.wire import (
     TransferError,
@@ -36,7 +37,6 @@ from pdserve.kv_transfer.control.wire import (
     send_msg,
     set_deadline,
 )
-from pdserve.kv_transfer.pool_pull import PooledTransport
 
 logger = logging.getLogger("pdserve.kv_transfer.torch")
 
@@ -57,7 +57,7 @@ def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
-class TorchTransport(PooledTransport):
+class TorchTransport(CodedPullTransport):
     name: ClassVar[str] = "torch"
 
     def __init__(self, options: Any = None) -> None:

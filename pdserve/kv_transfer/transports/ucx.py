@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import torch
 
 from pdserve.kv_transfer.base import PeerAddress, TransportOptions
+from pdserve.kv_transfer.coded_pull import CodedPullTransport
 from pdserve.kv_transfer.control.channel import Handler
 from pdserve.kv_transfer.control.wire import (
     TransferError,
@@ -43,7 +44,6 @@ from pdserve.kv_transfer.control.wire import (
     wait_done,
 )
 from pdserve.kv_transfer.layout import as_bytes
-from pdserve.kv_transfer.pool_pull import PooledTransport
 
 logger = logging.getLogger("pdserve.kv_transfer.ucx")
 
@@ -57,7 +57,7 @@ def _ucx() -> Any:
     return libucxx
 
 
-class UcxTransport(PooledTransport):
+class UcxTransport(CodedPullTransport):
     name: ClassVar[str] = "ucx"
 
     def __init__(self, options: TransportOptions | None = None) -> None:
