@@ -286,6 +286,11 @@ class WorkerLoadReport:
     kv_pool_serve_refusals: int = 0
     # The rate its KV pulls from each peer came at (the router prices handoffs with it).
     kv_links: tuple[KvLink, ...] = ()
+    # P->D pulls made with encoded blocks (--kv-compression, where it pays), the wire
+    # bytes they saved, and those a prefill refused to encode (pulled raw).
+    kv_encoded_pulls: int = 0
+    kv_encoded_bytes_saved: int = 0
+    kv_encoded_pull_refusals: int = 0
 
 
 @dataclass(frozen=True)

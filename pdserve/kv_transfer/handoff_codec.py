@@ -48,6 +48,8 @@ from dataclasses import dataclass
 
 from pdserve.kv_transfer.links import LinkEstimate
 
+# What a transport counts of its encoded P->D pulls (GetLoad's kv_encoded_*).
+STATS = ("encoded_pulls", "encoded_bytes_saved", "encoded_pull_refusals")
 MIB = float(1 << 20)
 NEW_SAMPLE_WEIGHT = 0.5
 MIN_SAMPLE_BYTES = 1 << 20  # smaller pulls: round trips and headers, not the codec

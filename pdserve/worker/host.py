@@ -32,6 +32,7 @@ from pdserve.core.types import (
 from pdserve.core.weight_calls import UpdateWeightVersion, WeightCall
 from pdserve.kv_transfer.control.dial import request_once
 from pdserve.kv_transfer.control.wire import TransferError
+from pdserve.kv_transfer.handoff_codec import STATS as ENCODED_STATS
 from pdserve.kv_transfer.remote.worker import REPORTED as STORE_STATS
 from pdserve.kv_transfer.tiers.store import STATS as TIER_STATS
 from pdserve.worker.backend import WorkerError
@@ -358,7 +359,8 @@ def load_report(c: EngineCounters, status: dict[str, Any], num_inflight: int,
             kv_links=tuple(KvLink(str(link["peer"]), float(link["bytes_per_s"]),
                                   float(link["bytes_per_token"]), int(link["samples"]),
                                   float(link["age_s"])) for link in status.get("links", ())),
-            **{f"kv_{name}": stat(name) for name in (*TIER_STATS, *STORE_STATS)})
+            **{f"kv_{name}": stat(name) for name in (*TIER_STATS, *STORE_STATS,
+                                                      *ENCODED_STATS)})
 
 
 def _timing(request: PhaseRequest, step: EngineStep, clock: PhaseClock) -> PhaseTiming:

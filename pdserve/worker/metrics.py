@@ -147,6 +147,14 @@ _COUNTERS: tuple[LoadMetric, ...] = (
                   _load_rows("from a peer's host tier", "(peer gone, blocks no longer held)")
                   + _SERVE_ROWS),
     *_kv_counters("store", "KV store", _STORE_ROWS),
+    ("pdserve:kv_encoded_pulls_total", "Decode: KV pulls from prefill workers whose "
+     "blocks came encoded (--kv-compression, on a path thin enough that it pays)",
+     lambda r: r.kv_encoded_pulls),
+    ("pdserve:kv_encoded_bytes_saved_total", "Decode: KV bytes those encoded pulls did "
+     "not move (raw minus encoded)", lambda r: r.kv_encoded_bytes_saved),
+    ("pdserve:kv_encoded_pull_refusals_total", "Decode: encoded pulls a prefill refused "
+     "(another --kv-compression); pulled raw, and raw from it for a while",
+     lambda r: r.kv_encoded_pull_refusals),
 )
 _GAUGES: tuple[LoadMetric, ...] = (
     ("pdserve:kv_leases_held", "Prefill: requests whose KV is held for a decode",

@@ -53,7 +53,8 @@ from pdserve.worker.sim_engine import SimConfig, SimEngine
 COUNTERS = ("kv_transfers_completed", "kv_transfers_failed", "kv_transfer_bytes_sent",
             "kv_transfer_bytes_received", "kv_transfer_seconds", "kv_loads", "kv_load_seconds",
             "kv_push_loads", "kv_push_fallbacks", "kv_layers_pushed", "kv_pushes_failed",
-            "kv_leases_expired")
+            "kv_leases_expired", "kv_encoded_pulls", "kv_encoded_bytes_saved",
+            "kv_encoded_pull_refusals")
 # GetLoad's kv_tier_* (host), kv_disk_* and kv_pool_* fields, each as kv_<tier>_<field>_total
 # (*_time_ns as *_seconds).
 TIER_COUNTERS = (

@@ -36,6 +36,7 @@ from pdserve.kv_transfer.control.wire import (
     send_msg,
     set_deadline,
 )
+from pdserve.kv_transfer.handoff_codec import STATS as ENCODED_STATS
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.links import LinkMeter
@@ -69,8 +70,7 @@ class ControlledTransport:
         self._stats = dict.fromkeys(
             ("bytes_sent", "bytes_received", "transfers_completed", "transfers_failed",
              "transfer_time_ns", "inflight_pulls", "checksum_failures",
-             "pool_serve_refusals", "encoded_pulls", "encoded_bytes_saved",
-             "encoded_pull_refusals"), 0)
+             "pool_serve_refusals", *ENCODED_STATS), 0)
 
     # ---- hooks -----------------------------------------------------------------
 
