@@ -17,8 +17,9 @@ link meter's max age has passed (one mismatch costs one round trip, not one a pu
 Either way the lease is served by ``pull.py``'s ``_serve_lease``: ended once the blocks
 are sent, before the trailer, and on every failure; the serve is counted before the
 trailer (``PoolCodec.serve``). An encoded pull that fails past the refusal (the peer
-gone, a payload that does not decode, a checksum) is a ``TransferError``, as a raw
-one's: the decode recomputes, and the prefill has ended the lease.
+gone or silent for ``stall_s``, a payload that does not decode, a checksum) is a
+``TransferError``, as a raw one's: the decode recomputes, and the prefill has ended
+the lease.
 
 Counted on the puller: ``encoded_pulls``, ``encoded_bytes_saved`` (raw minus wire
 bytes, never below 0) and ``encoded_pull_refusals``; an encoded pull's wire bytes go
@@ -127,7 +128,8 @@ class CodedPullTransport(PooledTransport):
         def exchange(conn: socket.socket) -> int:
             send_msg(conn, request)
             try:
-                receipts.append(codec.receive(conn, blocks, checksum, deadline, what))
+                receipts.append(codec.receive(conn, blocks, checksum, deadline, what,
+                                              self.options.stall_s))
             except IncompatiblePeerError as exc:  # the first reply: nothing was written
                 raise EncodingRefusedError(str(exc)) from exc
             return receipts[0].nbytes

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kv_transfer.control import fields
+from pdserve.kv_transfer.control.channel import LEASE_WAIT_S
 from pdserve.kv_transfer.control.wire import (
     TransferError,
     check_reply,
@@ -151,18 +152,21 @@ class PoolCodec:
         return sent, crc, encode_ns, None
 
     def receive(self, conn: socket.socket, blocks: Sequence[Sequence[torch.Tensor]],
-                checksum: bool, deadline: float, what: str) -> Receipt:
+                checksum: bool, deadline: float, what: str,
+                stall_s: float | None = None) -> Receipt:
         """Read the reply, each block's payload (decoded into its tensors as it comes)
         and the trailer. ``TransferError`` for a refusal (``IncompatiblePeerError``: the
         peer's encoding differs; nothing was written), a payload
         over its bound or that does not decode, an error trailer or (asked) a CRC
-        mismatch; after one, the blocks may hold partial data (recompute them)."""
-        set_deadline(conn, deadline)
+        mismatch; after one, the blocks may hold partial data (recompute them). With
+        ``stall_s``, a peer silent that long fails it too (its first reply may take
+        ``LEASE_WAIT_S`` more: a lease announced late)."""
+        set_deadline(conn, deadline, None if stall_s is None else stall_s + LEASE_WAIT_S)
         check_reply(recv_msg(conn), what)
         data_start = time.perf_counter_ns()
         crc = total = got = decode_ns = 0
         for block in blocks:
-            set_deadline(conn, deadline)
+            set_deadline(conn, deadline, stall_s)
             head = recv_exact(conn, _LEN.size)
             (size,) = _LEN.unpack(head or _END)
             if size == 0:  # ended early: the trailer says why
@@ -180,7 +184,7 @@ class PoolCodec:
                 raise TransferError(f"{what}: a block does not decode: {exc}") from exc
             decode_ns += time.perf_counter_ns() - t0
             total, got = total + size, got + 1
-        set_deadline(conn, deadline)
+        set_deadline(conn, deadline, stall_s)
         trailer = check_reply(recv_msg(conn), what)
         if got != len(blocks) or trailer.get("bytes") != total:
             raise TransferError(f"{what}: {got} of {len(blocks)} blocks, {total} bytes; "

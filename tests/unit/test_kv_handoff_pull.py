@@ -8,6 +8,7 @@ cleanly and the lease does not outlive it."""
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,7 +38,7 @@ class _Handoff:
     each with its own ``--kv-compression``."""
 
     def __init__(self, prefill: str, decode: str, rate: float = 0.0,
-                 checksum: bool = False) -> None:
+                 checksum: bool = False, stall_s: float | None = None) -> None:
         self.src = make_caches(1, torch.float32)
         self.dst = make_caches(2, torch.float32)
         self.leases = LeaseTable()
@@ -46,7 +47,7 @@ class _Handoff:
             TransportOptions(throttle_bytes_per_s=rate, checksum=checksum))
         self.server.use_pool_codec(_codec(self.src, prefill))
         self.client, _ = start_transport("tcp", self.dst, LeaseTable(),
-                                         TransportOptions(checksum=checksum))
+                                         TransportOptions(checksum=checksum, stall_s=stall_s))
         self.client.use_pool_codec(_codec(self.dst, decode))
         self.peer = PeerAddress("127.0.0.1", port)
         self.name = f"127.0.0.1:{port}"
@@ -176,3 +177,32 @@ def test_a_prefill_gone_fails_the_encoded_pull() -> None:
         h.server.close()
         with pytest.raises(TransferError):
             h.client.pull(h.peer, "gone", EVERY, DST, time.monotonic() + 10)
+
+
+def test_an_encoded_pull_from_a_prefill_gone_silent_fails_at_the_stall_bound() -> None:
+    """A cut link mid-stream: the decode gives up after ``stall_s`` of silence (then
+    recomputes), not at the pull's deadline; the prefill ends the lease once its send
+    gives up."""
+    with _handoff("lossless", "lossless", stall_s=0.3) as h:
+        h.measured(THIN)
+        codec = h.server._pool_codec  # type: ignore[attr-defined]
+        real, frozen, encoded = codec.codec, threading.Event(), []
+
+        class Freezing:
+            name = real.name
+
+            def encode(self, chunks: Any) -> bytes:
+                encoded.append(1)
+                if len(encoded) == 3:
+                    frozen.wait(60)  # the third block never comes (until the test ends)
+                return bytes(real.encode(chunks))
+
+        codec.codec = Freezing()
+        started = time.monotonic()
+        try:
+            with pytest.raises(TransferError):
+                h.pull()  # its deadline: 30 s
+            assert time.monotonic() - started < 15
+        finally:
+            frozen.set()
+        assert wait_until(lambda: h.leases.num_held == 0, 10, 0.02)
