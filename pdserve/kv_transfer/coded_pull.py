@@ -84,11 +84,12 @@ class CodedPullTransport(PooledTransport):
             assert self._layout is not None
             blocks = [block_views(self._kv, self._layout, s + i)
                       for s, n in src_runs for i in range(n)]
-            # ``end`` as "unchanged": leased blocks are not rewritten while sent, and the
-            # lease ends before the trailer; ``finish`` ends it before an error trailer.
-            def finish(_ok: bool) -> None:
+
+            def finish(_ok: bool) -> None:  # before an error trailer too
                 end()
 
+            # ``end`` as "unchanged": leased blocks are not rewritten while they are sent,
+            # and it ends the lease once they are, before the trailer.
             codec.serve(conn, blocks, end, checksum, finish, self._count,
                         self.options.throttle_bytes_per_s, self._stop.wait)
 
@@ -98,6 +99,9 @@ class CodedPullTransport(PooledTransport):
 
     def _pull(self, peer: PeerAddress, remote_request_id: str,
               runs: list[tuple[int, int, int]], deadline: float) -> int:
+        """Encoded where ``handoff`` says it pays on this path, else raw; a refusal of
+        the encoding is answered by a raw pull of the same lease (the peer has not
+        touched it)."""
         handoff, codec, layout = self._handoff, self._pool_codec, self._layout
         name = f"{peer.host}:{peer.port}"
         if handoff is None or codec is None or layout is None or not handoff.encode(
@@ -105,8 +109,8 @@ class CodedPullTransport(PooledTransport):
                 _element_size(layout)):
             return super()._pull(peer, remote_request_id, runs, deadline)
         try:
-            return self._pull_lease_encoded(peer, name, remote_request_id, runs, deadline, codec,
-                                      handoff)
+            return self._pull_lease_encoded(peer, name, remote_request_id, runs, deadline,
+                                            codec, handoff)
         except EncodingRefusedError as exc:
             handoff.refused_by(name)
             self._count(encoded_pull_refusals=1)
@@ -115,8 +119,10 @@ class CodedPullTransport(PooledTransport):
         return super()._pull(peer, remote_request_id, runs, deadline)
 
     def _pull_lease_encoded(self, peer: PeerAddress, name: str, remote_request_id: str,
-                      runs: list[tuple[int, int, int]], deadline: float, codec: PoolCodec,
-                      handoff: HandoffCodec) -> int:
+                            runs: list[tuple[int, int, int]], deadline: float,
+                            codec: PoolCodec, handoff: HandoffCodec) -> int:
+        """The wire bytes; ``EncodingRefusedError`` before anything was written, or
+        ``TransferError`` (counted as failed) once the pull broke."""
         assert self._layout is not None
         layout, checksum = self._layout, self.options.checksum
         blocks = [block_views(self._kv, layout, d + i) for _, d, n in runs for i in range(n)]
@@ -164,5 +170,6 @@ def _block_bytes(layout: KVLayout) -> int:
 
 
 def _element_size(layout: KVLayout) -> int:
+    """The cache's element size: what the codecs' priors depend on."""
     dtype = getattr(torch, layout.layers[0].dtype)
     return int(dtype.itemsize)
