@@ -32,6 +32,7 @@ from pdserve.kv_transfer.base import KVTransport, PeerAddress, TransportOptions,
 from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
+from pdserve.membership.local_etcd import gateway_keys
 from pdserve.router.dispatch.workers.client import probe_load
 from pdserve.worker.engine_tmp import sweep_dead
 
@@ -377,19 +378,7 @@ def exited(procs: dict[str, subprocess.Popen[bytes]], log_dir: Path, tail: int =
 def etcd_keys(url: str, prefix: str, client: httpx.Client = HTTP) -> dict[str, bytes]:
     """The keys under ``prefix`` (etcd's JSON gateway, no client library), or {} when
     etcd is unreachable."""
-    import base64
-
-    def b64(raw: bytes) -> str:
-        return base64.b64encode(raw).decode()
-
-    end = prefix.encode()[:-1] + bytes([prefix.encode()[-1] + 1])
-    try:
-        reply = client.post(f"{url}/v3/kv/range", json={"key": b64(prefix.encode()),
-                                                       "range_end": b64(end)}, timeout=2)
-    except httpx.HTTPError:
-        return {}
-    return {base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", ""))
-            for kv in reply.json().get("kvs", [])}
+    return gateway_keys(url, prefix, client)
 
 
 async def wait_until_async(predicate: Callable[[], T], timeout_s: float,

@@ -30,19 +30,23 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
+import json
 import os
+import select
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing import resource_tracker
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, TypeVar
 
 from pdserve.core import process
+from pdserve.core.types import KvLink, WorkerLoadReport
 
 PREFIX = "pdh"  # every namespace this module makes: pdh<owner pid>-<tag>-<host>
 NETWORK = "10.77"  # host N: 10.77.N.2, its router port 10.77.N.1
@@ -197,6 +201,53 @@ def _exit_on_sigterm(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+PROBE_SCRIPT = """import dataclasses, json, sys
+from pdserve.router.dispatch.workers.client import probe_load
+for line in sys.stdin:
+    try:
+        reply = {"load": dataclasses.asdict(probe_load(line.strip(), timeout_s=10))}
+    except Exception as exc:  # noqa: BLE001 - handed to the caller
+        reply = {"error": repr(exc)}
+    print(json.dumps(reply), flush=True)"""
+PROBE_S = 30.0
+
+
+class Prober:
+    """gRPC ``GetLoad`` from a process of its own (``HostNet.prober``: inside a host; gRPC's
+    own threads would not follow a thread into one), asked one endpoint per line: started
+    once, not once per call."""
+
+    def __init__(self, argv: Sequence[str]) -> None:
+        self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    def load(self, endpoint: str, timeout_s: float = PROBE_S) -> WorkerLoadReport:
+        """The worker's report; ``RuntimeError`` if the call failed or no answer came."""
+        stdin, stdout = self._pipes()
+        stdin.write(endpoint + "\n")
+        stdin.flush()
+        if not select.select([stdout], [], [], timeout_s)[0]:
+            self.close()  # its answer would come to the next question
+            raise RuntimeError(f"no GetLoad answer from {endpoint} in {timeout_s} s")
+        reply = json.loads(stdout.readline() or '{"error": "prober exited"}')
+        if "error" in reply:
+            raise RuntimeError(f"GetLoad {endpoint}: {reply['error']}")
+        load = reply["load"]
+        return WorkerLoadReport(**{**load, "kv_links": tuple(KvLink(**link) for link in
+                                                           load.get("kv_links", ()))})
+
+    def _pipes(self) -> tuple[IO[str], IO[str]]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the prober exited {self.proc.returncode}")
+        return self.proc.stdin, self.proc.stdout
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
 class HostNet:
     """Hosts on one router (see the module's docstring); a context manager."""
 
@@ -277,6 +328,10 @@ class HostNet:
         with concurrent.futures.ThreadPoolExecutor(
                 1, initializer=enter, initargs=(self.hosts[name].netns,)) as pool:
             return pool.submit(fn).result(timeout=timeout_s)
+
+    def prober(self, name: str) -> Prober:
+        """A ``Prober`` inside host ``name`` (close it: ``Prober.close``)."""
+        return Prober(self.command(name, [sys.executable, "-c", PROBE_SCRIPT]))
 
     def cut(self, a: str, b: str, both: bool = False) -> None:
         """The router drops a's packets to b (and b's to a with ``both``)."""

@@ -68,6 +68,28 @@ TOOLS: dict[str, Tool] = {
         ("--request-timeout-s", {"type": float, "help": "each request's deadline"}),
         ("--log-dir", {"help": "the processes' logs"}),
     )),
+    "partitions": Tool("partitions", configs.PartitionsConfig,
+                       "network partitions on hosts under streams: the time from each heal "
+                       "to a whole cluster, and the streams' answers", (
+        ("--faults", {"help": "comma-separated, of " + ", ".join(configs.PARTITIONS)}),
+        "--reps",
+        ("--streams", {"type": int, "help": "streams at once through each fault"}),
+        ("--prompt-tokens", {"type": int, "help": "random prompt tokens (a fresh prompt "
+                             "each time)"}),
+        ("--output-tokens", {"type": int, "help": "greedy tokens per stream"}),
+        ("--cut-after-tokens", {"type": int, "help": "router-decode, frozen-decode: the "
+                                "fault at the first stream's token"}),
+        "--dtype", "--seed",
+        ("--kv-cache-gib", {"type": int, "help": "each engine's KV cache, GiB"}),
+        ("--link-gbit", {"type": float, "help": "every host's link"}),
+        ("--pull-link-gbit", {"type": float, "help": "prefill-decode: prefill's link"}),
+        ("--etcd-ttl-s", {"type": int, "help": "the workers' etcd lease TTL"}),
+        ("--kv-stall-s", {"type": float, "help": "the workers' --kv-stall-s"}),
+        ("--lease-s", {"type": float, "help": "the workers' --lease-s"}),
+        ("--whole-timeout-s", {"type": float, "help": "the longest wait for a whole cluster"}),
+        ("--request-timeout-s", {"type": float, "help": "each stream's deadline"}),
+        ("--log-dir", {"help": "the processes' logs"}),
+    )),
     "transfer-pd": Tool("transfer_pd", configs.TransferPdConfig,
                         "the KV transfer's share of TTFT in a real P/D run, pull vs push", (
         ("--tokens", {"type": int, "help": "prompt tokens"}),

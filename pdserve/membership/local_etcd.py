@@ -13,10 +13,14 @@ listener is TLS: clients on ``https://127.0.0.1:PORT`` must present a certificat
 signed (``--client-cert-auth``), and so must the peer listener (``--peer-client-cert-auth``;
 a single member has no peers, but nothing plaintext is left listening). The certificate must
 name ``127.0.0.1``. The health check presents the same client certificate.
+
+``gateway_keys`` reads a key range through etcd's JSON gateway (plain HTTP, no gRPC: it
+works from a thread inside a host, where gRPC's own threads would not follow).
 """
 
 from __future__ import annotations
 
+import base64
 import shutil
 import signal
 import ssl
@@ -33,6 +37,26 @@ from pdserve.core.ports import free_port
 
 START_TIMEOUT_S = 30.0
 Spawn = Callable[[Sequence[str], Path | None], "subprocess.Popen[bytes]"]
+
+
+def gateway_keys(url: str, prefix: str, client: httpx.Client | None = None
+                 ) -> dict[str, bytes]:
+    """The keys under ``prefix`` and their values (etcd's JSON gateway at ``url``,
+    plaintext), or {} when etcd is unreachable."""
+    def b64(raw: bytes) -> str:
+        return base64.b64encode(raw).decode()
+
+    end = prefix.encode()[:-1] + bytes([prefix.encode()[-1] + 1])
+    body = {"key": b64(prefix.encode()), "range_end": b64(end)}
+    try:
+        if client is None:
+            reply = httpx.post(f"{url}/v3/kv/range", json=body, timeout=2)
+        else:
+            reply = client.post(f"{url}/v3/kv/range", json=body, timeout=2)
+    except httpx.HTTPError:
+        return {}
+    return {base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", ""))
+            for kv in reply.json().get("kvs", [])}
 
 
 def _spawn_here(argv: Sequence[str], log_path: Path | None) -> subprocess.Popen[bytes]:

@@ -12,70 +12,21 @@ follow a thread into a host)."""
 from __future__ import annotations
 
 import contextlib
-import json
-import select
 import subprocess
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import IO, TypeVar
+from typing import TypeVar
 
-from pdserve.bench.hosts import HostNet, inside, unavailable
+from pdserve.bench.hosts import PROBE_SCRIPT, HostNet, Prober, inside, unavailable
 from pdserve.core import process
-from pdserve.core.types import KvLink, WorkerLoadReport
 from pdserve.membership.local_etcd import LocalEtcd
 
 T = TypeVar("T")
 LINK_GBIT = 10.0
 CLIENT = "client"
-PROBE_SCRIPT = """import dataclasses, json, sys
-from pdserve.router.dispatch.workers.client import probe_load
-for line in sys.stdin:
-    try:
-        reply = {"load": dataclasses.asdict(probe_load(line.strip(), timeout_s=10))}
-    except Exception as exc:  # noqa: BLE001 - handed to the test
-        reply = {"error": repr(exc)}
-    print(json.dumps(reply), flush=True)"""
-PROBE_S = 30.0
-
-
-class Prober:
-    """gRPC ``GetLoad`` from a process of its own (on the client host, or here on
-    loopback), asked one endpoint per line: started once, not once per call."""
-
-    def __init__(self, argv: Sequence[str]) -> None:
-        self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, bufsize=1)
-
-    def load(self, endpoint: str, timeout_s: float = PROBE_S) -> WorkerLoadReport:
-        """The worker's report; ``RuntimeError`` if the call failed or no answer came."""
-        stdin, stdout = self._pipes()
-        stdin.write(endpoint + "\n")
-        stdin.flush()
-        if not select.select([stdout], [], [], timeout_s)[0]:
-            self.close()  # its answer would come to the next question
-            raise RuntimeError(f"no GetLoad answer from {endpoint} in {timeout_s} s")
-        reply = json.loads(stdout.readline() or '{"error": "prober exited"}')
-        if "error" in reply:
-            raise RuntimeError(f"GetLoad {endpoint}: {reply['error']}")
-        load = reply["load"]
-        return WorkerLoadReport(**{**load, "kv_links": tuple(KvLink(**link) for link in
-                                                           load.get("kv_links", ()))})
-
-    def _pipes(self) -> tuple[IO[str], IO[str]]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"the prober exited {self.proc.returncode}")
-        return self.proc.stdin, self.proc.stdout
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=10)
-
-
 class Hosted:
     """The cluster's places (``add``), processes (``spawn``) and the test's reach
     (``call``, ``run``)."""

@@ -109,6 +109,49 @@ class TransferPdConfig:
     tls: bool = False  # also push over mutual TLS (gRPC and KV)
 
 
+PARTITIONS = ("router-decode", "prefill-decode", "prefill-router", "worker-etcd", "router-etcd",
+              "frozen-decode")
+
+
+@dataclass(frozen=True)
+class PartitionsConfig:
+    """``pdserve bench partitions`` (``partitions.py``)."""
+
+    faults: str = ",".join(PARTITIONS)  # comma-separated, in turn each repetition
+    reps: int = 3
+    streams: int = 3  # at once, through each fault
+    prompt_tokens: int = 1024
+    output_tokens: int = 32
+    cut_after_tokens: int = 16  # router-decode and frozen-decode: at the first stream's
+    dtype: str = "float32"
+    kv_cache_gib: int = 1
+    link_gbit: float = 10.0
+    pull_link_gbit: float = 0.05  # prefill-decode: prefill's link while it is cut
+    etcd_ttl_s: int = 3
+    kv_stall_s: float = 2.0
+    lease_s: float = 10.0
+    whole_timeout_s: float = 60.0
+    request_timeout_s: float = 120.0
+    seed: int = 0
+    log_dir: str = ""  # "": ~/.cache/pdserve/bench-partitions
+
+    def __post_init__(self) -> None:
+        unknown = [f for f in self.fault_list if f not in PARTITIONS]
+        if unknown or not self.fault_list:
+            raise ValueError(f"--faults: comma-separated, of {', '.join(PARTITIONS)}; "
+                             f"unknown: {', '.join(unknown) or '(none given)'}")
+        if min(self.reps, self.streams, self.prompt_tokens, self.output_tokens) < 1:
+            raise ValueError("--reps, --streams, --prompt-tokens, --output-tokens: >= 1")
+        if not 0 < self.cut_after_tokens < self.output_tokens:
+            raise ValueError("--cut-after-tokens: between 1 and --output-tokens - 1")
+        if not (self.link_gbit > 0 and self.pull_link_gbit > 0):
+            raise ValueError("--link-gbit and --pull-link-gbit: positive Gbit/s")
+
+    @property
+    def fault_list(self) -> list[str]:
+        return [f for f in self.faults.split(",") if f]
+
+
 @dataclass(frozen=True)
 class LinkAwareConfig:
     """``pdserve bench link-aware`` (``link_aware.py``)."""
