@@ -166,6 +166,10 @@ FLAGS = _flags(
          "pull of 1 MiB or more is a sample; the router prices handoffs over that path "
          "with it) is believed without a new pull from that peer", 60.0,
          parse_float(0, strict=True)),
+    Flag("kv-handoff-lossy", "with a lossy --kv-compression (int8, fp8), encode P/D "
+         "handoffs with it too where the path is thin enough for that to pay (off: a "
+         "handoff's KV is encoded only by lossless, so its answer is one engine's)", False,
+         parse_bool, switch=True),
     Flag("kv-push", "prefill pushes KV layer by layer (tcp transport) to the decode while "
          "computing; --no-kv-push: decode pulls after prefill (default: push on CUDA, pull "
          "on CPU, where the sender competes with prefill for cores)", None, parse_bool,

@@ -25,7 +25,7 @@ ENGINE = ("dtype", "kv-cache-gib", "num-kv-blocks", "kv-offload-gib", "kv-disk-d
           "kv-store-admission", "kv-store-tls-ca", "kv-store-tls-cert", "kv-store-tls-key",
           "kv-compression", "enable-lora", "lora-modules", "max-loras", "max-lora-rank")
 TRANSPORT = ("transport", "kv-checksum", "kv-throttle-mib-s", "kv-stall-s",
-             "kv-link-max-age-s", "kv-push")
+             "kv-link-max-age-s", "kv-handoff-lossy", "kv-push")
 MEMBERSHIP = ("etcd", "cluster", "etcd-ttl-s", "etcd-user", "etcd-password-file")
 WORKER = ("host", "port", "advertise-host", "kv-port", "kv-host", "cpu-cores", "lease-s",
           "worker-id", "compile", "grpc-keepalive-s", "drain-timeout-s", "metrics-port",

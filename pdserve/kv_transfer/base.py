@@ -63,6 +63,8 @@ class TransportOptions:
     deadline only.
     ``link_max_age_s``: how long the rate measured to a peer (``links.py``) is believed
     without a new pull from it.
+    ``handoff_lossy``: a lossy pool codec (``int8``, ``fp8``) encodes P->D handoffs too,
+    where that pays (``coded_pull.py``); False: only ``lossless`` does.
     ``max_connections``: control connections the server serves at once; one more is
     closed on accept and counted as a refusal. None: ``control/server.MAX_CONNECTIONS``.
     ``max_logins``: of those, how many may still be authenticating (with a secret or
@@ -76,6 +78,7 @@ class TransportOptions:
     idle_timeout_s: float | None = None
     stall_s: float | None = None
     link_max_age_s: float = DEFAULT_MAX_AGE_S
+    handoff_lossy: bool = False
     max_connections: int | None = None
     max_logins: int | None = None
 

@@ -47,6 +47,7 @@ from pdserve.kv_transfer.pool_pull import PooledTransport
 from pdserve.kv_transfer.remote.compression import BlockCodec
 
 logger = logging.getLogger("pdserve.kv_transfer.control")
+LOSSLESS = ("none", "lossless")  # the codecs that keep every bit
 
 
 class EncodingRefusedError(IncompatiblePeerError):
@@ -60,9 +61,14 @@ class CodedPullTransport(PooledTransport):
     _handoff: HandoffCodec | None = None  # None: every pull is raw
 
     def use_pool_codec(self, codec: BlockCodec) -> None:
-        """The pool's encoding is the handoff's too (one ``--kv-compression``)."""
+        """The pool's encoding is the handoff's too (one ``--kv-compression``), if it
+        is lossless or ``handoff_lossy`` allows a lossy one: a handoff's KV is computed
+        fresh, and a lossy copy of it would change the answer of every long prompt sent
+        over a thin path, where the store and the pool trade that for hits."""
         super().use_pool_codec(codec)
-        self._handoff = None if self._pool_codec is None else HandoffCodec(
+        lossy = codec.name not in LOSSLESS
+        self._handoff = None if self._pool_codec is None or (
+            lossy and not self.options.handoff_lossy) else HandoffCodec(
             codec.name, self.options.link_max_age_s)
 
     # ---- serving side ----------------------------------------------------------

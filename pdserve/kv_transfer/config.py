@@ -39,6 +39,7 @@ class ConnectorConfig:
     kv_stall_s: float = 10.0
     # How long the rate measured to a peer is believed without a new pull from it.
     kv_link_max_age_s: float = 60.0
+    kv_handoff_lossy: bool = False  # a lossy --kv-compression encodes handoffs too
     pull_threads: int = 4
     # Layer-wise push: a prefill sends each layer's blocks to the decode the router
     # named while its forward pass runs; decodes keep pushed KV in a bounded inbox.
@@ -160,7 +161,8 @@ class ConnectorConfig:
                                 throttle_bytes_per_s=self.kv_throttle_mib_s * (1 << 20),
                                 secret=self.cluster_secret(), tls=self.kv_tls(),
                                 stall_s=self.kv_stall_s,
-                                link_max_age_s=self.kv_link_max_age_s)
+                                link_max_age_s=self.kv_link_max_age_s,
+                                handoff_lossy=self.kv_handoff_lossy)
 
     def to_extra_config(self) -> dict[str, Any]:
         return {"pdserve": asdict(self)}

@@ -38,7 +38,8 @@ class _Handoff:
     each with its own ``--kv-compression``."""
 
     def __init__(self, prefill: str, decode: str, rate: float = 0.0,
-                 checksum: bool = False, stall_s: float | None = None) -> None:
+                 checksum: bool = False, stall_s: float | None = None,
+                 lossy: bool = True) -> None:
         self.src = make_caches(1, torch.float32)
         self.dst = make_caches(2, torch.float32)
         self.leases = LeaseTable()
@@ -47,7 +48,8 @@ class _Handoff:
             TransportOptions(throttle_bytes_per_s=rate, checksum=checksum))
         self.server.use_pool_codec(_codec(self.src, prefill))
         self.client, _ = start_transport("tcp", self.dst, LeaseTable(),
-                                         TransportOptions(checksum=checksum, stall_s=stall_s))
+                                         TransportOptions(checksum=checksum, stall_s=stall_s,
+                                                          handoff_lossy=lossy))
         self.client.use_pool_codec(_codec(self.dst, decode))
         self.peer = PeerAddress("127.0.0.1", port)
         self.name = f"127.0.0.1:{port}"
@@ -133,6 +135,18 @@ def test_a_prefill_with_another_encoding_refuses_and_the_pull_completes_raw(
         h.pull()  # that peer is pulled raw now, without asking again
         assert _delta(before, h.client.stats(), "encoded_pull_refusals",
                       "transfers_completed") == (1, 2)
+
+
+def test_a_lossy_codec_encodes_no_handoff_unless_asked() -> None:
+    """``--kv-compression int8`` without ``--kv-handoff-lossy``: the thin path's pull is
+    raw and bit-exact (a handoff's KV is fresh: a lossy copy would change the answer)."""
+    with _handoff("int8", "int8", lossy=False) as h:
+        h.measured(THIN)
+        before = h.client.stats()
+        assert h.pull() == NUM_BLOCKS * BLOCK_BYTES
+        assert h.landed_bit_exact()
+        assert _delta(before, h.client.stats(), "encoded_pulls", "transfers_completed") == (
+            0, 1)
 
 
 def test_a_payload_that_does_not_decode_fails_the_pull_and_ends_the_lease(
