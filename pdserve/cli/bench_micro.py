@@ -65,6 +65,9 @@ TOOLS: dict[str, Tool] = {
         ("--rate", {"type": float, "help": "requests per second (Poisson)"}),
         "--dtype", "--seed",
         ("--kv-cache-gib", {"type": int, "help": "each engine's KV cache, GiB"}),
+        ("--kv-compression", {"choices": ("none", "lossless", "int8", "fp8"),
+                              "help": "the workers' --kv-compression (lossless: a thin "
+                              "path's handoffs move encoded)"}),
         ("--request-timeout-s", {"type": float, "help": "each request's deadline"}),
         ("--log-dir", {"help": "the processes' logs"}),
     )),

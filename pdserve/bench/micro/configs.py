@@ -163,6 +163,7 @@ class LinkAwareConfig:
     rate: float = 0.25  # req/s, Poisson
     dtype: str = "float32"
     kv_cache_gib: int = 2
+    kv_compression: str = "none"  # the workers' --kv-compression (lossless: handoffs too)
     seed: int = 0
     request_timeout_s: float = 300.0
     log_dir: str = ""  # "": ~/.cache/pdserve/bench-link-aware

@@ -20,8 +20,11 @@ It reports, for each router:
 - Time to the second token p50/p99: when the stream goes on after the handoff.
 - ITL p99 and E2E p50.
 - The decisions the router took (``pdserve:disagg_decisions_total``).
+- The KV decode pulled (MB on the wire) and how many of its pulls came encoded
+  (``--kv-compression lossless``: a thin path's handoffs move compressed).
 
-Results: ``bench/results/link-aware/`` (``results.json``, ``report.md``).
+Results: ``bench/results/link-aware/`` (``results.json``, ``report.md``), or
+``link-aware-<compression>/`` with a ``--kv-compression``.
 
     sudo pdserve bench link-aware --link-gbit 1,0.1
 """
@@ -93,6 +96,7 @@ class Cluster:
                 role, *common, "--host", self.net.address(role), "--port", str(GRPC_PORT),
                 "--kv-port", str(KV_PORT), "--worker-id", role, "--model", model,
                 "--dtype", self.config.dtype, "--kv-cache-gib", str(self.config.kv_cache_gib),
+                "--kv-compression", self.config.kv_compression,
                 "--max-model-len", str(max(self.config.lengths) + self.config.output_tokens
                                        + 64)), env)
         for which, (flag, port) in ROUTERS.items():
@@ -129,6 +133,17 @@ class Cluster:
         return {f"{s.labels['decision']}/{s.labels['reason']}": s.value
                 for family in text_string_to_metric_families(text)
                 for s in family.samples if s.name == DECISIONS}
+
+    def encoded(self) -> dict[str, float]:
+        """Decode's encoded handoff pulls and the wire bytes they saved so far."""
+        prober = self.net.prober("client")
+        try:
+            load = prober.load(f"{self.net.address('decode')}:{GRPC_PORT}")
+        finally:
+            prober.close()
+        return {"encoded_pulls": load.kv_encoded_pulls,
+                "encoded_bytes_saved": load.kv_encoded_bytes_saved,
+                "bytes_received": load.kv_bytes_received}
 
     def stop(self) -> None:
         process.stop(list(self.procs.values()), grace_s=10, sig=signal.SIGTERM)
@@ -187,14 +202,15 @@ def measure(cluster: Cluster, encoder: PromptEncoder, config: LinkAwareConfig
             ep = Endpoint(cluster.url(which) + "/v1", DEFAULT_MODEL_NAME, "completions",
                           ignore_eos=True, timeout_s=config.request_timeout_s)
             seed = config.seed + 100 * i + (1 if which == "off" else 0)
-            before = cluster.decisions(which)
+            before, moved = cluster.decisions(which), cluster.encoded()
             out = cluster.net.call(
                 "client", functools.partial(_serve, ep, encoder,
                                             _requests(encoder, config, seed), config.rate, seed),
                 timeout_s=config.request_timeout_s * 2 + config.requests / config.rate)
             row = {"link_gbit": rate, "link_aware": which,
                    **_summary(out.records, out.duration_s,
-                              _diff(cluster.decisions(which), before))}
+                              _diff(cluster.decisions(which), before)),
+                   "kv": _diff(cluster.encoded(), moved)}
             rows.append(row)
             _print(row)
     return rows
@@ -209,24 +225,29 @@ def _print(row: dict[str, Any]) -> None:
     console.print(f"{row['link_gbit']:g} Gbit/s, link-aware {row['link_aware']}: TTFT p50/p99 "
                   f"{_ms(row['ttft_s'], 'p50')}/{_ms(row['ttft_s'], 'p99')} ms, 2nd token "
                   f"{_ms(row['second_token_s'], 'p50')}/{_ms(row['second_token_s'], 'p99')} "
-                  f"ms, failed {row['failed']}, decisions {row['decisions']}")
+                  f"ms, failed {row['failed']}, decisions {row['decisions']}, decode's KV "
+                  f"{row['kv']}")
 
 
 def report(rows: list[dict[str, Any]], config: LinkAwareConfig) -> str:
     lines = ["# Link-aware disaggregation on hosts (`pdserve bench link-aware`)", "",
              f"{config.requests} requests per router and rate, prompts of "
              f"{config.prompt_tokens} tokens, {config.output_tokens} output tokens, "
-             f"{config.rate} req/s, dtype {config.dtype}. Times in ms.", "",
+             f"{config.rate} req/s, dtype {config.dtype}, --kv-compression "
+             f"{config.kv_compression}. Times in ms.", "",
              "| link Gbit/s | link-aware | TTFT p50 | TTFT p99 | 2nd token p50 | "
-             "2nd token p99 | ITL p99 | E2E p50 | failed | decisions |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "2nd token p99 | ITL p99 | E2E p50 | failed | decisions | KV pulled MB | "
+             "encoded pulls |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['link_gbit']:g} | {r['link_aware']} | {_ms(r['ttft_s'], 'p50')} | "
             f"{_ms(r['ttft_s'], 'p99')} | {_ms(r['second_token_s'], 'p50')} | "
             f"{_ms(r['second_token_s'], 'p99')} | {_ms(r['itl_s'], 'p99')} | "
             f"{_ms(r['e2e_s'], 'p50')} | {r['failed']} | "
-            + ", ".join(f"{k} {v:g}" for k, v in sorted(r["decisions"].items())) + " |")
+            + ", ".join(f"{k} {v:g}" for k, v in sorted(r["decisions"].items()))
+            + f" | {r.get('kv', {}).get('bytes_received', 0) / 1e6:.0f} | "
+            f"{r.get('kv', {}).get('encoded_pulls', 0):g} |")
     by = {(r["link_gbit"], r["link_aware"]): r for r in rows}
     lines += ["", "On / off, per rate (below 1: link-aware is faster):", ""]
     for rate in config.link_rates:
@@ -247,7 +268,8 @@ def run(config: LinkAwareConfig) -> int:
     if why := hosts.prepare_process():
         console.print(f"[red]link-aware needs hosts: {why}[/red]")
         return 2
-    out = RESULTS_DIR / "link-aware"
+    out = RESULTS_DIR / ("link-aware" if config.kv_compression == "none"
+                         else f"link-aware-{config.kv_compression}")
     log_dir = Path(config.log_dir) if config.log_dir else cache_dir() / "bench-link-aware"
     shutil.rmtree(log_dir, ignore_errors=True)
     log_dir.mkdir(parents=True)
