@@ -62,14 +62,15 @@ def test_an_estimate_is_forgotten_after_its_max_age() -> None:
     assert meter.estimates()[0].bytes_per_s == pytest.approx(100 * MIB)
 
 
-def _pair(bytes_per_s: float | None, per_token_s: float = 1e-3
+def _pair(bytes_per_s: float | None, per_token_s: float = 1e-3, decode_running: int = 0
           ) -> tuple[WorkerState, WorkerState]:
     step = StepCost(0.02, 0.001, per_token_s, True, True)
     prefill = WorkerState("p:1", "prefill", healthy=True, worker_id="p", kv_host="10.0.0.7",
                           kv_port=7000, load=WorkerLoad(step=step))
     links = () if bytes_per_s is None else (KvLink(PEER, bytes_per_s, 46_080.0, 3, 1.0),)
     decode = WorkerState("d:1", "decode", healthy=True, worker_id="d",
-                         load=WorkerLoad(step=step, kv_links=links))
+                         load=WorkerLoad(step=step, kv_links=links,
+                                         num_running_reqs=decode_running))
     return prefill, decode
 
 
@@ -99,6 +100,22 @@ def test_auto_computes_a_long_prompt_on_decode_when_its_path_is_too_thin(
     else:
         assert decision.transfer_s is None
         assert decision.header() == f"{want[0]}; reason={want[1]}"
+
+
+@pytest.mark.parametrize(("running", "want"), [
+    (0, "local"),  # 2 s to move against 1 s computed, stalling nothing else
+    (1, "remote"),  # 1 s computed stalls this stream and one other: 2 s, no more than moving
+    (3, "remote"),  # four streams stall for it: 4 s against 2 s
+])
+def test_slow_link_counts_the_stall_a_local_prefill_puts_on_decodes_streams(
+        running: int, want: str) -> None:
+    """A local prefill shares decode's steps: each stream it runs waits for those tokens
+    too, so a path must be slower than that total for the prompt to go local."""
+    prefill, decode = _pair(46_080.0 * 500, decode_running=running)  # 1000 tokens: 2 s
+    decision = choose_disagg(DisaggConfig("auto"), PlacementRequest(num_prompt_tokens=1000),
+                             prefill, decode)
+    assert decision.decision == want
+    assert decision.transfer_s == pytest.approx(2.0)
 
 
 def test_slo_counts_the_transfer_in_the_remote_route() -> None:

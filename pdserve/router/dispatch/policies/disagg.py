@@ -141,8 +141,11 @@ def choose_disagg(
       tokens are no more than that queue threshold (a huge prompt would stall decode's
       streams longer than the queue delays this one) → local;
     - ``slow_link`` (``link_aware``): moving the local tokens' KV from prefill to decode
-      over their path, at the rate decode measured its pulls from that peer at, would take
-      longer than decode computing them (its measured per-token cost) → local;
+      over their path, at the rate decode measured its pulls from that peer at, would
+      keep this stream waiting longer than computing them on decode keeps every stream
+      there waiting: its measured per-token cost, times this request and each one
+      decode runs (a local prefill shares decode's steps, so all of them stall for it;
+      a handoff holds only its own stream) → local;
     - otherwise ``long_prompt`` → remote.
 
     The thresholds compare what *decode* would compute, not the prompt tokens outside
@@ -172,7 +175,8 @@ def choose_disagg(
         return DisaggDecision("local", "prefill_busy")
     moved = transfer_s(prefill, decode, local_tokens) if config.link_aware else None
     step = decode_step_cost(prefill, decode)
-    if moved is not None and step is not None and moved > compute_s(step, local_tokens):
+    if moved is not None and step is not None and (
+            moved > compute_s(step, local_tokens) * (1 + num_running(decode))):
         return DisaggDecision("local", "slow_link", transfer_s=moved)
     return DisaggDecision("remote", "long_prompt", transfer_s=moved)
 

@@ -6,7 +6,8 @@ In pull mode the first token comes from prefill and the transfer then holds the 
 until decode has the KV: a long prompt over a thin link can cost more than computing it
 on decode. ``choose_disagg`` weighs that (``--link-aware``): the ``slo`` rule adds it to
 the remote route's time to stream, the ``auto`` rules compute the prompt on decode
-(``slow_link``) when moving its KV would take longer than computing it there. And
+(``slow_link``) when moving its KV would hold its stream longer than computing it there
+holds every stream decode runs (this one and the others: they share its steps). And
 ``cache_aware`` placement adds each prefill's path to the chosen decode to its cost, so a
 prefill behind a faster link takes the long prompts (``placement.path_tokens``).
 
