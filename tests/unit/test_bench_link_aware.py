@@ -41,7 +41,18 @@ def test_the_report_gives_on_over_off_per_rate() -> None:
     assert "TTFT p50 2.00x" in text and "2nd token p50 0.11x" in text
 
 
-@pytest.mark.parametrize("bad", [{"link_gbit": "0"}, {"prompt_tokens": ""}, {"rate": 0.0}])
+def test_the_report_gives_each_prefills_prompt_tokens_and_the_kv_pulled() -> None:
+    row = {"link_gbit": 0.1, "link_aware": "on", "failed": 0, "decisions": {},
+           **_summary([_record(2.0, [0.2])], 5.0, {}),
+           "kv": {"bytes_received": 94e6, "encoded_pulls": 2.0, "prefill_tokens": 1024.0,
+                  "prefill-fast_tokens": 5120.0}}
+    row["decisions"] = {"remote/long_prompt": 4}
+    text = report([row], LinkAwareConfig(link_gbit="0.1", prefills=2))
+    assert "| remote/long_prompt 4 | 94 | 2 | prefill-fast 5120, prefill 1024 |" in text
+
+
+@pytest.mark.parametrize("bad", [{"link_gbit": "0"}, {"prompt_tokens": ""}, {"rate": 0.0},
+                                 {"prefills": 3}])
 def test_a_bad_config_is_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         LinkAwareConfig(**bad)  # type: ignore[arg-type]

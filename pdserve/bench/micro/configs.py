@@ -164,11 +164,14 @@ class LinkAwareConfig:
     dtype: str = "float32"
     kv_cache_gib: int = 2
     kv_compression: str = "none"  # the workers' --kv-compression (lossless: handoffs too)
+    prefills: int = 1  # 2: a second prefill behind a link never shaped (placement)
     seed: int = 0
     request_timeout_s: float = 300.0
     log_dir: str = ""  # "": ~/.cache/pdserve/bench-link-aware
 
     def __post_init__(self) -> None:
+        if self.prefills not in (1, 2):
+            raise ValueError("--prefills: 1 or 2")
         if not self.link_rates or any(r <= 0 for r in self.link_rates):
             raise ValueError("--link-gbit: positive Gbit/s, comma-separated")
         if not self.lengths or any(n < 1 for n in self.lengths):

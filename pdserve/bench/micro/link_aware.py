@@ -22,6 +22,9 @@ It reports, for each router:
 - The decisions the router took (``pdserve:disagg_decisions_total``).
 - The KV decode pulled (MB on the wire) and how many of its pulls came encoded
   (``--kv-compression lossless``: a thin path's handoffs move compressed).
+- The prompt tokens each prefill computed. With ``--prefills 2`` a second prefill sits
+  behind a 10 Gbit/s link that is never shaped: ``cache_aware`` placement with the paths
+  priced sends the long prompts there, not across the thin link.
 
 Results: ``bench/results/link-aware/`` (``results.json``, ``report.md``), or
 ``link-aware-<compression>/`` with a ``--kv-compression``.
@@ -57,9 +60,12 @@ from pdserve.bench.workload.prompts import BenchRequest, PromptEncoder
 from pdserve.core import process
 from pdserve.core.model import DEFAULT_MODEL_NAME, cache_dir, prepare_default_model
 from pdserve.core.tokenizer import load_tokenizer
+from pdserve.core.types import WorkerLoadReport
 from pdserve.membership.local_etcd import LocalEtcd
 
 FAST_GBIT = 10.0
+FAST_PREFILL = "prefill-fast"  # --prefills 2: a second prefill, its link never shaped
+WARMUPS = 8  # at most, until decode has measured every prefill's path
 START_S = 600.0
 ROUTERS = {"on": ("--link-aware", 8000), "off": ("--no-link-aware", 8001)}
 GRPC_PORT, KV_PORT = 50051, 7000
@@ -72,12 +78,13 @@ def _pdserve(*args: str) -> list[str]:
 
 
 class Cluster:
-    """etcd, prefill, decode and both routers, each on a host of its own."""
+    """etcd, the workers and both routers, each on a host of its own."""
 
     def __init__(self, net: hosts.HostNet, config: LinkAwareConfig, log_dir: Path) -> None:
         self.net, self.config, self.log_dir = net, config, log_dir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        for name in ("etcd", "router", "prefill", "decode", "client"):
+        self.prefills = ("prefill", FAST_PREFILL) if config.prefills == 2 else ("prefill",)
+        for name in ("etcd", "router", *self.prefills, "decode", "client"):
             net.add(name, FAST_GBIT)
         self.etcd = LocalEtcd(log_path=log_dir / "etcd.log", host=net.address("etcd"),
                               spawn=lambda argv, log: net.spawn("etcd", argv, log_path=log))
@@ -91,10 +98,11 @@ class Cluster:
                "VLLM_CPU_KVCACHE_SPACE": str(self.config.kv_cache_gib)}
         model = str(prepare_default_model())
         common = ("--etcd", self.etcd.url, "--cluster", "link-aware")
-        for role in ("prefill", "decode"):
-            self._spawn(role, _pdserve(
-                role, *common, "--host", self.net.address(role), "--port", str(GRPC_PORT),
-                "--kv-port", str(KV_PORT), "--worker-id", role, "--model", model,
+        for name in (*self.prefills, "decode"):
+            role = "decode" if name == "decode" else "prefill"
+            self._spawn(name, _pdserve(
+                role, *common, "--host", self.net.address(name), "--port", str(GRPC_PORT),
+                "--kv-port", str(KV_PORT), "--worker-id", name, "--model", model,
                 "--dtype", self.config.dtype, "--kv-cache-gib", str(self.config.kv_cache_gib),
                 "--kv-compression", self.config.kv_compression,
                 "--max-model-len", str(max(self.config.lengths) + self.config.output_tokens
@@ -124,7 +132,7 @@ class Cluster:
             except (httpx.HTTPError, ValueError, KeyError):
                 return set()
             return {str(w["id"]) for w in workers if w["healthy"]}
-        return self.net.call("client", view) >= {"prefill", "decode"}
+        return self.net.call("client", view) >= {*self.prefills, "decode"}
 
     def decisions(self, which: str) -> dict[str, float]:
         """The router's decision counts, ``decision/reason`` -> count."""
@@ -134,16 +142,30 @@ class Cluster:
                 for family in text_string_to_metric_families(text)
                 for s in family.samples if s.name == DECISIONS}
 
-    def encoded(self) -> dict[str, float]:
-        """Decode's encoded handoff pulls and the wire bytes they saved so far."""
+    def loads(self) -> dict[str, WorkerLoadReport]:
+        """Each worker's ``GetLoad``, asked from the client host."""
         prober = self.net.prober("client")
         try:
-            load = prober.load(f"{self.net.address('decode')}:{GRPC_PORT}")
+            return {name: prober.load(f"{self.net.address(name)}:{GRPC_PORT}")
+                    for name in (*self.prefills, "decode")}
         finally:
             prober.close()
-        return {"encoded_pulls": load.kv_encoded_pulls,
-                "encoded_bytes_saved": load.kv_encoded_bytes_saved,
-                "bytes_received": load.kv_bytes_received}
+
+    def counts(self) -> dict[str, float]:
+        """Decode's KV pulled (wire bytes) and encoded pulls, and the prompt tokens each
+        prefill computed, so far."""
+        loads = self.loads()
+        decode = loads["decode"]
+        return {"bytes_received": decode.kv_bytes_received,
+                "encoded_pulls": decode.kv_encoded_pulls,
+                "encoded_bytes_saved": decode.kv_encoded_bytes_saved,
+                **{f"{p}_tokens": loads[p].prompt_tokens_computed for p in self.prefills}}
+
+    def measured_since(self, seconds: float) -> bool:
+        """Decode has measured every prefill's path within the last ``seconds``."""
+        links = {link.peer: link for link in self.loads()["decode"].kv_links}
+        return all((link := links.get(f"{self.net.address(p)}:{KV_PORT}")) is not None
+                   and link.age_s < seconds for p in self.prefills)
 
     def stop(self) -> None:
         process.stop(list(self.procs.values()), grace_s=10, sig=signal.SIGTERM)
@@ -193,16 +215,21 @@ def measure(cluster: Cluster, encoder: PromptEncoder, config: LinkAwareConfig
     for i, rate in enumerate(config.link_rates):
         cluster.net.shape("prefill", rate)
         order = list(ROUTERS) if i % 2 == 0 else list(reversed(ROUTERS))
-        warm = _requests(encoder, config, seed=10_000 + i)[:1]  # decode measures the path
-        on = Endpoint(cluster.url("on") + "/v1", DEFAULT_MODEL_NAME, "completions",
-                      ignore_eos=True, timeout_s=config.request_timeout_s)
-        cluster.net.call("client", functools.partial(_serve, on, encoder, warm, 1.0, i))
-        time.sleep(3.0)  # the routers' next probe of decode brings the path's price
+        shaped = time.monotonic()
+        for w in range(WARMUPS):  # until decode has measured each path at this rate
+            warm = _requests(encoder, config, seed=10_000 + 100 * i + w)[:1]
+            ep = Endpoint(cluster.url("off" if w % 2 == 0 else "on") + "/v1",
+                          DEFAULT_MODEL_NAME, "completions", ignore_eos=True,
+                          timeout_s=config.request_timeout_s)
+            cluster.net.call("client", functools.partial(_serve, ep, encoder, warm, 1.0, i))
+            if cluster.measured_since(time.monotonic() - shaped):
+                break
+        time.sleep(3.0)  # the routers' next probe of decode brings the paths' prices
         for which in order:
             ep = Endpoint(cluster.url(which) + "/v1", DEFAULT_MODEL_NAME, "completions",
                           ignore_eos=True, timeout_s=config.request_timeout_s)
             seed = config.seed + 100 * i + (1 if which == "off" else 0)
-            before, moved = cluster.decisions(which), cluster.encoded()
+            before, moved = cluster.decisions(which), cluster.counts()
             out = cluster.net.call(
                 "client", functools.partial(_serve, ep, encoder,
                                             _requests(encoder, config, seed), config.rate, seed),
@@ -210,7 +237,7 @@ def measure(cluster: Cluster, encoder: PromptEncoder, config: LinkAwareConfig
             row = {"link_gbit": rate, "link_aware": which,
                    **_summary(out.records, out.duration_s,
                               _diff(cluster.decisions(which), before)),
-                   "kv": _diff(cluster.encoded(), moved)}
+                   "kv": _diff(cluster.counts(), moved)}
             rows.append(row)
             _print(row)
     return rows
@@ -237,8 +264,8 @@ def report(rows: list[dict[str, Any]], config: LinkAwareConfig) -> str:
              f"{config.kv_compression}. Times in ms.", "",
              "| link Gbit/s | link-aware | TTFT p50 | TTFT p99 | 2nd token p50 | "
              "2nd token p99 | ITL p99 | E2E p50 | failed | decisions | KV pulled MB | "
-             "encoded pulls |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "encoded pulls | prompt tokens computed by prefill |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['link_gbit']:g} | {r['link_aware']} | {_ms(r['ttft_s'], 'p50')} | "
@@ -247,7 +274,10 @@ def report(rows: list[dict[str, Any]], config: LinkAwareConfig) -> str:
             f"{_ms(r['e2e_s'], 'p50')} | {r['failed']} | "
             + ", ".join(f"{k} {v:g}" for k, v in sorted(r["decisions"].items()))
             + f" | {r.get('kv', {}).get('bytes_received', 0) / 1e6:.0f} | "
-            f"{r.get('kv', {}).get('encoded_pulls', 0):g} |")
+            f"{r.get('kv', {}).get('encoded_pulls', 0):g} | "
+            + (", ".join(f"{k.removesuffix('_tokens')} {v:g}"
+                         for k, v in sorted(r.get("kv", {}).items()) if k.endswith("_tokens"))
+               or "-") + " |")
     by = {(r["link_gbit"], r["link_aware"]): r for r in rows}
     lines += ["", "On / off, per rate (below 1: link-aware is faster):", ""]
     for rate in config.link_rates:
@@ -268,8 +298,10 @@ def run(config: LinkAwareConfig) -> int:
     if why := hosts.prepare_process():
         console.print(f"[red]link-aware needs hosts: {why}[/red]")
         return 2
-    out = RESULTS_DIR / ("link-aware" if config.kv_compression == "none"
-                         else f"link-aware-{config.kv_compression}")
+    name = "link-aware" + ("" if config.kv_compression == "none"
+                           else f"-{config.kv_compression}") + (
+        "-2-prefills" if config.prefills == 2 else "")
+    out = RESULTS_DIR / name
     log_dir = Path(config.log_dir) if config.log_dir else cache_dir() / "bench-link-aware"
     shutil.rmtree(log_dir, ignore_errors=True)
     log_dir.mkdir(parents=True)
