@@ -1,8 +1,9 @@
-"""The router: an OpenAI-compatible HTTP edge (``http/``) over a dispatcher that
-places each request's phases on the workers (``dispatch/``), its planner loop and its
-metrics; ``server.py`` builds it from its configs and serves it.
+"""The router: an OpenAI-compatible HTTP edge (``http/``) over cluster control (``cluster/``:
+role switches, weight updates, the planner loop) over a dispatcher that places each
+request's phases on the workers (``dispatch/``), and its metrics; ``server.py`` builds it
+from its configs and serves it.
 
-Inside, the same rule as between packages: ``server`` > ``planner_loop`` > ``http`` >
-``dispatch`` > ``metrics``. The contracts between them are ``http/base.py`` and
-``dispatch/base.py``.
+Inside, the same rule as between packages: ``server`` > ``http`` > ``cluster`` >
+``dispatch`` > ``metrics``. The contracts between them are ``http/base.py``,
+``cluster/errors.py`` and ``dispatch/base.py``.
 """

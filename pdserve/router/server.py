@@ -31,6 +31,9 @@ from pdserve.membership import (
     create_election,
     create_membership,
 )
+from pdserve.router.cluster.planner_loop import PlannerLoop
+from pdserve.router.cluster.roles import RoleSwitcher
+from pdserve.router.cluster.weight_updates import WeightUpdater
 from pdserve.router.dispatch.dispatcher import PDDispatcher
 from pdserve.router.dispatch.migration import MigrationConfig
 from pdserve.router.dispatch.policies.demand import DemandWindow
@@ -53,9 +56,6 @@ from pdserve.router.http.edge.drain import DrainingServer
 from pdserve.router.http.edge.pipelining import PipelinedHttpToolsProtocol
 from pdserve.router.http.openai.tool_calls import ToolCalling, ToolConfig
 from pdserve.router.http.openapi import ERROR_RESPONSES
-from pdserve.router.http.roles import RoleSwitcher
-from pdserve.router.http.weight_updates import WeightUpdater
-from pdserve.router.planner_loop import PlannerLoop
 
 logger = logging.getLogger("pdserve.router")
 

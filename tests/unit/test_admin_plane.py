@@ -29,6 +29,8 @@ from pdserve.core.weight_calls import (
     UpdateWeightVersion,
     WeightCall,
 )
+from pdserve.router.cluster.roles import RoleSwitcher
+from pdserve.router.cluster.weight_updates import WeightUpdater
 from pdserve.router.dispatch.weights import WeightGate
 from pdserve.router.dispatch.workers.pool import WorkerPool
 from pdserve.router.http.admin.actions import admin_actions
@@ -36,8 +38,6 @@ from pdserve.router.http.admin.app import create_admin_app
 from pdserve.router.http.admin.auth import PUBLIC_PATHS
 from pdserve.router.http.admin.transfer import WeightTransferPolicy
 from pdserve.router.http.edge.config import EdgeConfig
-from pdserve.router.http.roles import RoleSwitcher
-from pdserve.router.http.weight_updates import WeightUpdater
 
 ADMIN = "admin-key-0001"
 CLIENT = "client-key-0001"

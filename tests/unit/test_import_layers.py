@@ -1,5 +1,5 @@
-"""The import contracts (pyproject's ``[tool.importlinter]``: layers, the roles' rooms, pure
-policies, protobuf at the edge) hold on the tree, and an
+"""The import contracts (pyproject's ``[tool.importlinter]``: layers, the roles' rooms,
+cluster control without HTTP, pure policies, protobuf at the edge) hold on the tree, and an
 import against it fails ``lint-imports``: the contract is checked, not decoration."""
 
 from __future__ import annotations
@@ -58,6 +58,11 @@ def test_the_tree_keeps_its_layers(tree_copy: Path) -> None:
      "the dispatcher's policies are pure"),
     ("router/dispatch/policies/planner.py", "import asyncio",
      "the dispatcher's policies are pure"),
+    # cluster control reaching up into the HTTP edge, or into a web framework
+    ("router/cluster/roles.py", "import pdserve.router.http.errors",
+     "cluster control knows no HTTP"),
+    ("router/cluster/weight_updates.py", "import fastapi",
+     "cluster control knows no HTTP"),
 ])
 def test_an_import_against_the_layers_fails(tree_copy: Path, module: str, upward: str,
                                             rule: str) -> None:

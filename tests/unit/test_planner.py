@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry
 from unit.fakes import Clock
 from unit.sim_cluster import start_sim_worker
 
+from pdserve.router.cluster.planner_loop import PlannerLoop
+from pdserve.router.cluster.roles import RoleSwitcher
 from pdserve.router.dispatch.policies.demand import DemandWindow
 from pdserve.router.dispatch.policies.planner import (
     Demand,
@@ -30,8 +32,6 @@ from pdserve.router.dispatch.policies.planner import (
 from pdserve.router.dispatch.policies.slo import SloConfig
 from pdserve.router.dispatch.workers.pool import WorkerPool
 from pdserve.router.dispatch.workers.state import StepCost
-from pdserve.router.http.roles import RoleSwitcher
-from pdserve.router.planner_loop import PlannerLoop
 from pdserve.worker.sim_engine import SimConfig
 
 # A CPU engine's shape: 40 ms decode step, +1 ms per sequence, 1 ms per prompt token.

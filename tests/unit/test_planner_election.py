@@ -23,12 +23,12 @@ from pdserve.membership.election import StaticElection
 from pdserve.membership.etcd import etcd_client
 from pdserve.membership.etcd_election import EtcdElection
 from pdserve.membership.local_etcd import LocalEtcd
+from pdserve.router.cluster.planner_loop import PlannerLoop
 from pdserve.router.dispatch.policies.demand import DemandWindow
 from pdserve.router.dispatch.policies.planner import Demand, PlannerConfig, PlannerInputs, Split
 from pdserve.router.dispatch.policies.slo import SloConfig
 from pdserve.router.dispatch.workers.pool import WorkerPool
 from pdserve.router.dispatch.workers.state import StepCost
-from pdserve.router.planner_loop import PlannerLoop
 from pdserve.router.server import Router, RouterConfig, build_router
 
 TTL_S = 2

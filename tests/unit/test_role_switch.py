@@ -17,12 +17,13 @@ from prometheus_client import CollectorRegistry
 from unit.fake_worker import FakeWorker, WorkerScript, eventually, start_fake_worker
 
 from pdserve.core.types import PhaseOutput, PhaseRequest, SamplingSpec
+from pdserve.router.cluster.errors import ClusterError
+from pdserve.router.cluster.roles import RoleSwitcher
 from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient
 from pdserve.router.dispatch.workers.pool import WorkerPool
 from pdserve.router.http.admin.actions import admin_actions
 from pdserve.router.http.admin.app import create_admin_app
-from pdserve.router.http.base import APIError
-from pdserve.router.http.roles import RoleSwitcher
+from pdserve.router.http.errors import to_api_error
 
 CALL_S = 10.0
 
@@ -200,18 +201,20 @@ async def test_refusals_unknown_worker_last_decode_and_a_worker_already_switchin
     async with pool_of(("prefill", "decode")) as (pool, workers):
         registry = CollectorRegistry()
         switcher = RoleSwitcher(pool, registry)
-        with pytest.raises(APIError) as unknown:
+        with pytest.raises(ClusterError) as unknown:
             await switcher.switch("nobody", "decode")
-        assert (unknown.value.status_code, unknown.value.code) == (404, "worker_not_found")
+        assert (to_api_error(unknown.value).status_code, unknown.value.code) == (
+            404, "worker_not_found")
         decode_id = workers[1].servicer.worker_id
-        with pytest.raises(APIError) as last:
+        with pytest.raises(ClusterError) as last:
             await switcher.switch(decode_id, "prefill")
-        assert (last.value.status_code, last.value.code) == (409, "last_decode_worker")
+        assert (to_api_error(last.value).status_code, last.value.code) == (
+            409, "last_decode_worker")
         assert workers[1].servicer.role_switches == []  # refused before any call
         pool.find(decode_id).begin_switch()  # type: ignore[union-attr]
-        with pytest.raises(APIError) as busy:
+        with pytest.raises(ClusterError) as busy:
             await switcher.switch(decode_id, "prefill", force=True)
-        assert busy.value.status_code == 409
+        assert to_api_error(busy.value).status_code == 409
         pool.find(decode_id).end_switch(None)  # type: ignore[union-attr]
         forced = await switcher.switch(decode_id, "prefill", 1.0, force=True)
         assert forced.result.role == "prefill" and pool.decode == []

@@ -1,13 +1,15 @@
 """What the router answers when workers refuse a vLLM weight-transfer call
-(``weight_updates._call_error``): the caller's mistake (every worker refused the body, or
-was not started for weight transfer) is a 4xx, anything else a 500."""
+(``cluster/fanout.call_error``, mapped by ``http/errors.to_api_error``): the caller's
+mistake (every worker refused the body, or was not started for weight transfer) is a
+4xx, anything else a 500."""
 
 from __future__ import annotations
 
 import pytest
 
+from pdserve.router.cluster.fanout import call_error
 from pdserve.router.dispatch.workers.client import WorkerCallError
-from pdserve.router.http.worker_fanout import call_error
+from pdserve.router.http.errors import to_api_error
 
 
 @pytest.mark.parametrize(("codes", "status", "code"), [
@@ -22,10 +24,10 @@ def test_refusals_by_every_worker_are_the_callers_mistake(
     results: dict[str, object] = {f"w{i}": WorkerCallError(c, "no") for i, c in enumerate(codes)}
     results["ok"] = "v1"  # a worker that took the call does not change the answer
     error = call_error("update_weights", results)
-    assert (error.status_code, error.code) == (status, code)
+    assert (to_api_error(error).status_code, error.code) == (status, code)
     assert "update_weights failed: worker w0" in error.message
 
 
 def test_an_exception_that_is_not_a_worker_call_error_is_a_server_error() -> None:
     error = call_error("update_weights", {"w0": RuntimeError("boom")})
-    assert (error.status_code, error.code) == (500, "weight_call_failed")
+    assert (to_api_error(error).status_code, error.code) == (500, "weight_call_failed")

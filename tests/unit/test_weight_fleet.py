@@ -18,13 +18,13 @@ from unit.test_weight_pause import versions
 from unit.test_weight_updates import MAX_TOKENS, PROMPT, tokens
 
 from pdserve.core.types import SamplingSpec
+from pdserve.router.cluster.weight_updates import DiskUpdate, WeightUpdater
 from pdserve.router.dispatch.base import TokenChunk
 from pdserve.router.dispatch.dispatcher import PDDispatcher
 from pdserve.router.dispatch.policies.disagg import DisaggConfig
 from pdserve.router.dispatch.policies.placement import create_placement
 from pdserve.router.dispatch.weight_board import WeightBoard
 from pdserve.router.dispatch.workers.pool import WorkerPool
-from pdserve.router.http.weight_updates import UpdateFromDiskBody, WeightUpdater
 
 
 @contextlib.asynccontextmanager
@@ -70,7 +70,7 @@ async def test_a_refit_through_one_process_holds_for_both(tmp_path: Path, policy
         streams = [asyncio.create_task(run(d, f"r{i}-{j}"))
                    for i, (d, _) in enumerate(routers) for j in range(3)]
         await asyncio.sleep(0.1)  # every stream is decoding
-        await updater.update_from_disk(UpdateFromDiskBody(
+        await updater.update_from_disk(DiskUpdate(
             model_path=str(tmp_path), weight_version="v2", policy=policy))
         after = [await run(d, f"after-{i}") for i, (d, _) in enumerate(routers)]
         new = tokens(after[0])

@@ -16,10 +16,11 @@ from unit.test_weight_updates import MAX_TOKENS, PROMPT, bench, tokens
 
 from pdserve.core.types import SamplingSpec
 from pdserve.core.weight_calls import FinishWeightUpdate
+from pdserve.router.cluster.errors import ClusterError
+from pdserve.router.cluster.weight_updates import DiskUpdate
 from pdserve.router.dispatch.base import TokenChunk
 from pdserve.router.http.app import create_app
-from pdserve.router.http.errors import APIError
-from pdserve.router.http.weight_updates import UpdateFromDiskBody
+from pdserve.router.http.errors import to_api_error
 
 
 def versions(chunks: list[TokenChunk]) -> list[tuple[str, int]]:
@@ -38,7 +39,7 @@ async def test_a_keep_refit_resumes_a_stream_on_the_new_weights_and_says_where(
     async with bench(tmp_path) as b:
         running = asyncio.create_task(b.run("r0"))
         await asyncio.sleep(0.15)  # decoding now
-        await b.updater.update_from_disk(UpdateFromDiskBody(
+        await b.updater.update_from_disk(DiskUpdate(
             model_path=str(tmp_path), weight_version="v2", policy="keep"))
         chunks = await running
         spans = versions(chunks)
@@ -92,12 +93,12 @@ async def test_resume_is_refused_while_a_commit_runs(tmp_path: Path) -> None:
             return await commit(*args)  # type: ignore[arg-type]
 
         decode.client.commit_weights = slow_commit  # type: ignore[method-assign]
-        update = asyncio.create_task(b.updater.update_from_disk(UpdateFromDiskBody(
+        update = asyncio.create_task(b.updater.update_from_disk(DiskUpdate(
             model_path=str(tmp_path), weight_version="v2")))
         await asyncio.wait_for(entered.wait(), 5)
-        with pytest.raises(APIError) as refused:
+        with pytest.raises(ClusterError) as refused:
             b.updater.resume()
-        assert refused.value.status_code == 409
+        assert to_api_error(refused.value).status_code == 409
         assert b.updater.paused  # still closed
         release.set()
         await update
@@ -137,7 +138,7 @@ async def test_usage_names_the_version_of_each_span_of_tokens(
                 {"version": "default", "start": 0, "end": MAX_TOKENS}]
             call = asyncio.create_task(http.post(f"/v1/{endpoint}", json=body))
             await asyncio.sleep(0.15)
-            await b.updater.update_from_disk(UpdateFromDiskBody(
+            await b.updater.update_from_disk(DiskUpdate(
                 model_path=str(tmp_path), weight_version="v2", policy="keep"))
             resp = await asyncio.wait_for(call, 10)
             assert resp.status_code == 200, resp.text

@@ -1,5 +1,5 @@
 """Cluster weight updates, router and simulated workers over real gRPC
-(``router/http/weight_updates.py``, ``router/dispatch/weights.py``): two phases, one
+(``router/cluster/weight_updates.py``, ``router/dispatch/weights.py``): two phases, one
 version per request, the policies, and the workers out of step."""
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from unit.sim_cluster import SimCluster, sim_cluster
 
 from pdserve.core.block_hash import chain_hashes, salt_root, versioned_salt
 from pdserve.core.types import SamplingSpec
+from pdserve.router.cluster.errors import ClusterError
+from pdserve.router.cluster.weight_updates import DiskUpdate, WeightUpdater
 from pdserve.router.dispatch.base import TokenChunk
 from pdserve.router.dispatch.policies.disagg import DisaggConfig
 from pdserve.router.dispatch.workers.client import WorkerCallError
 from pdserve.router.dispatch.workers.pool import Worker
-from pdserve.router.http.errors import APIError
-from pdserve.router.http.weight_updates import UpdateFromDiskBody, WeightUpdater
+from pdserve.router.http.errors import to_api_error
 
 PROMPT = tuple(range(1, 40))
 MAX_TOKENS = 40  # 40 steps of 10 ms: long enough for an update to land mid-stream
@@ -59,7 +60,7 @@ async def test_an_update_switches_every_worker_and_requests_follow(tmp_path: Pat
     async with bench(tmp_path) as b:
         before = await b.run("r0")
         assert before[0].weight_version == "default"
-        result = await b.updater.update_from_disk(UpdateFromDiskBody(
+        result = await b.updater.update_from_disk(DiskUpdate(
             model_path=str(tmp_path), weight_version="v2"))
         assert result["success"] and result["workers"] == {"p0": "v2", "d0": "v2"}
         assert b.versions() == {"v2"} and b.updater.info()["weight_version"] == "v2"
@@ -71,10 +72,11 @@ async def test_an_update_switches_every_worker_and_requests_follow(tmp_path: Pat
 async def test_a_worker_that_cannot_stage_keeps_the_whole_cluster_on_its_version(
         tmp_path: Path) -> None:
     async with bench(tmp_path) as b:
-        with pytest.raises(APIError) as refused:
-            await b.updater.update_from_disk(UpdateFromDiskBody(
+        with pytest.raises(ClusterError) as refused:
+            await b.updater.update_from_disk(DiskUpdate(
                 model_path=str(tmp_path / "missing"), weight_version="v2"))
-        assert refused.value.status_code == 400 and refused.value.code == "invalid_checkpoint"
+        assert to_api_error(refused.value).status_code == 400
+        assert refused.value.code == "invalid_checkpoint"
         assert b.versions() == {"default"}
         assert b.sims.pool is not None
         for worker in b.sims.pool.all:  # every stage was dropped: nothing to commit
@@ -89,7 +91,7 @@ async def test_drain_lets_a_running_stream_finish_on_the_old_weights(tmp_path: P
         reference = tokens(await b.run("ref"))
         running = asyncio.create_task(b.run("r0"))
         await asyncio.sleep(0.1)  # decoding now
-        await b.updater.update_from_disk(UpdateFromDiskBody(
+        await b.updater.update_from_disk(DiskUpdate(
             model_path=str(tmp_path), weight_version="v2", policy="drain"))
         assert running.done()  # the switch waited for it
         chunks = running.result()
@@ -107,7 +109,7 @@ async def test_abort_cuts_a_visible_stream_and_reruns_an_invisible_one(tmp_path:
         await asyncio.sleep(0.1)
         invisible = asyncio.create_task(b.run("r1", other))
         await asyncio.sleep(0.05)  # ... while r1 is still in its prefill (nothing sent)
-        await b.updater.update_from_disk(UpdateFromDiskBody(
+        await b.updater.update_from_disk(DiskUpdate(
             model_path=str(tmp_path), weight_version="v2", policy="abort"))
         cut = await visible
         assert cut[-1].finish_reason == "abort" and cut[-1].ended_by_update
@@ -131,7 +133,7 @@ async def _back_on_first_weights(b: Bench, tmp_path: Path) -> Worker:
 
 async def test_a_worker_on_another_version_is_out_of_placement(tmp_path: Path) -> None:
     async with bench(tmp_path) as b:
-        await b.updater.update_from_disk(UpdateFromDiskBody(
+        await b.updater.update_from_disk(DiskUpdate(
             model_path=str(tmp_path), weight_version="v2"))
         assert b.sims.pool is not None
         worker = await _back_on_first_weights(b, tmp_path)
@@ -154,7 +156,7 @@ async def test_pause_holds_new_requests_until_resume(tmp_path: Path) -> None:
 async def test_a_worker_back_on_other_weights_is_brought_to_the_clusters(
         tmp_path: Path) -> None:
     async with bench(tmp_path) as b:
-        await b.updater.update_from_disk(UpdateFromDiskBody(
+        await b.updater.update_from_disk(DiskUpdate(
             model_path=str(tmp_path), weight_version="v2"))
         assert b.sims.pool is not None
         worker = await _back_on_first_weights(b, tmp_path)
@@ -168,7 +170,7 @@ async def test_a_worker_back_on_other_weights_is_brought_to_the_clusters(
 async def test_after_an_update_the_router_finds_the_prefixes_cached_under_the_new_weights(
         tmp_path: Path) -> None:
     async with bench(tmp_path, num_prefill=2) as b:
-        await b.updater.update_from_disk(UpdateFromDiskBody(
+        await b.updater.update_from_disk(DiskUpdate(
             model_path=str(tmp_path), weight_version="v2"))
         prompt = tuple(range(1, 200))
         await b.run("r0", prompt)  # computed under v2 on the prefill worker
@@ -188,10 +190,10 @@ async def test_a_killed_worker_fails_the_stage_and_the_others_keep_their_version
     async with bench(tmp_path, num_prefill=2) as b:
         assert b.sims.pool is not None
         await b.sims.servers[1].stop(0)  # p1 is gone, still in the view
-        with pytest.raises(APIError) as refused:
-            await b.updater.update_from_disk(UpdateFromDiskBody(
+        with pytest.raises(ClusterError) as refused:
+            await b.updater.update_from_disk(DiskUpdate(
                 model_path=str(tmp_path), weight_version="v2"))
-        assert refused.value.status_code == 503 and "p1" in refused.value.message
+        assert to_api_error(refused.value).status_code == 503 and "p1" in refused.value.message
         living = [w for w in b.sims.pool.all if w.snapshot().worker_id != "p1"]
         assert len(living) == 2
         for worker in living:
@@ -223,7 +225,7 @@ async def test_a_probe_sent_before_the_switch_never_files_a_worker_under_the_old
         probe = asyncio.create_task(decode.refresh(5.0))
         await answered.wait()
         decode.client.health = health  # type: ignore[method-assign]
-        result = await b.updater.update_from_disk(UpdateFromDiskBody(
+        result = await b.updater.update_from_disk(DiskUpdate(
             model_path=str(tmp_path), weight_version="v2"))
         assert result["workers"]["d0"] == "v2"
         release.set()

@@ -18,6 +18,14 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Scope, Send
 
+from pdserve.router.cluster.errors import (
+    ClusterError,
+    Conflict,
+    Failed,
+    Invalid,
+    NotFound,
+    Unavailable,
+)
 from pdserve.router.dispatch.base import (
     DeadlineExceededError,
     NoWorkerAvailableError,
@@ -58,6 +66,13 @@ class ModelNotFoundError(APIError):
         super().__init__(
             f"The model '{model}' does not exist.", param="model", code="model_not_found"
         )
+
+
+class NotFoundError(APIError):
+    """What a request names does not exist (a worker id)."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
 
 
 class RouteNotFoundError(APIError):
@@ -120,8 +135,14 @@ class GatewayTimeoutError(APIError):
     error_type = "timeout_error"
 
 
+# A cluster operation's refusal or failure (``router/cluster``), by kind.
+_CLUSTER: dict[type[ClusterError], type[APIError]] = {
+    NotFound: NotFoundError, Invalid: InvalidRequestError, Conflict: ConflictError,
+    Unavailable: ServiceUnavailableError, Failed: ServerError}
+
 _EXPECTED = (
     APIError,
+    ClusterError,
     NoWorkerAvailableError,
     WorkerFailedError,
     DeadlineExceededError,
@@ -136,6 +157,10 @@ def to_api_error(exc: BaseException) -> APIError:
     """Map any exception raised while serving a request to its OpenAI error."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, ClusterError):
+        kind = next((api for cls, api in _CLUSTER.items() if isinstance(exc, cls)),
+                    ServerError)
+        return kind(exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, NoWorkerAvailableError):
         return ServiceUnavailableError(
             str(exc) or "no worker available", code="no_worker_available"

@@ -1,6 +1,6 @@
 """``DemandWindow``: the load this router was offered over a sliding window, the
-planner's input (``planner_loop.py``): prompt tokens at arrival, output tokens at the
-end, and the requests in flight now."""
+planner's input (``router/cluster/planner_loop.py``): prompt tokens at arrival, output
+tokens at the end, and the requests in flight now."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The planner's decision: how many workers should prefill and how many decode, from
 the load the cluster measures itself. A pure function of a frozen state and inputs
-(``plan``), with the clock passed in; ``planner_loop.py`` runs it and flips roles.
+(``plan``), with the clock passed in; ``router/cluster/planner_loop.py`` runs it and
+flips roles.
 
 Model (each term measured, never assumed):
 - Demand over the last ``window_s`` (``Demand``): uncached prompt tokens arriving per

@@ -2,8 +2,9 @@
 (``/metrics``, ``/workers``, ``/prefix_index``). Who may call them is the admin app's
 middleware's to decide (``auth.py``), before any of these reads a body.
 
-``POST /admin/workers/{id}/role`` switches a worker's role (``roles.py``); the rest are
-vLLM's RL routes and SGLang's ``/update_weights_from_disk`` (``weight_updates.py``).
+``POST /admin/workers/{id}/role`` switches a worker's role (``router/cluster/roles.py``);
+the rest are vLLM's RL routes and SGLang's ``/update_weights_from_disk``
+(``router/cluster/weight_updates.py``).
 """
 
 from __future__ import annotations
@@ -20,11 +21,15 @@ from pdserve.core.weight_calls import (
     UpdateWeights,
     UpdateWeightVersion,
 )
+from pdserve.router.cluster.roles import RoleSwitcher
+from pdserve.router.cluster.weight_updates import WeightUpdater
 from pdserve.router.http.admin.bodies import (
     AbortRequestsBody,
     FinishWeightUpdateBody,
     InitTransferBody,
     PauseQuery,
+    RoleSwitchBody,
+    UpdateFromDiskBody,
     UpdateWeightsBody,
     WeightVersionBody,
     typed_init_info,
@@ -32,8 +37,6 @@ from pdserve.router.http.admin.bodies import (
 )
 from pdserve.router.http.admin.transfer import WeightTransferPolicy
 from pdserve.router.http.openapi import ERROR_RESPONSES
-from pdserve.router.http.roles import RoleSwitchBody, RoleSwitcher
-from pdserve.router.http.weight_updates import UpdateFromDiskBody, WeightUpdater
 
 
 def admin_actions(switcher: RoleSwitcher, weights: WeightUpdater | None = None,
@@ -63,7 +66,7 @@ def weight_actions(weights: WeightUpdater) -> APIRouter:
     async def update_weights_from_disk(body: UpdateFromDiskBody) -> dict[str, Any]:
         """Load a checkpoint folder into every worker in place: all stage it, then all
         switch (``policy``: drain or abort what runs); a failed stage changes nothing."""
-        return await weights.update_from_disk(body)
+        return await weights.update_from_disk(body.update())
 
     @router.get("/weight_info")
     async def weight_info() -> dict[str, Any]:

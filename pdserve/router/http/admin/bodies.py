@@ -1,6 +1,7 @@
 """The admin routes' bodies and queries, each a pydantic model: vLLM's RL API's names
-and fields (``vllm/entrypoints/rl/online/api_router.py``); a bad one is a 400 in
-OpenAI's error JSON (``errors.py``), after the admin key (``auth.py``)."""
+and fields (``vllm/entrypoints/rl/online/api_router.py``), SGLang's for an update from
+disk, and pdserve's own role switch; a bad one is a 400 in OpenAI's error JSON
+(``errors.py``), after the admin key (``auth.py``)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,38 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdserve.core.weight_calls import TransferInitInfo, TransferUpdateInfo
+from pdserve.router.cluster import roles, weight_updates
 from pdserve.router.http.errors import InvalidRequestError
 
 MAX_REQUEST_IDS = 10_000
 U32 = 2**32 - 1
 U64 = 2**64 - 1
 VERSION_MAX_CHARS = 200
+
+
+class RoleSwitchBody(BaseModel):
+    """``POST /admin/workers/{id}/role``'s body."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["prefill", "decode"]
+    drain_timeout_s: float = Field(roles.DEFAULT_DRAIN_TIMEOUT_S, ge=0, le=3600)
+    force: bool = False  # allow switching the last decode worker of its model away
+
+
+class UpdateFromDiskBody(BaseModel):
+    """``POST /update_weights_from_disk`` (SGLang's name and fields, plus the policy)."""
+
+    model_config = ConfigDict(extra="ignore")  # RL frameworks send SGLang's other fields
+    model_path: str = Field(min_length=1)
+    weight_version: str | None = Field(None, min_length=1, max_length=200)
+    policy: Literal["drain", "abort", "keep"] = "drain"
+    drain_timeout_s: float = Field(weight_updates.DEFAULT_DRAIN_TIMEOUT_S, ge=0, le=3600)
+    # How long a worker may take to read the checkpoint: past it (a hung worker) the
+    # update fails and every worker keeps its version.
+    stage_timeout_s: float = Field(weight_updates.STAGE_TIMEOUT_S, gt=0, le=3600)
+
+    def update(self) -> weight_updates.DiskUpdate:
+        return weight_updates.DiskUpdate(**self.model_dump())
 
 
 class _Lenient(BaseModel):

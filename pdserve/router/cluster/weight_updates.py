@@ -30,10 +30,10 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry
-from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.core.weight_calls import (
     FinishWeightUpdate,
@@ -41,17 +41,12 @@ from pdserve.core.weight_calls import (
     WeightCall,
     version_set_by,
 )
+from pdserve.router.cluster.errors import Conflict, Failed, Invalid, Unavailable
+from pdserve.router.cluster.fanout import call_error, each_worker, first_error, quietly
 from pdserve.router.dispatch.weight_board import Published, UpdateRunning
 from pdserve.router.dispatch.weights import Ticket, WeightGate
 from pdserve.router.dispatch.workers.client import WorkerCallError
 from pdserve.router.dispatch.workers.pool import Worker, WorkerPool
-from pdserve.router.http.errors import (
-    ConflictError,
-    InvalidRequestError,
-    ServerError,
-    ServiceUnavailableError,
-)
-from pdserve.router.http.worker_fanout import call_error, each_worker, first_error, quietly
 from pdserve.router.metrics import PREFIX, counter
 
 logger = logging.getLogger("pdserve.router.weights")
@@ -65,17 +60,19 @@ FOLLOW_S = 0.02  # how often a process looks at what the others did to the gate
 PLACEABLE_WAIT_S = 5.0  # after a commit, for the workers to be in placement again
 
 
-class UpdateFromDiskBody(BaseModel):
-    """``POST /update_weights_from_disk`` (SGLang's name and fields, plus the policy)."""
+@dataclass(frozen=True)
+class DiskUpdate:
+    """An update from a checkpoint folder (``POST /update_weights_from_disk``): the
+    folder, the version it serves as (None: the folder's name), what running requests
+    get (``drain``, ``abort``, ``keep``), how long they may drain, and how long a worker
+    may take to read the checkpoint (past it the update fails and every worker keeps
+    its version)."""
 
-    model_config = ConfigDict(extra="ignore")  # RL frameworks send SGLang's other fields
-    model_path: str = Field(min_length=1)
-    weight_version: str | None = Field(None, min_length=1, max_length=200)
+    model_path: str
+    weight_version: str | None = None
     policy: Literal["drain", "abort", "keep"] = "drain"
-    drain_timeout_s: float = Field(DEFAULT_DRAIN_TIMEOUT_S, ge=0, le=3600)
-    # How long a worker may take to read the checkpoint: past it (a hung worker) the
-    # update fails and every worker keeps its version.
-    stage_timeout_s: float = Field(STAGE_TIMEOUT_S, gt=0, le=3600)
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    stage_timeout_s: float = STAGE_TIMEOUT_S
 
 
 class WeightUpdater:
@@ -107,9 +104,9 @@ class WeightUpdater:
 
     # ---- from a checkpoint folder ----
 
-    async def update_from_disk(self, body: UpdateFromDiskBody) -> dict[str, Any]:
-        """Stage everywhere, then switch everywhere; raises an ``APIError`` (the cluster
-        keeps its version) when a worker cannot stage."""
+    async def update_from_disk(self, body: DiskUpdate) -> dict[str, Any]:
+        """Stage everywhere, then switch everywhere; raises a ``ClusterError`` (the
+        cluster keeps its version) when a worker cannot stage."""
         version = body.weight_version or f"{body.model_path.rstrip('/').rsplit('/', 1)[-1]}" \
                                          f"-{uuid.uuid4().hex[:8]}"
         async with self._exclusive():
@@ -143,8 +140,8 @@ class WeightUpdater:
                    f"(worker {name}: {what}); the cluster keeps its version")
         logger.warning("weight update refused: %s", message)
         if isinstance(exc, WorkerCallError) and exc.code == "INVALID_ARGUMENT":
-            raise InvalidRequestError(message, param="model_path", code="invalid_checkpoint")
-        raise ServiceUnavailableError(message, code="weight_stage_failed")
+            raise Invalid(message, param="model_path", code="invalid_checkpoint")
+        raise Unavailable(message, code="weight_stage_failed")
 
     async def _switch(self, workers: Sequence[Worker], version: str, policy: str,
                       drain_timeout_s: float) -> dict[str, str]:
@@ -164,7 +161,7 @@ class WeightUpdater:
                          if not isinstance(r, Exception)}
             if not committed:
                 self._updates.labels("commit_failed").inc()
-                raise ServerError(f"no worker could switch to {version}: "
+                raise Failed(f"no worker could switch to {version}: "
                                   f"{first_error(results)}", code="weight_commit_failed")
             _adopt_versions(workers, committed)
             for name, r in results.items():
@@ -219,7 +216,7 @@ class WeightUpdater:
         then served). ``clear_cache`` (not with ``keep``, as in vLLM) empties the
         workers' prefix caches once nothing runs. The requests ended."""
         if mode not in ("abort", "wait", "keep"):
-            raise InvalidRequestError(f"mode must be abort, wait or keep, not {mode!r}",
+            raise Invalid(f"mode must be abort, wait or keep, not {mode!r}",
                                       param="mode")
         self._gate.pause()
         ended = 0
@@ -236,7 +233,7 @@ class WeightUpdater:
         """vLLM's ``/resume``; refused (409) while an update commits: reopening then
         would admit requests onto weights half switched."""
         if self._gate.board.committing or self._lock.locked():
-            raise ConflictError("a weight update is being committed: resume after it",
+            raise Conflict("a weight update is being committed: resume after it",
                                 code="weight_update_running")
         self._gate.resume()
 
@@ -342,7 +339,7 @@ class WeightUpdater:
         if self._source is None or self._lock.locked() or not stale:
             return []
         version, path = self._source
-        with contextlib.suppress(ConflictError):  # another process runs an update
+        with contextlib.suppress(Conflict):  # another process runs an update
             return await self._catch_up(stale, version, path)
         return []
 
@@ -370,18 +367,18 @@ class WeightUpdater:
     async def _exclusive(self) -> AsyncIterator[None]:
         """One update at a time in the whole router (every process); 409 otherwise."""
         if self._lock.locked():
-            raise ConflictError("a weight update is already running", code="weight_update_running")
+            raise Conflict("a weight update is already running", code="weight_update_running")
         async with self._lock:
             try:
                 with self._gate.board.update_lock():
                     yield
             except UpdateRunning as exc:
-                raise ConflictError(str(exc), code="weight_update_running") from exc
+                raise Conflict(str(exc), code="weight_update_running") from exc
 
     def _workers(self, require: bool = True) -> list[Worker]:
         workers = [w for w in self._pool.all if w.snapshot().worker_id]
         if require and not workers:
-            raise ServiceUnavailableError("no worker to update", code="no_workers")
+            raise Unavailable("no worker to update", code="no_workers")
         return workers
 
 

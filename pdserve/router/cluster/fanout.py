@@ -7,10 +7,9 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from pdserve.router.cluster.errors import ClusterError, Conflict, Failed, Invalid
 from pdserve.router.dispatch.workers.client import WorkerCallError
 from pdserve.router.dispatch.workers.pool import Worker
-from pdserve.router.http.base import APIError
-from pdserve.router.http.errors import ConflictError, InvalidRequestError, ServerError
 
 T = TypeVar("T")
 
@@ -34,18 +33,18 @@ async def quietly(call: Awaitable[Any]) -> None:
         pass
 
 
-def call_error(method: str, results: dict[str, Any]) -> APIError:
+def call_error(method: str, results: dict[str, Any]) -> ClusterError:
     """What a failed engine call answers: the caller's mistake (a body a worker refused,
     a call it was not started for) when every worker said so, else a server error."""
     message = f"{method} failed: {first_error(results)}"
     codes = {r.code if isinstance(r, WorkerCallError) else "" for r in results.values()
              if isinstance(r, Exception)}
     if codes == {"INVALID_ARGUMENT"}:
-        return InvalidRequestError(message, code="weight_call_invalid")
+        return Invalid(message, code="weight_call_invalid")
     if codes <= {"INVALID_ARGUMENT", "FAILED_PRECONDITION"}:
-        return ConflictError(message, code="weight_transfer_off"
+        return Conflict(message, code="weight_transfer_off"
                              if codes == {"FAILED_PRECONDITION"} else "weight_call_refused")
-    return ServerError(message, code="weight_call_failed")
+    return Failed(message, code="weight_call_failed")
 
 
 def first_error(results: dict[str, Any]) -> str:

@@ -21,6 +21,8 @@ from prometheus_client import CollectorRegistry, Gauge
 from pdserve.core.tasks import cancel_and_wait
 from pdserve.core.types import Role
 from pdserve.membership import Election, StaticElection
+from pdserve.router.cluster.errors import ClusterError
+from pdserve.router.cluster.roles import RoleSwitcher
 from pdserve.router.dispatch.policies.demand import DemandWindow
 from pdserve.router.dispatch.policies.planner import (
     Demand,
@@ -36,8 +38,6 @@ from pdserve.router.dispatch.policies.planner import (
 from pdserve.router.dispatch.policies.slo import DERIVED_ITL_FACTOR, SloConfig
 from pdserve.router.dispatch.workers.pool import Worker, WorkerPool
 from pdserve.router.dispatch.workers.state import StepCost
-from pdserve.router.http.base import APIError
-from pdserve.router.http.roles import RoleSwitcher
 from pdserve.router.metrics import PREFIX, counter, gauge
 
 logger = logging.getLogger("pdserve.router.planner")
@@ -148,7 +148,7 @@ class PlannerLoop:
                     to, _fmt(decision.current_load), _fmt(decision.desired_load))
         try:
             await self._switcher.switch(worker_id, to, self.config.drain_timeout_s)
-        except APIError as exc:
+        except ClusterError as exc:
             logger.warning("planner: switching %s to %s failed: %s", worker_id, to,
                            exc.message)
             return

@@ -1,4 +1,4 @@
-"""Runtime role switching, the router's side: ``POST /admin/workers/{id}/role``.
+"""Runtime role switching, the router's side (``POST /admin/workers/{id}/role``, the planner).
 
 A worker's role is state, not a process type: ``SetRole`` makes a worker drain the
 old role's work (its in-flight decodes finish, or past the drain timeout are aborted
@@ -9,9 +9,10 @@ the prefix cache, and re-announce itself (etcd: its key moves to the new role).
 ``RoleSwitcher`` is what the admin route and the planner call. While the switch
 runs, this router places nothing on the worker (``Worker.begin_switch``; other
 routers see it not ready in its Health); once it ends, the pool files the worker
-under its new role. Refused before any call: an unknown worker (404), a bad role
-(400), a worker already switching (409), and the switch of the last healthy decode
-worker of its model to prefill (409: nothing could serve; ``force`` overrides).
+under its new role. Refused before any call: an unknown worker (``NotFound``), a worker
+already switching (``Conflict``), and the switch of the last healthy decode worker of its
+model to prefill (``Conflict``: nothing could serve; ``force`` overrides). A bad role is
+the body's to refuse (``http/admin/bodies.py``).
 """
 
 from __future__ import annotations
@@ -19,21 +20,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Literal
 
 from prometheus_client import CollectorRegistry
-from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.core.types import Role, RoleSwitch
+from pdserve.router.cluster.errors import ClusterError, Conflict, Failed, NotFound, Unavailable
 from pdserve.router.dispatch.workers.client import WorkerCallError
 from pdserve.router.dispatch.workers.pool import Worker, WorkerPool
-from pdserve.router.http.errors import (
-    APIError,
-    ConflictError,
-    RouteNotFoundError,
-    ServerError,
-    ServiceUnavailableError,
-)
 from pdserve.router.metrics import PREFIX, counter
 
 logger = logging.getLogger("pdserve.router.roles")
@@ -43,15 +36,6 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
 # plus the re-announcement: the SetRole call's deadline is the drain timeout plus this.
 CALL_SLACK_S = 20.0
 OUTCOMES = ("switched", "unchanged", "refused", "failed")
-
-
-class RoleSwitchBody(BaseModel):
-    """``POST /admin/workers/{id}/role``'s body."""
-
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["prefill", "decode"]
-    drain_timeout_s: float = Field(DEFAULT_DRAIN_TIMEOUT_S, ge=0, le=3600)
-    force: bool = False  # allow switching the last decode worker of its model away
 
 
 @dataclass(frozen=True)
@@ -85,16 +69,16 @@ class RoleSwitcher:
     async def switch(self, worker_id: str, role: Role,
                      drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
                      force: bool = False) -> RoleSwitchOutcome:
-        """Switch ``worker_id`` to ``role``; raises an ``APIError`` (rendered as OpenAI
-        error JSON) when refused or failed."""
+        """Switch ``worker_id`` to ``role``; raises a ``ClusterError`` when refused or
+        failed."""
         worker = self._pool.find(worker_id)
         if worker is None:
             self._switches.labels(role, "refused").inc()
-            raise RouteNotFoundError(f"no worker {worker_id!r} in this router's view",
+            raise NotFound(f"no worker {worker_id!r} in this router's view",
                                      param="id", code="worker_not_found")
         try:
             self._check(worker, role, force)
-        except APIError:
+        except ClusterError:
             self._switches.labels(role, "refused").inc()
             raise
         previous = worker.role
@@ -113,7 +97,7 @@ class RoleSwitcher:
             self._switches.labels(role, "failed").inc()
             logger.warning("role switch of %s to %s failed: %s %s", worker_id, role, exc.code,
                            exc.details)
-            raise _api_error(exc) from None
+            raise _switch_error(exc) from None
         finally:  # cancelled too: never leave the worker out of placement
             worker.end_switch(ended_in)
         # Placeable in its new role now, not at the next probe. etcd membership may
@@ -129,25 +113,25 @@ class RoleSwitcher:
 
     def _check(self, worker: Worker, role: Role, force: bool) -> None:
         if worker.switching:
-            raise ConflictError(f"worker {worker.snapshot().worker_id} is already switching "
+            raise Conflict(f"worker {worker.snapshot().worker_id} is already switching "
                                 "role", code="role_switch_running")
         if role == "prefill" and worker.role == "decode" and not force:
             model = worker.snapshot().model
             others = [w for w in self._pool.decode if w is not worker
                       and w.snapshot().healthy and w.snapshot().model == model]
             if not others:
-                raise ConflictError(
+                raise Conflict(
                     f"worker {worker.snapshot().worker_id} is the last healthy decode worker "
                     f"of {model or 'its model'}: nothing would serve it (force: true "
                     "overrides)", code="last_decode_worker")
 
 
-def _api_error(exc: WorkerCallError) -> APIError:
+def _switch_error(exc: WorkerCallError) -> ClusterError:
     what = f"the worker refused the role switch: {exc.details}"
     if exc.code in ("FAILED_PRECONDITION", "UNIMPLEMENTED"):
-        return ConflictError(what, code="role_switch_refused")
+        return Conflict(what, code="role_switch_refused")
     if exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
-        return ServiceUnavailableError(f"role switch failed ({exc.code}): {exc.details}",
+        return Unavailable(f"role switch failed ({exc.code}): {exc.details}",
                                        code="role_switch_failed")
-    return ServerError(f"role switch failed ({exc.code}): {exc.details}",
+    return Failed(f"role switch failed ({exc.code}): {exc.details}",
                        code="role_switch_failed")
