@@ -242,10 +242,18 @@ class Prober:
             raise RuntimeError(f"the prober exited {self.proc.returncode}")
         return self.proc.stdin, self.proc.stdout
 
+    @property
+    def alive(self) -> bool:
+        """Its process runs (one that timed out was closed: its answer would be late)."""
+        return self.proc.poll() is None
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=10)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
 
 
 class HostNet:

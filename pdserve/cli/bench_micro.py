@@ -68,6 +68,8 @@ TOOLS: dict[str, Tool] = {
         ("--kv-compression", {"choices": ("none", "lossless", "int8", "fp8"),
                               "help": "the workers' --kv-compression (lossless: a thin "
                               "path's handoffs move encoded)"}),
+        ("--out", {"help": "the results' folder under bench/results (default: named "
+                   "from --kv-compression and --prefills)"}),
         ("--prefills", {"type": int, "choices": (1, 2),
                         "help": "2: a second prefill behind a link at 10 Gbit/s, never "
                         "shaped: where cache_aware placement sends the long prompts"}),

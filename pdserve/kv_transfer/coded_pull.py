@@ -96,8 +96,12 @@ class CodedPullTransport(PooledTransport):
 
             # ``end`` as "unchanged": leased blocks are not rewritten while they are sent,
             # and it ends the lease once they are, before the trailer.
-            codec.serve(conn, blocks, end, checksum, finish, self._count,
-                        self.options.throttle_bytes_per_s, self._stop.wait)
+            self._count_sending(1)
+            try:
+                codec.serve(conn, blocks, end, checksum, finish, self._count,
+                            self.options.throttle_bytes_per_s, self._stop.wait)
+            finally:
+                self._count_sending(-1)
 
         self._serve_lease(conn, msg, send)
 
@@ -122,6 +126,13 @@ class CodedPullTransport(PooledTransport):
             self._count(encoded_pull_refusals=1)
             logger.warning("%s refused an encoded KV pull (%s); pulling raw from it for "
                            "%.0f s", name, exc, self.options.link_max_age_s)
+        except TransferError:
+            # Whatever broke it (a cut link, a bad payload, or a prefill of a release
+            # that ignores "encoding" and sends raw bytes, which read as a length out of
+            # bounds), that peer's next pulls are raw for a while: one failed pull, then
+            # the path that works with every release. This one fails (decode recomputes).
+            handoff.refused_by(name)
+            raise
         return super()._pull(peer, remote_request_id, runs, deadline)
 
     def _pull_lease_encoded(self, peer: PeerAddress, name: str, remote_request_id: str,

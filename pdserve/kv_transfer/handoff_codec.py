@@ -14,16 +14,18 @@ that peer; with none, the pull goes raw, and so measures the path.
 ``ratio`` and ``c`` are learned per worker (one codec each) from its encoded pulls, as
 moving averages: the ratio from the raw and wire bytes, ``c`` from the prefill's encode
 time (its trailer's ``encode_ns``) plus the decode time measured here (both wall time:
-what the pull waited for). Before the first sample, conservative priors from
-``bench/results/kv-compression/epyc-{1,2}.jsonl`` ("real" rows: the default model's KV,
-blocks of 128 tokens, one core):
+what the pull waited for). Before the first sample, conservative priors (a ratio at or
+below, a cost at or above every *wall* time measured, since the learned cost is wall
+time too) from ``bench/results/kv-compression/epyc-{1,2}.jsonl`` ("real" rows: the
+default model's KV, blocks of 128 tokens, one core):
 
-- lossless: float32 ratio 1.194-1.195, encode + decode 4.2-4.3 ms/MiB of CPU (5.8-8.7
-  wall); bfloat16 ratio 1.475, 5.9-6.1 ms/MiB. Priors: 1.15 and 5 ms/MiB (4-byte
-  elements), 1.4 and 7 ms/MiB (2-byte). On a 1-byte cache it does not pay.
+- lossless: float32 ratio 1.194-1.195, encode + decode 5.8-8.7 ms/MiB wall (4.2-4.3 of
+  CPU); bfloat16 ratio 1.475, 8.9-21.1 ms/MiB wall. Priors: 1.15 and 9 ms/MiB (4-byte
+  elements: it pays below ~14.5 MiB/s), 1.4 and 21 ms/MiB (2-byte: ~13.6 MiB/s). On a
+  1-byte cache it does not pay.
 - int8 / fp8: float32 ratio 3.765-3.996, bfloat16 1.882-1.998 (one byte a value plus a
-  float32 scale per ``head_dim`` values); 0.35-1.4 ms/MiB of CPU (float32), up to 2.6
-  (fp8, bfloat16). Priors: 0.95 x the element size and 3 ms/MiB.
+  float32 scale per ``head_dim`` values); 0.5-7.0 ms/MiB wall. Priors: 0.9 x the element
+  size and 7 ms/MiB (float32: pays below ~103 MiB/s).
 
 What the meter holds: an encoded pull is recorded as its *wire* bytes over the time it
 took (from the peer's first reply to the trailer, codec time included), so the meter's
@@ -69,10 +71,10 @@ def prior_cost(codec: str, element_size: int) -> CodecCost:
     """The conservative guess before any encoded pull (see the module docstring)."""
     if codec == "lossless":
         if element_size >= 4:
-            return CodecCost(1.15, 5e-3 / MIB)
-        return CodecCost(1.4 if element_size == 2 else 1.0, 7e-3 / MIB)
+            return CodecCost(1.15, 9e-3 / MIB)
+        return CodecCost(1.4 if element_size == 2 else 1.0, 21e-3 / MIB)
     if codec in ("int8", "fp8"):
-        return CodecCost(0.95 * element_size, 3e-3 / MIB)
+        return CodecCost(0.9 * element_size, 7e-3 / MIB)
     raise ValueError(f"no handoff encoding for KV compression {codec!r}; valid: "
                      "lossless, int8, fp8")
 

@@ -59,8 +59,8 @@ def test_no_measured_path_or_no_saving_pulls_raw() -> None:
 def test_priors_follow_the_codec_and_the_element_size() -> None:
     assert prior_cost("lossless", 4).ratio == 1.15
     assert prior_cost("lossless", 2).ratio == 1.4
-    assert prior_cost("int8", 4).ratio == pytest.approx(3.8)
-    assert prior_cost("fp8", 2).ratio == pytest.approx(1.9)
+    assert prior_cost("int8", 4).ratio == pytest.approx(3.6)  # below the 3.765 measured
+    assert prior_cost("fp8", 2).ratio == pytest.approx(1.8)  # below the 1.882 measured
     assert prior_cost("fp8", 1).ratio < 1  # never pays
     with pytest.raises(ValueError, match="valid: lossless, int8, fp8"):
         HandoffCodec("none", 60.0)
@@ -68,7 +68,7 @@ def test_priors_follow_the_codec_and_the_element_size() -> None:
 
 def test_a_thin_path_is_pulled_encoded_and_a_fast_one_raw() -> None:
     handoff = HandoffCodec("lossless", 60.0)
-    even = (1 - 1 / 1.15) / (5e-3 / MIB)  # the float32 prior: ~26 MiB/s
+    even = (1 - 1 / 1.15) / (9e-3 / MIB)  # the float32 prior: ~14.5 MiB/s
     assert handoff.encode(PEER, _link(even / 10), RAW_PER_TOKEN, 4)
     assert not handoff.encode(PEER, _link(even * 10), RAW_PER_TOKEN, 4)
 
@@ -105,7 +105,7 @@ def test_an_encoded_sample_is_read_back_as_the_links_own_rate() -> None:
     price is then the time the pull took); read plainly it would understate the link by
     the codec's share, and keep an int8 handoff encoded on a link of any speed."""
     cost = CodecCost(3.8, 3e-3 / MIB)
-    fast = 1000 * MIB  # bytes/s: well above int8's break-even (~250 MiB/s)
+    fast = 1000 * MIB  # bytes/s: well above int8's break-even (~100 MiB/s)
     assert not encoded_pull_pays(fast, cost)
     meter = LinkMeter()
     raw = 64 * MIB

@@ -103,19 +103,19 @@ def test_auto_computes_a_long_prompt_on_decode_when_its_path_is_too_thin(
 
 
 @pytest.mark.parametrize(("running", "want"), [
-    (0, "local"),  # 2 s to move against 1 s computed, stalling nothing else
-    (1, "remote"),  # 1 s computed stalls this stream and one other: 2 s, no more than moving
-    (3, "remote"),  # four streams stall for it: 4 s against 2 s
+    (0, "local"),  # 1.5 s to move against 1 s computed, stalling nothing else
+    (1, "remote"),  # 1 s computed stalls this stream and one other: 2 s against 1.5 s
+    (3, "remote"),  # four streams stall for it: 4 s against 1.5 s
 ])
 def test_slow_link_counts_the_stall_a_local_prefill_puts_on_decodes_streams(
         running: int, want: str) -> None:
     """A local prefill shares decode's steps: each stream it runs waits for those tokens
     too, so a path must be slower than that total for the prompt to go local."""
-    prefill, decode = _pair(46_080.0 * 500, decode_running=running)  # 1000 tokens: 2 s
+    prefill, decode = _pair(46_080.0 * 1000 / 1.5, decode_running=running)  # 1000: 1.5 s
     decision = choose_disagg(DisaggConfig("auto"), PlacementRequest(num_prompt_tokens=1000),
                              prefill, decode)
     assert decision.decision == want
-    assert decision.transfer_s == pytest.approx(2.0)
+    assert decision.transfer_s == pytest.approx(1.5)
 
 
 def test_slo_counts_the_transfer_in_the_remote_route() -> None:

@@ -165,6 +165,7 @@ class LinkAwareConfig:
     kv_cache_gib: int = 2
     kv_compression: str = "none"  # the workers' --kv-compression (lossless: handoffs too)
     prefills: int = 1  # 2: a second prefill behind a link never shaped (placement)
+    out: str = ""  # a folder under bench/results ("": named from the run's settings)
     seed: int = 0
     request_timeout_s: float = 300.0
     log_dir: str = ""  # "": ~/.cache/pdserve/bench-link-aware
@@ -172,6 +173,8 @@ class LinkAwareConfig:
     def __post_init__(self) -> None:
         if self.prefills not in (1, 2):
             raise ValueError("--prefills: 1 or 2")
+        if self.out.startswith("/") or ".." in self.out.split("/"):
+            raise ValueError("--out: a folder under bench/results, not a path out of it")
         if not self.link_rates or any(r <= 0 for r in self.link_rates):
             raise ValueError("--link-gbit: positive Gbit/s, comma-separated")
         if not self.lengths or any(n < 1 for n in self.lengths):

@@ -27,7 +27,8 @@ It reports, for each router:
   priced sends the long prompts there, not across the thin link.
 
 Results: ``bench/results/link-aware/`` (``results.json``, ``report.md``), or
-``link-aware-<compression>/`` with a ``--kv-compression``.
+``link-aware-<compression>/`` with a ``--kv-compression``, ``-2-prefills`` with
+``--prefills 2``; ``--out`` names another folder under ``bench/results/``.
 
     sudo pdserve bench link-aware --link-gbit 1,0.1
 """
@@ -298,8 +299,8 @@ def run(config: LinkAwareConfig) -> int:
     if why := hosts.prepare_process():
         console.print(f"[red]link-aware needs hosts: {why}[/red]")
         return 2
-    name = "link-aware" + ("" if config.kv_compression == "none"
-                           else f"-{config.kv_compression}") + (
+    name = config.out or "link-aware" + (
+        "" if config.kv_compression == "none" else f"-{config.kv_compression}") + (
         "-2-prefills" if config.prefills == 2 else "")
     out = RESULTS_DIR / name
     log_dir = Path(config.log_dir) if config.log_dir else cache_dir() / "bench-link-aware"

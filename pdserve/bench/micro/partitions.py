@@ -39,7 +39,6 @@ those equal to the uninterrupted one, errors, and the slowest stream. Results:
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import signal
@@ -63,8 +62,10 @@ from pdserve.bench.micro import RESULTS_DIR
 from pdserve.bench.micro.configs import PartitionsConfig
 from pdserve.bench.workload.prompts import PromptEncoder
 from pdserve.core import process
+from pdserve.core.hardware import Hardware
 from pdserve.core.model import DEFAULT_MODEL_NAME, cache_dir, prepare_default_model
 from pdserve.core.tokenizer import load_tokenizer
+from pdserve.core.types import WorkerLoadReport
 from pdserve.membership.local_etcd import LocalEtcd, gateway_keys
 
 CLUSTER = "partitions"
@@ -161,24 +162,29 @@ class Cluster:
 
     def counts(self) -> dict[str, float]:
         """What shows a fault hit: the router's stream migrations and prefill fallbacks,
-        and the decode workers' failed KV pulls."""
-        assert self.prober is not None
+        and the decode workers' failed KV pulls (left out when a decode does not answer)."""
         out = {key: self.metric(name) or 0.0 for key, name in COUNTS.items()}
-        out["kv_pulls_failed"] = float(sum(
-            self.prober.load(f"{self.net.address(d)}:{GRPC_PORT}").kv_transfers_failed
-            for d in DECODES))
+        loads = [self.load(d) for d in DECODES]
+        if all(load is not None for load in loads):
+            out["kv_pulls_failed"] = float(sum(load.kv_transfers_failed
+                                               for load in loads if load is not None))
         return out
+
+    def load(self, worker_id: str, timeout_s: float = 5.0) -> WorkerLoadReport | None:
+        """The worker's ``GetLoad`` (None: no answer). A prober that timed out was closed
+        (its answer would come to the next question): a fresh one replaces it."""
+        if self.prober is None or not self.prober.alive:
+            self.prober = self.net.prober("client")
+        try:
+            return self.prober.load(f"{self.net.address(worker_id)}:{GRPC_PORT}", timeout_s)
+        except RuntimeError:
+            return None
 
     def idle(self, worker_id: str) -> bool:
         """Nothing in flight or running, and no KV lease held (False: no answer)."""
-        assert self.prober is not None
-        try:
-            load = self.prober.load(f"{self.net.address(worker_id)}:{GRPC_PORT}", 5.0)
-        except RuntimeError:
-            self.prober.close()  # it may be the one that stopped answering: a fresh one
-            self.prober = self.net.prober("client")
-            return False
-        return (load.num_inflight_reqs, load.num_running_reqs, load.kv_leases_held) == (0, 0, 0)
+        load = self.load(worker_id)
+        return load is not None and (
+            load.num_inflight_reqs, load.num_running_reqs, load.kv_leases_held) == (0, 0, 0)
 
     def whole(self) -> bool:
         registered = {k.rsplit("/", 1)[-1] for k in gateway_keys(self.etcd.url, PREFIX,
@@ -357,7 +363,8 @@ def trial(cluster: Cluster, fault: str, rep: int, prompt: list[int]) -> Trial:
     finally:
         _heal(cluster)
     whole = _wait_whole(cluster, c.whole_timeout_s)  # its clock starts at the heal
-    moved = {k: v - before[k] for k, v in cluster.counts().items() if v != before[k]}
+    moved = {k: v - before[k] for k, v in cluster.counts().items()
+             if k in before and v != before[k]}
     moved.update(seen)
     want = cluster.stream(body, lambda _: None)
     answered = [s for s in out if not s.error and len(s.ids) == c.output_tokens]
@@ -429,6 +436,7 @@ def run(config: PartitionsConfig) -> int:
     vocab = PromptEncoder(load_tokenizer(prepare_default_model()), "completions").vocab
     rng = random.Random(config.seed)
     trials: list[Trial] = []
+    machine = Hardware.detect().describe()
     with hosts.HostNet() as net:
         cluster = Cluster(net, config, log_dir)
         with hosts.inside(net.hosts["client"].netns):  # this thread, and those it starts
@@ -444,14 +452,22 @@ def run(config: PartitionsConfig) -> int:
                                       f"exact {t.exact}, slowest {t.slowest_s} s, "
                                       f"moved {t.counts}"
                                       + (f", errors {t.errors}" if t.errors else ""))
+                        _write(out, config, machine, trials)  # a later crash keeps these
             finally:
                 cluster.stop()
+    rows = _write(out, config, machine, trials)
+    console.print(report(rows, config))
+    return 0 if all(r["whole"] == r["reps"] for r in rows) else 1
+
+
+def _write(out: Path, config: PartitionsConfig, machine: str, trials: list[Trial]
+           ) -> list[dict[str, Any]]:
+    """``results.json`` and ``report.md`` of the trials so far; their rows."""
     rows = summary(trials, config)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(
-        {"config": asdict(config), "machine": os.uname().machine, "rows": rows,
+        {"config": asdict(config), "machine": machine, "rows": rows,
          "trials": [asdict(t) for t in trials]}, indent=1))
-    text = report(rows, config)
-    (out / "report.md").write_text(text)
-    console.print(text)
-    return 0 if all(r["whole"] == r["reps"] for r in rows) else 1
+    (out / "report.md").write_text(report(rows, config).replace(
+        "\n\n", f"\n\nMachine: {machine}.\n\n", 1))
+    return rows

@@ -43,7 +43,7 @@ def call_error(method: str, results: dict[str, Any]) -> ClusterError:
         return Invalid(message, code="weight_call_invalid")
     if codes <= {"INVALID_ARGUMENT", "FAILED_PRECONDITION"}:
         return Conflict(message, code="weight_transfer_off"
-                             if codes == {"FAILED_PRECONDITION"} else "weight_call_refused")
+                        if codes == {"FAILED_PRECONDITION"} else "weight_call_refused")
     return Failed(message, code="weight_call_failed")
 
 

@@ -75,7 +75,7 @@ class RoleSwitcher:
         if worker is None:
             self._switches.labels(role, "refused").inc()
             raise NotFound(f"no worker {worker_id!r} in this router's view",
-                                     param="id", code="worker_not_found")
+                           param="id", code="worker_not_found")
         try:
             self._check(worker, role, force)
         except ClusterError:
@@ -114,7 +114,7 @@ class RoleSwitcher:
     def _check(self, worker: Worker, role: Role, force: bool) -> None:
         if worker.switching:
             raise Conflict(f"worker {worker.snapshot().worker_id} is already switching "
-                                "role", code="role_switch_running")
+                           "role", code="role_switch_running")
         if role == "prefill" and worker.role == "decode" and not force:
             model = worker.snapshot().model
             others = [w for w in self._pool.decode if w is not worker
@@ -132,6 +132,6 @@ def _switch_error(exc: WorkerCallError) -> ClusterError:
         return Conflict(what, code="role_switch_refused")
     if exc.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
         return Unavailable(f"role switch failed ({exc.code}): {exc.details}",
-                                       code="role_switch_failed")
+                           code="role_switch_failed")
     return Failed(f"role switch failed ({exc.code}): {exc.details}",
-                       code="role_switch_failed")
+                  code="role_switch_failed")

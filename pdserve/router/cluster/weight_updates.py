@@ -162,7 +162,7 @@ class WeightUpdater:
             if not committed:
                 self._updates.labels("commit_failed").inc()
                 raise Failed(f"no worker could switch to {version}: "
-                                  f"{first_error(results)}", code="weight_commit_failed")
+                             f"{first_error(results)}", code="weight_commit_failed")
             _adopt_versions(workers, committed)
             for name, r in results.items():
                 if isinstance(r, Exception):
@@ -217,7 +217,7 @@ class WeightUpdater:
         workers' prefix caches once nothing runs. The requests ended."""
         if mode not in ("abort", "wait", "keep"):
             raise Invalid(f"mode must be abort, wait or keep, not {mode!r}",
-                                      param="mode")
+                          param="mode")
         self._gate.pause()
         ended = 0
         if mode == "wait" and not await self._gate.wait_idle(timeout_s):
@@ -234,7 +234,7 @@ class WeightUpdater:
         would admit requests onto weights half switched."""
         if self._gate.board.committing or self._lock.locked():
             raise Conflict("a weight update is being committed: resume after it",
-                                code="weight_update_running")
+                           code="weight_update_running")
         self._gate.resume()
 
     @property

@@ -75,9 +75,8 @@ class NotFoundError(APIError):
     error_type = "invalid_request_error"
 
 
-class RouteNotFoundError(APIError):
-    status_code = 404
-    error_type = "invalid_request_error"
+class RouteNotFoundError(NotFoundError):
+    """No such route."""
 
 
 class MethodNotAllowedError(APIError):
