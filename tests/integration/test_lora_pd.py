@@ -122,8 +122,12 @@ class LoraCluster:
 
     def links(self, worker_id: str) -> list[dict[str, Any]]:
         """The KV paths the router last heard ``worker_id`` measured."""
+        return list(self.heard(worker_id)["kv_links"])
+
+    def heard(self, worker_id: str) -> dict[str, Any]:
+        """``worker_id``'s load as the router last heard it ({}: not in its view)."""
         view = self.get(f"{self.router_url}/workers").json()["workers"]
-        return [link for w in view if w["id"] == worker_id for link in w["load"]["kv_links"]]
+        return next((dict(w["load"]) for w in view if w["id"] == worker_id), {})
 
     def served(self, worker_id: str) -> set[str]:
         """The adapters ``worker_id`` serves, as it says."""
@@ -235,6 +239,9 @@ def test_a_load_reaches_a_worker_started_after_it(cluster: LoraCluster,
     for kind in ("short", "long"):
         reply = cluster.complete(prompts(tokenizer)[kind], "chat")
         assert reply["choices"][0]["token_ids"] == cluster.reference[(kind, "chat")], kind
+    # Drained on purpose: it exits 0, and is no longer one of the cluster's processes
+    # (a later test's check for a worker that died must not find it: one CI run did).
+    assert cluster.procs.pop("decode-0").wait(timeout=120) == 0
 
 
 def test_a_thin_link_moves_long_prompts_to_decode_until_it_is_fast_again(
@@ -276,10 +283,16 @@ def test_a_thin_link_moves_long_prompts_to_decode_until_it_is_fast_again(
         assert after.kv_loads == before.kv_loads + 1
         measured_s = (after.kv_load_time_ns - before.kv_load_time_ns) / 1e9
         (thin,) = after.kv_links  # the one path, that pull its latest sample
-        # The router's next probe of decode brings it (not an older report).
-        assert wait_until(lambda: [(link["peer"], link["samples"]) for link in
-                                   cluster.links(decode)] == [(thin.peer, thin.samples)],
-                          LINK_MAX_AGE_S)
+        # The router's next probe of decode brings it (not an older report), one taken
+        # once decode had finished that request: ``slow_link`` counts the streams decode
+        # runs, and a report from mid-request would count that one.
+        def priced() -> bool:
+            load = cluster.heard(decode)
+            return ([(link["peer"], link["samples"]) for link in load["kv_links"]]
+                    == [(thin.peer, thin.samples)]
+                    and load["num_running_reqs"] + load["num_waiting_reqs"] == 0)
+
+        assert wait_until(priced, LINK_MAX_AGE_S)
         _, route = cluster.complete_with_route(fresh(2))
     finally:
         net.shape("prefill-0", LINK_GBIT)
