@@ -143,7 +143,8 @@ class PooledTransport(PullTransport):
 
         def exchange(conn: socket.socket) -> int:
             send_msg(conn, {**request, "checksum": checksum})
-            return codec.receive(conn, blocks, checksum, deadline, what).nbytes
+            return codec.receive(conn, blocks, checksum, deadline, what,
+                                 self.options.stall_s).nbytes
 
         try:
             received = self._control(peer, deadline, what, exchange)

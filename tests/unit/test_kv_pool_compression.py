@@ -7,6 +7,7 @@ both sides, nothing written), and a payload damaged on the wire fails the pull."
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,8 +45,9 @@ class _CodecPair(_Pair):
 
     def __init__(self, transport: str, server: str, client: str,  # noqa: PLW0231
                  dtype: torch.dtype = torch.float32, checksum: bool = False,
-                 block_dim: int = 0, rate: float = 0.0) -> None:
-        options = TransportOptions(checksum=checksum, throttle_bytes_per_s=rate)
+                 block_dim: int = 0, rate: float = 0.0, stall_s: float | None = None) -> None:
+        options = TransportOptions(checksum=checksum, throttle_bytes_per_s=rate,
+                                   stall_s=stall_s)
         self.src = make_caches(1, dtype, block_dim=block_dim)
         self.dst = make_caches(2, dtype, block_dim=block_dim)
         layout = KVLayout.from_kv_caches(self.src, NUM_BLOCKS, 16)
@@ -286,3 +288,31 @@ def test_a_slot_rewritten_while_it_is_encoded_fails_the_pull() -> None:
             pair.pull()
         assert pair.store.stats()["pool_serve_failures"] == 1
         assert pair.server.stats()["transfers_failed"] == 1
+
+
+def test_a_compressed_pull_from_a_peer_gone_silent_fails_at_the_stall_bound() -> None:
+    """A cut link or a frozen peer mid-stream: the puller gives up after ``stall_s`` of
+    silence (then recomputes), not at its deadline (20 s here)."""
+    with _pair("tcp", "lossless", "lossless", stall_s=0.3) as pair:
+        pair.save(SRC, [0, 1, 2], [_h(b) for b in SRC])
+        codec = pair.server._pool_codec  # type: ignore[attr-defined]
+        real, frozen, encoded = codec.codec, threading.Event(), []
+
+        class Freezing:
+            name = real.name
+
+            def encode(self, chunks: Any) -> bytes:
+                encoded.append(1)
+                if len(encoded) == 2:
+                    frozen.wait(60)  # the second block never comes (until the test ends)
+                return bytes(real.encode(chunks))
+
+        codec.codec = Freezing()
+        started = time.monotonic()
+        try:
+            with pytest.raises(TransferError):
+                pair.pull()
+            assert time.monotonic() - started < 10
+        finally:
+            frozen.set()
+
