@@ -14,8 +14,9 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,6 +25,7 @@ import httpx
 import psutil
 import torch
 
+from pdserve.bench.sse import sse_events, token_ids
 from pdserve.core import process
 from pdserve.core.cluster_secret import ClusterSecret, load_cluster_secret, write_cluster_secret
 from pdserve.core.grpc_tls import GrpcTls, TlsFiles
@@ -304,17 +306,28 @@ class TimedStream:
         return [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
 
 
-def sse_events(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
-    """The JSON events of a streamed response's ``data:`` lines (``[DONE]`` and anything
-    else that is not an object skipped)."""
-    for line in lines:
-        if line.startswith("data: {"):
-            yield json.loads(line.removeprefix("data: "))
+@contextlib.contextmanager
+def encoder_frozen_at(transport: Any, block: int) -> Iterator[None]:
+    """``transport``'s pool codec (``--kv-compression``) stops before it sends its
+    ``block``-th block (1-based) of the next pulls it serves, until the block ends: a
+    peer gone silent mid-stream."""
+    codec = transport._pool_codec
+    real, frozen, encoded = codec.codec, threading.Event(), []
 
+    class Freezing:
+        name = real.name
 
-def token_ids(event: dict[str, Any]) -> list[int]:
-    """One streamed event's token ids, over its choices."""
-    return [t for c in event["choices"] for t in c.get("token_ids") or []]
+        def encode(self, chunks: Any) -> bytes:
+            encoded.append(1)
+            if len(encoded) == block:
+                frozen.wait(60)  # this block never comes (until the block ends)
+            return bytes(real.encode(chunks))
+
+    codec.codec = Freezing()
+    try:
+        yield
+    finally:
+        frozen.set()
 
 
 def stream_timed(base_url: str, body: dict[str, Any], stop_after: int | None = None,

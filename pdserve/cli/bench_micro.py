@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from pdserve.bench.micro import configs
+from pdserve.bench.micro import configs, host_configs
 from pdserve.cli.bench_rollout_tools import ROLLOUT_TOOLS
 from pdserve.cli.bench_tool import Tool, csv_list
 
@@ -55,7 +55,7 @@ TOOLS: dict[str, Tool] = {
         ("--link-gbit", {"help": "comma-separated Gbit/s: the two sides on two hosts "
                          "(network namespaces, root) linked at each rate in turn"}),
     )),
-    "link-aware": Tool("link_aware", configs.LinkAwareConfig,
+    "link-aware": Tool("link_aware", host_configs.LinkAwareConfig,
                        "long prompts through a link-aware router and one that is not, on "
                        "hosts, prefill's link at each rate: TTFT and the 2nd token, on/off", (
         ("--link-gbit", {"help": "comma-separated Gbit/s of prefill's link, each in turn"}),
@@ -76,10 +76,10 @@ TOOLS: dict[str, Tool] = {
         ("--request-timeout-s", {"type": float, "help": "each request's deadline"}),
         ("--log-dir", {"help": "the processes' logs"}),
     )),
-    "partitions": Tool("partitions", configs.PartitionsConfig,
+    "partitions": Tool("partitions", host_configs.PartitionsConfig,
                        "network partitions on hosts under streams: the time from each heal "
                        "to a whole cluster, and the streams' answers", (
-        ("--faults", {"help": "comma-separated, of " + ", ".join(configs.PARTITIONS)}),
+        ("--faults", {"help": "comma-separated, of " + ", ".join(host_configs.PARTITIONS)}),
         "--reps",
         ("--streams", {"type": int, "help": "streams at once through each fault"}),
         ("--prompt-tokens", {"type": int, "help": "random prompt tokens (a fresh prompt "

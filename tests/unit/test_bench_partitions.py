@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.micro.configs import PARTITIONS, PartitionsConfig
+from pdserve.bench.micro.host_configs import PARTITIONS, PartitionsConfig
 from pdserve.bench.micro.partitions import Trial, report, summary
 
 

@@ -8,7 +8,6 @@ cleanly and the lease does not outlive it."""
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,7 +15,13 @@ from typing import Any
 
 import pytest
 import torch
-from pdserve_testing import NUM_BLOCKS, make_caches, start_transport, wait_until
+from pdserve_testing import (
+    NUM_BLOCKS,
+    encoder_frozen_at,
+    make_caches,
+    start_transport,
+    wait_until,
+)
 
 from pdserve.kv_transfer import pool_codec
 from pdserve.kv_transfer.base import PeerAddress, TransportOptions
@@ -201,24 +206,8 @@ def test_an_encoded_pull_from_a_prefill_gone_silent_fails_at_the_stall_bound() -
     gives up."""
     with _handoff("lossless", "lossless", stall_s=0.3) as h:
         h.measured(THIN)
-        codec = h.server._pool_codec  # type: ignore[attr-defined]
-        real, frozen, encoded = codec.codec, threading.Event(), []
-
-        class Freezing:
-            name = real.name
-
-            def encode(self, chunks: Any) -> bytes:
-                encoded.append(1)
-                if len(encoded) == 3:
-                    frozen.wait(60)  # the third block never comes (until the test ends)
-                return bytes(real.encode(chunks))
-
-        codec.codec = Freezing()
         started = time.monotonic()
-        try:
-            with pytest.raises(TransferError):
-                h.pull()  # its deadline: 30 s
-            assert time.monotonic() - started < 15
-        finally:
-            frozen.set()
+        with encoder_frozen_at(h.server, 3), pytest.raises(TransferError):
+            h.pull()  # its deadline: 30 s
+        assert time.monotonic() - started < 15
         assert wait_until(lambda: h.leases.num_held == 0, 10, 0.02)

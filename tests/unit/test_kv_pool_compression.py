@@ -7,7 +7,6 @@ both sides, nothing written), and a payload damaged on the wire fails the pull."
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from pdserve_testing import NUM_BLOCKS, make_caches, start_transport
+from pdserve_testing import NUM_BLOCKS, encoder_frozen_at, make_caches, start_transport
 from unit.connector_fakes import poll_until_finished
 from unit.test_kv_pool import TRANSPORTS, _block, _Pair
 from unit.test_kv_tiers import CONFIG, _h
@@ -295,24 +294,8 @@ def test_a_compressed_pull_from_a_peer_gone_silent_fails_at_the_stall_bound() ->
     silence (then recomputes), not at its deadline (20 s here)."""
     with _pair("tcp", "lossless", "lossless", stall_s=0.3) as pair:
         pair.save(SRC, [0, 1, 2], [_h(b) for b in SRC])
-        codec = pair.server._pool_codec  # type: ignore[attr-defined]
-        real, frozen, encoded = codec.codec, threading.Event(), []
-
-        class Freezing:
-            name = real.name
-
-            def encode(self, chunks: Any) -> bytes:
-                encoded.append(1)
-                if len(encoded) == 2:
-                    frozen.wait(60)  # the second block never comes (until the test ends)
-                return bytes(real.encode(chunks))
-
-        codec.codec = Freezing()
         started = time.monotonic()
-        try:
-            with pytest.raises(TransferError):
-                pair.pull()
-            assert time.monotonic() - started < 10
-        finally:
-            frozen.set()
+        with encoder_frozen_at(pair.server, 2), pytest.raises(TransferError):
+            pair.pull()
+        assert time.monotonic() - started < 10
 

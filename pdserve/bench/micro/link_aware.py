@@ -55,7 +55,7 @@ from pdserve.bench import hosts
 from pdserve.bench.client import Endpoint
 from pdserve.bench.metrics import RequestRecord, stats
 from pdserve.bench.micro import RESULTS_DIR
-from pdserve.bench.micro.configs import LinkAwareConfig
+from pdserve.bench.micro.host_configs import LinkAwareConfig
 from pdserve.bench.runner import Outcome, Runner, Schedule
 from pdserve.bench.workload.prompts import BenchRequest, PromptEncoder
 from pdserve.core import process
