@@ -102,7 +102,9 @@ def test_a_thin_path_is_measured_raw_then_pulled_lossless_bit_exact() -> None:
         assert h.pull() == raw  # no estimate yet: raw, and the path is measured
         assert h.client.stats()["encoded_pulls"] == before["encoded_pulls"]
         (link,) = h.client.links.estimates()
-        assert link.bytes_per_s <= THIN and link.bytes_per_token == BLOCK_BYTES / 16
+        # Measured at the paced rate: the meter times from the reply's arrival, the
+        # sender paces from just after sending it, so a hair above THIN (0.005 % seen).
+        assert link.bytes_per_s <= 1.01 * THIN and link.bytes_per_token == BLOCK_BYTES / 16
         for t in h.dst.values():
             t.zero_()
         sent = h.server.stats()["bytes_sent"]
