@@ -23,8 +23,8 @@ from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.model import DEFAULT_MODEL_NAME
 from pdserve.core.types import FinishReason, SamplingSpec, TokenLogprobs
 from pdserve.router.dispatch.base import (
+    ChunkSink,
     Dispatcher,
-    Express,
     NoWorkerAvailableError,
     TokenChunk,
     WorkerFailedError,
@@ -83,7 +83,7 @@ class FakeDispatcher:
     end_token: int | None = None  # appended to a "stop" output, as an engine's end of text
     weight_version: str | None = None  # the chunks' (the workers' weights)
     calls: list[DispatchCall] = field(default_factory=list)
-    express_taken: int = 0  # tokens the express lanes of its requests carried
+    express_taken: int = 0  # tokens the chunk sinks of its requests took
     completed: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
@@ -94,26 +94,24 @@ class FakeDispatcher:
     def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
         timeline: object = None, deadline: Any = None, affinity: str | None = None,
-        express: Express | None = None,
+        sink: ChunkSink | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
         self.calls.append(DispatchCall(request_id, tuple(prompt_token_ids), sampling,
                                        deadline, affinity))
         if self.error_on_call is not None:
             raise self.error_on_call
-        return self._run(request_id, sampling, express)
+        return self._run(request_id, sampling, sink)
 
     async def _run(self, request_id: str, sampling: SamplingSpec,
-                   express: Express | None = None) -> AsyncGenerator[TokenChunk, None]:
+                   sink: ChunkSink | None = None) -> AsyncGenerator[TokenChunk, None]:
         outcome = self.aborted
         try:
             async for chunk in self._chunks(sampling):
-                # The express lane, as the real dispatcher offers it: each ordinary
-                # chunk, while the reader waits for it (here, inside its ``anext``).
-                if (express is not None and express.sink is not None
-                        and chunk.finish_reason is None and not chunk.logprobs
-                        and chunk.num_cached_tokens is None
-                        and express.sink(chunk.token_ids)):
-                    express.taken += len(chunk.token_ids)
+                # The sink, as the real dispatcher offers it: each ordinary chunk,
+                # while the reader waits for it (here, inside its ``anext``).
+                if (sink is not None and chunk.finish_reason is None
+                        and not chunk.logprobs and chunk.num_cached_tokens is None
+                        and sink.offer(chunk)):
                     self.express_taken += len(chunk.token_ids)
                     continue
                 yield chunk

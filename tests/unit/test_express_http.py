@@ -1,7 +1,7 @@
-"""The express lane's HTTP side (``router/http/edge/express.py``, ``direct_write.py``) through
+"""The express lane's HTTP side (``router/http/openai/stream_writer.py``) through
 a real uvicorn server: a client too slow to read (the connection pauses, the lane hands
 the chunks back to the body, which waits) gets the same bytes as in-process; a client
-that goes away mid-stream has its request aborted; a server ``DirectWriter`` does not
+that goes away mid-stream has its request aborted; a server ``StreamWriter`` does not
 know (in-process ASGI) gets no lane at all.
 """
 
@@ -24,7 +24,7 @@ from unit.fakes import (
 )
 
 from pdserve.router.http.app import create_app
-from pdserve.router.http.edge.direct_write import SERVER_SEND_KEY, DirectWriter
+from pdserve.router.http.openai.stream_writer import SERVER_SEND_KEY, StreamWriter
 
 NUM_TOKENS = 3000
 _IDS = re.compile(rb'"id":"[^"]*"|"created":\d+')
@@ -111,4 +111,4 @@ async def test_a_client_gone_mid_stream_has_its_request_aborted(tokenizer: Any) 
 @pytest.mark.parametrize("scope", [{}, {SERVER_SEND_KEY: None},
                                    {SERVER_SEND_KEY: lambda message: None}])
 def test_no_writer_for_a_server_it_does_not_know(scope: dict[str, Any]) -> None:
-    assert DirectWriter.of(scope) is None
+    assert StreamWriter.of(scope) is None

@@ -1,4 +1,4 @@
-"""The express lane (``dispatch.base.Express``): ordinary decode chunks handed to the
+"""The express lane (``dispatch.base.ChunkSink``): ordinary decode chunks handed to the
 HTTP layer's sink by the worker session's reader, the rest yielded as before.
 
 On ``SessionStream`` alone: a tap sees an output only while the consumer waits with
@@ -20,7 +20,7 @@ from unit.dispatch_cluster import PROMPT, running_cluster, spec
 from unit.fake_worker import greedy_answer
 
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
-from pdserve.router.dispatch.base import Express, TokenChunk
+from pdserve.router.dispatch.base import TokenChunk
 from pdserve.router.dispatch.migration import MigrationConfig
 from pdserve.router.dispatch.workers.session import SessionStream, StreamTapError
 
@@ -73,31 +73,35 @@ async def test_a_tap_that_raises_fails_its_own_stream() -> None:
 
 
 class Lane:
-    """An ``Express`` whose sink records what it takes, in one log with what the
-    iterator yields: ``("sink" | "yield", token ids)`` in arrival order."""
+    """A ``ChunkSink`` that records what it takes, in one log with what the iterator
+    yields: ``("sink" | "yield", token ids)`` in arrival order, and the chunks it took."""
 
     def __init__(self, take: bool | list[bool] = True) -> None:
-        self.express = Express()
+        self.open = False
         self.log: list[tuple[str, tuple[int, ...]]] = []
+        self.took: list[TokenChunk] = []
         self._take = take
 
-    def sink(self, token_ids: tuple[int, ...]) -> bool:
+    def offer(self, chunk: TokenChunk) -> bool:
+        if not self.open:
+            return False
         take = self._take if isinstance(self._take, bool) else self._take[len(self.log) % 3]
         if take:
-            self.log.append(("sink", token_ids))
+            self.log.append(("sink", chunk.token_ids))
+            self.took.append(chunk)
         return take
 
     async def read(self, chunks: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
         """As the HTTP body does: the sink is open while it waits for the next chunk."""
         got = []
-        self.express.sink = self.sink
+        self.open = True
         try:
             async with asyncio.timeout(WAIT_S):
                 async for chunk in chunks:
                     self.log.append(("yield", chunk.token_ids))
                     got.append(chunk)
         finally:
-            self.express.sink = None
+            self.open = False
         return got
 
     def tokens(self) -> list[int]:
@@ -117,10 +121,11 @@ async def test_the_sink_and_the_iterator_together_carry_the_whole_answer(
         c.d.script.token_delay_s = 0.01
         lane = Lane(take)
         chunks = await lane.read(c.dispatcher.generate(
-            "r1", PROMPT, spec(max_tokens), express=lane.express))
+            "r1", PROMPT, spec(max_tokens), sink=lane))
 
         assert lane.tokens() == greedy_answer(PROMPT, max_tokens)
-        assert lane.express.taken == lane.taken()
+        # The sink gets the very chunk the iterator would have yielded: its worker named.
+        assert all(c.decode_worker_id == chunks[-1].decode_worker_id for c in lane.took)
         # Never taken: prefill's first chunk (it opens the request) and the last.
         assert chunks[0].num_cached_tokens is not None and chunks[0].disagg is not None
         assert chunks[-1].finish_reason == "length"
@@ -129,7 +134,7 @@ async def test_the_sink_and_the_iterator_together_carry_the_whole_answer(
             assert [how for how, _ in lane.log] == ["yield", *["sink"] * (max_tokens - 2),
                                                      "yield"]
         if take is False:
-            assert lane.express.taken == 0 and len(chunks) == max_tokens
+            assert lane.taken() == 0 and len(chunks) == max_tokens
 
 
 async def test_a_sink_that_raises_fails_its_request_alone_and_blames_no_worker() -> None:
@@ -140,15 +145,15 @@ async def test_a_sink_that_raises_fails_its_request_alone_and_blames_no_worker()
     async with running_cluster(num_decode=1, migration=MigrationConfig(max_migrations=1)) as c:
         c.p.script.tokens_from_context = c.d.script.tokens_from_context = True
         c.d.script.token_delay_s = 0.01
-        broken, fine = Express(), Lane()
+        fine = Lane()
 
-        def sink(token_ids: tuple[int, ...]) -> bool:
-            raise ValueError("bug in the sink")
+        class Broken:
+            def offer(self, chunk: TokenChunk) -> bool:
+                raise ValueError("bug in the sink")
 
-        broken.sink = sink
-        failing = c.dispatcher.generate("bad", PROMPT, spec(max_tokens), express=broken)
+        failing = c.dispatcher.generate("bad", PROMPT, spec(max_tokens), sink=Broken())
         other = asyncio.ensure_future(fine.read(c.dispatcher.generate(
-            "good", (*PROMPT, 1), spec(max_tokens), express=fine.express)))
+            "good", (*PROMPT, 1), spec(max_tokens), sink=fine)))
         with pytest.raises(StreamTapError, match="bug in the sink"):
             async with asyncio.timeout(WAIT_S):
                 async for _ in failing:
@@ -171,7 +176,7 @@ async def test_a_decode_worker_dying_mid_stream_migrates_with_the_lane_open() ->
             w.servicer.script.token_delay_s = 0.05
         lanes = {rid: Lane() for rid in prompts}
         reads = {rid: asyncio.ensure_future(lanes[rid].read(c.dispatcher.generate(
-            rid, p, spec(max_tokens), express=lanes[rid].express)))
+            rid, p, spec(max_tokens), sink=lanes[rid])))
             for rid, p in prompts.items()}
         async with asyncio.timeout(WAIT_S):
             while not all(lane.taken() >= 3 for lane in lanes.values()):
@@ -186,4 +191,4 @@ async def test_a_decode_worker_dying_mid_stream_migrates_with_the_lane_open() ->
             assert lane.tokens() == greedy_answer(prompts[rid], max_tokens), rid
         other = next(d for d in c.decodes if d is not victim)
         assert {g.request_id for g in other.servicer.generates} >= moved
-        assert all(lane.express.taken > 3 for lane in lanes.values())
+        assert all(lane.taken() > 3 for lane in lanes.values())

@@ -11,7 +11,7 @@ import time
 import pytest
 from unit.dispatch_cluster import PROMPT, Cluster, collect, spec
 
-from pdserve.core.types import PhaseOutput, PhaseTiming
+from pdserve.core.types import PhaseTiming
 from pdserve.router.dispatch.timeline import PHASES, RequestTimeline
 
 MS = 1_000_000
@@ -75,8 +75,8 @@ async def test_no_log_line_unless_asked(
 def test_phases_without_a_source_are_left_out() -> None:
     """Workers that send no timing (older ones), a request decode computed alone."""
     timeline = RequestTimeline("r1", arrival_s=0.0)
-    timeline.on_decode(PhaseOutput((1,)))
+    timeline.on_decode(1)
     assert timeline.phases() == {}
     timeline.on_call()
-    timeline.on_decode(PhaseOutput((2, 3), "length", timing=DECODE))
+    timeline.on_decode(2, DECODE)
     assert set(timeline.phases()) == {"router", "decode_queue", "decode_step"}

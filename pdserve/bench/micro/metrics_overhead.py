@@ -128,18 +128,19 @@ class NoText:
 
 
 def observe_ns(enabled: bool, n: int) -> float:
-    """ns per ``RequestOutput._observe`` of a one-token chunk (the per-chunk metric path)."""
+    """ns per ``RequestOutput._observe_tokens`` of a one-token chunk after the first (the
+    per-chunk metric path)."""
     request = GenerationRequest("bench", "completions", "m", (1, 2, 3), SamplingSpec(16),
                                 (), True, False, False, 0, time.perf_counter())
     metrics = RouterMetrics(CollectorRegistry() if enabled else None, "m")
     output = RequestOutput(request, decoder=NoText(), metrics=metrics)
-    chunk = TokenChunk((7,))
-    observe = output._observe
+    output._observe_first(TokenChunk((7,)))
+    observe = output._observe_tokens
     best = float("inf")
     for _ in range(5):  # best of 5: the least disturbed by other processes
         t0 = time.perf_counter_ns()
         for _ in range(n):
-            observe(chunk)
+            observe(1)
         best = min(best, (time.perf_counter_ns() - t0) / n)
     return best
 

@@ -9,7 +9,7 @@ token chunks. Neither knows the other's internals; this module is the contract.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -49,31 +49,23 @@ class TokenChunk:
     ended_by_update: bool = False
 
 
-ChunkSink = Callable[[tuple[int, ...]], bool]  # an ordinary chunk's token ids
+class ChunkSink(Protocol):
+    """Where a streamed request's chunks can be written the moment they arrive: from the
+    worker session's reader itself, with no task woken and no generator layer per token
+    (the HTTP side's is ``http/openai/stream_writer.StreamWriter``).
 
-
-class Express:
-    """A streamed request's express lane: its decode tokens written to the client by the
-    worker session's reader itself, with no task woken and no generator layer per token.
-
-    The HTTP layer owns ``sink`` and sets it only while its stream is waiting for the
-    next chunk with everything before it written (clearing it when it stops waiting for
-    good). The dispatcher offers it the token ids of each ordinary decode chunk (tokens
-    alone: not the first of a call, not the last, no logprobs, no failure) as the chunk
-    arrives, only when the chunk would otherwise be the next one ``generate`` yields,
-    and does its own per-chunk bookkeeping when the sink takes it. ``sink(token_ids)``
-    returns whether it took the chunk: True, the chunk was consumed (written) and
-    ``generate`` never yields it; False, nothing was changed and the chunk is yielded as
-    usual (as ``TokenChunk(token_ids)``).
-    ``taken`` counts the tokens the lane carried (the dispatcher adds them; tests and
-    benchmarks read it).
+    The dispatcher offers it each ordinary decode chunk (tokens alone: not the first of
+    a call, not the last, no logprobs, no failure) as the chunk arrives, only when the
+    chunk would otherwise be the next one ``generate`` yields. ``offer(chunk)`` returns
+    whether it took the chunk: True, the chunk was consumed (written) and ``generate``
+    never yields it; False, nothing was changed and ``generate`` yields it as usual. The
+    chunk is the one ``generate`` would have yielded, and the dispatcher's bookkeeping
+    for it (``decode_stream.DecodeStream``) is the same either way: done once, after
+    the sink took it or as it is yielded.
     """
 
-    __slots__ = ("sink", "taken")
-
-    def __init__(self) -> None:
-        self.sink: ChunkSink | None = None
-        self.taken = 0
+    def offer(self, chunk: TokenChunk) -> bool:
+        ...
 
 
 class NoWorkerAvailableError(RuntimeError):
@@ -134,7 +126,7 @@ class Dispatcher(Protocol):
     def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
         timeline: RequestTimeline | None = None, deadline: Deadline | None = None,
-        affinity: str | None = None, express: Express | None = None,
+        affinity: str | None = None, sink: ChunkSink | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
         """``timeline`` (started when the request arrived) is marked as the request goes
         and recorded when it finishes; without one the dispatcher starts its own.
@@ -142,8 +134,8 @@ class Dispatcher(Protocol):
         one the dispatcher's own request timeout starts now. ``affinity``: a decode
         worker's id (a sibling's ``decode_worker_id``) that computes this prompt itself,
         from the KV its prefix cache holds, while it is healthy (else placement decides).
-        ``express``: the request's express lane (``Express``); a dispatcher may ignore it
-        and yield every chunk."""
+        ``sink``: where the request's ordinary chunks may be written as they arrive
+        (``ChunkSink``); a dispatcher may ignore it and yield every chunk."""
         ...
 
     def is_ready(self) -> bool:

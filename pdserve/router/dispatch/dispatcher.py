@@ -20,7 +20,8 @@ from prometheus_client import CollectorRegistry
 from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION, versioned_salt
 from pdserve.core.lora import adapter_salt, wanted_lora
 from pdserve.core.types import PhaseOutput, PhaseRequest, SamplingSpec
-from pdserve.router.dispatch.base import Deadline, Express, TokenChunk
+from pdserve.router.dispatch.base import ChunkSink, Deadline, TokenChunk
+from pdserve.router.dispatch.decode_stream import DecodeStream
 from pdserve.router.dispatch.lora_catalog import LoraCatalog, lora_tag, refit_folder
 from pdserve.router.dispatch.metrics import DispatchMetrics
 from pdserve.router.dispatch.migration import (
@@ -110,7 +111,7 @@ class PDDispatcher:
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
         timeline: RequestTimeline | None = None, deadline: Deadline | None = None,
-        affinity: str | None = None, express: Express | None = None,
+        affinity: str | None = None, sink: ChunkSink | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
         """The request's chunks, all from the weights version it was admitted under
         (``weights.py``): the first names it. A weight update that ends the request
@@ -124,7 +125,7 @@ class PDDispatcher:
             current = refit_folder(sampling, self.loras)
             chunks = self._generate(request_id, (*prompt_token_ids, *sent),
                                     _rest(current, sent), timeline, deadline, affinity,
-                                    express, ticket)
+                                    sink, ticket)
             tag = lora_tag(current)
             return chunks if tag is None else _tagged(chunks, tag)
 
@@ -137,7 +138,7 @@ class PDDispatcher:
     async def _generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec,
         timeline: RequestTimeline | None, deadline: Deadline, affinity: str | None,
-        express: Express | None, ticket: Ticket,
+        sink: ChunkSink | None, ticket: Ticket,
     ) -> AsyncGenerator[TokenChunk, None]:
         timeline = timeline or RequestTimeline(request_id)
         # The request's exact adapter (name and folder, fixed when it arrived): routing,
@@ -150,7 +151,7 @@ class PDDispatcher:
                      salt, ticket.version or DEFAULT_WEIGHT_VERSION), lora))
         involved: list[Worker] = []
         finished = False
-        num_tokens = 0
+        sent_before = len(ticket.tokens)  # this run's tokens follow (the sink's too)
         try:
             first: PhaseOutput | None = None
             if route.prefill is not None:
@@ -167,7 +168,7 @@ class PDDispatcher:
                 timeline.on_prefill(first)
                 done = first.finish_reason in ("stop", "abort", "error") or (
                     sampling.max_tokens <= 1)
-                num_tokens += len(first.token_ids)
+                ticket.tokens.extend(first.token_ids)
                 yield TokenChunk(first.token_ids, first.finish_reason if done else None,
                                  first.num_cached_tokens, route.disagg, first.logprobs,
                                  first.prompt_logprobs,
@@ -182,13 +183,13 @@ class PDDispatcher:
             timeline.on_call()
             migration = RequestMigration(self._migration, self._migration_metrics,
                                          prompt_token_ids, first)
-            stream = self._phases.decode(route.decode, _decode_request(
+            stream = DecodeStream(timeline, migration, ticket,
+                                  route.disagg if first is None else None, sink)
+            chunks = self._phases.decode(route.decode, _decode_request(
                 request_id, prompt_token_ids, sampling, first, ticket.version),
-                route.disagg if first is None else None, involved, timeline, migration,
-                deadline, ticket, express, route.decode_cached)
-            async with contextlib.aclosing(stream):  # closing us closes the decode call now
-                async for chunk in stream:
-                    num_tokens += len(chunk.token_ids)
+                involved, stream, migration, deadline, ticket, route.decode_cached)
+            async with contextlib.aclosing(chunks):  # closing us closes the decode call now
+                async for chunk in chunks:
                     if chunk.finish_reason is not None:
                         finished = True
                     yield chunk
@@ -198,5 +199,5 @@ class PDDispatcher:
             else:
                 self._aborts.later(request_id, involved)
             if self._demand is not None:
-                self._demand.on_finished(num_tokens + (express.taken if express else 0))
+                self._demand.on_finished(len(ticket.tokens) - sent_before)
 

@@ -9,17 +9,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 
 from pdserve.core.types import PhaseOutput, PhaseRequest
 from pdserve.router.dispatch.base import (
     Deadline,
     DeadlineExceededError,
-    Express,
     RequestRejectedError,
     TokenChunk,
     WorkerFailedError,
 )
+from pdserve.router.dispatch.decode_stream import DecodeStream
 from pdserve.router.dispatch.metrics import DispatchMetrics
 from pdserve.router.dispatch.migration import (
     Continuation,
@@ -28,9 +28,7 @@ from pdserve.router.dispatch.migration import (
     failure_of_error,
     failure_of_output,
 )
-from pdserve.router.dispatch.policies.disagg import DisaggDecision
 from pdserve.router.dispatch.prefix.routing import PendingPrefix, PrefixRouting
-from pdserve.router.dispatch.timeline import RequestTimeline
 from pdserve.router.dispatch.weights import Ticket, UpdateAborted
 from pdserve.router.dispatch.workers.client import (
     DEADLINE_EXCEEDED,
@@ -122,35 +120,16 @@ class Phases:
                 self._prefix.on_prefill_failed(pending)  # its blocks will not be computed
 
     async def decode(
-        self, worker: Worker, request: PhaseRequest, opening: DisaggDecision | None,
-        involved: list[Worker], timeline: RequestTimeline, migration: RequestMigration,
-        deadline: Deadline, ticket: Ticket, express: Express | None = None,
-        cached_tokens: int = 0,
+        self, worker: Worker, request: PhaseRequest, involved: list[Worker],
+        stream: DecodeStream, migration: RequestMigration, deadline: Deadline,
+        ticket: Ticket, cached_tokens: int = 0,
     ) -> AsyncGenerator[TokenChunk, None]:
         """Decode on ``worker``; if it fails, on another (``migration.py`` says when and
         with what request), each call with what is left of the request's ``deadline``.
         ``cached_tokens``: the prompt tokens ``worker``'s prefix cache holds (it computes
-        only the rest when it prefills locally).
-        ``opening`` is set when decode's first chunk opens the request (no prefill chunk
-        came before it): that chunk carries decode's cached tokens and it. ``express``:
-        the request's lane (``base.Express``), offered each ordinary output with the
-        bookkeeping this loop does for it (``tap``)."""
-
-        tap: Callable[[tuple[int, ...]], bool] | None = None
-        if express is not None:
-            lane = express
-
-            def tap_lane(token_ids: tuple[int, ...]) -> bool:  # an output of tokens alone
-                sink = lane.sink
-                if sink is None or prefill_tokens or opening is not None or not sink(token_ids):
-                    return False
-                timeline.on_decode_tokens(len(token_ids))
-                migration.on_sent(token_ids)
-                ticket.tokens.extend(token_ids)  # a kept request goes on after them
-                lane.taken += len(token_ids)
-                return True
-
-            tap = tap_lane
+        only the rest when it prefills locally). ``stream`` makes each output a chunk
+        (``decode_stream.py``): the ones yielded here, and those the request's sink takes
+        from the session's reader (``stream.tap``), which are not."""
         while True:
             failure: str | None = None
             ended = False  # the finish went out: a failure after it loses nothing
@@ -161,23 +140,18 @@ class Phases:
                 len(request.prompt_token_ids) - cached_tokens, 1)
             cached_tokens = 0  # a worker it migrates to holds none of it
             worker.on_sent(prefill_tokens)
-            worker_id = worker.snapshot().worker_id
+            stream.call(worker.snapshot().worker_id, prefill_tokens > 0)
             try:
                 async with contextlib.aclosing(
-                        worker.client.generate(request, timeout_s, tap)) as outs:
+                        worker.client.generate(request, timeout_s, stream.tap)) as outs:
                     async for out in outs:
                         if prefill_tokens:
                             worker.on_prefilled(prefill_tokens)
                             prefill_tokens = 0
                         if (failure := failure_of_output(out)) is not None:
                             break
-                        timeline.on_decode(out)
-                        migration.on_sent(out.token_ids)
-                        cached = out.num_cached_tokens if opening is not None else None
-                        chunk = TokenChunk(out.token_ids, out.finish_reason, cached, opening,
-                                           out.logprobs, out.prompt_logprobs, worker_id,
-                                           out.weight_version or None)
-                        opening, ended = None, out.finish_reason is not None
+                        chunk = stream.chunk(out)
+                        ended = chunk.finish_reason is not None
                         yield chunk
                 worker.on_call_succeeded()
             except WorkerCallError as exc:
@@ -203,7 +177,7 @@ class Phases:
                 yield TokenChunk((), "length")
                 return
             worker, request = step.worker, step.request
-            timeline.on_migrated()
+            stream.on_migrated()
 
     def _migrate(self, failed: Worker, reason: str, request: PhaseRequest,
                  involved: list[Worker], migration: RequestMigration) -> Continuation | None:

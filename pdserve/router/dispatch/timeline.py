@@ -77,19 +77,16 @@ class RequestTimeline:
             self.transport = out.kv_handle.transport
             self.num_kv_tokens = out.kv_handle.num_tokens
 
-    def on_decode(self, out: PhaseOutput) -> None:
-        self.on_decode_tokens(len(out.token_ids))
-        if out.timing is not None:
-            self.decode = out.timing
-
-    def on_decode_tokens(self, num_tokens: int) -> None:
-        """A decode output of ``num_tokens`` arrived (``on_decode`` without its timing)."""
+    def on_decode(self, num_tokens: int, timing: PhaseTiming | None = None) -> None:
+        """A decode output of ``num_tokens`` arrived; ``timing``: the call's, on its last."""
         now = time.perf_counter()
         if not self.first_decode_s:
             self.first_decode_s = now
         else:
             self.num_decode_steps += num_tokens
         self.last_decode_s = now
+        if timing is not None:
+            self.decode = timing
 
     def on_migrated(self) -> None:
         """Decode moved to another worker: the handoff from prefill is no longer the one

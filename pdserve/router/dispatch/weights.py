@@ -76,8 +76,9 @@ class Ticket:
     sent: bool = False
     aborted: bool = False
     kept: bool = False
-    # Every token of the request that went out, under any ticket (the express lane's
-    # too: ``phases.py`` adds those): where a kept request goes on from.
+    # Every token of the request that went out, under any ticket, whichever way it went
+    # (added where each output becomes a chunk: ``dispatcher.py``, ``decode_stream.py``):
+    # where a kept request goes on from.
     tokens: list[int] = field(default_factory=list)
 
 
@@ -232,8 +233,7 @@ async def versioned(gate: WeightGate, request_id: str, deadline: Deadline,
             try:
                 async with contextlib.aclosing(run(ticket, tuple(sent))) as chunks:
                     async for chunk in chunks:
-                        ticket.sent = True
-                        sent.extend(chunk.token_ids)
+                        ticket.sent = True  # its tokens are in ``sent`` already
                         yield chunk
                 return
             except (UpdateAborted, WorkerFailedError, NoWorkerAvailableError):

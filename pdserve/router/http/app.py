@@ -27,7 +27,6 @@ from pdserve.router.http.edge.admission import Admission, AdmissionMiddleware, d
 from pdserve.router.http.edge.auth import ApiKeyMiddleware, ApiKeys
 from pdserve.router.http.edge.body_limit import BodyLimitMiddleware
 from pdserve.router.http.edge.config import EdgeConfig
-from pdserve.router.http.edge.direct_write import capture_server_send
 from pdserve.router.http.edge.request_ids import RequestIdMiddleware, arrival_of, request_id_of
 from pdserve.router.http.errors import (
     ServiceUnavailableError,
@@ -39,6 +38,7 @@ from pdserve.router.http.openai.preprocess import Preprocessing, Preprocessor, T
 from pdserve.router.http.openai.response_schemas import ChatCompletionResponse, CompletionResponse
 from pdserve.router.http.openai.schemas import ChatCompletionRequest, CompletionRequest
 from pdserve.router.http.openai.serving import OpenAIServing
+from pdserve.router.http.openai.stream_writer import capture_server_send
 from pdserve.router.http.openai.tool_calls import ToolCalling
 from pdserve.router.http.openapi import ERROR_RESPONSES, stream_responses, without_422
 from pdserve.router.http.outcome import outcome_of
@@ -190,7 +190,7 @@ def _operations_routes(
 
 class RouterApp(FastAPI):
     """The router's app: keeps the server's own ``send`` in each HTTP request's scope,
-    before any middleware wraps it, for the express lane (``direct_write.py``)."""
+    before any middleware wraps it, for the stream writer (``openai/stream_writer.py``)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

@@ -8,7 +8,8 @@ pays one gRPC read and one event-loop wake per engine step, not per request per 
 A stream may have a ``tap``: the reader offers it each output that would wake the
 stream's consumer from an idle wait (the consumer waits in ``next`` and nothing is
 queued before the output), and an output the tap takes is not queued at all: the
-request's express lane (``base.Express``) writes it to its client from here.
+request's chunk sink (``base.ChunkSink``, through ``decode_stream.DecodeStream.tap``) writes it
+to its client from here.
 
 Ownership and errors:
 - A ``SessionStream`` belongs to the caller that started it, who must ``finish`` it

@@ -11,7 +11,7 @@ for nobody. This protocol also marks every earlier cycle of the connection that 
 not completed, and wakes its ``receive``, so the request is aborted on the workers as
 for a client that leaves without pipelining.
 
-It reads what the express lane reads (``direct_write.py``) of uvicorn's cycle
+It reads what the stream writer reads (``openai/stream_writer.py``) of uvicorn's cycle
 (``response_complete``, ``disconnected``) and its ``message_event``, under the
 versions ``pyproject.toml`` pins; ``pdserve router`` serves its main port with it.
 """

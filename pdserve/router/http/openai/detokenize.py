@@ -119,31 +119,19 @@ class IncrementalDetokenizer:
         """Consume ids (stopping early at a stop string) and return the safe text delta.
         ``last_stops``: the last id is the stop token that ended the output (end of
         sequence, or one of ``stop_token_ids``): it is counted, but its text is not part
-        of the output, as in vLLM (whatever ``skip_special_tokens`` says)."""
-        pieces: list[str] = []
-        texted = token_ids[:-1] if last_stops else token_ids
-        for token_id in texted:
-            if self.stopped:
-                break
-            self.token_ids.append(token_id)
-            pieces.append(self._matcher.feed(self._decode_next()))
-        if last_stops and token_ids and not self.stopped:
-            self.token_ids.append(token_ids[-1])
-            self._num_silent = 1
-        return "".join(pieces)
-
-    def add_plain(self, token_ids: Sequence[int]) -> str:
-        """``add`` where there are no stop strings and no id is the stop token: the
-        express lane's per-token call (``RequestOutput.consume_plain``)."""
-        ids, step = self.token_ids, self._decode_next
-        if len(token_ids) == 1:
-            ids.append(token_ids[0])
-            return step()
-        pieces = []
-        for token_id in token_ids:
+        of the output, as in vLLM (whatever ``skip_special_tokens`` says). Every streamed
+        token passes here: one decoder step and one look at the stop strings per id."""
+        ids, matcher, step = self.token_ids, self._matcher, self._decode_next
+        text = ""
+        for token_id in token_ids[:-1] if last_stops else token_ids:
+            if matcher.matched is not None:
+                return text
             ids.append(token_id)
-            pieces.append(step())
-        return "".join(pieces)
+            text += matcher.feed(step())
+        if last_stops and token_ids and matcher.matched is None:
+            ids.append(token_ids[-1])
+            self._num_silent = 1
+        return text
 
     def finish(self) -> str:
         """End of output: return what was held back (an incomplete character at the very

@@ -11,7 +11,7 @@ from urllib.parse import quote
 from starlette.types import Scope
 
 from pdserve.core.types import TokenLogprobs
-from pdserve.router.dispatch.base import Express, TokenChunk, WorkerFailedError
+from pdserve.router.dispatch.base import TokenChunk, WorkerFailedError
 from pdserve.router.dispatch.policies.disagg import DisaggDecision
 from pdserve.router.http.openai.choices import ChoiceStreams
 from pdserve.router.http.openai.detokenize import IncrementalDetokenizer, TokenDecoder
@@ -66,48 +66,48 @@ class RequestOutput:
         return self.detokenizer.stopped
 
     def consume(self, chunk: TokenChunk) -> OutputDelta:
-        """Add a chunk; chunks after the end (there should be none) add nothing."""
-        self._observe(chunk)
+        """Add a chunk; chunks after the end (there should be none) add nothing. Every
+        chunk of every response passes here once, whether the body's loop or the stream
+        writer (``stream_writer.py``) takes it: the usual one, tokens alone, in a few
+        steps."""
+        if self._last_chunk_s is None:
+            self._observe_first(chunk)
+        else:
+            self._observe_tokens(len(chunk.token_ids))
         if chunk.decode_worker_id is not None:
             self.decode_worker_id = chunk.decode_worker_id
         if self.finish_reason is not None:
             return OutputDelta("", [], None, self.index)
-        if chunk.finish_reason in ("error", "abort") and not chunk.ended_by_update:
-            raise WorkerFailedError(f"the workers ended the request ({chunk.finish_reason})")
-        before = len(self.token_ids)
-        # An engine's "stop" is a stop token (end of sequence, stop_token_ids; stop
-        # strings are the router's own): counted, its text not output, as in vLLM.
-        last_stops = (chunk.finish_reason == "stop" and bool(chunk.token_ids)
-                      and chunk.token_ids[-1] in self.request.stop_token_set)
-        text = self.detokenizer.add(chunk.token_ids, last_stops=last_stops)
-        if not self.stopped_by_string and chunk.finish_reason is not None:
-            text += self.detokenizer.finish()
-        if self.stopped_by_string:
+        finish, token_ids, detokenizer = chunk.finish_reason, chunk.token_ids, self.detokenizer
+        before = len(detokenizer.token_ids)
+        if finish is None:
+            text = detokenizer.add(token_ids)
+        else:
+            if finish in ("error", "abort") and not chunk.ended_by_update:
+                raise WorkerFailedError(f"the workers ended the request ({finish})")
+            # An engine's "stop" is a stop token (end of sequence, stop_token_ids; stop
+            # strings are the router's own): counted, its text not output, as in vLLM.
+            last_stops = (finish == "stop" and bool(token_ids)
+                          and token_ids[-1] in self.request.stop_token_set)
+            text = detokenizer.add(token_ids, last_stops=last_stops)
+            if not detokenizer.stopped:
+                text += detokenizer.finish()
+            self.finish_reason = finish
+        if detokenizer.stopped:
             self.finish_reason = "stop"
-        elif chunk.finish_reason is not None:
-            self.finish_reason = chunk.finish_reason
         self._texts.append(text)
-        new_ids = self.token_ids[before:]
+        new_ids = detokenizer.token_ids[before:]
         self._span(chunk.weight_version, len(new_ids), chunk.adapter)
+        if not chunk.logprobs and not chunk.prompt_logprobs:
+            return OutputDelta(text, new_ids, self.finish_reason, self.index)
         positions = chunk.logprobs[:len(new_ids)]
         self.logprobs.extend(positions)
         if chunk.prompt_logprobs:
             self.prompt_logprobs = chunk.prompt_logprobs
         # The tokens before (logprob texts depend on them), copied only when asked for.
-        context = self.token_ids[max(before - CONTEXT_TOKENS, 0):before] if positions else ()
+        context = detokenizer.token_ids[max(before - CONTEXT_TOKENS, 0):before] if positions else ()
         return OutputDelta(text, new_ids, self.finish_reason, self.index, positions,
                            chunk.prompt_logprobs, context)
-
-    def consume_plain(self, token_ids: tuple[int, ...]) -> str:
-        """``consume`` for a chunk of tokens alone (not the first, not the last, no
-        logprobs) of a choice without stop strings: its text (the express lane)."""
-        self._observe_tokens(len(token_ids))
-        if self.finish_reason is not None:
-            return ""
-        text = self.detokenizer.add_plain(token_ids)
-        self._texts.append(text)
-        self._span(None, len(token_ids))
-        return text
 
     def _span(self, version: str | None, num_tokens: int, adapter: str | None = None) -> None:
         """``num_tokens`` more tokens, of ``version`` and adapter folder ``adapter``
@@ -142,21 +142,19 @@ class RequestOutput:
             raise WorkerFailedError("the dispatcher ended the stream without a finish reason")
         return self.finish_reason
 
-    def _observe(self, chunk: TokenChunk) -> None:
-        if self._last_chunk_s is None:
-            self.num_cached_tokens = chunk.num_cached_tokens or 0
-            self.disagg = chunk.disagg
-            self.weight_version = chunk.weight_version
-            if not self._metrics.enabled:  # metrics off: not even a clock read per chunk
-                self._last_chunk_s = 0.0
-                return
-            now = time.perf_counter()
-            if self.index == 0:
-                self._metrics.time_to_first_token.observe(now - self.request.arrival_s)
-            self._last_chunk_s = now
-            self._metrics.generation_tokens.inc(len(chunk.token_ids))
-        else:
-            self._observe_tokens(len(chunk.token_ids))
+    def _observe_first(self, chunk: TokenChunk) -> None:
+        """The first chunk: what it says of the request, the time to first token."""
+        self.num_cached_tokens = chunk.num_cached_tokens or 0
+        self.disagg = chunk.disagg
+        self.weight_version = chunk.weight_version
+        if not self._metrics.enabled:  # metrics off: not even a clock read per chunk
+            self._last_chunk_s = 0.0
+            return
+        now = time.perf_counter()
+        if self.index == 0:
+            self._metrics.time_to_first_token.observe(now - self.request.arrival_s)
+        self._last_chunk_s = now
+        self._metrics.generation_tokens.inc(len(chunk.token_ids))
 
     def _observe_tokens(self, num_tokens: int) -> None:
         """A chunk after the first: the inter-token latency and the token count."""
@@ -175,12 +173,9 @@ class Choices:
 
     def __init__(self, outputs: list[RequestOutput],
                  chunks: AsyncIterator[tuple[int, TokenChunk]],
-                 streams: ChoiceStreams | None = None, express: Express | None = None
-                 ) -> None:
-        """``express``: the one choice's express lane, when the dispatcher was given one."""
+                 streams: ChoiceStreams | None = None) -> None:
         self.outputs = outputs
         self.chunks = chunks
-        self.express = express
         self._streams = streams
 
     @property

@@ -23,7 +23,6 @@ from pdserve.router.dispatch.base import (
     Deadline,
     DeadlineExceededError,
     Dispatcher,
-    Express,
     NoWorkerAvailableError,
     RequestRejectedError,
     TokenChunk,
@@ -38,7 +37,6 @@ from pdserve.router.http.edge.cancellation import (
     closing,
     until_disconnect,
 )
-from pdserve.router.http.edge.express import close_express, open_express
 from pdserve.router.http.edge.request_timeout import TIMEOUT_HEADER, request_timeout_s
 from pdserve.router.http.errors import to_api_error
 from pdserve.router.http.openai.choices import ChoiceStreams, fan_in, single_choice
@@ -58,6 +56,7 @@ from pdserve.router.http.openai.responses import (
     sse_event,
 )
 from pdserve.router.http.openai.sessions import SESSION_HEADER, SessionAffinity
+from pdserve.router.http.openai.stream_writer import StreamWriter
 from pdserve.router.http.outcome import CLIENT_CLOSED, outcome_reason, record_outcome
 from pdserve.router.http.tenants.accounts import end_request, on_prompt, on_sequences
 from pdserve.router.metrics import RouterMetrics
@@ -89,24 +88,25 @@ class OpenAIServing:
         try:
             timeout_s = request_timeout_s(http.headers.get(TIMEOUT_HEADER),
                                           self._request_timeout_s)
+            # One choice streamed: its plain chunks may be written as they arrive.
+            writer = StreamWriter(http.scope) if request.stream and request.n == 1 else None
             choices = self._start(request, outputs,
-                                  Deadline.after(timeout_s, request.arrival_s))
+                                  Deadline.after(timeout_s, request.arrival_s), writer)
         except Exception as exc:  # a dispatcher may refuse before returning an iterator
             return self._fail(outputs, exc)
         if request.stream:
-            return await self._open_stream(choices, http)
+            return await self._open_stream(choices, http, writer)
         return await self._complete(choices, http)
 
     def _start(self, request: GenerationRequest, outputs: list[RequestOutput],
-               deadline: Deadline) -> Choices:
+               deadline: Deadline, writer: StreamWriter | None) -> Choices:
         """The dispatcher's chunks of every choice (``choices.py``: ``n`` > 1)."""
         if request.n == 1:
-            express = Express() if request.stream else None
             chunks = self._dispatcher.generate(
                 request.request_id, request.prompt_token_ids, request.sampling,
                 RequestTimeline(request.request_id, request.arrival_s), deadline=deadline,
-                affinity=self._sessions.worker_of(outputs[0].session_id), express=express)
-            return Choices(outputs, single_choice(chunks), express=express)
+                affinity=self._sessions.worker_of(outputs[0].session_id), sink=writer)
+            return Choices(outputs, single_choice(chunks))
 
         def open_choice(index: int, affinity: str | None) -> AsyncGenerator[TokenChunk, None]:
             sampling = request.sampling
@@ -135,7 +135,8 @@ class OpenAIServing:
         body = formatter.response(final).model_dump_json()
         return Response(body, media_type="application/json", headers=choices.first.headers())
 
-    async def _open_stream(self, choices: Choices, http: Request) -> Response:
+    async def _open_stream(self, choices: Choices, http: Request,
+                           writer: StreamWriter | None) -> Response:
         """Get the first chunk before answering, so early failures keep their status code."""
         try:
             index, first = await until_disconnect(http, lambda: _first_chunk(choices.chunks))
@@ -144,21 +145,24 @@ class OpenAIServing:
             await close_now(choices.chunks)
             return self._fail(choices.outputs, exc)
         return ClosingStreamingResponse(
-            self._events(choices, first_delta), source=choices.chunks,
+            self._events(choices, first_delta, writer), source=choices.chunks,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                      **choices.first.headers()},
         )
 
-    async def _events(self, choices: Choices, first: OutputDelta) -> AsyncIterator[bytes]:
-        """SSE body. One write per dispatcher chunk, never batched across chunks."""
+    async def _events(self, choices: Choices, first: OutputDelta,
+                      writer: StreamWriter | None) -> AsyncIterator[bytes]:
+        """SSE body. One write per dispatcher chunk, never batched across chunks; ``writer``
+        writes the plain ones that arrive while this waits (``stream_writer.py``)."""
         request = choices.first.request
         formatter = formatter_for(request, self._logprob_text, choices.first.weight_version)
         status, reason = 200, "ok"
         try:
             async with closing(choices.chunks):
                 yield formatter.encode_stream(first, first=True)
-                open_express(choices, formatter)
+                if writer is not None:
+                    writer.open(choices.first, formatter)
                 more = not choices.stopped(first) or await choices.after(first)
                 chunks, consume, encode = choices.chunks, choices.consume, formatter.encode_stream
                 stopped, after = choices.stopped, choices.after
@@ -185,7 +189,8 @@ class OpenAIServing:
             status, reason = CLIENT_CLOSED_REQUEST, CLIENT_CLOSED
             raise
         finally:
-            close_express(choices)
+            if writer is not None:
+                writer.close()
             self._finish(choices.outputs, status, reason)
         yield SSE_DONE
 

@@ -1,4 +1,4 @@
-"""``DirectWriter`` (``router/http/edge/direct_write.py``) against fake uvicorn cycles: it
+"""``StreamWriter`` (``router/http/openai/stream_writer.py``) against fake uvicorn cycles: it
 takes a cycle only when every internal it reads is there with the type it expects
 (checked once, in ``of``), and is not ``ready`` once the transport is closing, so the
 express lane declines and the chunk takes the usual ``send`` path."""
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.router.http.edge.direct_write import SERVER_SEND_KEY, DirectWriter
+from pdserve.router.http.openai.stream_writer import SERVER_SEND_KEY, StreamWriter
 
 
 class _Transport:
@@ -50,7 +50,7 @@ def _scope(cycle: _Cycle) -> dict[str, Any]:
 
 def test_a_cycle_with_the_expected_internals_is_written_to() -> None:
     cycle = _Cycle()
-    writer = DirectWriter.of(_scope(cycle))
+    writer = StreamWriter.of(_scope(cycle))
     assert writer is not None and writer.ready()
     writer.write(b"data: x\n\n")
     assert cycle.transport.written == [b"9\r\ndata: x\n\n\r\n"]
@@ -85,12 +85,12 @@ CHANGES = {
 def test_a_cycle_whose_internals_differ_gets_no_writer(change: Any) -> None:
     cycle = _Cycle()
     change(cycle)
-    assert DirectWriter.of(_scope(cycle)) is None
+    assert StreamWriter.of(_scope(cycle)) is None
 
 
 def test_a_closing_transport_is_not_ready() -> None:
     cycle = _Cycle()
-    writer = DirectWriter.of(_scope(cycle))
+    writer = StreamWriter.of(_scope(cycle))
     assert writer is not None and writer.ready()
     cycle.transport.closing = True  # closed by uvicorn, or the peer reset it
     assert not writer.ready()
