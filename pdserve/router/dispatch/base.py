@@ -20,9 +20,12 @@ if TYPE_CHECKING:
     from pdserve.router.dispatch.timeline import RequestTimeline
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TokenChunk:
-    """Tokens produced since the previous chunk.
+    """Tokens produced since the previous chunk; a value, never changed once made (not
+    ``frozen``: one is made per streamed token, and a frozen dataclass's ``__init__``,
+    a ``object.__setattr__`` per field, cost 4x a plain one's: ~3 µs of the router's
+    CPU per token).
 
     ``finish_reason`` is set on the last chunk only. ``num_cached_tokens`` (prompt
     tokens served from a prefix cache) is set on the first chunk, when known, and so

@@ -67,7 +67,7 @@ class DecodeStream:
         sink wrote it (its bookkeeping done here); False, the task gets it as usual."""
         sink = self._sink
         if sink is None or self.prefilling or self.opening is not None or not sink.offer(
-                TokenChunk(token_ids, decode_worker_id=self.worker_id)):
+                TokenChunk(token_ids, None, None, None, (), (), self.worker_id)):
             return False
         self._sent(token_ids, None)
         return True

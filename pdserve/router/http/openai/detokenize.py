@@ -30,20 +30,20 @@ class StopStringMatcher:
     """
 
     def __init__(self, stop: Sequence[str]) -> None:
-        self._stop = tuple(stop)
+        self.stops = tuple(stop)
         self._held = ""
         self.matched: str | None = None
 
     def feed(self, text: str) -> str:
         if self.matched is not None:
             return ""
-        if not self._stop:
+        if not self.stops:
             return text
         buffer = self._held + text
         # The held part never contains a whole stop string, so any match is new. The stop
         # string that completes first wins (generation would have stopped there); on a tie,
         # the one starting first, so that no part of any matched stop string is sent.
-        hits = [(i + len(s), i, s) for s in self._stop if (i := buffer.find(s)) >= 0]
+        hits = [(i + len(s), i, s) for s in self.stops if (i := buffer.find(s)) >= 0]
         if hits:
             _, index, self.matched = min(hits)
             self._held = ""
@@ -60,7 +60,7 @@ class StopStringMatcher:
     def _partial_match_len(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop."""
         longest = 0
-        for stop in self._stop:
+        for stop in self.stops:
             for size in range(min(len(stop) - 1, len(text)), longest, -1):
                 if text.endswith(stop[:size]):
                     longest = size
@@ -122,6 +122,9 @@ class IncrementalDetokenizer:
         of the output, as in vLLM (whatever ``skip_special_tokens`` says). Every streamed
         token passes here: one decoder step and one look at the stop strings per id."""
         ids, matcher, step = self.token_ids, self._matcher, self._decode_next
+        if len(token_ids) == 1 and not last_stops and not matcher.stops:
+            ids.append(token_ids[0])  # the usual chunk: one id, no stop string to look for
+            return step()
         text = ""
         for token_id in token_ids[:-1] if last_stops else token_ids:
             if matcher.matched is not None:

@@ -96,11 +96,12 @@ class RequestOutput:
         if detokenizer.stopped:
             self.finish_reason = "stop"
         self._texts.append(text)
-        new_ids = detokenizer.token_ids[before:]
-        self._span(chunk.weight_version, len(new_ids), chunk.adapter)
+        num_new = len(detokenizer.token_ids) - before  # fewer than sent past a stop string
+        new_ids = token_ids if num_new == len(token_ids) else detokenizer.token_ids[before:]
+        self._span(chunk.weight_version, num_new, chunk.adapter)
         if not chunk.logprobs and not chunk.prompt_logprobs:
             return OutputDelta(text, new_ids, self.finish_reason, self.index)
-        positions = chunk.logprobs[:len(new_ids)]
+        positions = chunk.logprobs[:num_new]
         self.logprobs.extend(positions)
         if chunk.prompt_logprobs:
             self.prompt_logprobs = chunk.prompt_logprobs

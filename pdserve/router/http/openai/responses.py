@@ -51,10 +51,11 @@ def sse_error(error: APIError) -> bytes:
     return b"data: " + json.dumps(error.body()).encode() + b"\n\n"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class OutputDelta:
     """What one chunk adds to one choice; ``finish_reason`` only on the chunk that ends
-    it. ``context``: the choice's tokens before these (logprob texts depend on them)."""
+    it. ``context``: the choice's tokens before these (logprob texts depend on them).
+    A value, never changed once made (not ``frozen``, as ``TokenChunk``: one per token)."""
 
     text: str
     token_ids: Sequence[int]
