@@ -16,11 +16,19 @@ TARGETS = ("q_proj", "v_proj")
 
 
 def _shapes(config: dict[str, object]) -> dict[str, tuple[int, int]]:
-    hidden = int(config["hidden_size"])  # type: ignore[call-overload]
-    heads = int(config["num_attention_heads"])  # type: ignore[call-overload]
-    kv_heads = int(config.get("num_key_value_heads", heads))  # type: ignore[call-overload]
-    head_dim = int(config.get("head_dim", hidden // heads))  # type: ignore[call-overload]
+    hidden = _int(config, "hidden_size")
+    heads = _int(config, "num_attention_heads")
+    kv_heads = _int(config, "num_key_value_heads", heads)
+    head_dim = _int(config, "head_dim", hidden // heads)
     return {"q_proj": (hidden, heads * head_dim), "v_proj": (hidden, kv_heads * head_dim)}
+
+
+def _int(config: dict[str, object], key: str, default: int | None = None) -> int:
+    """``config[key]`` (``default`` where absent), which must be an integer."""
+    value = config.get(key, default)
+    if not isinstance(value, int):
+        raise ValueError(f"config.json: {key} is {value!r}, not an integer")
+    return value
 
 
 def make_adapter(model_path: str | Path, dest: str | Path, seed: int, rank: int = 8,
