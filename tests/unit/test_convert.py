@@ -97,3 +97,35 @@ def test_a_decode_call_keeps_a_prompt_token_of_its_own() -> None:
     msg.num_output_in_prompt = 2
     with pytest.raises(ValueError, match="num_output_in_prompt"):
         convert.phase_request_from_pb(msg)
+
+
+def _response(ids: list[int], set_fields: tuple[str, ...]) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(token_ids=ids, num_cached_tokens=3, num_prompt_tokens=4)
+    for name in set_fields:
+        if name in ("kv_handle", "timing"):
+            getattr(msg, name).SetInParent()
+        elif name in ("logprobs", "prompt_logprobs"):
+            getattr(msg, name).add()
+        elif name == "finish_reason":
+            msg.finish_reason = pb.FINISH_REASON_LENGTH
+        else:
+            setattr(msg, name, "v1")
+    return msg
+
+
+@pytest.mark.parametrize("ids", [[], [7], [7, 8, 9]])
+@pytest.mark.parametrize("extra", [(), ("finish_reason",), ("kv_handle",), ("timing",),
+                                   ("logprobs",), ("prompt_logprobs",), ("weight_version",),
+                                   ("timing", "finish_reason")])
+def test_only_an_output_of_ids_and_counts_is_plain(ids: list[int],
+                                                    extra: tuple[str, ...]) -> None:
+    """``plain_token_ids`` (what the session reader may offer a chunk sink) answers the
+    ids exactly when nothing but them and the prompt counts is set, and what
+    ``phase_output_from_pb`` makes of such an output is those ids alone."""
+    msg = _response(ids, extra)
+    plain = convert.plain_token_ids(msg)
+    assert plain == (None if extra else tuple(ids))
+    if plain is not None:
+        out = convert.phase_output_from_pb(msg)
+        assert out.token_ids == plain and out.finish_reason is None
+        assert out.kv_handle is None and out.timing is None and not out.logprobs
