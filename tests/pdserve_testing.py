@@ -25,7 +25,7 @@ import httpx
 import psutil
 import torch
 
-from pdserve.bench.sse import sse_events, token_ids
+from pdserve.bench.load.sse import sse_events, token_ids
 from pdserve.core import process
 from pdserve.core.cluster_secret import ClusterSecret, load_cluster_secret, write_cluster_secret
 from pdserve.core.grpc_tls import GrpcTls, TlsFiles

@@ -6,7 +6,7 @@ unreachable endpoint or an unknown model: one ``pdserve bench: error: ...`` line
 code 2, no result file.
 
 ``disagg-proxy`` (not listed) runs the proxy compare puts in front of vLLM's own P/D
-engines when ``vllm-router`` is not installed (``pdserve.bench.disagg_proxy``)."""
+engines when ``vllm-router`` is not installed (``pdserve.bench.compare.disagg_proxy``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pdserve.bench import compare, gaps, run, sweep
+from pdserve.bench.compare import gaps
+from pdserve.bench.compare import main as compare
+from pdserve.bench.load import run, sweep
 from pdserve.cli import bench_flags, bench_micro
 
 DESCRIPTION = "Load-generator benchmarks against any OpenAI-compatible endpoint."
@@ -44,7 +46,7 @@ def _gaps(args: argparse.Namespace) -> int:
 
 
 def _disagg_proxy(args: argparse.Namespace) -> int:
-    from pdserve.bench.disagg_proxy import serve
+    from pdserve.bench.compare.disagg_proxy import serve
 
     serve(args.prefill, args.decode, args.port, args.host)
     return 0

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.compare_config import (
+from pdserve.bench.compare.config import (
     DEFAULT_RATES,
     CompareConfig,
     check_timeouts,
@@ -26,13 +26,13 @@ from pdserve.bench.compare_config import (
     parse_rates,
     pdserve_entries,
 )
-from pdserve.bench.compare_config import engine_settings as _engine_settings
-from pdserve.bench.config import DEFAULT_MIX, RunConfig, SweepConfig
-from pdserve.bench.cost import Price
-from pdserve.bench.external import check_external
-from pdserve.bench.gaps import GapsConfig, check_requests
-from pdserve.bench.session import Session
-from pdserve.bench.systems import EngineSettings
+from pdserve.bench.compare.config import engine_settings as _engine_settings
+from pdserve.bench.compare.cost import Price
+from pdserve.bench.compare.external import check_external
+from pdserve.bench.compare.gaps import GapsConfig, check_requests
+from pdserve.bench.compare.systems import EngineSettings
+from pdserve.bench.load.config import DEFAULT_MIX, RunConfig, SweepConfig
+from pdserve.bench.load.session import Session
 from pdserve.bench.workload.generators import WORKLOADS
 from pdserve.cli.parser import build_parser
 from pdserve.core.dtype import DTYPES, DtypeChoice

@@ -21,7 +21,7 @@ from integration.oracles import reference_requests
 from integration.pd_cases import LOCAL_PREFILL_MAX_TOKENS, MODEL
 from pdserve_testing import kill_cluster, sse_events
 
-from pdserve.bench.checkpoints import perturb_checkpoint
+from pdserve.bench.models.checkpoints import perturb_checkpoint
 from pdserve.core import process
 
 REFERENCE_TIMEOUT_S = 600

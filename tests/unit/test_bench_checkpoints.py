@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from pdserve.bench.checkpoints import perturb_checkpoint
+from pdserve.bench.models.checkpoints import perturb_checkpoint
 
 
 def _model(folder: Path) -> Path:
@@ -103,7 +103,7 @@ def test_refuses_a_negative_scale(tmp_path: Path) -> None:
 
 def test_computes_on_one_thread_and_gives_the_caller_its_threads_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import pdserve.bench.checkpoints as checkpoints
+    import pdserve.bench.models.checkpoints as checkpoints
 
     src = _model(tmp_path / "src")
     seen: list[int] = []

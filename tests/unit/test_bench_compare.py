@@ -22,11 +22,11 @@ import numpy as np
 import psutil
 import pytest
 
-from pdserve.bench import compare
-from pdserve.bench.launch import port_free
-from pdserve.bench.plots import write_report
-from pdserve.bench.report import CompareReport, RateRun, SystemResult
-from pdserve.bench.systems import (
+from pdserve.bench.compare import main as compare
+from pdserve.bench.compare.launch import port_free
+from pdserve.bench.compare.plots import write_report
+from pdserve.bench.compare.report import CompareReport, RateRun, SystemResult
+from pdserve.bench.compare.systems import (
     EngineSettings,
     parse_pdserve_entry,
     pdserve_up,
@@ -43,7 +43,7 @@ SETTINGS = EngineSettings("/models/m", "m", "float32", 3, 1024, (0, 1))
 
 def run_json(ttfts: list[float], itl_s: float, goodput: float, out_tps: float,
              failed: int = 0) -> dict[str, Any]:
-    """A ``pdserve.bench.run/v1`` result with the given per-request TTFTs and gaps."""
+    """A ``pdserve.bench.load.run/v1`` result with the given per-request TTFTs and gaps."""
     requests = [{"prompt_tokens": 10, "output_tokens": 5, "cached_tokens": 0,
                  "ttft_s": t, "tpot_s": itl_s, "e2e_s": t + 4 * itl_s,
                  "itls_s": [itl_s * (1 + 0.1 * k) for k in range(4)], "start_s": i * 0.5,
@@ -54,7 +54,7 @@ def run_json(ttfts: list[float], itl_s: float, goodput: float, out_tps: float,
         return {"mean": float(np.mean(values)), "p50": float(np.percentile(values, 50)),
                 "p90": float(np.percentile(values, 90)), "p99": float(np.percentile(values, 99))}
 
-    return {"schema": "pdserve.bench.run/v1", "num_requests": len(ttfts) + failed,
+    return {"schema": "pdserve.bench.load.run/v1", "num_requests": len(ttfts) + failed,
             "completed": len(ttfts), "failed": failed,
             "errors": {"http_500": failed} if failed else {},
             "request_throughput": len(ttfts) / 10, "output_throughput": out_tps,
@@ -101,7 +101,7 @@ def test_report_tables_carry_ratios_to_the_baseline_and_the_pngs_are_drawn(
     assert "split at 1 req/s: **run failed**: bench run exited 1: boom" in md
 
     saved = json.loads((tmp_path / "report.json").read_text())
-    assert saved["schema"] == "pdserve.bench.compare/v1" and saved["baseline"] == "vllm"
+    assert saved["schema"] == "pdserve.bench.compare.main/v1" and saved["baseline"] == "vllm"
     assert saved["systems"][0]["runs"][1]["result"]["ttft_s"]["p50"] == 2.0
     assert saved["systems"][2]["error"] == "pdserve-up exited with 1"
 
@@ -343,7 +343,7 @@ def test_sigterm_mid_run_stops_the_system_and_writes_no_report(tmp_path: Path) -
 def test_disagg_proxy_prefills_one_token_then_streams_decode_with_its_kv_params() -> None:
     from fastapi.testclient import TestClient
 
-    from pdserve.bench.disagg_proxy import build_app
+    from pdserve.bench.compare.disagg_proxy import build_app
 
     seen: dict[str, dict[str, Any]] = {}
     params = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_block_ids": [3]}
@@ -382,7 +382,7 @@ def test_the_tuned_baseline_gets_pdserves_engine_tuning_and_stock_does_not() -> 
 
 def test_vllm_disagg_uses_vllms_own_pd_router_when_installed(monkeypatch: pytest.MonkeyPatch
                                                              ) -> None:
-    from pdserve.bench import systems
+    from pdserve.bench.compare import systems
 
     pdserve = (sys.executable, "-m", "pdserve.cli.main")
     for installed, command in (
@@ -396,7 +396,7 @@ def test_vllm_disagg_uses_vllms_own_pd_router_when_installed(monkeypatch: pytest
 
 
 def test_goodput_under_slos_derived_from_the_baselines_unloaded_run() -> None:
-    from pdserve.bench.report import add_derived_goodput, derive_slo
+    from pdserve.bench.compare.report import add_derived_goodput, derive_slo
 
     unloaded = run_json([0.2, 0.2, 0.2], 0.050, 0.5, 40.0)
     slo = derive_slo(unloaded)
@@ -429,7 +429,7 @@ def test_role_sampler_counts_placeable_workers_by_role() -> None:
     import http.server
     import threading
 
-    from pdserve.bench.roles_sampler import RoleSampler
+    from pdserve.bench.compare.roles_sampler import RoleSampler
 
     class Workers(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
@@ -459,7 +459,7 @@ def test_role_sampler_counts_placeable_workers_by_role() -> None:
 def test_the_disagg_proxy_runs_as_the_hidden_bench_subcommand_vllm_disagg_starts() -> None:
     """``vllm_disagg``'s proxy command line (``pdserve bench disagg-proxy``) serves; with
     no engine behind it, ``/v1/models`` answers 503."""
-    from pdserve.bench import systems
+    from pdserve.bench.compare import systems
     from pdserve.core import process
     from pdserve.core.ports import free_port
 
@@ -508,7 +508,7 @@ def test_costs_per_million_tokens_charge_what_each_system_used(tmp_path: Path) -
     """vllm ran on 2 cores, the split pdserve on 2 (1 + 1): at $0.36 per core-hour each
     costs $0.72/hour; a run of 3 requests at 0.3 req/s lasts 10 s, $0.002. The within-SLO
     price charges it all to the tokens of the requests that met the SLOs."""
-    from pdserve.bench.cost import Price, cores_of
+    from pdserve.bench.compare.cost import Price, cores_of
 
     report = constructed_report()
     report.settings["cost_per_hour"] = Price.parse("0.36/core").to_json()

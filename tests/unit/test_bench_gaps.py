@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.bench import gaps
+from pdserve.bench.compare import gaps
 from pdserve.cli import bench_flags
 from pdserve.cli.bench import build_parser
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.load.metrics import RequestRecord
 from pdserve.bench.micro.host_configs import LinkAwareConfig
 from pdserve.bench.micro.link_aware import _diff, _summary, report
 

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.bench import client as bench_client
-from pdserve.bench.metrics import RequestRecord, Slo, stats, summarize
+from pdserve.bench.load import client as bench_client
+from pdserve.bench.load.metrics import RequestRecord, Slo, stats, summarize
 
 
 def _events(*chunks: dict) -> list[str]:

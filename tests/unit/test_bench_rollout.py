@@ -15,7 +15,6 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pdserve.bench.checkpoints import DEFAULT_SCALE
 from pdserve.bench.micro.configs import RolloutConfig
 from pdserve.bench.micro.rollout.client import RolloutClient
 from pdserve.bench.micro.rollout.loop import Checkpoints, Rounds
@@ -30,6 +29,7 @@ from pdserve.bench.micro.rollout.report import (
     summarize,
     window_rates,
 )
+from pdserve.bench.models.checkpoints import DEFAULT_SCALE
 
 SPAN = RefitSpan(call_s=10.0, returned_s=11.0, first_token_s=11.5)
 

@@ -16,6 +16,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pdserve.bench.compare.systems import EngineSettings
 from pdserve.bench.micro.rollout.lora_client import LoraClient, take_chunk
 from pdserve.bench.micro.rollout.lora_config import RolloutLoraConfig
 from pdserve.bench.micro.rollout.lora_report import ModeResult, RefitTiming, Sample, ratio
@@ -26,7 +27,6 @@ from pdserve.bench.micro.rollout.lora_systems import (
     pdserve_lora,
     vllm_lora,
 )
-from pdserve.bench.systems import EngineSettings
 
 
 def _sample(kind: str = "load", n: int = 1, tokens: dict[int, int] | None = None,

@@ -16,11 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
-from pdserve.bench.client import Endpoint
-from pdserve.bench.config import RunConfig
+from pdserve.bench.load.client import Endpoint
+from pdserve.bench.load.config import RunConfig
+from pdserve.bench.load.runner import Runner, Schedule
 from pdserve.bench.micro.cache_sim.replay import replay
 from pdserve.bench.micro.cache_sim.trace import load_trace as load_sim_trace
-from pdserve.bench.runner import Runner, Schedule
 from pdserve.bench.workload.generators import check_workload_flags, make_workload, workload_info
 from pdserve.bench.workload.mooncake import TraceScale, infinite_cache, load_trace
 from pdserve.bench.workload.prompts import PromptEncoder

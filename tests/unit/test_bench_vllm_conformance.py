@@ -15,7 +15,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from pdserve.bench.metrics import RequestRecord, Slo, summarize
+from pdserve.bench.load.metrics import RequestRecord, Slo, summarize
 from pdserve.bench.workload.arrivals import arrival_times
 
 

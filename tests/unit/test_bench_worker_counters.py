@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from pdserve.bench.worker_counters import counters_delta, read_counters
+from pdserve.bench.compare.worker_counters import counters_delta, read_counters
 
 WORKERS = {"workers": [
     {"role": "prefill", "metrics_endpoint": "p0:9100"},

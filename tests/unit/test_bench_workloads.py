@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.bench.config import RunConfig
+from pdserve.bench.load.config import RunConfig
 from pdserve.bench.workload.generators import check_workload_flags, make_workload, parse_mix
 from pdserve.bench.workload.prompts import PromptEncoder
 from pdserve.bench.workload.sharegpt import load_sharegpt
@@ -205,8 +205,8 @@ def test_no_reuse_control_has_the_same_shape_and_shares_nothing(tokenizer: Any,
 
 
 def test_the_prefix_hit_rate_reaches_compare_tables() -> None:
-    from pdserve.bench.metrics import RequestRecord, Slo, summarize
-    from pdserve.bench.report import CompareReport, RateRun, SystemResult, render_markdown
+    from pdserve.bench.compare.report import CompareReport, RateRun, SystemResult, render_markdown
+    from pdserve.bench.load.metrics import RequestRecord, Slo, summarize
 
     def run(cached: int) -> dict[str, Any]:
         records = [RequestRecord(prompt_tokens=100, output_tokens=4, cached_tokens=cached,

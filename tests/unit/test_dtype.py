@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench import compare
+from pdserve.bench.compare import main as compare
 from pdserve.cli.bench import build_parser
 from pdserve.cli.bench_flags import compare_config
 from pdserve.core import hardware

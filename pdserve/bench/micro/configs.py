@@ -257,7 +257,7 @@ class RolloutConfig:
     before_s: float = 2.0  # load before each refit call, and after its first new token
     policy: str = "drain"
     drain_timeout_s: float | None = None
-    scale: float = 0.05  # the perturbed checkpoint's noise (pdserve.bench.checkpoints)
+    scale: float = 0.05  # the perturbed checkpoint's noise (pdserve.bench.models.checkpoints)
     deadline_s: float = 300.0  # one request, or the refit call, unanswered this long: fails
     startup_timeout_s: float = 900.0
     dtype: str = "auto"

@@ -45,9 +45,9 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from pdserve.bench.launch import RunningSystem
+from pdserve.bench.compare.launch import RunningSystem
+from pdserve.bench.compare.systems import ProcSpec, SystemSpec
 from pdserve.bench.micro.configs import FAULTS, FaultsConfig
-from pdserve.bench.systems import ProcSpec, SystemSpec
 from pdserve.core import process
 from pdserve.core.cluster_secret import ClusterSecret, load_cluster_secret, write_cluster_secret
 from pdserve.core.model import cache_dir

@@ -52,11 +52,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from pdserve.bench import hosts
-from pdserve.bench.client import Endpoint
-from pdserve.bench.metrics import RequestRecord, stats
+from pdserve.bench.load.client import Endpoint
+from pdserve.bench.load.metrics import RequestRecord, stats
+from pdserve.bench.load.runner import Outcome, Runner, Schedule
 from pdserve.bench.micro import RESULTS_DIR
 from pdserve.bench.micro.host_configs import LinkAwareConfig
-from pdserve.bench.runner import Outcome, Runner, Schedule
 from pdserve.bench.workload.prompts import BenchRequest, PromptEncoder
 from pdserve.core import process
 from pdserve.core.model import DEFAULT_MODEL_NAME, cache_dir, prepare_default_model

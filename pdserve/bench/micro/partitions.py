@@ -51,7 +51,7 @@ from typing import Any
 from rich.console import Console
 
 from pdserve.bench import hosts
-from pdserve.bench.metrics import stats
+from pdserve.bench.load.metrics import stats
 from pdserve.bench.micro import RESULTS_DIR
 from pdserve.bench.micro.host_configs import PartitionsConfig
 from pdserve.bench.micro.partitions_cluster import DECODES, Cluster

@@ -22,8 +22,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench import hosts
+from pdserve.bench.load.sse import sse_events, token_ids
 from pdserve.bench.micro.host_configs import PartitionsConfig
-from pdserve.bench.sse import sse_events, token_ids
 from pdserve.core import process
 from pdserve.core.model import prepare_default_model
 from pdserve.core.types import WorkerLoadReport

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pdserve.bench.config import RunConfig
+from pdserve.bench.load.config import RunConfig
 from pdserve.bench.workload.mooncake import TraceRecord
 from pdserve.bench.workload.prompts import BenchRequest, Messages, PromptEncoder
 from pdserve.bench.workload.sharegpt import ShareGptData, load_sharegpt

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import fields
 from typing import Any
 
-from pdserve.bench.config import RunConfig
+from pdserve.bench.load.config import RunConfig
 from pdserve.bench.workload.mooncake import (
     TraceRecord,
     TraceScale,

@@ -4,7 +4,7 @@ of a post-training loop sees.
 Each round generates ``--batch`` prompts of the chat mix (``pdserve bench run``'s
 ``chat-mix``), each with ``--n`` samples, on the current weights (tokens/s), then refits:
 ``POST /update_weights_from_disk`` on the router's admin listener, alternating between a
-perturbed copy of the served checkpoint (``pdserve.bench.checkpoints``) and the original,
+perturbed copy of the served checkpoint (``pdserve.bench.models.checkpoints``) and the original,
 versions ``r1``, ``r2``, ... The refit's time end to end runs from the call to the first
 token of a streamed probe sent once the call returns, which must come from the new
 version. With ``--load N``, N streams of chat requests run from ``--before-s`` before the
@@ -40,8 +40,8 @@ from typing import Any
 
 from rich.console import Console
 
-from pdserve.bench.checkpoints import perturb_checkpoint
-from pdserve.bench.config import DEFAULT_MIX
+from pdserve.bench.load.config import DEFAULT_MIX
+from pdserve.bench.load.session import write_json
 from pdserve.bench.micro import RESULTS_DIR
 from pdserve.bench.micro.configs import RolloutConfig
 from pdserve.bench.micro.faults import Cluster
@@ -56,7 +56,7 @@ from pdserve.bench.micro.rollout.report import (
     print_rounds,
     summarize,
 )
-from pdserve.bench.session import write_json
+from pdserve.bench.models.checkpoints import perturb_checkpoint
 from pdserve.bench.workload.bench_tokenizer import load_bench_tokenizer
 from pdserve.bench.workload.generators import MixWorkload, parse_mix
 from pdserve.bench.workload.prompts import Messages, PromptEncoder

@@ -5,7 +5,7 @@ other (never both at once), each under every ``/pause`` mode (``lora_rounds.py``
     HF_HUB_OFFLINE=1 pdserve bench rollout-lora --refits 3 --max-tokens 16
 
 It makes ``--adapters`` random rank-``--rank`` adapters for the model
-(``pdserve.bench.lora_adapters``, in a folder removed at the end), starts each system
+(``pdserve.bench.models.lora_adapters``, in a folder removed at the end), starts each system
 with the first served as ``--adapter-name`` (``lora_systems.py``: same model, dtype, KV
 size, context and cores), runs the modes, stops it (proven gone: ``launch.py``), and
 prints a table per mode with pdserve / vLLM. A system that fails (its start, a request,
@@ -27,10 +27,11 @@ from typing import Any
 
 from rich.console import Console
 
-from pdserve.bench.compare_config import engine_settings
-from pdserve.bench.config import DEFAULT_MIX
-from pdserve.bench.launch import RunningSystem, StartupError
-from pdserve.bench.lora_adapters import make_adapter
+from pdserve.bench.compare.config import engine_settings
+from pdserve.bench.compare.launch import RunningSystem, StartupError
+from pdserve.bench.compare.systems import EngineSettings
+from pdserve.bench.load.config import DEFAULT_MIX
+from pdserve.bench.load.session import write_json
 from pdserve.bench.micro import RESULTS_DIR
 from pdserve.bench.micro.rollout.lora_client import LoraClient
 from pdserve.bench.micro.rollout.lora_config import RolloutLoraConfig
@@ -42,8 +43,7 @@ from pdserve.bench.micro.rollout.lora_systems import (
     pdserve_lora,
     vllm_lora,
 )
-from pdserve.bench.session import write_json
-from pdserve.bench.systems import EngineSettings
+from pdserve.bench.models.lora_adapters import make_adapter
 from pdserve.bench.workload.generators import MixWorkload, parse_mix
 from pdserve.bench.workload.prompts import Messages, PromptEncoder
 from pdserve.core.hardware import Hardware

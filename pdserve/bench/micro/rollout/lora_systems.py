@@ -1,6 +1,6 @@
 """The two systems ``pdserve bench rollout-lora`` runs its loop against, as command lines
 (building one starts nothing; the unit tests check them): ``pdserve up`` and one
-aggregated ``vllm serve``, both from ``pdserve.bench.systems`` (same model, dtype, KV
+aggregated ``vllm serve``, both from ``pdserve.bench.compare.systems`` (same model, dtype, KV
 size, context, cores), each with the same LoRA flags, as ``vllm serve`` spells them.
 
 vLLM serves the routes the loop needs only when asked: ``/v1/load_lora_adapter`` with
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pdserve.bench.systems import (
+from pdserve.bench.compare.systems import (
     EngineSettings,
     ProcSpec,
     SystemSpec,

@@ -26,7 +26,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 import numpy as np  # noqa: E402
 
-from pdserve.bench.report import (  # noqa: E402
+from pdserve.bench.compare.report import (  # noqa: E402
     CompareReport,
     SystemResult,
     metric,

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.load.metrics import RequestRecord
 from pdserve.bench.workload.prompts import BenchRequest, PromptEncoder
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.bench.systems import SystemSpec
+from pdserve.bench.compare.systems import SystemSpec
 from pdserve.core import process
 
 WARM_PROMPT = "Say hello."

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.compare import run_bench
-from pdserve.bench.launch import RunningSystem, StartupError
-from pdserve.bench.report import machine_info, versions
-from pdserve.bench.systems import (
+from pdserve.bench.compare.launch import RunningSystem, StartupError
+from pdserve.bench.compare.main import run_bench
+from pdserve.bench.compare.report import machine_info, versions
+from pdserve.bench.compare.systems import (
     EngineSettings,
     SystemSpec,
     pdserve_command,
@@ -33,7 +33,7 @@ from pdserve.bench.systems import (
 from pdserve.core.dtype import DtypeChoice
 from pdserve.core.ports import free_port
 
-SCHEMA = "pdserve.bench.gaps/v1"
+SCHEMA = "pdserve.bench.compare.gaps/v1"
 # kind -> (prompt tokens, output tokens): a chat turn, and a long document prompt.
 KINDS: dict[str, tuple[int, int]] = {"short": (15, 64), "long": (1100, 16)}
 

@@ -8,8 +8,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pdserve.bench.config import RunConfig
-from pdserve.bench.session import Session, schedule, write_json
+from pdserve.bench.load.config import RunConfig
+from pdserve.bench.load.session import Session, schedule, write_json
 
 
 def _ms(stats: dict[str, float | None], key: str) -> str:

@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.bench.cost import Price
-from pdserve.bench.external import ExternalVllm
-from pdserve.bench.systems import EngineSettings, parse_pdserve_entry, pdserve_command
+from pdserve.bench.compare.cost import Price
+from pdserve.bench.compare.external import ExternalVllm
+from pdserve.bench.compare.systems import EngineSettings, parse_pdserve_entry, pdserve_command
 from pdserve.core.dtype import DtypeChoice, resolve_dtype
 from pdserve.core.model import resolve_model
 

@@ -24,8 +24,8 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pdserve.bench.client import Endpoint, send
-from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.load.client import Endpoint, send
+from pdserve.bench.load.metrics import RequestRecord
 from pdserve.bench.workload.arrivals import arrival_times, arrivals_until
 from pdserve.bench.workload.prompts import BenchRequest, PromptEncoder
 

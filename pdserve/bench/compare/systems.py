@@ -11,12 +11,12 @@ arranged differs:
 - ``vllm-disagg``: vLLM's own P/D: a prefill and a decode ``vllm serve`` with the
   NixlConnector (prefill on the first half of the cores, decode on the rest, like
   ``pdserve up --cpu-layout split``) behind vLLM's own P/D router (``vllm-router``,
-  round robin), or ``pdserve bench disagg-proxy`` (``pdserve.bench.disagg_proxy``) where
+  round robin), or ``pdserve bench disagg-proxy`` (``pdserve.bench.compare.disagg_proxy``) where
   it is not installed.
 - ``pdserve``: ``pdserve up`` with the user's flags.
 - ``vllm-external`` (``--vllm-url``): a vLLM OpenAI server already running at a URL, in
   place of ``vllm-tuned`` as the baseline: no process, so nothing to start or stop; its
-  engine settings are its operator's (``pdserve.bench.external``).
+  engine settings are its operator's (``pdserve.bench.compare.external``).
 
 Building a spec starts nothing (the unit tests check these command lines). pdserve's own
 processes (``pdserve up``, the proxy) run as ``command`` says: the CLI passes how it was

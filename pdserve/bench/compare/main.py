@@ -28,11 +28,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.compare_config import CompareConfig
-from pdserve.bench.cost import Price, add_cost
-from pdserve.bench.external import port_of
-from pdserve.bench.launch import ExternalSystem, RunningSystem, StartupError
-from pdserve.bench.report import (
+from pdserve.bench.compare.config import CompareConfig
+from pdserve.bench.compare.cost import Price, add_cost
+from pdserve.bench.compare.external import port_of
+from pdserve.bench.compare.launch import ExternalSystem, RunningSystem, StartupError
+from pdserve.bench.compare.report import (
     CompareReport,
     RateRun,
     SystemResult,
@@ -42,15 +42,15 @@ from pdserve.bench.report import (
     rate_label,
     versions,
 )
-from pdserve.bench.roles_sampler import RoleSampler
-from pdserve.bench.systems import (
+from pdserve.bench.compare.roles_sampler import RoleSampler
+from pdserve.bench.compare.systems import (
     SystemSpec,
     pdserve_up,
     vllm_aggregated,
     vllm_disagg,
     vllm_external,
 )
-from pdserve.bench.worker_counters import counters_delta, read_counters
+from pdserve.bench.compare.worker_counters import counters_delta, read_counters
 from pdserve.core import process
 from pdserve.core.ports import free_port
 
@@ -67,7 +67,7 @@ def report_writer() -> ReportWriter:
     """``plots.write_report``; ModuleNotFoundError where matplotlib (the bench extra) is
     not installed. Imported here, not at the top: matplotlib is an optional dependency
     that only compare's plots need, so the rest of ``pdserve bench`` runs without it."""
-    from pdserve.bench.plots import write_report
+    from pdserve.bench.compare.plots import write_report
 
     return write_report
 
