@@ -9,7 +9,8 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
@@ -30,11 +31,12 @@ from pdserve.core.weight_calls import (
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.roles.decode.policy import DecodePolicy
 from pdserve.roles.prefill.policy import PrefillPolicy
-from pdserve.worker import host as host_module
+from pdserve.worker import vllm_engine
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import EngineConfig, EngineCounters, EngineParams, EngineStep
 from pdserve.worker.host import EngineHost
 from pdserve.worker.kv_mirror import KvCacheMirror
+from pdserve.worker.kv_status import ConnectorStatus
 from pdserve.worker.policy import RolePolicy
 from pdserve.worker.vllm_kv_events import KvEventEndpoints
 
@@ -68,6 +70,9 @@ class FakeEngine:
     num_kv_blocks: int = 64
     staged: str | None = None
     committed: list[str] = field(default_factory=list)
+    mirror: KvCacheMirror | None = None  # its KV events' mirror (None: it publishes none)
+    num_mirrorings: int = 0
+    status: dict[str, Any] = field(default_factory=dict)  # its connector's counters
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                        sampling: SamplingSpec, params: EngineParams
@@ -94,6 +99,13 @@ class FakeEngine:
 
     def shutdown(self) -> None:
         self.is_shut_down = True
+
+    def mirror_kv_events(self, loop: asyncio.AbstractEventLoop) -> KvCacheMirror | None:
+        self.num_mirrorings += 1
+        return self.mirror
+
+    def kv_status(self) -> dict[str, Any]:
+        return self.status
 
     async def stage_weights(self, model_path: str, version: str) -> WeightsStaged:
         if model_path.startswith("/bad"):
@@ -309,7 +321,41 @@ async def test_health_before_and_after_the_engine_starts() -> None:
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 async def test_every_role_mirrors_its_engines_kv_events_across_a_role_switch(
-        role: Role, monkeypatch: pytest.MonkeyPatch) -> None:
+        role: Role) -> None:
+    engine = FakeEngine(mirror=KvCacheMirror(128))
+    policies: dict[Role, RolePolicy] = {"prefill": PrefillPolicy(), "decode": DecodePolicy()}
+    host = EngineHost(config(role), "w0", policies[role], lambda c, n: engine,
+                      policy_for=policies.__getitem__)
+    with pytest.raises(WorkerError) as err:  # no engine, no mirror yet
+        host.kv_mirror()
+    assert err.value.kind == "unavailable"
+    host.start()
+    host.start_mirroring(asyncio.get_running_loop())
+    host.start_mirroring(asyncio.get_running_loop())  # once per engine
+    try:
+        assert host.kv_mirror() is engine.mirror
+        host.set_role("decode" if role == "prefill" else "prefill")
+        assert host.kv_mirror() is engine.mirror  # same engine, same prefix cache
+        assert engine.num_mirrorings == 1
+    finally:
+        host.shutdown()
+    assert engine.is_shut_down  # its mirroring with it
+    silent = EngineHost(config(role), "w1", policies[role], lambda c, n: FakeEngine())
+    silent.start()
+    silent.start_mirroring(asyncio.get_running_loop())
+    assert silent.kv_mirror() is None  # an engine that publishes no events
+
+
+async def test_the_load_report_carries_the_engines_connector_counters() -> None:
+    engine = FakeEngine(status={"num_leases": 2, "bytes_sent": 4096, "step_base_us": 900})
+    host = started("prefill", PrefillPolicy(), engine)
+    report = await host.load()
+    assert (report.kv_leases_held, report.num_pending_transfers, report.kv_bytes_sent,
+            report.step_base_us) == (2, 2, 4096, 900)
+
+
+def test_vllms_kv_events_are_mirrored_from_its_endpoints_until_it_shuts_down(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     started_with: list[tuple[KvEventEndpoints, int]] = []
     mirrorings: list[Any] = []
 
@@ -327,27 +373,23 @@ async def test_every_role_mirrors_its_engines_kv_events_across_a_role_switch(
         def close(self) -> None:
             self.closed = True
 
-    monkeypatch.setattr(host_module, "KvEventMirroring", Mirroring)
-    events = ("ipc:///tmp/pdserve-test-kvev.pub", "ipc:///tmp/pdserve-test-kvev.replay")
-    policies: dict[Role, RolePolicy] = {"prefill": PrefillPolicy(), "decode": DecodePolicy()}
-    host = EngineHost(config(role, events), "w0", policies[role], lambda c, n: FakeEngine(),
-                      policy_for=policies.__getitem__)
-    with pytest.raises(WorkerError) as err:  # no engine, no mirror yet
-        host.kv_mirror()
-    assert err.value.kind == "unavailable"
-    host.start()
-    host.start_mirroring(asyncio.get_running_loop())
+    monkeypatch.setattr(vllm_engine, "KvEventMirroring", Mirroring)
+    llm = SimpleNamespace(vllm_config=SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=128)), shutdown=lambda: None)
+    events = KvEventEndpoints("ipc:///tmp/pdserve-test-kvev.pub",
+                              "ipc:///tmp/pdserve-test-kvev.replay")
+    status = ConnectorStatus(ConnectorConfig(engine_id="w0"))
+    engine = vllm_engine.VllmEngine(cast(Any, llm), status, events)
+    loop = asyncio.new_event_loop()
     try:
-        mirror = host.kv_mirror()
-        assert mirror is not None
-        host.set_role("decode" if role == "prefill" else "prefill")
-        assert host.kv_mirror() is mirror  # same engine, same prefix cache
-        assert started_with == [(KvEventEndpoints(*events), 128)]
+        mirror = engine.mirror_kv_events(loop)
+        assert mirror is not None and engine.mirror_kv_events(loop) is mirror
     finally:
-        host.shutdown()
-    assert mirrorings[0].closed  # with the engine
-    assert EngineHost(config(role), "w1", policies[role],
-                      lambda c, n: FakeEngine()).kv_mirror() is None  # no events configured
+        loop.close()
+    assert started_with == [(events, 128)]
+    engine.shutdown()
+    assert mirrorings[0].closed
+    assert vllm_engine.VllmEngine(cast(Any, llm), status).mirror_kv_events(loop) is None
 
 
 # ---- a role switch ------------------------------------------------------------------------

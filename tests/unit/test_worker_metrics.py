@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -40,6 +41,7 @@ from pdserve.router.dispatch.workers.client import WorkerClient
 from pdserve.worker.backend import WorkerBackend
 from pdserve.worker.engine import EngineConfig
 from pdserve.worker.host import EngineHost
+from pdserve.worker.kv_status import ConnectorStatus
 from pdserve.worker.metrics import (
     MetricsListener,
     MetricsServer,
@@ -147,7 +149,7 @@ async def test_engine_host_reports_its_connector_counters_after_a_transfer() -> 
     config = EngineConfig(model_path="/m", served_model_name="m", role="prefill",
                           connector=ConnectorConfig(engine_id="p0", kv_port=kv_port))
     host = EngineHost(config, "p0", PrefillPolicy(release=lambda h: None),
-                      lambda c, n: _NoEngine())
+                      lambda c, n: _NoEngine(ConnectorStatus(c.connector)))
     host.start()
     port = free_port()
     try:
@@ -203,9 +205,16 @@ async def test_every_kv_tier_and_pool_field_is_a_counter_of_its_value() -> None:
 
 
 class _NoEngine:
-    """An engine that is up and serves nothing (these tests only read counters)."""
+    """An engine that is up and serves nothing (these tests only read counters); its
+    connector's counters come from its KV endpoint, as vLLM's do."""
 
     block_size, dtype, num_kv_blocks = 128, "float32", 64
+
+    def __init__(self, status: ConnectorStatus) -> None:
+        self._status = status
+
+    def kv_status(self) -> dict[str, Any]:
+        return self._status.read()
 
     def shutdown(self) -> None:
         return None
