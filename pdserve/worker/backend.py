@@ -1,6 +1,6 @@
-"""What the gRPC servicer serves: a ``WorkerBackend``. The vLLM ``EngineHost``,
-the simulator's ``SimHost`` and the router tests' scripted worker implement it,
-so all three speak through the same servicer (``pdserve.worker.servicer``).
+"""What the gRPC servicer serves: a ``WorkerBackend``. ``EngineHost`` (over vLLM's
+engine or the simulated one) and the router tests' scripted worker implement it, so
+both speak through the same servicer (``pdserve.worker.servicer``).
 """
 
 from __future__ import annotations

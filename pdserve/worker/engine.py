@@ -1,5 +1,6 @@
 """The engine a worker hosts: its config, the ``Engine`` contract the host drives
-(``VllmEngine`` wraps vLLM's ``AsyncLLM`` behind it; tests use a fake), the
+(``VllmEngine`` wraps vLLM's ``AsyncLLM`` behind it, ``SimEngine`` simulates one; tests
+use a fake), the
 engine's own counters (prompt tokens by source, load, KV usage) for GetLoad, and
 ``build_engine``, which starts vLLM in-process with the pdserve KV connector."""
 

@@ -50,7 +50,7 @@ _FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort", "error")
 
 class EngineHost:
     """``engine_factory`` starts the engine (``VllmEngine.start`` in a worker, a
-    fake in tests); ``kv_push`` says whether this
+    ``SimEngine`` in a simulated one, a fake in tests); ``kv_push`` says whether this
     worker sends (prefill) or accepts (decode) layer-wise push; ``metrics_endpoint`` is
     where its ``/metrics`` listener is reached ("" when off), as its Health says.
     ``policy_for`` builds a role's policy for a role switch (``set_role``); None: the

@@ -32,7 +32,7 @@ ENGINE_WEIGHT_CALLS = tuple(call.name for call in WEIGHT_CALLS)
 
 @runtime_checkable
 class WeightsBackend(Protocol):
-    """A backend whose weights change in place (``EngineHost``, the simulator's host).
+    """A backend whose weights change in place (``EngineHost``).
     Errors: ``ValueError`` for a checkpoint that cannot be the model's weights,
     ``WorkerError`` otherwise."""
 
