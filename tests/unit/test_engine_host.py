@@ -9,8 +9,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
-from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
@@ -31,14 +30,11 @@ from pdserve.core.weight_calls import (
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.roles.decode.policy import DecodePolicy
 from pdserve.roles.prefill.policy import PrefillPolicy
-from pdserve.worker import vllm_engine
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import EngineConfig, EngineCounters, EngineParams, EngineStep
 from pdserve.worker.host import EngineHost
 from pdserve.worker.kv_mirror import KvCacheMirror
-from pdserve.worker.kv_status import ConnectorStatus
 from pdserve.worker.policy import RolePolicy
-from pdserve.worker.vllm_kv_events import KvEventEndpoints
 
 PROMPT = (11, 12, 13, 14)
 TARGET = PushTarget("10.0.0.2", 6001, "t-1")
@@ -352,44 +348,6 @@ async def test_the_load_report_carries_the_engines_connector_counters() -> None:
     report = await host.load()
     assert (report.kv_leases_held, report.num_pending_transfers, report.kv_bytes_sent,
             report.step_base_us) == (2, 2, 4096, 900)
-
-
-def test_vllms_kv_events_are_mirrored_from_its_endpoints_until_it_shuts_down(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    started_with: list[tuple[KvEventEndpoints, int]] = []
-    mirrorings: list[Any] = []
-
-    class Mirroring:  # vLLM's ZMQ subscriber is test_kv_events_vllm.py's
-        def __init__(self) -> None:
-            self.mirror, self.closed = KvCacheMirror(128), False
-
-        @classmethod
-        def start(cls, endpoints: KvEventEndpoints, block_size: int,
-                  loop: asyncio.AbstractEventLoop) -> Mirroring:
-            started_with.append((endpoints, block_size))
-            mirrorings.append(cls())
-            return mirrorings[-1]
-
-        def close(self) -> None:
-            self.closed = True
-
-    monkeypatch.setattr(vllm_engine, "KvEventMirroring", Mirroring)
-    llm = SimpleNamespace(vllm_config=SimpleNamespace(
-        cache_config=SimpleNamespace(block_size=128)), shutdown=lambda: None)
-    events = KvEventEndpoints("ipc:///tmp/pdserve-test-kvev.pub",
-                              "ipc:///tmp/pdserve-test-kvev.replay")
-    status = ConnectorStatus(ConnectorConfig(engine_id="w0"))
-    engine = vllm_engine.VllmEngine(cast(Any, llm), status, events)
-    loop = asyncio.new_event_loop()
-    try:
-        mirror = engine.mirror_kv_events(loop)
-        assert mirror is not None and engine.mirror_kv_events(loop) is mirror
-    finally:
-        loop.close()
-    assert started_with == [(events, 128)]
-    engine.shutdown()
-    assert mirrorings[0].closed
-    assert vllm_engine.VllmEngine(cast(Any, llm), status).mirror_kv_events(loop) is None
 
 
 # ---- a role switch ------------------------------------------------------------------------
