@@ -1,6 +1,8 @@
-"""What the gRPC servicer serves: a ``WorkerBackend``. The vLLM ``EngineHost``,
-the simulator's ``SimHost`` and the router tests' scripted worker implement it,
-so all three speak through the same servicer (``pdserve.worker.servicer``).
+"""What the gRPC servicer serves: a ``WorkerBackend``. ``EngineHost`` (over vLLM's
+engine or the simulated one) and the router tests' scripted worker implement it, so
+both speak through the same servicer (``pdserve.worker.servicer``). Its weights
+(``WeightsBackend``) and LoRA adapters (``LoraBackend``) are part of it: a backend
+that cannot change them raises ``WorkerError("unimplemented")``.
 """
 
 from __future__ import annotations
@@ -8,7 +10,16 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from pdserve.core.types import PhaseOutput, PhaseRequest, Role, WorkerHealth, WorkerLoadReport
+from pdserve.core.lora import LoraAdapter
+from pdserve.core.types import (
+    PhaseOutput,
+    PhaseRequest,
+    Role,
+    WeightsStaged,
+    WorkerHealth,
+    WorkerLoadReport,
+)
+from pdserve.core.weight_calls import WeightCall
 
 if TYPE_CHECKING:
     from pdserve.worker.kv_mirror import KvCacheMirror
@@ -27,7 +38,44 @@ class WorkerError(Exception):
         self.kind: ErrorKind = kind
 
 
-class WorkerBackend(Protocol):
+class WeightsBackend(Protocol):
+    """A worker's weights, changed in place (``pdserve.worker.weights``). Errors:
+    ``ValueError`` for a checkpoint that cannot be the model's weights, ``WorkerError``
+    otherwise (``unimplemented`` where the weights cannot change)."""
+
+    async def stage_weights(self, model_path: str, version: str) -> WeightsStaged:
+        """Read ``model_path`` for a commit as ``version``; the worker serves on meanwhile."""
+        ...
+
+    async def commit_weights(self, version: str) -> None:
+        """Serve the staged ``version``. The servicer calls it only once nothing is in
+        flight (``ServingState.commit_weights`` drains first)."""
+        ...
+
+    async def discard_weights(self) -> bool:
+        """Drop what is staged; whether anything was."""
+        ...
+
+    async def engine_weight_call(self, call: WeightCall) -> str:
+        """Run one of vLLM's weight-transfer calls; the version served after it."""
+        ...
+
+
+class LoraBackend(Protocol):
+    """A worker's LoRA adapters (``pdserve.worker.lora``). Errors: ``ValueError`` for a
+    folder the engine cannot load, ``WorkerError`` otherwise (``unimplemented`` where it
+    serves none)."""
+
+    async def load_lora(self, adapter: LoraAdapter) -> bool:
+        """Serve ``adapter``; False: it was served from that folder already."""
+        ...
+
+    async def unload_lora(self, name: str) -> bool:
+        """Stop serving ``name``; False: it was not served."""
+        ...
+
+
+class WorkerBackend(WeightsBackend, LoraBackend, Protocol):
     """One worker's logic behind the servicer, free of protobuf and gRPC.
 
     The servicer checks a ``Generate`` against ``health()`` (ready, role,

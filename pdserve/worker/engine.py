@@ -1,10 +1,12 @@
 """The engine a worker hosts: its config, the ``Engine`` contract the host drives
-(``VllmEngine`` wraps vLLM's ``AsyncLLM`` behind it; tests use a fake), the
+(``VllmEngine`` wraps vLLM's ``AsyncLLM`` behind it, ``SimEngine`` simulates one; tests
+use a fake), the
 engine's own counters (prompt tokens by source, load, KV usage) for GetLoad, and
 ``build_engine``, which starts vLLM in-process with the pdserve KV connector."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -19,6 +21,7 @@ from pdserve.core.types import Role, SamplingSpec, TokenLogprobs, WeightsStaged
 from pdserve.core.weight_calls import WeightCall
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.worker.engine_tmp import engine_tmp_dir
+from pdserve.worker.kv_mirror import KvCacheMirror
 from pdserve.worker.lora import LoadedLora
 
 # ``pdserve.worker.output_in_prompt:OutputInPromptPenalties``, named here so that the
@@ -161,7 +164,23 @@ class Engine(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
-    def shutdown(self) -> None: ...
+    def shutdown(self) -> None:
+        """Stop the engine, and the mirroring of its KV events with it."""
+        ...
+
+    # ---- what the host reports of it (GetLoad, StreamKvEvents) ----
+
+    def mirror_kv_events(self, loop: asyncio.AbstractEventLoop) -> KvCacheMirror | None:
+        """Start mirroring the engine's KV events (blocks stored, removed, cleared) on the
+        event loop ``loop``; the mirror, or None when the engine publishes none. Called
+        once, on ``loop``, after the engine started."""
+        ...
+
+    def kv_status(self) -> dict[str, Any]:
+        """The KV connector's own counters (``host.load_report`` reads them: leases,
+        transfers, links, the measured step cost); its last reply when this one is late
+        or fails. Blocking: called off the event loop."""
+        ...
 
     # ---- LoRA adapters (``pdserve.worker.lora``) ----
 

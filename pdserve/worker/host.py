@@ -30,19 +30,14 @@ from pdserve.core.types import (
     WorkerLoadReport,
 )
 from pdserve.core.weight_calls import UpdateWeightVersion, WeightCall
-from pdserve.kv_transfer.control.dial import request_once
-from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.handoff_codec import STATS as ENCODED_STATS
-from pdserve.kv_transfer.remote.worker import REPORTED as STORE_STATS
-from pdserve.kv_transfer.tiers.store import STATS as TIER_STATS
+from pdserve.kv_transfer.reported import STORE_STATS, TIER_STATS
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import Engine, EngineConfig, EngineCounters, EngineStep
 from pdserve.worker.lora_host import LoraHost
 from pdserve.worker.policy import AdmissionAborted, RolePolicy
 from pdserve.worker.timing import PhaseClock
-from pdserve.worker.vllm_kv_events import KvEventEndpoints, KvEventMirroring
 from pdserve.worker.weights import WeightsState
-from pdserve.worker.weights_ext import check_checkpoint
 
 if TYPE_CHECKING:
     from pdserve.worker.kv_mirror import KvCacheMirror
@@ -53,16 +48,13 @@ PolicyFactory = Callable[[Role], RolePolicy]
 _FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort", "error")
 
 
-# Under the router's probe deadline (2 s), with room for the engine counters.
-KV_STATUS_TIMEOUT_S = 1.0
-
-
 class EngineHost:
     """``engine_factory`` starts the engine (``VllmEngine.start`` in a worker, a
-    fake in tests); ``kv_push`` says whether this worker sends (prefill) or
-    accepts (decode) layer-wise push; ``metrics_endpoint`` is where its ``/metrics``
-    listener is reached ("" when off), as its Health says. ``policy_for`` builds a
-    role's policy for a role switch (``set_role``); None: the role is fixed."""
+    ``SimEngine`` in a simulated one, a fake in tests); ``kv_push`` says whether this
+    worker sends (prefill) or accepts (decode) layer-wise push; ``metrics_endpoint`` is
+    where its ``/metrics`` listener is reached ("" when off), as its Health says.
+    ``policy_for`` builds a role's policy for a role switch (``set_role``); None: the
+    role is fixed."""
 
     def __init__(self, config: EngineConfig, worker_id: str, policy: RolePolicy,
                  engine_factory: EngineFactory, kv_push: bool = False,
@@ -81,11 +73,9 @@ class EngineHost:
         self._inflight: set[str] = set()
         # Fixed while the engine runs; the servicer checks every Generate against it.
         self._health: WorkerHealth | None = None
-        # The connector's last status reply: counters never go back to zero because
-        # one reply was late (GetLoad answers within the router's probe deadline).
-        self._kv_status: dict[str, Any] = {}
-        self._events = None if config.kv_events is None else KvEventEndpoints(*config.kv_events)
-        self._mirroring: KvEventMirroring | None = None
+        # The engine's KV-event mirror, once ``start_mirroring`` asked for it.
+        self._mirror: KvCacheMirror | None = None
+        self._mirroring = False
         self.weights = WeightsState(version=config.weight_version)
         self.lora = LoraHost(config.lora, worker_id, self._running_engine, self.abort,
                              self._lora_changed)
@@ -108,8 +98,9 @@ class EngineHost:
         """Mirror the engine's KV events, when it publishes them (call on the event loop
         ``loop`` once the engine runs). A role switch keeps the mirror: same engine, same
         prefix cache."""
-        if self.engine is not None and self._events is not None and self._mirroring is None:
-            self._mirroring = KvEventMirroring.start(self._events, self.engine.block_size, loop)
+        if self.engine is not None and not self._mirroring:
+            self._mirror = self.engine.mirror_kv_events(loop)
+            self._mirroring = True
 
     def set_role(self, role: Role) -> None:
         """Serve ``role`` with the same engine (weights, prefix cache and its KV-event
@@ -140,14 +131,10 @@ class EngineHost:
 
     def shutdown(self) -> None:
         if self.engine is not None:
-            self.engine.shutdown()
+            self.engine.shutdown()  # its KV events' mirroring with it
             self.engine = None
             self._health = None
-        if self._mirroring is not None:
-            self._mirroring.close()
-            self._mirroring = None
-        if self._events is not None:  # after the engine, which had bound them
-            self._events.remove_files()
+        self._mirror, self._mirroring = None, False
 
     def health(self) -> WorkerHealth:
         """What this worker says about itself; built once per engine lifetime."""
@@ -257,9 +244,6 @@ class EngineHost:
         engine = self._running_engine()
         self.weights.check_stage(model_path, version)
         self.weights.staged = None  # whatever was staged before is replaced
-        # Checked here first, from the files' headers: a bad folder is the caller's error
-        # (INVALID_ARGUMENT), not an engine worker's failure.
-        await asyncio.to_thread(check_checkpoint, model_path, self.config.model_path)
         staged = await engine.stage_weights(model_path, version)
         self.weights.staged = (version, model_path)
         logger.info("staged weights %s from %s (%d tensors, %.0f MB) in %.2f s", version,
@@ -298,32 +282,21 @@ class EngineHost:
         return version
 
     def kv_mirror(self) -> KvCacheMirror | None:
-        if self._events is None:
-            return None
-        if self._mirroring is None:
+        if not self._mirroring:
             raise WorkerError("unavailable", "engine is loading")
-        return self._mirroring.mirror
+        return self._mirror
 
     def kv_status(self) -> dict[str, Any]:
-        """The connector's own counters, from its KV endpoint in the Worker process;
-        its last reply if this one is late or fails."""
-        connector = self.config.connector
-        tls = connector.kv_tls()
-        host = kv_status_host(connector.kv_bind_host, connector.kv_host, tls is not None)
-        try:
-            self._kv_status = request_once(host, connector.kv_port, {"op": "status"},
-                                           KV_STATUS_TIMEOUT_S, connector.cluster_secret(), tls)
-        except TransferError as exc:
-            logger.warning("KV endpoint status unavailable (reporting the last): %s", exc)
-        return self._kv_status
+        """The KV connector's own counters (blocking; {} while the engine loads)."""
+        engine = self.engine
+        return {} if engine is None else engine.kv_status()
 
     async def load(self) -> WorkerLoadReport:
         self.policy.prune(time.time_ns())
         status = await asyncio.to_thread(self.kv_status) if self.ready else {}
-        mirror = self._mirroring
+        mirror = self._mirror
         return load_report(self.counters, status, self.num_inflight,
-                           len(mirror.mirror) if mirror is not None else 0,
-                           self.policy.num_waiting)
+                           len(mirror) if mirror is not None else 0, self.policy.num_waiting)
 
 
 def load_report(c: EngineCounters, status: dict[str, Any], num_inflight: int,
@@ -376,16 +349,4 @@ def _finish_reason(reason: str | None) -> FinishReason:
         if reason == known:
             return known
     return "stop" if reason is None else "error"
-
-
-def kv_status_host(bind_host: str, advertised_host: str, tls: bool) -> str:
-    """Where this worker reaches its own KV endpoint: the advertised host under TLS (its
-    certificate names that host, maybe not loopback); else loopback when the endpoint
-    listens on every address, or the one address it listens on (``--host 10.0.0.7``:
-    nothing answers on loopback there)."""
-    if tls:
-        return advertised_host
-    if bind_host in ("", "0.0.0.0", "::"):
-        return "::1" if bind_host == "::" else "127.0.0.1"
-    return bind_host
 

@@ -31,7 +31,6 @@ from grpc_health.v1.health import aio as health_aio
 from pdserve.core.types import Role, RoleSwitch, WeightsCommitted
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.worker.backend import WorkerBackend, WorkerError
-from pdserve.worker.weights import WeightsBackend
 
 logger = logging.getLogger("pdserve.worker")
 
@@ -126,7 +125,7 @@ class ServingState:
                           num_leases_released=released,
                           switch_ns=time.monotonic_ns() - started)
 
-    async def commit_weights(self, weights: WeightsBackend, version: str, abort: bool,
+    async def commit_weights(self, version: str, abort: bool,
                              drain_timeout_s: float) -> WeightsCommitted:
         """Let the calls in flight finish on the current weights (at most
         ``drain_timeout_s``; with ``abort``, none), then serve the staged ``version``
@@ -139,7 +138,7 @@ class ServingState:
         started = time.monotonic_ns()
         async with self._closed():
             aborted, _ = await self._end_work(0.0 if abort else drain_timeout_s)
-            await weights.commit_weights(version)
+            await self._backend.commit_weights(version)
         await self._reannounce()
         return WeightsCommitted(weight_version=version, num_aborted=aborted,
                                 commit_ns=time.monotonic_ns() - started)

@@ -24,7 +24,6 @@ import asyncio
 import itertools
 import time
 from dataclasses import dataclass, replace
-from typing import Protocol, runtime_checkable
 
 from pdserve.core.lora import LoraAdapter, LoraConfig, adapter_salt
 from pdserve.core.types import PhaseRequest
@@ -38,20 +37,6 @@ class LoadedLora:
 
     adapter: LoraAdapter
     lora_id: int
-
-
-@runtime_checkable
-class LoraBackend(Protocol):
-    """A backend that serves LoRA adapters (``EngineHost``). Errors: ``ValueError`` for
-    a folder the engine cannot load, ``WorkerError`` otherwise."""
-
-    async def load_lora(self, adapter: LoraAdapter) -> bool:
-        """Serve ``adapter``; False: it was served from that folder already."""
-        ...
-
-    async def unload_lora(self, name: str) -> bool:
-        """Stop serving ``name``; False: it was not served."""
-        ...
 
 
 class LoraTable:

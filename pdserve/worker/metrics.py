@@ -34,7 +34,7 @@ from pdserve.worker.lifecycle import ServingState
 logger = logging.getLogger("pdserve.worker")
 
 # Under Prometheus's default scrape timeout (10 s); the connector's own status
-# request inside the sample has 1 s (``host.KV_STATUS_TIMEOUT_S``).
+# request inside the sample has 1 s (``kv_status.KV_STATUS_TIMEOUT_S``).
 SCRAPE_DEADLINE_S = 2.0
 _ANY_HOST = ("0.0.0.0", "::", "")
 LABELS = ("model_name", "role", "transport")

@@ -1,5 +1,5 @@
-"""gRPC ``WorkerService``: a thin adapter in front of a ``WorkerBackend`` (the
-vLLM engine host, the simulator, the router tests' scripted worker).
+"""gRPC ``WorkerService``: a thin adapter in front of a ``WorkerBackend`` (the engine
+host over vLLM or the simulated engine, the router tests' scripted worker).
 
 Every call is ``from_pb -> backend -> to_pb`` through ``pdserve.proto.convert``;
 exceptions map to gRPC status in one place (``status_of``). The same server carries
@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, replace
-from typing import TypeVar, cast
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -34,9 +34,7 @@ from pdserve.worker.backend import ErrorKind, WorkerBackend, WorkerError
 from pdserve.worker.kv_mirror import KvCacheMirror
 from pdserve.worker.kv_relay import kv_changes, kv_snapshot
 from pdserve.worker.lifecycle import ServingState
-from pdserve.worker.lora import LoraBackend
 from pdserve.worker.session import RequestFailed, WorkerSession
-from pdserve.worker.weights import WeightsBackend
 
 logger = logging.getLogger("pdserve.worker")
 # After a drain: what is still running is cancelled (and so aborted) this soon.
@@ -133,68 +131,51 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     async def LoadLoraAdapter(  # noqa: N802 - gRPC method name
         self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> pb.LoadLoraAdapterResponse:
-        loras = await self._loras(context)
         try:
             adapter = LoraAdapter(request.lora_name, request.lora_path)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # abort raises; this says so to the reader and the type checker
-        changed = await self._answer(context, "load LoRA", loras.load_lora(adapter))
+        changed = await self._answer(context, "load LoRA", self._backend.load_lora(adapter))
         return pb.LoadLoraAdapterResponse(changed=changed)
 
     async def UnloadLoraAdapter(  # noqa: N802 - gRPC method name
         self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
     ) -> pb.UnloadLoraAdapterResponse:
-        loras = await self._loras(context)
         unloaded = await self._answer(context, "unload LoRA",
-                                      loras.unload_lora(request.lora_name))
+                                      self._backend.unload_lora(request.lora_name))
         return pb.UnloadLoraAdapterResponse(unloaded=unloaded)
-
-    async def _loras(self, context: grpc.aio.ServicerContext) -> LoraBackend:
-        if not isinstance(self._backend, LoraBackend):
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                                "this worker serves no LoRA adapters")
-        return cast(LoraBackend, self._backend)
 
     async def StageWeights(  # noqa: N802 - gRPC method name
         self, request: pb.StageWeightsRequest, context: grpc.aio.ServicerContext
     ) -> pb.StageWeightsResponse:
-        weights = await self._weights(context)
-        staged = await self._answer(context, "stage weights", weights.stage_weights(
+        staged = await self._answer(context, "stage weights", self._backend.stage_weights(
             request.model_path, request.weight_version))
         return pb.StageWeightsResponse(**asdict(staged))
 
     async def CommitWeights(  # noqa: N802 - gRPC method name
         self, request: pb.CommitWeightsRequest, context: grpc.aio.ServicerContext
     ) -> pb.CommitWeightsResponse:
-        weights = await self._weights(context)
         done = await self._answer(context, "commit weights", self._state.commit_weights(
-            weights, request.weight_version, request.abort, request.drain_timeout_ns / 1e9))
+            request.weight_version, request.abort, request.drain_timeout_ns / 1e9))
         return pb.CommitWeightsResponse(**asdict(done))
 
     async def DiscardWeights(  # noqa: N802 - gRPC method name
         self, request: pb.DiscardWeightsRequest, context: grpc.aio.ServicerContext
     ) -> pb.DiscardWeightsResponse:
-        weights = await self._weights(context)
-        discarded = await self._answer(context, "discard weights", weights.discard_weights())
+        discarded = await self._answer(context, "discard weights",
+                                       self._backend.discard_weights())
         return pb.DiscardWeightsResponse(discarded=discarded)
 
     async def EngineWeightCall(  # noqa: N802 - gRPC method name
         self, request: pb.EngineWeightCallRequest, context: grpc.aio.ServicerContext
     ) -> pb.EngineWeightCallResponse:
-        weights = await self._weights(context)
         try:
             call = weight_call_from_pb(request)
         except ValueError as exc:  # no call, or one this worker's schema does not know
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        version = await self._answer(context, call.name, weights.engine_weight_call(call))
+        version = await self._answer(context, call.name, self._backend.engine_weight_call(call))
         return pb.EngineWeightCallResponse(weight_version=version)
-
-    async def _weights(self, context: grpc.aio.ServicerContext) -> WeightsBackend:
-        if not isinstance(self._backend, WeightsBackend):
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                                "this worker's weights cannot change in place")
-        return cast(WeightsBackend, self._backend)
 
     async def _answer(self, context: grpc.aio.ServicerContext, what: str,
                       call: Awaitable[T]) -> T:

@@ -4,6 +4,7 @@ connector module is loaded in every engine process)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -27,7 +28,11 @@ from pdserve.worker.engine import (
     EngineStep,
     build_engine,
 )
+from pdserve.worker.kv_mirror import KvCacheMirror
+from pdserve.worker.kv_status import ConnectorStatus
 from pdserve.worker.lora import LoadedLora
+from pdserve.worker.vllm_kv_events import KvEventEndpoints, KvEventMirroring
+from pdserve.worker.weights_ext import check_checkpoint
 
 logger = logging.getLogger("pdserve.worker")
 
@@ -141,13 +146,27 @@ def _worker_error(exc: Exception) -> str:
 
 
 class VllmEngine:
-    def __init__(self, llm: AsyncLLM) -> None:
+    """``events``: where vLLM publishes its KV events (None: it publishes none);
+    ``status``: its connector's counters."""
+
+    def __init__(self, llm: AsyncLLM, status: ConnectorStatus,
+                 events: KvEventEndpoints | None = None) -> None:
         self._llm = llm
+        self._status = status
+        self._events = events
+        self._mirroring: KvEventMirroring | None = None
 
     @classmethod
     def start(cls, config: EngineConfig, counters: EngineCounters) -> VllmEngine:
         """Start vLLM (blocks ~20-40 s on CPU)."""
-        return cls(build_engine(config, counters))
+        events = None if config.kv_events is None else KvEventEndpoints(*config.kv_events)
+        try:
+            llm = build_engine(config, counters)
+        except BaseException:
+            if events is not None:  # a half-started engine may have bound them
+                events.remove_files()
+            raise
+        return cls(llm, ConnectorStatus(config.connector), events)
 
     @property
     def block_size(self) -> int:
@@ -203,7 +222,21 @@ class VllmEngine:
     async def remove_lora(self, lora_id: int) -> None:
         await self._llm.remove_lora(lora_id)
 
+    def mirror_kv_events(self, loop: asyncio.AbstractEventLoop) -> KvCacheMirror | None:
+        if self._events is None:
+            return None
+        if self._mirroring is None:
+            self._mirroring = KvEventMirroring.start(self._events, self.block_size, loop)
+        return self._mirroring.mirror
+
+    def kv_status(self) -> dict[str, Any]:
+        return self._status.read()
+
     async def stage_weights(self, model_path: str, version: str) -> WeightsStaged:
+        # Checked here first, from the files' headers: a bad folder is the caller's error
+        # (INVALID_ARGUMENT), not an engine worker's failure.
+        await asyncio.to_thread(check_checkpoint, model_path,
+                                self._llm.vllm_config.model_config.model)
         started = time.monotonic_ns()
         try:
             replies = await self._llm.collective_rpc("pdserve_stage_weights",
@@ -256,3 +289,8 @@ class VllmEngine:
 
     def shutdown(self) -> None:
         self._llm.shutdown()
+        if self._mirroring is not None:
+            self._mirroring.close()
+            self._mirroring = None
+        if self._events is not None:  # after the engine, which had bound them
+            self._events.remove_files()

@@ -17,34 +17,16 @@ for the next one, and the rules that keep every call on one version.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Protocol, runtime_checkable
 
 from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION, versioned_salt
 from pdserve.core.handle import KVHandle
-from pdserve.core.types import PhaseRequest, WeightsStaged
-from pdserve.core.weight_calls import WEIGHT_CALLS, WeightCall
+from pdserve.core.types import PhaseRequest
+from pdserve.core.weight_calls import WEIGHT_CALLS
 from pdserve.worker.backend import WorkerError
 
 # vLLM's own weight-transfer calls a worker passes to its engine (``EngineWeightCall``,
 # one typed message each), by the name of vLLM's HTTP route (and AsyncLLM method).
 ENGINE_WEIGHT_CALLS = tuple(call.name for call in WEIGHT_CALLS)
-
-
-@runtime_checkable
-class WeightsBackend(Protocol):
-    """A backend whose weights change in place (``EngineHost``, the simulator's host).
-    Errors: ``ValueError`` for a checkpoint that cannot be the model's weights,
-    ``WorkerError`` otherwise."""
-
-    async def stage_weights(self, model_path: str, version: str) -> WeightsStaged: ...
-
-    async def commit_weights(self, version: str) -> None: ...
-
-    async def discard_weights(self) -> bool: ...
-
-    async def engine_weight_call(self, call: WeightCall) -> str:
-        """Run one of vLLM's weight-transfer calls; the version served after it."""
-        ...
 
 
 @dataclass

@@ -34,9 +34,11 @@ from pdserve.core.types import (
     PhaseRequest,
     PhaseTiming,
     Role,
+    WeightsStaged,
     WorkerHealth,
     WorkerLoadReport,
 )
+from pdserve.core.weight_calls import WeightCall
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.kv_mirror import KvCacheMirror
 from pdserve.worker.servicer import STATUS_OF_KIND, WorkerServer, start_worker_server
@@ -257,6 +259,19 @@ class FakeWorkerServicer:
         if self.script.lora_off:
             raise WorkerError("failed_precondition", "LoRA is off on this worker")
         return self.loras.pop(name, None) is not None
+
+    # Its weights never change (``WeightsBackend``: unimplemented here).
+    async def stage_weights(self, model_path: str, version: str) -> WeightsStaged:
+        raise WorkerError("unimplemented", "this worker's weights cannot change in place")
+
+    async def commit_weights(self, version: str) -> None:
+        raise WorkerError("unimplemented", "this worker's weights cannot change in place")
+
+    async def discard_weights(self) -> bool:
+        raise WorkerError("unimplemented", "this worker's weights cannot change in place")
+
+    async def engine_weight_call(self, call: WeightCall) -> str:
+        raise WorkerError("unimplemented", "this worker's weights cannot change in place")
 
     async def load(self) -> WorkerLoadReport:
         return WorkerLoadReport(num_pending_transfers=len(self.leases)

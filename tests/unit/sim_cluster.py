@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.grpc_tls import GrpcTls
 from pdserve.core.types import Role
-from pdserve.launch.sim_worker import SimHost
+from pdserve.launch.sim_worker import start_sim_host
 from pdserve.router.dispatch.dispatcher import PDDispatcher
 from pdserve.router.dispatch.policies.disagg import DisaggConfig
 from pdserve.router.dispatch.policies.placement import create_placement
@@ -36,9 +36,10 @@ async def start_sim_worker(config: SimConfig, host: str = "127.0.0.1", port: int
                            ) -> tuple[grpc.aio.Server, int, SimEngine]:
     """Start a simulated worker on this event loop; returns (server, bound port, engine).
     With the cluster ``secret``, calls without its token are refused; ``tls``: TLS only."""
-    engine = SimEngine(config)
-    worker = await start_worker_server(SimHost(engine), host, port, secret=secret, tls=tls)
-    return worker.server, worker.port, engine
+    backend = start_sim_host(config)
+    worker = await start_worker_server(backend, host, port, secret=secret, tls=tls)
+    assert isinstance(backend.engine, SimEngine)
+    return worker.server, worker.port, backend.engine
 
 
 @dataclass

@@ -27,7 +27,7 @@ from unit.fake_worker import eventually
 from pdserve.core.cluster_secret import ClusterSecret, num_refusals
 from pdserve.core.grpc_auth import CallAuth
 from pdserve.core.types import PhaseOutput, PhaseRequest, Role, SamplingSpec
-from pdserve.launch.sim_worker import SimHost, sim_worker_info
+from pdserve.launch.sim_worker import sim_host, sim_role_policy, sim_worker_info
 from pdserve.membership import WorkerInfo, worker_key
 from pdserve.membership.etcd import EtcdMembership
 from pdserve.membership.etcd_client import etcd_client
@@ -42,6 +42,7 @@ from pdserve.router.dispatch.policies.placement import RoundRobinPlacement
 from pdserve.router.dispatch.workers import session as session_module
 from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient
 from pdserve.router.dispatch.workers.pool import WorkerPool
+from pdserve.worker.host import EngineHost
 from pdserve.worker.servicer import ServingState, WorkerServicer, start_worker_server
 from pdserve.worker.sim_engine import SimConfig, SimEngine
 
@@ -74,7 +75,7 @@ class CallCounter(grpc.aio.ServerInterceptor):
 
 @dataclass
 class Worker:
-    host: SimHost
+    host: EngineHost
     server: grpc.aio.Server
     port: int
     counter: CallCounter = field(default_factory=CallCounter)
@@ -88,17 +89,19 @@ class Worker:
 
 
 async def start_worker(role: Role, worker_id: str, secret: ClusterSecret | None) -> Worker:
-    host = SimHost(SimEngine(SimConfig(role, worker_id, block_size=16)))
+    host = sim_host(SimConfig(role, worker_id, block_size=16))
     served = await start_worker_server(host, secret=secret)
     return Worker(host, served.server, served.port)
 
 
-class CountingHost(SimHost):
+class CountingHost(EngineHost):
     """A simulated worker that records every request it is given to run."""
 
-    def __init__(self, engine: SimEngine) -> None:
-        super().__init__(engine)
+    def __init__(self, config: SimConfig) -> None:
+        super().__init__(config.engine_config, config.worker_id, sim_role_policy(config.role),
+                         lambda _, counters: SimEngine(config, counters))
         self.started: list[str] = []
+        self.start()
 
     def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
         self.started.append(request.request_id)
@@ -108,7 +111,7 @@ class CountingHost(SimHost):
 async def start_rogue(worker_id: str) -> Worker:
     """A decode worker that serves anyone (no secret) and counts what it receives."""
     counter = CallCounter()
-    host = CountingHost(SimEngine(SimConfig("decode", worker_id, block_size=16)))
+    host = CountingHost(SimConfig("decode", worker_id, block_size=16))
     server = grpc.aio.server(interceptors=[counter])
     state = ServingState(host)
     pb_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(host, state), server)

@@ -15,9 +15,9 @@ import pytest
 from pdserve.cli.health import HealthTarget, probe
 from pdserve.cli.main import main
 from pdserve.core.cluster_secret import ClusterSecret
-from pdserve.launch.sim_worker import SimHost
+from pdserve.launch.sim_worker import sim_host
 from pdserve.worker.servicer import start_worker_server
-from pdserve.worker.sim_engine import SimConfig, SimEngine
+from pdserve.worker.sim_engine import SimConfig
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -97,9 +97,8 @@ def test_the_target_comes_from_the_environment(
 async def test_grpc_health_of_a_worker_follows_its_serving_state() -> None:
     """A (simulated) worker's standard health service: SERVING once ready, NOT_SERVING
     while draining, unreachable once stopped; the probe asks without the cluster secret."""
-    engine = SimEngine(SimConfig(role="decode", worker_id="d-health"))
-    worker = await start_worker_server(SimHost(engine), "127.0.0.1", 0,
-                                       secret=ClusterSecret(b"s" * 32))
+    host = sim_host(SimConfig(role="decode", worker_id="d-health"))
+    worker = await start_worker_server(host, "127.0.0.1", 0, secret=ClusterSecret(b"s" * 32))
     target = f"grpc://127.0.0.1:{worker.port}"
 
     def check() -> int:

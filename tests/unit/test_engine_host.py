@@ -30,13 +30,11 @@ from pdserve.core.weight_calls import (
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.roles.decode.policy import DecodePolicy
 from pdserve.roles.prefill.policy import PrefillPolicy
-from pdserve.worker import host as host_module
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import EngineConfig, EngineCounters, EngineParams, EngineStep
 from pdserve.worker.host import EngineHost
 from pdserve.worker.kv_mirror import KvCacheMirror
 from pdserve.worker.policy import RolePolicy
-from pdserve.worker.vllm_kv_events import KvEventEndpoints
 
 PROMPT = (11, 12, 13, 14)
 TARGET = PushTarget("10.0.0.2", 6001, "t-1")
@@ -68,6 +66,9 @@ class FakeEngine:
     num_kv_blocks: int = 64
     staged: str | None = None
     committed: list[str] = field(default_factory=list)
+    mirror: KvCacheMirror | None = None  # its KV events' mirror (None: it publishes none)
+    num_mirrorings: int = 0
+    status: dict[str, Any] = field(default_factory=dict)  # its connector's counters
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                        sampling: SamplingSpec, params: EngineParams
@@ -94,6 +95,13 @@ class FakeEngine:
 
     def shutdown(self) -> None:
         self.is_shut_down = True
+
+    def mirror_kv_events(self, loop: asyncio.AbstractEventLoop) -> KvCacheMirror | None:
+        self.num_mirrorings += 1
+        return self.mirror
+
+    def kv_status(self) -> dict[str, Any]:
+        return self.status
 
     async def stage_weights(self, model_path: str, version: str) -> WeightsStaged:
         if model_path.startswith("/bad"):
@@ -309,45 +317,37 @@ async def test_health_before_and_after_the_engine_starts() -> None:
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 async def test_every_role_mirrors_its_engines_kv_events_across_a_role_switch(
-        role: Role, monkeypatch: pytest.MonkeyPatch) -> None:
-    started_with: list[tuple[KvEventEndpoints, int]] = []
-    mirrorings: list[Any] = []
-
-    class Mirroring:  # vLLM's ZMQ subscriber is test_kv_events_vllm.py's
-        def __init__(self) -> None:
-            self.mirror, self.closed = KvCacheMirror(128), False
-
-        @classmethod
-        def start(cls, endpoints: KvEventEndpoints, block_size: int,
-                  loop: asyncio.AbstractEventLoop) -> Mirroring:
-            started_with.append((endpoints, block_size))
-            mirrorings.append(cls())
-            return mirrorings[-1]
-
-        def close(self) -> None:
-            self.closed = True
-
-    monkeypatch.setattr(host_module, "KvEventMirroring", Mirroring)
-    events = ("ipc:///tmp/pdserve-test-kvev.pub", "ipc:///tmp/pdserve-test-kvev.replay")
+        role: Role) -> None:
+    engine = FakeEngine(mirror=KvCacheMirror(128))
     policies: dict[Role, RolePolicy] = {"prefill": PrefillPolicy(), "decode": DecodePolicy()}
-    host = EngineHost(config(role, events), "w0", policies[role], lambda c, n: FakeEngine(),
+    host = EngineHost(config(role), "w0", policies[role], lambda c, n: engine,
                       policy_for=policies.__getitem__)
     with pytest.raises(WorkerError) as err:  # no engine, no mirror yet
         host.kv_mirror()
     assert err.value.kind == "unavailable"
     host.start()
     host.start_mirroring(asyncio.get_running_loop())
+    host.start_mirroring(asyncio.get_running_loop())  # once per engine
     try:
-        mirror = host.kv_mirror()
-        assert mirror is not None
+        assert host.kv_mirror() is engine.mirror
         host.set_role("decode" if role == "prefill" else "prefill")
-        assert host.kv_mirror() is mirror  # same engine, same prefix cache
-        assert started_with == [(KvEventEndpoints(*events), 128)]
+        assert host.kv_mirror() is engine.mirror  # same engine, same prefix cache
+        assert engine.num_mirrorings == 1
     finally:
         host.shutdown()
-    assert mirrorings[0].closed  # with the engine
-    assert EngineHost(config(role), "w1", policies[role],
-                      lambda c, n: FakeEngine()).kv_mirror() is None  # no events configured
+    assert engine.is_shut_down  # its mirroring with it
+    silent = EngineHost(config(role), "w1", policies[role], lambda c, n: FakeEngine())
+    silent.start()
+    silent.start_mirroring(asyncio.get_running_loop())
+    assert silent.kv_mirror() is None  # an engine that publishes no events
+
+
+async def test_the_load_report_carries_the_engines_connector_counters() -> None:
+    engine = FakeEngine(status={"num_leases": 2, "bytes_sent": 4096, "step_base_us": 900})
+    host = started("prefill", PrefillPolicy(), engine)
+    report = await host.load()
+    assert (report.kv_leases_held, report.num_pending_transfers, report.kv_bytes_sent,
+            report.step_base_us) == (2, 2, 4096, 900)
 
 
 # ---- a role switch ------------------------------------------------------------------------

@@ -26,7 +26,8 @@ import pytest
 from pdserve.bench.micro.procs import Proc, ProcGroup
 from pdserve.core.ports import free_port
 from pdserve.core.types import PhaseOutput, PhaseRequest
-from pdserve.launch.sim_worker import SimHost
+from pdserve.launch.sim_worker import sim_role_policy
+from pdserve.worker.host import EngineHost
 from pdserve.worker.servicer import WorkerServer, start_worker_server
 from pdserve.worker.sim_engine import SimConfig, SimEngine
 
@@ -39,19 +40,22 @@ MAX_TOKENS = 12  # at 10 ms a token: each admitted request runs >= 120 ms
 _TENANT = re.compile(r"^cmpl-(acme|beta)-")
 
 
-class RecordingHost(SimHost):
+class RecordingHost(EngineHost):
     """A simulated worker that notes when each request reaches it (prefill) or makes
     its last token (decode), by the test's monotonic clock."""
 
-    def __init__(self, engine: SimEngine, marks: dict[str, float]) -> None:
-        super().__init__(engine)
+    def __init__(self, config: SimConfig, marks: dict[str, float]) -> None:
+        super().__init__(config.engine_config, config.worker_id, sim_role_policy(config.role),
+                         lambda _, counters: SimEngine(config, counters))
         self.marks = marks
+        self.start()
 
     async def generate(self, request: PhaseRequest) -> AsyncGenerator[PhaseOutput, None]:
-        if self.role == "prefill":
+        role = self.policy.role
+        if role == "prefill":
             self.marks[request.request_id] = time.monotonic()
         async for out in super().generate(request):
-            if self.role == "decode" and out.finish_reason is not None:
+            if role == "decode" and out.finish_reason is not None:
                 self.marks[request.request_id] = time.monotonic()
             yield out
 
@@ -84,9 +88,8 @@ class Workers:
 
     async def _start(self) -> None:
         for role, marks in (("prefill", self.starts), ("decode", self.ends)):
-            engine = SimEngine(SimConfig(role, f"{role}-0", block_size=4,
-                                         decode_s_per_token=0.01))
-            worker = await start_worker_server(RecordingHost(engine, marks), "127.0.0.1", 0)
+            config = SimConfig(role, f"{role}-0", block_size=4, decode_s_per_token=0.01)
+            worker = await start_worker_server(RecordingHost(config, marks), "127.0.0.1", 0)
             self._servers.append(worker)
             self.ports.append(worker.port)
 

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -31,7 +32,7 @@ from pdserve.core.types import PhaseRequest, SamplingSpec, WorkerHealth, WorkerL
 from pdserve.kv_transfer.base import PeerAddress
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.leases import LeaseTable
-from pdserve.launch.sim_worker import SimHost
+from pdserve.launch.sim_worker import sim_host
 from pdserve.launch.up import plan
 from pdserve.launch.up_targets import file_sd, scrape_targets
 from pdserve.membership import WorkerInfo
@@ -40,6 +41,7 @@ from pdserve.router.dispatch.workers.client import WorkerClient
 from pdserve.worker.backend import WorkerBackend
 from pdserve.worker.engine import EngineConfig
 from pdserve.worker.host import EngineHost
+from pdserve.worker.kv_status import ConnectorStatus
 from pdserve.worker.metrics import (
     MetricsListener,
     MetricsServer,
@@ -48,7 +50,7 @@ from pdserve.worker.metrics import (
     start_worker_metrics,
 )
 from pdserve.worker.servicer import WorkerServer, start_worker_server
-from pdserve.worker.sim_engine import SimConfig, SimEngine
+from pdserve.worker.sim_engine import SimConfig
 
 COUNTERS = ("kv_transfers_completed", "kv_transfers_failed", "kv_transfer_bytes_sent",
             "kv_transfer_bytes_received", "kv_transfer_seconds", "kv_loads", "kv_load_seconds",
@@ -112,14 +114,13 @@ async def serving(backend: WorkerBackend, metrics_port: int
 
 async def test_sim_worker_serves_every_name_and_counts_a_request_in_flight() -> None:
     port = free_port()
-    host = SimHost(SimEngine(SimConfig("decode", "d0", decode_s_per_token=0.05)),
-                   f"127.0.0.1:{port}")
+    host = sim_host(SimConfig("decode", "d0", decode_s_per_token=0.05), f"127.0.0.1:{port}")
     async with serving(host, port) as (worker, server):
         assert server is not None and server.endpoint == f"127.0.0.1:{port}"
         before = await asyncio.to_thread(scrape, server.endpoint)
         check_names(before, "decode")
         assert before["pdserve:worker_info"][1] == {
-            "worker_id": "d0", "role": "decode", "model_name": "sim", "transport": "sim",
+            "worker_id": "d0", "role": "decode", "model_name": "sim", "transport": "tcp",
             "version": before["pdserve:worker_info"][1]["version"]}
         assert value(before, "worker_ready") == 1
         assert value(before, "worker_inflight_requests") == 0
@@ -147,7 +148,7 @@ async def test_engine_host_reports_its_connector_counters_after_a_transfer() -> 
     config = EngineConfig(model_path="/m", served_model_name="m", role="prefill",
                           connector=ConnectorConfig(engine_id="p0", kv_port=kv_port))
     host = EngineHost(config, "p0", PrefillPolicy(release=lambda h: None),
-                      lambda c, n: _NoEngine())
+                      lambda c, n: _NoEngine(ConnectorStatus(c.connector)))
     host.start()
     port = free_port()
     try:
@@ -203,9 +204,16 @@ async def test_every_kv_tier_and_pool_field_is_a_counter_of_its_value() -> None:
 
 
 class _NoEngine:
-    """An engine that is up and serves nothing (these tests only read counters)."""
+    """An engine that is up and serves nothing (these tests only read counters); its
+    connector's counters come from its KV endpoint, as vLLM's do."""
 
     block_size, dtype, num_kv_blocks = 128, "float32", 64
+
+    def __init__(self, status: ConnectorStatus) -> None:
+        self._status = status
+
+    def kv_status(self) -> dict[str, Any]:
+        return self._status.read()
 
     def shutdown(self) -> None:
         return None
@@ -217,7 +225,7 @@ def _listening() -> set[int]:
 
 
 async def test_metrics_port_0_listens_nowhere() -> None:
-    host = SimHost(SimEngine(SimConfig("prefill", "p0")))
+    host = sim_host(SimConfig("prefill", "p0"))
     before = _listening()
     async with serving(host, 0) as (worker, server):
         assert server is None

@@ -20,12 +20,6 @@ from pdserve.worker.weights_ext import StagingError, check_checkpoint
 from tests.unit.test_engine_host import FakeEngine, Released, handle, request, run, started
 
 
-@pytest.fixture(autouse=True)
-def _any_folder_is_a_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fake engine has no files: the host's header check is tested on its own below."""
-    monkeypatch.setattr("pdserve.worker.host.check_checkpoint", lambda path, served: None)
-
-
 async def test_a_decode_worker_refuses_kv_stamped_with_another_weights_version() -> None:
     engine = FakeEngine([EngineStep((5,), True, "length")])
     host = started("decode", DecodePolicy(), engine)

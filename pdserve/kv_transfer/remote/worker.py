@@ -42,17 +42,6 @@ STATS = ("store_loads", "store_load_blocks", "store_load_bytes", "store_load_tim
          "store_put_blocks", "store_put_written", "store_put_failures")
 
 
-# GetLoad's kv_store_* counters: the scheduler side's (``plan.COUNTS``, which reach the
-# worker side with each step) and this side's.
-REPORTED = ("store_lookups", "store_hit_blocks", "store_lookup_errors",
-            "store_lookup_timeouts", "store_lookups_skipped", "store_fetch_chosen",
-            "store_compute_chosen", "store_loads", "store_load_blocks", "store_load_bytes",
-            "store_load_time_ns", "store_load_failures", "store_load_missing",
-            "store_bad_blocks", "store_bad_deleted", "store_timeouts", "store_save_blocks",
-            "store_save_dropped", "store_put_written", "store_put_failures",
-            "store_not_admitted")
-
-
 class StoreWorker:
     def __init__(self, open_store: Callable[[], KVStore], kv: Sequence[torch.Tensor],
                  layout: KVLayout, codec: BlockCodec, ttl_s: float) -> None:

@@ -23,27 +23,15 @@ import torch
 from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.metadata import TierCopy
+from pdserve.kv_transfer.reported import TIER_STATS
 from pdserve.kv_transfer.tiers.disk import DiskTier
 from pdserve.kv_transfer.tiers.host import HostTier
 
 logger = logging.getLogger("pdserve.kv_transfer.tiers")
 
-# GetLoad's kv_tier_* (host), kv_disk_* (disk) and kv_pool_* (peers' host tiers)
-# counters: the worker side's own, the scheduler side's (misses, evictions), which
-# reach it with each step's metadata, and the transport's (pool_serve_refusals).
-STATS = (*(f"{tier}_{name}" for tier in ("tier", "disk") for name in (
-    "loads", "load_blocks", "load_time_ns", "load_failures", "saves", "save_blocks",
-    "save_failures")),
-    "pool_loads", "pool_load_blocks", "pool_load_time_ns", "pool_load_failures",
-    "pool_serves", "pool_serve_blocks", "pool_serve_failures",
-    "tier_load_bytes", "disk_load_bytes", "pool_load_bytes",
-    "tier_miss_blocks", "tier_evictions", "disk_evictions",
-    "pool_load_refusals", "pool_serve_refusals")
-
-
 # The counters a TierStore keeps; the worker side keeps the pool's loads and the
 # scheduler side's counts.
-_OWN = (*STATS[:14], "pool_serves", "pool_serve_blocks", "pool_serve_failures",
+_OWN = (*TIER_STATS[:14], "pool_serves", "pool_serve_blocks", "pool_serve_failures",
         "tier_load_bytes", "disk_load_bytes")
 
 
