@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve.cli.flags import FLAGS
+from pdserve.cli.parser import DISAGG, OPENAI
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.core.lora import LoraConfig
 from pdserve.core.model import ResolvedModel
@@ -97,6 +100,13 @@ def tool_config(args: argparse.Namespace) -> ToolConfig:
 
     return ToolConfig(parser=args.tool_call_parser or None,
                       enable_auto=bool(args.enable_auto_tool_choice))
+
+
+def handed_on(args: argparse.Namespace, names: Sequence[str]) -> tuple[str, ...]:
+    """The flags ``names`` as parsed, for a child process to parse again (each flag's
+    own ``Flag.argv``): ``up`` hands its router its policy flags this way."""
+    return tuple(word for name in names
+                 for word in FLAGS[name].argv(getattr(args, FLAGS[name].dest)))
 
 
 def edge_config(args: argparse.Namespace) -> EdgeConfig:
@@ -262,6 +272,15 @@ def up_store(args: argparse.Namespace) -> KvStoreUp:
                      redis_maxmemory=args.redis_maxmemory)
 
 
+def router_policy_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """``up``'s router's policy flags (disaggregation, planner, tool calls), checked here
+    as the router checks them (a bad one fails before any child starts), handed on as
+    parsed."""
+    for check in (disagg_config, planner_config, tool_config):
+        check(args)
+    return handed_on(args, DISAGG + OPENAI)
+
+
 def up_config(args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
     """From the ``up`` subcommand's flags; ``--dtype auto`` resolved here, once, for
     every engine (simulated workers have no dtype)."""
@@ -295,8 +314,7 @@ def up_config(args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
         shm_spin_s=args.shm_spin_s, prefill_chunk_tokens=args.prefill_chunk_tokens,
         prefill_max_running=args.prefill_max_running, prefill_order=args.prefill_order,
         weight_version=args.weight_version, weight_transfer_backend=transfer,
-        lora=lora_config(args), disagg=disagg_config(args), planner=planner_config(args),
-        tools=tool_config(args),
+        lora=lora_config(args), router_flags=router_policy_flags(args),
         max_restarts=args.max_restarts,
         restart_window_s=args.restart_window_s, simulated=args.simulated,
         cluster_secret_file=args.cluster_secret_file, tls=tls_files(args),

@@ -106,6 +106,25 @@ class Flag:
             parser.add_argument(*names, choices=flag.choices, metavar=flag.metavar,
                                 required=flag.required and raw is None, **kwargs)
 
+    def argv(self, value: Any) -> list[str]:
+        """The command line that gives a child process this flag's parsed ``value``
+        (``pdserve up`` hands its router the flags it parsed): nothing for None,
+        ``--name``/``--no-name`` for a switch, ``--name ITEM`` per item of a repeated
+        flag. The value's ``str`` must parse back to it, as every value handed on does
+        (strings, numbers, choices; ``tests/unit/test_cli_handoff.py``)."""
+        option = f"--{self.name}"
+        if value is None:
+            return []
+        if self.switch:
+            return [option if value else f"--no-{self.name}"]
+        if self.store_true:
+            return [option] if value else []
+        if self.repeat:
+            return [word for item in value for word in (option, str(item))]
+        if self.several:
+            return [option, *map(str, value)]
+        return [option, str(value)]
+
     def _convert(self, text: str) -> Any:
         source = f" from {text.env}" if isinstance(text, _EnvValue) else ""
         try:

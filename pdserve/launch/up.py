@@ -36,10 +36,7 @@ from pdserve.launch.up_targets import METRICS_KEY, scrape_targets, targets_line,
 from pdserve.launch.up_watch import ClusterWatch
 from pdserve.membership.etcd_client import EtcdAuth, check_etcd_url
 from pdserve.membership.local_etcd import LocalEtcd
-from pdserve.router.dispatch.policies.disagg import DisaggConfig
-from pdserve.router.dispatch.policies.planner import PlannerConfig
 from pdserve.router.http.edge.config import EdgeConfig
-from pdserve.router.http.openai.tool_calls import ToolConfig
 from pdserve.worker.engine import WEIGHT_TRANSFER_BACKENDS
 
 __all__ = ["Child", "UpConfig", "plan", "run_up"]
@@ -86,9 +83,9 @@ class UpConfig:
     weight_version: str = DEFAULT_WEIGHT_VERSION  # every worker's starting weights'
     weight_transfer_backend: str | None = None  # every vLLM engine's (None: off)
     lora: LoraConfig = LoraConfig()  # every vLLM engine's adapters (--enable-lora, ...)
-    disagg: DisaggConfig = DisaggConfig()  # handed to the router as its flags
-    planner: PlannerConfig = PlannerConfig()  # the router's too
-    tools: ToolConfig = ToolConfig()  # and its tool parser
+    # The router's policy flags (--disagg, --planner*, --tool-call-parser, ...) as up
+    # parsed them, handed on (``pdserve.cli.configs.router_policy_flags``).
+    router_flags: tuple[str, ...] = ()
     # Supervision: a child failing more than max_restarts times within the window is
     # given up on.
     max_restarts: int = DEFAULT_MAX_RESTARTS
@@ -201,8 +198,7 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
                         *workers, "--placement", cfg.placement,
                         "--kv-pool", "on" if cfg.kv_pool else "off",
                         "--decode-cache", "on" if cfg.decode_cache else "off",
-                        *cfg.disagg.flags(),
-                        *cfg.planner.flags(), *cfg.edge.flags(), *cfg.tools.flags(),
+                        *cfg.router_flags, *cfg.edge.flags(),
                         "--processes", str(cfg.router_processes)]
     probe_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     # Ready once the router itself sees every worker healthy: a worker's own Health

@@ -1,0 +1,76 @@
+"""``pdserve up`` hands its router the policy flags it parsed (``handed_on``: each flag
+rendered by its own ``Flag.argv``), and the router parses them back to the same values."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import pytest
+
+from pdserve.cli.configs import up_config
+from pdserve.cli.flags import FLAGS
+from pdserve.cli.parser import DISAGG, OPENAI, build_parser
+from pdserve.core.model import ResolvedModel
+from pdserve.launch.up import plan
+
+MODEL = ResolvedModel(Path("/models/tiny"), "tiny")
+
+# A value other than its default for every flag up hands its router.
+GIVEN = {
+    "disagg": ["--disagg", "slo"],
+    "local-prefill-max-tokens": ["--local-prefill-max-tokens", "128"],
+    "local-prefill-max-queued-tokens": ["--local-prefill-max-queued-tokens", "1000"],
+    "local-decode-max-running": ["--local-decode-max-running", "2"],
+    "slo-ttft-ms": ["--slo-ttft-ms", "250.5"],
+    "slo-itl-ms": ["--slo-itl-ms", "40"],
+    "link-aware": ["--no-link-aware"],
+    "planner": ["--planner", "export"],
+    "planner-interval-s": ["--planner-interval-s", "7.5"],
+    "planner-window-s": ["--planner-window-s", "30"],
+    "planner-hold-s": ["--planner-hold-s", "12"],
+    "planner-cooldown-s": ["--planner-cooldown-s", "9"],
+    "planner-demand-scale": ["--planner-demand-scale", "2"],
+    "tool-call-parser": ["--tool-call-parser", "hermes"],
+    "enable-auto-tool-choice": ["--enable-auto-tool-choice"],
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_pdserve_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n in os.environ if n.startswith("PDSERVE_") and n != "PDSERVE_CACHE"]:
+        monkeypatch.delenv(name)
+
+
+def _router_argv(up: argparse.Namespace, tmp_path: Path) -> list[str]:
+    (argv,) = [c.argv for c in plan(up_config(up, MODEL), tmp_path) if c.name == "router"]
+    return argv[argv.index("router"):]
+
+
+def test_the_router_parses_up_s_policy_flags_back_to_the_same_values(tmp_path: Path) -> None:
+    assert set(GIVEN) == set(DISAGG + OPENAI)  # a new flag in the groups needs a value here
+    up = build_parser().parse_args(["up", *(word for words in GIVEN.values() for word in words)])
+    router = build_parser().parse_args(_router_argv(up, tmp_path))
+    for name in GIVEN:
+        dest = FLAGS[name].dest
+        assert getattr(router, dest) == getattr(up, dest) != FLAGS[name].default, name
+
+
+def test_defaults_and_environment_values_are_handed_on_as_parsed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_PLANNER_HOLD_S", "33")
+    up = build_parser().parse_args(["up"])
+    argv = _router_argv(up, tmp_path)
+    monkeypatch.delenv("PDSERVE_PLANNER_HOLD_S")  # the router's parse: its argv alone
+    router = build_parser().parse_args(argv)
+    for name in DISAGG + OPENAI:
+        dest = FLAGS[name].dest
+        assert getattr(router, dest) == getattr(up, dest), name
+    assert router.planner_hold_s == 33.0
+
+
+def test_a_bad_policy_flag_fails_before_any_child_starts() -> None:
+    args = build_parser().parse_args(["up", "--enable-auto-tool-choice"])
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):
+        up_config(args, MODEL)
