@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.cli.flags import FLAGS
-from pdserve.cli.parser import DISAGG, OPENAI
+from pdserve.cli.parser import DISAGG, ENGINE, OPENAI, TRANSPORT
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.core.lora import LoraConfig
 from pdserve.core.model import ResolvedModel
@@ -272,6 +272,18 @@ def up_store(args: argparse.Namespace) -> KvStoreUp:
                      redis_maxmemory=args.redis_maxmemory)
 
 
+# The engine and transport flags up hands every vLLM worker as parsed: all of them but
+# those up decides (the dtype, resolved once; prefill's KV blocks; each worker's disk
+# folder; the weights it checks; its transport, checked against TLS; the KV store, which
+# --with-redis starts) or renders as vLLM's (LoRA adapters: ``LoraConfig.flags``).
+_UP_DECIDES = ("dtype", "num-kv-blocks", "kv-disk-dir", "kv-disk-gib", "weight-version",
+               "weight-transfer-backend", "transport", "kv-store", "kv-store-ttl-s",
+               "kv-store-timeout-s", "kv-store-password-file", "kv-store-admission",
+               "kv-store-tls-ca", "kv-store-tls-cert", "kv-store-tls-key", "kv-compression",
+               "enable-lora", "lora-modules", "max-loras", "max-lora-rank")
+HANDED_TO_WORKERS = tuple(name for name in ENGINE + TRANSPORT if name not in _UP_DECIDES)
+
+
 def router_policy_flags(args: argparse.Namespace) -> tuple[str, ...]:
     """``up``'s router's policy flags (disaggregation, planner, tool calls), checked here
     as the router checks them (a bad one fails before any child starts), handed on as
@@ -298,23 +310,19 @@ def up_config(args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
         dtype_choice=dtype, host=args.host, port=args.port,
         num_prefill=args.num_prefill, num_decode=args.num_decode,
         transport=args.transport, max_model_len=args.max_model_len,
-        kv_cache_gib=args.kv_cache_gib, placement=args.placement,
+        placement=args.placement,
         kv_pool=args.kv_pool == "on", decode_cache=args.decode_cache == "on",
         startup_timeout_s=args.startup_timeout_s,
         log_level=args.log_level,
-        cpu_layout=args.cpu_layout, kv_checksum=args.kv_checksum,
-        kv_offload_gib=args.kv_offload_gib, kv_disk_dir=args.kv_disk_dir,
-        kv_disk_gib=args.kv_disk_gib, kv_tier_policy=args.kv_tier_policy,
-        kv_throttle_mib_s=args.kv_throttle_mib_s, kv_stall_s=args.kv_stall_s,
-        kv_push=args.kv_push,
+        cpu_layout=args.cpu_layout, kv_disk_dir=args.kv_disk_dir,
+        kv_disk_gib=args.kv_disk_gib,
         kv_store=up_store(args),
         etcd=args.etcd or "", with_etcd=args.with_etcd, cluster=args.cluster,
         etcd_ttl_s=args.etcd_ttl_s, etcd_auth=etcd_auth(args),
         num_kv_blocks=args.num_kv_blocks or None,
-        shm_spin_s=args.shm_spin_s, prefill_chunk_tokens=args.prefill_chunk_tokens,
-        prefill_max_running=args.prefill_max_running, prefill_order=args.prefill_order,
         weight_version=args.weight_version, weight_transfer_backend=transfer,
         lora=lora_config(args), router_flags=router_policy_flags(args),
+        worker_flags=handed_on(args, HANDED_TO_WORKERS),
         max_restarts=args.max_restarts,
         restart_window_s=args.restart_window_s, simulated=args.simulated,
         cluster_secret_file=args.cluster_secret_file, tls=tls_files(args),

@@ -137,13 +137,15 @@ def test_up_config_from_args() -> None:
     args = build_parser().parse_args([
         "up", "--dtype", "float32", "--num-prefill", "2", "--transport", "ucx", "--no-kv-push",
         "--with-etcd", "--num-kv-blocks", "64", "--cpu-layout", "split"])
-    # (router_flags, the router's policy flags handed on: test_cli_handoff.py)
-    assert replace(up_config(args, MODEL), router_flags=()) == UpConfig(
-        model="/models/tiny", dtype="float32", num_prefill=2, transport="ucx", kv_push=False,
+    # (the flags handed on as parsed, router_flags and worker_flags: test_cli_handoff.py)
+    up = up_config(args, MODEL)
+    assert "--no-kv-push" in up.worker_flags
+    assert replace(up, router_flags=(), worker_flags=()) == UpConfig(
+        model="/models/tiny", dtype="float32", num_prefill=2, transport="ucx",
         with_etcd=True, num_kv_blocks=64, cpu_layout="split")
     auto = up_config(build_parser().parse_args(["up"]), MODEL)
-    assert replace(auto, router_flags=()) == UpConfig(model="/models/tiny",
-                                                      dtype=resolve_dtype("auto").dtype)
+    assert replace(auto, router_flags=(), worker_flags=()) == UpConfig(
+        model="/models/tiny", dtype=resolve_dtype("auto").dtype)
     assert auto.dtype_choice == resolve_dtype("auto")  # what up prints
     simulated = up_config(build_parser().parse_args(["up", "--simulated"]), MODEL)
     assert (simulated.dtype, simulated.dtype_choice) == ("auto", None)  # no engine
@@ -260,7 +262,7 @@ def test_shm_spin_reaches_every_engine_from_up(tmp_path: Path) -> None:
     args = build_parser().parse_args(["up", "--shm-spin-s", "1", "--num-prefill", "1"])
     cfg = up_config(args, MODEL)
     workers = [c for c in plan(cfg, tmp_path) if c.name != "router"]
-    assert cfg.shm_spin_s == 1.0 and len(workers) == 2
+    assert len(workers) == 2
     for child in workers:
         assert child.argv[child.argv.index("--shm-spin-s") + 1] == "1.0"
         worker_args = build_parser().parse_args(child.argv[3:])
@@ -278,7 +280,9 @@ def test_kv_offload_reaches_every_engine_from_up(tmp_path: Path) -> None:
         worker_args = build_parser().parse_args(child.argv[3:])
         assert worker_config(worker_args, MODEL).engine.connector.kv_offload_gib == 0.5
     default = up_config(build_parser().parse_args(["up"]), MODEL)
-    assert all("--kv-offload-gib" not in c.argv for c in plan(default, tmp_path))
+    for child in [c for c in plan(default, tmp_path) if c.name != "router"]:
+        worker_args = build_parser().parse_args(child.argv[3:])
+        assert worker_config(worker_args, MODEL).engine.connector.kv_offload_gib == 0.0
     with pytest.raises(SystemExit):
         build_parser().parse_args(["decode", "--kv-offload-gib", "-1"])
 

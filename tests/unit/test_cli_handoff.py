@@ -1,5 +1,6 @@
-"""``pdserve up`` hands its router the policy flags it parsed (``handed_on``: each flag
-rendered by its own ``Flag.argv``), and the router parses them back to the same values."""
+"""``pdserve up`` hands its router the policy flags it parsed, and every vLLM worker the
+engine and transport flags up does not decide itself (``handed_on``: each flag rendered by
+its own ``Flag.argv``); each child parses them back to the same values."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cli.configs import up_config
+from pdserve.cli.configs import HANDED_TO_WORKERS, up_config
 from pdserve.cli.flags import FLAGS
 from pdserve.cli.parser import DISAGG, OPENAI, build_parser
 from pdserve.core.model import ResolvedModel
@@ -34,6 +35,24 @@ GIVEN = {
     "planner-demand-scale": ["--planner-demand-scale", "2"],
     "tool-call-parser": ["--tool-call-parser", "hermes"],
     "enable-auto-tool-choice": ["--enable-auto-tool-choice"],
+}
+
+
+# And for every flag up hands its vLLM workers.
+GIVEN_WORKERS = {
+    "kv-cache-gib": ["--kv-cache-gib", "3"],
+    "kv-offload-gib": ["--kv-offload-gib", "0.5"],
+    "kv-tier-policy": ["--kv-tier-policy", "lru"],
+    "shm-spin-s": ["--shm-spin-s", "0.25"],
+    "prefill-chunk-tokens": ["--prefill-chunk-tokens", "64"],
+    "prefill-max-running": ["--prefill-max-running", "2"],
+    "prefill-order": ["--prefill-order", "fifo"],
+    "kv-checksum": ["--kv-checksum"],
+    "kv-throttle-mib-s": ["--kv-throttle-mib-s", "100"],
+    "kv-stall-s": ["--kv-stall-s", "5"],
+    "kv-link-max-age-s": ["--kv-link-max-age-s", "30"],
+    "kv-handoff-lossy": ["--kv-handoff-lossy"],
+    "kv-push": ["--kv-push"],
 }
 
 
@@ -74,3 +93,19 @@ def test_a_bad_policy_flag_fails_before_any_child_starts() -> None:
     args = build_parser().parse_args(["up", "--enable-auto-tool-choice"])
     with pytest.raises(ValueError, match="needs --tool-call-parser"):
         up_config(args, MODEL)
+
+
+def test_every_vllm_worker_parses_up_s_engine_flags_back_to_the_same_values(
+        tmp_path: Path) -> None:
+    """Before they were handed on, up took --kv-link-max-age-s and --kv-handoff-lossy
+    and never gave them to its workers."""
+    assert set(GIVEN_WORKERS) == set(HANDED_TO_WORKERS)
+    up = build_parser().parse_args(
+        ["up", "--dtype", "float32", *(w for words in GIVEN_WORKERS.values() for w in words)])
+    workers = [c for c in plan(up_config(up, MODEL), tmp_path) if c.name != "router"]
+    assert [c.name for c in workers] == ["prefill-0", "decode-0"]
+    for child in workers:
+        worker = build_parser().parse_args(child.argv[child.argv.index(child.name[:-2]):])
+        for name in GIVEN_WORKERS:
+            dest = FLAGS[name].dest
+            assert getattr(worker, dest) == getattr(up, dest) != FLAGS[name].default, name
