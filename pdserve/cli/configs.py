@@ -282,15 +282,17 @@ _UP_DECIDES = ("dtype", "num-kv-blocks", "kv-disk-dir", "kv-disk-gib", "weight-v
                "kv-store-tls-ca", "kv-store-tls-cert", "kv-store-tls-key", "kv-compression",
                "enable-lora", "lora-modules", "max-loras", "max-lora-rank")
 HANDED_TO_WORKERS = tuple(name for name in ENGINE + TRANSPORT if name not in _UP_DECIDES)
+# The router flags up takes and hands its router as parsed (the edge's: ``EdgeConfig``).
+ROUTER_POLICY = ("placement", "kv-pool", "decode-cache", *DISAGG, *OPENAI)
 
 
 def router_policy_flags(args: argparse.Namespace) -> tuple[str, ...]:
-    """``up``'s router's policy flags (disaggregation, planner, tool calls), checked here
-    as the router checks them (a bad one fails before any child starts), handed on as
-    parsed."""
+    """``up``'s router's policy flags (placement, KV pool, decode cache, disaggregation,
+    planner, tool calls), checked here as the router checks them (a bad one fails before
+    any child starts), handed on as parsed."""
     for check in (disagg_config, planner_config, tool_config):
         check(args)
-    return handed_on(args, DISAGG + OPENAI)
+    return handed_on(args, ROUTER_POLICY)
 
 
 def up_config(args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
@@ -310,8 +312,6 @@ def up_config(args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
         dtype_choice=dtype, host=args.host, port=args.port,
         num_prefill=args.num_prefill, num_decode=args.num_decode,
         transport=args.transport, max_model_len=args.max_model_len,
-        placement=args.placement,
-        kv_pool=args.kv_pool == "on", decode_cache=args.decode_cache == "on",
         startup_timeout_s=args.startup_timeout_s,
         log_level=args.log_level,
         cpu_layout=args.cpu_layout, kv_disk_dir=args.kv_disk_dir,

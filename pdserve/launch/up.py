@@ -52,9 +52,6 @@ class UpConfig:
     num_decode: int = 1
     transport: str = "tcp"
     max_model_len: int = 4096
-    placement: str = "cache_aware"
-    kv_pool: bool = True  # the router may have prefills pull from peers' host tiers
-    decode_cache: bool = True  # the router follows decode's KV events (--decode-cache)
     startup_timeout_s: float = 600.0
     log_level: str = "INFO"
     cpu_layout: str = DEFAULT_CPU_LAYOUT
@@ -72,8 +69,9 @@ class UpConfig:
     weight_version: str = DEFAULT_WEIGHT_VERSION  # every worker's starting weights'
     weight_transfer_backend: str | None = None  # every vLLM engine's (None: off)
     lora: LoraConfig = LoraConfig()  # every vLLM engine's adapters (--enable-lora, ...)
-    # The router's policy flags (--disagg, --planner*, --tool-call-parser, ...) as up
-    # parsed them, handed on (``pdserve.cli.configs.router_policy_flags``).
+    # The router's policy flags (--placement, --kv-pool, --decode-cache, --disagg,
+    # --planner*, --tool-call-parser, ...) as up parsed them, handed on
+    # (``pdserve.cli.configs.router_policy_flags``).
     router_flags: tuple[str, ...] = ()
     # Every vLLM worker's engine and transport flags that up does not decide itself
     # (--kv-cache-gib, --kv-push, --prefill-order, ...) as up parsed them, handed on
@@ -187,10 +185,7 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     workers = membership or ["--prefill", ",".join(endpoints["prefill"]),
                              "--decode", ",".join(endpoints["decode"])]
     router_argv = py + ["router", *common, "--host", cfg.host, "--port", str(cfg.port),
-                        *workers, "--placement", cfg.placement,
-                        "--kv-pool", "on" if cfg.kv_pool else "off",
-                        "--decode-cache", "on" if cfg.decode_cache else "off",
-                        *cfg.router_flags, *cfg.edge.flags(),
+                        *workers, *cfg.router_flags, *cfg.edge.flags(),
                         "--processes", str(cfg.router_processes)]
     probe_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     # Ready once the router itself sees every worker healthy: a worker's own Health

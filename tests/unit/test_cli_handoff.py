@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cli.configs import HANDED_TO_WORKERS, up_config
+from pdserve.cli.configs import HANDED_TO_WORKERS, ROUTER_POLICY, up_config
 from pdserve.cli.flags import FLAGS
-from pdserve.cli.parser import DISAGG, OPENAI, build_parser
+from pdserve.cli.parser import build_parser
 from pdserve.core.model import ResolvedModel
 from pdserve.launch.up import plan
 
@@ -20,6 +20,9 @@ MODEL = ResolvedModel(Path("/models/tiny"), "tiny")
 
 # A value other than its default for every flag up hands its router.
 GIVEN = {
+    "placement": ["--placement", "least_loaded"],
+    "kv-pool": ["--kv-pool", "off"],
+    "decode-cache": ["--decode-cache", "off"],
     "disagg": ["--disagg", "slo"],
     "local-prefill-max-tokens": ["--local-prefill-max-tokens", "128"],
     "local-prefill-max-queued-tokens": ["--local-prefill-max-queued-tokens", "1000"],
@@ -68,7 +71,7 @@ def _router_argv(up: argparse.Namespace, tmp_path: Path) -> list[str]:
 
 
 def test_the_router_parses_up_s_policy_flags_back_to_the_same_values(tmp_path: Path) -> None:
-    assert set(GIVEN) == set(DISAGG + OPENAI)  # a new flag in the groups needs a value here
+    assert set(GIVEN) == set(ROUTER_POLICY)  # a new flag in the groups needs a value here
     up = build_parser().parse_args(["up", *(word for words in GIVEN.values() for word in words)])
     router = build_parser().parse_args(_router_argv(up, tmp_path))
     for name in GIVEN:
@@ -83,7 +86,7 @@ def test_defaults_and_environment_values_are_handed_on_as_parsed(
     argv = _router_argv(up, tmp_path)
     monkeypatch.delenv("PDSERVE_PLANNER_HOLD_S")  # the router's parse: its argv alone
     router = build_parser().parse_args(argv)
-    for name in DISAGG + OPENAI:
+    for name in ROUTER_POLICY:
         dest = FLAGS[name].dest
         assert getattr(router, dest) == getattr(up, dest), name
     assert router.planner_hold_s == 33.0
