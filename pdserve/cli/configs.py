@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.cli.flags import FLAGS
-from pdserve.cli.parser import DISAGG, ENGINE, OPENAI, TRANSPORT
+from pdserve.cli.parser import DISAGG, EDGE, ENGINE, OPENAI, TRANSPORT
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.core.lora import LoraConfig
 from pdserve.core.model import ResolvedModel
@@ -282,17 +282,24 @@ _UP_DECIDES = ("dtype", "num-kv-blocks", "kv-disk-dir", "kv-disk-gib", "weight-v
                "kv-store-tls-ca", "kv-store-tls-cert", "kv-store-tls-key", "kv-compression",
                "enable-lora", "lora-modules", "max-loras", "max-lora-rank")
 HANDED_TO_WORKERS = tuple(name for name in ENGINE + TRANSPORT if name not in _UP_DECIDES)
-# The router flags up takes and hands its router as parsed (the edge's: ``EdgeConfig``).
-ROUTER_POLICY = ("placement", "kv-pool", "decode-cache", *DISAGG, *OPENAI)
+# The router flags up takes and hands its router as parsed: all but the keys (up reads
+# their files and hands the keys in the router's environment, never on a command line
+# that ``ps`` shows: ``EdgeConfig.env``) and the admin listener (up gives a keyed router
+# one: ``up.probed_edge``).
+_EDGE_UP_DECIDES = ("api-key", "api-key-file", "admin-key", "admin-key-file", "admin-port",
+                    "admin-host")
+HANDED_TO_ROUTER = ("placement", "kv-pool", "decode-cache", *DISAGG, *OPENAI,
+                    *(name for name in EDGE if name not in _EDGE_UP_DECIDES))
 
 
-def router_policy_flags(args: argparse.Namespace) -> tuple[str, ...]:
-    """``up``'s router's policy flags (placement, KV pool, decode cache, disaggregation,
-    planner, tool calls), checked here as the router checks them (a bad one fails before
-    any child starts), handed on as parsed."""
+def router_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """``up``'s router's flags (placement, KV pool, decode cache, disaggregation, planner,
+    tool calls, admission and the edge's but its keys and admin listener), checked here
+    as the router checks them (a bad one fails before any child starts; the edge's by
+    ``edge_config``), handed on as parsed."""
     for check in (disagg_config, planner_config, tool_config):
         check(args)
-    return handed_on(args, ROUTER_POLICY)
+    return handed_on(args, HANDED_TO_ROUTER)
 
 
 def up_config(args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
@@ -321,7 +328,7 @@ def up_config(args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
         etcd_ttl_s=args.etcd_ttl_s, etcd_auth=etcd_auth(args),
         num_kv_blocks=args.num_kv_blocks or None,
         weight_version=args.weight_version, weight_transfer_backend=transfer,
-        lora=lora_config(args), router_flags=router_policy_flags(args),
+        lora=lora_config(args), router_flags=router_flags(args),
         worker_flags=handed_on(args, HANDED_TO_WORKERS),
         max_restarts=args.max_restarts,
         restart_window_s=args.restart_window_s, simulated=args.simulated,

@@ -69,9 +69,9 @@ class UpConfig:
     weight_version: str = DEFAULT_WEIGHT_VERSION  # every worker's starting weights'
     weight_transfer_backend: str | None = None  # every vLLM engine's (None: off)
     lora: LoraConfig = LoraConfig()  # every vLLM engine's adapters (--enable-lora, ...)
-    # The router's policy flags (--placement, --kv-pool, --decode-cache, --disagg,
-    # --planner*, --tool-call-parser, ...) as up parsed them, handed on
-    # (``pdserve.cli.configs.router_policy_flags``).
+    # The router's flags (--placement, --disagg, --planner*, --max-concurrent-requests,
+    # ...: all but its keys and admin listener, ``edge``) as up parsed them, handed on
+    # (``pdserve.cli.configs.router_flags``).
     router_flags: tuple[str, ...] = ()
     # Every vLLM worker's engine and transport flags that up does not decide itself
     # (--kv-cache-gib, --kv-push, --prefill-order, ...) as up parsed them, handed on
@@ -86,7 +86,9 @@ class UpConfig:
     cluster_secret_file: str | None = None
     tls: TlsFiles = TlsFiles()  # gRPC TLS files, handed to every child
     log_format: str = "text"
-    edge: EdgeConfig = EdgeConfig()  # the router's too (its keys in its environment)
+    # The router's keys (handed on in its environment) and admin listener, which up's
+    # probes use; its other edge flags are in router_flags.
+    edge: EdgeConfig = EdgeConfig()
     worker_metrics: bool = True  # each worker gets a free /metrics port
     metrics_targets_file: str = ""  # Prometheus file_sd JSON, written once ready
     router_processes: int = 1  # the router's --processes (its scrape target: process 0's)
@@ -185,7 +187,8 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     workers = membership or ["--prefill", ",".join(endpoints["prefill"]),
                              "--decode", ",".join(endpoints["decode"])]
     router_argv = py + ["router", *common, "--host", cfg.host, "--port", str(cfg.port),
-                        *workers, *cfg.router_flags, *cfg.edge.flags(),
+                        *workers, *cfg.router_flags, "--admin-host", cfg.edge.admin_host,
+                        "--admin-port", str(cfg.edge.admin_port),
                         "--processes", str(cfg.router_processes)]
     probe_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     # Ready once the router itself sees every worker healthy: a worker's own Health

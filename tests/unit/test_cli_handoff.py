@@ -1,6 +1,7 @@
-"""``pdserve up`` hands its router the policy flags it parsed, and every vLLM worker the
-engine and transport flags up does not decide itself (``handed_on``: each flag rendered by
-its own ``Flag.argv``); each child parses them back to the same values."""
+"""``pdserve up`` hands its router the flags it parsed (but its keys and admin listener:
+``test_router_auth.py``), and every vLLM worker the engine and transport flags up does not
+decide itself (``handed_on``: each flag rendered by its own ``Flag.argv``); each child
+parses them back to the same values."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cli.configs import HANDED_TO_WORKERS, ROUTER_POLICY, up_config
+from pdserve.cli.configs import HANDED_TO_ROUTER, HANDED_TO_WORKERS, up_config
 from pdserve.cli.flags import FLAGS
 from pdserve.cli.parser import build_parser
 from pdserve.core.model import ResolvedModel
@@ -38,6 +39,15 @@ GIVEN = {
     "planner-demand-scale": ["--planner-demand-scale", "2"],
     "tool-call-parser": ["--tool-call-parser", "hermes"],
     "enable-auto-tool-choice": ["--enable-auto-tool-choice"],
+    "weight-transfer-backend": ["--weight-transfer-backend", "gloo"],
+    "weight-transfer-allow": ["--weight-transfer-allow", "10.0.0.0/8"],
+    "max-concurrent-requests": ["--max-concurrent-requests", "8"],
+    "max-queued-requests": ["--max-queued-requests", "3"],
+    "max-queue-wait-s": ["--max-queue-wait-s", "2.5"],
+    "max-body-bytes": ["--max-body-bytes", "1000"],
+    "drain-timeout-s": ["--drain-timeout-s", "7"],
+    "tenant-isolation": ["--tenant-isolation", "key"],  # (with an --api-key, below)
+    "tenant-limits-share": ["--tenant-limits-share", "0.5"],
 }
 
 
@@ -71,8 +81,9 @@ def _router_argv(up: argparse.Namespace, tmp_path: Path) -> list[str]:
 
 
 def test_the_router_parses_up_s_policy_flags_back_to_the_same_values(tmp_path: Path) -> None:
-    assert set(GIVEN) == set(ROUTER_POLICY)  # a new flag in the groups needs a value here
-    up = build_parser().parse_args(["up", *(word for words in GIVEN.values() for word in words)])
+    assert set(GIVEN) == set(HANDED_TO_ROUTER)  # a new flag in the groups needs a value here
+    up = build_parser().parse_args(["up", "--api-key", "key-one-1234",
+                                    *(word for words in GIVEN.values() for word in words)])
     router = build_parser().parse_args(_router_argv(up, tmp_path))
     for name in GIVEN:
         dest = FLAGS[name].dest
@@ -86,7 +97,7 @@ def test_defaults_and_environment_values_are_handed_on_as_parsed(
     argv = _router_argv(up, tmp_path)
     monkeypatch.delenv("PDSERVE_PLANNER_HOLD_S")  # the router's parse: its argv alone
     router = build_parser().parse_args(argv)
-    for name in ROUTER_POLICY:
+    for name in HANDED_TO_ROUTER:
         dest = FLAGS[name].dest
         assert getattr(router, dest) == getattr(up, dest), name
     assert router.planner_hold_s == 33.0
