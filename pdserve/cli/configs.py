@@ -104,7 +104,7 @@ def tool_config(args: argparse.Namespace) -> ToolConfig:
 
 def handed_on(args: argparse.Namespace, names: Sequence[str]) -> tuple[str, ...]:
     """The flags ``names`` as parsed, for a child process to parse again (each flag's
-    own ``Flag.argv``): ``up`` hands its router its policy flags this way."""
+    own ``Flag.argv``): ``up`` hands its router and its workers their flags this way."""
     return tuple(word for name in names
                  for word in FLAGS[name].argv(getattr(args, FLAGS[name].dest)))
 

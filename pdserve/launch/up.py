@@ -65,7 +65,7 @@ class UpConfig:
     cluster: str = "default"
     etcd_ttl_s: int = 10
     etcd_auth: EtcdAuth = EtcdAuth()  # --etcd-user/--etcd-password-file, for every child
-    num_kv_blocks: int | None = None  # prefill workers' KV blocks (overrides kv_cache_gib)
+    num_kv_blocks: int | None = None  # prefill workers' (overrides --kv-cache-gib)
     weight_version: str = DEFAULT_WEIGHT_VERSION  # every worker's starting weights'
     weight_transfer_backend: str | None = None  # every vLLM engine's (None: off)
     lora: LoraConfig = LoraConfig()  # every vLLM engine's adapters (--enable-lora, ...)
@@ -75,7 +75,7 @@ class UpConfig:
     router_flags: tuple[str, ...] = ()
     # Every vLLM worker's engine and transport flags that up does not decide itself
     # (--kv-cache-gib, --kv-push, --prefill-order, ...) as up parsed them, handed on
-    # (``pdserve.cli.configs.worker_flags``).
+    # (``pdserve.cli.configs.HANDED_TO_WORKERS``).
     worker_flags: tuple[str, ...] = ()
     # Supervision: a child failing more than max_restarts times within the window is
     # given up on.
