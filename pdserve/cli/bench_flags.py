@@ -1,6 +1,7 @@
-"""``pdserve bench``'s flags, and one builder per frozen config the bench room takes
-(``run_config``, ``sweep_config``, ``compare_config``, ``gaps_config``). Only this layer
-touches argparse; ``pdserve.bench`` takes the configs.
+"""``pdserve bench``'s flags (declared in ``flags_bench.py``: each picked here for its
+subcommands), and one builder per frozen config the bench room takes (``run_config``,
+``sweep_config``, ``compare_config``, ``gaps_config``). Only this layer touches argparse;
+``pdserve.bench`` takes the configs.
 
 ``add_engine_flags`` + ``engine_settings``: the engine flags every bench that starts
 systems shares (``--model``, ``--dtype``, ``--kv-cache-gib``, ``--max-model-len``)."""
@@ -13,11 +14,8 @@ import io
 import os
 import shlex
 import sys
-from pathlib import Path
-from typing import Any
 
 from pdserve.bench.compare.config import (
-    DEFAULT_RATES,
     CompareConfig,
     check_timeouts,
     check_trace_rates,
@@ -31,127 +29,56 @@ from pdserve.bench.compare.cost import Price
 from pdserve.bench.compare.external import check_external
 from pdserve.bench.compare.gaps import GapsConfig, check_requests
 from pdserve.bench.compare.systems import EngineSettings
-from pdserve.bench.load.config import DEFAULT_MIX, RunConfig, SweepConfig
+from pdserve.bench.load.config import RunConfig, SweepConfig
 from pdserve.bench.load.session import Session
-from pdserve.bench.workload.generators import WORKLOADS
+from pdserve.cli.flags_bench import (
+    ENGINE,
+    GOODPUT_SHARE,
+    PROXY,
+    RUN_FLAGS,
+    RUN_GROUPS,
+    SWEEP_POINTS,
+    SYSTEMS,
+)
 from pdserve.cli.parser import build_parser
-from pdserve.core.dtype import DTYPES, DtypeChoice
+from pdserve.core.dtype import DtypeChoice
 
 # How bench runs pdserve itself (`pdserve up`, `pdserve bench run`, the proxy): as this
 # command was run.
 PDSERVE_COMMAND: tuple[str, ...] = (sys.executable, "-m", "pdserve.cli.main")
 
 # Workload flags compare hands to every `pdserve bench run` as given (its contract's flags).
-PASSTHROUGH: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("--endpoint", {"choices": ("completions", "chat")}),
-    ("--workload", {"choices": WORKLOADS}),
-    ("--input-len", {"type": int}), ("--output-len", {"type": int}),
-    ("--range-ratio", {"type": float}), ("--mix", {}), ("--mix-then", {}),
-    ("--mix-shift-at", {"type": int}),
-    ("--num-system-prompts", {"type": int}), ("--system-prompt-len", {"type": int}),
-    ("--num-users", {"type": int}), ("--num-turns", {"type": int}),
-    ("--turn-input-len", {"type": int}), ("--dataset", {}),
-    ("--trace-block-tokens", {"type": int}), ("--trace-time-scale", {"type": float}),
-    ("--trace-start", {"type": int}),
-    ("--num-requests", {"type": int}), ("--duration-s", {"type": float}),
-    ("--num-warmup", {"type": int}), ("--burstiness", {"type": float}),
-    ("--max-concurrency", {"type": int}), ("--slo", {}),
-    ("--request-timeout-s", {"type": float}),
+PASSTHROUGH: tuple[str, ...] = (
+    "endpoint", "workload", "input-len", "output-len", "range-ratio", "mix", "mix-then",
+    "mix-shift-at", "num-system-prompts", "system-prompt-len", "num-users", "num-turns",
+    "turn-input-len", "dataset", "trace-block-tokens", "trace-time-scale", "trace-start",
+    "num-requests", "duration-s", "num-warmup", "burstiness", "max-concurrency", "slo",
+    "request-timeout-s",
 )
-# `vllm bench serve`'s spelling of our flags, accepted as the same flag.
-VLLM_SPELLINGS: dict[str, tuple[str, ...]] = {"--num-requests": ("--num-prompts",)}
 
 
 # --- run, sweep ---------------------------------------------------------------------
 
-def _rate(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number or inf: {text!r}") from None
-
-
 def add_run_flags(p: argparse.ArgumentParser) -> None:
     """``pdserve bench run``'s flags (``run_config`` reads them)."""
-    g = p.add_argument_group("endpoint")
-    g.add_argument("--base-url", required=True,
-                   help="the server, e.g. http://127.0.0.1:8000 (with or without /v1)")
-    g.add_argument("--model", help="the served model name (default: the server's first)")
-    g.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
-    g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY")
-                   or os.environ.get("OPENAI_API_KEY"),
-                   help="bearer key (default: $PDSERVE_API_KEY, else $OPENAI_API_KEY)")
-    g.add_argument("--tokenizer", help="tokenizer folder (default: --model if it is a local "
-                   "folder, else pdserve's default model folder)")
-    g.add_argument("--max-model-len", type=int,
-                   help="context length when the server's /v1/models does not say")
-    g.add_argument("--request-timeout-s", type=float, default=600.0,
-                   help="deadline of each request")
-    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                   help="ask for exact output lengths (default: on for synthetic workloads)")
-    w = p.add_argument_group("workload")
-    w.add_argument("--workload", choices=WORKLOADS, default="random")
-    w.add_argument("--input-len", type=int, default=256, help="random: prompt tokens")
-    w.add_argument("--output-len", type=int, help="output tokens (random, shared-prefix, "
-                   "no-reuse: default 128; sharegpt: overrides the reference completion's "
-                   "length; mooncake-trace: caps the trace's scaled output length)")
-    w.add_argument("--range-ratio", type=float, default=0.0,
-                   help="random, chat-mix: lengths uniform within +-ratio")
-    w.add_argument("--mix", default=DEFAULT_MIX,
-                   help="chat-mix: SHARE:INPUT:OUTPUT,... (default %(default)s)")
-    w.add_argument("--mix-then", help="chat-mix: a second mix the load shifts to at "
-                   "--mix-shift-at (a load that changes under the system)")
-    w.add_argument("--mix-shift-at", type=int, help="chat-mix with --mix-then: the index "
-                   "of the first request drawn from it (default: half of --num-requests)")
-    w.add_argument("--num-system-prompts", type=int, default=2,
-                   help="shared-prefix, no-reuse: system prompts the users share")
-    w.add_argument("--system-prompt-len", type=int, default=512,
-                   help="shared-prefix, no-reuse: tokens of each system prompt")
-    w.add_argument("--num-users", type=int, default=4,
-                   help="shared-prefix, no-reuse: conversations, their turns interleaved")
-    w.add_argument("--num-turns", type=int, default=3,
-                   help="shared-prefix, no-reuse: turns of each conversation")
-    w.add_argument("--turn-input-len", type=int, default=64,
-                   help="shared-prefix, no-reuse: tokens of each user turn")
-    w.add_argument("--dataset", help="sharegpt: a .json or .jsonl file; mooncake-trace: "
-                   "a Mooncake trace (JSONL: timestamp, input_length, output_length, "
-                   "hash_ids), replayed from --trace-start, --num-requests of it")
-    w.add_argument("--trace-block-tokens", type=int, default=512,
-                   help="mooncake-trace: tokens per hash_id block (the trace's are 512; "
-                   "prompt and output lengths scale by the same factor)")
-    w.add_argument("--trace-time-scale", type=float, default=1.0,
-                   help="mooncake-trace: the trace's arrival times multiplied by this "
-                   "(0.1: ten times the trace's rate; 0: all at once); or give "
-                   "--request-rate R: the times scaled to a mean of R requests/s")
-    w.add_argument("--trace-start", type=int, default=0,
-                   help="mooncake-trace: the index of the first record replayed")
-    s = p.add_argument_group("traffic")
-    s.add_argument("--num-requests", *VLLM_SPELLINGS["--num-requests"], type=int,
-                   help="requests to draw (default 100 unless --duration-s)")
-    s.add_argument("--duration-s", type=float, help="send for this long instead")
-    s.add_argument("--num-warmup", type=int, default=1, help="unmeasured requests first")
-    s.add_argument("--request-rate", type=_rate, default=float("inf"),
-                   help="requests/s (inf: all at once; mooncake-trace: the trace's times "
-                   "scaled to this mean rate, inf: its own times)")
-    s.add_argument("--burstiness", type=_rate, default=1.0,
-                   help="1: Poisson; <1 burstier, >1 more regular (gamma intervals)")
-    s.add_argument("--max-concurrency", type=int, help="most requests in flight")
-    s.add_argument("--seed", type=int, default=0)
-    o = p.add_argument_group("output")
-    o.add_argument("--slo", help='e.g. "ttft=2s,tpot=100ms,e2e=30s" (any subset)')
-    o.add_argument("--result-json", help="write the result here (only after a full run)")
-    o.add_argument("--no-progress", action="store_true")
+    for title, flags in RUN_GROUPS:
+        group = p.add_argument_group(title)
+        for flag in flags:
+            if flag.name == "api-key":  # PDSERVE_API_KEY, else OpenAI clients' variable
+                flag.add_to(group, default=os.environ.get("OPENAI_API_KEY"))
+            else:
+                flag.add_to(group)
 
 
 def add_sweep_flags(p: argparse.ArgumentParser) -> None:
     """``pdserve bench sweep``'s flags: run's, and the points (``sweep_config``)."""
     add_run_flags(p)
     g = p.add_argument_group("sweep")
-    points = g.add_mutually_exclusive_group(required=True)
-    points.add_argument("--request-rates", help='comma-separated, e.g. "0.5,1,1.5"')
-    points.add_argument("--max-concurrencies", help='comma-separated, e.g. "1,2,4"')
-    g.add_argument("--goodput-share", type=float, default=0.9,
-                   help="a point meets the SLO when this share of its requests does")
+    given = any(flag.env in os.environ for flag in SWEEP_POINTS)
+    points = g.add_mutually_exclusive_group(required=not given)
+    for flag in SWEEP_POINTS:
+        flag.add_to(points)
+    GOODPUT_SHARE.add_to(g)
 
 
 _RUN_FIELDS = tuple(RunConfig.__dataclass_fields__)
@@ -172,18 +99,8 @@ def sweep_config(args: argparse.Namespace) -> SweepConfig:
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The flags ``engine_settings`` reads."""
-    p.add_argument("--model", default=None, help="local HF model folder (default: pdserve's "
-                   "bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="every engine's dtype; auto is resolved once as pdserve does "
-                   "(bfloat16 on CPUs with native bf16, float32 on the others)")
-    p.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache per engine (GiB)")
-    p.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="KV blocks of aggregated vLLM and of each prefill engine (overrides "
-                   "--kv-cache-gib there): a cache small enough that a workload's working "
-                   "set exceeds it. pdserve's decode workers keep --kv-cache-gib: give its "
-                   "entries --disagg always so every prompt is computed on a capped engine")
-    p.add_argument("--max-model-len", type=int, default=4096)
+    for flag in ENGINE:
+        flag.add_to(p)
 
 
 def engine_settings(args: argparse.Namespace) -> tuple[EngineSettings, DtypeChoice]:
@@ -200,41 +117,14 @@ def engine_settings(args: argparse.Namespace) -> tuple[EngineSettings, DtypeChoi
 def add_compare_flags(p: argparse.ArgumentParser) -> None:
     """``pdserve bench compare``'s flags (``compare_config`` reads them)."""
     add_engine_flags(p)
-    p.add_argument("--request-rates", default=DEFAULT_RATES,
-                   help="comma-separated req/s ('inf': all at once); one run per rate")
-    p.add_argument("--pdserve", action="append", metavar="NAME='FLAGS'",
-                   help="a pdserve configuration: a name and `pdserve up` flags, e.g. "
-                   "split='--cpu-layout split'; repeatable (default: default='')")
-    p.add_argument("--with-vllm-disagg", action="store_true",
-                   help="also run vLLM's own disaggregated serving (NixlConnector)")
-    p.add_argument("--no-vllm", action="store_true",
-                   help="skip aggregated vLLM, tuned (the baseline) and stock (no ratios then)")
-    p.add_argument("--no-vllm-stock", action="store_true",
-                   help="skip stock vllm serve (the tuned baseline still runs)")
-    p.add_argument("--vllm-url", default=None, metavar="URL",
-                   help="the baseline is the vLLM OpenAI server already running at URL "
-                   "(http://HOST:PORT, with or without /v1), named vllm-external, in place "
-                   "of the vllm-tuned compare would start: compare neither starts nor stops "
-                   "it, and its engine settings are its operator's (compare cannot check "
-                   "they match). It must answer /v1/models within --startup-timeout-s and "
-                   "serve --model's name. Stock vllm still starts unless --no-vllm-stock")
-    p.add_argument("--output-dir", type=Path, default=None,
-                   help="where the report goes (must not exist or be empty; default "
-                   "bench/results/compare-<time>)")
-    p.add_argument("--startup-timeout-s", type=float, default=600.0)
-    p.add_argument("--run-timeout-s", type=float, default=1800.0,
-                   help="deadline of one bench run (one system at one rate)")
-    p.add_argument("--stop-timeout-s", type=float, default=60.0,
-                   help="SIGTERM grace before SIGKILL when stopping a system")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--cost-per-hour", default=None, metavar="PRICE[/core|/node]",
-                   help="price each system's runs: $ per hour of a core its engines ran on "
-                   "(0.05 or 0.05/core) or of the node (2.4/node); the report gains $ per "
-                   "million input, output and within-SLO tokens")
-    for flag, kwargs in PASSTHROUGH:
-        p.add_argument(flag, *VLLM_SPELLINGS.get(flag, ()), default=None,
-                       help="passed to pdserve bench run", **kwargs)
+    for name in ("request-rates", "pdserve", "with-vllm-disagg", "no-vllm", "no-vllm-stock",
+                 "vllm-url", "output-dir", "startup-timeout-s", "run-timeout-s",
+                 "stop-timeout-s", "seed"):
+        SYSTEMS[name].add_to(p)
+    RUN_FLAGS["ignore-eos"].add_to(p)
+    SYSTEMS["cost-per-hour"].add_to(p)
+    for name in PASSTHROUGH:  # unset unless given: each run's own default then
+        RUN_FLAGS[name].add_to(p, default=None, help="passed to pdserve bench run")
 
 
 def compare_config(args: argparse.Namespace) -> CompareConfig:
@@ -266,10 +156,10 @@ def compare_config(args: argparse.Namespace) -> CompareConfig:
 def workload_args(args: argparse.Namespace) -> list[str]:
     """Compare's workload flags as every ``pdserve bench run`` gets them."""
     argv = ["--seed", str(args.seed)]
-    for flag, _ in PASSTHROUGH:
-        value = getattr(args, flag[2:].replace("-", "_"))
+    for name in PASSTHROUGH:
+        value = getattr(args, RUN_FLAGS[name].dest)
         if value is not None:
-            argv += [flag, str(value)]
+            argv += [f"--{name}", str(value)]
     if args.ignore_eos is not None:
         argv.append("--ignore-eos" if args.ignore_eos else "--no-ignore-eos")
     return argv
@@ -307,22 +197,17 @@ def check_up_flags(name: str, flags: str) -> None:
 def add_gaps_flags(p: argparse.ArgumentParser) -> None:
     """``pdserve bench gaps``' flags (``gaps_config`` reads them)."""
     add_engine_flags(p)
-    p.add_argument("--pdserve", action="append", metavar="NAME='FLAGS'",
-                   help="a pdserve configuration (pdserve up flags); repeatable "
-                   "(default: default='')")
-    p.add_argument("--no-vllm", action="store_true", help="skip the aggregated baseline")
-    p.add_argument("--num-requests", *VLLM_SPELLINGS["--num-requests"], type=int, default=6,
-                   help="lone requests per kind")
-    p.add_argument("--stall-s", type=float, default=1.0,
-                   help="a gap this long between two tokens counts as a stall")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-dir", type=Path, default=None,
-                   help="where the report goes (absent or empty; default "
-                   "bench/results/gaps-<time>)")
-    p.add_argument("--startup-timeout-s", type=float, default=600.0)
-    p.add_argument("--run-timeout-s", type=float, default=900.0,
-                   help="deadline of one kind's requests against one system")
-    p.add_argument("--stop-timeout-s", type=float, default=60.0)
+    SYSTEMS["pdserve"].add_to(p, help="a pdserve configuration (pdserve up flags); "
+                              "repeatable (default: default='')")
+    SYSTEMS["no-vllm"].add_to(p, help="skip the aggregated baseline")
+    for name in ("num-requests", "stall-s", "seed"):
+        SYSTEMS[name].add_to(p)
+    SYSTEMS["output-dir"].add_to(p, help="where the report goes (absent or empty; default "
+                                 "bench/results/gaps-<time>)")
+    SYSTEMS["startup-timeout-s"].add_to(p)
+    SYSTEMS["run-timeout-s"].add_to(p, default=900.0,
+                                    help="deadline of one kind's requests against one system")
+    SYSTEMS["stop-timeout-s"].add_to(p)
 
 
 def gaps_config(args: argparse.Namespace) -> GapsConfig:
@@ -340,7 +225,5 @@ def gaps_config(args: argparse.Namespace) -> GapsConfig:
 # --- disagg-proxy (compare's vllm-disagg, where vllm-router is not installed) -----------
 
 def add_disagg_proxy_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--prefill", required=True, help="the prefill engine's base URL")
-    p.add_argument("--decode", required=True, help="the decode engine's base URL")
+    for flag in PROXY:
+        flag.add_to(p)

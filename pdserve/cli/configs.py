@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve.cli.flags import FLAGS
+from pdserve.cli.parser import DISAGG, EDGE, ENGINE, OPENAI, TRANSPORT
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.core.lora import LoraConfig
 from pdserve.core.model import ResolvedModel
@@ -97,6 +100,13 @@ def tool_config(args: argparse.Namespace) -> ToolConfig:
 
     return ToolConfig(parser=args.tool_call_parser or None,
                       enable_auto=bool(args.enable_auto_tool_choice))
+
+
+def handed_on(args: argparse.Namespace, names: Sequence[str]) -> tuple[str, ...]:
+    """The flags ``names`` as parsed, for a child process to parse again (each flag's
+    own ``Flag.argv``): ``up`` hands its router and its workers their flags this way."""
+    return tuple(word for name in names
+                 for word in FLAGS[name].argv(getattr(args, FLAGS[name].dest)))
 
 
 def edge_config(args: argparse.Namespace) -> EdgeConfig:
@@ -262,6 +272,36 @@ def up_store(args: argparse.Namespace) -> KvStoreUp:
                      redis_maxmemory=args.redis_maxmemory)
 
 
+# The engine and transport flags up hands every vLLM worker as parsed: all of them but
+# those up decides (the dtype, resolved once; prefill's KV blocks; each worker's disk
+# folder; the weights it checks; its transport, checked against TLS; the KV store, which
+# --with-redis starts) or renders as vLLM's (LoRA adapters: ``LoraConfig.flags``).
+_UP_DECIDES = ("dtype", "num-kv-blocks", "kv-disk-dir", "kv-disk-gib", "weight-version",
+               "weight-transfer-backend", "transport", "kv-store", "kv-store-ttl-s",
+               "kv-store-timeout-s", "kv-store-password-file", "kv-store-admission",
+               "kv-store-tls-ca", "kv-store-tls-cert", "kv-store-tls-key", "kv-compression",
+               "enable-lora", "lora-modules", "max-loras", "max-lora-rank")
+HANDED_TO_WORKERS = tuple(name for name in ENGINE + TRANSPORT if name not in _UP_DECIDES)
+# The router flags up takes and hands its router as parsed: all but the keys (up reads
+# their files and hands the keys in the router's environment, never on a command line
+# that ``ps`` shows: ``EdgeConfig.env``) and the admin listener (up gives a keyed router
+# one: ``up.probed_edge``).
+_EDGE_UP_DECIDES = ("api-key", "api-key-file", "admin-key", "admin-key-file", "admin-port",
+                    "admin-host")
+HANDED_TO_ROUTER = ("placement", "kv-pool", "decode-cache", *DISAGG, *OPENAI,
+                    *(name for name in EDGE if name not in _EDGE_UP_DECIDES))
+
+
+def router_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """``up``'s router's flags (placement, KV pool, decode cache, disaggregation, planner,
+    tool calls, admission and the edge's but its keys and admin listener), checked here
+    as the router checks them (a bad one fails before any child starts; the edge's by
+    ``edge_config``), handed on as parsed."""
+    for check in (disagg_config, planner_config, tool_config):
+        check(args)
+    return handed_on(args, HANDED_TO_ROUTER)
+
+
 def up_config(args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
     """From the ``up`` subcommand's flags; ``--dtype auto`` resolved here, once, for
     every engine (simulated workers have no dtype)."""
@@ -279,24 +319,17 @@ def up_config(args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
         dtype_choice=dtype, host=args.host, port=args.port,
         num_prefill=args.num_prefill, num_decode=args.num_decode,
         transport=args.transport, max_model_len=args.max_model_len,
-        kv_cache_gib=args.kv_cache_gib, placement=args.placement,
-        kv_pool=args.kv_pool == "on", decode_cache=args.decode_cache == "on",
         startup_timeout_s=args.startup_timeout_s,
         log_level=args.log_level,
-        cpu_layout=args.cpu_layout, kv_checksum=args.kv_checksum,
-        kv_offload_gib=args.kv_offload_gib, kv_disk_dir=args.kv_disk_dir,
-        kv_disk_gib=args.kv_disk_gib, kv_tier_policy=args.kv_tier_policy,
-        kv_throttle_mib_s=args.kv_throttle_mib_s, kv_stall_s=args.kv_stall_s,
-        kv_push=args.kv_push,
+        cpu_layout=args.cpu_layout, kv_disk_dir=args.kv_disk_dir,
+        kv_disk_gib=args.kv_disk_gib,
         kv_store=up_store(args),
         etcd=args.etcd or "", with_etcd=args.with_etcd, cluster=args.cluster,
         etcd_ttl_s=args.etcd_ttl_s, etcd_auth=etcd_auth(args),
         num_kv_blocks=args.num_kv_blocks or None,
-        shm_spin_s=args.shm_spin_s, prefill_chunk_tokens=args.prefill_chunk_tokens,
-        prefill_max_running=args.prefill_max_running, prefill_order=args.prefill_order,
         weight_version=args.weight_version, weight_transfer_backend=transfer,
-        lora=lora_config(args), disagg=disagg_config(args), planner=planner_config(args),
-        tools=tool_config(args),
+        lora=lora_config(args), router_flags=router_flags(args),
+        worker_flags=handed_on(args, HANDED_TO_WORKERS),
         max_restarts=args.max_restarts,
         restart_window_s=args.restart_window_s, simulated=args.simulated,
         cluster_secret_file=args.cluster_secret_file, tls=tls_files(args),

@@ -48,38 +48,82 @@ class Flag:
     help: str
     default: Any = None
     parse: Parse = str
-    choices: Sequence[str] | None = None
+    choices: Sequence[Any] | None = None  # of the parsed values (each one's, with several)
     switch: bool = False  # --name / --no-name
     metavar: str | None = None
     repeat: bool = False  # may be given several times; ``parse`` returns a tuple to add up
     secret: bool = False  # a bad value is not echoed in the error (keys)
-    # A repeated flag that also takes several values at once (``--lora-modules a=x b=y``,
-    # as vllm serve's nargs="+").
+    # Takes several values at once (``--parts latency stream``, argparse's nargs="+"):
+    # ``parse`` returns a tuple for each, and the environment value (all of them, e.g.
+    # space-separated: ``parse_words``) is parsed by it too; the tuples add up. Given
+    # twice, the last one wins, unless ``repeat`` (``--lora-modules a=x b=y``, as vllm
+    # serve's nargs="+" action="append"), where every one adds up.
     several: bool = False
+    # --name alone turns it on (argparse's store_true: no --no-name form); its
+    # environment value is read by ``parse_bool``, its default is False.
+    store_true: bool = False
+    # Must be given, on the command line or by its environment variable.
+    required: bool = False
+    aliases: tuple[str, ...] = ()  # other spellings ("num-prompts", vllm bench serve's)
+    # Its variable, where PDSERVE_<FLAG> is another command's flag of another meaning
+    # (``pdserve certs --host``, the certificate's names, is not the bind address).
+    env_var: str | None = None
 
     @property
     def env(self) -> str:
-        return "PDSERVE_" + self.name.upper().replace("-", "_")
+        return self.env_var or "PDSERVE_" + self.name.upper().replace("-", "_")
 
-    def add_to(self, parser: argparse.ArgumentParser, **override: Any) -> None:
-        """Add this flag to ``parser``; ``override`` changes fields for this use only
-        (a subcommand's own default port, a more specific help text)."""
+    @property
+    def dest(self) -> str:
+        """The attribute the parsed value lands on: ``args.max_model_len``."""
+        return self.name.replace("-", "_")
+
+    def add_to(self, parser: Any, **override: Any) -> None:
+        """Add this flag to ``parser`` (an ``ArgumentParser`` or one of its groups);
+        ``override`` changes fields for this use only (a subcommand's own default port,
+        a more specific help text)."""
         flag = replace(self, **override) if override else self
+        if flag.store_true:
+            flag = replace(flag, parse=parse_bool, default=bool(flag.default))
         raw = os.environ.get(flag.env)
         # A string default goes through ``type`` when the flag is not given, so a
         # bad environment value is reported by argparse like a bad flag value.
         default = flag.default if raw is None else _EnvValue(raw, flag.env)
+        names = [f"--{name}" for name in (flag.name, *flag.aliases)]
         kwargs: dict[str, Any] = dict(default=default, type=flag._convert,
-                                      help=f"{flag.help} [env {flag.env}]")
+                                      help=f"{flag.help} [env {flag.env}]".lstrip())
         if flag.switch:
-            parser.add_argument(f"--{flag.name}", action=argparse.BooleanOptionalAction,
-                                **kwargs)
-        elif flag.repeat:
-            parser.add_argument(f"--{flag.name}", action=_Repeated, metavar=flag.metavar,
-                                nargs="+" if flag.several else None, **kwargs)
+            parser.add_argument(*names, action=argparse.BooleanOptionalAction, **kwargs)
+        elif flag.store_true:
+            parser.add_argument(*names, action=_Present, **kwargs)
+        elif flag.repeat or flag.several:
+            shown = flag.metavar or ("{" + ",".join(map(str, flag.choices)) + "}"
+                                     if flag.choices else None)
+            parser.add_argument(*names, action=_Repeated if flag.repeat else _Several,
+                                metavar=shown, nargs="+" if flag.several else None,
+                                required=flag.required and raw is None, **kwargs)
         else:
-            parser.add_argument(f"--{flag.name}", choices=flag.choices,
-                                metavar=flag.metavar, **kwargs)
+            parser.add_argument(*names, choices=flag.choices, metavar=flag.metavar,
+                                required=flag.required and raw is None, **kwargs)
+
+    def argv(self, value: Any) -> list[str]:
+        """The command line that gives a child process this flag's parsed ``value``
+        (``pdserve up`` hands its router the flags it parsed): nothing for None,
+        ``--name``/``--no-name`` for a switch, ``--name ITEM`` per item of a repeated
+        flag. The value's ``str`` must parse back to it, as every value handed on does
+        (strings, numbers, choices; ``tests/unit/test_cli_handoff.py``)."""
+        option = f"--{self.name}"
+        if value is None:
+            return []
+        if self.switch:
+            return [option if value else f"--no-{self.name}"]
+        if self.store_true:
+            return [option] if value else []
+        if self.repeat:
+            return [word for item in value for word in (option, str(item))]
+        if self.several:
+            return [option, *map(str, value)]
+        return [option, str(value)]
 
     def _convert(self, text: str) -> Any:
         source = f" from {text.env}" if isinstance(text, _EnvValue) else ""
@@ -89,10 +133,11 @@ class Flag:
             shown = "" if self.secret else f" {str(text)!r}"
             raise argparse.ArgumentTypeError(
                 f"invalid value{shown}{source}: {exc}") from None
-        if self.choices is not None and value not in self.choices:
+        values = value if self.several else (value,)
+        if self.choices is not None and any(v not in self.choices for v in values):
             raise argparse.ArgumentTypeError(
                 f"invalid choice {str(text)!r}{source} (choose from "
-                f"{', '.join(self.choices)})")
+                f"{', '.join(map(str, self.choices))})")
         return value
 
 
@@ -108,6 +153,29 @@ class _Repeated(argparse.Action):
         if isinstance(values, list):  # nargs="+": one parsed tuple per value
             values = tuple(item for value in values for item in value)
         setattr(namespace, self.dest, (*current, *values))
+
+
+class _Several(argparse.Action):
+    """A flag that takes several values at once (nargs="+"), each parsed to a tuple:
+    their items, in order (given twice, the last one wins, as any flag's value)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, tuple(item for value in values for item in value))
+
+
+class _Present(argparse.Action):
+    """``--name`` alone: True (argparse's store_true, but its default, the environment's
+    value, goes through ``type`` as every flag's does)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, default: Any = False,
+                 type: Parse | None = None, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=default, type=type,
+                         help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, True)
 
 
 # ---- value parsers: ValueError says what was expected --------------------------------
@@ -147,6 +215,34 @@ def parse_float(low: float, *, strict: bool = False) -> Parse:
 
 
 parse_port = parse_int(0, 65535)
+
+
+def parse_integer(text: str) -> int:
+    """Any integer (a bench's count, where its config says what it accepts)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError("expected an integer") from None
+
+
+def parse_number(text: str) -> float:
+    """Any number, ``inf`` included (a bench's rate or time; its config checks it)."""
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError("expected a number (or inf)") from None
+
+
+def parse_names(text: str) -> tuple[str, ...]:
+    """Comma-separated names (one per repeated flag; the environment may hold several)."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def parse_words(item: Parse) -> Parse:
+    """A ``several`` flag's value: space-separated words, each parsed by ``item``."""
+    def parse(text: str) -> tuple[Any, ...]:
+        return tuple(item(word) for word in text.split())
+    return parse
 
 
 def parse_chunk_tokens(text: str) -> int:

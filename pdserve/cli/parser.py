@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve.cli.flag_types import FlagParser, HelpFormatter
+from pdserve.cli.flag_types import Flag, FlagParser, HelpFormatter, parse_int, parse_names
 from pdserve.cli.flags import FLAGS
 from pdserve.core.model import DEFAULT_MODEL_NAME
 from pdserve.core.version import version
@@ -56,6 +56,17 @@ SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",
        "grpc-keepalive-s", "drain-timeout-s", "metrics-port", "metrics-host",
        "weight-version", "stage-weights-s") + MEMBERSHIP
 
+# `pdserve certs`' own; its --host, the certificate's names, is not the bind address that
+# PDSERVE_HOST sets in a deployment.
+CERTS = (
+    Flag("out", "folder for ca.pem, cert.pem, key.pem", metavar="DIR", required=True),
+    Flag("host", "a host name or IP address the certificate is valid for (repeat; the "
+         "environment variable may hold several, comma-separated; default: 127.0.0.1 and "
+         "localhost)", parse=parse_names, repeat=True, metavar="NAME",
+         env_var="PDSERVE_CERTS_HOST"),
+    Flag("days", "validity in days", 30, parse_int(1)),
+)
+
 _HTTP = {"host": {"help": "the router's HTTP bind address"},
          "port": {"help": "the router's HTTP port"}}
 _ROUTER_TRANSFER = {"weight-transfer-backend": {
@@ -90,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
         _command(sub, role, f"a {role} worker (vLLM engine + gRPC)",
                  COMMON + ENGINE + TRANSPORT + MEMBERSHIP + WORKER + SECURITY,
                  dict(_GRPC, port={"default": port, "help": "gRPC port"}))
-    # Parsed by pdserve.cli.bench (its own flags; no PDSERVE_* environment): listed here
-    # for --help, dispatched in main() before this parser sees the arguments.
+    # Parsed by pdserve.cli.bench (its own parser, its flags declared as these are): listed
+    # here for --help, dispatched in main() before this parser sees the arguments.
     sub.add_parser("bench", help="load-generator benchmarks against any OpenAI-compatible "
                    "endpoint (run, sweep); see `pdserve bench --help`", add_help=False)
     sub.add_parser("prepare-model", help=f"convert the default model ({DEFAULT_MODEL_NAME}) once")
@@ -101,12 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     certs = sub.add_parser("certs", help="a throwaway CA and one certificate it signed, for "
                            "--tls-cert/--tls-key/--tls-ca on every process of a test or compose "
                            "cluster", formatter_class=HelpFormatter)
-    certs.add_argument("--out", required=True, metavar="DIR",
-                       help="folder for ca.pem, cert.pem, key.pem")
-    certs.add_argument("--host", action="append", metavar="NAME",
-                       help="a host name or IP address the certificate is valid for "
-                       "(repeat; default: 127.0.0.1 and localhost)")
-    certs.add_argument("--days", type=int, default=30, help="validity in days")
+    for flag in CERTS:
+        flag.add_to(certs)
     _command(sub, "machine", "this machine's CPU, cores and the flags that decide the "
              "engines' speed, and the dtype --dtype resolves to here", ("dtype",))
     _command(sub, "sim-worker", "a simulated worker (same gRPC service; modelled times and "

@@ -36,10 +36,7 @@ from pdserve.launch.up_targets import METRICS_KEY, scrape_targets, targets_line,
 from pdserve.launch.up_watch import ClusterWatch
 from pdserve.membership.etcd_client import EtcdAuth, check_etcd_url
 from pdserve.membership.local_etcd import LocalEtcd
-from pdserve.router.dispatch.policies.disagg import DisaggConfig
-from pdserve.router.dispatch.policies.planner import PlannerConfig
 from pdserve.router.http.edge.config import EdgeConfig
-from pdserve.router.http.openai.tool_calls import ToolConfig
 from pdserve.worker.engine import WEIGHT_TRANSFER_BACKENDS
 
 __all__ = ["Child", "UpConfig", "plan", "run_up"]
@@ -55,21 +52,11 @@ class UpConfig:
     num_decode: int = 1
     transport: str = "tcp"
     max_model_len: int = 4096
-    kv_cache_gib: int = 2
-    placement: str = "cache_aware"
-    kv_pool: bool = True  # the router may have prefills pull from peers' host tiers
-    decode_cache: bool = True  # the router follows decode's KV events (--decode-cache)
     startup_timeout_s: float = 600.0
     log_level: str = "INFO"
     cpu_layout: str = DEFAULT_CPU_LAYOUT
-    kv_push: bool | None = None  # None: each worker's default (push on CUDA only)
-    kv_checksum: bool = False
-    kv_offload_gib: float = 0.0
     kv_disk_dir: str | None = None  # each worker gets its own folder below it
     kv_disk_gib: float = 0.0
-    kv_tier_policy: str = "default"  # the tiers' eviction policy (--kv-tier-policy)
-    kv_throttle_mib_s: float = 0.0
-    kv_stall_s: float = 10.0  # a pull with no byte for this long fails (recomputed)
     # The cluster KV store (--kv-store*, --kv-compression), or a local one (--with-redis).
     kv_store: KvStoreUp = KvStoreUp()
     # Membership: static (default), an etcd at ``etcd``, or a local one (``with_etcd``).
@@ -78,17 +65,18 @@ class UpConfig:
     cluster: str = "default"
     etcd_ttl_s: int = 10
     etcd_auth: EtcdAuth = EtcdAuth()  # --etcd-user/--etcd-password-file, for every child
-    num_kv_blocks: int | None = None  # prefill workers' KV blocks (overrides kv_cache_gib)
-    shm_spin_s: float | None = None  # every engine's (None: the workers' default)
-    prefill_chunk_tokens: int | None = None  # every engine's (None: the workers' default)
-    prefill_max_running: int | None = None  # every worker's (None: the workers' default)
-    prefill_order: str = "shortest"
+    num_kv_blocks: int | None = None  # prefill workers' (overrides --kv-cache-gib)
     weight_version: str = DEFAULT_WEIGHT_VERSION  # every worker's starting weights'
     weight_transfer_backend: str | None = None  # every vLLM engine's (None: off)
     lora: LoraConfig = LoraConfig()  # every vLLM engine's adapters (--enable-lora, ...)
-    disagg: DisaggConfig = DisaggConfig()  # handed to the router as its flags
-    planner: PlannerConfig = PlannerConfig()  # the router's too
-    tools: ToolConfig = ToolConfig()  # and its tool parser
+    # The router's flags (--placement, --disagg, --planner*, --max-concurrent-requests,
+    # ...: all but its keys and admin listener, ``edge``) as up parsed them, handed on
+    # (``pdserve.cli.configs.router_flags``).
+    router_flags: tuple[str, ...] = ()
+    # Every vLLM worker's engine and transport flags that up does not decide itself
+    # (--kv-cache-gib, --kv-push, --prefill-order, ...) as up parsed them, handed on
+    # (``pdserve.cli.configs.HANDED_TO_WORKERS``).
+    worker_flags: tuple[str, ...] = ()
     # Supervision: a child failing more than max_restarts times within the window is
     # given up on.
     max_restarts: int = DEFAULT_MAX_RESTARTS
@@ -98,7 +86,9 @@ class UpConfig:
     cluster_secret_file: str | None = None
     tls: TlsFiles = TlsFiles()  # gRPC TLS files, handed to every child
     log_format: str = "text"
-    edge: EdgeConfig = EdgeConfig()  # the router's too (its keys in its environment)
+    # The router's keys (handed on in its environment) and admin listener, which up's
+    # probes use; its other edge flags are in router_flags.
+    edge: EdgeConfig = EdgeConfig()
     worker_metrics: bool = True  # each worker gets a free /metrics port
     metrics_targets_file: str = ""  # Prometheus file_sd JSON, written once ready
     router_processes: int = 1  # the router's --processes (its scrape target: process 0's)
@@ -185,8 +175,7 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
             else:
                 argv = py + [role, *common, "--dtype", cfg.dtype, "--port", str(port),
                              "--kv-port", str(kv_port), "--transport", cfg.transport,
-                             "--kv-cache-gib", str(cfg.kv_cache_gib),
-                             "--worker-id", f"{role}-{i}", *membership]
+                             "--worker-id", f"{role}-{i}", *membership, *cfg.worker_flags]
                 argv += _engine_flags(cfg, role, core, f"{role}-{i}")
             argv += ["--metrics-port", str(metrics_port)]
             endpoints[role].append(f"127.0.0.1:{port}")
@@ -198,11 +187,8 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
     workers = membership or ["--prefill", ",".join(endpoints["prefill"]),
                              "--decode", ",".join(endpoints["decode"])]
     router_argv = py + ["router", *common, "--host", cfg.host, "--port", str(cfg.port),
-                        *workers, "--placement", cfg.placement,
-                        "--kv-pool", "on" if cfg.kv_pool else "off",
-                        "--decode-cache", "on" if cfg.decode_cache else "off",
-                        *cfg.disagg.flags(),
-                        *cfg.planner.flags(), *cfg.edge.flags(), *cfg.tools.flags(),
+                        *workers, *cfg.router_flags, "--admin-host", cfg.edge.admin_host,
+                        "--admin-port", str(cfg.edge.admin_port),
                         "--processes", str(cfg.router_processes)]
     probe_host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     # Ready once the router itself sees every worker healthy: a worker's own Health
@@ -227,26 +213,14 @@ def probed_edge(edge: EdgeConfig) -> EdgeConfig:
 
 
 def _engine_flags(cfg: UpConfig, role: str, cores: str, name: str) -> list[str]:
+    """What up decides for one vLLM worker: its cores, its disk tier's folder, its
+    weights, adapters and KV store, prefill's KV blocks (the rest of its flags, as up
+    parsed them: ``cfg.worker_flags``)."""
     argv = ["--cpu-cores", cores] if cores else []
-    if cfg.kv_push is not None:
-        argv += ["--kv-push" if cfg.kv_push else "--no-kv-push"]
-    argv += ["--kv-checksum" if cfg.kv_checksum else "--no-kv-checksum",
-             "--kv-throttle-mib-s", str(cfg.kv_throttle_mib_s),
-             "--kv-stall-s", repr(cfg.kv_stall_s)]
-    if cfg.kv_offload_gib:
-        argv += ["--kv-offload-gib", repr(cfg.kv_offload_gib)]
     if cfg.kv_disk_dir and cfg.kv_disk_gib:
         argv += ["--kv-disk-dir", str(Path(cfg.kv_disk_dir) / name),
                  "--kv-disk-gib", repr(cfg.kv_disk_gib)]
-    if cfg.kv_offload_gib or cfg.kv_disk_gib:
-        argv += ["--kv-tier-policy", cfg.kv_tier_policy]
-    if cfg.shm_spin_s is not None:
-        argv += ["--shm-spin-s", repr(cfg.shm_spin_s)]
-    if cfg.prefill_chunk_tokens is not None:
-        argv += ["--prefill-chunk-tokens", str(cfg.prefill_chunk_tokens)]
-    if cfg.prefill_max_running is not None:
-        argv += ["--prefill-max-running", str(cfg.prefill_max_running)]
-    argv += ["--prefill-order", cfg.prefill_order, "--weight-version", cfg.weight_version]
+    argv += ["--weight-version", cfg.weight_version]
     if cfg.weight_transfer_backend:
         argv += ["--weight-transfer-backend", cfg.weight_transfer_backend]
     argv += cfg.lora.flags()

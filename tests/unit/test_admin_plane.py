@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from starlette.types import Message, Receive, Scope, Send
 
-from pdserve.cli.configs import edge_config
+from pdserve.cli.configs import HANDED_TO_ROUTER, edge_config, handed_on
 from pdserve.cli.parser import build_parser
 from pdserve.core.weight_calls import (
     FinishWeightUpdate,
@@ -386,7 +386,9 @@ def test_transfer_flags_reach_the_edge_and_its_children(monkeypatch: pytest.Monk
     edge = edge_config(args)
     assert (edge.weight_transfer_backend, edge.weight_transfer_allow) == (
         "nccl", ("10.0.0.0/8", "192.168.1.7/32"))
-    again = edge_config(build_parser().parse_args(["router", *edge.flags()]))
+    # as up hands them to its router: as parsed
+    again = edge_config(build_parser().parse_args(["router",
+                                                   *handed_on(args, HANDED_TO_ROUTER)]))
     assert again == edge
     with pytest.raises(SystemExit):
         build_parser().parse_args(["router", "--weight-transfer-allow", "10.0.0.0/33"])

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from unit.dispatch_cluster import Cluster, running_cluster
 from unit.fakes import COMPLETIONS, asgi_http_client, cmpl_body, make_router_app
 
-from pdserve.cli.configs import edge_config
+from pdserve.cli.configs import edge_config, up_config
 from pdserve.cli.parser import build_parser
 from pdserve.membership.static import StaticMembership
 from pdserve.router.dispatch.prefix.index import PrefixIndex
@@ -159,11 +159,17 @@ def test_keys_from_flags_environment_and_file(tmp_path: Path,
 
 def test_up_hands_the_edge_flags_to_its_router_and_keys_only_in_its_environment(
         tmp_path: Path) -> None:
-    from pdserve.launch.up import UpConfig, plan
+    from pdserve.core.model import ResolvedModel
+    from pdserve.launch.up import plan
 
-    edge = EdgeConfig(api_keys=KEYS, admin_port=9100, max_concurrent=8, max_queued=3,
-                      max_queue_wait_s=2.5, max_body_bytes=1000, drain_timeout_s=7.0)
-    router = plan(UpConfig(model="/models/tiny", edge=edge), tmp_path)[-1]
+    up = up_config(build_parser().parse_args([
+        "up", "--simulated", "--api-key", KEYS[0], "--api-key", KEYS[1], "--admin-port",
+        "9100", "--max-concurrent-requests", "8", "--max-queued-requests", "3",
+        "--max-queue-wait-s", "2.5", "--max-body-bytes", "1000", "--drain-timeout-s", "7"]),
+        ResolvedModel(Path("/models/tiny"), "tiny"))
+    edge = up.edge
+    assert (edge.api_keys, edge.max_concurrent, edge.drain_timeout_s) == (KEYS, 8, 7.0)
+    router = plan(up, tmp_path)[-1]
     assert not any(key in arg for key in KEYS for arg in router.argv)  # not shown by ps
     # Every key in the environment, so the router reads no key file of its own.
     assert router.env == {"PDSERVE_API_KEY": ",".join(KEYS), "PDSERVE_API_KEY_FILE": ""}

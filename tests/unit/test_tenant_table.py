@@ -114,12 +114,18 @@ def test_flags_entries_and_file_make_one_table(tmp_path: Path) -> None:
 
 
 def test_up_hands_the_table_to_its_router_in_the_environment_only(tmp_path: Path) -> None:
-    from pdserve.launch.up import UpConfig, plan
+    from pdserve.cli.configs import up_config
+    from pdserve.core.model import ResolvedModel
+    from pdserve.launch.up import plan
 
-    keys, tenants = table(GOOD, tmp_path)
+    keys, tenants = table(GOOD, tmp_path)  # written to tmp_path / "keys"
     # An admin port of its own: with keys, up's probe reads /workers there.
-    edge = EdgeConfig(api_keys=keys, tenants=tenants, tenant_isolation="key", admin_port=9400)
-    router = plan(UpConfig(model="/models/tiny", edge=edge), tmp_path)[-1]
+    up = up_config(build_parser().parse_args([
+        "up", "--simulated", "--api-key-file", str(tmp_path / "keys"), "--tenant-isolation",
+        "key", "--admin-port", "9400"]), ResolvedModel(Path("/models/tiny"), "tiny"))
+    edge = up.edge
+    assert (edge.api_keys, edge.tenants, edge.tenant_isolation) == (keys, tenants, "key")
+    router = plan(up, tmp_path)[-1]
     assert not any(key in arg for key in keys for arg in router.argv)  # not shown by ps
     assert router.env["PDSERVE_API_KEY_FILE"] == ""  # its router reads no file of its own
     argv = router.argv[router.argv.index("router"):]

@@ -84,17 +84,6 @@ class DisaggConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
 
-    def flags(self) -> list[str]:
-        """The router flags that give this config back (``pdserve up`` hands them to its
-        router child), the inverse of ``pdserve.cli.configs.disagg_config``."""
-        return ["--disagg", self.mode,
-                "--local-prefill-max-tokens", str(self.local_prefill_max_tokens),
-                "--local-prefill-max-queued-tokens", str(self.local_prefill_max_queued_tokens),
-                "--local-decode-max-running", str(self.local_decode_max_running),
-                "--slo-ttft-ms", repr(self.slo.ttft_s * 1e3),
-                "--slo-itl-ms", repr(self.slo.itl_s * 1e3),
-                "--link-aware" if self.link_aware else "--no-link-aware"]
-
 
 @dataclass(frozen=True)
 class DisaggDecision:

@@ -85,13 +85,6 @@ class PlannerConfig:
     def switches_roles(self) -> bool:
         return self.mode == "on"
 
-    def flags(self) -> list[str]:
-        """The router flags that give this config back (``pdserve up``'s router)."""
-        return ["--planner", self.mode, "--planner-interval-s", repr(self.interval_s),
-                "--planner-window-s", repr(self.window_s), "--planner-hold-s",
-                repr(self.hold_s), "--planner-cooldown-s", repr(self.cooldown_s),
-                "--planner-demand-scale", repr(self.demand_scale)]
-
 
 @dataclass(frozen=True)
 class Demand:

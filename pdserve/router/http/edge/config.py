@@ -104,26 +104,10 @@ class EdgeConfig:
         if not self.weight_transfer_backend and self.weight_transfer_allow:
             raise ValueError("--weight-transfer-allow needs --weight-transfer-backend")
 
-    def flags(self) -> list[str]:
-        """The router flags that give this config back, but the keys: ``pdserve up``
-        hands those to its router in the environment (``env()``), never on a command
-        line that ``ps`` shows."""
-        return ["--admin-host", self.admin_host, "--admin-port", str(self.admin_port),
-                "--max-concurrent-requests", str(self.max_concurrent),
-                "--max-queued-requests", str(self.max_queued),
-                "--max-queue-wait-s", str(self.max_queue_wait_s),
-                "--max-body-bytes", str(self.max_body_bytes),
-                "--drain-timeout-s", str(self.drain_timeout_s),
-                "--tenant-limits-share", repr(self.tenant_limits_share),
-                "--tenant-isolation", self.tenant_isolation,
-                *(["--weight-transfer-backend", self.weight_transfer_backend]
-                  if self.weight_transfer_backend else []),
-                *(a for cidr in self.weight_transfer_allow
-                  for a in ("--weight-transfer-allow", cidr))]
-
     def env(self) -> dict[str, str]:
         """The keys and their tenants as ``--api-key`` entries (and no key file: they are
-        all here, read once)."""
+        all here, read once): ``pdserve up`` hands them to its router in its environment,
+        never on a command line that ``ps`` shows."""
         env: dict[str, str] = {}
         if self.api_keys:
             env["PDSERVE_API_KEY"] = ",".join(render_key_table(self.api_keys, self.tenants))

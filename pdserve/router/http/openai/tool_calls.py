@@ -115,11 +115,6 @@ class ToolConfig:
         if self.enable_auto and not self.parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
-    def flags(self) -> list[str]:
-        """The router flags that give this config back (``pdserve up`` to its router)."""
-        flags = ["--tool-call-parser", self.parser] if self.parser else []
-        return flags + (["--enable-auto-tool-choice"] if self.enable_auto else [])
-
 
 class ToolCalling:
     """vLLM's parser class for the configured tool format, over the router's tokenizer."""
