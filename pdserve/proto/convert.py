@@ -216,12 +216,6 @@ def phase_output_to_pb(out: PhaseOutput) -> pb.GenerateResponse:
     return msg
 
 
-# What a plain output may have set (``plain_token_ids``): its ids and its prompt counts.
-_PLAIN_FIELDS = frozenset({pb.GenerateResponse.TOKEN_IDS_FIELD_NUMBER,
-                           pb.GenerateResponse.NUM_CACHED_TOKENS_FIELD_NUMBER,
-                           pb.GenerateResponse.NUM_PROMPT_TOKENS_FIELD_NUMBER})
-
-
 def phase_output_from_pb(msg: pb.GenerateResponse) -> PhaseOutput:
     """Per streamed chunk on the router: the optional fields are checked once each, and
     a chunk with neither a handle nor timing (every decode token but the last) takes
@@ -246,12 +240,11 @@ def plain_token_ids(msg: pb.GenerateResponse) -> tuple[int, ...] | None:
     last: no finish reason, handle, timing, logprobs or weights version; its counts of
     cached and prompt tokens are only read on a call's first output); None for any other
     output. The session reader's one look at a message it may offer to a request's chunk
-    sink (``workers/client.WorkerClient.generate``): the fields set, listed once, and the
-    ids copied from a slice (``tuple`` of the repeated field itself iterates it in
-    Python, 6x the time)."""
-    for field, _ in msg.ListFields():
-        if field.number not in _PLAIN_FIELDS:
-            return None
+    sink (``workers/client.WorkerClient.generate``). The ids are copied from a slice:
+    ``tuple`` of the repeated field itself iterates it in Python (1.8 against 0.3 µs)."""
+    if (msg.finish_reason or msg.logprobs or msg.prompt_logprobs or msg.HasField("kv_handle")
+            or msg.HasField("timing") or msg.weight_version):
+        return None
     return tuple(msg.token_ids[:])
 
 

@@ -50,6 +50,11 @@ class TokenChunk:
     # purpose, after some of its tokens went out; the client sees finish reason
     # ``abort``, as from vLLM's ``/pause``. Any other ``abort`` is a failure.
     ended_by_update: bool = False
+    # Tokens alone, after the request's first chunk: no finish reason, logprobs, counts,
+    # decision, version or adapter (``decode_stream.DecodeStream`` marks each such decode
+    # output, whichever way it goes out); the usual chunk of a stream, which
+    # ``RequestOutput.consume`` takes in a few steps.
+    plain: bool = False
 
 
 class ChunkSink(Protocol):

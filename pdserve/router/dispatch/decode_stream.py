@@ -57,6 +57,10 @@ class DecodeStream:
         """``out`` as the chunk the request's task yields next."""
         self._sent(out.token_ids, out.timing)
         opening, self.opening, self.prefilling = self.opening, None, False
+        if opening is None and out.finish_reason is None and not (
+                out.logprobs or out.prompt_logprobs or out.weight_version):
+            return TokenChunk(out.token_ids, None, None, None, (), (), self.worker_id,
+                              None, None, False, True)
         return TokenChunk(out.token_ids, out.finish_reason,
                           out.num_cached_tokens if opening is not None else None, opening,
                           out.logprobs, out.prompt_logprobs, self.worker_id,
@@ -67,7 +71,8 @@ class DecodeStream:
         sink wrote it (its bookkeeping done here); False, the task gets it as usual."""
         sink = self._sink
         if sink is None or self.prefilling or self.opening is not None or not sink.offer(
-                TokenChunk(token_ids, None, None, None, (), (), self.worker_id)):
+                TokenChunk(token_ids, None, None, None, (), (), self.worker_id, None, None,
+                           False, True)):  # plain: as ``chunk`` makes it
             return False
         self._sent(token_ids, None)
         return True

@@ -52,6 +52,7 @@ class RequestOutput:
         self._texts: list[str] = []
         self._metrics = metrics
         self._last_chunk_s: float | None = None
+        self._no_stop_strings = not request.stop
 
     @property
     def text(self) -> str:
@@ -70,6 +71,17 @@ class RequestOutput:
         chunk of every response passes here once, whether the body's loop or the stream
         writer (``stream_writer.py``) takes it: the usual one, tokens alone, in a few
         steps."""
+        if chunk.plain and self._no_stop_strings and self._last_chunk_s is not None:
+            # The usual chunk, in a few steps: what the rest below does for it.
+            token_ids = chunk.token_ids
+            self._observe_tokens(len(token_ids))
+            self.decode_worker_id = chunk.decode_worker_id or self.decode_worker_id
+            if self.finish_reason is not None:
+                return OutputDelta("", [], None, self.index)
+            text = self.detokenizer.add(token_ids)
+            self._texts.append(text)
+            self._span(None, len(token_ids))
+            return OutputDelta(text, token_ids, None, self.index)
         if self._last_chunk_s is None:
             self._observe_first(chunk)
         else:
