@@ -147,7 +147,7 @@ SYSTEMS = {flag.name: flag for flag in _SYSTEMS}
 # --- disagg-proxy (compare's, not a user's) ----------------------------------------------
 
 PROXY = (
-    Flag("host", "", "127.0.0.1"),
+    Flag("host", "", "127.0.0.1", env_var="PDSERVE_PROXY_HOST"),  # not a deployment's
     Flag("port", "", parse=parse_integer, required=True),
     Flag("prefill", "the prefill engine's base URL", required=True),
     Flag("decode", "the decode engine's base URL", required=True),

@@ -99,6 +99,7 @@ class SimEngine:
         self._version = config.weight_version
         self._weights_seed = _weights_seed(config.weight_version)
         self._staged: str | None = None
+        self._running: set[str] = set()  # requests whose generator has started
         self._aborted: set[str] = set()  # running, told to stop: ends at its next token
 
     @property
@@ -130,6 +131,7 @@ class SimEngine:
         prompt, kv = tuple(prompt_token_ids), params.kv_transfer_params or {}
         counters, started = self.counters, time.perf_counter_ns()
         running, compute_ns = False, 0
+        self._running.add(request_id)
         try:
             if kv.get("do_remote_prefill"):
                 # Its prompt ends with the prefill's first token: the answer goes on from
@@ -164,6 +166,7 @@ class SimEngine:
         finally:
             if running:
                 counters.num_running_reqs -= 1
+            self._running.discard(request_id)
             self._aborted.discard(request_id)
 
     def _handle(self, request_id: str, num_tokens: int) -> dict[str, Any]:
@@ -215,7 +218,10 @@ class SimEngine:
         return SimPrefill(cached, scheduled - queued, time.perf_counter_ns() - scheduled)
 
     async def abort(self, request_id: str) -> None:
-        self._aborted.add(request_id)
+        """Ends a running request at its next token; one whose generator never started
+        leaves nothing behind (a later request of the same id is not aborted)."""
+        if request_id in self._running:
+            self._aborted.add(request_id)
 
     def shutdown(self) -> None:
         return None

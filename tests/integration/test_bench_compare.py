@@ -82,7 +82,7 @@ def test_compare_writes_the_report_and_leaves_nothing_behind(
     assert models.status_code == 200 and models.json()["data"]
 
     report = json.loads((out / "report.json").read_text())
-    assert (report["schema"], report["baseline"]) == ("pdserve.bench.compare.main/v1",
+    assert (report["schema"], report["baseline"]) == ("pdserve.bench.compare/v1",
                                                       "vllm-external")
     assert [s["name"] for s in report["systems"]] == ["vllm-external", "default"]
     external = report["systems"][0]
@@ -102,7 +102,7 @@ def test_compare_writes_the_report_and_leaves_nothing_behind(
         (run,) = system["runs"]
         assert run["error"] is None, run["error"]
         result = run["result"]
-        assert result["schema"] == "pdserve.bench.load.run/v1"
+        assert result["schema"] == "pdserve.bench.run/v1"
         assert (result["completed"], result["failed"]) == (NUM_REQUESTS, 0)
         assert result["config"]["seed"] == 1
         assert result["ttft_s"]["p50"] > 0 and result["output_tokens"] == NUM_REQUESTS * 8

@@ -109,7 +109,7 @@ class FakeDispatcher:
             async for chunk in self._chunks(sampling):
                 # The sink, as the real dispatcher offers it: each ordinary chunk,
                 # while the reader waits for it (here, inside its ``anext``).
-                if (sink is not None and chunk.finish_reason is None
+                if (sink is not None and sink.accepting and chunk.finish_reason is None
                         and not chunk.logprobs and chunk.num_cached_tokens is None
                         and sink.offer(chunk)):
                     self.express_taken += len(chunk.token_ids)

@@ -109,7 +109,7 @@ def test_a_seeded_run_on_simulated_workers_writes_the_right_counts(sim: Server,
     before = _counters(sim)
     result = _run(sim, tmp_path / "a.json", *argv)
     after = _counters(sim)
-    assert result["schema"] == "pdserve.bench.load.run/v1"
+    assert result["schema"] == "pdserve.bench.run/v1"
     assert (result["num_requests"], result["completed"], result["failed"],
             result["skipped"], result["errors"]) == (12, 12, 0, 0, {})
     reqs = result["requests"]
@@ -190,7 +190,7 @@ def test_a_sweep_finds_the_highest_rate_meeting_the_slo(sim: Server, tmp_path: P
                  "--request-rates", "2,inf", "--slo", "e2e=30s", "--result-json", str(out))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
-    assert result["schema"] == "pdserve.bench.load.sweep/v1"
+    assert result["schema"] == "pdserve.bench.sweep/v1"
     assert [r["config"]["request_rate"] for r in result["runs"]] == [2.0, "inf"]
     assert result["meets_slo"] == [True, True]
     assert result["max_rate_meeting_slo"] == float("inf")

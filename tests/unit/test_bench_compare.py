@@ -43,7 +43,7 @@ SETTINGS = EngineSettings("/models/m", "m", "float32", 3, 1024, (0, 1))
 
 def run_json(ttfts: list[float], itl_s: float, goodput: float, out_tps: float,
              failed: int = 0) -> dict[str, Any]:
-    """A ``pdserve.bench.load.run/v1`` result with the given per-request TTFTs and gaps."""
+    """A ``pdserve.bench.run/v1`` result with the given per-request TTFTs and gaps."""
     requests = [{"prompt_tokens": 10, "output_tokens": 5, "cached_tokens": 0,
                  "ttft_s": t, "tpot_s": itl_s, "e2e_s": t + 4 * itl_s,
                  "itls_s": [itl_s * (1 + 0.1 * k) for k in range(4)], "start_s": i * 0.5,
@@ -54,7 +54,7 @@ def run_json(ttfts: list[float], itl_s: float, goodput: float, out_tps: float,
         return {"mean": float(np.mean(values)), "p50": float(np.percentile(values, 50)),
                 "p90": float(np.percentile(values, 90)), "p99": float(np.percentile(values, 99))}
 
-    return {"schema": "pdserve.bench.load.run/v1", "num_requests": len(ttfts) + failed,
+    return {"schema": "pdserve.bench.run/v1", "num_requests": len(ttfts) + failed,
             "completed": len(ttfts), "failed": failed,
             "errors": {"http_500": failed} if failed else {},
             "request_throughput": len(ttfts) / 10, "output_throughput": out_tps,
@@ -101,7 +101,7 @@ def test_report_tables_carry_ratios_to_the_baseline_and_the_pngs_are_drawn(
     assert "split at 1 req/s: **run failed**: bench run exited 1: boom" in md
 
     saved = json.loads((tmp_path / "report.json").read_text())
-    assert saved["schema"] == "pdserve.bench.compare.main/v1" and saved["baseline"] == "vllm"
+    assert saved["schema"] == "pdserve.bench.compare/v1" and saved["baseline"] == "vllm"
     assert saved["systems"][0]["runs"][1]["result"]["ttft_s"]["p50"] == 2.0
     assert saved["systems"][2]["error"] == "pdserve-up exited with 1"
 

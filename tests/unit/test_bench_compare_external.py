@@ -226,8 +226,8 @@ def _config(out: Path, ext: ExternalVllm | None, with_vllm_stock: bool = False,
 
 
 def _result() -> dict[str, Any]:
-    """A ``pdserve.bench.load.run/v1`` result: TTFT p50 0.2 s, ITL p50 50 ms."""
+    """A ``pdserve.bench.run/v1`` result: TTFT p50 0.2 s, ITL p50 50 ms."""
     requests = [{"ttft_s": 0.2, "tpot_s": 0.05, "error": None}]
-    return {"schema": "pdserve.bench.load.run/v1", "num_requests": 1, "completed": 1,
+    return {"schema": "pdserve.bench.run/v1", "num_requests": 1, "completed": 1,
             "failed": 0, "request_throughput": 1.0, "ttft_s": {"p50": 0.2},
             "itl_s": {"p50": 0.05}, "requests": requests}

@@ -77,13 +77,13 @@ class Lane:
     yields: ``("sink" | "yield", token ids)`` in arrival order, and the chunks it took."""
 
     def __init__(self, take: bool | list[bool] = True) -> None:
-        self.open = False
+        self.accepting = False
         self.log: list[tuple[str, tuple[int, ...]]] = []
         self.took: list[TokenChunk] = []
         self._take = take
 
     def offer(self, chunk: TokenChunk) -> bool:
-        if not self.open:
+        if not self.accepting:
             return False
         take = self._take if isinstance(self._take, bool) else self._take[len(self.log) % 3]
         if take:
@@ -94,14 +94,14 @@ class Lane:
     async def read(self, chunks: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
         """As the HTTP body does: the sink is open while it waits for the next chunk."""
         got = []
-        self.open = True
+        self.accepting = True
         try:
             async with asyncio.timeout(WAIT_S):
                 async for chunk in chunks:
                     self.log.append(("yield", chunk.token_ids))
                     got.append(chunk)
         finally:
-            self.open = False
+            self.accepting = False
         return got
 
     def tokens(self) -> list[int]:
@@ -148,6 +148,8 @@ async def test_a_sink_that_raises_fails_its_request_alone_and_blames_no_worker()
         fine = Lane()
 
         class Broken:
+            accepting = True
+
             def offer(self, chunk: TokenChunk) -> bool:
                 raise ValueError("bug in the sink")
 

@@ -33,7 +33,7 @@ from pdserve.bench.compare.systems import (
 from pdserve.core.dtype import DtypeChoice
 from pdserve.core.ports import free_port
 
-SCHEMA = "pdserve.bench.compare.gaps/v1"
+SCHEMA = "pdserve.bench.gaps/v1"
 # kind -> (prompt tokens, output tokens): a chat turn, and a long document prompt.
 KINDS: dict[str, tuple[int, int]] = {"short": (15, 64), "long": (1100, 16)}
 

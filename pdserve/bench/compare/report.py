@@ -3,7 +3,7 @@
 the plots (``plots.py``).
 
 The report is built from ``pdserve bench run`` result JSONs (schema
-``pdserve.bench.load.run/v1``) as they are; nothing here measures anything.
+``pdserve.bench.run/v1``) as they are; nothing here measures anything.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from pdserve.core.hardware import Hardware
 
-SCHEMA = "pdserve.bench.compare.main/v1"
+SCHEMA = "pdserve.bench.compare/v1"
 
 
 @dataclass

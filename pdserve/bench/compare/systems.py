@@ -193,8 +193,9 @@ def vllm_disagg(s: EngineSettings, port: int, engine_ports: tuple[int, int],
                  "--max-concurrent-requests", "1024", "--queue-size", "1024"]
         procs.append(ProcSpec("vllm-router", tuple(proxy)))
     else:
-        proxy = [*(command or pdserve_command()), "bench", "disagg-proxy", "--port", str(port),
-                 "--prefill", prefill_url, "--decode", decode_url]
+        # Its address given, not left to PDSERVE_HOST (a deployment's bind address).
+        proxy = [*(command or pdserve_command()), "bench", "disagg-proxy", "--host", "127.0.0.1",
+                 "--port", str(port), "--prefill", prefill_url, "--decode", decode_url]
         procs.append(ProcSpec("proxy", tuple(proxy)))
     return SystemSpec(name, "vllm-disagg", port, tuple(procs),
                       {"prefill": p_cores, "decode": d_cores})

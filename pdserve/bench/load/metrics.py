@@ -103,7 +103,7 @@ def stats(values: list[float]) -> dict[str, float | None]:
 
 
 def summarize(records: list[RequestRecord], duration_s: float, slo: Slo) -> dict[str, Any]:
-    """The result's metric fields (``schema pdserve.bench.load.run/v1``) for ``records``."""
+    """The result's metric fields (``schema pdserve.bench.run/v1``) for ``records``."""
     done = [r for r in records if r.error is None]
     errors: dict[str, int] = {}
     for r in records:

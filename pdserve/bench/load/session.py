@@ -1,6 +1,6 @@
 """A benchmark session: everything checked before the first request (flags, dataset,
 endpoint, model, tokenizer), then one run per schedule on one HTTP client, each turned
-into a ``pdserve.bench.load.run/v1`` result."""
+into a ``pdserve.bench.run/v1`` result."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from pdserve.core.dtype import resolve_dtype
 from pdserve.core.model import DEFAULT_MODEL_NAME, cache_dir
 from pdserve.core.version import version
 
-RUN_SCHEMA = "pdserve.bench.load.run/v1"
+RUN_SCHEMA = "pdserve.bench.run/v1"
 DEFAULT_NUM_REQUESTS = 100
 
 

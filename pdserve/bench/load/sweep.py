@@ -16,7 +16,7 @@ from pdserve.bench.load.config import SweepConfig, parse_list
 from pdserve.bench.load.run import print_summary
 from pdserve.bench.load.session import Session, schedule, write_json
 
-SWEEP_SCHEMA = "pdserve.bench.load.sweep/v1"
+SWEEP_SCHEMA = "pdserve.bench.sweep/v1"
 
 
 def meets_slo(result: dict[str, Any], share: float) -> bool:

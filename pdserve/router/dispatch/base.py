@@ -62,15 +62,19 @@ class ChunkSink(Protocol):
     worker session's reader itself, with no task woken and no generator layer per token
     (the HTTP side's is ``http/openai/stream_writer.StreamWriter``).
 
-    The dispatcher offers it each ordinary decode chunk (tokens alone: not the first of
-    a call, not the last, no logprobs, no failure) as the chunk arrives, only when the
-    chunk would otherwise be the next one ``generate`` yields. ``offer(chunk)`` returns
+    The dispatcher offers it each ordinary decode chunk (tokens alone: not the request's
+    first, not the last, no logprobs, no weights version, no failure; the first output of
+    a call that computes the prompt is the task's) as the chunk arrives, only while
+    ``accepting`` and only when the chunk would otherwise be the next one ``generate``
+    yields (``accepting`` False: no chunk is made to offer). ``offer(chunk)`` returns
     whether it took the chunk: True, the chunk was consumed (written) and ``generate``
     never yields it; False, nothing was changed and ``generate`` yields it as usual. The
     chunk is the one ``generate`` would have yielded, and the dispatcher's bookkeeping
     for it (``decode_stream.DecodeStream``) is the same either way: done once, after
     the sink took it or as it is yielded.
     """
+
+    accepting: bool
 
     def offer(self, chunk: TokenChunk) -> bool:
         ...

@@ -59,8 +59,7 @@ class DecodeStream:
         opening, self.opening, self.prefilling = self.opening, None, False
         if opening is None and out.finish_reason is None and not (
                 out.logprobs or out.prompt_logprobs or out.weight_version):
-            return TokenChunk(out.token_ids, None, None, None, (), (), self.worker_id,
-                              None, None, False, True)
+            return _plain(out.token_ids, self.worker_id)
         return TokenChunk(out.token_ids, out.finish_reason,
                           out.num_cached_tokens if opening is not None else None, opening,
                           out.logprobs, out.prompt_logprobs, self.worker_id,
@@ -70,9 +69,9 @@ class DecodeStream:
         """Offer an ordinary output (``token_ids`` alone) to the request's sink: True, the
         sink wrote it (its bookkeeping done here); False, the task gets it as usual."""
         sink = self._sink
-        if sink is None or self.prefilling or self.opening is not None or not sink.offer(
-                TokenChunk(token_ids, None, None, None, (), (), self.worker_id, None, None,
-                           False, True)):  # plain: as ``chunk`` makes it
+        if sink is None or not sink.accepting or self.prefilling or self.opening is not None:
+            return False
+        if not sink.offer(_plain(token_ids, self.worker_id)):
             return False
         self._sent(token_ids, None)
         return True
@@ -81,3 +80,8 @@ class DecodeStream:
         self._timeline.on_decode(len(token_ids), timing)
         self._migration.on_sent(token_ids)
         self._tokens.extend(token_ids)
+
+
+def _plain(token_ids: tuple[int, ...], worker_id: str | None) -> TokenChunk:
+    """A chunk of tokens alone (``TokenChunk.plain``); positional: one is made per token."""
+    return TokenChunk(token_ids, None, None, None, (), (), worker_id, None, None, False, True)

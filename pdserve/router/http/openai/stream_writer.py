@@ -17,7 +17,8 @@ The write is what the server's own ``send`` does for an ``http.response.body`` m
 for uvicorn's httptools protocol with chunked transfer encoding, a chunk's size line,
 the bytes and CRLF, with ``transport.write``. That is uvicorn's internal state (read from
 the versions ``pyproject.toml`` pins), so it is checked once per response, not assumed:
-``StreamWriter.of`` answers None for any other server, protocol or framing (a test
+``open`` stays closed (``StreamWriter.of``, for a response already started, answers None)
+for any other server, protocol or framing (a test
 client, uvicorn's h11 protocol, a response without chunked encoding) and for a uvicorn
 whose cycle lacks one of the fields it reads or has it of another type, and the
 response then goes through ``send`` alone. The writer is ``ready`` only while the
@@ -51,7 +52,8 @@ def capture_server_send(scope: Scope, send: Send) -> None:
 class StreamWriter:
     """Writes the plain chunks of one chunked HTTP/1.1 response on uvicorn's transport."""
 
-    __slots__ = ("_scope", "_cycle", "_flow", "_transport", "_output", "_head", "_tail")
+    __slots__ = ("_scope", "_cycle", "_flow", "_transport", "_output", "_head", "_tail",
+                 "accepting")
 
     def __init__(self, scope: Scope, cycle: Any = None) -> None:
         """The sink of ``scope``'s response (it knows its server's cycle once ``open``)."""
@@ -62,6 +64,7 @@ class StreamWriter:
         if cycle is not None:
             self._attach(cycle)
         self._output: RequestOutput | None = None  # set while open
+        self.accepting = False  # ``ChunkSink.accepting``: open
         self._head = self._tail = b""
 
     @classmethod
@@ -84,10 +87,12 @@ class StreamWriter:
             self._attach(cycle)
         self._head, self._tail = frame
         self._output = output
+        self.accepting = True
 
     def close(self) -> None:
         """Take no more chunks: the body stops reading (however it stops)."""
         self._output = None
+        self.accepting = False
 
     def offer(self, chunk: TokenChunk) -> bool:
         """``ChunkSink.offer``: consume and write ``chunk`` now, or decline it untouched."""

@@ -26,7 +26,8 @@ The limits' state is in a ``TenantLedger`` (``ledger.py``), shared by every proc
 ``--processes N`` (``edge.tenant_ledger``): the limits hold exactly across them.
 
 Nothing is done per streamed token: the counts are read from the outputs at the end,
-whichever path (express lane or not) carried the tokens.
+whichever way (the request's task, or its stream writer from the session's reader)
+carried the tokens.
 """
 
 from __future__ import annotations
