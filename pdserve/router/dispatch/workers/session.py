@@ -247,6 +247,7 @@ class RouterSession:
                     streams: dict[int, SessionStream], nonce: str,
                     proven: asyncio.Event) -> None:
         error = SessionCallError("UNAVAILABLE", "the worker ended the session")
+        answered = False  # a batch came: the worker was reached
         try:
             if self._auth is not None and not proven.is_set():
                 reason = await self._proof(self._auth, call, nonce)
@@ -256,12 +257,20 @@ class RouterSession:
                 if not call.done():
                     proven.set()  # now the requests may go
             while (batch := await call.read()) is not _EOF:
+                answered = True
                 for output in batch.outputs:
                     stream = streams.get(output.stream_id)
                     if stream is not None:
                         stream.offer(output)
         except grpc.aio.AioRpcError as exc:
             error = SessionCallError(exc.code().name, exc.details() or "")
+            if exc.code() == grpc.StatusCode.INTERNAL and not answered:
+                # grpc ends a call INTERNAL ("Internal error from Core") when the transport
+                # goes with a write in flight: a worker that went away as the session
+                # opened, never one that answered. Unreachable, as a refused connect is.
+                error = SessionCallError(
+                    "UNAVAILABLE", f"the session failed before the worker answered: "
+                    f"{exc.details() or 'INTERNAL'}")
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED and proven.is_set():
                 self.unsupported = True  # a worker that proved itself says it has no Session
             elif exc.code() == grpc.StatusCode.UNAUTHENTICATED and self._auth is not None:
