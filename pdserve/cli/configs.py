@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from pdserve.worker.config import WorkerConfig
     from pdserve.worker.engine import EngineConfig, Role
     from pdserve.worker.metrics import MetricsListener
-    from pdserve.worker.sim_engine import SimConfig
+    from pdserve.worker.sim.engine import SimConfig
 
 
 # ---- shared by several subcommands ----------------------------------------------------
@@ -246,7 +246,7 @@ def worker_config(args: argparse.Namespace, model: ResolvedModel) -> WorkerConfi
 
 def sim_config(args: argparse.Namespace) -> SimConfig:
     """From the ``sim-worker`` subcommand's flags."""
-    from pdserve.worker.sim_engine import SimConfig
+    from pdserve.worker.sim.engine import SimConfig
 
     return SimConfig(
         role=args.role, worker_id=args.worker_id or f"sim-{args.role}-{uuid.uuid4().hex[:8]}",

@@ -27,7 +27,7 @@ from pdserve.worker.host import EngineHost
 from pdserve.worker.metrics import MetricsListener, start_worker_metrics
 from pdserve.worker.policy import RolePolicy
 from pdserve.worker.servicer import start_worker_server
-from pdserve.worker.vllm_engine import VllmEngine
+from pdserve.worker.vllm.engine import VllmEngine
 
 logger = logging.getLogger("pdserve.worker")
 DEFAULT_DRAIN_TIMEOUT_S = 30.0

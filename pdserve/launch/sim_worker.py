@@ -29,7 +29,7 @@ from pdserve.worker.host import EngineHost
 from pdserve.worker.metrics import MetricsListener, start_worker_metrics
 from pdserve.worker.policy import RolePolicy
 from pdserve.worker.servicer import WorkerServer, start_worker_server
-from pdserve.worker.sim_engine import SimConfig, SimEngine
+from pdserve.worker.sim.engine import SimConfig, SimEngine
 
 logger = logging.getLogger("pdserve.sim_worker")
 

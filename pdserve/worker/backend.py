@@ -22,7 +22,7 @@ from pdserve.core.types import (
 from pdserve.core.weight_calls import WeightCall
 
 if TYPE_CHECKING:
-    from pdserve.worker.kv_mirror import KvCacheMirror
+    from pdserve.worker.kv.mirror import KvCacheMirror
 
 ErrorKind = Literal[
     "invalid_argument", "failed_precondition", "unavailable", "unimplemented", "internal",
@@ -62,7 +62,7 @@ class WeightsBackend(Protocol):
 
 
 class LoraBackend(Protocol):
-    """A worker's LoRA adapters (``pdserve.worker.lora``). Errors: ``ValueError`` for a
+    """A worker's LoRA adapters (``pdserve.worker.lora.adapters``). Errors: ``ValueError`` for a
     folder the engine cannot load, ``WorkerError`` otherwise (``unimplemented`` where it
     serves none)."""
 

@@ -53,7 +53,7 @@ def default_advertise_host(host: str) -> str:
 
 def kv_event_endpoints(worker_id: str) -> tuple[str, str]:
     """Where a worker's engine publishes its KV events (and answers replays)."""
-    from pdserve.worker.vllm_kv_events import KvEventEndpoints
+    from pdserve.worker.vllm.kv_events import KvEventEndpoints
 
     # Socket files live in the shared temp dir: two workers of one id (two `pdserve up`
     # on a machine) must not share them.

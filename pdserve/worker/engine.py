@@ -21,8 +21,8 @@ from pdserve.core.types import Role, SamplingSpec, TokenLogprobs, WeightsStaged
 from pdserve.core.weight_calls import WeightCall
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.worker.engine_tmp import engine_tmp_dir
-from pdserve.worker.kv_mirror import KvCacheMirror
-from pdserve.worker.lora import LoadedLora
+from pdserve.worker.kv.mirror import KvCacheMirror
+from pdserve.worker.lora.adapters import LoadedLora
 
 # ``pdserve.worker.output_in_prompt:OutputInPromptPenalties``, named here so that the
 # frontend does not import it (it imports torch); vLLM loads it in the engine.
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 CONNECTOR_MODULE = "pdserve.kv_transfer.connector"
 # Methods vLLM adds to its Worker for in-place updates from a checkpoint folder.
-WORKER_EXTENSION = "pdserve.worker.weights_ext.WeightsExtension"
+WORKER_EXTENSION = "pdserve.worker.vllm.weights_ext.WeightsExtension"
 logger = logging.getLogger("pdserve.worker")
 # vLLM's weight-transfer engines, for weights a trainer pushes (both need GPUs).
 WEIGHT_TRANSFER_BACKENDS = ("nccl", "ipc", "gloo")
@@ -63,7 +63,7 @@ class EngineConfig:
     # Publish vLLM's KV cache events on these ZMQ endpoints (pub, replay); the host
     # mirrors them for the routers' prefix index, whatever the role (None: no events).
     kv_events: tuple[str, str] | None = None
-    # vLLM's shared-memory readers' busy-wait (pdserve.worker.vllm_plugin); None: 0 on
+    # vLLM's shared-memory readers' busy-wait (pdserve.worker.vllm.plugin); None: 0 on
     # CPU (or PDSERVE_VLLM_SHM_SPIN_S), vLLM's own on GPU.
     shm_spin_s: float | None = None
     # The per-step prefill-token budget of one request while others run (vLLM's
@@ -182,7 +182,7 @@ class Engine(Protocol):
         or fails. Blocking: called off the event loop."""
         ...
 
-    # ---- LoRA adapters (``pdserve.worker.lora``) ----
+    # ---- LoRA adapters (``pdserve.worker.lora.adapters``) ----
 
     async def add_lora(self, lora: LoadedLora) -> None:
         """Load ``lora`` into the engine now; ``ValueError`` for a folder it refuses."""
@@ -260,14 +260,14 @@ def _stat_logger_factory(counters: EngineCounters) -> Any:
 def _quiet_shm_spin(spin_s: float | None) -> None:
     """The engine's processes busy-wait ``spin_s`` between messages (None: not at all
     on CPU, where the compute threads need the cores; vLLM's own 1 s on GPU), and their
-    wake-up pings are never lost (``pdserve.worker.vllm_plugin``). An explicit
+    wake-up pings are never lost (``pdserve.worker.vllm.plugin``). An explicit
     ``PDSERVE_VLLM_SHM_SPIN_S`` wins over the CPU default. Applied here too: forked
     engine processes inherit it even where the plugin's entry point is shadowed (a
     stale ``pdserve.egg-info`` in the working directory); spawned ones inherit the
     variable and the plugin applies it there."""
     from vllm.platforms import current_platform
 
-    from pdserve.worker.vllm_plugin import SPIN_ENV, register
+    from pdserve.worker.vllm.plugin import SPIN_ENV, register
 
     if spin_s is not None:
         os.environ[SPIN_ENV] = repr(spin_s)

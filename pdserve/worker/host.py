@@ -34,13 +34,13 @@ from pdserve.kv_transfer.handoff_codec import STATS as ENCODED_STATS
 from pdserve.kv_transfer.reported import STORE_STATS, TIER_STATS
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import Engine, EngineConfig, EngineCounters, EngineStep
-from pdserve.worker.lora_host import LoraHost
+from pdserve.worker.lora.host import LoraHost
 from pdserve.worker.policy import AdmissionAborted, RolePolicy
 from pdserve.worker.timing import PhaseClock
 from pdserve.worker.weights import WeightsState
 
 if TYPE_CHECKING:
-    from pdserve.worker.kv_mirror import KvCacheMirror
+    from pdserve.worker.kv.mirror import KvCacheMirror
 
 logger = logging.getLogger("pdserve.worker")
 EngineFactory = Callable[[EngineConfig, EngineCounters], Engine]
@@ -218,7 +218,7 @@ class EngineHost:
         released = await self.policy.release(request_id)
         return found or released
 
-    # ---- LoRA adapters (``pdserve.worker.lora_host``) --------------------------------
+    # ---- LoRA adapters (``pdserve.worker.lora.host``) --------------------------------
 
     async def start_loras(self) -> None:
         await self.lora.start()

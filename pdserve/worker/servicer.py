@@ -31,8 +31,8 @@ from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 from pdserve.proto.pdserve.v1 import worker_pb2_grpc as pb_grpc
 from pdserve.proto.weight_calls import weight_call_from_pb
 from pdserve.worker.backend import ErrorKind, WorkerBackend, WorkerError
-from pdserve.worker.kv_mirror import KvCacheMirror
-from pdserve.worker.kv_relay import kv_changes, kv_snapshot
+from pdserve.worker.kv.mirror import KvCacheMirror
+from pdserve.worker.kv.relay import kv_changes, kv_snapshot
 from pdserve.worker.lifecycle import ServingState
 from pdserve.worker.session import RequestFailed, WorkerSession
 

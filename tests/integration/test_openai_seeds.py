@@ -1,7 +1,7 @@
 """Seeded sampling under load on the shared tcp cluster: RL rollouts send a ``seed``
 with every sample, many at once. The decode worker then computes their prompts in
 chunks beside each other (its step budget), and vLLM on CPU used to die there (its
-rewind of a seeded request's generator, ``pdserve.worker.vllm_plugin``). Every request
+rewind of a seeded request's generator, ``pdserve.worker.vllm.plugin``). Every request
 succeeds, and a seeded request's text does not depend on what ran beside it."""
 
 from __future__ import annotations

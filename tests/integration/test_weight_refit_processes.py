@@ -9,7 +9,7 @@ kernel spreads connections over the processes' shared port).
   (``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights`` in two
   rounds, ``finish_weight_update``): the bodies become ``EngineWeightCall``'s typed
   messages, the worker hands them to vLLM's ``AsyncLLM``, and vLLM's worker runs its
-  weight-transfer engine (pdserve's gloo one, ``worker/gloo_transfer.py``: vLLM's own
+  weight-transfer engine (pdserve's gloo one, ``worker/vllm/gloo_transfer.py``: vLLM's own
   nccl and ipc engines need CUDA), which receives each tensor the trainer broadcasts and
   loads it with vLLM's layerwise reload. Greedy output then equals one engine loaded
   from that checkpoint, under the version the finish named, through both processes.
@@ -146,7 +146,7 @@ def test_a_trainer_pushes_tensors_through_the_router_into_a_cpu_engine(
         on_original: Fleet, checkpoints: Checkpoints) -> None:
     from safetensors.torch import load_file
 
-    from pdserve.worker.gloo_transfer import GlooTrainer
+    from pdserve.worker.vllm.gloo_transfer import GlooTrainer
 
     fleet, server, admin = on_original, on_original.server, on_original.admin
     requests, expected = checkpoints.requests, checkpoints.refs[PERTURBED]

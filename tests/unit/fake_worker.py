@@ -40,7 +40,7 @@ from pdserve.core.types import (
 )
 from pdserve.core.weight_calls import WeightCall
 from pdserve.worker.backend import WorkerError
-from pdserve.worker.kv_mirror import KvCacheMirror
+from pdserve.worker.kv.mirror import KvCacheMirror
 from pdserve.worker.servicer import STATUS_OF_KIND, WorkerServer, start_worker_server
 
 _KIND_OF_STATUS = {code: kind for kind, code in STATUS_OF_KIND.items()}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.worker.gloo_transfer import GlooTrainer
+from pdserve.worker.vllm.gloo_transfer import GlooTrainer
 
 TENSORS = {"a.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3),
            "b.bias": torch.tensor([1.5, -2.0], dtype=torch.bfloat16)}

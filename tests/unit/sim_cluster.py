@@ -28,7 +28,7 @@ from pdserve.router.dispatch.prefix.routing import PrefixRouting
 from pdserve.router.dispatch.weight_board import WeightBoard
 from pdserve.router.dispatch.workers.pool import WorkerPool
 from pdserve.worker.servicer import start_worker_server
-from pdserve.worker.sim_engine import SimConfig, SimEngine
+from pdserve.worker.sim.engine import SimConfig, SimEngine
 
 
 async def start_sim_worker(config: SimConfig, host: str = "127.0.0.1", port: int = 0,

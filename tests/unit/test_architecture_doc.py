@@ -8,7 +8,7 @@ the pieces,
   file name) ending in ``.py`` (``router/dispatch/phases.py``, ``kv_transfer/tiers/``,
   ``bench/results/compare-prefill-admission*``, ``plan.py``). A last segment
   ``module.name`` whose suffix is no file suffix names ``module.py`` and a name defined
-  there (``worker/lora.LoraRuns``). Not paths: placeholders in capitals
+  there (``worker/lora/adapters.LoraRuns``). Not paths: placeholders in capitals
   (``DIR/checkpoints.json``), URLs, HTTP routes (a leading ``/``), bare file names of
   other kinds (``workers.json``, an example's);
 - a dotted name whose first part is ``pdserve`` or one of its packages
@@ -169,7 +169,7 @@ def test_the_check_finds_names_in_each_form_the_page_uses() -> None:
     for example in ("pdserve/worker/servicer.py", "router/dispatch/phases.py",
                     "worker/session.py", "router/dispatch/workers/session.py",
                     "dispatch/migration.py", "pdserve.core.types",
-                    "core.block_hash.tier_hashes", "worker/lora.LoraRuns", "plan.py",
+                    "core.block_hash.tier_hashes", "worker/lora/adapters.LoraRuns", "plan.py",
                     "kv_transfer/tiers/policy.py", "pdserve/kv_transfer/remote/"):
         assert example in found, example
     for not_a_module in ("/metrics", "DIR/checkpoints.json", "SamplingParams.lora_name",

@@ -370,7 +370,7 @@ def test_disagg_proxy_prefills_one_token_then_streams_decode_with_its_kv_params(
 
 def test_the_tuned_baseline_gets_pdserves_engine_tuning_and_stock_does_not() -> None:
     from pdserve.worker.config import prefill_chunk_default
-    from pdserve.worker.vllm_plugin import SPIN_ENV
+    from pdserve.worker.vllm.plugin import SPIN_ENV
 
     tuned = vllm_aggregated(SETTINGS, 9000, "vllm-tuned", tuned=True).procs[0]
     stock = vllm_aggregated(SETTINGS, 9001).procs[0]

@@ -27,7 +27,7 @@ from pdserve.router.dispatch.policies.disagg import DisaggConfig
 from pdserve.router.server import RouterConfig
 from pdserve.worker.config import prefill_chunk_default, prefill_max_running_default
 from pdserve.worker.engine import EngineConfig
-from pdserve.worker.sim_engine import SimConfig
+from pdserve.worker.sim.engine import SimConfig
 
 MODEL = ResolvedModel(Path("/models/tiny"), "tiny")
 

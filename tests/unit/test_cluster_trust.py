@@ -44,7 +44,7 @@ from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient
 from pdserve.router.dispatch.workers.pool import WorkerPool
 from pdserve.worker.host import EngineHost
 from pdserve.worker.servicer import ServingState, WorkerServicer, start_worker_server
-from pdserve.worker.sim_engine import SimConfig, SimEngine
+from pdserve.worker.sim.engine import SimConfig, SimEngine
 
 SECRET = ClusterSecret(b"the-cluster-secret-0123456789")
 OTHER = ClusterSecret(b"a-stranger-secret-9876543210")

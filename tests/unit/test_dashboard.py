@@ -24,7 +24,7 @@ from unit.test_worker_metrics import COUNTERS, GAUGES, TIER_COUNTERS
 
 from pdserve.router.dispatch.policies.disagg import DisaggConfig
 from pdserve.router.server import Router, RouterConfig, build_router
-from pdserve.worker.sim_engine import SimConfig
+from pdserve.worker.sim.engine import SimConfig
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "pdserve.json"
 # What a worker's /metrics exports besides vLLM's (pdserve/worker, the connector's): the

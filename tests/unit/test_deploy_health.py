@@ -17,7 +17,7 @@ from pdserve.cli.main import main
 from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.launch.sim_worker import sim_host
 from pdserve.worker.servicer import start_worker_server
-from pdserve.worker.sim_engine import SimConfig
+from pdserve.worker.sim.engine import SimConfig
 
 
 class _Server(http.server.ThreadingHTTPServer):

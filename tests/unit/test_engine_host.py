@@ -33,7 +33,7 @@ from pdserve.roles.prefill.policy import PrefillPolicy
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import EngineConfig, EngineCounters, EngineParams, EngineStep
 from pdserve.worker.host import EngineHost
-from pdserve.worker.kv_mirror import KvCacheMirror
+from pdserve.worker.kv.mirror import KvCacheMirror
 from pdserve.worker.policy import RolePolicy
 
 PROMPT = (11, 12, 13, 14)

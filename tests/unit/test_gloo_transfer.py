@@ -1,4 +1,4 @@
-"""pdserve's gloo weight-transfer engine (``worker/gloo_transfer.py``) without an engine:
+"""pdserve's gloo weight-transfer engine (``worker/vllm/gloo_transfer.py``) without an engine:
 the worker side's ``receive_weights`` takes what a trainer in another process
 broadcasts over a real gloo group and hands each tensor, by name, to the model's
 ``load_weights``; a dtype name that is not a torch dtype is refused before anything
@@ -15,14 +15,14 @@ import torch
 from unit.gloo_trainer import TENSORS, trainer_main
 
 from pdserve.core.ports import free_port
-from pdserve.worker.gloo_transfer import (
+from pdserve.worker.vllm.gloo_transfer import (
     GlooTrainer,
     GlooWeightTransferEngine,
     GlooWeightTransferInitInfo,
     GlooWeightTransferUpdateInfo,
     dtype_of,
 )
-from pdserve.worker.vllm_plugin import register_gloo_transfer
+from pdserve.worker.vllm.plugin import register_gloo_transfer
 
 
 class RecordingModel:

@@ -21,7 +21,7 @@ from pdserve.launch.up import UpConfig, plan
 from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient, probe_health
 from pdserve.router.dispatch.workers.pool import WorkerPool
 from pdserve.router.server import RouterConfig
-from pdserve.worker.sim_engine import SimConfig
+from pdserve.worker.sim.engine import SimConfig
 
 RIGHT = ClusterSecret(b"the-cluster-secret-0123456789")
 WRONG = ClusterSecret(b"another-cluster-secret-98765")

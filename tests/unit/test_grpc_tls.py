@@ -20,7 +20,7 @@ from pdserve.cli.health import probe as health_probe
 from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.grpc_tls import GrpcTls, TlsFiles
 from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient, probe_health
-from pdserve.worker.sim_engine import SimConfig
+from pdserve.worker.sim.engine import SimConfig
 
 SECRET = ClusterSecret(b"the-cluster-secret-0123456789")
 

@@ -20,9 +20,9 @@ from pdserve.membership.static import static_infos
 from pdserve.router.dispatch.prefix.index import PrefixIndex
 from pdserve.router.dispatch.prefix.kv_feed import KvIndexFeeder
 from pdserve.router.dispatch.workers.pool import Worker
-from pdserve.worker.kv_mirror import KvCacheMirror
-from pdserve.worker.sim_engine import SimConfig
-from pdserve.worker.vllm_kv_events import VllmEventTranslator, remove_stale_sockets
+from pdserve.worker.kv.mirror import KvCacheMirror
+from pdserve.worker.sim.engine import SimConfig
+from pdserve.worker.vllm.kv_events import VllmEventTranslator, remove_stale_sockets
 
 BS = 4
 TOKENS = list(range(100, 100 + 6 * BS))

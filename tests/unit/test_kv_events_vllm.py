@@ -11,8 +11,8 @@ import uuid
 from pdserve_testing import wait_until_async
 
 from pdserve.core.block_hash import chain_hashes
-from pdserve.worker.kv_mirror import KvCacheMirror
-from pdserve.worker.vllm_kv_events import KvEventEndpoints, ZmqKvEventSource
+from pdserve.worker.kv.mirror import KvCacheMirror
+from pdserve.worker.vllm.kv_events import KvEventEndpoints, ZmqKvEventSource
 
 BS = 16
 

@@ -18,7 +18,7 @@ from pdserve.core.block_hash import (
 from pdserve.core.lora import LoraAdapter, adapter_salt, split_adapter_salt
 from pdserve.kv_transfer.remote.engine_identity import for_request
 from pdserve.kv_transfer.remote.names import KVIdentity
-from pdserve.worker.vllm_kv_events import VllmEventTranslator
+from pdserve.worker.vllm.kv_events import VllmEventTranslator
 
 BS = 16
 IDENTITY = KVIdentity(model_fingerprint="f", weight_version="default", kv_dtype="float32",

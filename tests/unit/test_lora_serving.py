@@ -25,7 +25,7 @@ from pdserve.router.http.openai.schemas import CompletionRequest
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import EngineConfig, EngineParams, EngineStep
 from pdserve.worker.host import EngineHost
-from pdserve.worker.lora import LoadedLora
+from pdserve.worker.lora.adapters import LoadedLora
 
 SQL = LoraAdapter("sql", "/adapters/sql")
 

@@ -1,4 +1,4 @@
-"""What a worker asks of vLLM per call (``worker/vllm_engine.py``). Output that reaches a
+"""What a worker asks of vLLM per call (``worker/vllm/engine.py``). Output that reaches a
 decode engine inside its prompt is penalized as output
 (``pdserve/worker/output_in_prompt.py``): our logits processor, then vLLM's own
 penalties over the shorter output, give exactly vLLM's penalties over the whole output.
@@ -72,7 +72,7 @@ def test_engines_do_not_detokenize() -> None:
     """The router owns text: every call asks vLLM for token ids alone (logprobs too)."""
     from pdserve.core.types import SamplingSpec
     from pdserve.worker.engine import EngineParams
-    from pdserve.worker.vllm_engine import to_sampling_params
+    from pdserve.worker.vllm.engine import to_sampling_params
 
     params = to_sampling_params(SamplingSpec(max_tokens=8, temperature=0.0, logprobs=2),
                                 EngineParams(max_tokens=8, prompt_logprobs=1), [1, 2, 3])

@@ -32,7 +32,7 @@ from pdserve.router.dispatch.policies.planner import (
 from pdserve.router.dispatch.policies.slo import SloConfig
 from pdserve.router.dispatch.workers.pool import WorkerPool
 from pdserve.router.dispatch.workers.state import StepCost
-from pdserve.worker.sim_engine import SimConfig
+from pdserve.worker.sim.engine import SimConfig
 
 # A CPU engine's shape: 40 ms decode step, +1 ms per sequence, 1 ms per prompt token.
 COST = StepCost(0.040, 0.001, 0.001, True, True)

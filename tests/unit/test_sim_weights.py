@@ -34,7 +34,7 @@ from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.host import EngineHost
 from pdserve.worker.servicer import start_worker_server
-from pdserve.worker.sim_engine import SimConfig
+from pdserve.worker.sim.engine import SimConfig
 
 PROMPT = (3, 1, 4, 1, 5, 9, 2, 6)
 

@@ -41,7 +41,7 @@ from pdserve.router.dispatch.workers.pool import WorkerPool
 from pdserve.router.dispatch.workers.state import StepCost, WorkerLoad, WorkerState
 from pdserve.worker.engine import EngineConfig
 from pdserve.worker.host import EngineHost
-from pdserve.worker.vllm_kv_events import VllmEventTranslator
+from pdserve.worker.vllm.kv_events import VllmEventTranslator
 
 BS = 16
 PROMPT = list(range(5000, 5000 + 10 * BS + 5))  # 10 full blocks + 5 tokens

@@ -29,7 +29,7 @@ from pdserve.core.types import PhaseOutput, PhaseRequest
 from pdserve.launch.sim_worker import sim_role_policy
 from pdserve.worker.host import EngineHost
 from pdserve.worker.servicer import WorkerServer, start_worker_server
-from pdserve.worker.sim_engine import SimConfig, SimEngine
+from pdserve.worker.sim.engine import SimConfig, SimEngine
 
 PY = (sys.executable, "-m", "pdserve.cli.main")
 MODEL = "SmolLM2-135M-Instruct"

@@ -28,7 +28,7 @@ from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.membership.etcd import close_client, etcd_client
 from pdserve.membership.local_etcd import LocalEtcd
 from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient, probe_health
-from pdserve.worker.sim_engine import SimConfig
+from pdserve.worker.sim.engine import SimConfig
 
 SECRET = ClusterSecret(b"the-cluster-secret-0123456789")
 REFUSED_S = 5.0  # a refused handshake fails at once; this only bounds a hang

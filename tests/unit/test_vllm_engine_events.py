@@ -10,10 +10,10 @@ from typing import Any, cast
 import pytest
 
 from pdserve.kv_transfer.config import ConnectorConfig
-from pdserve.worker import vllm_engine
-from pdserve.worker.kv_mirror import KvCacheMirror
-from pdserve.worker.kv_status import ConnectorStatus
-from pdserve.worker.vllm_kv_events import KvEventEndpoints
+from pdserve.worker.kv.mirror import KvCacheMirror
+from pdserve.worker.vllm import engine as vllm_engine
+from pdserve.worker.vllm.kv_events import KvEventEndpoints
+from pdserve.worker.vllm.kv_status import ConnectorStatus
 
 
 def test_vllms_kv_events_are_mirrored_from_its_endpoints_until_it_shuts_down(

@@ -22,7 +22,7 @@ from vllm.plugins import load_plugins_by_group
 from vllm.utils.network_utils import get_open_zmq_ipc_path
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from pdserve.worker import vllm_plugin
+from pdserve.worker.vllm import plugin as vllm_plugin
 
 ROUNDS = 100
 VLLM_RECHECK_MS = 5000  # vLLM's SHM_READER_RECHECK_INTERVAL_MS

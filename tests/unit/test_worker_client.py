@@ -19,7 +19,7 @@ from pdserve.router.dispatch.workers.client import (
     probe_health,
     probe_load,
 )
-from pdserve.worker.sim_engine import SimConfig
+from pdserve.worker.sim.engine import SimConfig
 
 
 async def test_client_speaks_domain_types() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.worker.kv_status import kv_status_host
+from pdserve.worker.vllm.kv_status import kv_status_host
 
 
 @pytest.mark.parametrize(("bind", "advertised", "tls", "want"), [

@@ -41,7 +41,6 @@ from pdserve.router.dispatch.workers.client import WorkerClient
 from pdserve.worker.backend import WorkerBackend
 from pdserve.worker.engine import EngineConfig
 from pdserve.worker.host import EngineHost
-from pdserve.worker.kv_status import ConnectorStatus
 from pdserve.worker.metrics import (
     MetricsListener,
     MetricsServer,
@@ -50,7 +49,8 @@ from pdserve.worker.metrics import (
     start_worker_metrics,
 )
 from pdserve.worker.servicer import WorkerServer, start_worker_server
-from pdserve.worker.sim_engine import SimConfig
+from pdserve.worker.sim.engine import SimConfig
+from pdserve.worker.vllm.kv_status import ConnectorStatus
 
 COUNTERS = ("kv_transfers_completed", "kv_transfers_failed", "kv_transfer_bytes_sent",
             "kv_transfer_bytes_received", "kv_transfer_seconds", "kv_loads", "kv_load_seconds",

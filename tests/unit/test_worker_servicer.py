@@ -26,7 +26,7 @@ from pdserve.core.types import (
 )
 from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient
 from pdserve.worker.backend import WorkerError
-from pdserve.worker.kv_mirror import KvCacheMirror
+from pdserve.worker.kv.mirror import KvCacheMirror
 from pdserve.worker.servicer import start_worker_server
 
 HANDLE = KVHandle("p0", "r1-x", (3, 4), 4, "tcp", "127.0.0.1", 7001, "x-1", 123, pushed=True)

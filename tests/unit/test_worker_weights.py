@@ -16,7 +16,7 @@ from pdserve.roles.decode.policy import DecodePolicy
 from pdserve.roles.prefill.policy import PrefillPolicy
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import EngineStep
-from pdserve.worker.weights_ext import StagingError, check_checkpoint
+from pdserve.worker.vllm.weights_ext import StagingError, check_checkpoint
 from tests.unit.test_engine_host import FakeEngine, Released, handle, request, run, started
 
 

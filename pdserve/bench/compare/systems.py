@@ -43,7 +43,7 @@ OWNED_UP_FLAGS = ("--model", "--dtype", "--kv-cache-gib", "--max-model-len", "--
 # vLLM gets the same cap so batches are alike.
 MAX_NUM_SEQS = 64
 # NIXL's progress thread polls with this delay in vLLM's engines instead of spinning a
-# core (pdserve's vLLM plugin; see pdserve/worker/vllm_plugin.py).
+# core (pdserve's vLLM plugin; see pdserve/worker/vllm/plugin.py).
 NIXL_DELAY_ENV = "PDSERVE_NIXL_PROGRESS_DELAY_US"
 NIXL_DELAY_US = 1000
 
@@ -144,7 +144,7 @@ def vllm_aggregated(s: EngineSettings, port: int, name: str = "vllm", tuned: boo
     argv, env = _vllm_argv(s, port), _vllm_env(s, s.all_cores)
     if tuned:
         from pdserve.worker.config import prefill_chunk_default
-        from pdserve.worker.vllm_plugin import SPIN_ENV
+        from pdserve.worker.vllm.plugin import SPIN_ENV
 
         argv += ["--long-prefill-token-threshold", str(prefill_chunk_default(None))]
         env[SPIN_ENV] = "0"

@@ -27,7 +27,7 @@ from pdserve.router.dispatch.workers.client import (
 )
 
 # ABORTED: the worker serves the request's LoRA adapter from another folder (a refit
-# half done, ``worker/lora.py``): the request runs elsewhere, the worker is sound.
+# half done, ``worker/lora/adapters.py``): the request runs elsewhere, the worker is sound.
 NOT_THE_WORKERS = frozenset({INVALID_ARGUMENT, CANCELLED, DEADLINE_EXCEEDED, ABORTED})
 
 

@@ -46,7 +46,7 @@ KNOWN_FIELDS: dict[tuple[str, str], frozenset[str]] = {
     ("nccl", "init_info"): _RENDEZVOUS | {"nccl_unique_id_b64", "packed",
                                           "packed_buffer_size_bytes", "packed_num_buffers"},
     ("nccl", "update_info"): _TENSORS,
-    # pdserve's own backend for CPUs (worker/gloo_transfer.py): nccl's unpacked protocol.
+    # pdserve's own backend for CPUs (worker/vllm/gloo_transfer.py): nccl's unpacked protocol.
     ("gloo", "init_info"): _RENDEZVOUS,
     ("gloo", "update_info"): _TENSORS,
     ("ipc", "init_info"): frozenset({"packed"}),

@@ -3,7 +3,7 @@
 with the real role policies (``pdserve.roles``), as it hosts vLLM's.
 
 It models what placement cares about: a prefix cache of ``num_blocks`` blocks with LRU
-eviction (``sim_cache.py``: named by pdserve's chained hashes, its KV events the same
+eviction (``cache.py``: named by pdserve's chained hashes, its KV events the same
 shape as a vLLM worker's), prompt time proportional to the uncached prompt tokens (one
 prompt at a time, like one engine's compute), and decode time per token. A request whose
 KV a prefill handed over (``do_remote_prefill``) loads it in no modelled time; one that
@@ -30,9 +30,9 @@ from pdserve.core.types import Role, SamplingSpec, WeightsStaged
 from pdserve.core.weight_calls import WeightCall, version_set_by
 from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.worker.engine import EngineConfig, EngineCounters, EngineParams, EngineStep
-from pdserve.worker.kv_mirror import KvCacheMirror
-from pdserve.worker.lora import LoadedLora
-from pdserve.worker.sim_cache import SimPrefixCache, StepClock
+from pdserve.worker.kv.mirror import KvCacheMirror
+from pdserve.worker.lora.adapters import LoadedLora
+from pdserve.worker.sim.cache import SimPrefixCache, StepClock
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The simulated engine's parts (``sim_engine.py``): its prefix cache, and the shared step
+"""The simulated engine's parts (``engine.py``): its prefix cache, and the shared step
 clock of its lockstep decodes.
 
 The cache holds ``num_blocks`` blocks named by pdserve's chained hashes, evicts the least
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from pdserve.core.block_hash import chain_hashes, salt_root
 from pdserve.worker.engine import EngineCounters
-from pdserve.worker.kv_mirror import KvCacheMirror
+from pdserve.worker.kv.mirror import KvCacheMirror
 
 
 class SimPrefixCache:

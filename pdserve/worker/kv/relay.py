@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 
 from pdserve.core.types import KvChange, KvSnapshot
-from pdserve.worker.kv_mirror import KvCacheMirror
+from pdserve.worker.kv.mirror import KvCacheMirror
 
 HEARTBEAT_S = 2.0
 

@@ -28,11 +28,11 @@ from pdserve.worker.engine import (
     EngineStep,
     build_engine,
 )
-from pdserve.worker.kv_mirror import KvCacheMirror
-from pdserve.worker.kv_status import ConnectorStatus
-from pdserve.worker.lora import LoadedLora
-from pdserve.worker.vllm_kv_events import KvEventEndpoints, KvEventMirroring
-from pdserve.worker.weights_ext import check_checkpoint
+from pdserve.worker.kv.mirror import KvCacheMirror
+from pdserve.worker.lora.adapters import LoadedLora
+from pdserve.worker.vllm.kv_events import KvEventEndpoints, KvEventMirroring
+from pdserve.worker.vllm.kv_status import ConnectorStatus
+from pdserve.worker.vllm.weights_ext import check_checkpoint
 
 logger = logging.getLogger("pdserve.worker")
 

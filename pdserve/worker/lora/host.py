@@ -1,4 +1,4 @@
-"""A worker's LoRA adapters in its engine (``EngineHost``'s part, ``lora.py`` says what
+"""A worker's LoRA adapters in its engine (``EngineHost``'s part, ``adapters.py`` says what
 an adapter is to a worker): the adapters it starts with loaded before it serves, then
 loads and unloads one at a time (a replay and an admin load may cross); a refit's old
 folder and an unloaded adapter leave the engine only once the requests running under
@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from pdserve.core.lora import LoraAdapter, LoraConfig
 from pdserve.worker.engine import Engine
-from pdserve.worker.lora import LORA_DRAIN_S, LoadedLora, LoraRuns, LoraTable
+from pdserve.worker.lora.adapters import LORA_DRAIN_S, LoadedLora, LoraRuns, LoraTable
 
 logger = logging.getLogger("pdserve.worker")
 

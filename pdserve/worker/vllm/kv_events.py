@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.core.block_hash import chain_hashes, salt_root
-from pdserve.worker.kv_mirror import KvCacheMirror
+from pdserve.worker.kv.mirror import KvCacheMirror
 
 logger = logging.getLogger("pdserve.worker.kv_events")
 _END_SEQ = -1

@@ -36,7 +36,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from pdserve.worker.weights_ext import refresh_embedding_kernels
+from pdserve.worker.vllm.weights_ext import refresh_embedding_kernels
 
 BACKEND = "gloo"
 # The longest a rendezvous or one broadcast waits for the other side.

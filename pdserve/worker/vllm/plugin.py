@@ -100,7 +100,7 @@ def register_gloo_transfer() -> None:
 
     try:
         WeightTransferEngineFactory.register_engine(
-            "gloo", "pdserve.worker.gloo_transfer", "GlooWeightTransferEngine")
+            "gloo", "pdserve.worker.vllm.gloo_transfer", "GlooWeightTransferEngine")
     except ValueError:  # registered by an earlier call in this process
         pass
 
