@@ -54,6 +54,7 @@ from pdserve.router.http.app import create_app
 from pdserve.router.http.edge.config import NEEDS_SECRET, EdgeConfig
 from pdserve.router.http.edge.drain import DrainingServer
 from pdserve.router.http.edge.pipelining import PipelinedHttpToolsProtocol
+from pdserve.router.http.openai.detokenize import byte_table
 from pdserve.router.http.openai.tool_calls import ToolCalling, ToolConfig
 from pdserve.router.http.openapi import ERROR_RESPONSES
 
@@ -196,6 +197,7 @@ def build_router(config: RouterConfig, tokenizer: Any) -> Router:
 
 async def serve_router(config: RouterConfig) -> None:
     tokenizer = load_tokenizer(config.model_path)
+    byte_table(tokenizer, True)  # built once, before the first request waits for it
     if config.log_timeline:  # its DEBUG lines pass the root's handlers, whatever its level
         logging.getLogger("pdserve.timeline").setLevel(logging.DEBUG)
     router = build_router(config, tokenizer)

@@ -7,7 +7,11 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer
+from tokenizers.decoders import Metaspace
+from tokenizers.models import BPE
 
+from pdserve.router.http.openai import detokenize
 from pdserve.router.http.openai.detokenize import IncrementalDetokenizer, StopStringMatcher
 
 TEXTS = [
@@ -114,15 +118,67 @@ class _PythonOnly:
         self.decode = tokenizer.decode
 
 
+def _window_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Detokenizers made from here on decode windows (no byte table)."""
+    monkeypatch.setattr(detokenize, "byte_table", lambda tokenizer, skip: None)
+
+
 @settings(max_examples=150, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ids=st.lists(st.integers(0, 49151), max_size=40), step=st.integers(1, 4),
        skip=st.booleans())
 def test_the_rust_stream_gives_the_python_algorithms_deltas(
-        tokenizer: Any, ids: list[int], step: int, skip: bool) -> None:
+        tokenizer: Any, monkeypatch: pytest.MonkeyPatch, ids: list[int], step: int,
+        skip: bool) -> None:
     """Any ids (special tokens, split characters, byte tokens): the same deltas, step by
-    step, from ``DecodeStream`` as from the two ``decode`` calls per token."""
-    rust = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
-    python = IncrementalDetokenizer(_PythonOnly(tokenizer), skip_special_tokens=skip)
+    step, from ``DecodeStream`` as from the two ``decode`` calls per token (a tokenizer
+    without a byte table: not byte-level BPE)."""
+    with monkeypatch.context() as patch:
+        _window_only(patch)
+        rust = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+        python = IncrementalDetokenizer(_PythonOnly(tokenizer), skip_special_tokens=skip)
     assert rust._stream is not None and python._stream is None
     assert stream(rust, ids, step) == stream(python, ids, step)
+
+
+def test_the_byte_table_holds_each_ids_text(tokenizer: Any) -> None:
+    """Every id of the vocabulary, special or not, decodes from its bytes to what the
+    tokenizer gives for it alone."""
+    tables = detokenize.byte_table(tokenizer, False), detokenize.byte_table(tokenizer, True)
+    assert tables[0] is not None and tables[1] is not None
+    (with_special, texts), (without, _) = tables
+    assert len(with_special) == len(without) == len(tokenizer)
+    for token_id, raw in enumerate(with_special):
+        assert raw.decode("utf-8", "replace") == tokenizer.decode([token_id]), token_id
+        assert without[token_id].decode("utf-8", "replace") == tokenizer.decode(
+            [token_id], skip_special_tokens=True), token_id
+        assert texts[token_id] in ("", tokenizer.decode([token_id]))
+    assert without[0] == b"" and with_special[0] == b"<|endoftext|>"
+    assert sum(map(bool, texts)) > 0.9 * len(texts)
+
+
+def test_a_tokenizer_that_is_not_byte_level_has_no_table(tokenizer: Any) -> None:
+    assert detokenize.byte_table(_PythonOnly(tokenizer), True) is None
+    metaspace = Tokenizer(BPE())
+    metaspace.decoder = Metaspace()
+    assert detokenize._byte_tables(metaspace) is None
+
+
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(0, 49151 + 3), max_size=40), step=st.integers(1, 4),
+       skip=st.booleans())
+def test_the_byte_table_gives_the_windows_deltas(
+        tokenizer: Any, monkeypatch: pytest.MonkeyPatch, ids: list[int], step: int,
+        skip: bool) -> None:
+    """Any ids (special tokens, split characters, invalid bytes, ids past the
+    vocabulary): the same deltas, step by step, from the byte table as from the Rust
+    window, and together the tokenizer's text."""
+    table = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+    with monkeypatch.context() as patch:
+        _window_only(patch)
+        window = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+    assert table._stream is None and window._stream is not None
+    by_table = stream(table, ids, step)
+    assert by_table == stream(window, ids, step)
+    assert "".join(by_table) == tokenizer.decode(ids, skip_special_tokens=skip)

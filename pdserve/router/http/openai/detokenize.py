@@ -11,6 +11,8 @@ stop token (``add(..., last_stops=True)``), as vLLM does.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,6 +70,68 @@ class StopStringMatcher:
         return longest
 
 
+def _byte_level_chars() -> dict[str, int]:
+    """The byte-level alphabet (GPT-2's ``bytes_to_unicode``): the character standing for
+    each byte in a byte-level BPE vocabulary."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars = {chr(b): b for b in printable}
+    others = (b for b in range(256) if b not in chars.values())
+    chars.update({chr(256 + n): b for n, b in enumerate(others)})
+    return chars
+
+
+# The bytes of each id, and the text of each id whose bytes are whole characters by
+# themselves ("" for any other).
+ByteTable = tuple[tuple[bytes, ...], tuple[str, ...]]
+
+
+@functools.lru_cache(maxsize=8)
+def _byte_tables(backend: Tokenizer) -> tuple[ByteTable, ByteTable] | None:
+    """``byte_table`` with and without special tokens, where ``backend``'s decoder is
+    ``ByteLevel`` alone; else None. That decoder maps each token by itself (its characters
+    through the byte-level alphabet, or, for one with a character outside it, its own
+    UTF-8) and decodes the bytes of all tokens as one lossy UTF-8 string: the bytes of each
+    id, built once, decode any ids exactly as ``backend.decode`` does."""
+    if json.loads(backend.to_str()).get("decoder", {}).get("type") != "ByteLevel":
+        return None
+    alphabet = _byte_level_chars()
+    table: list[bytes] = []
+    for token_id in range(backend.get_vocab_size(with_added_tokens=True)):
+        token = backend.id_to_token(token_id) or ""
+        if all(c in alphabet for c in token):
+            table.append(bytes(alphabet[c] for c in token))
+        else:
+            table.append(token.encode())
+    skipped = list(table)
+    for token_id, added in backend.get_added_tokens_decoder().items():
+        if added.special and token_id < len(skipped):
+            skipped[token_id] = b""
+    return (tuple(skipped), _whole_texts(skipped)), (tuple(table), _whole_texts(table))
+
+
+def _whole_texts(table: list[bytes]) -> tuple[str, ...]:
+    """Each id's text where its bytes are whole characters by themselves (valid UTF-8,
+    not ending in U+FFFD, which a window takes for an incomplete character); else ""."""
+    texts = []
+    for raw in table:
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError:
+            text = ""
+        texts.append("" if text.endswith(_INCOMPLETE) else text)
+    return tuple(texts)
+
+
+def byte_table(tokenizer: Any, skip_special_tokens: bool) -> ByteTable | None:
+    """The bytes of each id of a fast tokenizer with a byte-level BPE decoder (GPT-2,
+    Llama 3, Qwen, SmolLM: ``_byte_tables``), and each id's text where it is whole
+    characters; None for any other tokenizer."""
+    backend = rust_tokenizer(tokenizer)
+    tables = None if backend is None else _byte_tables(backend)
+    return None if tables is None else tables[0 if skip_special_tokens else 1]
+
+
 def rust_tokenizer(tokenizer: Any) -> Tokenizer | None:
     """The ``tokenizers.Tokenizer`` behind a Hugging Face fast tokenizer whose ``decode``
     is exactly that tokenizer's (no clean-up of spaces afterwards); else None."""
@@ -89,6 +153,12 @@ class IncrementalDetokenizer:
     (``tokenizers``' ``DecodeStream``): one call per token instead of two Python
     ``decode`` calls. If it ever refuses a step, the Python algorithm takes over from
     the same offsets.
+
+    With a byte-level BPE tokenizer (``byte_table``: most of today's models) the
+    tokenizer is not called per token at all: the window's text is its ids' bytes from
+    the table, decoded as the byte-level decoder does (lossy UTF-8), and an id of whole
+    characters after nothing held back is its own text, looked up. The deltas are the
+    same, step by step.
     """
 
     def __init__(
@@ -107,8 +177,15 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []  # ids consumed, up to the one completing a stop
         self._num_silent = 0  # 1 once the stop token that ended the output is in token_ids
         self._rust = rust_tokenizer(tokenizer)
-        self._stream = (None if self._rust is None
+        self._bytes = byte_table(tokenizer, skip_special_tokens)
+        self._table, self._texts = self._bytes or ((), ())
+        # With the table: the bytes of ids[prefix_offset:read_offset] and their text, and
+        # of the ids since (held back: an incomplete character, or no text yet).
+        self._prefix_bytes = self._pending = b""
+        self._prefix_text = ""
+        self._stream = (None if self._rust is None or self._bytes is not None
                         else DecodeStream(skip_special_tokens=skip_special_tokens))
+        self._decode_next = self._byte_step if self._bytes is not None else self._window_step
 
     @property
     def stopped(self) -> bool:
@@ -147,7 +224,37 @@ class IncrementalDetokenizer:
         text = self._matcher.feed(tail)
         return text if self.stopped else text + self._matcher.flush()
 
-    def _decode_next(self) -> str:
+    def _byte_step(self) -> str:
+        """``_window_step``'s algorithm on the ids' bytes (``byte_table``): the window's
+        text is its bytes decoded, as ``decode`` would give it, with no call into the
+        tokenizer. The usual id, whole characters after nothing held back, is its own
+        delta: the window would end in its text (UTF-8 resynchronises at its first byte)."""
+        token_id = self.token_ids[-1]
+        if not self._pending:
+            try:
+                text = self._texts[token_id]
+            except IndexError:
+                text = ""
+            if text:
+                self._prefix_bytes, self._prefix_text = self._table[token_id], text
+                self._decoded.append(text)
+                return text
+        try:
+            pending = self._pending + self._table[token_id]
+        except IndexError:  # an id past the vocabulary: no text, as ``decode`` gives
+            pending = self._pending
+        window = (self._prefix_bytes + pending).decode("utf-8", "replace")
+        prefix = self._prefix_text
+        if len(window) <= len(prefix) or window.endswith(_INCOMPLETE):
+            self._pending = pending
+            return ""
+        delta = window[len(prefix):]
+        self._prefix_bytes, self._pending = pending, b""
+        self._prefix_text = pending.decode("utf-8", "replace")
+        self._decoded.append(delta)
+        return delta
+
+    def _window_step(self) -> str:
         if self._stream is not None and self._rust is not None:
             try:
                 delta = self._stream.step(self._rust, self.token_ids[-1])
