@@ -40,10 +40,6 @@ from pdserve.bench.micro.configs import MetricsOverheadConfig
 from pdserve.bench.micro.procs import Proc, ProcGroup
 from pdserve.bench.micro.router_cost.parts import gaps, pct, sim_worker, via_router
 from pdserve.core.ports import free_port
-from pdserve.core.types import SamplingSpec
-from pdserve.router.dispatch.base import TokenChunk
-from pdserve.router.http.openai.preprocess import GenerationRequest
-from pdserve.router.http.openai.request_output import RequestOutput
 from pdserve.router.metrics import RouterMetrics
 
 TARGET_CHUNK_US = 50.0
@@ -119,28 +115,18 @@ async def run_rounds(args: MetricsOverheadConfig, urls: dict[str, str], pids: di
     return rounds
 
 
-class NoText:
-    """A ``TokenDecoder`` that decodes nothing: ``observe_ns`` times the metric path only,
-    which never decodes."""
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        return ""
-
-
 def observe_ns(enabled: bool, n: int) -> float:
-    """ns per ``RequestOutput._observe_tokens`` of a one-token chunk after the first (the
-    per-chunk metric path)."""
-    request = GenerationRequest("bench", "completions", "m", (1, 2, 3), SamplingSpec(16),
-                                (), True, False, False, 0, time.perf_counter())
-    metrics = RouterMetrics(CollectorRegistry() if enabled else None, "m")
-    output = RequestOutput(request, decoder=NoText(), metrics=metrics)
-    output._observe_first(TokenChunk((7,)))
-    observe = output._observe_tokens
+    """ns per chunk of the per-chunk metric work: ``TokenSeries.chunk`` (what
+    ``RequestOutput.consume`` does for each chunk after a request's first), or, with
+    metrics off, the check that skips it."""
+    series = RouterMetrics(CollectorRegistry() if enabled else None, "m").tokens
     best = float("inf")
     for _ in range(5):  # best of 5: the least disturbed by other processes
+        last = time.perf_counter()
         t0 = time.perf_counter_ns()
         for _ in range(n):
-            observe(1)
+            if series is not None:
+                last = series.chunk(last, 1)
         best = min(best, (time.perf_counter_ns() - t0) / n)
     return best
 

@@ -19,6 +19,8 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pdserve.router.metrics.tokens import TokenSeries
+
 PREFIX = "pdserve:"
 METRICS_DISABLED_ENV = "PDSERVE_DISABLE_METRICS"
 # Series at 0 from start-up, so that a fresh cluster's dashboard has every one: a finished
@@ -140,15 +142,13 @@ class RouterMetrics:
         self.e2e_latency = histogram(
             r, f"{PREFIX}e2e_request_latency_seconds", "From request arrival to the last "
             "token of a finished generation.", ["model_name"]).labels(*m)
-        self.inter_token_latency = histogram(
+        # Every streamed chunk adds to these two: counted in plain numbers (``tokens``).
+        self.tokens = None if r is None else TokenSeries(
             r, f"{PREFIX}inter_token_latency_seconds", "Time between token chunks, divided by "
-            "the number of tokens in the chunk.", ["model_name"],
-            _TOKEN_LATENCY_BUCKETS).labels(*m)
+            "the number of tokens in the chunk.", f"{PREFIX}generation_tokens",
+            "Output tokens received from the dispatcher.", model_name, _TOKEN_LATENCY_BUCKETS)
         self.prompt_tokens = counter(r, f"{PREFIX}prompt_tokens", "Prompt tokens of requests "
                                      "sent to the dispatcher.", ["model_name"]).labels(*m)
-        self.generation_tokens = counter(r, f"{PREFIX}generation_tokens", "Output tokens "
-                                         "received from the dispatcher.",
-                                         ["model_name"]).labels(*m)
 
     def on_success(self, finished_reason: str) -> None:
         child = self._success_by_reason.get(finished_reason)

@@ -51,7 +51,9 @@ class RequestOutput:
         self.prompt_logprobs: tuple[TokenLogprobs, ...] = ()
         self._texts: list[str] = []
         self._metrics = metrics
-        self._last_chunk_s: float | None = None
+        self._tokens = metrics.tokens  # None: metrics off (not even a clock read per chunk)
+        self._started = False  # the first chunk came
+        self._last_chunk_s = 0.0  # when (``perf_counter``), with metrics on
         self._no_stop_strings = not request.stop
 
     @property
@@ -71,10 +73,11 @@ class RequestOutput:
         chunk of every response passes here once, whether the body's loop or the stream
         writer (``stream_writer.py``) takes it: the usual one, tokens alone, in a few
         steps."""
-        if chunk.plain and self._no_stop_strings and self._last_chunk_s is not None:
+        if chunk.plain and self._no_stop_strings and self._started:
             # The usual chunk, in a few steps: what the rest below does for it.
             token_ids = chunk.token_ids
-            self._observe_tokens(len(token_ids))
+            if self._tokens is not None:
+                self._last_chunk_s = self._tokens.chunk(self._last_chunk_s, len(token_ids))
             self.decode_worker_id = chunk.decode_worker_id or self.decode_worker_id
             if self.finish_reason is not None:
                 return OutputDelta("", [], None, self.index)
@@ -82,10 +85,10 @@ class RequestOutput:
             self._texts.append(text)
             self._span(None, len(token_ids))
             return OutputDelta(text, token_ids, None, self.index)
-        if self._last_chunk_s is None:
+        if not self._started:
             self._observe_first(chunk)
-        else:
-            self._observe_tokens(len(chunk.token_ids))
+        elif self._tokens is not None:
+            self._last_chunk_s = self._tokens.chunk(self._last_chunk_s, len(chunk.token_ids))
         if chunk.decode_worker_id is not None:
             self.decode_worker_id = chunk.decode_worker_id
         if self.finish_reason is not None:
@@ -160,25 +163,14 @@ class RequestOutput:
         self.num_cached_tokens = chunk.num_cached_tokens or 0
         self.disagg = chunk.disagg
         self.weight_version = chunk.weight_version
-        if not self._metrics.enabled:  # metrics off: not even a clock read per chunk
-            self._last_chunk_s = 0.0
+        self._started = True
+        if self._tokens is None:
             return
         now = time.perf_counter()
         if self.index == 0:
             self._metrics.time_to_first_token.observe(now - self.request.arrival_s)
         self._last_chunk_s = now
-        self._metrics.generation_tokens.inc(len(chunk.token_ids))
-
-    def _observe_tokens(self, num_tokens: int) -> None:
-        """A chunk after the first: the inter-token latency and the token count."""
-        metrics = self._metrics
-        if not metrics.enabled:
-            return
-        now = time.perf_counter()
-        if num_tokens:
-            metrics.inter_token_latency.observe((now - (self._last_chunk_s or now)) / num_tokens)
-        self._last_chunk_s = now
-        metrics.generation_tokens.inc(num_tokens)
+        self._tokens.count(len(chunk.token_ids))
 
 
 class Choices:
