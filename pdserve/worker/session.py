@@ -7,6 +7,12 @@ after the first output of a wake-up it yields once to the event loop, so every r
 that the same engine step woke has added its output by then (vLLM's output handler
 wakes all of a step's requests in one pass). A request's own outputs stay in order.
 
+Plain outputs (one token and nothing else, after a request's first) of a request the
+router started with ``plain_columns`` go in the batch's two plain columns, a stream id
+and a token each, not in a message of their own: the router reads a step's tokens with
+two slices instead of a message per token. A request's outputs go in ``outputs`` from
+its first one there on, within a batch, so its column entries always come first.
+
 Ownership: the session owns its request tasks. A ``cancel`` from the router, or the
 stream ending for any reason, cancels them; cancelling closes the backend's output
 iterator, which aborts the request in the engine and frees its KV, exactly as a
@@ -23,6 +29,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import grpc
 
+from pdserve.proto.convert import plain_token_ids
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 
 logger = logging.getLogger("pdserve.worker")
@@ -49,6 +56,9 @@ class WorkerSession:
         self._run = run
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._outbox: list[pb.SessionOutput] = []
+        self._in_outbox: set[int] = set()  # the streams with an output in ``_outbox``
+        self._plain_ids: list[int] = []  # the plain columns: stream ids and tokens
+        self._plain_tokens: list[int] = []
         self._wake = asyncio.Event()
         self._reading = True
         # A protocol error of the router (a stream id started twice): the session ends
@@ -61,16 +71,20 @@ class WorkerSession:
         has ended; the stream's end (or cancellation) cancels what still runs."""
         reader = asyncio.create_task(self._read(requests))
         try:
-            while self._reading or self._tasks or self._outbox:
-                if not self._outbox:
+            while self._reading or self._tasks or self._outbox or self._plain_ids:
+                if not self._outbox and not self._plain_ids:
                     self._wake.clear()
                     await self._wake.wait()
                     await asyncio.sleep(0)  # the rest of this engine step's outputs
                 if self._violation is not None:
                     raise self._violation
                 batch, self._outbox = self._outbox, []
-                if batch:
-                    yield pb.SessionBatch(outputs=batch)
+                ids, tokens, self._plain_ids, self._plain_tokens = (
+                    self._plain_ids, self._plain_tokens, [], [])
+                self._in_outbox.clear()
+                if batch or ids:
+                    yield pb.SessionBatch(outputs=batch, plain_stream_ids=ids,
+                                          plain_token_ids=tokens)
         finally:
             reader.cancel()
             tasks = list(self._tasks.values())
@@ -83,7 +97,8 @@ class WorkerSession:
             async for msg in requests:
                 if msg.HasField("start"):
                     self._start(msg.stream_id, msg.start,
-                                msg.timeout_ns / 1e9 if msg.timeout_ns else None)
+                                msg.timeout_ns / 1e9 if msg.timeout_ns else None,
+                                msg.plain_columns)
                 elif (task := self._tasks.get(msg.stream_id)) is not None:
                     task.cancel()
         except grpc.aio.AioRpcError as exc:  # the router is gone: the stream ends
@@ -92,8 +107,8 @@ class WorkerSession:
             self._reading = False
             self._wake.set()
 
-    def _start(self, stream_id: int, request: pb.GenerateRequest, timeout_s: float | None
-               ) -> None:
+    def _start(self, stream_id: int, request: pb.GenerateRequest, timeout_s: float | None,
+               columns: bool) -> None:
         if stream_id in self._tasks:
             logger.error("session protocol error: stream %d started twice", stream_id)
             self._violation = RequestFailed(
@@ -101,18 +116,22 @@ class WorkerSession:
                 "started while it runs; the session ends")
             self._wake.set()
             return
-        task = asyncio.create_task(self._one(stream_id, request, timeout_s))
+        task = asyncio.create_task(self._one(stream_id, request, timeout_s, columns))
         self._tasks[stream_id] = task
         # Not in ``_one``: a task cancelled before it first ran never runs its code.
         task.add_done_callback(functools.partial(self._ended, stream_id))
 
-    async def _one(self, stream_id: int, request: pb.GenerateRequest, timeout_s: float | None
-                   ) -> None:
+    async def _one(self, stream_id: int, request: pb.GenerateRequest, timeout_s: float | None,
+                   columns: bool) -> None:
+        """``columns``: the router reads the request's plain outputs from the columns."""
         end = pb.SessionOutput(stream_id=stream_id, end=True)
         try:
             async with contextlib.aclosing(self._run(request, timeout_s)) as responses:
+                plain = False  # a call's first output carries its counts: never plain
                 async for response in responses:
-                    self._put(pb.SessionOutput(stream_id=stream_id, response=response))
+                    if not (plain and self._put_plain(stream_id, response)):
+                        self._put(pb.SessionOutput(stream_id=stream_id, response=response))
+                    plain = columns
         except asyncio.CancelledError:
             return  # cancelled by the router (or the session's end): it reads no more
         except RequestFailed as exc:
@@ -132,4 +151,18 @@ class WorkerSession:
 
     def _put(self, output: pb.SessionOutput) -> None:
         self._outbox.append(output)
+        self._in_outbox.add(output.stream_id)
         self._wake.set()
+
+    def _put_plain(self, stream_id: int, response: pb.GenerateResponse) -> bool:
+        """Whether ``response`` went in the plain columns: one token and nothing else, of
+        a stream with nothing in this batch's ``outputs`` yet."""
+        if stream_id in self._in_outbox:
+            return False
+        token_ids = plain_token_ids(response)
+        if token_ids is None or len(token_ids) != 1:
+            return False
+        self._plain_ids.append(stream_id)
+        self._plain_tokens.append(token_ids[0])
+        self._wake.set()
+        return True

@@ -37,7 +37,7 @@ def _output(token: int, end: bool = False) -> pb.SessionOutput:
 
 async def test_a_tap_is_offered_an_output_only_while_the_consumer_waits_for_it() -> None:
     stream, tapped = SessionStream(1), []
-    stream.tap = lambda out: tapped.append(out.response.token_ids[0]) or True
+    stream.tap = lambda ids: tapped.append(ids[0]) or True
 
     stream.offer(_output(1))  # nobody waits yet: queued
     assert tapped == [] and len(stream.items) == 1
@@ -47,7 +47,7 @@ async def test_a_tap_is_offered_an_output_only_while_the_consumer_waits_for_it()
     await asyncio.sleep(0)  # the consumer waits now
     stream.offer(_output(2))  # taken: the consumer stays waiting
     assert tapped == [2] and not waiting.done()
-    stream.tap = lambda out: False  # a tap that declines: queued, the consumer wakes
+    stream.tap = lambda ids: False  # a tap that declines: queued, the consumer wakes
     stream.offer(_output(3))
     stream.offer(_output(4))  # queued behind 3 (never offered past a queued output)
     assert (await waiting).response.token_ids == [3]
@@ -57,7 +57,7 @@ async def test_a_tap_is_offered_an_output_only_while_the_consumer_waits_for_it()
 async def test_a_tap_that_raises_fails_its_own_stream() -> None:
     stream = SessionStream(1)
 
-    def broken(out: pb.SessionOutput) -> bool:
+    def broken(token_ids: tuple[int, ...]) -> bool:
         raise ValueError("bug")
 
     stream.tap = broken

@@ -57,13 +57,15 @@ class Steps:
 @dataclass
 class StepRun:
     """A ``RunRequest`` on ``Steps``: request ``r`` gives ``num_outputs[r]`` (3 unless
-    told) outputs, one per step, the i-th with token i; those in ``late`` one event-loop
-    hop after the others of their step. A cancelled one awaits ``abort_s`` (when set)
-    before it ends, as vLLM's ``generate`` awaits its engine's abort."""
+    told) outputs, one per step (those in ``pairs``: two), the i-th with token i; those
+    in ``late`` one event-loop hop after the others of their step. A cancelled one
+    awaits ``abort_s`` (when set) before it ends, as vLLM's ``generate`` awaits its
+    engine's abort."""
 
     steps: Steps
     num_outputs: dict[str, int] = field(default_factory=dict)
     late: frozenset[str] = frozenset()
+    pairs: frozenset[str] = frozenset()
     abort_s: float | None = None
     started: list[str] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
@@ -74,7 +76,8 @@ class StepRun:
         self.started.append(rid)
         try:
             for i in range(self.num_outputs.get(rid, 3)):
-                await self.steps.next()
+                if i % 2 == 0 or rid not in self.pairs:
+                    await self.steps.next()
                 if rid in self.late:
                     await asyncio.sleep(0)
                 yield pb.GenerateResponse(token_ids=[i])
@@ -92,9 +95,10 @@ class Requests:
     def __init__(self) -> None:
         self._queue: asyncio.Queue[pb.SessionRequest | None] = asyncio.Queue()
 
-    def start(self, stream_id: int, request_id: str) -> None:
+    def start(self, stream_id: int, request_id: str, columns: bool = False) -> None:
         self._queue.put_nowait(pb.SessionRequest(
-            stream_id=stream_id, start=pb.GenerateRequest(request_id=request_id)))
+            stream_id=stream_id, start=pb.GenerateRequest(request_id=request_id),
+            plain_columns=columns))
 
     def cancel(self, stream_id: int) -> None:
         self._queue.put_nowait(pb.SessionRequest(stream_id=stream_id, cancel=True))
@@ -123,12 +127,22 @@ class Sent:
                 if stream_id is None or o.stream_id == stream_id]
 
     def tokens(self, stream_id: int) -> list[int]:
-        return [t for o in self.outputs(stream_id) for t in o.response.token_ids]
+        """The stream's tokens as the router reads them: in each batch, its entries in
+        the plain columns, then its outputs."""
+        return [t for b in self.batches for t in [
+            *(t for i, t in zip(b.plain_stream_ids, b.plain_token_ids, strict=True)
+              if i == stream_id),
+            *(t for o in b.outputs if o.stream_id == stream_id for t in o.response.token_ids)]]
+
+    def plain(self, stream_id: int) -> int:
+        """How many of the stream's outputs came in the plain columns."""
+        return sum(i == stream_id for b in self.batches for i in b.plain_stream_ids)
 
     async def until(self, num_responses: int, num_ends: int = 0) -> None:
         def arrived() -> bool:
             outputs = self.outputs()
-            return (sum(o.HasField("response") for o in outputs) == num_responses
+            return (sum(o.HasField("response") for o in outputs)
+                    + sum(len(b.plain_stream_ids) for b in self.batches) == num_responses
                     and sum(o.end for o in outputs) == num_ends)
         await eventually(arrived, WAIT_S, f"{num_responses} outputs and {num_ends} ends sent")
 
@@ -190,6 +204,32 @@ async def test_a_request_ending_mid_batch_leaves_the_others_running() -> None:
     assert sent.tokens(2) == [0, 1, 2, 3, 4] and ended_ok(sent.outputs(2))
     assert sent.tokens(3) == [0, 1] and ended_ok(sent.outputs(3))
     assert run.cancelled == [] and not sent.task.done()
+    requests.close()
+    await asyncio.wait_for(sent.task, WAIT_S)
+
+
+async def test_plain_outputs_of_a_stream_that_asks_go_in_the_columns_in_order() -> None:
+    """a and c ask for the plain columns, b does not; c gives two outputs a step. A
+    call's first output is never plain; a stream's outputs go in ``outputs`` from its
+    first one there on, in a batch (c's second); each stream's tokens read in order."""
+    steps = Steps()
+    run = StepRun(steps, num_outputs={"a": 3, "b": 3, "c": 6}, pairs=frozenset({"c"}))
+    requests = Requests()
+    sent = Sent(run, requests)
+    requests.start(1, "a", columns=True)
+    requests.start(2, "b")
+    requests.start(3, "c", columns=True)
+    await eventually(lambda: len(run.started) == 3, WAIT_S, "every request started")
+    for num_responses, num_ends in [(4, 0), (8, 0), (12, 3)]:
+        steps.advance()
+        await sent.until(num_responses, num_ends)
+
+    first = sent.batches[0]
+    assert not first.plain_stream_ids and [o.stream_id for o in first.outputs] == [1, 2, 3, 3]
+    assert list(sent.batches[1].plain_stream_ids) == [1, 3, 3]  # c's third and fourth
+    assert (sent.plain(1), sent.plain(2), sent.plain(3)) == (2, 0, 4)
+    for stream_id, num in [(1, 3), (2, 3), (3, 6)]:
+        assert sent.tokens(stream_id) == list(range(num)) and ended_ok(sent.outputs(stream_id))
     requests.close()
     await asyncio.wait_for(sent.task, WAIT_S)
 
@@ -361,8 +401,13 @@ async def test_many_requests_share_one_session_whole_and_in_order(bench: Bench) 
     assert spy.num_opened == 1 and sorted(spy.request_of.values()) == sorted(prompts)
     # The step the gate released: every request's first token in the first batch.
     assert {spy.request_of[o.stream_id] for o in spy.batches[0].outputs} == set(prompts)
-    num_outputs = sum(len(b.outputs) for b in spy.batches)
-    assert num_outputs == sum(lengths.values()) + len(prompts)  # the tokens and the ends
+    # The tokens and the ends; every token after a request's first in the plain columns.
+    num_plain = sum(len(b.plain_stream_ids) for b in spy.batches)
+    num_outputs = sum(len(b.outputs) for b in spy.batches) + num_plain
+    assert num_outputs == sum(lengths.values()) + len(prompts)
+    # Plain: every token but the first batch's (each request's first output, and what
+    # followed it there) and each request's last (it carries the finish reason).
+    assert num_plain == sum(lengths.values()) - len(spy.batches[0].outputs) - len(prompts)
     assert len(spy.batches) * 4 <= num_outputs
 
 

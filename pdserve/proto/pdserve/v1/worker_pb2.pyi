@@ -237,16 +237,18 @@ class PhaseTiming(_message.Message):
     def __init__(self, admitted_unix_ns: _Optional[int] = ..., first_token_unix_ns: _Optional[int] = ..., queue_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., kv_load_ns: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("stream_id", "start", "cancel", "timeout_ns")
+    __slots__ = ("stream_id", "start", "cancel", "timeout_ns", "plain_columns")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_NS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     start: GenerateRequest
     cancel: bool
     timeout_ns: int
-    def __init__(self, stream_id: _Optional[int] = ..., start: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., timeout_ns: _Optional[int] = ...) -> None: ...
+    plain_columns: bool
+    def __init__(self, stream_id: _Optional[int] = ..., start: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., timeout_ns: _Optional[int] = ..., plain_columns: _Optional[bool] = ...) -> None: ...
 
 class SessionOutput(_message.Message):
     __slots__ = ("stream_id", "response", "end", "status_code", "status_details")
@@ -263,10 +265,14 @@ class SessionOutput(_message.Message):
     def __init__(self, stream_id: _Optional[int] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., end: _Optional[bool] = ..., status_code: _Optional[int] = ..., status_details: _Optional[str] = ...) -> None: ...
 
 class SessionBatch(_message.Message):
-    __slots__ = ("outputs",)
+    __slots__ = ("outputs", "plain_stream_ids", "plain_token_ids")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_STREAM_IDS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[SessionOutput]
-    def __init__(self, outputs: _Optional[_Iterable[_Union[SessionOutput, _Mapping]]] = ...) -> None: ...
+    plain_stream_ids: _containers.RepeatedScalarFieldContainer[int]
+    plain_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[SessionOutput, _Mapping]]] = ..., plain_stream_ids: _Optional[_Iterable[int]] = ..., plain_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

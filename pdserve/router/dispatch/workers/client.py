@@ -122,17 +122,13 @@ class WorkerClient:
         session = self._session
         stream = session.start(convert.phase_request_to_pb(request), timeout_s)
         from_pb = convert.phase_output_from_pb
-        if tap is not None:
-            plain = convert.plain_token_ids
-
-            def offered(output: pb.SessionOutput) -> bool:
-                ids = None if output.end else plain(output.response)
-                return ids is not None and tap(ids)
-
-            stream.tap = offered
+        stream.tap = tap
         try:
             while True:
                 output = await stream.next()
+                if output.__class__ is tuple:  # a plain output's token ids
+                    yield PhaseOutput(output)
+                    continue
                 if output.end:
                     break
                 yield from_pb(output.response)

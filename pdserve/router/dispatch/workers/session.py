@@ -5,11 +5,15 @@ The worker sends one ``SessionBatch`` per engine step with the outputs of all of
 router's requests; one reader task reads it and hands each output to its request's
 ``SessionStream`` (a deque and a future: no queue, no task per message). So the router
 pays one gRPC read and one event-loop wake per engine step, not per request per token.
-A stream may have a ``tap``: the reader offers it each output that would wake the
-stream's consumer from an idle wait (the consumer waits in ``next`` and nothing is
-queued before the output), and an output the tap takes is not queued at all: the
-request's chunk sink (``base.ChunkSink``, through ``decode_stream.DecodeStream.tap``) writes it
-to its client from here.
+Most outputs are plain (one token and nothing else, after a request's first): a
+stream starts with ``plain_columns``, and the worker sends those as two columns of the
+batch (stream ids, tokens) that the reader takes with two slices, not as a message per
+token (``worker.proto``: ``SessionBatch``); an older worker's, in ``outputs``, are read as
+well. A stream may have a ``tap``: the reader offers it the token ids of each plain
+output that would wake the stream's consumer from an idle wait (the consumer waits in
+``next`` and nothing is queued before the output), and an output the tap takes is not
+queued at all: the request's chunk sink (``base.ChunkSink``, through
+``decode_stream.DecodeStream.tap``) writes it to its client from here.
 
 Ownership and errors:
 - A ``SessionStream`` belongs to the caller that started it, who must ``finish`` it
@@ -45,6 +49,7 @@ from typing import Any
 import grpc
 
 from pdserve.core.grpc_auth import CallAuth, refused_for
+from pdserve.proto.convert import plain_token_ids
 from pdserve.proto.pdserve.v1 import worker_pb2 as pb
 
 logger = logging.getLogger("pdserve.router.dispatch")
@@ -75,8 +80,8 @@ class StreamTapError(RuntimeError):
 
 
 class SessionStream:
-    """One request's outputs as they arrive: ``pb.SessionOutput``s, or the
-    ``SessionCallError`` that ends it."""
+    """One request's outputs as they arrive: ``pb.SessionOutput``s and the token ids of
+    plain outputs (a tuple), or the ``SessionCallError`` that ends it."""
 
     __slots__ = ("stream_id", "items", "ended", "tap", "_waiter", "_timer")
 
@@ -84,28 +89,41 @@ class SessionStream:
         self.stream_id = stream_id
         self.items: collections.deque[Any] = collections.deque()
         self.ended = False  # its last output (or failure) was received
-        # Offered an output while the consumer is idle in ``next``; True: it took it.
-        self.tap: Callable[[pb.SessionOutput], bool] | None = None
+        # Offered a plain output's token ids while the consumer is idle in ``next``;
+        # True: it took them.
+        self.tap: Callable[[tuple[int, ...]], bool] | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
 
     def offer(self, output: pb.SessionOutput) -> None:
-        """Hand ``output`` to the tap if the consumer is idle waiting for it, else queue
-        it. A tap that raises fails this stream alone with ``StreamTapError`` (a bug:
-        logged); the session and its other streams go on."""
+        """An output of the batch's ``outputs``: a plain one (a call's first, or any from
+        an older worker) is offered to the tap as the columns' are; whatever the tap
+        does not take is queued as it came."""
+        if (self.tap is None or output.end
+                or (token_ids := plain_token_ids(output.response)) is None
+                or not self._tapped(token_ids)):
+            self.push(output)
+
+    def offer_plain(self, token_ids: tuple[int, ...]) -> None:
+        """A plain output of the batch's columns: to the tap, else queued."""
+        if not self._tapped(token_ids):
+            self.push(token_ids)
+
+    def _tapped(self, token_ids: tuple[int, ...]) -> bool:
+        """Whether the tap took ``token_ids``: it is offered them only while the consumer
+        is idle waiting for them. A tap that raises fails this stream alone with
+        ``StreamTapError`` (a bug: logged; the output counts as taken); the session and
+        its other streams go on."""
         tap, waiter = self.tap, self._waiter
         if tap is None or self.items or waiter is None or waiter.done():
-            self.push(output)
-            return
+            return False
         try:
-            if tap(output):
-                return
+            return tap(token_ids)
         except Exception as exc:
             logger.exception("a stream's tap failed")
             self.tap = None
             self.push(StreamTapError(f"the router's stream tap failed: {exc}"))
-            return
-        self.push(output)
+            return True
 
     def push(self, item: Any) -> None:
         self.items.append(item)
@@ -114,7 +132,8 @@ class SessionStream:
             waiter.set_result(None)
 
     async def next(self) -> Any:
-        """The next output, or the exception that ends the stream (raised)."""
+        """The next output (a ``pb.SessionOutput``, or a plain one's token ids), or the
+        exception that ends the stream (raised)."""
         if not self.items:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
@@ -129,6 +148,8 @@ class SessionStream:
             raise item
         if isinstance(item, StreamTapError):
             raise item  # the request still runs on the worker: ``finish`` cancels it
+        if item.__class__ is tuple:
+            return item
         if item.end:
             self.ended = True
         return item
@@ -168,7 +189,8 @@ class RouterSession:
         stream._timer = asyncio.get_running_loop().call_later(
             max(timeout_s, 0.0), self._expire, stream, timeout_s)
         self._outbox.put_nowait(pb.SessionRequest(
-            stream_id=stream.stream_id, start=request, timeout_ns=int(timeout_s * 1e9)))
+            stream_id=stream.stream_id, start=request, timeout_ns=int(timeout_s * 1e9),
+            plain_columns=True))
         return stream
 
     def finish(self, stream: SessionStream) -> None:
@@ -258,6 +280,12 @@ class RouterSession:
                     proven.set()  # now the requests may go
             while (batch := await call.read()) is not _EOF:
                 answered = True
+                if batch.plain_stream_ids:  # first: they come before the same streams' outputs
+                    for stream_id, token_id in zip(batch.plain_stream_ids[:],
+                                                   batch.plain_token_ids[:], strict=True):
+                        stream = streams.get(stream_id)
+                        if stream is not None:
+                            stream.offer_plain((token_id,))
                 for output in batch.outputs:
                     stream = streams.get(output.stream_id)
                     if stream is not None:
