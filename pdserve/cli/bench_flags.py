@@ -155,14 +155,9 @@ def compare_config(args: argparse.Namespace) -> CompareConfig:
 
 def workload_args(args: argparse.Namespace) -> list[str]:
     """Compare's workload flags as every ``pdserve bench run`` gets them."""
-    argv = ["--seed", str(args.seed)]
-    for name in PASSTHROUGH:
-        value = getattr(args, RUN_FLAGS[name].dest)
-        if value is not None:
-            argv += [f"--{name}", str(value)]
-    if args.ignore_eos is not None:
-        argv.append("--ignore-eos" if args.ignore_eos else "--no-ignore-eos")
-    return argv
+    return ["--seed", str(args.seed), *(
+        word for name in (*PASSTHROUGH, "ignore-eos")
+        for word in RUN_FLAGS[name].argv(getattr(args, RUN_FLAGS[name].dest)))]
 
 
 def check_workload(argv: list[str]) -> None:

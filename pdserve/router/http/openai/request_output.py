@@ -71,20 +71,7 @@ class RequestOutput:
     def consume(self, chunk: TokenChunk) -> OutputDelta:
         """Add a chunk; chunks after the end (there should be none) add nothing. Every
         chunk of every response passes here once, whether the body's loop or the stream
-        writer (``stream_writer.py``) takes it: the usual one, tokens alone, in a few
-        steps."""
-        if chunk.plain and self._no_stop_strings and self._started:
-            # The usual chunk, in a few steps: what the rest below does for it.
-            token_ids = chunk.token_ids
-            if self._tokens is not None:
-                self._last_chunk_s = self._tokens.chunk(self._last_chunk_s, len(token_ids))
-            self.decode_worker_id = chunk.decode_worker_id or self.decode_worker_id
-            if self.finish_reason is not None:
-                return OutputDelta("", [], None, self.index)
-            text = self.detokenizer.add(token_ids)
-            self._texts.append(text)
-            self._span(None, len(token_ids))
-            return OutputDelta(text, token_ids, None, self.index)
+        writer (``stream_writer.py``) takes it."""
         if not self._started:
             self._observe_first(chunk)
         elif self._tokens is not None:
@@ -93,6 +80,13 @@ class RequestOutput:
             self.decode_worker_id = chunk.decode_worker_id
         if self.finish_reason is not None:
             return OutputDelta("", [], None, self.index)
+        if chunk.plain and self._no_stop_strings:
+            # Tokens alone, no stop string to look for (the usual chunk): the text step
+            # below without the finish, stop or logprobs to handle.
+            text = self.detokenizer.add(chunk.token_ids)
+            self._texts.append(text)
+            self._span(None, len(chunk.token_ids))
+            return OutputDelta(text, chunk.token_ids, None, self.index)
         finish, token_ids, detokenizer = chunk.finish_reason, chunk.token_ids, self.detokenizer
         before = len(detokenizer.token_ids)
         if finish is None:
