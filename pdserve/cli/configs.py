@@ -279,8 +279,7 @@ def up_store(args: argparse.Namespace) -> KvStoreUp:
 _UP_DECIDES = ("dtype", "num-kv-blocks", "kv-disk-dir", "kv-disk-gib", "weight-version",
                "weight-transfer-backend", "transport", "kv-store", "kv-store-ttl-s",
                "kv-store-timeout-s", "kv-store-password-file", "kv-store-admission",
-               "kv-store-tls-ca", "kv-store-tls-cert", "kv-store-tls-key", "kv-compression",
-               "enable-lora", "lora-modules", "max-loras", "max-lora-rank")
+               "kv-store-tls-ca", "kv-store-tls-cert", "kv-store-tls-key", "kv-compression")
 HANDED_TO_WORKERS = tuple(name for name in ENGINE + TRANSPORT if name not in _UP_DECIDES)
 # The router flags up takes and hands its router as parsed: all but the keys (up reads
 # their files and hands the keys in the router's environment, never on a command line
@@ -290,6 +289,15 @@ _EDGE_UP_DECIDES = ("api-key", "api-key-file", "admin-key", "admin-key-file", "a
                     "admin-host")
 HANDED_TO_ROUTER = ("placement", "kv-pool", "decode-cache", *DISAGG, *OPENAI,
                     *(name for name in EDGE if name not in _EDGE_UP_DECIDES))
+
+
+def worker_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """``up``'s vLLM workers' engine, transport and LoRA flags that up does not decide,
+    checked here as a worker checks them (``lora_config``: a bad adapter list fails
+    before any child starts; simulated workers serve none), handed on as parsed."""
+    if lora_config(args).enable_lora and args.simulated:
+        raise ValueError("--enable-lora: simulated workers serve no adapters")
+    return handed_on(args, HANDED_TO_WORKERS)
 
 
 def router_flags(args: argparse.Namespace) -> tuple[str, ...]:
@@ -328,8 +336,7 @@ def up_config(args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
         etcd_ttl_s=args.etcd_ttl_s, etcd_auth=etcd_auth(args),
         num_kv_blocks=args.num_kv_blocks or None,
         weight_version=args.weight_version, weight_transfer_backend=transfer,
-        lora=lora_config(args), router_flags=router_flags(args),
-        worker_flags=handed_on(args, HANDED_TO_WORKERS),
+        router_flags=router_flags(args), worker_flags=worker_flags(args),
         max_restarts=args.max_restarts,
         restart_window_s=args.restart_window_s, simulated=args.simulated,
         cluster_secret_file=args.cluster_secret_file, tls=tls_files(args),

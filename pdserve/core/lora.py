@@ -43,6 +43,14 @@ class LoraAdapter:
             raise ValueError(f"LoRA {self.name!r}: its path must be 1 to {MAX_PATH_CHARS} "
                              "characters")
 
+    def __str__(self) -> str:
+        """The ``--lora-modules`` entry that parses back to it (``parse_lora_module``):
+        ``name=path``, or the JSON form where that would not read back the same."""
+        name, path = self.name, self.path
+        if "=" in name or name.startswith("{") or name != name.strip() or path != path.strip():
+            return json.dumps({"name": name, "path": path})
+        return f"{name}={path}"
+
     @property
     def tag(self) -> str:
         """What names this adapter's KV: its name and a digest of its folder."""
@@ -133,12 +141,3 @@ class LoraConfig:
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-modules names an adapter twice: {names}")
 
-    def flags(self) -> list[str]:
-        """The same settings as a worker's flags (``pdserve up`` hands them on)."""
-        if not self.enable_lora:
-            return []
-        argv = ["--enable-lora", "--max-loras", str(self.max_loras),
-                "--max-lora-rank", str(self.max_lora_rank)]
-        for module in self.modules:
-            argv += ["--lora-modules", f"{module.name}={module.path}"]
-        return argv

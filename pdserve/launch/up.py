@@ -22,7 +22,6 @@ from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.core.cluster_secret import optional_secret, write_cluster_secret
 from pdserve.core.dtype import DtypeChoice
 from pdserve.core.grpc_tls import TlsFiles
-from pdserve.core.lora import LoraConfig
 from pdserve.core.model import cache_dir
 from pdserve.core.ports import free_port
 from pdserve.kv_transfer.base import transport_names
@@ -68,14 +67,13 @@ class UpConfig:
     num_kv_blocks: int | None = None  # prefill workers' (overrides --kv-cache-gib)
     weight_version: str = DEFAULT_WEIGHT_VERSION  # every worker's starting weights'
     weight_transfer_backend: str | None = None  # every vLLM engine's (None: off)
-    lora: LoraConfig = LoraConfig()  # every vLLM engine's adapters (--enable-lora, ...)
     # The router's flags (--placement, --disagg, --planner*, --max-concurrent-requests,
     # ...: all but its keys and admin listener, ``edge``) as up parsed them, handed on
     # (``pdserve.cli.configs.router_flags``).
     router_flags: tuple[str, ...] = ()
-    # Every vLLM worker's engine and transport flags that up does not decide itself
-    # (--kv-cache-gib, --kv-push, --prefill-order, ...) as up parsed them, handed on
-    # (``pdserve.cli.configs.HANDED_TO_WORKERS``).
+    # Every vLLM worker's engine, transport and LoRA flags that up does not decide itself
+    # (--kv-cache-gib, --kv-push, --prefill-order, --enable-lora, ...) as up parsed them,
+    # handed on (``pdserve.cli.configs.HANDED_TO_WORKERS``).
     worker_flags: tuple[str, ...] = ()
     # Supervision: a child failing more than max_restarts times within the window is
     # given up on.
@@ -133,8 +131,6 @@ class UpConfig:
         if self.weight_transfer_backend and self.simulated:
             raise ValueError("--weight-transfer-backend: simulated workers have no "
                              "weight-transfer engine")
-        if self.lora.enable_lora and self.simulated:
-            raise ValueError("--enable-lora: simulated workers serve no adapters")
         if self.simulated and (self.kv_store.enabled or self.kv_store.compression != "none"):
             raise ValueError("--kv-store, --with-redis, --kv-compression: simulated workers "
                              "have no KV cache to store")
@@ -214,8 +210,8 @@ def probed_edge(edge: EdgeConfig) -> EdgeConfig:
 
 def _engine_flags(cfg: UpConfig, role: str, cores: str, name: str) -> list[str]:
     """What up decides for one vLLM worker: its cores, its disk tier's folder, its
-    weights, adapters and KV store, prefill's KV blocks (the rest of its flags, as up
-    parsed them: ``cfg.worker_flags``)."""
+    weights and KV store, prefill's KV blocks (the rest of its flags, as up parsed them:
+    ``cfg.worker_flags``)."""
     argv = ["--cpu-cores", cores] if cores else []
     if cfg.kv_disk_dir and cfg.kv_disk_gib:
         argv += ["--kv-disk-dir", str(Path(cfg.kv_disk_dir) / name),
@@ -223,7 +219,6 @@ def _engine_flags(cfg: UpConfig, role: str, cores: str, name: str) -> list[str]:
     argv += ["--weight-version", cfg.weight_version]
     if cfg.weight_transfer_backend:
         argv += ["--weight-transfer-backend", cfg.weight_transfer_backend]
-    argv += cfg.lora.flags()
     if role == "prefill" and cfg.num_kv_blocks:
         argv += ["--num-kv-blocks", str(cfg.num_kv_blocks)]
     return argv + cfg.kv_store.flags()

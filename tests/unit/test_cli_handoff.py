@@ -66,6 +66,11 @@ GIVEN_WORKERS = {
     "kv-link-max-age-s": ["--kv-link-max-age-s", "30"],
     "kv-handoff-lossy": ["--kv-handoff-lossy"],
     "kv-push": ["--kv-push"],
+    "enable-lora": ["--enable-lora"],
+    "lora-modules": ["--lora-modules", "sql=/adapters/sql", "--lora-modules",
+                     '{"name": "a=b", "path": "/x"}'],
+    "max-loras": ["--max-loras", "2"],
+    "max-lora-rank": ["--max-lora-rank", "8"],
 }
 
 

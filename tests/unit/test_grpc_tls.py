@@ -95,3 +95,23 @@ def test_tls_flags_pair_up_and_pass_on(tls_files: TlsFiles) -> None:
     assert TlsFiles().load() is None
     flags = tls_files.flags()
     assert flags[::2] == ["--tls-cert", "--tls-key", "--tls-ca"]
+
+
+def test_up_hands_every_child_its_tls_flags_as_parsed(tls_files: TlsFiles,
+                                                      tmp_path: Path) -> None:
+    """Each worker and the router parse up's TLS files and ``--require-tls`` back."""
+    from pdserve.cli.configs import tls_files as parsed_tls
+    from pdserve.cli.configs import up_config
+    from pdserve.cli.parser import build_parser
+    from pdserve.core.model import ResolvedModel
+    from pdserve.launch.up import plan
+
+    assert tls_files.cert and tls_files.key and tls_files.ca
+    up = build_parser().parse_args(
+        ["up", "--dtype", "float32", "--tls-cert", tls_files.cert, "--tls-key", tls_files.key,
+         "--tls-ca", tls_files.ca, "--require-tls"])
+    children = plan(up_config(up, ResolvedModel(Path("/models/tiny"), "tiny")), tmp_path)
+    assert [c.name for c in children] == ["prefill-0", "decode-0", "router"]
+    for child in children:
+        command = child.argv[child.argv.index("pdserve.cli.main") + 1:]
+        assert parsed_tls(build_parser().parse_args(command)) == parsed_tls(up), child.name

@@ -212,22 +212,41 @@ def test_a_model_names_the_base_model_or_an_adapter(tokenizer: Any) -> None:
 
 
 def test_up_hands_its_lora_flags_to_the_workers_unchanged() -> None:
-    """``pdserve up`` passes ``LoraConfig.flags()`` to each worker: parsed there as the
-    worker's own flags, they are the same config."""
-    from pdserve.cli.configs import lora_config
+    """``pdserve up`` hands its LoRA flags to each vLLM worker as it parsed them
+    (``configs.worker_flags``): parsed there as the worker's own, the same config."""
+    from pdserve.cli.configs import lora_config, worker_flags
     from pdserve.cli.parser import build_parser
 
     cfg = LoraConfig(enable_lora=True, modules=(SQL, LoraAdapter("chat", "/a/chat")),
                      max_loras=2, max_lora_rank=8)
-    up = build_parser().parse_args(["up", *cfg.flags()])
+    up = build_parser().parse_args(
+        ["up", "--enable-lora", "--lora-modules", "sql=/adapters/sql",
+         "--lora-modules", "chat=/a/chat", "--max-loras", "2", "--max-lora-rank", "8"])
     assert lora_config(up) == cfg
-    worker = build_parser().parse_args(["decode", *cfg.flags()])
+    worker = build_parser().parse_args(["decode", *worker_flags(up)])
     assert lora_config(worker) == cfg
-    assert LoraConfig().flags() == []
+    plain = build_parser().parse_args(["decode", *worker_flags(build_parser().parse_args(
+        ["up"]))])
+    assert lora_config(plain) == LoraConfig()
     # vllm serve's form: several after one --lora-modules.
     several = build_parser().parse_args(
         ["decode", "--enable-lora", "--lora-modules", "sql=/adapters/sql", "chat=/a/chat"])
     assert lora_config(several).modules == cfg.modules
+
+
+@pytest.mark.parametrize("adapter", [SQL, LoraAdapter("a=b", "/x"), LoraAdapter("{x", "/y"),
+                                     LoraAdapter(" pad", "/p "), LoraAdapter("n", "/a=b")])
+def test_an_adapter_reads_back_from_its_entry(adapter: LoraAdapter) -> None:
+    assert parse_lora_module(str(adapter)) == adapter
+
+
+def test_up_refuses_lora_on_simulated_workers() -> None:
+    from pdserve.cli.configs import worker_flags
+    from pdserve.cli.parser import build_parser
+
+    args = build_parser().parse_args(["up", "--simulated", "--enable-lora"])
+    with pytest.raises(ValueError, match="simulated workers serve no adapters"):
+        worker_flags(args)
 
 
 async def test_a_bad_module_folder_fails_the_start() -> None:
