@@ -8,8 +8,9 @@ the ``CollectorRegistry`` given here, never on the process-global default one, s
 apps can coexist in one process (tests); ``/metrics`` serves that registry.
 
 Metrics off (``--disable-metrics``): the registry is ``None``. The factories below then
-return ``NULL_METRIC``, whose every method does nothing, and the per-chunk path checks
-``RouterMetrics.enabled`` before reading a clock; ``/metrics`` answers 404.
+return ``NULL_METRIC``, whose every method does nothing, ``RouterMetrics.tokens`` (the
+per-token series, ``tokens.py``) is None, which the per-chunk path checks before reading a
+clock, and ``/metrics`` answers 404.
 """
 
 from __future__ import annotations

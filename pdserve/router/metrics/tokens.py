@@ -31,14 +31,14 @@ class TokenSeries:
     """One model's token series: ``chunk`` for each chunk after a request's first,
     ``count`` for the first (tokens, no latency)."""
 
-    __slots__ = ("_latency", "_tokens", "_bounds", "_buckets", "_sum", "tokens")
+    __slots__ = ("_latency", "_counter", "_bounds", "_buckets", "_sum", "tokens")
 
     def __init__(self, registry: CollectorRegistry, latency_name: str, latency_doc: str,
                  tokens_name: str, tokens_doc: str, model_name: str,
                  buckets: Sequence[float]) -> None:
         """``tokens_name`` without ``_total`` (the counter's family name)."""
         self._latency = (latency_name, latency_doc, model_name)
-        self._tokens = (tokens_name, tokens_doc)
+        self._counter = (tokens_name, tokens_doc)
         self._bounds = tuple(sorted(buckets))
         self._buckets = [0] * (len(self._bounds) + 1)  # the last: past every bound (+Inf)
         self._sum = 0.0
@@ -68,7 +68,7 @@ class TokenSeries:
             cumulative.append((floatToGoString(bound), total))
         latency = HistogramMetricFamily(latency_name, latency_doc, labels=["model_name"])
         latency.add_metric(labels, cumulative, self._sum)
-        tokens = CounterMetricFamily(*self._tokens, labels=["model_name"])
+        tokens = CounterMetricFamily(*self._counter, labels=["model_name"])
         tokens.add_metric(labels, self.tokens)
         yield latency
         yield tokens

@@ -103,24 +103,22 @@ def _byte_tables(backend: Tokenizer) -> tuple[ByteTable, ByteTable] | None:
             table.append(bytes(alphabet[c] for c in token))
         else:
             table.append(token.encode())
-    skipped = list(table)
+    texts = [_whole_text(raw) for raw in table]
+    skipped, skipped_texts = list(table), list(texts)
     for token_id, added in backend.get_added_tokens_decoder().items():
         if added.special and token_id < len(skipped):
-            skipped[token_id] = b""
-    return (tuple(skipped), _whole_texts(skipped)), (tuple(table), _whole_texts(table))
+            skipped[token_id], skipped_texts[token_id] = b"", ""
+    return (tuple(skipped), tuple(skipped_texts)), (tuple(table), tuple(texts))
 
 
-def _whole_texts(table: list[bytes]) -> tuple[str, ...]:
-    """Each id's text where its bytes are whole characters by themselves (valid UTF-8,
-    not ending in U+FFFD, which a window takes for an incomplete character); else ""."""
-    texts = []
-    for raw in table:
-        try:
-            text = raw.decode()
-        except UnicodeDecodeError:
-            text = ""
-        texts.append("" if text.endswith(_INCOMPLETE) else text)
-    return tuple(texts)
+def _whole_text(raw: bytes) -> str:
+    """An id's text where its bytes are whole characters by themselves (valid UTF-8, not
+    ending in U+FFFD, which a window takes for an incomplete character); else ""."""
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        return ""
+    return "" if text.endswith(_INCOMPLETE) else text
 
 
 def byte_table(tokenizer: Any, skip_special_tokens: bool) -> ByteTable | None:
@@ -177,15 +175,15 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []  # ids consumed, up to the one completing a stop
         self._num_silent = 0  # 1 once the stop token that ended the output is in token_ids
         self._rust = rust_tokenizer(tokenizer)
-        self._bytes = byte_table(tokenizer, skip_special_tokens)
-        self._table, self._texts = self._bytes or ((), ())
+        table = byte_table(tokenizer, skip_special_tokens)
+        self._table, self._texts = table or ((), ())
         # With the table: the bytes of ids[prefix_offset:read_offset] and their text, and
         # of the ids since (held back: an incomplete character, or no text yet).
         self._prefix_bytes = self._pending = b""
         self._prefix_text = ""
-        self._stream = (None if self._rust is None or self._bytes is not None
+        self._stream = (None if self._rust is None or table is not None
                         else DecodeStream(skip_special_tokens=skip_special_tokens))
-        self._decode_next = self._byte_step if self._bytes is not None else self._window_step
+        self._decode_next = self._window_step if table is None else self._byte_step
 
     @property
     def stopped(self) -> bool:
