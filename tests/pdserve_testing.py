@@ -444,7 +444,8 @@ def launch_up(args: list[str], env: dict[str, str], timeout_s: float = 600,
                 line = lines.get(timeout=1)
             except queue.Empty:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"pdserve up exited with {proc.returncode}") from None
+                    raise RuntimeError(f"pdserve up exited with {proc.returncode}"
+                                       + _log_tail(log_path)) from None
                 continue
             if line.startswith("http://"):
                 return Server(line.strip(), proc, log_path, secret,
@@ -454,6 +455,15 @@ def launch_up(args: list[str], env: dict[str, str], timeout_s: float = 600,
     except BaseException:
         stop_up(proc)
         raise
+
+
+def _log_tail(log_path: Path | None, num_lines: int = 60) -> str:
+    """The last ``num_lines`` of a failed start's log, for its error (CI prints only
+    the error: the log is gone with the clone)."""
+    if log_path is None or not log_path.exists():
+        return ""
+    lines = log_path.read_text(errors="replace").splitlines()[-num_lines:]
+    return f"; the last {len(lines)} lines of {log_path}:\n" + "\n".join(lines)
 
 
 def _targets(lines: queue.Queue[str]) -> dict[str, str]:

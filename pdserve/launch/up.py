@@ -23,7 +23,7 @@ from pdserve.core.cluster_secret import optional_secret, write_cluster_secret
 from pdserve.core.dtype import DtypeChoice
 from pdserve.core.grpc_tls import TlsFiles
 from pdserve.core.model import cache_dir
-from pdserve.core.ports import free_port
+from pdserve.core.ports import free_port, reserve
 from pdserve.kv_transfer.base import transport_names
 from pdserve.kv_transfer.remote.base import check_store_tls
 from pdserve.launch.cpu_layout import CPU_LAYOUTS, DEFAULT_CPU_LAYOUT, core_sets, resolve_layout
@@ -155,6 +155,9 @@ def plan(cfg: UpConfig, log_dir: Path) -> list[Child]:
         membership += ["--etcd-user", cfg.etcd_auth.user,
                        "--etcd-password-file", cfg.etcd_auth.password_file]
     p_cores, d_cores = core_sets(cfg.num_prefill, cfg.num_decode, cfg.cpu_layout)
+    # The router's ports, given: no worker may be handed one of them.
+    reserve(cfg.port, *(range(cfg.edge.admin_port, cfg.edge.admin_port + cfg.router_processes)
+                        if cfg.edge.admin_port else ()))
     children: list[Child] = []
     endpoints: dict[str, list[str]] = {"prefill": [], "decode": []}
     for role, n, cores in (("prefill", cfg.num_prefill, p_cores),
