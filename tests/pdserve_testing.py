@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import httpx
 import psutil
@@ -114,7 +114,7 @@ def corrupt_sends(transport: Any) -> None:
 
 
 def kv_peer_main(name: str, options: dict[str, Any], device: str, cmds: mp.Queue,
-                 replies: mp.Queue) -> None:  # type: ignore[type-arg]
+                 replies: mp.Queue) -> None:
     """A process serving every KV set in ``KV_KEYS`` over transport ``name``, plus
     ``CORRUPT_KEY``: the (0, float32) set from a sender that corrupts its sends.
 
@@ -124,7 +124,7 @@ def kv_peer_main(name: str, options: dict[str, Any], device: str, cmds: mp.Queue
         torch.cuda.set_device(device)
     served: dict[Any, tuple[KVTransport, LeaseTable, int]] = {}
     for key in [*KV_KEYS, CORRUPT_KEY]:
-        block_dim, dtype_name = key[:2]
+        block_dim, dtype_name = cast(tuple[int, str], key[:2])
         caches = make_caches(kv_seed(block_dim, dtype_name), getattr(torch, dtype_name),
                              block_dim=block_dim, device=device)
         table = LeaseTable()
@@ -178,7 +178,7 @@ class KVPeer:
 
 
 def pull_main(name: str, port: int, key: tuple[int, str], req: str, src: list[int],
-              dst: list[int], timeout_s: float, result: mp.Queue) -> None:  # type: ignore[type-arg]
+              dst: list[int], timeout_s: float, result: mp.Queue) -> None:
     """A decode-side process pulling once (killed mid-transfer by tests)."""
     block_dim, dtype_name = key
     caches = make_caches(0, getattr(torch, dtype_name), block_dim=block_dim)
@@ -194,15 +194,16 @@ def pull_main(name: str, port: int, key: tuple[int, str], req: str, src: list[in
 
 def push_kv(seed: int, dtype_name: str, port: int, transfer_id: str,
             pushes: list[tuple[int, int, list[int], bool]], num_blocks: int, checksum: bool,
-            done: mp.Queue) -> None:  # type: ignore[valid-type]
+            done: mp.Queue) -> None:
     """A prefill's side of layer-wise push: send (layer, first position, our block
     ids, final) to the push inbox at ``port``; puts None or the error text."""
     from pdserve.kv_transfer.base import PeerAddress
     from pdserve.kv_transfer.control.wire import TransferError
+    from pdserve.kv_transfer.transports.tcp import TcpTransport
 
     dtype = getattr(torch, dtype_name)
     caches = make_caches(seed, dtype)
-    transport = create_transport("tcp")
+    transport = cast(TcpTransport, create_transport("tcp"))
     transport.start(
         kv_caches=list(caches.values()),
         layout=KVLayout.from_kv_caches(caches, NUM_BLOCKS, 16),
@@ -420,8 +421,9 @@ def launch_up(args: list[str], env: dict[str, str], timeout_s: float = 600,
         path = write_cluster_secret(own_dir / "cluster-secret")
         args = [*args, "--cluster-secret-file", str(path)]
     secret = load_cluster_secret(args[args.index("--cluster-secret-file") + 1])
-    tls = TlsFiles(*(args[args.index(f) + 1] if f in args else None
-                     for f in ("--tls-cert", "--tls-key", "--tls-ca")))
+    cert, key, ca = (args[args.index(f) + 1] if f in args else None
+                     for f in ("--tls-cert", "--tls-key", "--tls-ca"))
+    tls = TlsFiles(cert, key, ca)
 
     if log_path is not None:
         log_path.write_bytes(b"")  # fresh: spawn appends

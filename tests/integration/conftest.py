@@ -35,7 +35,7 @@ def model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tokenizer(model_path: Path):
+def tokenizer(model_path: Path) -> Any:
     from pdserve.core.tokenizer import load_tokenizer
 
     return load_tokenizer(model_path)

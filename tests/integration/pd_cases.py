@@ -87,7 +87,8 @@ def run_case(client: openai.OpenAI, case: Case) -> tuple[str, list[int]]:
             resp = client.chat.completions.create(messages=case.prompt, **common)
             return resp.choices[0].message.content or "", resp.model_dump()["choices"][0][
                 "token_ids"]
-        text, ids = "", []
+        text = ""
+        ids: list[int] = []
         for chunk in client.chat.completions.create(messages=case.prompt, stream=True, **common):
             for choice in chunk.model_dump()["choices"]:
                 text += choice["delta"].get("content") or ""

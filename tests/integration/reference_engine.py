@@ -14,6 +14,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from vllm.config.model import ModelDType
 
 TOP_K = 5
 
@@ -26,7 +30,7 @@ def main(model: str, in_path: str, out_path: str, dtype: str = "float32") -> Non
 
     with open(in_path) as f:
         requests = json.load(f)
-    llm = LLM(model=model, dtype=dtype, max_model_len=4096, enforce_eager=True,
+    llm = LLM(model=model, dtype=cast("ModelDType", dtype), max_model_len=4096, enforce_eager=True,
               enable_prefix_caching=False)
     outputs = llm.generate(
         [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests],

@@ -17,13 +17,14 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
+from schemathesis.core.result import Ok
 
 from pdserve.bench.fuzz.http_bodies import bodies, is_openai_error
 
@@ -93,7 +94,8 @@ def schema_cases(schema: dict[str, Any], num: int, seed: int,
     """About ``num`` Schemathesis cases over every operation ``schema`` lists, positive
     and negative ones, drawn with a fixed seed; ``prepare`` edits each (the model name)."""
     loaded = schemathesis.openapi.from_dict(schema)
-    operations = [result.ok() for result in loaded.get_all_operations()]
+    # every operation loads (an Err has no ok(): it fails here)
+    operations = [cast("Ok[Any]", result).ok() for result in loaded.get_all_operations()]
     strategy = st.one_of([op.as_strategy(mode) for op in operations
                           for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)])
     cases: list[Any] = []

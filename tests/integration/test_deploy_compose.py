@@ -22,6 +22,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -200,8 +201,9 @@ def test_compose_services_serve_a_chat_request(stack: Stack) -> None:
     assert scraped.status_code == 200 and "pdserve:" in scraped.text
 
     api = stack.url("router", "PDSERVE_PORT") + "/v1/chat/completions"
-    question = {"model": "SmolLM2-135M-Instruct", "max_tokens": 24, "temperature": 0,
-                "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    question: dict[str, Any] = {
+        "model": "SmolLM2-135M-Instruct", "max_tokens": 24, "temperature": 0,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}]}
     assert httpx.post(api, json=question, timeout=60).status_code == 401  # the key's secret
     headers = {"Authorization": f"Bearer {stack.api_key}"}
     answer = httpx.post(api, json=question, headers=headers, timeout=120)
@@ -219,7 +221,8 @@ def test_compose_services_serve_a_chat_request(stack: Stack) -> None:
     assert after - before >= 256, f"decode loaded {after - before} prompt tokens\n{stack.tail()}"
 
 
-def _chat_body(content: str, completion_tokens: int, finish_reason: str = "length") -> dict:
+def _chat_body(content: str, completion_tokens: int,
+               finish_reason: str = "length") -> dict[str, Any]:
     return {"choices": [{"index": 0, "finish_reason": finish_reason,
                          "message": {"role": "assistant", "content": content}}],
             "usage": {"prompt_tokens": 9, "completion_tokens": completion_tokens,
@@ -232,6 +235,7 @@ def test_the_compose_check_holds_any_text_and_fails_an_empty_answer() -> None:
     up, fails."""
     assert_served_chat(_chat_body(" L'Étoile, la Marseillaise", 24), 24)
     assert_served_chat(_chat_body("Paris.", 3, "stop"), 24)
+    bad: dict[str, Any]
     for bad in (_chat_body("", 24), _chat_body("  \n", 24), _chat_body("Paris", 0, "stop"),
                 _chat_body("Paris", 5, "length"), {"choices": [], "usage": {}}):
         with pytest.raises(AssertionError):

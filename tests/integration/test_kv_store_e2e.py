@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import openai
@@ -162,7 +162,9 @@ def test_a_corrupt_value_is_a_counted_miss_and_the_text_is_one_engines(
     _complete(url, _prompt("C"))
     assert wait_until(lambda: len(set(client.keys(KEY_GLOB)) - known) >= 3, timeout_s=20)
     for key in set(client.keys(KEY_GLOB)) - known:  # C's blocks: a byte flipped in each
-        value = bytearray(client.get(key))
+        raw = client.get(key)
+        assert isinstance(raw, bytes)
+        value = bytearray(raw)
         value[len(value) // 2] ^= 0x55
         client.set(key, bytes(value))
     _evict(url, "c")
@@ -197,7 +199,10 @@ def test_a_block_lost_at_load_keeps_the_blocks_before_it_and_the_text_is_one_eng
     _complete(url, long)  # publishes its third block only: the first two are held
     assert wait_until(lambda: len(set(client.keys(KEY_GLOB)) - known) >= 1, timeout_s=20)
     (third,) = set(client.keys(KEY_GLOB)) - known
-    value = bytearray(client.get(third))
+    assert isinstance(third, bytes)
+    raw = client.get(third)
+    assert isinstance(raw, bytes)
+    value = bytearray(raw)
     value[len(value) // 2] ^= 0x55
     client.set(third, bytes(value))
     _evict(url, "l")
@@ -211,7 +216,7 @@ def test_a_block_lost_at_load_keeps_the_blocks_before_it_and_the_text_is_one_eng
     assert _total(after, "prompt_tokens_external") - _total(
         before, "prompt_tokens_external") >= 2 * 128
     # deleted, then published again, good, by the prefill that recomputed it
-    assert wait_until(lambda: codec.decode(third.decode(), client.get(third) or b"")
+    assert wait_until(lambda: codec.decode(third.decode(), cast(bytes, client.get(third) or b""))
                       is not None, timeout_s=20)
     assert text == _complete(vllm_openai, long)
 

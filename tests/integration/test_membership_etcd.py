@@ -418,7 +418,7 @@ def test_sigterm_drains_a_decode_worker_its_stream_completes_and_it_exits(
 
     # Round robin: of two requests at once, one lands on each decode worker.
     # One stream per decode worker: round_robin gives each one, the drained one too.
-    num_decode = sum(w["healthy"] and w["role"] == "decode" for w in cluster.view().values())
+    num_decode = sum(bool(w["healthy"]) and w["role"] == "decode" for w in cluster.view().values())
     clients = [threading.Thread(target=one) for _ in range(num_decode)]
     for t in clients:
         t.start()

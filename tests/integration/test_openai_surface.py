@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import jsonschema
@@ -21,6 +21,7 @@ import openai
 import pydantic
 import pytest
 from integration.pd_cases import LONG, MODEL
+from openai.types.chat import ChatCompletionFunctionToolParam, ChatCompletionMessageParam
 from pdserve_testing import Server
 
 pytestmark = pytest.mark.integration
@@ -257,9 +258,10 @@ class Person(pydantic.BaseModel):
 @pytest.mark.parametrize("path", PATHS)
 def test_the_openai_clients_tools_and_parse_calls_work(pd_server: Server, path: str) -> None:
     client = openai.OpenAI(base_url=pd_server.base_url, api_key="unused")
+    messages = cast(list[ChatCompletionMessageParam], chat(path, "What is the weather in Paris? "))
     reply = client.chat.completions.create(
-        model=MODEL, messages=chat(path, "What is the weather in Paris? "),  # type: ignore[arg-type]
-        tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        model=MODEL, messages=messages, tools=[cast(ChatCompletionFunctionToolParam, WEATHER)],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
         max_tokens=64, temperature=0)
     call = reply.choices[0].message.tool_calls[0]  # type: ignore[index]
     assert call.function.name == "get_weather"  # type: ignore[union-attr]

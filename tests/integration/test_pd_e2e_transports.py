@@ -45,7 +45,8 @@ def test_greedy_pd_equals_aggregated_vllm_over_each_transport(
     against one engine in the cluster's dtype; tcp is the default cluster above."""
     cluster: PdCluster = request.node.callspec.params["pd_server"]
     dtype = resolve_dtype(cluster.dtype).dtype
-    reference, tops = (r[: len(CASES)] for r in reference_engine_runs(dtype))
+    runs, run_tops = reference_engine_runs(dtype)
+    reference, tops = runs[: len(CASES)], run_tops[: len(CASES)]
     for role in ("prefill", "decode"):
         (worker,) = pd_server.workers(role)
         health = probe_health(worker["endpoint"], timeout_s=5, secret=pd_server.secret)

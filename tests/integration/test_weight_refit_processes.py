@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -169,9 +170,9 @@ def test_a_trainer_pushes_tensors_through_the_router_into_a_cpu_engine(
                          .items())
         half = len(tensors) // 2
         for chunk in (tensors[:half], tensors[half:]):  # two rounds, as trainers send them
-            _, reply = _beside(lambda c=chunk: trainer.send(c), lambda c=chunk: httpx.post(
+            _, reply = _beside(partial(trainer.send, chunk), partial(lambda c: httpx.post(
                 f"{admin}/update_weights", timeout=TIMEOUT_S,
-                json={"update_info": GlooTrainer.update_info(c)}))
+                json={"update_info": GlooTrainer.update_info(c)}), chunk))
             assert reply.status_code == 200, reply.text
         reply = httpx.post(f"{admin}/finish_weight_update", timeout=TIMEOUT_S,
                            json={"weight_version": PUSHED})

@@ -61,8 +61,8 @@ class Cluster:
         the grpc server's own, whose coroutines are Cython's, not Python's, and a worker
         session's readers, which end on their own once their session is idle."""
         return {t for t in asyncio.all_tasks() - self.baseline - {asyncio.current_task()}
-                if isinstance(t.get_coro(), types.CoroutineType)
-                and t.get_coro().__qualname__ not in _SESSION_TASKS}
+                if isinstance(coro := t.get_coro(), types.CoroutineType)
+                and coro.__qualname__ not in _SESSION_TASKS}
 
     def assert_no_abort(self) -> None:
         """Checked right after the iterator ended: an abort would be a task by now."""

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 import openai
@@ -32,6 +32,9 @@ from pdserve.router.dispatch.base import (
 from pdserve.router.http.app import create_app
 from pdserve.router.http.edge.config import EdgeConfig
 from pdserve.router.http.edge.pipelining import PipelinedHttpToolsProtocol
+
+if TYPE_CHECKING:
+    import httpx2
 
 
 @functools.lru_cache(maxsize=1)
@@ -259,7 +262,9 @@ def asgi_openai_client(app: FastAPI) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(
         api_key="unused",
         base_url="http://test/v1",
-        http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app=app)),
+        # openai's annotations name httpx2's client; this has always passed an httpx one
+        http_client=cast("httpx2.AsyncClient",
+                         httpx.AsyncClient(transport=httpx.ASGITransport(app=app))),
         max_retries=0,
     )
 

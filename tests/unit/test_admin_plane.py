@@ -41,8 +41,8 @@ from pdserve.router.http.edge.config import EdgeConfig
 
 ADMIN = "admin-key-0001"
 CLIENT = "client-key-0001"
-NCCL_INIT = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1,
-             "world_size": 3}
+NCCL_INIT: dict[str, Any] = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1,
+                             "world_size": 3}
 
 
 class RecordingUpdater(WeightUpdater):

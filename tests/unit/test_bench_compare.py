@@ -44,10 +44,11 @@ SETTINGS = EngineSettings("/models/m", "m", "float32", 3, 1024, (0, 1))
 def run_json(ttfts: list[float], itl_s: float, goodput: float, out_tps: float,
              failed: int = 0) -> dict[str, Any]:
     """A ``pdserve.bench.run/v1`` result with the given per-request TTFTs and gaps."""
-    requests = [{"prompt_tokens": 10, "output_tokens": 5, "cached_tokens": 0,
-                 "ttft_s": t, "tpot_s": itl_s, "e2e_s": t + 4 * itl_s,
-                 "itls_s": [itl_s * (1 + 0.1 * k) for k in range(4)], "start_s": i * 0.5,
-                 "error": None} for i, t in enumerate(ttfts)]
+    requests: list[dict[str, Any]] = [
+        {"prompt_tokens": 10, "output_tokens": 5, "cached_tokens": 0,
+         "ttft_s": t, "tpot_s": itl_s, "e2e_s": t + 4 * itl_s,
+         "itls_s": [itl_s * (1 + 0.1 * k) for k in range(4)], "start_s": i * 0.5,
+         "error": None} for i, t in enumerate(ttfts)]
     ordered = sorted(ttfts)
 
     def stats(values: list[float]) -> dict[str, float]:
@@ -404,6 +405,7 @@ def test_goodput_under_slos_derived_from_the_baselines_unloaded_run() -> None:
     loaded = run_json([0.3, 0.5, 0.9], 0.050, 0.5, 40.0)
     for r, tpot in zip(loaded["requests"], (0.05, 0.2, 0.05), strict=True):
         r["tpot_s"] = tpot
+    assert slo is not None
     add_derived_goodput(loaded, slo)  # only the first meets both: 1 of 3 over 6 s
     assert loaded["goodput_derived"] == pytest.approx(1 / (3 / loaded["request_throughput"]))
     assert derive_slo({"ttft_s": {"p50": None}, "itl_s": {"p50": 0.1}}) is None

@@ -54,4 +54,4 @@ def test_every_fault_runs_by_default_and_bad_values_are_refused() -> None:
                 {"cut_after_tokens": 32}, {"cut_after_tokens": 0}, {"streams": 0},
                 {"pull_link_gbit": 0.0}):
         with pytest.raises(ValueError):
-            PartitionsConfig(**bad)  # type: ignore[arg-type]
+            PartitionsConfig(**bad)

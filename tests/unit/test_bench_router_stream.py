@@ -75,7 +75,7 @@ def test_the_config_refuses_bad_values(fields: dict[str, Any], needle: str) -> N
 
 
 def test_the_client_counts_every_event_the_stub_streams() -> None:
-    async def scenario() -> tuple[StreamResult, dict[str, object]]:
+    async def scenario() -> tuple[StreamResult, dict[str, Any]]:
         port = free_port()
         server = asyncio.ensure_future(
             openai_stub.serve("127.0.0.1", port, openai_stub.Engine(1.0, 0.5)))

@@ -109,7 +109,9 @@ def test_lengths_and_times_scale_by_the_flags() -> None:
         assert req.output_tokens == min(30, max(1, round(rec["output_length"] / 8)))
         assert req.arrival_s == pytest.approx((rec["timestamp"] - t0) / 1000 * 0.25)
         assert req.messages == []
-    assert requests[0].arrival_s == 0.0 and requests[-1].arrival_s > 0
+    last_arrival_s = requests[-1].arrival_s
+    assert last_arrival_s is not None
+    assert requests[0].arrival_s == 0.0 and last_arrival_s > 0
     unscaled = list(make_workload(_trace_args("--num-requests", "3"), PromptEncoderStub(), 0))
     assert [r.prompt_tokens for r in unscaled] == [r["input_length"] for r in raw[:3]]
     assert [r.output_tokens for r in unscaled] == [r["output_length"] for r in raw[:3]]

@@ -14,7 +14,7 @@ from pdserve_testing import wait_until_async
 from unit.sim_cluster import SimCluster, sim_cluster
 
 from pdserve.core.block_hash import chain_hashes
-from pdserve.core.types import SamplingSpec
+from pdserve.core.types import Role, SamplingSpec
 from pdserve.router.dispatch.policies.disagg import DisaggConfig
 
 BS = 16
@@ -48,7 +48,7 @@ class SimRouter(SimCluster):
 
 @pytest_asyncio.fixture(loop_scope="function")
 async def sim_router() -> AsyncIterator[SimRouter]:
-    workers = (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"))
+    workers: tuple[tuple[str, Role], ...] = (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"))
     async with sim_cluster(workers, ALWAYS, block_size=BS, num_blocks=64,
                            prefill_s_per_token=2e-4, step_overhead_s=1e-3,
                            decode_s_per_token=1e-4) as sims:

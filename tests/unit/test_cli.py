@@ -296,7 +296,12 @@ def test_bench_without_the_bench_extra_runs_and_only_compare_asks_for_it(
         monkeypatch.delitem(sys.modules, name)
     fresh = importlib.import_module("pdserve.cli.bench")  # every subcommand's module
     ran: list[Any] = []
-    monkeypatch.setattr(fresh.run, "main", lambda cfg: ran.append(cfg) or 0)
+
+    def fake_main(cfg: Any) -> int:
+        ran.append(cfg)
+        return 0
+
+    monkeypatch.setattr(fresh.run, "main", fake_main)
     assert main(["bench", "run", "--base-url", "http://x", "--num-prompts", "3"]) == 0
     assert [cfg.num_requests for cfg in ran] == [3]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,8 +103,8 @@ def test_up_hands_both_flags_to_every_worker(
 
 
 def test_an_engine_config_refuses_an_empty_version_or_an_unknown_transfer_engine() -> None:
-    base = dict(model_path="/m", served_model_name="m", role="decode",
-                connector=ConnectorConfig(engine_id="d-1"))
+    base: dict[str, Any] = dict(model_path="/m", served_model_name="m", role="decode",
+                                connector=ConnectorConfig(engine_id="d-1"))
     with pytest.raises(ValueError, match="weight_version"):
         EngineConfig(**base, weight_version="")
     with pytest.raises(ValueError, match="nccl, ipc"):

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _code_map():  # noqa: ANN202 - a module loaded from a path
+def _code_map() -> ModuleType:  # a module loaded from a path
     spec = importlib.util.spec_from_file_location("code_map", REPO / "scripts" / "code_map.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -12,7 +12,7 @@ import pytest_asyncio
 from pdserve_testing import wait_until_async
 from unit.sim_cluster import SimCluster, sim_cluster
 
-from pdserve.core.types import SamplingSpec
+from pdserve.core.types import Role, SamplingSpec
 from pdserve.router.dispatch.base import TokenChunk
 from pdserve.router.dispatch.policies.disagg import DisaggConfig
 
@@ -33,7 +33,7 @@ class Cluster(SimCluster):
 
 @pytest_asyncio.fixture(loop_scope="function")
 async def cluster() -> AsyncIterator[Cluster]:
-    workers = (("p0", "prefill"), ("d0", "decode"), ("d1", "decode"))
+    workers: tuple[tuple[str, Role], ...] = (("p0", "prefill"), ("d0", "decode"), ("d1", "decode"))
     async with sim_cluster(workers, AUTO, block_size=BS, num_blocks=256,
                            prefill_s_per_token=1e-5, step_overhead_s=1e-3,
                            decode_s_per_token=1e-3) as sims:

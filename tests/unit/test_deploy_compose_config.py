@@ -5,11 +5,12 @@ services serve. tests/integration/test_deploy_compose.py runs the services thems
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import pytest
@@ -50,7 +51,9 @@ def test_docker_compose_config_bites(tmp_path: Path) -> None:
 
 
 def _flag_envs(command: str) -> set[str]:
-    subcommands = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    subparsers = build_parser()._subparsers
+    assert subparsers is not None
+    subcommands = cast(dict[str, argparse.ArgumentParser], subparsers._group_actions[0].choices)
     names = {a.option_strings[0][2:] for a in subcommands[command]._actions
              if a.option_strings and a.option_strings[0].startswith("--")}
     return {FLAGS[name].env for name in names if name in FLAGS}

@@ -4,11 +4,12 @@ schemas (kubernetes-validate), and the values schema refusing bad values."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import helm_python as helm
@@ -33,7 +34,7 @@ KUBE_VERSION = "1.33.0"  # a version kubernetes-validate ships schemas for
 CRD_KINDS = {"ServiceMonitor", "ScaledObject", "Certificate"}
 
 GPU_VALUES = yaml.safe_load((CHART / "values-gpu.yaml").read_text())
-EVERYTHING = {  # every optional part on
+EVERYTHING: dict[str, Any] = {  # every optional part on
     "router": {"autoscaling": {"enabled": True, "maxReplicas": 3}, "planner": "export"},
     "keda": {"enabled": True},
     "etcd": {"persistence": {"enabled": True, "storageClassName": "fast"}},
@@ -60,7 +61,7 @@ def chart() -> Any:
 
 def render(chart: Any, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     rendered = chart.render(values, name="pd", namespace="serving", is_install=True)
-    docs = []
+    docs: list[dict[str, Any]] = []
     for path, text in sorted(rendered.items()):
         if path.endswith("NOTES.txt"):
             continue
@@ -190,7 +191,9 @@ def test_every_pdserve_variable_is_a_flag_the_process_reads(chart: Any) -> None:
     """A misspelt PDSERVE_* variable would be ignored silently: each must be a flag's of
     the subcommand its container runs."""
     parser = build_parser()
-    subcommands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert parser._subparsers is not None
+    subcommands = cast(dict[str, argparse.ArgumentParser],
+                       parser._subparsers._group_actions[0].choices)
     for values in VALUES.values():
         for deployment in by_kind(render(chart, values), "Deployment").values():
             (command,) = container(deployment)["args"]
@@ -346,10 +349,11 @@ def test_every_router_replica_is_a_planner_candidate_on_etcd(chart: Any) -> None
 def test_keda_scales_each_worker_deployment_from_the_leaders_desired_replicas(
         chart: Any) -> None:
     """KEDA's CRD is not in kubernetes-validate's schemas: its structure by hand."""
-    values = {"router": {"planner": "export"},
-              "keda": {"enabled": True, "prometheus": {"serverAddress": "http://prom:9090"},
-                       "prefill": {"minReplicas": 0, "maxReplicas": 3},
-                       "decode": {"minReplicas": 1, "maxReplicas": 5}}}
+    values: dict[str, Any] = {
+        "router": {"planner": "export"},
+        "keda": {"enabled": True, "prometheus": {"serverAddress": "http://prom:9090"},
+                 "prefill": {"minReplicas": 0, "maxReplicas": 3},
+                 "decode": {"minReplicas": 1, "maxReplicas": 5}}}
     docs = render(chart, values)
     objects = by_kind(docs, "ScaledObject")
     deployments = by_kind(docs, "Deployment")
@@ -409,7 +413,7 @@ def test_each_router_process_has_an_admin_port_the_service_monitor_scrapes(chart
 
 # tls: one certificate (cert-manager's, or an existing Secret) for every pod; mutual TLS on
 # gRPC, KV and etcd. The Certificate is a CRD's kind: its fields are checked by hand here.
-CERT_MANAGER = {"tls": {"enabled": True, "certManager": {
+CERT_MANAGER: dict[str, Any] = {"tls": {"enabled": True, "certManager": {
     "enabled": True, "issuerRef": {"name": "pdserve-ca", "kind": "ClusterIssuer"}}}}
 PDSERVE_DEPLOYMENTS = ("pd-pdserve-router", "pd-pdserve-prefill", "pd-pdserve-decode")
 TLS_ENV = {"PDSERVE_TLS_CERT": "tls.crt", "PDSERVE_TLS_KEY": "tls.key", "PDSERVE_TLS_CA": "ca.crt"}
@@ -537,7 +541,9 @@ def test_tls_worker_probes_read_the_pods_tls_files(chart: Any) -> None:
     """The exec probe runs in the container: `pdserve health` must read the container's
     PDSERVE_TLS_* variables to speak mutual TLS to the worker's gRPC port."""
     parser = build_parser()
-    health = parser._subparsers._group_actions[0].choices["health"]  # type: ignore[union-attr]
+    assert parser._subparsers is not None
+    health = cast(dict[str, argparse.ArgumentParser],
+                  parser._subparsers._group_actions[0].choices)["health"]
     reads = {FLAGS[a.option_strings[0][2:]].env for a in health._actions
              if a.option_strings and a.option_strings[0][2:] in FLAGS}
     worker = by_kind(render(chart, CERT_MANAGER), "Deployment")["pd-pdserve-decode"]

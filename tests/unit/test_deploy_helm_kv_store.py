@@ -6,10 +6,11 @@ the local redis-server, requires its password and enforces its memory cap."""
 
 from __future__ import annotations
 
+import argparse
 import base64
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import helm_python as helm
 import kubernetes_validate
@@ -78,7 +79,9 @@ def test_kv_store_values_lint_clean_and_render_valid_kubernetes(
     assert not report["errors"] and not [m for m in report["messages"]
                                          if m["severity"] >= 2], report
     parser = build_parser()
-    subcommands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert parser._subparsers is not None
+    subcommands = cast(dict[str, argparse.ArgumentParser],
+                       parser._subparsers._group_actions[0].choices)
     for doc in render(chart, values):
         try:
             kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)

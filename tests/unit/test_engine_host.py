@@ -34,6 +34,7 @@ from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import EngineConfig, EngineCounters, EngineParams, EngineStep
 from pdserve.worker.host import EngineHost
 from pdserve.worker.kv.mirror import KvCacheMirror
+from pdserve.worker.lora.adapters import LoadedLora
 from pdserve.worker.policy import RolePolicy
 
 PROMPT = (11, 12, 13, 14)
@@ -118,6 +119,12 @@ class FakeEngine:
 
     async def weight_call(self, call: WeightCall) -> str:
         return version_set_by(call) or "default"
+
+    async def add_lora(self, lora: LoadedLora) -> None:
+        raise NotImplementedError("FakeEngine serves no LoRA adapters")
+
+    async def remove_lora(self, lora_id: int) -> None:
+        raise NotImplementedError("FakeEngine serves no LoRA adapters")
 
 
 @dataclass

@@ -46,7 +46,8 @@ def _dechunk(raw: bytes) -> bytes:
     """The body of a chunked HTTP/1.1 response."""
     head, _, rest = raw.partition(b"\r\n\r\n")
     assert b"transfer-encoding: chunked" in head.lower(), head
-    parts, at = [], 0
+    parts: list[bytes] = []
+    at = 0
     while True:
         end = rest.index(b"\r\n", at)
         size = int(rest[at:end], 16)

@@ -37,7 +37,12 @@ def _output(token: int, end: bool = False) -> pb.SessionOutput:
 
 async def test_a_tap_is_offered_an_output_only_while_the_consumer_waits_for_it() -> None:
     stream, tapped = SessionStream(1), []
-    stream.tap = lambda ids: tapped.append(ids[0]) or True
+
+    def tap(ids: tuple[int, ...]) -> bool:
+        tapped.append(ids[0])
+        return True
+
+    stream.tap = tap
 
     stream.offer(_output(1))  # nobody waits yet: queued
     assert tapped == [] and len(stream.items) == 1

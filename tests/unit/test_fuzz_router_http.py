@@ -50,7 +50,8 @@ T = TypeVar("T")
 MAX_EXAMPLES = 40  # per operation
 RAW_PER_PATH = 180  # raw bodies per endpoint, the classes in turn
 CONCURRENCY = 32
-SIM = {"decode_s_per_token": 0.0, "step_overhead_s": 0.0, "prefill_s_per_token": 0.0}
+SIM: dict[str, Any] = {"decode_s_per_token": 0.0, "step_overhead_s": 0.0,
+                       "prefill_s_per_token": 0.0}
 # The same routes as the fuzzed app: the schema is read once, at collection.
 SCHEMA = schemathesis.openapi.from_dict(
     make_router_app(default_tokenizer(), FakeDispatcher()).openapi())

@@ -111,7 +111,9 @@ async def test_standard_health_service_stays_open() -> None:
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            reply = await channel.unary_unary("/grpc.health.v1.Health/Check")(b"", timeout=5)
+            health_check: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
+                "/grpc.health.v1.Health/Check")
+            reply = await health_check(b"", timeout=5)
         assert reply == b"\x08\x01"
     finally:
         await server.stop(0)

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from unit.sim_cluster import start_sim_worker
 
 from pdserve.core.block_hash import chain_hashes, salt_root
+from pdserve.core.types import KvChange
 from pdserve.membership.static import static_infos
 from pdserve.router.dispatch.prefix.index import PrefixIndex
 from pdserve.router.dispatch.prefix.kv_feed import KvIndexFeeder
@@ -85,15 +86,22 @@ def test_a_salted_prompts_blocks_are_named_under_its_salt() -> None:
                                         TOKENS[:BS], BS, salt_root("s")), [])
 
 
+def _applied(m: KvCacheMirror, cleared: bool, stored: list[int], removed: list[int]
+             ) -> KvChange:
+    change = m.apply(cleared, stored, removed)
+    assert change is not None
+    return change
+
+
 def test_mirror_counts_shared_hashes_and_numbers_changes() -> None:
     m = KvCacheMirror(BS)
-    assert m.apply(False, [1, 2], []).seq == 1
+    assert _applied(m, False, [1, 2], []).seq == 1
     assert m.apply(False, [2], []) is None  # already in the set: no change to publish
-    change = m.apply(False, [3], [2])
+    change = _applied(m, False, [3], [2])
     assert (change.seq, change.stored, change.removed) == (2, (3,), ())  # 2 still counted
-    assert m.apply(False, [], [2]).removed == (2,)
+    assert _applied(m, False, [], [2]).removed == (2,)
     assert m.snapshot() == (3, [1, 3])
-    assert m.apply(True, [], []).cleared and len(m) == 0
+    assert _applied(m, True, [], []).cleared and len(m) == 0
 
 
 async def test_subscriber_overflow_drops_and_heartbeats_say_where_we_are() -> None:

@@ -89,13 +89,13 @@ def test_a_refusing_peer_is_pulled_raw_until_the_refusal_is_forgotten() -> None:
 
 def test_the_cost_is_learned_from_encoded_pulls() -> None:
     handoff = HandoffCodec("lossless", 60.0)
-    handoff.record(MIB // 2, MIB // 4, 1.0)  # too small to be a sample
+    handoff.record(int(MIB // 2), int(MIB // 4), 1.0)  # too small to be a sample
     assert handoff.cost(4) == prior_cost("lossless", 4)
-    handoff.record(12 * MIB, 10 * MIB, 12 * 4e-3)  # ratio 1.2 at 4 ms/MiB
+    handoff.record(int(12 * MIB), int(10 * MIB), 12 * 4e-3)  # ratio 1.2 at 4 ms/MiB
     cost = handoff.cost(4)
     assert (cost.ratio, cost.samples) == (pytest.approx(1.2), 1)
     assert cost.s_per_byte == pytest.approx(4e-3 / MIB)
-    handoff.record(12 * MIB, 12 * MIB, 12 * 40e-3)  # slow, saving nothing: pulled down
+    handoff.record(int(12 * MIB), int(12 * MIB), 12 * 40e-3)  # slow, saving nothing: pulled down
     assert handoff.cost(4).ratio < 1.2 and handoff.cost(4).samples == 2
     assert handoff.cost(4).s_per_byte > 10e-3 / MIB
 

@@ -11,7 +11,7 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -30,6 +30,7 @@ from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.links import MIN_SAMPLE_BYTES
 from pdserve.kv_transfer.remote.compression import codec_for
+from pdserve.kv_transfer.transports.tcp import TcpTransport
 
 EVERY = list(range(NUM_BLOCKS))  # 16 blocks of 96 KiB (float32): 1.5 MiB, a link sample
 DST = [(b + 5) % NUM_BLOCKS for b in EVERY]
@@ -52,9 +53,10 @@ class _Handoff:
             "tcp", self.src, self.leases,
             TransportOptions(throttle_bytes_per_s=rate, checksum=checksum))
         self.server.use_pool_codec(_codec(self.src, prefill))
-        self.client, _ = start_transport("tcp", self.dst, LeaseTable(),
-                                         TransportOptions(checksum=checksum, stall_s=stall_s,
-                                                          handoff_lossy=lossy))
+        client, _ = start_transport("tcp", self.dst, LeaseTable(),
+                                    TransportOptions(checksum=checksum, stall_s=stall_s,
+                                                     handoff_lossy=lossy))
+        self.client = cast(TcpTransport, client)
         self.client.use_pool_codec(_codec(self.dst, decode))
         self.peer = PeerAddress("127.0.0.1", port)
         self.name = f"127.0.0.1:{port}"

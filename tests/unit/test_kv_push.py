@@ -5,26 +5,39 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from collections.abc import Callable, Iterable, Iterator
 from types import SimpleNamespace
+from typing import TYPE_CHECKING, cast
 
 import pytest
 import torch
 from pdserve_testing import NUM_BLOCKS, compat, make_caches, push_kv
 
-from pdserve.kv_transfer.base import create_transport, push_transport_names, transport_names
+from pdserve.kv_transfer.base import (
+    KVTransport,
+    create_transport,
+    push_transport_names,
+    transport_names,
+)
 from pdserve.kv_transfer.control.wire import TransferError
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.kv_transfer.push.inbox import PushInbox
 from pdserve.kv_transfer.push.plan import PushPlanner
 
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
 BS = 16
+# decode_side's factory: (dtype, capacity) -> (its KV port, its inbox, its caches)
+DecodeSide = Callable[..., tuple[int, PushInbox, dict[str, torch.Tensor]]]
 
 
 # ---- the plan: which blocks each prefill step pushes --------------------------------
 
-def _new(req_id: str, num_prompt: int, blocks: list[int], computed: int = 0, push: bool = True):
-    params = {"do_remote_decode": True}
+def _new(req_id: str, num_prompt: int, blocks: list[int], computed: int = 0,
+         push: bool = True) -> SimpleNamespace:
+    params: dict[str, object] = {"do_remote_decode": True}
     if push:
         params["push"] = {"host": "h", "port": 1, "transfer_id": "x-" + req_id}
     return SimpleNamespace(
@@ -34,9 +47,12 @@ def _new(req_id: str, num_prompt: int, blocks: list[int], computed: int = 0, pus
     )
 
 
-def _output(new=(), cached=None, scheduled=None):
+def _output(new: Iterable[SimpleNamespace] = (),
+            cached: dict[str, tuple[list[int] | None, int, bool]] | None = None,
+            scheduled: dict[str, int] | None = None) -> SchedulerOutput:
+    """A ``SchedulerOutput`` as the planner reads it."""
     cached = cached or {}
-    return SimpleNamespace(
+    return cast("SchedulerOutput", SimpleNamespace(
         scheduled_new_reqs=list(new),
         scheduled_cached_reqs=SimpleNamespace(
             req_ids=list(cached), resumed_req_ids={r for r, c in cached.items() if c[2]},
@@ -44,7 +60,7 @@ def _output(new=(), cached=None, scheduled=None):
             num_computed_tokens=[c[1] for c in cached.values()],
         ),
         num_scheduled_tokens=dict(scheduled or {}),
-    )
+    ))
 
 
 def test_plan_pushes_the_whole_prompt_in_one_step_including_prefix_hits() -> None:
@@ -55,7 +71,8 @@ def test_plan_pushes_the_whole_prompt_in_one_step_including_prefix_hits() -> Non
     assert (spec.first_position, spec.block_ids, spec.num_blocks, spec.final) == (
         0, (7, 3, 9), 3, True)
     assert spec.target.transfer_id == "x-a"
-    assert plan.forget("a").transfer_id == "x-a"
+    target = plan.forget("a")
+    assert target is not None and target.transfer_id == "x-a"
     assert plan.forget("a") is None
 
 
@@ -81,11 +98,12 @@ def test_plan_ignores_requests_without_push_and_restarts_a_preempted_one() -> No
 # ---- the decode's inbox and pushes over TCP from another process ------------------
 
 @pytest.fixture
-def decode_side():
+def decode_side() -> Iterator[DecodeSide]:
     """A decode's KV endpoint with a push inbox, in this process."""
-    made = []
+    made: list[KVTransport] = []
 
-    def make(dtype: torch.dtype, capacity: int = 64 << 20) -> tuple[int, PushInbox, dict]:
+    def make(dtype: torch.dtype, capacity: int = 64 << 20
+             ) -> tuple[int, PushInbox, dict[str, torch.Tensor]]:
         caches = {k: torch.zeros_like(v) for k, v in make_caches(0, dtype).items()}
         layout = KVLayout.from_kv_caches(caches, NUM_BLOCKS, BS)
         inbox = PushInbox(layout, capacity, ttl_s=30)
@@ -104,7 +122,8 @@ def decode_side():
         transport.close()
 
 
-def _push_from_child(port: int, dtype: torch.dtype, pushes, num_blocks: int,
+def _push_from_child(port: int, dtype: torch.dtype,
+                     pushes: list[tuple[int, int, list[int], bool]], num_blocks: int,
                      checksum: bool = True, transfer_id: str = "t1") -> str | None:
     ctx = mp.get_context("spawn")
     done = ctx.Queue()
@@ -119,7 +138,8 @@ def _push_from_child(port: int, dtype: torch.dtype, pushes, num_blocks: int,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pushed_layers_land_bit_exact_in_the_decode_blocks(decode_side, dtype) -> None:
+def test_pushed_layers_land_bit_exact_in_the_decode_blocks(decode_side: DecodeSide,
+                                                            dtype: torch.dtype) -> None:
     port, inbox, caches = decode_side(dtype)
     src = [4, 5, 9, 2]  # the prefill's blocks, prompt positions 0..3
     # a chunked prefill: positions 0-1 first (1 left partial), then 1-3, every layer
@@ -138,7 +158,7 @@ def test_pushed_layers_land_bit_exact_in_the_decode_blocks(decode_side, dtype) -
     assert inbox.num_bytes == 0  # consumed: its staging freed
 
 
-def test_a_layer_is_not_taken_before_its_final_push(decode_side) -> None:
+def test_a_layer_is_not_taken_before_its_final_push(decode_side: DecodeSide) -> None:
     port, inbox, caches = decode_side(torch.float32)
     pushes = [(layer, 0, [1, 2], False) for layer in range(4)]
     assert _push_from_child(port, torch.float32, pushes, num_blocks=2) is None
@@ -150,7 +170,8 @@ def test_a_layer_is_not_taken_before_its_final_push(decode_side) -> None:
     assert 0.3 <= time.monotonic() - start < 15
 
 
-def test_a_full_inbox_refuses_and_the_decode_learns_it_at_once(decode_side) -> None:
+def test_a_full_inbox_refuses_and_the_decode_learns_it_at_once(
+        decode_side: DecodeSide) -> None:
     port, inbox, caches = decode_side(torch.float32, capacity=1024)
     error = _push_from_child(port, torch.float32, [(0, 0, [1], True)], num_blocks=1)
     assert error is not None and "inbox full" in error
@@ -216,7 +237,7 @@ def test_the_registry_says_can_push_exactly_where_push_channel_is_given(name: st
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layers_pushed_from_device_kv_land_in_device_kv(dtype) -> None:
+def test_layers_pushed_from_device_kv_land_in_device_kv(dtype: torch.dtype) -> None:
     """GPU path end to end: a prefill's PushSender reads CUDA blocks (after the layer's
     event) and pushes them over tcp, CRC-checked, into a decode inbox over CUDA blocks
     (split K/V layout: two chunks per block)."""

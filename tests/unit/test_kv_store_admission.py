@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import pytest
 from unit.connector_fakes import FakeRequest
@@ -32,6 +33,9 @@ from pdserve.kv_transfer.tiers.policies.admission import Doorkeeper, Gated
 from pdserve.kv_transfer.tiers.policies.registry import make_admission, make_policy
 from pdserve.launch.up_store import KvStoreUp
 from pdserve.worker.metrics import WorkerCollector, WorkerSample
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
 BS = 4
 IDENT = KVIdentity("fp-adm", "default", "float32", "cpu:test", BS, (2, 2, 8))
@@ -68,14 +72,14 @@ def _tokens(tag: int, num_blocks: int = 5) -> list[int]:
 def _save(plan: StorePlanner, req_id: str, tokens: list[int], skip: int = 0) -> list[str]:
     """The keys ``plan`` queues to publish for a finished request of ``tokens``."""
     meta = PdserveConnectorMetadata()
-    request = FakeRequest(req_id, tokens, num_computed_tokens=len(tokens))
+    request = cast("Request", FakeRequest(req_id, tokens, num_computed_tokens=len(tokens)))
     plan.plan_save(request, list(range(len(tokens) // BS)), meta, skip)
     copy = meta.store_saves.get(req_id)
     return [] if copy is None else [n.key for n in copy.names]
 
 
 def _keys(plan: StorePlanner, tokens: list[int]) -> list[str]:
-    return [n.key for n in plan.names(FakeRequest("k", tokens), len(tokens) // BS)]
+    return [n.key for n in plan.names(cast("Request", FakeRequest("k", tokens)), len(tokens) // BS)]
 
 
 # ---- the policy ------------------------------------------------------------------------
@@ -143,7 +147,7 @@ def test_a_lookup_hit_counts_as_a_want() -> None:
     reader, cold = _planner("doorkeeper", store), _planner("doorkeeper", store)
     tokens = _tokens(3)
     store.held.update(_keys(reader, tokens))
-    assert reader.match(FakeRequest("m", tokens), 0) == 5 * BS  # found: five wants
+    assert reader.match(cast("Request", FakeRequest("m", tokens)), 0) == 5 * BS  # found: five wants
     reader.unmatch("m")
     store.held.clear()  # the server evicted them: they are published again
     assert _save(reader, "after-hit", tokens) == _keys(reader, tokens)

@@ -11,7 +11,7 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import torch
@@ -27,6 +27,10 @@ from pdserve.kv_transfer.remote.names import KVIdentity
 from pdserve.kv_transfer.remote.plan import StorePlanner
 from pdserve.kv_transfer.remote.worker import StoreWorker
 
+if TYPE_CHECKING:
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
 BS, NUM_BLOCKS, HEADS, HEAD2 = 4, 16, 2, 8
 IDENT = KVIdentity("fp-test", "default", "float32", "cpu:test", BS, (2, HEADS, HEAD2))
 
@@ -39,6 +43,18 @@ class FakeOutput:
     finished_sending: set[str] = field(default_factory=set)
     kv_connector_worker_meta: StoreFeedback | None = None
     invalid_block_ids: set[int] = field(default_factory=set)
+
+
+def fake_request(request_id: str, all_token_ids: list[int], cache_salt: str | None = None,
+                 num_computed_tokens: int = 0) -> Request:
+    """connector_fakes' FakeRequest, typed as the vLLM ``Request`` it stands in for."""
+    return cast("Request", FakeRequest(request_id, all_token_ids, cache_salt,
+                                       num_computed_tokens))
+
+
+def _output(output: FakeOutput) -> KVConnectorOutput:
+    """``output`` typed as the vLLM ``KVConnectorOutput`` it stands in for."""
+    return cast("KVConnectorOutput", output)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +84,7 @@ class Side:
         self.worker = StoreWorker(lambda: create_store(url, options), self.kv, layout,
                                   codec_for(codec, layout), ttl_s=60)
 
-    def publish(self, request: FakeRequest, block_ids: list[int]) -> None:
+    def publish(self, request: Request, block_ids: list[int]) -> None:
         meta = PdserveConnectorMetadata()
         assert self.plan.plan_save(request, block_ids, meta)
         copy = meta.store_saves[request.request_id]
@@ -80,9 +96,9 @@ class Side:
         """``output`` with what the worker side reports at the step's end."""
         loads, unpublished, published = self.worker.take_feedback()
         output.kv_connector_worker_meta = StoreFeedback(0, loads, unpublished, published)
-        self.plan.update(output)
+        self.plan.update(_output(output))
 
-    def load(self, request: FakeRequest, dst: list[int]) -> tuple[int, int]:
+    def load(self, request: Request, dst: list[int]) -> tuple[int, int]:
         """(blocks planned, blocks loaded); the blocks not loaded reported as vLLM's
         ``invalid_block_ids``, as the worker side does."""
         meta = PdserveConnectorMetadata()
@@ -114,7 +130,7 @@ def test_blocks_published_by_one_worker_load_bit_exact_on_another(
         sides: tuple[Side, Side]) -> None:
     a, b = sides
     tokens = _prompt(1)
-    a.publish(FakeRequest("a1", tokens, num_computed_tokens=len(tokens)), [3, 5, 7, 9, 11])
+    a.publish(fake_request("a1", tokens, num_computed_tokens=len(tokens)), [3, 5, 7, 9, 11])
     changes = a.plan.take_changes()
     assert changes and changes[0][0] == "store" and len(changes[0][2]) == 5
     assert changes[0][1] is True
@@ -124,7 +140,7 @@ def test_blocks_published_by_one_worker_load_bit_exact_on_another(
     assert gone == ("store", False, changes[0][2])
     # b's engine holds nothing: the store has all five full blocks, the last token's
     # block is never loaded (it is computed)
-    request = FakeRequest("b1", tokens)
+    request = fake_request("b1", tokens)
     assert b.plan.match(request, 0) == 5 * BS
     assert b.load(request, [0, 1, 2, 4, 6]) == (5, 5)
     for src, dst in zip([3, 5, 7, 9, 11], [0, 1, 2, 4, 6], strict=True):
@@ -140,27 +156,27 @@ def test_a_later_start_looks_up_only_the_rest_and_a_hole_stops_the_run(
         sides: tuple[Side, Side], server: LocalRedis) -> None:
     a, b = sides
     tokens = _prompt(2)
-    a.publish(FakeRequest("a2", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
-    request = FakeRequest("b2", tokens)
+    a.publish(fake_request("a2", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
+    request = fake_request("b2", tokens)
     assert b.plan.match(request, 2 * BS) == 3 * BS  # the engine holds the first two
     b.plan.unmatch("b2")
     names = b.plan.names(request, 5)
     server.client().delete(names[3].key)  # evicted from the middle
-    assert b.plan.match(FakeRequest("b3", tokens), 0) == 3 * BS  # only up to the hole
+    assert b.plan.match(fake_request("b3", tokens), 0) == 3 * BS  # only up to the hole
 
 
 def test_another_salt_or_weight_version_never_finds_the_blocks(
         sides: tuple[Side, Side]) -> None:
     a, b = sides
     tokens = _prompt(3)
-    a.publish(FakeRequest("a3", tokens, cache_salt="tenant-a",
-                          num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
-    assert b.plan.match(FakeRequest("x", tokens, cache_salt="tenant-a"), 0) == 5 * BS
+    a.publish(fake_request("a3", tokens, cache_salt="tenant-a",
+                           num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
+    assert b.plan.match(fake_request("x", tokens, cache_salt="tenant-a"), 0) == 5 * BS
     b.plan.unmatch("x")
     for salt in (None, "tenant-b", "tenant-a@weights:v2", "@weights:v2"):
-        assert b.plan.match(FakeRequest(f"y{salt}", tokens, cache_salt=salt), 0) == 0
+        assert b.plan.match(fake_request(f"y{salt}", tokens, cache_salt=salt), 0) == 0
     # and the identity's fields split the versioned salt: tenant and version each named
-    v2 = b.plan.names(FakeRequest("z", tokens, cache_salt="tenant-a@weights:v2"), 1)[0]
+    v2 = b.plan.names(fake_request("z", tokens, cache_salt="tenant-a@weights:v2"), 1)[0]
     assert (v2.identity.cache_salt, v2.identity.weight_version) == ("tenant-a", "v2")
 
 
@@ -168,12 +184,14 @@ def test_a_corrupt_block_stops_the_load_there_and_is_deleted_then_published_agai
         sides: tuple[Side, Side], server: LocalRedis) -> None:
     a, b = sides
     tokens = _prompt(4)
-    a.publish(FakeRequest("a4", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
-    request = FakeRequest("b4", tokens)
+    a.publish(fake_request("a4", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
+    request = fake_request("b4", tokens)
     assert b.plan.match(request, 0) == 5 * BS
     key = b.plan.names(request, 5)[2].key
     client = server.client()
-    value = bytearray(client.get(key))
+    raw = client.get(key)
+    assert isinstance(raw, bytes)
+    value = bytearray(raw)
     value[-1] ^= 0xFF  # a flipped byte in the payload
     client.set(key, bytes(value))
     before = [t.clone() for t in b.kv]
@@ -191,17 +209,17 @@ def test_a_corrupt_block_stops_the_load_there_and_is_deleted_then_published_agai
     assert client.exists(key) == 0  # deleted: not there until its TTL
     # b computed the blocks; it publishes the one the store lost (SET NX succeeds now)
     written = b.worker.stats()["store_put_written"]
-    b.publish(FakeRequest("b4", tokens, num_computed_tokens=len(tokens)), [5, 6, 7, 8, 9])
+    b.publish(fake_request("b4", tokens, num_computed_tokens=len(tokens)), [5, 6, 7, 8, 9])
     assert b.worker.stats()["store_put_written"] - written == 1
-    assert a.plan.match(FakeRequest("a5", tokens), 0) == 5 * BS  # whole again
+    assert a.plan.match(fake_request("a5", tokens), 0) == 5 * BS  # whole again
 
 
 def test_a_block_gone_between_lookup_and_load_loads_the_prefix_before_it(
         sides: tuple[Side, Side], server: LocalRedis) -> None:
     a, b = sides
     tokens = _prompt(15)
-    a.publish(FakeRequest("a15", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
-    request = FakeRequest("b15", tokens)
+    a.publish(fake_request("a15", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
+    request = fake_request("b15", tokens)
     assert b.plan.match(request, 0) == 5 * BS
     server.client().delete(b.plan.names(request, 5)[3].key)  # expired after the lookup
     missing = b.worker.stats()["store_load_missing"]
@@ -219,17 +237,17 @@ def test_a_stopped_store_costs_one_deadline_then_lookups_pause(server: LocalRedi
     with LocalRedis(maxmemory="16mb") as paused:
         side = Side(paused.url, 3)
         try:
-            side.plan.match(FakeRequest("warm", _prompt(5)), 0)  # connected
+            side.plan.match(fake_request("warm", _prompt(5)), 0)  # connected
             paused.send_signal(signal.SIGSTOP)
             start = time.monotonic()
-            assert side.plan.match(FakeRequest("p1", _prompt(6)), 0) == 0
+            assert side.plan.match(fake_request("p1", _prompt(6)), 0) == 0
             first = time.monotonic() - start
             start = time.monotonic()
-            assert side.plan.match(FakeRequest("p2", _prompt(7)), 0) == 0
+            assert side.plan.match(fake_request("p2", _prompt(7)), 0) == 0
             second = time.monotonic() - start
             # a publish while down is not even planned
-            assert not side.plan.plan_save(FakeRequest("p3", _prompt(8),
-                                                       num_computed_tokens=21),
+            assert not side.plan.plan_save(fake_request("p3", _prompt(8),
+                                                        num_computed_tokens=21),
                                            [0, 1, 2, 3, 4], PdserveConnectorMetadata())
             paused.send_signal(signal.SIGCONT)
         finally:
@@ -244,12 +262,13 @@ def test_computing_wins_when_the_engine_is_faster_than_the_store(
     a, fast = Side(server.url, 4), Side(server.url, 5, per_token_s=1e-9)
     try:
         tokens = _prompt(9)
-        a.publish(FakeRequest("a9", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
-        assert fast.plan.match(FakeRequest("f9", tokens), 0) == 0
+        a.publish(fake_request("a9", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
+        assert fast.plan.match(fake_request("f9", tokens), 0) == 0
         assert fast.plan.take_counts()["store_compute_chosen"] == 1
         # what the worker side reports moves the decision: a slow engine fetches again
-        fast.plan.update(FakeOutput(kv_connector_worker_meta=StoreFeedback(per_token_ns=10**6)))
-        assert fast.plan.match(FakeRequest("f10", tokens), 0) == 5 * BS
+        fast.plan.update(_output(FakeOutput(
+            kv_connector_worker_meta=StoreFeedback(per_token_ns=10**6))))
+        assert fast.plan.match(fake_request("f10", tokens), 0) == 5 * BS
     finally:
         a.close()
         fast.close()
@@ -259,22 +278,22 @@ def test_blocks_a_worker_knows_it_published_are_not_published_again(
         sides: tuple[Side, Side]) -> None:
     a, _ = sides
     tokens = _prompt(10)
-    a.publish(FakeRequest("a10", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
+    a.publish(fake_request("a10", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
     longer = tokens + _prompt(11, 2 * BS)
     meta = PdserveConnectorMetadata()
-    assert a.plan.plan_save(FakeRequest("a11", longer, num_computed_tokens=len(longer)),
+    assert a.plan.plan_save(fake_request("a11", longer, num_computed_tokens=len(longer)),
                             list(range(7)), meta)
     assert len(meta.store_saves["a11"].names) == 2  # only the two new blocks
     a.worker.save("a11", meta.store_saves["a11"])
     assert a.worker.flush(5.0)
     a.report(FakeOutput(finished_sending={"a11"}))  # the writer published them
     again = PdserveConnectorMetadata()
-    assert not a.plan.plan_save(FakeRequest("a12", longer, num_computed_tokens=len(longer)),
+    assert not a.plan.plan_save(fake_request("a12", longer, num_computed_tokens=len(longer)),
                                 list(range(7)), again)
     # a publication that failed is forgotten: the next request publishes it again
-    a.plan.update(FakeOutput(kv_connector_worker_meta=StoreFeedback(
-        unpublished=[n.key for n in meta.store_saves["a11"].names])))
-    assert a.plan.plan_save(FakeRequest("a13", longer, num_computed_tokens=len(longer)),
+    a.plan.update(_output(FakeOutput(kv_connector_worker_meta=StoreFeedback(
+        unpublished=[n.key for n in meta.store_saves["a11"].names]))))
+    assert a.plan.plan_save(fake_request("a13", longer, num_computed_tokens=len(longer)),
                             list(range(7)), again)
     assert len(again.store_saves["a13"].names) == 2
 
@@ -283,12 +302,12 @@ def test_a_block_the_store_lost_is_published_again(sides: tuple[Side, Side],
                                                    server: LocalRedis) -> None:
     a, _ = sides
     tokens = _prompt(12)
-    a.publish(FakeRequest("a12", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
-    lost = a.plan.names(FakeRequest("q", tokens), 5)[2]
+    a.publish(fake_request("a12", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
+    lost = a.plan.names(fake_request("q", tokens), 5)[2]
     server.client().delete(lost.key)  # evicted by the server's memory cap
-    assert a.plan.match(FakeRequest("a13", tokens), 0) == 2 * BS  # up to the hole
+    assert a.plan.match(fake_request("a13", tokens), 0) == 2 * BS  # up to the hole
     meta = PdserveConnectorMetadata()
-    assert a.plan.plan_save(FakeRequest("a14", tokens, num_computed_tokens=len(tokens)),
+    assert a.plan.plan_save(fake_request("a14", tokens, num_computed_tokens=len(tokens)),
                             [0, 1, 2, 3, 4], meta)
     assert [n.key for n in meta.store_saves["a14"].names] == [lost.key]
 
@@ -304,7 +323,7 @@ def test_a_store_down_at_start_is_a_miss_and_a_skipped_write(server: LocalRedis)
     side.worker = StoreWorker(unreachable, side.kv, layout, codec_for("none", layout), 60)
     try:
         tokens = _prompt(13)
-        names = tuple(side.plan.names(FakeRequest("d", tokens), 5))
+        names = tuple(side.plan.names(fake_request("d", tokens), 5))
         assert side.worker.load("d1", StoreCopy((0, 1, 2, 3, 4), names)) == (0, 0)
         assert side.worker.stats()["store_load_failures"] == 1
         assert side.worker.save("d2", StoreCopy((0, 1), names[:2])) > 0
@@ -322,7 +341,7 @@ def test_a_save_larger_than_the_writers_queue_publishes_the_prefix_that_fits(
     block_bytes = 2 * HEADS * BS * HEAD2 * 4
     monkeypatch.setattr("pdserve.kv_transfer.remote.worker.QUEUE_BYTES", 3 * block_bytes + 100)
     tokens = _prompt(14)
-    names = tuple(a.plan.names(FakeRequest("s", tokens), 5))
+    names = tuple(a.plan.names(fake_request("s", tokens), 5))
     assert a.worker.save("s1", StoreCopy((0, 1, 2, 3, 4), names)) > 0
     assert a.worker.flush(5.0)
     _, unpublished, published = a.worker.take_feedback()
@@ -340,15 +359,15 @@ def test_a_worker_side_that_turned_the_store_off_stops_the_scheduler_side(
 
     a, b = sides
     tokens = _prompt(9)
-    a.publish(FakeRequest("a9", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
+    a.publish(fake_request("a9", tokens, num_computed_tokens=len(tokens)), [0, 1, 2, 3, 4])
     # b's worker side found its attention layers are not those the names say: no store
     io = CacheIO(ConnectorConfig(engine_id="w"), 0, None, lambda **_: None)  # type: ignore[arg-type]
     io.tell_store_off = True
     feedback = io.feedback(StepTimer())
     assert feedback is not None and feedback.store_off
     assert io.feedback(StepTimer()) is None  # said once
-    b.plan.update(FakeOutput(kv_connector_worker_meta=feedback))
-    assert b.plan.match(FakeRequest("b9", tokens), 0) == 0  # held, never looked up
-    assert not b.plan.plan_save(FakeRequest("b10", _prompt(10), num_computed_tokens=5 * BS),
+    b.plan.update(_output(FakeOutput(kv_connector_worker_meta=feedback)))
+    assert b.plan.match(fake_request("b9", tokens), 0) == 0  # held, never looked up
+    assert not b.plan.plan_save(fake_request("b10", _prompt(10), num_computed_tokens=5 * BS),
                                 [5, 6, 7, 8, 9], PdserveConnectorMetadata())
     assert "store_lookups" not in b.plan.take_counts()

@@ -80,7 +80,7 @@ FORMAT = st.builds(KVFormat, device=TOKEN, attention_backend=TOKEN, cache_layout
                    spec=st.text(max_size=30), num_tensors=st.integers(1, 64),
                    block_bytes=st.integers(1, 1 << 24), tp_size=st.integers(1, 8),
                    vllm=TOKEN)
-FORMAT_FIELDS: dict[str, st.SearchStrategy[object]] = {
+FORMAT_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "device": TOKEN, "attention_backend": TOKEN, "cache_layout": TOKEN,
     "spec": st.text(max_size=30), "num_tensors": st.integers(1, 64),
     "block_bytes": st.integers(1, 1 << 24), "tp_size": st.integers(1, 8), "vllm": TOKEN}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -23,7 +24,7 @@ IDENTITY_FIELDS = [f.name for f in dataclasses.fields(KVIdentity)]
 
 
 # each identity field's values: a draw for the field that differs from the name's
-FIELD_VALUES: dict[str, st.SearchStrategy[object]] = {
+FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "model_fingerprint": TEXT, "weight_version": TEXT, "kv_dtype": TEXT, "kv_layout": TEXT,
     "block_size": st.integers(min_value=1, max_value=4096),
     "block_shape": st.lists(st.integers(0, 512), max_size=4).map(tuple),

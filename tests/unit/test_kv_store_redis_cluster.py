@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -65,7 +66,7 @@ class _Executes:
         self.count = 0
         real = redis.client.Pipeline.execute
 
-        def execute(pipe: redis.client.Pipeline, *args: object, **kwargs: object) -> object:
+        def execute(pipe: redis.client.Pipeline, *args: Any, **kwargs: Any) -> object:
             self.count += 1
             return real(pipe, *args, **kwargs)
 
@@ -101,7 +102,9 @@ def test_a_corrupt_value_on_a_shard_is_deleted_there(cluster: LocalRedisCluster)
     try:
         names, blocks = _names(3), _blocks(3)
         assert store.put_blocks(list(zip(names, blocks, strict=True)), ttl_s=60) == 3
-        value = bytearray(raw.get(names[1].key) or b"")
+        stored = raw.get(names[1].key)
+        assert isinstance(stored, bytes)
+        value = bytearray(stored)
         value[-1] ^= 0x01
         raw.set(names[1].key, bytes(value))
         before = store.stats()["bad_deleted"]

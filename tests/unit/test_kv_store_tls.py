@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import pytest
 import redis
@@ -32,6 +33,9 @@ from pdserve.launch import up
 from pdserve.launch.up import UpConfig
 from pdserve.launch.up_servers import KeptServer
 from pdserve.launch.up_store import KvStoreUp
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +135,10 @@ def test_a_refused_store_is_a_miss_the_worker_computes_and_counts(
     tokens = [7000 + i for i in range(3 * block_size + 1)]
     refused, trusted = planner(TlsFiles(ca=files.ca)), planner(files)
     try:
-        assert refused.match(FakeRequest("r1", tokens), 0) == 0  # computed, not failed
-        assert trusted.match(FakeRequest("t1", tokens), 0) == 0  # a miss: nothing published
+        r1 = cast("Request", FakeRequest("r1", tokens))
+        t1 = cast("Request", FakeRequest("t1", tokens))
+        assert refused.match(r1, 0) == 0  # computed, not failed
+        assert trusted.match(t1, 0) == 0  # a miss: nothing published
         refused_counts, trusted_counts = refused.take_counts(), trusted.take_counts()
     finally:
         refused.close()

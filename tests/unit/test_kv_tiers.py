@@ -273,7 +273,9 @@ def test_a_match_that_is_not_allocated_unpins_and_tiers_off_changes_nothing() ->
     waiting = _request("w", 2 * BS + 1, computed=0)
     assert side.get_num_new_matched_tokens(waiting, 0) == (2 * BS, True)
     side.update_state_after_alloc(waiting, _alloc([]), 0)  # vLLM took none of it
-    assert side.tiers is not None and side.tiers.index("host")._pins == {}
+    assert side.tiers is not None
+    host = side.tiers.index("host")
+    assert host is not None and host._pins == {}
     off = SchedulerSide(CONFIG, BS)
     assert off.request_finished(_request("a", 2 * BS + 1), [7, 8, 9]) == (False, None)
     assert off.get_num_new_matched_tokens(_request("b", 2 * BS + 1, 0), 0) == (0, False)
@@ -402,4 +404,6 @@ def test_an_aborted_request_that_was_matched_but_never_allocated_unpins() -> Non
     assert side.get_num_new_matched_tokens(waiting, 0) == (3 * BS, True)
     assert side.request_finished(waiting, []) == (False, None)
     tiers = side.tiers
-    assert tiers is not None and tiers.index("host")._pins == {} and tiers._matched == {}
+    assert tiers is not None
+    host = tiers.index("host")
+    assert host is not None and host._pins == {} and tiers._matched == {}

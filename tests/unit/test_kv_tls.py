@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -163,7 +164,7 @@ def test_status_over_tls_answers_and_plaintext_status_does_not(
 
 
 def test_require_tls_refuses_a_transport_whose_bytes_bypass_it(files: TlsFiles) -> None:
-    tls = {"tls_cert": files.cert, "tls_key": files.key, "tls_ca": files.ca}
+    tls: dict[str, Any] = {"tls_cert": files.cert, "tls_key": files.key, "tls_ca": files.ca}
     with pytest.raises(ValueError, match="ucx transport moves KV bytes .* unencrypted"):
         ConnectorConfig(engine_id="w", transport="ucx", require_tls=True, **tls)
     with pytest.raises(ValueError, match="--require-tls needs"):

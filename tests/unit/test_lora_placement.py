@@ -31,7 +31,7 @@ def under(adapter: LoraAdapter, max_tokens: int = 4) -> SamplingSpec:
     return replace(spec(max_tokens), lora_name=adapter.name, lora_path=adapter.path)
 
 
-def serving(c: Cluster, decode_adapters: tuple[LoraAdapter, LoraAdapter]) -> list[Worker]:
+def serving(c: Cluster, decode_adapters: tuple[LoraAdapter, ...]) -> list[Worker]:
     """The prefill serves SQL, the decodes (pool order) ``decode_adapters``."""
     c.p.loras = {"sql": SQL}
     by_endpoint = {d.endpoint: d.servicer for d in c.decodes}

@@ -78,8 +78,8 @@ async def test_a_worker_that_lost_an_adapter_gets_it_back_at_its_next_check() ->
         assert all(w.snapshot().serves("sql") for w in pool.decode)
     finally:
         await pool.close()
-        for worker in (decode, other):
-            await worker.stop()
+        for fake in (decode, other):
+            await fake.stop()
 
 
 async def test_the_admin_routes_answer_as_vllm_does() -> None:
@@ -210,8 +210,8 @@ async def test_a_probe_during_a_refit_never_brings_back_the_old_folder() -> None
     finally:
         gate.set()
         await pool.close()
-        for worker in (slow, fast):
-            await worker.stop()
+        for fake in (slow, fast):
+            await fake.stop()
 
 
 async def test_an_unload_stops_routing_to_the_adapter_before_its_fan_out() -> None:

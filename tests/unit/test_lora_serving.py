@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -23,7 +23,7 @@ from pdserve.router.http.errors import ModelNotFoundError
 from pdserve.router.http.openai.preprocess import Preprocessor
 from pdserve.router.http.openai.schemas import CompletionRequest
 from pdserve.worker.backend import WorkerError
-from pdserve.worker.engine import EngineConfig, EngineParams, EngineStep
+from pdserve.worker.engine import Engine, EngineConfig, EngineParams, EngineStep
 from pdserve.worker.host import EngineHost
 from pdserve.worker.lora.adapters import LoadedLora
 
@@ -74,7 +74,7 @@ class LoraEngine:
 def host(lora: LoraConfig, engine: LoraEngine) -> EngineHost:
     cfg = EngineConfig(model_path="/m", served_model_name="m", role="decode",
                        connector=ConnectorConfig(engine_id="w0"), lora=lora)
-    h = EngineHost(cfg, "w0", DecodePolicy(), lambda c, n: engine)
+    h = EngineHost(cfg, "w0", DecodePolicy(), lambda c, n: cast(Engine, engine))
     h.start()
     return h
 

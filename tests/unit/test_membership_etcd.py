@@ -16,6 +16,7 @@ from pdserve_testing import etcd_keys
 from prometheus_client import CollectorRegistry
 from unit.fake_worker import FakeWorker, WorkerScript, eventually, start_fake_worker
 
+from pdserve.core.types import Role
 from pdserve.membership import MembershipConfig, WorkerInfo, create_membership
 from pdserve.membership.etcd import EtcdMembership
 from pdserve.membership.etcd_registrar import EtcdRegistrar
@@ -123,7 +124,7 @@ async def test_registered_worker_is_routable_at_once_and_leaves_on_revoke(
     worker = await start_fake_worker("decode")
     # A lease far longer than the wait for its revoke below: only the revoke, not the
     # lease's expiry, can remove the worker in time.
-    registrar = EtcdRegistrar(etcd.url, view.membership.describe()["cluster"],
+    registrar = EtcdRegistrar(etcd.url, str(view.membership.describe()["cluster"]),
                               ttl_s=REVOKE_TTL_S)
     info = info_of(worker, "decode")
     try:
@@ -142,7 +143,8 @@ async def test_registered_worker_is_routable_at_once_and_leaves_on_revoke(
 async def test_lost_lease_leaves_the_view_then_registers_again(
         etcd: LocalEtcd, view: View) -> None:
     worker = await start_fake_worker("prefill")
-    registrar = EtcdRegistrar(etcd.url, view.membership.describe()["cluster"], ttl_s=TTL_S)
+    registrar = EtcdRegistrar(etcd.url, str(view.membership.describe()["cluster"]),
+                              ttl_s=TTL_S)
     info = info_of(worker, "prefill")
     try:
         await registrar.start(info)
@@ -200,8 +202,9 @@ async def test_etcd_outage_keeps_last_known_set_then_relists(etcd: LocalEtcd,
 
 async def test_only_compatible_pairs_are_chosen(etcd: LocalEtcd, view: View) -> None:
     cluster = str(view.membership.describe()["cluster"])
-    roles = [("prefill", "compat-a"), ("prefill", "compat-b"), ("decode", "compat-a"),
-             ("decode", "compat-b"), ("decode", "compat-c")]
+    roles: list[tuple[Role, str]] = [
+        ("prefill", "compat-a"), ("prefill", "compat-b"), ("decode", "compat-a"),
+        ("decode", "compat-b"), ("decode", "compat-c")]
     workers = [await start_fake_worker(role, WorkerScript(compatibility_hash=compat))
                for role, compat in roles]
     regs = [EtcdRegistrar(etcd.url, cluster, ttl_s=TTL_S) for _ in roles]
@@ -237,7 +240,7 @@ async def test_a_role_switch_moves_the_key_and_the_view_follows(
     moves to the new role's prefix at once (the old lease is revoked), and a router fed
     by etcd files it under the new role, once."""
     worker = await start_fake_worker("decode")
-    cluster = view.membership.describe()["cluster"]
+    cluster = str(view.membership.describe()["cluster"])
     registrar = EtcdRegistrar(etcd.url, cluster, ttl_s=REVOKE_TTL_S)
     info = info_of(worker, "decode")
     assert worker.serving is not None

@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -114,6 +115,7 @@ def test_chat_template_renders(converted: Path) -> None:
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
     )
+    assert isinstance(text, str)
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -154,13 +156,13 @@ def test_interrupted_save_leaves_nothing_then_retry_succeeds(
         tokenizer = AutoTokenizer.from_pretrained(converted)
         real_save = tokenizer.save_pretrained
 
-        def save_or_die(*args: object, **kwargs: object) -> object:
+        def save_or_die(*args: Any, **kwargs: Any) -> Any:
             if fail["on"]:  # weights are on disk by now: die midway through saving
                 assert (Path(str(args[0])) / "model.safetensors").is_file()
                 raise OSError("disk full (simulated)")
             return real_save(*args, **kwargs)
 
-        tokenizer.save_pretrained = save_or_die
+        tokenizer.save_pretrained = save_or_die  # type: ignore[method-assign]
         return model, tokenizer
 
     monkeypatch.setattr(pdmodel, "_load_gguf", fast_load)

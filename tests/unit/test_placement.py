@@ -54,6 +54,12 @@ def index_with(holdings: dict[str, int]) -> PrefixIndex:
     return index
 
 
+def _chosen(choice: Choice | None) -> Choice:
+    """The choice a policy made (these tests give it workers it can place on)."""
+    assert choice is not None
+    return choice
+
+
 # ---- prefix index ---------------------------------------------------------------------------
 
 
@@ -107,7 +113,8 @@ def test_cache_aware_prefers_the_holder() -> None:
 def test_cache_aware_ties_rotate_with_the_cursor() -> None:
     req = routing(index_with({"prefill-0": 5, "prefill-1": 5})).request(PROMPT)
     policy = CacheAwarePlacement()
-    chosen = [policy.choose(prefills(3), [ws("decode", 0)], c, req).prefill for c in range(4)]
+    chosen = [_chosen(policy.choose(prefills(3), [ws("decode", 0)], c, req)).prefill
+              for c in range(4)]
     assert chosen == [0, 1, 0, 0]  # cursor 2 points at prefill-2, which holds nothing
 
 
@@ -125,16 +132,16 @@ def test_cache_aware_spills_from_an_overloaded_holder() -> None:
     policy = CacheAwarePlacement(CacheAwareConfig(request_cost_tokens=128))
     light = [ws("prefill", 0, assigned=2, tokens=10), ws("prefill", 1)]
     assert policy.cost(light[0], req) == 5 + 10 + 2 * 128
-    assert policy.choose(light, [ws("decode", 0)], 0, req).prefill == 0
+    assert _chosen(policy.choose(light, [ws("decode", 0)], 0, req)).prefill == 0
     # The holder's queue (prefill work + per-request cost) now exceeds computing it all.
     heavy = [ws("prefill", 0, assigned=3, tokens=300), ws("prefill", 1)]
-    assert policy.choose(heavy, [ws("decode", 0)], 0, req).prefill == 1
+    assert _chosen(policy.choose(heavy, [ws("decode", 0)], 0, req)).prefill == 1
     # The engine's own queue counts even when this router sent nothing.
     busy = [ws("prefill", 0, waiting=4, running=1), ws("prefill", 1)]
-    assert policy.choose(busy, [ws("decode", 0)], 0, req).prefill == 1
+    assert _chosen(policy.choose(busy, [ws("decode", 0)], 0, req)).prefill == 1
     # ... and both busy: back to the holder.
     both = [busy[0], ws("prefill", 1, waiting=4, running=1)]
-    assert policy.choose(both, [ws("decode", 0)], 0, req).prefill == 0
+    assert _chosen(policy.choose(both, [ws("decode", 0)], 0, req)).prefill == 0
 
 
 def test_cache_aware_ignores_a_removed_worker_still_in_the_index() -> None:
@@ -157,7 +164,7 @@ def test_cache_aware_with_an_empty_index_balances_load() -> None:
     prefill = [ws("prefill", 0, assigned=1, tokens=100), ws("prefill", 1),
                ws("prefill", 2, running=1)]
     assert policy.choose(prefill, [ws("decode", 0)], 0, req) == Choice(1, 0)
-    assert [policy.choose(prefills(2), [ws("decode", 0)], c, req).prefill
+    assert [_chosen(policy.choose(prefills(2), [ws("decode", 0)], c, req)).prefill
             for c in range(4)] == [0, 1, 0, 1]
 
 

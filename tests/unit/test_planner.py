@@ -10,11 +10,13 @@ import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 from unit.fakes import Clock
 from unit.sim_cluster import start_sim_worker
 
+from pdserve.core.types import Role
 from pdserve.router.cluster.planner_loop import PlannerLoop
 from pdserve.router.cluster.roles import RoleSwitcher
 from pdserve.router.dispatch.policies.demand import DemandWindow
@@ -122,7 +124,7 @@ def test_the_cluster_cost_is_each_terms_median_over_the_engines_that_measured_it
 def test_config_refuses_bad_values() -> None:
     for bad in (dict(mode="auto"), dict(interval_s=0), dict(min_gain=1.0), dict(min_decode=0)):
         with pytest.raises(ValueError):
-            PlannerConfig(**bad)  # type: ignore[arg-type]
+            PlannerConfig(**bad)
 
 
 # ---- the loop on simulated workers ---------------------------------------------------
@@ -144,13 +146,16 @@ LONGS = Mix(rate=0.6, long_share=0.8)
 
 @contextlib.asynccontextmanager
 async def sim_cluster(num_prefill: int, num_decode: int
-                      ) -> AsyncIterator[tuple[WorkerPool, list[object]]]:
+                      ) -> AsyncIterator[tuple[WorkerPool, list[grpc.aio.Server]]]:
     """Simulated workers (the CPU engine's cost model) in a router's pool."""
-    servers, endpoints = [], {"prefill": [], "decode": []}
-    for i, role in enumerate(["prefill"] * num_prefill + ["decode"] * num_decode):
+    servers: list[grpc.aio.Server] = []
+    endpoints: dict[Role, list[str]] = {"prefill": [], "decode": []}
+    prefills: list[Role] = ["prefill"] * num_prefill
+    decodes: list[Role] = ["decode"] * num_decode
+    for i, role in enumerate(prefills + decodes):
         server, port, _ = await start_sim_worker(SimConfig(
             role=role, worker_id=f"sim-{i}", prefill_s_per_token=COST.per_token_s,
-            decode_s_per_token=COST.base_s))  # type: ignore[arg-type]
+            decode_s_per_token=COST.base_s))
         servers.append(server)
         endpoints[role].append(f"127.0.0.1:{port}")
     pool = WorkerPool(prefill=endpoints["prefill"], decode=endpoints["decode"])
@@ -160,7 +165,7 @@ async def sim_cluster(num_prefill: int, num_decode: int
     finally:
         await pool.close()
         for server in servers:
-            await server.stop(None)  # type: ignore[attr-defined]
+            await server.stop(None)
 
 
 async def simulate(pool: WorkerPool, phases: list[tuple[float, Mix]], seed: int = 7

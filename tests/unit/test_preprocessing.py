@@ -15,7 +15,11 @@ from pdserve.router.http.openai.preprocess import (
     Preprocessing,
     Preprocessor,
 )
-from pdserve.router.http.openai.schemas import ChatCompletionRequest, CompletionRequest
+from pdserve.router.http.openai.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+)
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -63,7 +67,7 @@ async def test_a_short_body_is_tokenized_on_the_loop_a_long_one_on_the_thread(
     text = "The quick brown fox jumps over the lazy dog. " * 4
     body: CompletionRequest | ChatCompletionRequest = (
         CompletionRequest(model=MODEL, prompt=text) if endpoint == "completion"
-        else ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": text}]))
+        else ChatCompletionRequest(model=MODEL, messages=[ChatMessage(role="user", content=text)]))
     run = pre.completion if endpoint == "completion" else pre.chat
 
     loop_thread = threading.current_thread().name

@@ -3,7 +3,7 @@ streaming, stop strings, dispatcher failures, and the operational endpoints."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 from unit.fakes import (
@@ -23,8 +23,13 @@ from unit.fakes import (
 
 from pdserve.router.dispatch.base import NoWorkerAvailableError
 
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
+
 ANSWER = " Paris is the capital of France. It is known for the Eiffel Tower."
 MULTIBYTE = " 你好，世界！🙂 Emoji 👍🏽 and 日本語のテキスト."
+# fakes' USER_MESSAGES, as the OpenAI client types a chat's messages
+MESSAGES = cast("list[ChatCompletionMessageParam]", USER_MESSAGES)
 
 
 def ids_of(tokenizer: Any, text: str) -> list[int]:
@@ -103,7 +108,7 @@ async def test_chat_max_completion_tokens_wins(tokenizer: Any) -> None:
     fake = FakeDispatcher(output_ids=ids_of(tokenizer, ANSWER))
     async with asgi_openai_client(make_router_app(tokenizer, fake)) as client:
         result = await client.chat.completions.create(
-            model=ROUTER_MODEL, messages=USER_MESSAGES, max_tokens=50, max_completion_tokens=4
+            model=ROUTER_MODEL, messages=MESSAGES, max_tokens=50, max_completion_tokens=4
         )
     assert fake.calls[0].sampling.max_tokens == 4
     assert result.choices[0].finish_reason == "length"
@@ -116,7 +121,7 @@ async def test_chat_streaming_with_usage(tokenizer: Any) -> None:
     async with asgi_openai_client(make_router_app(tokenizer, fake)) as client:
         stream = await client.chat.completions.create(
             model=ROUTER_MODEL,
-            messages=USER_MESSAGES,
+            messages=MESSAGES,
             stream=True,
             stream_options={"include_usage": True},
         )
@@ -170,7 +175,7 @@ async def test_return_token_ids(tokenizer: Any) -> None:
     async with asgi_openai_client(make_router_app(tokenizer, fake)) as client:
         result = await client.completions.create(model=ROUTER_MODEL, prompt="Hi", extra_body=extra)
         stream = await client.chat.completions.create(
-            model=ROUTER_MODEL, messages=USER_MESSAGES, stream=True, extra_body=extra
+            model=ROUTER_MODEL, messages=MESSAGES, stream=True, extra_body=extra
         )
         chunks = [chunk.model_dump() async for chunk in stream]
     assert result.model_dump()["prompt_token_ids"] == list(fake.calls[0].prompt_token_ids)
@@ -208,7 +213,7 @@ async def test_stop_prefix_that_never_completes_is_released(tokenizer: Any) -> N
     fake = FakeDispatcher(output_ids=ids_of(tokenizer, ANSWER))
     async with asgi_openai_client(make_router_app(tokenizer, fake)) as client:
         stream = await client.chat.completions.create(
-            model=ROUTER_MODEL, messages=USER_MESSAGES, stop=" Tower!", stream=True, max_tokens=100
+            model=ROUTER_MODEL, messages=MESSAGES, stop=" Tower!", stream=True, max_tokens=100
         )
         text = "".join([c.choices[0].delta.content or "" async for c in stream])
     assert text == ANSWER
@@ -224,7 +229,8 @@ async def test_stop_prefix_that_never_completes_is_released(tokenizer: Any) -> N
 async def test_no_worker_available_is_503(
     tokenizer: Any, path: str, body: dict[str, Any], stream: bool, when: str
 ) -> None:
-    fake = FakeDispatcher(**{when: NoWorkerAvailableError("all workers down")})
+    failure: dict[str, Any] = {when: NoWorkerAvailableError("all workers down")}
+    fake = FakeDispatcher(**failure)
     async with asgi_http_client(make_router_app(tokenizer, fake)) as client:
         response = await client.post(path, json={**body, "stream": stream})
     assert response.status_code == 503

@@ -144,9 +144,9 @@ def test_the_rust_stream_gives_the_python_algorithms_deltas(
 def test_the_byte_table_holds_each_ids_text(tokenizer: Any) -> None:
     """Every id of the vocabulary, special or not, decodes from its bytes to what the
     tokenizer gives for it alone."""
-    tables = detokenize.byte_table(tokenizer, False), detokenize.byte_table(tokenizer, True)
-    assert tables[0] is not None and tables[1] is not None
-    (with_special, texts), (without, _) = tables
+    first, second = detokenize.byte_table(tokenizer, False), detokenize.byte_table(tokenizer, True)
+    assert first is not None and second is not None
+    (with_special, texts), (without, _) = first, second
     assert len(with_special) == len(without) == len(tokenizer)
     for token_id, raw in enumerate(with_special):
         assert raw.decode("utf-8", "replace") == tokenizer.decode([token_id]), token_id

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import httpx
@@ -83,7 +83,7 @@ async def test_disconnect_while_sending_closes_the_stream_at_once(tokenizer: Any
         await disconnected.wait()
         return {"type": "http.disconnect"}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         nonlocal num_body_writes
         if message["type"] == "http.response.body":
             num_body_writes += 1

@@ -136,7 +136,7 @@ async def test_unusable_request_id_is_400(tokenizer: Any, bad: str) -> None:
     fake = FakeDispatcher(output_ids=OUTPUT)
     async with asgi_http_client(make_router_app(tokenizer, fake)) as http:
         reply = await http.post(COMPLETIONS, json=cmpl_body(),
-                                headers={"X-Request-Id": bad.encode("utf-8")})
+                                headers={b"X-Request-Id": bad.encode("utf-8")})
     assert reply.status_code == 400
     assert reply.json()["error"]["code"] == "invalid_request_id"
     assert reply.headers["x-request-id"] != bad and fake.calls == []

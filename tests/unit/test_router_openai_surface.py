@@ -169,7 +169,7 @@ async def test_every_choice_echoes_the_prompt_whose_logprobs_the_first_computed(
     first, second = (c["logprobs"] for c in reply["choices"])
     assert first == second and first["token_logprobs"][0] is None
     streamed = await events(tokenizer, fake, COMPLETIONS, body)
-    openings = {}
+    openings: dict[int, dict[str, Any]] = {}
     for chunk in streamed:
         for choice in chunk["choices"]:
             openings.setdefault(choice["index"], choice)

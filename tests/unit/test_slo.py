@@ -77,7 +77,8 @@ def test_neither_meets_the_objectives_the_cheaper_ttft_wins() -> None:
 def test_prefix_caches_lower_each_side_s_cost() -> None:
     """Decode holding the prompt's prefix computes only the rest: then it fits."""
     request = PlacementRequest(1200)
-    assert choose_by_slo(SLO, request, prefill(), decode()).decision == "remote"
+    chosen = choose_by_slo(SLO, request, prefill(), decode())
+    assert chosen is not None and chosen.decision == "remote"
     cached = choose_by_slo(SLO, request, prefill(), decode(), decode_cached_tokens=1100)
     assert cached is not None and cached.decision == "local"
 

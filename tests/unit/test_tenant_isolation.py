@@ -62,6 +62,7 @@ async def test_each_key_is_a_tenant_with_a_salt_of_its_own(tokenizer: Any) -> No
     # A request's own salt is combined with its tenant's, never replaces it.
     assert len({salt_a, salt_b, own_a, own_b, "shared"}) == 5
     # Every derived salt is in a namespace no client's own salt may enter (``@``: a 400).
+    assert own_a is not None and own_b is not None
     assert all(s.startswith("@") for s in (salt_a, salt_b, own_a, own_b))
     # The same on another router (a replica): a tenant's salt does not depend on the process.
     again = await salts(tokenizer, "key", [(a, COMPLETIONS, cmpl_body())])

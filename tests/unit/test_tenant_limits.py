@@ -162,7 +162,7 @@ async def test_a_tenant_over_its_limit_gets_429_while_another_tenants_requests_a
         tokenizer: Any, cluster: Cluster) -> None:
     cluster.p.script.num_cached_tokens = CACHED
     dispatcher = HoldingDispatcher(cluster.dispatcher)
-    app = make_router_app(tokenizer, dispatcher, EDGE, cluster.registry)  # type: ignore[arg-type]
+    app = make_router_app(tokenizer, dispatcher, EDGE, cluster.registry)
     before = counters(app)
     stream = {"stream": True, "stream_options": {"include_usage": True}}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),

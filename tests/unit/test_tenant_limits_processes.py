@@ -25,7 +25,7 @@ import pytest
 
 from pdserve.bench.micro.procs import Proc, ProcGroup
 from pdserve.core.ports import free_port
-from pdserve.core.types import PhaseOutput, PhaseRequest
+from pdserve.core.types import PhaseOutput, PhaseRequest, Role
 from pdserve.launch.sim_worker import sim_role_policy
 from pdserve.worker.host import EngineHost
 from pdserve.worker.servicer import WorkerServer, start_worker_server
@@ -87,6 +87,7 @@ class Workers:
         self._loop.close()
 
     async def _start(self) -> None:
+        role: Role
         for role, marks in (("prefill", self.starts), ("decode", self.ends)):
             config = SimConfig(role, f"{role}-0", block_size=4, decode_s_per_token=0.01)
             worker = await start_worker_server(RecordingHost(config, marks), "127.0.0.1", 0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import cast
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -46,6 +47,11 @@ TIER_TOKENS = "pdserve:placement_tier_tokens_total"
 COMPUTE_S = 1e-4  # seconds per prompt token, as a measured step fit says
 DECODE = [WorkerState(endpoint="decode-0", role="decode", healthy=True, worker_id="decode-0",
                       compatibility_hash="a")]
+
+
+def _approx(value: float) -> float:
+    """``pytest.approx(value)``, typed as the float field it compares equal to."""
+    return cast(float, pytest.approx(value))
 
 
 def ws(i: int, tokens: int = 0, kv_port: int = 0, kv_load: KvLoadRates = NOT_MEASURED,
@@ -141,8 +147,8 @@ def test_unmeasured_sources_use_the_priors() -> None:
     # below) at least STORE_OVER_HOST times the host's: here dearer than computing.
     host = 1e-3 / BS / COMPUTE_S
     assert tier_ratios(measured, COMPUTE_S, BS) == TierRatios(
-        pytest.approx(host), DISK_PRIOR_RATIO, POOL_PRIOR_RATIO,
-        pytest.approx(STORE_OVER_HOST * host))
+        _approx(host), DISK_PRIOR_RATIO, POOL_PRIOR_RATIO,
+        _approx(STORE_OVER_HOST * host))
 
 
 def test_measured_rates_from_the_load_report() -> None:
@@ -151,13 +157,13 @@ def test_measured_rates_from_the_load_report() -> None:
         kv_disk_load_blocks=4, kv_disk_load_time_ns=8_000_000,
         kv_bytes_received=1_000_000, kv_transfer_time_ns=5_000_000)
     rates = load_rates(report)
-    assert rates == KvLoadRates(pytest.approx(2e-4), pytest.approx(2e-3), None,
-                                pytest.approx(5e-9), 1000.0)
+    assert rates == KvLoadRates(_approx(2e-4), _approx(2e-3), None,
+                                _approx(5e-9), 1000.0)
     ratios = tier_ratios(rates, COMPUTE_S, BS)
     per_token = 1 / (BS * COMPUTE_S)
     # The pool, not measured, at the P/D pull bandwidth times a block's bytes.
-    assert ratios == TierRatios(pytest.approx(2e-4 * per_token), pytest.approx(2e-3 * per_token),
-                                pytest.approx(5e-9 * 1000 * per_token))
+    assert ratios == TierRatios(_approx(2e-4 * per_token), _approx(2e-3 * per_token),
+                                _approx(5e-9 * 1000 * per_token))
     pooled = load_rates(WorkerLoadReport(kv_pool_load_blocks=2, kv_pool_load_time_ns=6_400_000))
     assert tier_ratios(pooled, COMPUTE_S, BS).pool == pytest.approx(2.0)
 

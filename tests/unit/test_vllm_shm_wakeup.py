@@ -152,7 +152,8 @@ def test_the_patched_writer_runs_its_mailbox_right_before_each_ping(
     writer.local_notify_socket = socket
     writer.notify()
     writer.notify()
-    ping = [("getsockopt", (zmq.EVENTS,), {}), ("send", (b"\x00",), {})]
+    ping: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
+        ("getsockopt", (zmq.EVENTS,), {}), ("send", (b"\x00",), {})]
     assert socket.calls == ping + ping
     assert reader.local_notify_socket.poll(HANG_MS), "the ping never came"
 

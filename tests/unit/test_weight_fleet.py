@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Literal
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -17,7 +18,7 @@ from unit.sim_cluster import SimCluster, sim_cluster
 from unit.test_weight_pause import versions
 from unit.test_weight_updates import MAX_TOKENS, PROMPT, tokens
 
-from pdserve.core.types import SamplingSpec
+from pdserve.core.types import Role, SamplingSpec
 from pdserve.router.cluster.weight_updates import DiskUpdate, WeightUpdater
 from pdserve.router.dispatch.base import TokenChunk
 from pdserve.router.dispatch.dispatcher import PDDispatcher
@@ -33,7 +34,7 @@ async def two_routers(tmp_path: Path) -> AsyncIterator[
     path = tmp_path / "board"
     WeightBoard.create(path, 2)
     boards = [WeightBoard.open(path), WeightBoard.open(path)]
-    workers = [("p0", "prefill"), ("d0", "decode"), ("d1", "decode")]
+    workers: list[tuple[str, Role]] = [("p0", "prefill"), ("d0", "decode"), ("d1", "decode")]
     async with sim_cluster(workers, DisaggConfig(mode="always"), boards[0],
                            decode_s_per_token=10e-3) as sims:
         assert sims.pool is not None
@@ -63,7 +64,8 @@ async def run(dispatcher: PDDispatcher, request_id: str, prompt: tuple[int, ...]
 
 
 @pytest.mark.parametrize("policy", ["drain", "abort", "keep"])
-async def test_a_refit_through_one_process_holds_for_both(tmp_path: Path, policy: str) -> None:
+async def test_a_refit_through_one_process_holds_for_both(
+        tmp_path: Path, policy: Literal["drain", "abort", "keep"]) -> None:
     async with two_routers(tmp_path) as (_, routers):
         (first, _), (second, updater) = routers
         old = tokens(await run(first, "ref-old"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from unit.fakes import ROUTER_MODEL, chat_body, cmpl_body
 from pdserve.router.dispatch.base import Deadline, DeadlineExceededError
 from pdserve.router.dispatch.weight_board import Published
 from pdserve.router.dispatch.weights import WeightGate
-from pdserve.router.http.openai.preprocess import Preprocessor
+from pdserve.router.http.openai.preprocess import GenerationRequest, Preprocessor
 from pdserve.router.http.openai.schemas import ChatCompletionRequest, CompletionRequest
 
 
@@ -79,7 +80,8 @@ async def test_an_abort_finds_a_request_by_the_ids_its_client_knows(
     every choice of it), and no other request."""
     preprocessor = Preprocessor(served_model_name=ROUTER_MODEL, max_model_len=4096,
                                 tokenizer=tokenizer)
-    build = preprocessor.completion if endpoint == "completion" else preprocessor.chat
+    build: Callable[[Any, str], GenerationRequest] = (
+        preprocessor.completion if endpoint == "completion" else preprocessor.chat)
     body = (CompletionRequest(**cmpl_body(n=n)) if endpoint == "completion"
             else ChatCompletionRequest(**chat_body(n=n)))
     mine = build(body, "my-client-id")

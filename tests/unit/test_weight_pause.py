@@ -14,7 +14,7 @@ import pytest
 from unit.fakes import ROUTER_MODEL, asgi_http_client, chat_body, cmpl_body, sse_payloads
 from unit.test_weight_updates import MAX_TOKENS, PROMPT, bench, tokens
 
-from pdserve.core.types import SamplingSpec
+from pdserve.core.types import SamplingSpec, WeightsCommitted
 from pdserve.core.weight_calls import FinishWeightUpdate
 from pdserve.router.cluster.errors import ClusterError
 from pdserve.router.cluster.weight_updates import DiskUpdate
@@ -87,10 +87,10 @@ async def test_resume_is_refused_while_a_commit_runs(tmp_path: Path) -> None:
         commit, entered, release = decode.client.commit_weights, asyncio.Event(), \
             asyncio.Event()
 
-        async def slow_commit(*args: object) -> object:
+        async def slow_commit(*args: Any, **kwargs: Any) -> WeightsCommitted:
             entered.set()
             await release.wait()
-            return await commit(*args)  # type: ignore[arg-type]
+            return await commit(*args, **kwargs)
 
         decode.client.commit_weights = slow_commit  # type: ignore[method-assign]
         update = asyncio.create_task(b.updater.update_from_disk(DiskUpdate(

@@ -9,13 +9,14 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pdserve_testing import wait_until_async
 from unit.sim_cluster import SimCluster, sim_cluster
 
 from pdserve.core.block_hash import chain_hashes, salt_root, versioned_salt
-from pdserve.core.types import SamplingSpec
+from pdserve.core.types import Role, SamplingSpec
 from pdserve.router.cluster.errors import ClusterError
 from pdserve.router.cluster.weight_updates import DiskUpdate, WeightUpdater
 from pdserve.router.dispatch.base import TokenChunk
@@ -44,8 +45,9 @@ class Bench:
 
 
 @contextlib.asynccontextmanager
-async def bench(tmp_path: Path, num_prefill: int = 1, **sim: float) -> AsyncIterator[Bench]:
-    workers = [*((f"p{i}", "prefill") for i in range(num_prefill)), ("d0", "decode")]
+async def bench(tmp_path: Path, num_prefill: int = 1, **sim: Any) -> AsyncIterator[Bench]:
+    workers: list[tuple[str, Role]] = [*((f"p{i}", "prefill") for i in range(num_prefill)),
+                                       ("d0", "decode")]
     async with sim_cluster(workers, DisaggConfig(mode="always"), decode_s_per_token=10e-3,
                            **sim) as sims:
         assert sims.pool is not None

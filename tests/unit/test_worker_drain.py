@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -38,7 +39,7 @@ def decode_request(request_id: str, max_tokens: int = 3) -> PhaseRequest:
 async def health_of(endpoint: str) -> dict[str, int]:
     """The standard health answer for the whole server ("") and for WorkerService."""
     async with grpc.aio.insecure_channel(endpoint) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+        stub: Any = health_pb2_grpc.HealthStub(channel)  # the stubs list no methods of it
         return {name: (await stub.Check(health_pb2.HealthCheckRequest(service=name),
                                         timeout=2.0)).status
                 for name in ("", WORKER_SERVICE)}

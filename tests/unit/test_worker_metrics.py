@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import psutil
@@ -39,7 +39,7 @@ from pdserve.membership import WorkerInfo
 from pdserve.roles.prefill.policy import PrefillPolicy
 from pdserve.router.dispatch.workers.client import WorkerClient
 from pdserve.worker.backend import WorkerBackend
-from pdserve.worker.engine import EngineConfig
+from pdserve.worker.engine import Engine, EngineConfig
 from pdserve.worker.host import EngineHost
 from pdserve.worker.metrics import (
     MetricsListener,
@@ -148,7 +148,7 @@ async def test_engine_host_reports_its_connector_counters_after_a_transfer() -> 
     config = EngineConfig(model_path="/m", served_model_name="m", role="prefill",
                           connector=ConnectorConfig(engine_id="p0", kv_port=kv_port))
     host = EngineHost(config, "p0", PrefillPolicy(release=lambda h: None),
-                      lambda c, n: _NoEngine(ConnectorStatus(c.connector)))
+                      lambda c, n: cast(Engine, _NoEngine(ConnectorStatus(c.connector))))
     host.start()
     port = free_port()
     try:
@@ -180,7 +180,8 @@ async def test_every_kv_tier_and_pool_field_is_a_counter_of_its_value() -> None:
     counter of its value, ``*_time_ns`` in seconds, with a help text naming its tier."""
     tiered = [f.name for f in fields(WorkerLoadReport)
               if f.name.startswith(("kv_tier_", "kv_disk_", "kv_pool_"))]
-    load = WorkerLoadReport(**{name: 1000 * (i + 1) for i, name in enumerate(tiered)})
+    counts: dict[str, Any] = {name: 1000 * (i + 1) for i, name in enumerate(tiered)}
+    load = WorkerLoadReport(**counts)
 
     async def sampler() -> WorkerSample:
         return WorkerSample(True, load, "prefill")
@@ -269,7 +270,8 @@ def test_up_plans_a_metrics_port_per_worker_unless_off(tmp_path: Path) -> None:
          "--admin-port", "9300"]), model), tmp_path)
     assert scrape_targets(several) == {"router-0": "127.0.0.1:9300",
                                        "router-1": "127.0.0.1:9301"}
-    assert {g["labels"]["component"] for g in file_sd(scrape_targets(several))} == {"router"}
+    groups = file_sd(scrape_targets(several))
+    assert {cast(dict[str, str], g["labels"])["component"] for g in groups} == {"router"}
 
 
 def test_up_simulated_prints_and_writes_targets_that_answer(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 import pytest
 import pytest_asyncio
@@ -25,7 +26,7 @@ from pdserve.core.types import (
     WorkerLoadReport,
 )
 from pdserve.router.dispatch.workers.client import WorkerCallError, WorkerClient
-from pdserve.worker.backend import WorkerError
+from pdserve.worker.backend import WorkerBackend, WorkerError
 from pdserve.worker.kv.mirror import KvCacheMirror
 from pdserve.worker.servicer import start_worker_server
 
@@ -96,7 +97,7 @@ class Served:
 @pytest_asyncio.fixture(loop_scope="function")
 async def served() -> AsyncIterator[Served]:
     backend = Backend()
-    worker = await start_worker_server(backend)
+    worker = await start_worker_server(cast(WorkerBackend, backend))
     client = WorkerClient(f"127.0.0.1:{worker.port}")
     yield Served(backend, client)
     await client.close()
@@ -178,12 +179,12 @@ async def test_kv_events_relay(served: Served) -> None:
         with pytest.raises(WorkerCallError) as err:
             await anext(served.client.kv_events())
         assert err.value.code == code
-    mirror = KvCacheMirror(block_size=4)
-    mirror.apply(False, [10, 11], [])
-    served.backend.mirror = mirror
+    live = KvCacheMirror(block_size=4)
+    live.apply(False, [10, 11], [])
+    served.backend.mirror = live
     assert await served.client.kv_snapshot(TIMEOUT_S) == KvSnapshot(1, (10, 11), 4, "w0")
     events = served.client.kv_events()
     assert await anext(events) == KvChange(1)  # heartbeat first
-    mirror.apply(False, [12], [10])
+    live.apply(False, [12], [10])
     assert await anext(events) == KvChange(2, False, (12,), (10,))
     await events.aclose()

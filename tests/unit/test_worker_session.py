@@ -15,6 +15,7 @@ import contextlib
 import types
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
+from typing import cast
 
 import grpc
 import pytest
@@ -309,7 +310,9 @@ class SessionSpy:
                 spy.num_opened += 1
                 spy.num_open += 1
                 try:
-                    async with contextlib.aclosing(super().serve(spy.seen(requests))) as sent:
+                    inner = cast(AsyncGenerator[pb.SessionBatch, None],
+                                 super().serve(spy.seen(requests)))
+                    async with contextlib.aclosing(inner) as sent:
                         async for batch in sent:
                             spy.batches.append(batch)
                             yield batch
@@ -598,6 +601,7 @@ async def test_concurrent_first_requests_to_a_worker_without_session_fall_back()
     failed = [a for a in answers if isinstance(a, BaseException)]
     assert failed == []
     for rid, outputs in zip(prompts, answers, strict=True):
+        assert not isinstance(outputs, BaseException)
         assert token_ids(outputs) == greedy_answer(prompts[rid], 6)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from unit.test_engine_host import FakeEngine, Released, handle, request, run, started
 
 from pdserve.core.handle import KVHandle
 from pdserve.roles.decode.policy import DecodePolicy
@@ -17,7 +18,6 @@ from pdserve.roles.prefill.policy import PrefillPolicy
 from pdserve.worker.backend import WorkerError
 from pdserve.worker.engine import EngineStep
 from pdserve.worker.vllm.weights_ext import StagingError, check_checkpoint
-from tests.unit.test_engine_host import FakeEngine, Released, handle, request, run, started
 
 
 async def test_a_decode_worker_refuses_kv_stamped_with_another_weights_version() -> None:
