@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -100,6 +101,7 @@ def pair(stock: object) -> Iterator[tuple[Any, Any]]:
     finally:
         for ctx in contexts:
             ctx.destroy(linger=0)
+        Path(addr.removeprefix("ipc://")).unlink(missing_ok=True)  # zmq leaves the file
 
 
 def lost_second_pings(writer: Any, reader: Any) -> int:
