@@ -275,7 +275,8 @@ def up_store(args: argparse.Namespace) -> KvStoreUp:
 # The engine and transport flags up hands every vLLM worker as parsed: all of them but
 # those up decides (the dtype, resolved once; prefill's KV blocks; each worker's disk
 # folder; the weights it checks; its transport, checked against TLS; the KV store, which
-# --with-redis starts) or renders as vLLM's (LoRA adapters: ``LoraConfig.flags``).
+# --with-redis starts and so picks the URL and password of; its other flags are checked
+# against them in ``KvStoreUp``, which renders the lot).
 _UP_DECIDES = ("dtype", "num-kv-blocks", "kv-disk-dir", "kv-disk-gib", "weight-version",
                "weight-transfer-backend", "transport", "kv-store", "kv-store-ttl-s",
                "kv-store-timeout-s", "kv-store-password-file", "kv-store-admission",
