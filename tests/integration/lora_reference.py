@@ -12,6 +12,10 @@ import sys
 
 
 def main(model: str, in_path: str, out_path: str) -> None:
+    # vLLM's ZMQ sockets and rendezvous file in this run's folder, not left in /tmp
+    here = os.path.dirname(os.path.abspath(out_path))
+    os.environ.setdefault("VLLM_RPC_BASE_PATH", here)
+    os.environ.setdefault("TMPDIR", here)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm import LLM, SamplingParams
