@@ -158,9 +158,10 @@ def vllm_process(model_path: Path, tmp_path_factory: pytest.TempPathFactory
     port = free_port()
     folder = tmp_path_factory.mktemp("vllm-serve")
     log = folder / "vllm.log"
-    # its ZMQ IPC sockets in the test's folder, not left in /tmp (as pdserve's engines do)
+    # its ZMQ IPC sockets and its executor's rendezvous file (file://$TMPDIR/vllm_dist_*)
+    # in the test's folder, not left in /tmp (as pdserve's engines do)
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_RPC_BASE_PATH=str(folder))
+               VLLM_RPC_BASE_PATH=str(folder), TMPDIR=str(folder))
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
             str(model_path), "--served-model-name", MODEL, "--dtype", "float32",
             "--max-model-len", "4096", "--enforce-eager", "--host", "127.0.0.1", "--port",

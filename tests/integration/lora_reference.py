@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
+
+from pdserve.worker.engine_tmp import engine_tmp_dir
 
 
 def main(model: str, in_path: str, out_path: str) -> None:
-    # vLLM's ZMQ sockets and rendezvous file in this run's folder, not left in /tmp
-    here = os.path.dirname(os.path.abspath(out_path))
-    os.environ.setdefault("VLLM_RPC_BASE_PATH", here)
-    os.environ.setdefault("TMPDIR", here)
+    # vLLM's ZMQ sockets and rendezvous file in a folder of this run's (as a worker's
+    # engine has), removed at exit: not left in /tmp
+    engine_tmp_dir(Path(out_path).resolve().parent)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm import LLM, SamplingParams

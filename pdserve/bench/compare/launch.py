@@ -13,8 +13,10 @@ port.
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +68,7 @@ class RunningSystem:
         self.stop_grace_s = stop_grace_s
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.stop_report: StopReport | None = None
+        self.tmp_dir: Path | None = None  # vLLM's sockets and rendezvous file, while it runs
 
     def __enter__(self) -> RunningSystem:
         self.start()
@@ -77,10 +80,13 @@ class RunningSystem:
     def start(self) -> None:
         """Each process of the spec, its output to ``log_dir/<name>.log``."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        # short (a socket's path has ~100 bytes): the system temporary folder, not log_dir
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix=f"pdserve-bench-{self.spec.kind}-"))
+        own = {"VLLM_RPC_BASE_PATH": str(self.tmp_dir), "TMPDIR": str(self.tmp_dir)}
         for p in self.spec.procs:
             log = self.log_dir / f"{p.name}.log"
             log.write_bytes(b"")  # a fresh log per start
-            self.procs[p.name] = process.spawn(p.argv, log_path=log, env=p.env)
+            self.procs[p.name] = process.spawn(p.argv, log_path=log, env={**own, **p.env})
 
     def exited(self) -> str | None:
         """A description of the first process that has exited, or None."""
@@ -125,6 +131,8 @@ class RunningSystem:
         if self.stop_report is None:
             report = process.stop(list(self.procs.values()), self.stop_grace_s)
             self.stop_report = StopReport.of(report, port_free(self.spec.port))
+            if self.tmp_dir is not None:
+                shutil.rmtree(self.tmp_dir, ignore_errors=True)
         return self.stop_report
 
 
