@@ -31,10 +31,16 @@ def engine_tmp_dir(base: Path | None = None) -> Path:
     base = base or Path(tempfile.gettempdir())
     sweep_dead(base)
     folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base))
-    os.environ["VLLM_RPC_BASE_PATH"] = str(folder)
-    os.environ["TMPDIR"] = str(folder)  # the engine's processes: vLLM's dist init file
+    os.environ.update(vllm_tmp_env(folder))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return folder
+
+
+def vllm_tmp_env(folder: Path) -> dict[str, str]:
+    """The variables that put vLLM's ZMQ sockets (``VLLM_RPC_BASE_PATH``) and its
+    engine processes' rendezvous file (``TMPDIR``: ``file://$TMPDIR/vllm_dist_*``) in
+    ``folder``, for this process or a child's environment."""
+    return {"VLLM_RPC_BASE_PATH": str(folder), "TMPDIR": str(folder)}
 
 
 def sweep_dead(base: Path) -> list[Path]:

@@ -27,6 +27,7 @@ from pdserve.core.certs import make_test_ca
 from pdserve.core.dtype import resolve_dtype
 from pdserve.core.model import prepare_default_model
 from pdserve.core.ports import free_port
+from pdserve.worker.engine_tmp import vllm_tmp_env
 
 
 @pytest.fixture(scope="session")
@@ -161,7 +162,7 @@ def vllm_process(model_path: Path, tmp_path_factory: pytest.TempPathFactory
     # its ZMQ IPC sockets and its executor's rendezvous file (file://$TMPDIR/vllm_dist_*)
     # in the test's folder, not left in /tmp (as pdserve's engines do)
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_RPC_BASE_PATH=str(folder), TMPDIR=str(folder))
+               **vllm_tmp_env(folder))
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
             str(model_path), "--served-model-name", MODEL, "--dtype", "float32",
             "--max-model-len", "4096", "--enforce-eager", "--host", "127.0.0.1", "--port",

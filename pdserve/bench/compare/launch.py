@@ -25,6 +25,7 @@ import httpx
 
 from pdserve.bench.compare.systems import SystemSpec
 from pdserve.core import process
+from pdserve.worker.engine_tmp import vllm_tmp_env
 
 WARM_PROMPT = "Say hello."
 # Between readiness probes: a refused connection costs well under a millisecond on the
@@ -82,7 +83,7 @@ class RunningSystem:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # short (a socket's path has ~100 bytes): the system temporary folder, not log_dir
         self.tmp_dir = Path(tempfile.mkdtemp(prefix=f"pdserve-bench-{self.spec.kind}-"))
-        own = {"VLLM_RPC_BASE_PATH": str(self.tmp_dir), "TMPDIR": str(self.tmp_dir)}
+        own = vllm_tmp_env(self.tmp_dir)
         for p in self.spec.procs:
             log = self.log_dir / f"{p.name}.log"
             log.write_bytes(b"")  # a fresh log per start
