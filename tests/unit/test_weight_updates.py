@@ -124,12 +124,18 @@ async def test_abort_cuts_a_visible_stream_and_reruns_an_invisible_one(tmp_path:
 
 
 async def _back_on_first_weights(b: Bench, tmp_path: Path) -> Worker:
-    """The decode worker, back on its first weights, as after a restart."""
+    """The decode worker, back on its first weights, as after a restart, once the
+    router's view of it says so. One probe is not enough under load: a probe that times
+    out keeps the worker's earlier report ("v2", healthy), and one overtaken by the
+    pool's own adopts nothing; so probe until the report changes, within 20 s."""
     assert b.sims.pool is not None
     worker = b.sims.pool.decode[0]
     await worker.client.stage_weights(str(tmp_path), "default", 5.0)
     await worker.client.commit_weights("default", False, 0.0, 5.0)
-    await worker.refresh(2.0)
+    deadline = asyncio.get_running_loop().time() + 20.0
+    while worker.snapshot().weight_version != "default":
+        assert asyncio.get_running_loop().time() < deadline, worker.snapshot()
+        await worker.refresh(2.0)
     return worker
 
 
