@@ -1,7 +1,8 @@
 """``pdserve bench compare`` gives the processes it starts a temporary folder of their
 own for vLLM's ZMQ sockets and rendezvous file (``VLLM_RPC_BASE_PATH``, ``TMPDIR``) and
 removes it when it stops them, killed or not: a ``vllm serve`` baseline leaves both in
-``/tmp`` otherwise. A stand-in process writes where vLLM would."""
+``/tmp`` otherwise; a start that fails halfway stops what it started and removes it too.
+A stand-in process writes where vLLM would."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import pytest
 
 from pdserve.bench.compare.launch import RunningSystem
 from pdserve.bench.compare.systems import ProcSpec, SystemSpec
@@ -25,9 +28,9 @@ time.sleep(600)
 """
 
 
-def _spec(env: dict[str, str]) -> SystemSpec:
+def _spec(env: dict[str, str], *more: ProcSpec) -> SystemSpec:
     proc = ProcSpec("vllm", (sys.executable, "-c", _ENGINE), env)
-    return SystemSpec("vllm", "vllm", free_port(), (proc,), {"engine": "0"})
+    return SystemSpec("vllm", "vllm", free_port(), (proc, *more), {"engine": "0"})
 
 
 def _wait_for_line(running: RunningSystem, log: Path) -> list[str]:
@@ -62,3 +65,15 @@ def test_a_folder_the_spec_names_wins(tmp_path: Path) -> None:
         own = running.tmp_dir
     assert own is not None and not own.exists()
     assert sorted(p.name for p in mine.iterdir()) == ["socket", "vllm_dist_x"]
+
+
+def test_a_start_that_fails_halfway_stops_what_it_started_and_removes_the_folder(
+        tmp_path: Path) -> None:
+    missing = ProcSpec("router", (str(tmp_path / "no-such-launcher"),), {})
+    running = RunningSystem(_spec({}, missing), tmp_path / "logs", stop_grace_s=5)
+    with pytest.raises(OSError):
+        running.__enter__()
+    started = running.procs["vllm"]
+    assert started.poll() is not None  # stopped, not left serving
+    assert running.tmp_dir is not None and not running.tmp_dir.exists()
+    assert running.stop_report is not None

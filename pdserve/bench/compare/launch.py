@@ -79,15 +79,22 @@ class RunningSystem:
         self.stop()
 
     def start(self) -> None:
-        """Each process of the spec, its output to ``log_dir/<name>.log``."""
+        """Each process of the spec, its output to ``log_dir/<name>.log``. A spawn that
+        fails (a missing executable) stops the processes already started and removes the
+        folder before the error goes on: ``__exit__`` never runs when ``__enter__`` raised."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # short (a socket's path has ~100 bytes): the system temporary folder, not log_dir
         self.tmp_dir = Path(tempfile.mkdtemp(prefix=f"pdserve-bench-{self.spec.kind}-"))
         own = vllm_tmp_env(self.tmp_dir)
-        for p in self.spec.procs:
-            log = self.log_dir / f"{p.name}.log"
-            log.write_bytes(b"")  # a fresh log per start
-            self.procs[p.name] = process.spawn(p.argv, log_path=log, env={**own, **p.env})
+        try:
+            for p in self.spec.procs:
+                log = self.log_dir / f"{p.name}.log"
+                log.write_bytes(b"")  # a fresh log per start
+                self.procs[p.name] = process.spawn(p.argv, log_path=log,
+                                                   env={**own, **p.env})
+        except BaseException:
+            self.stop()
+            raise
 
     def exited(self) -> str | None:
         """A description of the first process that has exited, or None."""
