@@ -73,3 +73,28 @@ async def test_a_commit_answered_through_another_process_makes_the_worker_placea
     worker.on_weights_committed("v2")
     state = worker.snapshot()
     assert state.healthy and state.weight_version == "v2"
+
+
+async def test_a_probe_out_when_a_call_finds_the_worker_gone_adopts_nothing() -> None:
+    """A probe answered, then a request's call to the worker fails unreachable (it
+    stopped in between), then the probe's answer is read: the failure is the newer
+    news, so the worker stays out of placement until the next probe. Before, the old
+    answer put a stopped worker back (a unit test saw it under load)."""
+    import asyncio
+
+    worker = _worker([None, None])
+    await worker.refresh(1.0)
+    gate = asyncio.Event()
+    answered = worker.client.load
+
+    async def held_load(timeout_s: float) -> WorkerLoadReport:
+        await gate.wait()  # the answer sits until the call has failed
+        return await answered(timeout_s)
+
+    worker.client.load = held_load  # type: ignore[method-assign]
+    probe = asyncio.create_task(worker.refresh(1.0))
+    await asyncio.sleep(0)
+    worker.mark_unhealthy(UNAVAILABLE)  # what a request's failed call does
+    gate.set()
+    await probe
+    assert not worker.snapshot().healthy

@@ -192,7 +192,8 @@ class Worker:
         that timed out, which does only ``MAX_SLOW_PROBES`` times in a row: a worker
         whose cores are busy computing may answer late, and taking it out of
         placement for that sends its requests elsewhere (or to no prefill at all).
-        A probe overtaken by a newer one (or by a weight commit) adopts nothing."""
+        A probe overtaken by a newer one (or by a weight commit, or by a call that found
+        the worker unreachable) adopts nothing."""
         self._generation += 1
         generation = self._generation
         try:
@@ -270,13 +271,18 @@ class Worker:
                                f"not the registered {self._expected_id!r}")
 
     def mark_unhealthy(self, why: str) -> None:
+        """Out of placement until a probe finds it ready. A probe already out adopts
+        nothing: its answer predates what marked it (a request's call that found it
+        gone), and would put a stopped worker back until the next probe."""
+        self._generation += 1
         if self._reported.healthy:
             logger.warning("%s worker at %s unhealthy: %s", self._reported.role,
                            self._reported.endpoint, why)
         self._report(healthy=False)
 
     def on_removed(self) -> None:
-        """The worker left the view: never place on it again."""
+        """The worker left the view: never place on it again (a probe out adopts nothing)."""
+        self._generation += 1
         self._report(healthy=False)
 
     def _report(self, **changes: Any) -> None:
