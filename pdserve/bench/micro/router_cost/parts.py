@@ -30,13 +30,14 @@ per process count, and vLLM's ``vllm-router`` beside it (``stream.py``);
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TypedDict
 
@@ -44,7 +45,7 @@ import httpx
 import psutil
 
 from pdserve.bench.micro.configs import RouterCostConfig
-from pdserve.bench.micro.procs import Proc, ProcGroup
+from pdserve.bench.micro.procs import Proc, ProcGroup, run_log_dir
 from pdserve.bench.micro.router_cost.auth import run_auth
 from pdserve.bench.micro.router_cost.replicas import run_replicas
 from pdserve.bench.micro.router_cost.stream import run_stream
@@ -233,18 +234,29 @@ async def measure_all(cfg: RouterCostConfig, url: str, p_ep: str, d_ep: str, pid
     return {**summary, **loop}
 
 
+@contextlib.contextmanager
+def secret_file_for(auth: str) -> Iterator[str | None]:
+    """``auth`` "secret": a new cluster secret's file, removed on exit (it lives only
+    while the processes that read it do, never beside the logs a run keeps); else None."""
+    if auth != "secret":
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-secret-") as keys:
+        yield str(write_cluster_secret(Path(keys) / "secret"))
+
+
 def run_latency(cfg: RouterCostConfig, auth: str = "none") -> dict[str, float]:
     """(a)-(c) against their own sims and router; ``auth`` "secret": a cluster secret on
     every process and on this script's own calls."""
-    log_dir = Path(tempfile.mkdtemp(prefix="bench-router-cost-"))
-    secret_file = str(write_cluster_secret(log_dir / "secret")) if auth == "secret" else None
-    print(f"-- auth: {auth}")
-    procs, url, p_ep, d_ep = children(log_dir, secret_file)
-    with ProcGroup(procs) as group:
-        group.wait_ready(120)
-        return asyncio.run(measure_all(cfg, url, p_ep, d_ep, group.pid("router"), log_dir,
-                                       load_cluster_secret(secret_file) if secret_file
-                                       else None))
+    log_dir = run_log_dir(f"router-cost-{auth}")
+    print(f"-- auth: {auth} (logs in {log_dir})")
+    with secret_file_for(auth) as secret_file:
+        procs, url, p_ep, d_ep = children(log_dir, secret_file)
+        with ProcGroup(procs) as group:
+            group.wait_ready(120)
+            return asyncio.run(measure_all(cfg, url, p_ep, d_ep, group.pid("router"),
+                                           log_dir, load_cluster_secret(secret_file)
+                                           if secret_file else None))
 
 
 def run(cfg: RouterCostConfig) -> int:

@@ -32,13 +32,12 @@ import asyncio
 import importlib.util
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from pdserve.bench.micro.configs import RouterCostConfig
-from pdserve.bench.micro.procs import ProcGroup
+from pdserve.bench.micro.procs import ProcGroup, run_log_dir
 from pdserve.bench.micro.router_cost.stream_client import (
     CpuMeter,
     StreamResult,
@@ -269,7 +268,7 @@ def run_system(system: System, cfg: RouterCostConfig, with_sweep: bool,
 
 def run_stream(cfg: RouterCostConfig) -> dict[str, dict[str, object]]:
     """Every system in turn (pdserve for each N, then vllm-router): name -> results."""
-    log_dir = Path(tempfile.mkdtemp(prefix="bench-router-stream-"))
+    log_dir = run_log_dir("router-stream")
     results: dict[str, dict[str, object]] = {}
     procs, p_ep, d_ep = sims(log_dir, cfg.ms_per_token, cfg.lockstep)
     with ProcGroup(procs) as group:
