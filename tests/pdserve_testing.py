@@ -232,6 +232,7 @@ class Server:
     # up's scrape targets (name -> /metrics URL), from the line after the endpoint's.
     metrics_targets: dict[str, str] = field(default_factory=dict)
     temp_dir: Path | None = None  # launch_up's (the cluster secret's): gone once it stops
+    log_dir: Path | None = None  # every process's log (up's --log-dir, launch_up's choice)
 
     @property
     def tls(self) -> GrpcTls | None:
@@ -411,15 +412,22 @@ def launch_up(args: list[str], env: dict[str, str], timeout_s: float = 600,
     """Start ``pdserve up`` with ``args`` in its own session and wait for its endpoint
     line; stop it with ``stop_up``. Its stderr (every component's log) goes to
     ``log_path`` when given. The cluster's secret is a file of the test's (up's own
-    would leave with it), so the test can call workers directly (``Server.secret``)."""
+    would leave with it), so the test can call workers directly (``Server.secret``).
+    Its processes' logs go to ``--log-dir`` (``Server.log_dir``): unless given, a new
+    folder beside ``log_path`` (kept with the test's folder), else in launch_up's own,
+    gone once it stops; never the user's ``<cache>/logs``, where up keeps them by default."""
     import sys
     import threading
 
-    own_dir = None
+    own_dir = Path(tempfile.mkdtemp(prefix="pdserve-test-"))
     if "--cluster-secret-file" not in args:
-        own_dir = Path(tempfile.mkdtemp(prefix="pdserve-test-"))
         path = write_cluster_secret(own_dir / "cluster-secret")
         args = [*args, "--cluster-secret-file", str(path)]
+    if "--log-dir" not in args:
+        logs = (Path(tempfile.mkdtemp(prefix="up-logs-", dir=log_path.parent))
+                if log_path is not None else own_dir / "logs")
+        args = [*args, "--log-dir", str(logs)]
+    log_dir = Path(args[args.index("--log-dir") + 1])
     secret = load_cluster_secret(args[args.index("--cluster-secret-file") + 1])
     cert, key, ca = (args[args.index(f) + 1] if f in args else None
                      for f in ("--tls-cert", "--tls-key", "--tls-ca"))
@@ -429,8 +437,7 @@ def launch_up(args: list[str], env: dict[str, str], timeout_s: float = 600,
         log_path.write_bytes(b"")  # fresh: spawn appends
     proc = process.spawn([sys.executable, "-m", "pdserve.cli.main", "up", *args],
                          log_path=log_path, base_env=env, pipe_stdout=True)
-    if own_dir is not None:
-        _OWN_DIRS[proc.pid] = own_dir
+    _OWN_DIRS[proc.pid] = own_dir
     lines: queue.Queue[str] = queue.Queue()
 
     def pump() -> None:
@@ -452,7 +459,8 @@ def launch_up(args: list[str], env: dict[str, str], timeout_s: float = 600,
             if line.startswith("http://"):
                 return Server(line.strip(), proc, log_path, secret,
                               tls_files=tls if tls.enabled else None,
-                              metrics_targets=_targets(lines), temp_dir=own_dir)
+                              metrics_targets=_targets(lines), temp_dir=own_dir,
+                              log_dir=log_dir)
         raise TimeoutError(f"pdserve up not ready after {timeout_s}s")
     except BaseException:
         stop_up(proc)

@@ -343,6 +343,6 @@ def up_config(args: argparse.Namespace, model: ResolvedModel) -> UpConfig:
         cluster_secret_file=args.cluster_secret_file, tls=tls_files(args),
         log_format=args.log_format, edge=edge_config(args),
         worker_metrics=args.worker_metrics,
-        metrics_targets_file=args.metrics_targets_file or "",
+        metrics_targets_file=args.metrics_targets_file or "", log_dir=args.log_dir or "",
         router_processes=args.router_processes,
     )

@@ -311,6 +311,9 @@ FLAGS = _flags(
          parse_bool, switch=True),
     Flag("metrics-targets-file", "write the scrape targets (router and workers) to this "
          "file as Prometheus file_sd JSON once ready", metavar="PATH"),
+    Flag("log-dir", "the folder for this run's logs, one file per process (router.log, "
+         "prefill-0.log, decode-0.log, etcd.log, redis.log), made if missing; default: a "
+         "new folder <cache>/logs/<date>-<time>-* per run", metavar="PATH"),
     Flag("with-etcd", "start a local etcd (the `etcd` binary) for membership; with "
          "--tls-cert/--tls-key/--tls-ca it serves only TLS and requires client certificates",
          False,

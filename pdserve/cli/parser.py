@@ -48,7 +48,7 @@ UP = ("host", "port", "num-prefill", "num-decode", "placement", "kv-pool", "deco
       "cpu-layout",
       "with-etcd", "with-redis", "redis-maxmemory",
       "startup-timeout-s", "max-restarts", "restart-window-s", "simulated", "worker-metrics",
-      "metrics-targets-file", "router-processes") + DISAGG + EDGE + OPENAI
+      "metrics-targets-file", "log-dir", "router-processes") + DISAGG + EDGE + OPENAI
 # The cluster secret: the router, every worker and up (which hands it to its children).
 SECURITY = ("cluster-secret-file", "tls-cert", "tls-key", "tls-ca", "require-tls")
 SIM = ("role", "host", "port", "worker-id", "block-size", "num-blocks",

@@ -89,6 +89,7 @@ class UpConfig:
     edge: EdgeConfig = EdgeConfig()
     worker_metrics: bool = True  # each worker gets a free /metrics port
     metrics_targets_file: str = ""  # Prometheus file_sd JSON, written once ready
+    log_dir: str = ""  # every process's log ("": a new folder per run, run_log_dir)
     router_processes: int = 1  # the router's --processes (its scrape target: process 0's)
     # How ``dtype`` was resolved (printed at start-up).
     dtype_choice: DtypeChoice | None = field(default=None, compare=False)
@@ -227,8 +228,21 @@ def _engine_flags(cfg: UpConfig, role: str, cores: str, name: str) -> list[str]:
     return argv + cfg.kv_store.flags()
 
 
+def run_log_dir(chosen: str) -> Path:
+    """The run's log folder: ``chosen`` (made if missing), else a new one under
+    ``<cache>/logs`` named by the time and made unique (two ups started in one second
+    once wrote into the same files)."""
+    if chosen:
+        folder = Path(chosen).expanduser()
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+    logs = cache_dir() / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=logs))
+
+
 def run_up(cfg: UpConfig) -> int:
-    log_dir = cache_dir() / "logs" / time.strftime("%Y%m%d-%H%M%S")
+    log_dir = run_log_dir(cfg.log_dir)
     etcd: LocalEtcd | None = None
     store: LocalStore | None = None
     own_secret: tempfile.TemporaryDirectory[str] | None = None
@@ -238,7 +252,6 @@ def run_up(cfg: UpConfig) -> int:
         cfg = replace(cfg, cluster_secret_file=str(path))
         console.print(f"cluster secret {path} (tools calling workers: --cluster-secret-file)")
     if cfg.with_etcd:
-        log_dir.mkdir(parents=True, exist_ok=True)
         # fails clearly without the binary; TLS (client certificates required) whenever up
         # has mutual TLS files
         etcd = LocalEtcd(log_path=log_dir / "etcd.log",

@@ -162,15 +162,11 @@ def check_after_fuzz(cluster: Cluster, tallies: list[tuple[Port, Tally]], cache_
 
 def _router_log_errors(cluster: Cluster) -> list[str]:
     """The router's tracebacks (a handler that raised, even where the client had gone and
-    saw no 5xx): ``cluster.router_log``, or the one in the folder ``up`` names in its own
-    log."""
+    saw no 5xx): ``cluster.router_log``, or the one in up's log folder."""
     router_log = cluster.router_log
     if router_log is None:
-        text = cluster.server.log_path.read_text(errors="replace") if cluster.server.log_path \
-            else ""
-        folders = re.findall(r"(/\S+/logs/\d{8}-\d{6})", text)
-        assert folders, "up's log names no log folder"
-        router_log = Path(folders[-1]) / "router.log"
+        assert cluster.server.log_dir is not None, "up's log folder is not known"
+        router_log = cluster.server.log_dir / "router.log"
     assert router_log.read_text(errors="replace").strip(), f"{router_log} is empty"
     return [line for line in router_log.read_text(errors="replace").splitlines()
             if "Traceback" in line or "Exception in ASGI" in line]

@@ -77,3 +77,15 @@ def test_a_start_that_fails_halfway_stops_what_it_started_and_removes_the_folder
     assert started.poll() is not None  # stopped, not left serving
     assert running.tmp_dir is not None and not running.tmp_dir.exists()
     assert running.stop_report is not None
+
+
+def test_a_pdserve_systems_up_logs_into_compares_folder(tmp_path: Path) -> None:
+    """Its children's logs (up's --log-dir, through PDSERVE_LOG_DIR) go beside up's own
+    log in the run's folder, not into the user's <cache>/logs."""
+    engine = "import os, time; print(os.environ['PDSERVE_LOG_DIR'], 'x', flush=True); " \
+             "time.sleep(600)"
+    proc = ProcSpec("pdserve-up", (sys.executable, "-c", engine), {})
+    spec = SystemSpec("pd", "pdserve", free_port(), (proc,), {"engine": "0"})
+    with RunningSystem(spec, tmp_path / "logs", stop_grace_s=5) as running:
+        folder, _ = _wait_for_line(running, tmp_path / "logs" / "pdserve-up.log")
+    assert Path(folder) == tmp_path / "logs" / "pdserve-up-logs"

@@ -20,7 +20,7 @@ from pdserve.cli.configs import up_config
 from pdserve.cli.parser import build_parser
 from pdserve.core.model import ResolvedModel
 from pdserve.core.ports import free_port
-from pdserve.launch.up import plan
+from pdserve.launch.up import plan, run_log_dir
 
 # The router imports transformers for its tokenizer: ~20 s on two busy cores.
 STARTUP_TIMEOUT_S = 90
@@ -131,6 +131,10 @@ def test_sigkilled_decode_is_restarted_and_rejoins_while_requests_keep_succeedin
     left = [p.pid for p in tree if _alive(p)]
     assert not left, "processes left after stopping pdserve up"
     assert server.temp_dir is not None and not server.temp_dir.exists()
+    # every process logged into the folder launch_up gave up's --log-dir
+    assert server.log_dir is not None and server.log_dir.parent == tmp_path
+    assert {p.name for p in server.log_dir.iterdir()} >= {
+        "router.log", "prefill-0.log", "decode-0.log", "decode-1.log"}
     # up stopped its own children within the grace: nothing needed the SIGKILL
     assert stopped.clean, stopped.killed
 
@@ -139,3 +143,15 @@ def test_sigkilled_decode_is_restarted_and_rejoins_while_requests_keep_succeedin
 def test_bad_restart_flags_are_one_line_errors(flag: str) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["up", flag, "-1"])
+
+
+def test_each_up_gets_its_own_log_folder_unless_told_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ups started in one second once shared a folder named by the second."""
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    first, second = run_log_dir(""), run_log_dir("")
+    assert first != second and first.parent == second.parent == tmp_path / "cache" / "logs"
+    chosen = run_log_dir(str(tmp_path / "mine" / "logs"))
+    assert chosen == tmp_path / "mine" / "logs" and chosen.is_dir()
+    args = build_parser().parse_args(["up", "--simulated", "--log-dir", str(chosen)])
+    assert up_config(args, ResolvedModel(Path("/m"), "m")).log_dir == str(chosen)

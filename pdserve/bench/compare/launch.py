@@ -90,8 +90,11 @@ class RunningSystem:
             for p in self.spec.procs:
                 log = self.log_dir / f"{p.name}.log"
                 log.write_bytes(b"")  # a fresh log per start
+                # pdserve up's children log beside it, not in the user's <cache>/logs
+                logs = ({"PDSERVE_LOG_DIR": str(self.log_dir / f"{p.name}-logs")}
+                        if self.spec.kind == "pdserve" else {})
                 self.procs[p.name] = process.spawn(p.argv, log_path=log,
-                                                   env={**own, **p.env})
+                                                   env={**own, **logs, **p.env})
         except BaseException:
             self.stop()
             raise
