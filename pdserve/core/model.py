@@ -42,6 +42,15 @@ def cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "pdserve"
 
 
+def new_log_dir(prefix: str = "") -> Path:
+    """A new folder for one run's process logs, ``<cache>/logs/<prefix><date>-<time>-*``:
+    unique even for two runs started in the same second; kept after the run."""
+    logs = cache_dir() / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{time.strftime('%Y%m%d-%H%M%S')}-",
+                                 dir=logs))
+
+
 @dataclass(frozen=True)
 class ResolvedModel:
     """A folder vLLM can load, and the name clients use for it in the OpenAI API."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import signal
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.core.cluster_secret import optional_secret, write_cluster_secret
 from pdserve.core.dtype import DtypeChoice
 from pdserve.core.grpc_tls import TlsFiles
-from pdserve.core.model import cache_dir
+from pdserve.core.model import new_log_dir
 from pdserve.core.ports import free_port, reserve
 from pdserve.kv_transfer.base import transport_names
 from pdserve.kv_transfer.remote.base import check_store_tls
@@ -232,13 +231,11 @@ def run_log_dir(chosen: str) -> Path:
     """The run's log folder: ``chosen`` (made if missing), else a new one under
     ``<cache>/logs`` named by the time and made unique (two ups started in one second
     once wrote into the same files)."""
-    if chosen:
-        folder = Path(chosen).expanduser()
-        folder.mkdir(parents=True, exist_ok=True)
-        return folder
-    logs = cache_dir() / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=logs))
+    if not chosen:
+        return new_log_dir()
+    folder = Path(chosen).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def run_up(cfg: UpConfig) -> int:

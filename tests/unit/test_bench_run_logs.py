@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.micro.procs import run_log_dir
 from pdserve.bench.micro.router_cost.parts import secret_file_for
 from pdserve.core.cluster_secret import load_cluster_secret
+from pdserve.core.model import new_log_dir
 
 
 def test_each_run_gets_its_own_folder_under_the_caches_logs(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
-    first, second = run_log_dir("router-stream"), run_log_dir("router-stream")
+    first, second = new_log_dir("bench-router-stream-"), new_log_dir("bench-router-stream-")
     assert first != second and first.is_dir() and second.is_dir()
     assert first.parent == tmp_path / "cache" / "logs"
     assert first.name.startswith("bench-router-stream-")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from pdserve.core.types import WorkerHealth, WorkerLoadReport
 from pdserve.membership import WorkerInfo
 from pdserve.router.dispatch.workers.client import DEADLINE_EXCEEDED, UNAVAILABLE, WorkerCallError
@@ -80,8 +82,6 @@ async def test_a_probe_out_when_a_call_finds_the_worker_gone_adopts_nothing() ->
     stopped in between), then the probe's answer is read: the failure is the newer
     news, so the worker stays out of placement until the next probe. Before, the old
     answer put a stopped worker back (a unit test saw it under load)."""
-    import asyncio
-
     worker = _worker([None, None])
     await worker.refresh(1.0)
     gate = asyncio.Event()

@@ -36,8 +36,9 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from pdserve.bench.micro.configs import MetricsOverheadConfig
-from pdserve.bench.micro.procs import Proc, ProcGroup, run_log_dir
+from pdserve.bench.micro.procs import Proc, ProcGroup
 from pdserve.bench.micro.router_cost.parts import gaps, pct, sim_worker, via_router
+from pdserve.core.model import new_log_dir
 from pdserve.core.ports import free_port
 from pdserve.router.metrics import RouterMetrics
 
@@ -157,7 +158,7 @@ def run(cfg: MetricsOverheadConfig) -> int:
     observe = {mode: observe_ns(mode == "on", cfg.observe_chunks) for mode in MODES}
     print(f"per-chunk metric work in-process: on {observe['on']:.0f} ns, off "
           f"{observe['off']:.0f} ns, added {(observe['on'] - observe['off']) / 1e3:.2f} us")
-    log_dir = run_log_dir("metrics-overhead")
+    log_dir = new_log_dir("bench-metrics-overhead-")
     print(f"logs in {log_dir}", flush=True)
     procs, urls = children(log_dir, cfg.control)
     with ProcGroup(procs) as group:

@@ -5,8 +5,6 @@ process mechanism. Fail-fast: a process that exits before it is ready ends the w
 from __future__ import annotations
 
 import subprocess
-import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,23 +13,12 @@ import httpx
 from pdserve.core import process
 from pdserve.core.cluster_secret import ClusterSecret
 from pdserve.core.grpc_tls import GrpcTls
-from pdserve.core.model import cache_dir
 from pdserve.launch.up_children import tail
 from pdserve.router.dispatch.workers.client import WorkerCallError, probe_health
 
 STOP_GRACE_S = 15.0
 # Every process's environment, added to this one's: offline hub, unbuffered logs.
 CHILD_ENV = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def run_log_dir(bench: str) -> Path:
-    """A new folder for one run's process logs, ``<cache>/logs/bench-<bench>-<time>-*``,
-    where the other benches keep theirs: kept after the run (the bench prints where),
-    never in the system temporary folder, which nothing cleans for the user."""
-    logs = cache_dir() / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path(tempfile.mkdtemp(prefix=f"bench-{bench}-{stamp}-", dir=logs))
 
 
 @dataclass(frozen=True)

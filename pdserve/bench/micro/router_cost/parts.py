@@ -45,13 +45,14 @@ import httpx
 import psutil
 
 from pdserve.bench.micro.configs import RouterCostConfig
-from pdserve.bench.micro.procs import Proc, ProcGroup, run_log_dir
+from pdserve.bench.micro.procs import Proc, ProcGroup
 from pdserve.bench.micro.router_cost.auth import run_auth
 from pdserve.bench.micro.router_cost.replicas import run_replicas
 from pdserve.bench.micro.router_cost.stream import run_stream
 from pdserve.bench.micro.router_cost.stream_report import report as stream_report
 from pdserve.core import process
 from pdserve.core.cluster_secret import ClusterSecret, load_cluster_secret, write_cluster_secret
+from pdserve.core.model import new_log_dir
 from pdserve.core.ports import free_port
 from pdserve.core.types import PhaseRequest, SamplingSpec
 from pdserve.router.dispatch.workers.client import WorkerClient
@@ -248,7 +249,7 @@ def secret_file_for(auth: str) -> Iterator[str | None]:
 def run_latency(cfg: RouterCostConfig, auth: str = "none") -> dict[str, float]:
     """(a)-(c) against their own sims and router; ``auth`` "secret": a cluster secret on
     every process and on this script's own calls."""
-    log_dir = run_log_dir(f"router-cost-{auth}")
+    log_dir = new_log_dir(f"bench-router-cost-{auth}-")
     print(f"-- auth: {auth} (logs in {log_dir})")
     with secret_file_for(auth) as secret_file:
         procs, url, p_ep, d_ep = children(log_dir, secret_file)

@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 from pdserve.bench.micro.configs import RouterCostConfig
-from pdserve.bench.micro.procs import Proc, ProcGroup, run_log_dir
+from pdserve.bench.micro.procs import Proc, ProcGroup
+from pdserve.core.model import new_log_dir
 from pdserve.core.ports import free_port
 
 PY = (sys.executable, "-m", "pdserve.cli.main")
@@ -60,7 +61,7 @@ def hit_rate(results: list[dict[str, float]]) -> float:
 
 
 def run_replicas(cfg: RouterCostConfig) -> dict[str, float]:
-    log_dir = run_log_dir("router-replicas")
+    log_dir = new_log_dir("bench-router-replicas-")
     rates: dict[str, float] = {}
     for layout, targets in LAYOUTS:
         ports = {name: free_port() for name in ("p0", "p1", "d0", "ra", "rb")}

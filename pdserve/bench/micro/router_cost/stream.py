@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from pdserve.bench.micro.configs import RouterCostConfig
-from pdserve.bench.micro.procs import ProcGroup, run_log_dir
+from pdserve.bench.micro.procs import ProcGroup
 from pdserve.bench.micro.router_cost.stream_client import (
     CpuMeter,
     StreamResult,
@@ -54,6 +54,7 @@ from pdserve.bench.micro.router_cost.stream_systems import (
     sims,
     vllm_router,
 )
+from pdserve.core.model import new_log_dir
 
 PACING_SLACK = 1.1  # ITL p99 may exceed the engines' own by 10 %
 BUSY = 1.5  # engines' own ITL p99 beyond BUSY x the pacing: the cores are too busy to tell
@@ -268,7 +269,7 @@ def run_system(system: System, cfg: RouterCostConfig, with_sweep: bool,
 
 def run_stream(cfg: RouterCostConfig) -> dict[str, dict[str, object]]:
     """Every system in turn (pdserve for each N, then vllm-router): name -> results."""
-    log_dir = run_log_dir("router-stream")
+    log_dir = new_log_dir("bench-router-stream-")
     results: dict[str, dict[str, object]] = {}
     procs, p_ep, d_ep = sims(log_dir, cfg.ms_per_token, cfg.lockstep)
     with ProcGroup(procs) as group:
