@@ -50,7 +50,7 @@ from pdserve.bench.compare.systems import ProcSpec, SystemSpec
 from pdserve.bench.micro.configs import FAULTS, FaultsConfig
 from pdserve.core import process
 from pdserve.core.cluster_secret import ClusterSecret, load_cluster_secret, write_cluster_secret
-from pdserve.core.model import cache_dir
+from pdserve.core.model import new_log_dir
 from pdserve.core.ports import free_port
 from pdserve.router.dispatch.workers.client import WorkerCallError, probe_load
 
@@ -295,8 +295,7 @@ def report(results: list[FaultResult]) -> Table:
 
 
 async def main_async(args: FaultsConfig) -> int:
-    log_dir = cache_dir() / "logs" / f"faults-{time.strftime('%Y%m%d-%H%M%S')}"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = new_log_dir("faults-")
     num_workers = args.num_prefill + args.num_decode
     secret_file = write_cluster_secret(log_dir / "cluster-secret")  # to probe the workers
     port = free_port()

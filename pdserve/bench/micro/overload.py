@@ -34,7 +34,7 @@ from rich.table import Table
 
 from pdserve.bench.micro.configs import OverloadConfig
 from pdserve.bench.micro.faults import Cluster  # the same `pdserve up` handle as the faults
-from pdserve.core.model import cache_dir
+from pdserve.core.model import new_log_dir
 from pdserve.core.ports import free_port
 
 console = Console()
@@ -160,8 +160,7 @@ def report(results: list[RateResult], args: OverloadConfig) -> Table:
 
 
 async def main_async(args: OverloadConfig) -> int:
-    log_dir = cache_dir() / "logs" / f"overload-{time.strftime('%Y%m%d-%H%M%S')}"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = new_log_dir("overload-")
     port = free_port()
     up_argv = ["--simulated", "--port", str(port), "--num-prefill", "1",
                "--num-decode", "1", "--max-concurrent-requests", str(args.max_concurrent),

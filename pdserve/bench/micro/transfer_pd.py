@@ -40,7 +40,7 @@ from pdserve.bench.micro.procs import Proc, ProcGroup
 from pdserve.bench.micro.ttft import build_prompts, get_load
 from pdserve.core.certs import make_test_ca
 from pdserve.core.grpc_tls import TlsFiles
-from pdserve.core.model import cache_dir, prepare_default_model
+from pdserve.core.model import new_log_dir, prepare_default_model
 
 TLS_TTFT_TARGET = 1.05  # TLS adds at most 5 % to TTFT
 SHARE_TARGET = 0.10  # transfer ≤ 10 % of TTFT for a 1k-token prompt
@@ -169,9 +169,7 @@ def run_config(args: TransferPdConfig) -> dict[str, object]:
     """``run_pd`` of a config."""
     tokens, reps = args.tokens, args.reps
     prepare_default_model()
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    log_dir = cache_dir() / "logs" / f"bench-transfer-pd-{stamp}"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = new_log_dir("bench-transfer-pd-")
     prompts = build_prompts(reps + 1, tokens)
     modes = ("pull", "push", "push+tls") if args.tls else ("pull", "push")
     results = {mode: run_mode(mode, args, prompts, log_dir) for mode in modes}

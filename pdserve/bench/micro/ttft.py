@@ -32,7 +32,7 @@ from pdserve.bench.micro import RESULTS_DIR
 from pdserve.bench.micro.configs import TtftConfig
 from pdserve.bench.micro.procs import Proc, ProcGroup
 from pdserve.core.grpc_tls import GrpcTls
-from pdserve.core.model import cache_dir, prepare_default_model
+from pdserve.core.model import new_log_dir, prepare_default_model
 from pdserve.core.tokenizer import load_tokenizer
 from pdserve.core.types import WorkerLoadReport
 from pdserve.router.dispatch.workers.client import probe_load
@@ -252,7 +252,7 @@ def run(args: TtftConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    log_dir = cache_dir() / "logs" / f"bench-ttft-{stamp}"
+    log_dir = new_log_dir("bench-ttft-")
     prompts = build_prompts(args.reps + 2, args.prompt_tokens)  # warm-up + reps + KV probe
     results: dict[str, SetupResult] = {}
     try:

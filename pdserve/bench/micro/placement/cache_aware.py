@@ -33,7 +33,7 @@ from pdserve.bench.micro import RESULTS_DIR
 from pdserve.bench.micro.configs import PlacementConfig
 from pdserve.bench.micro.placement.workload import Workload, run_workload
 from pdserve.bench.micro.procs import Proc, ProcGroup
-from pdserve.core.model import cache_dir, prepare_default_model
+from pdserve.core.model import new_log_dir, prepare_default_model
 from pdserve.core.ports import free_port
 from pdserve.router.dispatch.workers.client import probe_load
 
@@ -111,7 +111,7 @@ def ratios(res: dict[str, dict[str, float]]) -> dict[str, float]:
 
 def run(args: PlacementConfig) -> int:
     prepare_default_model()
-    log_dir = cache_dir() / "logs" / time.strftime("bench-placement-%Y%m%d-%H%M%S")
+    log_dir = new_log_dir("bench-placement-")
     children, prefill, decode = worker_children(args, log_dir)
     phases = {
         "shared-prefix": [Workload(args.systems, args.users, args.turns, args.system_words,

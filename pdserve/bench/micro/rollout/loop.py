@@ -61,7 +61,7 @@ from pdserve.bench.workload.bench_tokenizer import load_bench_tokenizer
 from pdserve.bench.workload.generators import MixWorkload, parse_mix
 from pdserve.bench.workload.prompts import Messages, PromptEncoder
 from pdserve.core.dtype import resolve_dtype
-from pdserve.core.model import cache_dir, prepare_default_model
+from pdserve.core.model import cache_dir, new_log_dir, prepare_default_model
 from pdserve.core.ports import free_port
 
 PROBE = [{"role": "user", "content": "Say hello."}]
@@ -216,7 +216,7 @@ def run_config(cfg: RolloutConfig) -> dict[str, Any]:
                                              checkpoints))
         console.print(f"the cluster is left on {final} ({checkpoints.for_round(cfg.rounds)})")
     else:
-        log_dir = cache_dir() / "logs" / f"bench-rollout-{stamp}"
+        log_dir = new_log_dir("bench-rollout-")
         try:
             with started_cluster(cfg, log_dir) as (url, admin_url):
                 final, rounds = asyncio.run(_against(cfg, url, admin_url, prompts,

@@ -47,7 +47,7 @@ from pdserve.bench.models.lora_adapters import make_adapter
 from pdserve.bench.workload.generators import MixWorkload, parse_mix
 from pdserve.bench.workload.prompts import Messages, PromptEncoder
 from pdserve.core.hardware import Hardware
-from pdserve.core.model import cache_dir
+from pdserve.core.model import cache_dir, new_log_dir
 from pdserve.core.ports import free_port
 
 console = Console(width=200)
@@ -123,8 +123,7 @@ def run_system(cfg: RolloutLoraConfig, system: LoraSystem, prompts: list[Message
 def run_config(cfg: RolloutLoraConfig) -> dict[str, Any]:
     settings, choice = engine_settings(cfg.model_path, cfg.dtype, cfg.kv_cache_gib,
                                        cfg.max_model_len)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    log_root = cache_dir() / "logs" / f"bench-rollout-lora-{stamp}"
+    log_root = new_log_dir("bench-rollout-lora-")
     folder = Path(tempfile.mkdtemp(prefix="rollout-lora-", dir=cache_dir()))
     results: list[ModeResult] = []
     systems: dict[str, Any] = {}
