@@ -144,3 +144,30 @@ def test_block_folders_an_older_pdserve_left_open_are_closed_and_the_root_is_lef
     assert _mode(old) == 0o700  # its 0644 files cannot be reached through it any more
     assert _mode(root / "new-weights") == 0o700
     assert _mode(root) == 0o755 and _mode(other) == 0o755  # not ours to change
+
+
+def test_the_sidecar_is_written_through_a_fresh_file_never_a_link_planted_there(
+        tmp_path: Path, model: Path) -> None:
+    """The temporary file the sidecar is written through once had a name anyone could
+    guess (``checkpoints.json.<pid>.tmp``): a link planted at it sent the write into
+    the file it pointed at."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    (disk / f"{SIDECAR}.{os.getpid()}.tmp").symlink_to(victim)
+    checkpoint_fingerprint(str(model), disk)
+    assert victim.read_text() == "untouched"
+    assert _mode(disk / SIDECAR) == 0o600 and str(model / WEIGHTS) in (
+        disk / SIDECAR).read_text()
+    assert sorted(p.name for p in disk.iterdir()) == sorted(
+        [SIDECAR, f"{SIDECAR}.{os.getpid()}.tmp"])  # no temporary file left
+
+
+def test_without_a_folder_for_the_sidecar_every_file_is_hashed_and_nothing_written(
+        tmp_path: Path, model: Path) -> None:
+    with_sidecar = checkpoint_fingerprint(str(model), tmp_path / "disk")
+    _restart()
+    before = sorted(tmp_path.rglob("*"))
+    assert checkpoint_fingerprint(str(model), None) == with_sidecar
+    assert sorted(tmp_path.rglob("*")) == before

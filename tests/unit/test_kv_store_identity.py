@@ -7,6 +7,8 @@ the device; two formats differing in any field never share a block."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import stat
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -169,3 +171,18 @@ def test_a_spec_is_described_with_every_field() -> None:
     assert text.startswith("FullAttentionSpec(") and "num_kv_heads=2" in text
     assert "head_size=64" in text and "torch.float16" in text
     assert describe_spec(dataclasses.replace(spec, head_size_v=32)) != text
+
+
+def test_the_checkpoint_hashes_live_in_the_pdserve_cache_or_nowhere(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker with a store and no disk tier keeps its checkpoint hashes in
+    ``<PDSERVE_CACHE>/kv-store`` (0700); where that cannot be made, in no folder at all:
+    it used to fall back to the shared temporary folder, where another user could
+    plant them."""
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    folder = engine_identity_module._cache_dir()
+    assert folder == str(tmp_path / "cache" / "kv-store")
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "a-file" / "cache"))
+    assert engine_identity_module._cache_dir() is None

@@ -20,15 +20,14 @@ weight version, the adapter and the tenant each get their own field of the name.
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
-from pathlib import Path
+import logging
 from typing import TYPE_CHECKING
 
 from vllm.version import __version__ as vllm_version
 
 from pdserve.core.block_hash import DEFAULT_WEIGHT_VERSION
 from pdserve.core.lora import split_adapter_salt
+from pdserve.core.model import cache_dir
 from pdserve.kv_transfer.remote.compression import encoding_tag
 from pdserve.kv_transfer.remote.kv_format import (
     KVFormat,
@@ -42,6 +41,8 @@ from pdserve.kv_transfer.tiers.fingerprint import checkpoint_fingerprint
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger("pdserve.kv_transfer.store")
 
 _VERSION_MARK = "@weights:"
 
@@ -91,12 +92,16 @@ def for_request(identity: KVIdentity, versioned_salt: str | None) -> KVIdentity:
                                adapter=adapter)
 
 
-def _cache_dir() -> str:
-    """Where the checkpoint's file hashes are remembered without a disk tier."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    folder = Path(base) / "pdserve" / "kv-store"
+def _cache_dir() -> str | None:
+    """Where the checkpoint's file hashes are remembered without a disk tier:
+    ``<cache>/kv-store`` (``PDSERVE_CACHE`` moves it, as it moves the models); None when
+    that folder cannot be made (then they are hashed at each start: never a shared
+    folder such as ``/tmp``, where another user could plant the hashes)."""
+    folder = cache_dir() / "kv-store"
     try:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError:
-        folder = Path(tempfile.gettempdir())
+    except OSError as exc:
+        logger.warning("KV store: checkpoint hashes not kept (%s: %s); the model's files "
+                       "are hashed at each start", folder, exc.strerror or exc)
+        return None
     return str(folder)

@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 logger = logging.getLogger("pdserve.kv_transfer.disk")
@@ -31,10 +32,11 @@ SIDECAR = "checkpoints.json"
 _CHUNK = 8 << 20
 
 
-def checkpoint_fingerprint(model: str, disk_dir: str | Path) -> str:
+def checkpoint_fingerprint(model: str, disk_dir: str | Path | None) -> str:
     """The fingerprint of ``model``'s files (a path, or a hub id with a local snapshot),
-    their hashes cached in ``disk_dir``'s sidecar; "" when no file of it can be found."""
-    return _fingerprint(model, str(Path(disk_dir).resolve()))
+    their hashes cached in ``disk_dir``'s sidecar (None: no sidecar, every file hashed);
+    "" when no file of it can be found."""
+    return _fingerprint(model, str(Path(disk_dir).resolve()) if disk_dir else "")
 
 
 @functools.lru_cache(maxsize=8)
@@ -45,15 +47,15 @@ def _fingerprint(model: str, disk_dir: str) -> str:
                        "name only (weights changed under it are not noticed)", model)
         return ""
     files = _files(root)
-    sidecar = Path(disk_dir) / SIDECAR
-    known = _read_sidecar(sidecar)
+    sidecar = Path(disk_dir) / SIDECAR if disk_dir else None
+    known = _read_sidecar(sidecar) if sidecar else {}
     seen: dict[str, list[int | str]] = {}
     total = hashlib.sha256()
     for path in files:
         name = str(path.relative_to(root)) if root.is_dir() else path.name
         seen[str(path)] = entry = _file_entry(path, known.get(str(path)))
         total.update(f"{name}\0{entry[-1]}\n".encode())
-    if seen != {k: v for k, v in known.items() if k in seen}:
+    if sidecar and seen != {k: v for k, v in known.items() if k in seen}:
         kept = {k: v for k, v in known.items() if os.path.exists(k)}  # drop the gone
         _write_sidecar(sidecar, {**kept, **seen})
     return total.hexdigest()[:16]
@@ -105,17 +107,18 @@ def _read_sidecar(path: Path) -> dict[str, list[int | str]]:
 
 
 def _write_sidecar(path: Path, entries: dict[str, list[int | str]]) -> None:
-    """Written to a temporary file and renamed (processes starting together each write
-    a whole file); a sidecar that cannot be written costs a rehash next time, no more."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    """Written to a new temporary file (``mkstemp``: a fresh name, 0600, never a link
+    already there) and renamed (processes starting together each write a whole file); a
+    sidecar that cannot be written costs a rehash next time, no more."""
+    tmp: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), 0o600)
             json.dump(entries, f)
         os.replace(tmp, path)
     except OSError as exc:
         logger.warning("disk tier: checkpoint hashes not saved to %s: %s", path, exc)
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
