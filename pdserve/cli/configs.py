@@ -207,7 +207,7 @@ def engine_config(args: argparse.Namespace, model: ResolvedModel, role: Role,
                   worker_id: str, connector: ConnectorConfig) -> EngineConfig:
     """The worker's vLLM engine, from the engine flags."""
     from pdserve.worker.config import (
-        kv_event_endpoints,
+        kv_events_name,
         prefill_chunk_default,
         prefill_max_running_default,
         weight_transfer_backend,
@@ -216,7 +216,7 @@ def engine_config(args: argparse.Namespace, model: ResolvedModel, role: Role,
 
     return EngineConfig(
         model_path=str(model.path), served_model_name=model.served_name, role=role,
-        kv_events=kv_event_endpoints(worker_id),
+        kv_events=kv_events_name(worker_id),
         connector=connector, dtype=args.dtype, max_model_len=args.max_model_len,
         kv_cache_gib=args.kv_cache_gib, cpu_threads_bind=args.cpu_cores,
         enforce_eager=not args.compile, num_kv_blocks=args.num_kv_blocks or None,

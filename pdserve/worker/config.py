@@ -51,14 +51,11 @@ def default_advertise_host(host: str) -> str:
         return "127.0.0.1"
 
 
-def kv_event_endpoints(worker_id: str) -> tuple[str, str]:
-    """Where a worker's engine publishes its KV events (and answers replays)."""
-    from pdserve.worker.vllm.kv_events import KvEventEndpoints
-
-    # Socket files live in the shared temp dir: two workers of one id (two `pdserve up`
-    # on a machine) must not share them.
-    events = KvEventEndpoints.for_worker(f"{worker_id}-{os.getpid()}")
-    return events.pub, events.replay
+def kv_events_name(worker_id: str) -> str:
+    """The name of a worker's engine's KV event sockets (in its engine folder; where
+    that is the operator's ``VLLM_RPC_BASE_PATH``, two workers of one id, from two
+    ``pdserve up`` on a machine, must not share them: hence the pid)."""
+    return f"{worker_id}-{os.getpid()}"
 
 
 # A long local prefill beside decoding streams, on 2 CPU cores: ~1 ms per prompt token,

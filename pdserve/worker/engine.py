@@ -20,7 +20,7 @@ from pdserve.core.lora import LoraConfig
 from pdserve.core.types import Role, SamplingSpec, TokenLogprobs, WeightsStaged
 from pdserve.core.weight_calls import WeightCall
 from pdserve.kv_transfer.config import ConnectorConfig
-from pdserve.worker.engine_tmp import engine_tmp_dir
+from pdserve.worker.engine_tmp import engine_folder
 from pdserve.worker.kv.mirror import KvCacheMirror
 from pdserve.worker.lora.adapters import LoadedLora
 
@@ -60,9 +60,10 @@ class EngineConfig:
     enforce_eager: bool = True
     # KV cache size in blocks; overrides kv_cache_gib (vLLM's num_gpu_blocks_override).
     num_kv_blocks: int | None = None
-    # Publish vLLM's KV cache events on these ZMQ endpoints (pub, replay); the host
-    # mirrors them for the routers' prefix index, whatever the role (None: no events).
-    kv_events: tuple[str, str] | None = None
+    # Publish vLLM's KV cache events on ZMQ sockets of this name in the engine's folder
+    # (``KvEventEndpoints.for_worker``); the host mirrors them for the routers' prefix
+    # index, whatever the role (None: no events).
+    kv_events: str | None = None
     # vLLM's shared-memory readers' busy-wait (pdserve.worker.vllm.plugin); None: 0 on
     # CPU (or PDSERVE_VLLM_SHM_SPIN_S), vLLM's own on GPU.
     shm_spin_s: float | None = None
@@ -276,12 +277,13 @@ def _quiet_shm_spin(spin_s: float | None) -> None:
     register()
 
 
-def build_engine(config: EngineConfig, counters: EngineCounters) -> AsyncLLM:
-    """Start the engine (blocks ~20-40 s on CPU). Call from a ``__main__``-guarded process."""
+def build_engine(config: EngineConfig, counters: EngineCounters,
+                 kv_events: tuple[str, str] | None = None) -> AsyncLLM:
+    """Start the engine (blocks ~20-40 s on CPU), publishing its KV events on
+    ``kv_events`` (pub, replay; None: none). Call from a ``__main__``-guarded process."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
-    if "VLLM_RPC_BASE_PATH" not in os.environ:  # the operator's choice wins
-        engine_tmp_dir()
+    engine_folder()  # the operator's VLLM_RPC_BASE_PATH, else a folder of its own
     if config.cpu_threads_bind:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
     _quiet_shm_spin(config.shm_spin_s)
@@ -314,9 +316,9 @@ def build_engine(config: EngineConfig, counters: EngineCounters) -> AsyncLLM:
         num_gpu_blocks_override=config.num_kv_blocks,
         # vLLM refuses a threshold above max_model_len (no prompt is longer anyway).
         long_prefill_token_threshold=min(config.prefill_chunk_tokens, config.max_model_len),
-        kv_events_config=None if config.kv_events is None else KVEventsConfig(
-            enable_kv_cache_events=True, publisher="zmq", endpoint=config.kv_events[0],
-            replay_endpoint=config.kv_events[1]),
+        kv_events_config=None if kv_events is None else KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=kv_events[0],
+            replay_endpoint=kv_events[1]),
         # Penalties count the output a decode call gets inside its prompt.
         logits_processors=[OUTPUT_IN_PROMPT_PROCESSOR],
         worker_extension_cls=WORKER_EXTENSION,

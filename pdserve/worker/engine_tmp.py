@@ -7,6 +7,8 @@ gathers thousands of dead sockets in ``/tmp``. A worker gives its engine a folde
 own instead, ``pdserve-vllm-<pid>-<random>`` in the temporary folder (the engine's child
 processes inherit it through ``VLLM_RPC_BASE_PATH`` and ``TMPDIR``), removes it when it
 exits, and at start removes the folders of workers that were killed (their pid is gone).
+The engine's KV event sockets (``vllm/kv_events.py``) go there too: the folder is 0700,
+so no other user can bind or plant a socket at a name the worker will use.
 """
 
 from __future__ import annotations
@@ -23,6 +25,18 @@ logger = logging.getLogger("pdserve.worker")
 
 PREFIX = "pdserve-vllm-"
 _OWNED = re.compile(rf"^{re.escape(PREFIX)}(?P<pid>\d+)-[A-Za-z0-9_]+$")
+_folder: Path | None = None  # this process's engine folder, once chosen
+
+
+def engine_folder() -> Path:
+    """This worker's engine folder, the same on every call: the operator's
+    ``VLLM_RPC_BASE_PATH`` when it was set before the first call, else one of its own
+    (``engine_tmp_dir``), made on the first call."""
+    global _folder
+    if _folder is None:
+        chosen = os.environ.get("VLLM_RPC_BASE_PATH")
+        _folder = Path(chosen) if chosen else engine_tmp_dir()
+    return _folder
 
 
 def engine_tmp_dir(base: Path | None = None) -> Path:

@@ -198,7 +198,7 @@ def test_worker_config_from_args(monkeypatch: pytest.MonkeyPatch) -> None:
     assert engine.connector == ConnectorConfig(
         engine_id="p-1", kv_host="127.0.0.1", kv_port=7000, kv_bind_host="0.0.0.0",
         lease_s=5.0, push=True, kv_checksum=True)
-    assert engine.kv_events is not None and "p-1" in engine.kv_events[0]
+    assert engine.kv_events == f"p-1-{os.getpid()}"
     assert engine == EngineConfig(
         model_path="/models/tiny", served_model_name="tiny", role="prefill",
         connector=engine.connector, dtype="float32", cpu_threads_bind="0-1",

@@ -135,10 +135,9 @@ class Released:
         self.handles.append(h)
 
 
-def config(role: Role, kv_events: tuple[str, str] | None = None) -> EngineConfig:
+def config(role: Role) -> EngineConfig:
     return EngineConfig(model_path="/m", served_model_name="m", role=role,
-                        connector=ConnectorConfig(engine_id="w0"), dtype="float32",
-                        kv_events=kv_events)
+                        connector=ConnectorConfig(engine_id="w0"), dtype="float32")
 
 
 def started(role: Role, policy: RolePolicy, engine: FakeEngine) -> EngineHost:

@@ -50,3 +50,41 @@ def test_a_killed_workers_folder_goes_at_the_next_start_and_a_live_ones_stays(
     other.mkdir()
     assert sweep_dead(tmp_path) == [killed]
     assert not killed.exists() and mine.exists() and other.exists()
+
+
+_EVENTS_CHILD = textwrap.dedent("""
+    import os, stat, sys, tempfile
+    from pathlib import Path
+    tempfile.tempdir = sys.argv[1]  # the system's temporary folder, for this worker
+    from pdserve.worker.engine_tmp import engine_folder
+    from pdserve.worker.vllm.kv_events import KvEventEndpoints
+    folder = engine_folder()
+    assert engine_folder() == folder  # chosen once
+    events = KvEventEndpoints.for_worker("decode-0-1", folder)
+    print(folder, oct(stat.S_IMODE(folder.stat().st_mode)), events.pub, events.replay,
+          os.environ["VLLM_RPC_BASE_PATH"], flush=True)
+""")
+
+
+def test_the_kv_event_sockets_are_in_the_engines_own_folder_or_the_operators(
+        tmp_path: Path) -> None:
+    """They were named in the shared temporary folder, ``/tmp/pdserve-kvev-<id>-<pid>``,
+    where another user could take the name first."""
+    shared, chosen = tmp_path / "tmp", tmp_path / "operator"
+    shared.mkdir()
+    chosen.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
+    out = subprocess.run([sys.executable, "-c", _EVENTS_CHILD, str(shared)], text=True,
+                         capture_output=True, timeout=60, env=env, check=True).stdout
+    folder, mode, pub, replay, rpc = out.split()
+    assert Path(folder).parent == shared and Path(folder).name.startswith(PREFIX)
+    assert mode == "0o700" and rpc == folder
+    assert (pub, replay) == (f"ipc://{folder}/pdserve-kvev-decode-0-1.pub",
+                             f"ipc://{folder}/pdserve-kvev-decode-0-1.replay")
+    assert list(shared.iterdir()) == []  # nothing in the shared folder, the folder gone
+    out = subprocess.run([sys.executable, "-c", _EVENTS_CHILD, str(shared)], text=True,
+                         capture_output=True, timeout=60, check=True,
+                         env={**env, "VLLM_RPC_BASE_PATH": str(chosen)}).stdout
+    folder, _, pub, _, rpc = out.split()
+    assert folder == rpc == str(chosen) and pub == f"ipc://{chosen}/pdserve-kvev-decode-0-1.pub"
+    assert list(shared.iterdir()) == []

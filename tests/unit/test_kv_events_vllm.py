@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from pathlib import Path
 
 from pdserve_testing import wait_until_async
 
@@ -17,7 +18,7 @@ from pdserve.worker.vllm.kv_events import KvEventEndpoints, ZmqKvEventSource
 BS = 16
 
 
-async def test_missed_vllm_events_are_replayed_in_order() -> None:
+async def test_missed_vllm_events_are_replayed_in_order(tmp_path: Path) -> None:
     from vllm.distributed.kv_events import (
         BlockRemoved,
         BlockStored,
@@ -25,7 +26,7 @@ async def test_missed_vllm_events_are_replayed_in_order() -> None:
         ZmqEventPublisher,
     )
 
-    endpoints = KvEventEndpoints.for_worker(f"test-{uuid.uuid4().hex[:8]}")
+    endpoints = KvEventEndpoints.for_worker(f"test-{uuid.uuid4().hex[:8]}", tmp_path)
     pub = ZmqEventPublisher(0, endpoint=endpoints.pub, replay_endpoint=endpoints.replay,
                             buffer_steps=1000)
     tokens = list(range(1, 1 + 40 * BS))

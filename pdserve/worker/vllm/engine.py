@@ -28,6 +28,7 @@ from pdserve.worker.engine import (
     EngineStep,
     build_engine,
 )
+from pdserve.worker.engine_tmp import engine_folder
 from pdserve.worker.kv.mirror import KvCacheMirror
 from pdserve.worker.lora.adapters import LoadedLora
 from pdserve.worker.vllm.kv_events import KvEventEndpoints, KvEventMirroring
@@ -159,9 +160,11 @@ class VllmEngine:
     @classmethod
     def start(cls, config: EngineConfig, counters: EngineCounters) -> VllmEngine:
         """Start vLLM (blocks ~20-40 s on CPU)."""
-        events = None if config.kv_events is None else KvEventEndpoints(*config.kv_events)
+        events = None if config.kv_events is None else KvEventEndpoints.for_worker(
+            config.kv_events, engine_folder())
         try:
-            llm = build_engine(config, counters)
+            llm = build_engine(config, counters,
+                               None if events is None else (events.pub, events.replay))
         except BaseException:
             if events is not None:  # a half-started engine may have bound them
                 events.remove_files()

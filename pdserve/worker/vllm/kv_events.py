@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-import tempfile
 import threading
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
@@ -37,18 +36,19 @@ Change = tuple[bool, list[int], list[int]]  # (cleared, stored, removed)
 
 @dataclass(frozen=True)
 class KvEventEndpoints:
-    """ZMQ endpoints of one engine's publisher (ipc: sockets in the temp dir)."""
+    """ZMQ endpoints of one engine's publisher (ipc: sockets in the engine's folder)."""
 
     pub: str
     replay: str
 
     @classmethod
-    def for_worker(cls, worker_id: str) -> KvEventEndpoints:
-        """The endpoints of ``worker_id``'s engine; first removes the socket files that
-        engines killed before their worker could remove them left behind."""
-        directory = Path(tempfile.gettempdir())
+    def for_worker(cls, name: str, directory: Path) -> KvEventEndpoints:
+        """The endpoints named ``name`` in ``directory`` (the engine's own folder,
+        ``engine_tmp.engine_folder``); first removes the socket files there that engines
+        killed before their worker could remove them left behind (where the operator's
+        ``VLLM_RPC_BASE_PATH`` is a folder that outlives its workers)."""
         remove_stale_sockets(directory)
-        base = directory / f"pdserve-kvev-{worker_id}"
+        base = directory / f"pdserve-kvev-{name}"
         return cls(pub=f"ipc://{base}.pub", replay=f"ipc://{base}.replay")
 
     def remove_files(self) -> None:
