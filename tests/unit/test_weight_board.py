@@ -118,3 +118,13 @@ def test_a_process_that_starts_late_admits_under_the_published_version(
     finally:
         one.close()
         late.close()
+
+
+def test_a_board_is_a_new_file_never_one_or_a_link_already_there(tmp_path: Path) -> None:
+    """Like the tenants' ledger: a link planted at the board's name is not followed."""
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    (tmp_path / "board").symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        WeightBoard.create(tmp_path / "board", 2)
+    assert victim.read_text() == "untouched"

@@ -98,7 +98,7 @@ class WeightBoard:
         """Write an empty board for ``num_slots`` processes at ``path``."""
         data = bytearray(_size(num_slots))
         struct.pack_into("qq", data, 0, _MAGIC, num_slots)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # as the ledger: a new file
         try:
             os.write(fd, bytes(data))
         finally:
