@@ -14,6 +14,7 @@ so no other user can bind or plant a socket at a name the worker will use.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import re
@@ -25,18 +26,15 @@ logger = logging.getLogger("pdserve.worker")
 
 PREFIX = "pdserve-vllm-"
 _OWNED = re.compile(rf"^{re.escape(PREFIX)}(?P<pid>\d+)-[A-Za-z0-9_]+$")
-_folder: Path | None = None  # this process's engine folder, once chosen
 
 
+@functools.cache
 def engine_folder() -> Path:
     """This worker's engine folder, the same on every call: the operator's
     ``VLLM_RPC_BASE_PATH`` when it was set before the first call, else one of its own
     (``engine_tmp_dir``), made on the first call."""
-    global _folder
-    if _folder is None:
-        chosen = os.environ.get("VLLM_RPC_BASE_PATH")
-        _folder = Path(chosen) if chosen else engine_tmp_dir()
-    return _folder
+    chosen = os.environ.get("VLLM_RPC_BASE_PATH")
+    return Path(chosen) if chosen else engine_tmp_dir()
 
 
 def engine_tmp_dir(base: Path | None = None) -> Path:
