@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import stat
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -34,7 +35,7 @@ from pdserve.kv_transfer.config import ConnectorConfig
 from pdserve.kv_transfer.leases import LeaseTable
 from pdserve.launch.sim_worker import sim_host
 from pdserve.launch.up import plan
-from pdserve.launch.up_targets import file_sd, scrape_targets
+from pdserve.launch.up_targets import file_sd, scrape_targets, write_file_sd
 from pdserve.membership import WorkerInfo
 from pdserve.roles.prefill.policy import PrefillPolicy
 from pdserve.router.dispatch.workers.client import WorkerClient
@@ -272,6 +273,21 @@ def test_up_plans_a_metrics_port_per_worker_unless_off(tmp_path: Path) -> None:
                                        "router-1": "127.0.0.1:9301"}
     groups = file_sd(scrape_targets(several))
     assert {cast(dict[str, str], g["labels"])["component"] for g in groups} == {"router"}
+
+
+def test_the_targets_file_is_written_through_a_fresh_file_never_a_planted_link(
+        tmp_path: Path) -> None:
+    """The file often goes in ``/tmp`` (docs/observability.md): its temporary name was
+    fixed (``.<name>.tmp``), so a link planted there sent the write into another file."""
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    (tmp_path / ".targets.json.tmp").symlink_to(victim)
+    path = write_file_sd(tmp_path / "targets.json", {"router": "127.0.0.1:9300"})
+    assert victim.read_text() == "untouched"
+    assert json.loads(path.read_text()) == file_sd({"router": "127.0.0.1:9300"})
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644  # Prometheus may be another user
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".targets.json.tmp", "targets.json", "victim"]
 
 
 def test_up_simulated_prints_and_writes_targets_that_answer(tmp_path: Path) -> None:
