@@ -118,7 +118,8 @@ class PullTransport(ControlledTransport):
             return
         try:
             wanted = {s + i for s, n in src_runs for i in range(n)}
-            if not wanted <= held:
+            if not wanted <= held:  # ended before the refusal goes out, as before a
+                leases.finish(req)  # trailer: a peer that has it finds the lease ended
                 send_msg(conn, {"ok": False, "error": f"blocks {sorted(wanted - held)} not leased"})
                 return
             send(req, src_runs, lambda: leases.finish(req) or True)
