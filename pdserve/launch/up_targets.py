@@ -4,12 +4,10 @@ local Prometheus can scrape the cluster (``file_sd_configs: [{files: [PATH]}]``)
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
+from pdserve.core.files import write_atomic
 from pdserve.launch.up_children import Child
 
 # ``Child.extra`` key: host:port of the child's /metrics ("router", "prefill-0", ...);
@@ -50,14 +48,5 @@ def write_file_sd(path: Path, targets: dict[str, str]) -> Path:
     temporary file beside it (``mkstemp``: the folder may be a shared one such as
     ``/tmp``, where a fixed name could be a link another user planted), readable by
     all (Prometheus may run as another user: the file names endpoints, no secret)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), 0o644)
-            f.write(json.dumps(file_sd(targets), indent=2) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, json.dumps(file_sd(targets), indent=2) + "\n", mode=0o644)
     return path

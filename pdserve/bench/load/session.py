@@ -8,9 +8,7 @@ import asyncio
 import datetime as dt
 import json
 import math
-import os
 import platform
-import tempfile
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -33,6 +31,7 @@ from pdserve.bench.workload.bench_tokenizer import load_bench_tokenizer
 from pdserve.bench.workload.generators import check_workload_flags, make_workload, workload_info
 from pdserve.bench.workload.prompts import PromptEncoder
 from pdserve.core.dtype import resolve_dtype
+from pdserve.core.files import write_atomic
 from pdserve.core.model import DEFAULT_MODEL_NAME, cache_dir
 from pdserve.core.version import version
 
@@ -94,10 +93,7 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
     """Atomically: a reader never sees a partial file."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    with os.fdopen(fd, "w") as out:
-        json.dump(payload, out, indent=1)
-    os.replace(tmp, target)
+    write_atomic(target, json.dumps(payload, indent=1))
 
 
 class Session:

@@ -17,14 +17,14 @@ with a warning (its KV is then keyed by the name, as before).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
+
+from pdserve.core.files import write_atomic
 
 logger = logging.getLogger("pdserve.kv_transfer.disk")
 
@@ -110,15 +110,8 @@ def _write_sidecar(path: Path, entries: dict[str, list[int | str]]) -> None:
     """Written to a new temporary file (``mkstemp``: a fresh name, 0600, never a link
     already there) and renamed (processes starting together each write a whole file); a
     sidecar that cannot be written costs a rehash next time, no more."""
-    tmp: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(entries, f)
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(entries))
     except OSError as exc:
         logger.warning("disk tier: checkpoint hashes not saved to %s: %s", path, exc)
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
